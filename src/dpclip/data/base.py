@@ -1,0 +1,135 @@
+"""Typed containers for whole, in-memory datasets.
+
+All datasets of the project are small enough to live in memory as two tensors per split, so a
+split is a pair ``(inputs, targets)`` and a dataset is a bundle of two splits plus the facts a
+training run needs to record (number of classes, input shape, where the data was read from and
+whether it is public, i.e. usable without privacy accounting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["DatasetBundle", "DatasetNotFoundError", "TensorSplit"]
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset's files were not found in any searched directory.
+
+    The message lists the directories searched (in order), the exact files expected and how to
+    obtain them.
+    """
+
+
+@dataclass(frozen=True, eq=False)
+class TensorSplit:
+    """One split of a dataset as two aligned tensors.
+
+    Attributes:
+        inputs: float32 tensor of shape ``(N, *input_shape)``.
+        targets: int64 tensor of shape ``(N,)`` with class indices.
+
+    Indexing returns ``(inputs[i], targets[i])``, so a split can be handed to a
+    ``torch.utils.data.DataLoader`` directly; batch samplers should rather index the tensors.
+    Equality is identity (tensors have no boolean equality); compare with :func:`torch.equal`.
+    """
+
+    inputs: Tensor
+    targets: Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inputs, Tensor) or not isinstance(self.targets, Tensor):
+            raise TypeError(
+                "TensorSplit(inputs, targets) needs two torch.Tensor objects, got "
+                f"{type(self.inputs).__name__} and {type(self.targets).__name__}"
+            )
+        if self.inputs.dtype != torch.float32:
+            raise ValueError(
+                f"TensorSplit.inputs must be float32, got {self.inputs.dtype}; "
+                "convert with inputs.float()"
+            )
+        if self.targets.dtype != torch.int64:
+            raise ValueError(
+                f"TensorSplit.targets must be int64 class indices, got {self.targets.dtype}; "
+                "convert with targets.long()"
+            )
+        if self.targets.dim() != 1:
+            raise ValueError(
+                f"TensorSplit.targets must be 1-D, got shape {tuple(self.targets.shape)}"
+            )
+        if self.inputs.dim() < 1 or self.inputs.shape[0] != self.targets.shape[0]:
+            raise ValueError(
+                f"TensorSplit inputs and targets disagree on the number of examples: inputs "
+                f"{tuple(self.inputs.shape)}, targets {tuple(self.targets.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.inputs[index], self.targets[index]
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example (without the batch dimension)."""
+        return tuple(int(s) for s in self.inputs.shape[1:])
+
+    def subset(self, indices: Tensor) -> TensorSplit:
+        """The examples at ``indices`` (an int64 index tensor), as a new split."""
+        indices = torch.as_tensor(indices, dtype=torch.int64)
+        return TensorSplit(self.inputs[indices], self.targets[indices])
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetBundle:
+    """A whole dataset: train and test splits and the facts a run records about it.
+
+    Attributes:
+        name: registry name (e.g. ``"fashion-mnist"``).
+        train, test: the two splits.
+        num_classes: number of classes; every target lies in ``[0, num_classes)``.
+        input_shape: shape of one example, e.g. ``(1, 28, 28)``.
+        is_public: ``True`` for data treated as public (no privacy cost), e.g. the public proxy
+            ``mnist-5k``; private training data is ``False``.
+        source: where the data was read from (a directory, or the bundled package data).
+    """
+
+    name: str
+    train: TensorSplit
+    test: TensorSplit
+    num_classes: int
+    input_shape: tuple[int, ...]
+    is_public: bool = field(default=False, kw_only=True)
+    source: str = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        if self.num_classes < 1:
+            raise ValueError(f"DatasetBundle.num_classes must be >= 1, got {self.num_classes}")
+        for split_name in ("train", "test"):
+            split = getattr(self, split_name)
+            if not isinstance(split, TensorSplit):
+                raise TypeError(
+                    f"DatasetBundle.{split_name} must be a TensorSplit, got {type(split).__name__}"
+                )
+            if split.input_shape != self.input_shape:
+                raise ValueError(
+                    f"dataset {self.name!r}: {split_name} examples have shape "
+                    f"{split.input_shape}, expected input_shape {self.input_shape}"
+                )
+            if len(split) and (
+                int(split.targets.min()) < 0 or int(split.targets.max()) >= self.num_classes
+            ):
+                raise ValueError(
+                    f"dataset {self.name!r}: {split_name} targets must lie in "
+                    f"[0, {self.num_classes}), got range [{int(split.targets.min())}, "
+                    f"{int(split.targets.max())}]"
+                )

@@ -1,0 +1,56 @@
+"""Engines: how per-example norms and the weighted gradient sum ``sum_i w_i g_i`` are computed.
+
+``vmap``   - ``torch.func`` reference engine (per-example, flat or per-group norms), the default;
+``naive``  - explicit per-example loop (the test oracle; slow);
+``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
+             clipping).
+
+Get one by name with :func:`get_engine` (the CLI/config boundary); unknown names fail with the list
+of valid names.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
+from dpclip.engine.summed import SummedEngine
+from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
+
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "EngineResult",
+    "LossFn",
+    "NaiveEngine",
+    "ParamGroups",
+    "SummedEngine",
+    "UnsupportedModelError",
+    "VmapEngine",
+    "WeightFn",
+    "get_engine",
+    "naive_per_example_grads",
+    "vmap_per_example_grads",
+]
+
+#: Registered engines by name (read-only).
+ENGINES: Mapping[str, type[Any]] = MappingProxyType(
+    {cls.name: cls for cls in (VmapEngine, NaiveEngine, SummedEngine)}
+)
+
+
+def get_engine(name: str, **kwargs: Any) -> Engine:
+    """Instantiate the engine registered as ``name`` with ``kwargs`` (e.g. ``max_physical_batch``).
+
+    Raises ``ValueError`` naming the valid engines for an unknown name.
+    """
+    try:
+        cls = ENGINES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown engine {name!r}; valid engines: {', '.join(sorted(ENGINES))}"
+        ) from None
+    return cls(**kwargs)

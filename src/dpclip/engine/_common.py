@@ -1,0 +1,201 @@
+"""Pieces shared by the per-example engines: argument checks and the norm/weight/sum reduction.
+
+The reduction works on one physical chunk of materialized per-example gradients at a time::
+
+    sq[i, g]  = sum over the params p of group g of ||g_{i,p}||^2
+    finite_i  = sq[i, :] all finite           (a NaN/Inf coordinate makes the sum non-finite)
+    norms     = sqrt(sq), with +inf in every group of a non-finite example
+    weights   = weight_fn(norms)               (must have the shape of norms, finite)
+    out[p]   += weights[:, group(p)] @ g_p     (non-finite examples contribute a zero vector)
+
+so memory stays at one chunk of per-example gradients whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpclip.engine.base import ParamGroups, WeightFn
+from dpclip.engine.errors import UnsupportedModelError
+
+__all__ = [
+    "ChunkReducer",
+    "check_batch",
+    "check_chunk_size",
+    "check_per_example_model",
+    "check_weight_fn",
+    "trainable_params",
+]
+
+
+def trainable_params(model: nn.Module) -> dict[str, Tensor]:
+    """``{name: parameter}`` for every trainable parameter (tied parameters appear once)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def check_batch(inputs: Tensor, targets: Tensor, engine: str) -> int:
+    """Return the batch size, raising ``ValueError`` if inputs and targets disagree."""
+    if inputs.ndim == 0 or targets.ndim == 0:
+        raise ValueError(
+            f"{engine} engine: inputs and targets need a leading batch dimension, got shapes "
+            f"{tuple(inputs.shape)} and {tuple(targets.shape)}"
+        )
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"{engine} engine: inputs and targets have different batch sizes "
+            f"({inputs.shape[0]} and {targets.shape[0]})"
+        )
+    return int(inputs.shape[0])
+
+
+def check_chunk_size(value: object, owner: str) -> int:
+    """Validate ``max_physical_batch`` (a positive int)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: max_physical_batch must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_weight_fn(weight_fn: WeightFn | None, engine: str) -> WeightFn:
+    if weight_fn is None:
+        raise ValueError(
+            f"{engine} engine: weight_fn is None, but this engine computes per-example norms and "
+            "needs the strategy's weight function (weights = weight_fn(norms)). Pass "
+            "`lambda norms: strategy.weights(norms, state)`, or use the 'summed' engine for "
+            "bound-based strategies and batch clipping."
+        )
+    return weight_fn
+
+
+def check_per_example_model(model: nn.Module, engine: str) -> None:
+    """Refuse layers whose output for one example depends on the other examples of the batch.
+
+    A BatchNorm normalizes with batch statistics in training mode (and, without running statistics,
+    in eval mode too), so example ``i``'s gradient is not a function of example ``i`` alone and the
+    per-example clipping bound does not bound the sensitivity (anchors P12).
+    """
+    for qualname, mod in model.named_modules():
+        if not isinstance(mod, _BatchNorm):
+            continue
+        uses_batch_stats = mod.training or mod.running_mean is None or mod.running_var is None
+        if not uses_batch_stats:
+            continue
+        where = qualname or "<root>"
+        why = (
+            "is in training mode"
+            if mod.training
+            else "has no running statistics (track_running_stats=False), so it uses batch "
+            "statistics even in eval mode"
+        )
+        raise UnsupportedModelError(
+            f"{engine} engine: layer {where!r} ({type(mod).__name__}) {why}: per-example clipping is "
+            "incompatible with BatchNorm, which mixes the examples of a batch (one example's "
+            "gradient depends on the others, so clipping does not bound its influence). Replace it "
+            "with GroupNorm (or LayerNorm), or use batch clipping (`--param unit=bc`, summed engine)."
+        )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    names: tuple[str, ...]  #: trainable parameter names, in model order
+    group_of: tuple[int, ...]  #: group index of each name
+    n_groups: int
+    flat: bool
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ChunkReducer:
+    """Accumulates ``sum_i w_i g_i`` chunk by chunk; collects norms, weights and the loss sum.
+
+    ``params`` are the trainable parameters (names in ``groups``); ``inputs`` only fixes the dtype
+    and device of the norms when nothing is trainable. An example counts as non-finite when one of
+    its squared group norms is NaN/Inf: a NaN/Inf coordinate, or a norm that overflows the dtype.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        groups: ParamGroups,
+        weight_fn: WeightFn,
+        engine: str,
+        inputs: Tensor,
+    ) -> None:
+        index = {n: g for g, mem in enumerate(groups.members) for n in mem}
+        names = tuple(params)
+        first = next(iter(params.values()), None)
+        self.layout = _Layout(
+            names=names,
+            group_of=tuple(index[n] for n in names),
+            n_groups=len(groups),
+            flat=groups.is_flat,
+            # norms take the parameters' dtype; with nothing trainable, the inputs' (float) dtype
+            dtype=first.dtype if first is not None else (
+                inputs.dtype if inputs.is_floating_point() else torch.get_default_dtype()),
+            device=first.device if first is not None else inputs.device,
+        )
+        self.weight_fn = weight_fn
+        self.engine = engine
+        self.sums = {n: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                     for n, p in params.items()}
+        self._norms: list[Tensor] = []
+        self._weights: list[Tensor] = []
+        self.loss_sum = 0.0
+
+    def _shape(self, b: int) -> tuple[int, ...]:
+        return (b,) if self.layout.flat else (b, self.layout.n_groups)
+
+    def _apply_weight_fn(self, norms: Tensor) -> Tensor:
+        weights = self.weight_fn(norms)
+        if not isinstance(weights, Tensor) or weights.shape != norms.shape:
+            got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+            raise ValueError(
+                f"{self.engine} engine: weight_fn must return a tensor of the norms' shape "
+                f"{tuple(norms.shape)}, got {got}"
+            )
+        if weights.numel() and not bool(torch.isfinite(weights).all()):
+            raise ValueError(
+                f"{self.engine} engine: weight_fn returned non-finite weights; a strategy must map "
+                "every norm (including +inf, the norm of a non-finite example) to a finite weight"
+            )
+        return weights
+
+    def add_chunk(self, per_example: Mapping[str, Tensor], losses: Tensor) -> None:
+        """Fold one chunk: ``per_example[name]`` has shape ``(b, *param.shape)``, ``losses`` ``(b,)``."""
+        lay = self.layout
+        b = int(losses.shape[0])
+        flat_grads = [per_example[n].reshape(b, -1) for n in lay.names]
+        sq = torch.zeros(b, lay.n_groups, dtype=lay.dtype, device=lay.device)
+        for gi, gf in zip(lay.group_of, flat_grads):
+            sq[:, gi] += torch.linalg.vector_norm(gf, dim=1).to(lay.dtype).square()
+        finite = torch.isfinite(sq).all(dim=1)
+        all_finite = bool(finite.all())
+        norms = sq.sqrt()
+        if not all_finite:
+            norms = torch.where(finite[:, None], norms, math.inf)
+        norms = norms.reshape(self._shape(b))
+        weights = self._apply_weight_fn(norms)
+        w2 = weights.reshape(b, lay.n_groups)
+        for name, gi, gf in zip(lay.names, lay.group_of, flat_grads):
+            if not all_finite:
+                gf = torch.where(finite[:, None], gf, 0.0)
+            acc = self.sums[name]
+            acc.view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)
+        self._norms.append(norms)
+        self._weights.append(weights)
+        self.loss_sum += float(losses.detach().sum())
+
+    def result(self) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
+        """``(grads, norms, weights, loss_sum)``; an empty batch still calls ``weight_fn``."""
+        if not self._norms:
+            norms = torch.zeros(self._shape(0), dtype=self.layout.dtype, device=self.layout.device)
+            self._norms.append(norms)
+            self._weights.append(self._apply_weight_fn(norms))
+        norms = torch.cat(self._norms) if len(self._norms) > 1 else self._norms[0]
+        weights = torch.cat(self._weights) if len(self._weights) > 1 else self._weights[0]
+        return self.sums, norms, weights, self.loss_sum

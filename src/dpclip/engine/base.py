@@ -1,0 +1,138 @@
+"""Engine interface: how per-example norms and the weighted gradient sum are computed.
+
+An engine turns one batch into ``sum_i w_i * g_i`` where ``g_i`` is example ``i``'s gradient and
+``w_i = weight_fn(norms)_i`` comes from the clipping strategy. Engines return SUMS; the step divides
+once by the public expected batch size. Engines hold no state between calls and never touch
+``p.grad`` or attach attributes to parameters/modules (design rule 2).
+
+Non-finite per-example gradients (NaN/Inf) are replaced by zero vectors and their norm is reported
+as ``+inf``: a strategy maps ``+inf`` to weight 0, so one poisoned example cannot corrupt the sum or
+exceed the sensitivity (anchors P7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Engine", "EngineResult", "LossFn", "ParamGroups", "WeightFn"]
+
+#: ``loss_fn(outputs, targets) -> per-example losses of shape (B,)`` (reduction "none").
+LossFn = Callable[[Tensor, Tensor], Tensor]
+#: ``weight_fn(norms) -> weights`` with the same shape as ``norms``: ``(B,)`` flat or ``(B, G)``.
+WeightFn = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """A partition of a model's trainable parameters into clipping groups.
+
+    ``names[g]`` is the name of group ``g`` and ``members[g]`` the names (as in
+    ``model.named_parameters()``) of the parameters it holds. Every trainable parameter belongs to
+    exactly one group. With one group, norms are flat (shape ``(B,)``); with ``G > 1`` groups they are
+    per-example per-group (shape ``(B, G)``).
+    """
+
+    names: tuple[str, ...]
+    members: tuple[tuple[str, ...], ...]
+
+    @property
+    def is_flat(self) -> bool:
+        return len(self.names) == 1
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @staticmethod
+    def flat(model: nn.Module) -> "ParamGroups":
+        """One group holding every trainable parameter (flat clipping)."""
+        names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        return ParamGroups(("all",), (names,))
+
+    @staticmethod
+    def per_layer(model: nn.Module) -> "ParamGroups":
+        """One group per module that directly owns trainable parameters (weight and bias together)."""
+        names: list[str] = []
+        members: list[tuple[str, ...]] = []
+        for mod_name, mod in model.named_modules():
+            own = tuple(
+                f"{mod_name}.{pn}" if mod_name else pn
+                for pn, p in mod.named_parameters(recurse=False)
+                if p.requires_grad
+            )
+            if own:
+                names.append(mod_name or "<root>")
+                members.append(own)
+        return ParamGroups(tuple(names), tuple(members))
+
+    @staticmethod
+    def per_parameter(model: nn.Module) -> "ParamGroups":
+        """One group per trainable parameter tensor."""
+        names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        return ParamGroups(names, tuple((n,) for n in names))
+
+    def validate(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` unless every trainable parameter is in exactly one group."""
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        seen: dict[str, str] = {}
+        for g, mem in zip(self.names, self.members):
+            for n in mem:
+                if n in seen:
+                    raise ValueError(
+                        f"ParamGroups: parameter {n!r} is in groups {seen[n]!r} and {g!r}; "
+                        "each parameter must be in exactly one group"
+                    )
+                seen[n] = g
+        missing = [n for n in trainable if n not in seen]
+        unknown = [n for n in seen if n not in trainable]
+        if missing or unknown:
+            raise ValueError(
+                f"ParamGroups: trainable parameters not in any group: {missing}; names that are not "
+                f"trainable parameters of the model: {unknown}. Every trainable parameter must "
+                "receive a private gradient (freeze it with requires_grad_(False) otherwise)."
+            )
+
+
+@dataclass
+class EngineResult:
+    """What an engine returns for one batch.
+
+    grads:   ``{param_name: sum_i w_i g_i}`` for every trainable parameter (zeros for an empty batch).
+    norms:   per-example gradient norms before weighting, ``(B,)`` or ``(B, G)``; ``+inf`` marks a
+             non-finite example; ``None`` for engines that compute no per-example norms (``summed``).
+             NON-PRIVATE: log only under the ``nonprivate/`` prefix.
+    weights: the weights that were applied (same shape as ``norms``), or ``None``.
+    loss_sum: sum of the per-example losses of the batch (non-private diagnostic).
+    """
+
+    grads: dict[str, Tensor]
+    norms: Tensor | None
+    weights: Tensor | None
+    loss_sum: float
+
+
+class Engine(Protocol):
+    """Protocol implemented by ``vmap``, ``summed`` (and, later, ``ghost``)."""
+
+    name: str
+    #: whether the engine provides per-example norms (and so can run norm-based strategies)
+    per_example: bool
+
+    def compute(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        weight_fn: WeightFn | None,
+        groups: ParamGroups,
+    ) -> EngineResult:
+        ...
+
+
+def zeros_like_params(model: nn.Module) -> dict[str, Tensor]:
+    """Zero tensors for every trainable parameter (the weighted sum of an empty batch)."""
+    return {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,112 @@
+"""The naive per-example engine: an explicit Python loop, one ordinary backward per example.
+
+Slow, but obviously correct: it is the oracle of the engine tests (float64 parity, anchors P17) and
+a debugging aid. :class:`NaiveEngine` fulfils the same contract as
+:class:`~dpclip.engine.vmap.VmapEngine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine._common import (
+    ChunkReducer,
+    check_batch,
+    check_chunk_size,
+    check_per_example_model,
+    check_weight_fn,
+    trainable_params,
+)
+from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+
+__all__ = ["NaiveEngine", "naive_per_example_grads"]
+
+
+def naive_per_example_grads(
+    model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor
+) -> dict[str, Tensor]:
+    """``{name: (B, *param.shape)}``: example ``i``'s gradient of ``loss_fn(model(x_i[None]),
+    y_i[None]).sum()`` for every trainable parameter, by a Python loop of ``torch.autograd.grad``.
+
+    Raw gradients: NaN/Inf are returned as computed (the engines, not this oracle, zero them).
+    A parameter the loss does not reach gets zeros. ``B = 0`` gives tensors of shape ``(0, *shape)``.
+    Does not touch ``p.grad``. Refuses models that mix examples (BatchNorm using batch statistics).
+    """
+    grads, _ = _naive_loop(model, loss_fn, inputs, targets, "naive")
+    return grads
+
+
+def _naive_loop(
+    model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, engine: str
+) -> tuple[dict[str, Tensor], Tensor]:
+    batch = check_batch(inputs, targets, engine)
+    check_per_example_model(model, engine)
+    params = trainable_params(model)
+    rows: dict[str, list[Tensor]] = {n: [] for n in params}
+    losses: list[Tensor] = []
+    with torch.enable_grad():
+        for i in range(batch):
+            loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
+            if loss.ndim == 0 or loss.shape[0] != 1:
+                raise ValueError(
+                    "loss_fn must return per-example losses with a leading batch dimension "
+                    f"(reduction 'none'); for one example it returned shape {tuple(loss.shape)}"
+                )
+            loss = loss.sum()
+            losses.append(loss.detach())
+            if not params:
+                continue
+            gs = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for (name, p), g in zip(params.items(), gs):
+                rows[name].append(torch.zeros_like(p) if g is None else g.detach())
+    grads = {
+        n: torch.stack(rows[n]) if batch else p.detach().new_zeros((0, *p.shape))
+        for n, p in params.items()
+    }
+    loss_t = torch.stack(losses) if losses else inputs.new_zeros(0, dtype=torch.float64)
+    return grads, loss_t
+
+
+@dataclass(frozen=True)
+class NaiveEngine:
+    """Same contract as :class:`~dpclip.engine.vmap.VmapEngine` (norms, non-finite handling, groups,
+    weighted sum, empty batch, BatchNorm refusal), with per-example gradients from an explicit loop.
+
+    ``max_physical_batch`` bounds how many per-example gradients are held at once (memory only).
+    """
+
+    name: ClassVar[str] = "naive"
+    per_example: ClassVar[bool] = True
+
+    max_physical_batch: int = 256
+
+    def __post_init__(self) -> None:
+        check_chunk_size(self.max_physical_batch, "NaiveEngine")
+
+    def compute(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        weight_fn: WeightFn | None,
+        groups: ParamGroups,
+    ) -> EngineResult:
+        weight_fn = check_weight_fn(weight_fn, self.name)
+        batch = check_batch(inputs, targets, self.name)
+        check_per_example_model(model, self.name)
+        groups.validate(model)
+        params = trainable_params(model)
+        reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
+        for start in range(0, batch, self.max_physical_batch):
+            stop = min(start + self.max_physical_batch, batch)
+            grads, losses = _naive_loop(
+                model, loss_fn, inputs[start:stop], targets[start:stop], self.name
+            )
+            reducer.add_chunk(grads, losses)
+        grads, norms, weights, loss_sum = reducer.result()
+        return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)

@@ -1,0 +1,156 @@
+"""The reference per-example engine: ``torch.func`` ``vmap(grad(loss of one example))``.
+
+Works for any layer that ``torch.func`` can transform (no hooks, no per-layer rules), which makes it
+the reference and the oracle that faster engines (ghost) are compared against. It materializes the
+per-example gradients of one physical chunk (``max_physical_batch`` examples, ``chunk * d`` floats),
+reduces them at once to norms and the weighted sum, and moves to the next chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from dpclip.engine._common import (
+    ChunkReducer,
+    check_batch,
+    check_chunk_size,
+    check_per_example_model,
+    check_weight_fn,
+    trainable_params,
+)
+from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+
+__all__ = ["VmapEngine", "vmap_per_example_grads"]
+
+
+@dataclass(frozen=True)
+class VmapEngine:
+    """Per-example gradients with ``torch.func.vmap(grad(...))``; returns ``sum_i w_i g_i``.
+
+    Example ``i``'s gradient is that of ``loss_fn(model(x_i[None]), y_i[None]).sum()`` with respect to
+    every trainable parameter (frozen parameters and buffers are used as they are). Norms are flat
+    ``(B,)`` for one group, ``(B, G)`` per group otherwise; ``weights = weight_fn(norms)`` and group
+    ``g``'s weight scales the parameters of group ``g``.
+
+    Privacy: a non-finite per-example gradient is replaced by zeros and its norm reported as ``+inf``
+    in every group (the strategy maps it to weight 0), so one poisoned example cannot corrupt the sum
+    (anchors P7). Models that mix examples (BatchNorm using batch statistics) are refused with
+    :class:`~dpclip.engine.errors.UnsupportedModelError` (P12). Every trainable parameter must be in
+    exactly one group (``groups.validate``).
+
+    Chunking: the batch is processed in physical chunks of at most ``max_physical_batch`` examples
+    (a memory knob; results are identical up to float rounding). ``weight_fn`` is called once per
+    chunk on that chunk's norms (once in all for ``B <= max_physical_batch``), so it must be row-wise
+    (``w_i`` depends on ``norms_i`` only), which every DP weight function is: a weight that depended
+    on other examples' norms would void the sensitivity bound. An empty batch (Poisson sampling)
+    gives zero sums, empty norms and one call of ``weight_fn`` on them.
+
+    Dropout and other randomness are drawn independently per example (``randomness="different"``).
+    The model is never mutated: no ``p.grad``, no attributes, no hooks.
+    """
+
+    name: ClassVar[str] = "vmap"
+    per_example: ClassVar[bool] = True
+
+    max_physical_batch: int = 256
+
+    def __post_init__(self) -> None:
+        check_chunk_size(self.max_physical_batch, "VmapEngine")
+
+    def compute(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        weight_fn: WeightFn | None,
+        groups: ParamGroups,
+    ) -> EngineResult:
+        weight_fn = check_weight_fn(weight_fn, self.name)
+        batch = check_batch(inputs, targets, self.name)
+        check_per_example_model(model, self.name)
+        groups.validate(model)
+        params = {n: p.detach() for n, p in trainable_params(model).items()}
+        reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
+        if batch and params:
+            per_example_grads = _per_example_grad_fn(model, loss_fn)
+            for start in range(0, batch, self.max_physical_batch):
+                stop = min(start + self.max_physical_batch, batch)
+                grads, losses = per_example_grads(params, inputs[start:stop], targets[start:stop])
+                reducer.add_chunk(grads, losses)
+        elif batch:  # nothing trainable: norms are zero, only the losses are needed
+            with torch.no_grad():
+                for start in range(0, batch, self.max_physical_batch):
+                    stop = min(start + self.max_physical_batch, batch)
+                    losses = _per_example_losses(model, loss_fn, inputs[start:stop],
+                                                 targets[start:stop])
+                    reducer.add_chunk({}, losses)
+        grads, norms, weights, loss_sum = reducer.result()
+        return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
+
+
+def vmap_per_example_grads(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    max_physical_batch: int = 256,
+) -> dict[str, Tensor]:
+    """Materialized per-example gradients ``{name: (B, *param.shape)}`` of every trainable parameter.
+
+    Same per-example loss as :class:`VmapEngine` and as
+    :func:`~dpclip.engine.naive.naive_per_example_grads` (its oracle); raw values (NaN/Inf are not
+    zeroed). For strategies of class P-GRAD (AdaClip) and for debugging; memory ``B * d``.
+    Refuses models that mix examples (BatchNorm using batch statistics).
+    """
+    batch = check_batch(inputs, targets, "vmap")
+    check_chunk_size(max_physical_batch, "vmap_per_example_grads")
+    check_per_example_model(model, "vmap")
+    params = {n: p.detach() for n, p in trainable_params(model).items()}
+    if not batch or not params:
+        return {n: p.new_zeros((batch, *p.shape)) for n, p in params.items()}
+    fn = _per_example_grad_fn(model, loss_fn)
+    chunks = [
+        fn(params, inputs[s : s + max_physical_batch], targets[s : s + max_physical_batch])[0]
+        for s in range(0, batch, max_physical_batch)
+    ]
+    return {n: torch.cat([c[n] for c in chunks]) for n in params}
+
+
+def _check_example_loss(loss: Tensor) -> Tensor:
+    if loss.ndim == 0 or loss.shape[0] != 1:
+        raise ValueError(
+            "loss_fn must return per-example losses with a leading batch dimension (reduction "
+            f"'none'); for a batch of one example it returned shape {tuple(loss.shape)}"
+        )
+    return loss.sum()
+
+
+_GradFn = Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]
+
+
+def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
+    """``(params, xs, ys) -> ({name: (b, *shape)}, losses (b,))`` for one chunk."""
+
+    def example_loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        out = functional_call(model, params, (x.unsqueeze(0),))
+        loss = _check_example_loss(loss_fn(out, y.unsqueeze(0)))
+        return loss, loss.detach()
+
+    return vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+
+
+def _per_example_losses(model: nn.Module, loss_fn: LossFn, xs: Tensor, ys: Tensor) -> Tensor:
+    losses = loss_fn(model(xs), ys)
+    if losses.ndim == 0 or losses.shape[0] != xs.shape[0]:
+        raise ValueError(
+            "loss_fn must return per-example losses of shape (B,) (reduction 'none'), got shape "
+            f"{tuple(losses.shape)} for a batch of {xs.shape[0]}"
+        )
+    return losses.reshape(xs.shape[0], -1).sum(1)

@@ -1,0 +1,99 @@
+"""Append training runs to a committed evidence file and regenerate its Markdown table.
+
+    python -m dpclip.harness.evidence reproductions/results/NAME.json -- train ARGS...
+
+runs ``dpclip train ARGS --json`` in-process, appends the summary row (a list of rows per file,
+each with at least dataset, model, strategy, params, epsilon, delta, seed, epochs, test_accuracy)
+to ``NAME.json`` and rewrites ``NAME.md`` with one line per run plus mean and std per setting.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+__all__ = ["append_row", "markdown_table"]
+
+KEYS = ("dataset", "model", "strategy", "params", "epsilon", "delta", "seed", "epochs",
+        "test_accuracy")
+
+
+def append_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
+    missing = [k for k in KEYS if k not in row]
+    if missing:
+        raise ValueError(f"evidence row lacks {missing}")
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    path.with_suffix(".md").write_text(markdown_table(rows, path.stem))
+    return rows
+
+
+def _setting(r: dict[str, Any]) -> tuple:
+    return (r["dataset"], r["model"], r["strategy"], json.dumps(r["params"], sort_keys=True),
+            r.get("target_epsilon"), r.get("noise_multiplier_arg"), r["epochs"],
+            r.get("expected_batch_size"), r.get("lr"), r.get("optimizer"), r.get("accountant"))
+
+
+def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
+    out = [f"# {title} (generated from {title}.json by dpclip.harness.evidence)", "",
+           "| dataset | model | strategy | params | epsilon | delta | accountant | sigma | B | lr "
+           "| optimizer | epochs | seed | test acc |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['dataset']} | {r['model']} | {r['strategy']} | "
+            f"{json.dumps(r['params'], sort_keys=True)} | {r['epsilon']:.3f} | {r['delta']:g} | "
+            f"{r.get('accountant', '')} | {r.get('noise_multiplier', float('nan')):.4f} | "
+            f"{r.get('expected_batch_size', '')} | {r.get('lr', '')} | {r.get('optimizer', '')} | "
+            f"{r.get('epochs_completed', r['epochs'])} | {r['seed']} | "
+            f"{100 * r['test_accuracy']:.2f} % |")
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(_setting(r), []).append(r)
+    out += ["", "## Mean and standard deviation per setting", "",
+            "| dataset | model | strategy | params | epsilon (max) | runs | test acc mean | std |",
+            "|---|---|---|---|---|---|---|---|"]
+    for rs in groups.values():
+        accs = [100 * r["test_accuracy"] for r in rs]
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        r0 = rs[0]
+        out.append(f"| {r0['dataset']} | {r0['model']} | {r0['strategy']} | "
+                   f"{json.dumps(r0['params'], sort_keys=True)} | "
+                   f"{max(r['epsilon'] for r in rs):.3f} | {len(rs)} | "
+                   f"{statistics.fmean(accs):.2f} % | {sd:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dpclip.cli import main as cli_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv or argv.index("--") != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    path, train_args = Path(argv[0]), argv[2:]
+    if not train_args or train_args[0] != "train":
+        raise SystemExit("evidence: the command after -- must be `train ...`")
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = cli_main(train_args + ["--json"])
+    if rc != 0:
+        return rc
+    row = json.loads(buf.getvalue().strip().splitlines()[-1])
+    row["command"] = "dpclip " + " ".join(train_args)
+    if "--noise-multiplier" in train_args:
+        row["noise_multiplier_arg"] = float(train_args[train_args.index("--noise-multiplier") + 1])
+    append_row(path, row)
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

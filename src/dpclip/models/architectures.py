@@ -1,0 +1,291 @@
+"""The papers' networks (algorithms.md M2, A1-A5) and two baselines (MLP, logistic regression).
+
+Every builder has the signature ``builder(input_shape, num_classes, **options) -> nn.Module`` and
+returns an ``nn.Sequential`` with named children (``conv1``, ``act1``, ``pool1``, ...,
+``flatten``, ``fc1``, ...). No normalisation layers (BatchNorm mixes examples, which breaks
+per-example clipping). Parameters are initialised by PyTorch's default initialisers from the
+current global generator: seed it (``torch.manual_seed``) before building for reproducibility.
+
+Convolutional builders take ``input_shape = (channels, height, width)`` and compute the flatten
+size from it; an input too small for the network raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from dpclip.models.activations import make_activation
+
+__all__ = [
+    "lin_b1",
+    "lin_b3",
+    "lin_b4",
+    "logreg",
+    "mlp",
+    "papernot_cifar_cnn",
+    "papernot_cnn",
+]
+
+
+@dataclass(frozen=True)
+class _Conv:
+    out_channels: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+
+
+@dataclass(frozen=True)
+class _Pool:
+    kind: type[nn.Module]  # nn.MaxPool2d or nn.AvgPool2d
+    kernel: int
+    stride: int
+
+
+def _activation_factory(
+    activation: str,
+    scale: float | None,
+    inverse_temperature: float | None,
+    offset: float | None,
+) -> Callable[[], nn.Module]:
+    # build one eagerly so that a bad name or stray option fails before any layer is made
+    make_activation(activation, scale=scale, inverse_temperature=inverse_temperature, offset=offset)
+    return lambda: make_activation(
+        activation, scale=scale, inverse_temperature=inverse_temperature, offset=offset
+    )
+
+
+def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]:
+    shape = tuple(input_shape)
+    if len(shape) != 3:
+        raise ValueError(
+            f"model {model!r} needs input_shape=(channels, height, width), got {shape}; "
+            "use 'mlp' or 'logreg' for flat inputs"
+        )
+    return shape  # type: ignore[return-value]
+
+
+def _cnn(
+    model: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    features: Sequence[_Conv | _Pool],
+    hidden: Sequence[int],
+    act: Callable[[], nn.Module],
+) -> nn.Sequential:
+    """Conv/pool feature stack (activation after each conv) -> flatten -> MLP head."""
+    channels, height, width = _image_shape(input_shape, model)
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    n_conv = n_pool = n_act = 0
+    for layer in features:
+        if isinstance(layer, _Conv):
+            k, s, p = layer.kernel, layer.stride, layer.padding
+            n_conv += 1
+            name = f"conv{n_conv}"
+            layers[name] = nn.Conv2d(channels, layer.out_channels, k, s, p)
+            channels = layer.out_channels
+        else:
+            k, s, p = layer.kernel, layer.stride, 0
+            n_pool += 1
+            name = f"pool{n_pool}"
+            layers[name] = layer.kind(k, s)
+        height = (height + 2 * p - k) // s + 1
+        width = (width + 2 * p - k) // s + 1
+        if height < 1 or width < 1:
+            raise ValueError(
+                f"model {model!r}: input_shape {tuple(input_shape)} is too small, the feature "
+                f"maps vanish at layer {name}; use larger inputs "
+                "(e.g. 28x28 for the MNIST nets, 32x32 for the CIFAR nets)"
+            )
+        if isinstance(layer, _Conv):
+            n_act += 1
+            layers[f"act{n_act}"] = act()
+    layers["flatten"] = nn.Flatten()
+    width_in = channels * height * width
+    for i, units in enumerate(hidden, start=1):
+        layers[f"fc{i}"] = nn.Linear(width_in, units)
+        n_act += 1
+        layers[f"act{n_act}"] = act()
+        width_in = units
+    layers[f"fc{len(hidden) + 1}"] = nn.Linear(width_in, num_classes)
+    return nn.Sequential(layers)
+
+
+def papernot_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """A1: the MNIST / Fashion-MNIST CNN of Papernot et al. (AAAI 2021) = TF-Privacy tutorial net.
+
+    ``Conv(16, 8x8, stride 2, padding 3) -> act -> MaxPool(2, stride 1) -> Conv(32, 4x4, stride 2)
+    -> act -> MaxPool(2, stride 1) -> Flatten (512 for 28x28) -> Linear(32) -> act ->
+    Linear(num_classes)``; 26,010 parameters for 1x28x28 inputs and 10 classes. Activation after
+    the convolution, before pooling, as in Tramer & Boneh (ICLR 2021) ``MNIST_CNN``; padding 3 is
+    TF's "same" for this layer (Tramer uses 2). Used by Lin et al. ("Papernot" column), Tramer &
+    Boneh and Xia et al.
+
+    Options: ``activation`` in ``tanh`` (default, Papernot's choice), ``relu`` (Abadi's baseline),
+    ``tempered-sigmoid`` with ``scale``, ``inverse_temperature``, ``offset``.
+    """
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    features = (
+        _Conv(16, 8, 2, 3),
+        _Pool(nn.MaxPool2d, 2, 1),
+        _Conv(32, 4, 2, 0),
+        _Pool(nn.MaxPool2d, 2, 1),
+    )
+    return _cnn("papernot-cnn", input_shape, num_classes, features, (32,), act)
+
+
+def papernot_cifar_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """A2: the CIFAR-10 CNN of Papernot et al. (AAAI 2021) = Lin et al. Table B2 = Tramer-Boneh.
+
+    ``[Conv 32 3x3 p1 -> act] x2 -> MaxPool 2 -> [Conv 64] x2 -> MaxPool -> [Conv 128] x2 ->
+    MaxPool -> Flatten (2048 for 3x32x32) -> Linear(128) -> act -> Linear(num_classes)``.
+    Options as :func:`papernot_cnn`.
+    """
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    features: list[_Conv | _Pool] = []
+    for width in (32, 64, 128):
+        features += [_Conv(width, 3, 1, 1), _Conv(width, 3, 1, 1), _Pool(nn.MaxPool2d, 2, 2)]
+    return _cnn("papernot-cifar-cnn", input_shape, num_classes, features, (128,), act)
+
+
+def lin_b1(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """A3: Lin et al. (Int. J. Intell. Syst. 2022) Table B1 *as printed* ("CNN for MNIST and
+    Fashion-MNIST").
+
+    ``Conv(16, 3x3, stride 2, padding 1) -> act -> MaxPool(2, stride 1) -> Conv(32, 3x3, stride 1,
+    padding 1) -> act -> MaxPool(2, stride 1) -> Flatten (4608 for 28x28) -> Linear(32) -> act ->
+    Linear(num_classes)``. The printed table ends in "FC 32"; the last layer is fixed to
+    ``num_classes`` here. Lin et al. state they reuse "the same CNN structures suggested in
+    Papernot et al.", which is :func:`papernot_cnn` (``papernot-cnn``); the printed B1 rather
+    resembles Tramer & Boneh's ScatterNet CNN. Report which of the two a run used.
+    Options as :func:`papernot_cnn` (tanh by default).
+    """
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    features = (
+        _Conv(16, 3, 2, 1),
+        _Pool(nn.MaxPool2d, 2, 1),
+        _Conv(32, 3, 1, 1),
+        _Pool(nn.MaxPool2d, 2, 1),
+    )
+    return _cnn("lin-b1", input_shape, num_classes, features, (32,), act)
+
+
+def lin_b3(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """A4: Lin et al. Table B3, the smaller MNIST / Fashion-MNIST CNN (their Table 3 runs).
+
+    ``Conv(16, 5x5) -> act -> AvgPool(2, stride 2) -> Conv(32, 5x5) -> act -> AvgPool(2, stride 2)
+    -> Flatten (512 for 28x28: 28->24->12->8->4) -> Linear(512) -> act -> Linear(num_classes)``.
+    The paper does not state the activation; tanh by default, like Lin's other Papernot-style
+    nets. Options as :func:`papernot_cnn`.
+    """
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    features = (
+        _Conv(16, 5),
+        _Pool(nn.AvgPool2d, 2, 2),
+        _Conv(32, 5),
+        _Pool(nn.AvgPool2d, 2, 2),
+    )
+    return _cnn("lin-b3", input_shape, num_classes, features, (512,), act)
+
+
+def lin_b4(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """A5: Lin et al. Table B4, the smaller CIFAR-10/100 CNN (their Table 3 runs).
+
+    ``Conv(32, 5x5, padding 2) -> act -> MaxPool(2, stride 2) -> Conv(32, 5x5) -> act ->
+    MaxPool(2, stride 2) -> Flatten (1152 for 32x32: 32->32->16->12->6) -> Linear(128) -> act ->
+    Linear(num_classes)``. Activation not stated in the paper; tanh by default.
+    Options as :func:`papernot_cnn`.
+    """
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    features = (
+        _Conv(32, 5, 1, 2),
+        _Pool(nn.MaxPool2d, 2, 2),
+        _Conv(32, 5),
+        _Pool(nn.MaxPool2d, 2, 2),
+    )
+    return _cnn("lin-b4", input_shape, num_classes, features, (128,), act)
+
+
+def mlp(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    hidden: tuple[int, ...] = (64, 64),
+    activation: str = "tanh",
+    scale: float | None = None,
+    inverse_temperature: float | None = None,
+    offset: float | None = None,
+) -> nn.Sequential:
+    """Fully connected network on the flattened input: ``[Linear(h) -> act]* -> Linear(classes)``.
+
+    A tabular baseline (e.g. the 2-layer tabular MLPs of Lip-DP-SGD, Barczewski & Ramon 2023).
+    ``hidden`` lists the hidden widths (``()`` gives logistic regression); activation options as
+    :func:`papernot_cnn`.
+    """
+    hidden = tuple(hidden)
+    if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
+        raise ValueError(f"option hidden must be a tuple of positive integers, got {hidden!r}")
+    act = _activation_factory(activation, scale, inverse_temperature, offset)
+    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
+    width_in = math.prod(input_shape)
+    for i, units in enumerate(hidden, start=1):
+        layers[f"fc{i}"] = nn.Linear(width_in, units)
+        layers[f"act{i}"] = act()
+        width_in = units
+    layers[f"fc{len(hidden) + 1}"] = nn.Linear(width_in, num_classes)
+    return nn.Sequential(layers)
+
+
+def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Sequential:
+    """Multinomial logistic regression: ``Flatten -> Linear(num_classes)`` (no options).
+
+    The convex baseline of DP-SGD analyses (e.g. Chaudhuri et al. 2011; Abadi et al. 2016).
+    """
+    return nn.Sequential(
+        OrderedDict(flatten=nn.Flatten(), fc1=nn.Linear(math.prod(input_shape), num_classes))
+    )

@@ -1,0 +1,419 @@
+"""The training loop: thin, reads like the paper's algorithm; checkpoint and resume.
+
+``train(config)`` runs DP-SGD as described by a ``TrainConfig`` and returns a ``RunResult``. Each
+step is ``dpclip.step.dp_step``; the ledger records the event the sampler and strategy emit; the
+loop stops before the ledger would exceed ``config.epsilon``. With ``checkpoint_dir`` set, the run
+writes atomic checkpoints (model, optimizer, strategy state, ledger, every RNG, history) and, when
+started again with the same config and directory, resumes from the last one: a run killed with
+SIGKILL and resumed ends with the same ledger and epsilon (and the same weights) as an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
+from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
+from dpclip.data import DatasetBundle, load_dataset
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.events import DpEvent
+from dpclip.models import build_model
+from dpclip.noise import make_generator
+from dpclip.sampling import Sampler, make_sampler
+from dpclip.step import dp_step
+
+__all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "train"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The public, serializable description of a private training run."""
+
+    dataset: str = "fashion-mnist"
+    model: str = "papernot-cnn"
+    strategy: str = "fixed"
+    strategy_params: dict[str, Any] = field(default_factory=dict)
+    model_options: dict[str, Any] = field(default_factory=dict)
+    dataset_options: dict[str, Any] = field(default_factory=dict)
+    epsilon: float | None = None  #: target (calibrates the noise) or, with noise_multiplier, a cap
+    noise_multiplier: float | None = None
+    delta: float = 1e-5
+    epochs: int = 1
+    batch_size: float = 256  #: expected batch size (Poisson) or exact size (fixed-size)
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    sampling: str = "poisson"
+    accountant: str = "pld"
+    engine: str = "vmap"
+    max_physical_batch: int = 256
+    eval_batch_size: int = 2048
+    data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                "TrainConfig: give a target epsilon (--epsilon) or a noise multiplier "
+                "(--noise-multiplier)"
+            )
+        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise ValueError(f"TrainConfig: epsilon must be a finite number > 0, got {self.epsilon}")
+        if self.noise_multiplier is not None and not (
+            self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)
+        ):
+            raise ValueError(
+                f"TrainConfig: noise_multiplier must be >= 0, got {self.noise_multiplier}"
+            )
+        if not (0 < self.delta < 1):
+            raise ValueError(f"TrainConfig: delta must be in (0, 1), got {self.delta}")
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise ValueError(f"TrainConfig: epochs must be an int >= 1, got {self.epochs!r}")
+        if not (self.batch_size > 0):
+            raise ValueError(f"TrainConfig: batch_size must be > 0, got {self.batch_size}")
+        if not (self.lr > 0):
+            raise ValueError(f"TrainConfig: lr must be > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"TrainConfig: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown field(s) {unknown}; valid: {sorted(names)}")
+        return TrainConfig(**d)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the run's outcome (not data_dir)."""
+        d = self.to_dict()
+        d.pop("data_dir", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class RunResult:
+    """The summary of a run (every field JSON-serializable except ``model`` and ``ledger``)."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    ledger: Ledger
+    model: nn.Module
+
+
+def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_decay: float):
+    """SGD, SGD with (heavy-ball) momentum, or Adam — all post-processing of the noisy gradient."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int = 2048) -> dict:
+    """Accuracy and mean cross-entropy (the model is put in eval mode and restored)."""
+    was_training = model.training
+    model.eval()
+    correct, loss, n = 0, 0.0, int(inputs.shape[0])
+    for i in range(0, n, batch_size):
+        out = model(inputs[i : i + batch_size])
+        y = targets[i : i + batch_size]
+        loss += float(nn.functional.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(dim=1) == y).sum())
+    model.train(was_training)
+    return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
+
+
+class _Plan:
+    """The events the run will emit, step by step (public), used for calibration and budget."""
+
+    def __init__(self, strategy: ClippingStrategy, sampler: Sampler, total_steps: int) -> None:
+        self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
+
+    def ctx(self, step: int, base: float) -> StepContext:
+        spe = self.sampler.steps_per_epoch
+        return StepContext(
+            step=step,
+            epoch=step // spe,
+            steps_per_epoch=spe,
+            total_steps=self.total_steps,
+            expected_batch_size=self.sampler.expected_batch_size,
+            base_noise_multiplier=base,
+        )
+
+    def event(self, step: int, base: float) -> DpEvent:
+        inner = self.strategy.planned_event(base, self.ctx(step, base))
+        return self.sampler.step_event(inner)
+
+    def ledger(self, base: float, steps: int | None = None) -> Ledger:
+        led = Ledger()
+        for t in range(self.total_steps if steps is None else steps):
+            led.record(self.event(t, base))
+        return led
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _resolve_noise(config: TrainConfig, plan: _Plan) -> float:
+    if config.noise_multiplier is not None:
+        return float(config.noise_multiplier)
+    assert config.epsilon is not None
+    return calibrate_noise_multiplier(
+        config.epsilon,
+        config.delta,
+        lambda z: plan.ledger(z).to_dp_event(),
+        accountant=config.accountant,
+    )
+
+
+def _budget_steps(config: TrainConfig, plan: _Plan, z: float) -> int:
+    """Largest number of planned steps whose epsilon stays within ``config.epsilon``."""
+    if config.epsilon is None:
+        return plan.total_steps
+
+    def eps(k: int) -> float:
+        return ledger_epsilon(plan.ledger(z, k), config.delta, accountant=config.accountant)
+
+    if eps(plan.total_steps) <= config.epsilon:
+        return plan.total_steps
+    lo, hi = 0, plan.total_steps  # eps(lo) <= target < eps(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if eps(mid) <= config.epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def train(
+    config: TrainConfig,
+    *,
+    data: DatasetBundle | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_interval_s: float = 60.0,
+    progress: bool = True,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+    stop_after_steps: int | None = None,
+) -> RunResult:
+    """Run DP-SGD as ``config`` describes (see the module docstring).
+
+    ``stop_after_steps`` ends the process-local run early (for tests of resume); the checkpoint
+    written then lets a later call continue.
+    """
+    t_start = time.perf_counter()
+    bundle = data or load_dataset(
+        config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
+    )
+    x_train, y_train = bundle.train.inputs, bundle.train.targets
+    n_train = int(x_train.shape[0])
+
+    torch.manual_seed(config.seed)
+    model = build_model(
+        config.model, bundle.input_shape, bundle.num_classes, **config.model_options
+    )
+    model.train()
+    strategy = make_strategy(config.strategy, config.strategy_params)
+    engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
+        if config.engine in ("vmap", "naive") else get_engine(config.engine)
+    groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else ParamGroups.per_layer(model)
+    sampler = make_sampler(config.sampling, n_train, config.batch_size)
+    total_steps = config.epochs * sampler.steps_per_epoch
+    plan = _Plan(strategy, sampler, total_steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(
+        config.optimizer, params, config.lr, config.momentum, config.weight_decay
+    )
+    sample_gen = make_generator(config.seed * 2 + 1)
+    noise_gen = make_generator(config.seed * 2 + 2)
+
+    ckpt_path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
+    step, ledger, state, history = 0, Ledger(), strategy.init_state(), []
+    z: float | None = None
+    elapsed_before = 0.0
+    if ckpt_path is not None and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        if ck["fingerprint"] != config.fingerprint():
+            raise ValueError(
+                f"checkpoint {ckpt_path} belongs to a different run configuration; use another "
+                "--checkpoint-dir or delete it"
+            )
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        state, step, history = ck["strategy_state"], ck["step"], ck["history"]
+        ledger = Ledger.from_dict(ck["ledger"])
+        sample_gen.set_state(ck["sample_gen"])
+        noise_gen.set_state(ck["noise_gen"])
+        torch.set_rng_state(ck["torch_rng"])
+        z = ck["noise_multiplier"]
+        elapsed_before = ck["elapsed"]
+        if ledger.steps != step:
+            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, step={step}")
+    if z is None:
+        z = _resolve_noise(config, plan)
+    max_steps = _budget_steps(config, plan, z)
+
+    def save() -> None:
+        if ckpt_path is None:
+            return
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save(
+            {
+                "fingerprint": config.fingerprint(),
+                "config": config.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "strategy_state": state,
+                "step": step,
+                "history": history,
+                "ledger": ledger.to_dict(),
+                "sample_gen": sample_gen.get_state(),
+                "noise_gen": noise_gen.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "noise_multiplier": z,
+                "elapsed": elapsed_before + time.perf_counter() - t_start,
+            },
+            ckpt_path,
+        )
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, desc=f"{config.strategy}", unit="step",
+                   dynamic_ncols=True, leave=False)
+    last_save = time.perf_counter()
+    steps_this_call = 0
+    stopped_by_budget = False
+    spe = sampler.steps_per_epoch
+    while step < total_steps:
+        if step >= max_steps:
+            stopped_by_budget = True
+            break
+        if stop_after_steps is not None and steps_this_call >= stop_after_steps:
+            save()
+            if bar is not None:
+                bar.close()
+            return RunResult({"interrupted": True, "step": step}, history, ledger, model)
+        ctx = plan.ctx(step, z)
+        idx = sampler.sample(sample_gen)
+        out = dp_step(
+            model, x_train[idx], y_train[idx],
+            loss_fn=cross_entropy_per_example, strategy=strategy, state=state, engine=engine,
+            groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen,
+        )
+        planned = plan.event(step, z)
+        if out.event != planned:
+            raise RuntimeError(
+                f"privacy bug: strategy {config.strategy!r} emitted {out.event} at step {step} but "
+                f"planned {planned}; refusing to continue"
+            )
+        for (name, p) in model.named_parameters():
+            if p.requires_grad:
+                p.grad = out.grads[name]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ledger.record(out.event)
+        state = out.state
+        step += 1
+        steps_this_call += 1
+        if bar is not None:
+            bar.update(1)
+        end_of_epoch = step % spe == 0 or step == total_steps
+        if end_of_epoch:
+            ev = evaluate(model, bundle.test.inputs, bundle.test.targets, config.eval_batch_size)
+            eps_now = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
+            row = {
+                "epoch": (step - 1) // spe + 1,
+                "step": step,
+                "test_accuracy": ev["accuracy"],
+                "test_loss": ev["loss"],
+                "epsilon": eps_now,
+                "clip_threshold": strategy.sensitivity(state),
+                "noise_multiplier": out.noise_multiplier,
+                "wall_seconds": elapsed_before + time.perf_counter() - t_start,
+            }
+            history.append(row)
+            if bar is not None:
+                bar.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps_now:.3f}")
+            if on_epoch is not None:
+                on_epoch(row)
+            save()
+            last_save = time.perf_counter()
+        elif ckpt_path is not None and time.perf_counter() - last_save > checkpoint_interval_s:
+            save()
+            last_save = time.perf_counter()
+    if bar is not None:
+        bar.close()
+    if not history or history[-1]["step"] != step:
+        ev = evaluate(model, bundle.test.inputs, bundle.test.targets, config.eval_batch_size)
+        history.append({
+            "epoch": step / spe, "step": step, "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+            "epsilon": ledger_epsilon(ledger, config.delta, accountant=config.accountant),
+            "clip_threshold": strategy.sensitivity(state), "noise_multiplier": z,
+            "wall_seconds": elapsed_before + time.perf_counter() - t_start,
+        })
+        save()
+    final_eps = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
+    summary = {
+        "dataset": config.dataset,
+        "model": config.model,
+        "strategy": config.strategy,
+        "params": strategy.describe(),
+        "epsilon": final_eps,
+        "target_epsilon": config.epsilon,
+        "delta": config.delta,
+        "accountant": config.accountant,
+        "adjacency": sampler.adjacency,
+        "sampling": sampler.name,
+        "noise_multiplier": z,
+        "sample_rate": sampler.sample_rate,
+        "expected_batch_size": sampler.expected_batch_size,
+        "steps": step,
+        "planned_steps": total_steps,
+        "epochs": config.epochs,
+        "epochs_completed": step / spe,
+        "stopped_by_budget": stopped_by_budget,
+        "test_accuracy": history[-1]["test_accuracy"],
+        "lr": config.lr,
+        "optimizer": config.optimizer,
+        "seed": config.seed,
+        "engine": config.engine,
+        "model_options": config.model_options,
+        "wall_seconds": elapsed_before + time.perf_counter() - t_start,
+    }
+    return RunResult(summary, history, ledger, model)

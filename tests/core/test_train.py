@@ -1,0 +1,115 @@
+"""The training loop: learning, calibration, the epsilon cap, and kill/resume."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dpclip.accounting import epsilon as ledger_epsilon
+from dpclip.trainer import TrainConfig, train
+
+BASE = dict(dataset="synthetic", model="mlp", strategy="fixed",
+            strategy_params={"clip_norm": 1.0}, delta=1e-5, epochs=3, batch_size=64, lr=0.5,
+            optimizer="momentum", seed=0)
+
+
+def test_train_learns_and_reports():
+    cfg = TrainConfig(**BASE, noise_multiplier=0.5)
+    res = train(cfg, progress=False)
+    s = res.summary
+    for key in ("dataset", "model", "strategy", "params", "epsilon", "delta", "accountant",
+                "noise_multiplier", "sample_rate", "steps", "epochs", "test_accuracy",
+                "wall_seconds", "adjacency"):
+        assert key in s
+    assert s["test_accuracy"] > 0.6  # 4 classes: chance is 0.25
+    assert s["steps"] == res.ledger.steps == 3 * round(512 / 64)
+    assert len(res.history) == 3
+    assert s["epsilon"] == pytest.approx(ledger_epsilon(res.ledger, 1e-5, accountant="pld"))
+    assert [h["epsilon"] for h in res.history] == sorted(h["epsilon"] for h in res.history)
+
+
+def test_calibrated_run_meets_target_epsilon():
+    cfg = TrainConfig(**BASE, epsilon=3.0)
+    s = train(cfg, progress=False).summary
+    assert s["epsilon"] <= 3.0 + 1e-9
+    assert s["epsilon"] >= 3.0 - 1e-3
+    assert not s["stopped_by_budget"]
+
+
+def test_epsilon_cap_stops_before_exceeding():
+    cfg = TrainConfig(**dict(BASE, epochs=20), noise_multiplier=1.5, epsilon=2.0)
+    res = train(cfg, progress=False)
+    s = res.summary
+    assert s["stopped_by_budget"] and s["steps"] < s["planned_steps"]
+    assert s["epsilon"] <= 2.0
+    # one more step would have exceeded the cap
+    led = res.ledger
+    led.record(led.entries[-1][0])
+    assert ledger_epsilon(led, 1e-5, accountant="pld") > 2.0
+
+
+def test_resume_in_process_is_identical(tmp_path):
+    cfg = TrainConfig(**BASE, noise_multiplier=1.0)
+    full = train(cfg, progress=False)
+    part = train(cfg, checkpoint_dir=tmp_path, progress=False, stop_after_steps=5)
+    assert part.summary.get("interrupted")
+    resumed = train(cfg, checkpoint_dir=tmp_path, progress=False)
+    assert resumed.ledger == full.ledger
+    assert resumed.summary["epsilon"] == full.summary["epsilon"]
+    for (n, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path):
+    cfg = TrainConfig(**BASE, noise_multiplier=1.0)
+    train(cfg, checkpoint_dir=tmp_path, progress=False, stop_after_steps=2)
+    other = TrainConfig(**dict(BASE, lr=0.1), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="different run configuration"):
+        train(other, checkpoint_dir=tmp_path, progress=False)
+
+
+KILLER = textwrap.dedent("""
+    import json, os, signal, sys
+    import dpclip.trainer as T
+    cfg = T.TrainConfig.from_dict(json.loads(sys.argv[1]))
+    kill_at = int(sys.argv[3])
+    orig, calls = T.dp_step, [0]
+    def killer(*a, **k):
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*a, **k)
+    T.dp_step = killer
+    T.train(cfg, checkpoint_dir=sys.argv[2], checkpoint_interval_s=0.0, progress=False)
+""")
+
+
+@pytest.mark.parametrize("kill_at", [7, 17])  # mid-epoch and just after an epoch boundary
+def test_sigkill_and_resume_gives_the_same_ledger(tmp_path, kill_at):
+    cfg = TrainConfig(**BASE, noise_multiplier=1.0)
+    full = train(cfg, progress=False)
+    ck = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", KILLER, json.dumps(cfg.to_dict()), str(ck),
+                           str(kill_at)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (ck / "checkpoint.pt").exists()
+    ckpt = torch.load(ck / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == kill_at - 1
+    resumed = train(cfg, checkpoint_dir=ck, progress=False)
+    assert resumed.ledger == full.ledger
+    assert resumed.summary["epsilon"] == full.summary["epsilon"]
+    assert resumed.summary["test_accuracy"] == full.summary["test_accuracy"]
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="--epsilon"):
+        TrainConfig(**BASE)
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(**dict(BASE, optimizer="rmsprop"), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="delta"):
+        TrainConfig(**dict(BASE, delta=1.5), noise_multiplier=1.0)

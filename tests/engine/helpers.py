@@ -1,0 +1,207 @@
+"""Float64 fixture models and independent oracles for the engine tests.
+
+The oracles work from :func:`naive_per_example_grads` (one ordinary backward per example) with
+explicit Python loops over examples and groups, so they share no reduction code with the engines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import ParamGroups
+
+DT = torch.float64
+N_CLASSES = 3
+
+
+def ce(out: Tensor, y: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def sq_err(out: Tensor, y: Tensor) -> Tensor:
+    return ((out - y) ** 2).flatten(1).sum(1)
+
+
+class SeqLinear(nn.Module):
+    """Linear and LayerNorm on a 3-D (B, T, d) sequence, mean-pooled, then a classifier."""
+
+    def __init__(self, d: int = 4, hidden: int = 5) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.norm(self.proj(x))).mean(1))
+
+
+class EmbedNet(nn.Module):
+    """Embedding of token ids (B, T) -> LayerNorm -> mean -> Linear."""
+
+    def __init__(self, vocab: int = 11, d: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.emb(x)).mean(1))
+
+
+class TiedNet(nn.Module):
+    """Embedding whose weight is reused by the output layer (tied weights, anchors P17)."""
+
+    def __init__(self, vocab: int = 7, d: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(x).mean(1))))
+
+
+class ConvNet(nn.Module):
+    """Conv2d with stride/padding/groups/dilation variety, GroupNorm, and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.Tanh(),
+            nn.Conv2d(4, 6, 2, stride=1, padding=0, groups=2, dilation=1),
+            nn.Tanh(),
+            nn.Conv2d(6, 4, 3, stride=1, padding=2, dilation=2, bias=False),
+        )
+        self.head = nn.Linear(4 * 4 * 4, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.features(x)).flatten(1))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, N_CLASSES))
+
+
+def frozen_mlp() -> nn.Module:
+    m = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, N_CLASSES))
+    m[2].weight.requires_grad_(False)
+    return m
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model builder, an input builder and the per-example loss."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, torch.Generator], Tensor]
+    targets: Callable[[int, torch.Generator], Tensor]
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = ce
+
+    def make(self, batch: int, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+        torch.manual_seed(seed)
+        model = self.build().to(DT)
+        gen = torch.Generator().manual_seed(seed + 1)
+        return model, self.inputs(batch, gen), self.targets(batch, gen)
+
+
+def _randn(*shape: int) -> Callable[[int, torch.Generator], Tensor]:
+    return lambda b, g: torch.randn(b, *shape, generator=g, dtype=DT)
+
+
+def _labels(b: int, g: torch.Generator) -> Tensor:
+    return torch.randint(0, N_CLASSES, (b,), generator=g)
+
+
+CASES = {
+    c.name: c
+    for c in [
+        Case("linear", mlp, _randn(5), _labels),
+        Case("linear_mse", mlp, _randn(5), _randn(N_CLASSES), sq_err),
+        Case("seq_linear_layernorm", SeqLinear, _randn(6, 4), _labels),
+        Case("conv_groupnorm", ConvNet, _randn(2, 9, 9), _labels),
+        Case("embedding", EmbedNet, lambda b, g: torch.randint(0, 11, (b, 5), generator=g), _labels),
+        Case("tied", TiedNet, lambda b, g: torch.randint(0, 7, (b, 3), generator=g),
+             lambda b, g: torch.randint(0, 7, (b,), generator=g)),
+        Case("frozen", frozen_mlp, _randn(5), _labels),
+    ]
+}
+
+
+def custom_groups(model: nn.Module) -> ParamGroups:
+    """Two groups: all weights (>= 2-D params) and everything else."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    big = tuple(n for n in names if dict(model.named_parameters())[n].ndim >= 2)
+    small = tuple(n for n in names if n not in big)
+    if not small:
+        return ParamGroups(("first", "rest"), ((names[0],), tuple(names[1:])))
+    return ParamGroups(("weights", "others"), (big, small))
+
+
+GROUPINGS: dict[str, Callable[[nn.Module], ParamGroups]] = {
+    "flat": ParamGroups.flat,
+    "per_layer": ParamGroups.per_layer,
+    "per_parameter": ParamGroups.per_parameter,
+    "custom": custom_groups,
+}
+
+
+def clip_weights(c: float | Tensor) -> Callable[[Tensor], Tensor]:
+    """Abadi: ``min(1, C/n)`` (``+inf`` -> 0, ``0`` -> 1)."""
+    return lambda n: torch.where(n > 0, torch.clamp(c / n, max=1.0), torch.ones_like(n))
+
+
+def auto_s_weights(c: float | Tensor, gamma: float = 0.01) -> Callable[[Tensor], Tensor]:
+    """Auto-S: ``C/(n + gamma)``."""
+    return lambda n: c / (n + gamma)
+
+
+def oracle_norms(per_ex: dict[str, Tensor], groups: ParamGroups, batch: int) -> Tensor:
+    """Explicit loop: norm of example i in group g; ``+inf`` everywhere for a non-finite example."""
+    rows = []
+    for i in range(batch):
+        finite = all(bool(torch.isfinite(per_ex[n][i]).all()) for n in per_ex)
+        row = []
+        for members in groups.members:
+            s = sum(float((per_ex[n][i] ** 2).sum()) for n in members)
+            row.append(math.sqrt(s) if finite else math.inf)
+        rows.append(row)
+    out = torch.tensor(rows, dtype=DT).reshape(batch, len(groups))
+    return out[:, 0] if groups.is_flat else out
+
+
+def oracle_sum(
+    per_ex: dict[str, Tensor], weights: Tensor, groups: ParamGroups, batch: int
+) -> dict[str, Tensor]:
+    """Explicit loop ``sum_i w_{i, group(p)} g_{i, p}`` skipping non-finite examples."""
+    w = weights.reshape(batch, len(groups))
+    group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
+    out = {n: torch.zeros(t.shape[1:], dtype=t.dtype) for n, t in per_ex.items()}
+    for i in range(batch):
+        if not all(bool(torch.isfinite(per_ex[n][i]).all()) for n in per_ex):
+            continue
+        for n in per_ex:
+            out[n] = out[n] + w[i, group_of[n]] * per_ex[n][i]
+    return out
+
+
+def assert_close(actual: Tensor, expected: Tensor, rtol: float = 1e-10) -> None:
+    """Relative agreement to ``rtol`` (absolute floor scaled by the expected magnitude)."""
+    scale = float(expected[torch.isfinite(expected)].abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-3) * 1e-2)
+
+
+def assert_grads_close(actual: dict[str, Tensor], expected: dict[str, Tensor], rtol: float = 1e-10) -> None:
+    assert set(actual) == set(expected)
+    for n in expected:
+        assert actual[n].shape == expected[n].shape, n
+        assert actual[n].dtype == expected[n].dtype, n
+        assert_close(actual[n], expected[n], rtol)
