@@ -47,12 +47,14 @@ class _Releaser:
         self.generator = generator
         self.factor = sensitivity_factor
 
-    def __call__(self, value: Tensor, sensitivity: float, std: float) -> tuple[Tensor, DpEvent]:
-        s = sensitivity * self.factor
-        if not (s > 0):
+    def __call__(
+        self, value: Tensor, sensitivity: float, noise_multiplier: float
+    ) -> tuple[Tensor, DpEvent]:
+        if not (sensitivity > 0):
             raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
+        std = noise_std(noise_multiplier, sensitivity * self.factor)
         noisy = add_gaussian_noise(value, std, self.generator)
-        return noisy, GaussianEvent(std / s)
+        return noisy, GaussianEvent(noise_multiplier)
 
 
 def dp_step(

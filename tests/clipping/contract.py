@@ -54,9 +54,9 @@ class FakeRelease:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, value, sensitivity, std):
-        self.calls.append((value, sensitivity, std))
-        return value, GaussianEvent(std / sensitivity)
+    def __call__(self, value, sensitivity, noise_multiplier):
+        self.calls.append((value, sensitivity, noise_multiplier))
+        return value, GaussianEvent(noise_multiplier)
 
 
 def check_weight_bound(strategy) -> None:

@@ -76,9 +76,6 @@ def test_naive_engine_matches_oracle(case):
 
 
 def _check_engine_against_oracle(engine, case, grouping, batch):
-    if case == "tied" and grouping == "per_layer":
-        pytest.xfail("ParamGroups.per_layer (base.py) lists a tied parameter under every module "
-                     "that owns it; reported, not fixable in the engine")
     c = CASES[case]
     model, x, y = c.make(batch, seed=batch)
     groups = GROUPINGS[grouping](model)

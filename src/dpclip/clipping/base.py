@@ -57,13 +57,16 @@ class StepContext:
 class Release(Protocol):
     """Callback through which a strategy privatizes an extra statistic of the current batch.
 
-    ``release(value, sensitivity, std)`` returns ``(value + N(0, std^2), event)`` where
-    ``sensitivity`` is the statistic's L2 sensitivity under add/remove-one adjacency (the step
-    multiplies it by the sampler's factor for replace-one) and ``event`` is the Gaussian event to put
-    in the ledger for this release.
+    ``release(value, sensitivity, noise_multiplier)`` returns ``(value + N(0, std^2), event)`` with
+    ``std = noise_multiplier * sensitivity * k``, where ``sensitivity`` is the statistic's L2
+    sensitivity under add/remove-one adjacency and ``k`` the sampler's factor (1 for Poisson, 2 for
+    replace-one); ``event`` is ``GaussianEvent(noise_multiplier)``, the ledger entry of this release.
+    Expressing releases by their multiplier keeps a strategy's events independent of the sampler.
     """
 
-    def __call__(self, value: Tensor, sensitivity: float, std: float) -> tuple[Tensor, DpEvent]:
+    def __call__(
+        self, value: Tensor, sensitivity: float, noise_multiplier: float
+    ) -> tuple[Tensor, DpEvent]:
         ...
 
 

@@ -54,15 +54,23 @@ class ParamGroups:
 
     @staticmethod
     def per_layer(model: nn.Module) -> "ParamGroups":
-        """One group per module that directly owns trainable parameters (weight and bias together)."""
+        """One group per module that directly owns trainable parameters (weight and bias together).
+
+        A parameter shared by several modules (tied weights) belongs to the first module that owns it.
+        """
+        # canonical names: a tied parameter is listed once, under its first owner
+        canonical = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        seen: set[int] = set()
         names: list[str] = []
         members: list[tuple[str, ...]] = []
         for mod_name, mod in model.named_modules():
-            own = tuple(
-                f"{mod_name}.{pn}" if mod_name else pn
-                for pn, p in mod.named_parameters(recurse=False)
-                if p.requires_grad
-            )
+            own_ids = [
+                id(p)
+                for _, p in mod.named_parameters(recurse=False)
+                if p.requires_grad and id(p) in canonical and id(p) not in seen
+            ]
+            seen.update(own_ids)
+            own = tuple(canonical[i] for i in own_ids)
             if own:
                 names.append(mod_name or "<root>")
                 members.append(own)
