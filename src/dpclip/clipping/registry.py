@@ -99,6 +99,8 @@ def make_strategy(name: str, params: Mapping[str, Any] | None = None) -> Clippin
             f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}"
         )
     entry = STRATEGIES[name]
+    if hasattr(entry.cls, "from_params"):  # wrappers (schedules) parse their own parameters
+        return entry.cls.from_params(params)
     fields = {f.name: f for f in dataclasses.fields(entry.cls)}
     hints = typing.get_type_hints(entry.cls)
     unknown = sorted(set(params) - set(fields))
@@ -109,3 +111,14 @@ def make_strategy(name: str, params: Mapping[str, Any] | None = None) -> Clippin
         )
     kwargs = {k: _convert(v, hints.get(k, fields[k].type), k, name) for k, v in params.items()}
     return entry.cls(**kwargs)
+
+
+def _load_builtin_strategies() -> None:
+    """Import the modules whose import registers the built-in strategies."""
+    import importlib
+
+    for module in ("normalize", "schedules", "quantile", "vdv", "adaclip"):
+        importlib.import_module(f"dpclip.clipping.{module}")
+
+
+_load_builtin_strategies()

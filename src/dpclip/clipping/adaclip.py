@@ -1,0 +1,1 @@
+"""(placeholder: strategies are registered here at import)"""
