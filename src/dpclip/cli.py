@@ -1,4 +1,5 @@
-"""Command line: ``dpclip train | epsilon | strategies | datasets | models | bench``.
+"""Command line: ``dpclip train | run | compare | report | epsilon | strategies | datasets |
+models | bench``.
 
 With ``--json`` the last line of stdout is one JSON object (progress goes to stderr).
 """
@@ -186,6 +187,60 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_out() -> str:
+    import os
+
+    return os.environ.get("DPCLIP_OUT", "runs")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dpclip.harness.report import build_report
+    from dpclip.harness.runner import run_experiment
+    from dpclip.harness.spec import load_spec
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    spec = load_spec(args.spec, args.set or ())
+    db = args.db or default_db_path()
+    out = args.out or _default_out()
+    rep = run_experiment(spec, db=db, out_dir=out, workers=args.workers,
+                         progress=not args.no_progress)
+    print(f"{spec.name}: {rep.total} runs, {rep.skipped} already finished, "
+          f"{len(rep.finished)} finished now, {len(rep.failed)} failed", file=sys.stderr)
+    for label, err in rep.failed:
+        print(f"  FAILED {label}: {err}", file=sys.stderr)
+    result: dict[str, Any] = {"experiment": spec.name, "total": rep.total,
+                              "skipped": rep.skipped, "finished": len(rep.finished),
+                              "failed": [lab for lab, _ in rep.failed], "db": str(db)}
+    if args.report or args.command == "compare":
+        with ResultsStore(db) as store:
+            r = build_report(store, spec.name, out)
+        result.update(markdown=str(r.markdown_path), html=str(r.html_path))
+        print(r.markdown_path.read_text().split("\n\n![")[0])
+        print(f"\nreport: {r.html_path} (and {r.markdown_path})")
+    if args.json:
+        print(json.dumps(result))
+    return 1 if rep.failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dpclip.harness.report import build_report
+    from dpclip.harness.spec import SpecError, load_spec
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    try:
+        name = load_spec(args.experiment).name
+    except SpecError:
+        name = args.experiment
+    with ResultsStore(args.db or default_db_path()) as store:
+        r = build_report(store, name, args.out or _default_out())
+    if args.json:
+        print(json.dumps({"experiment": name, "markdown": str(r.markdown_path),
+                          "html": str(r.html_path), "plots": [str(p) for p in r.plots]}))
+    else:
+        print(f"report: {r.html_path} (and {r.markdown_path}, {len(r.plots)} plots)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dpclip",
@@ -245,6 +300,34 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=cmd_list)
+
+    for name, helptext in (("run", "run an experiment grid (TOML spec or preset name)"),
+                           ("compare", "run a preset comparison and write its report")):
+        r = sub.add_parser(name, help=helptext)
+        if name == "run":
+            r.add_argument("spec", help="TOML spec file or preset name")
+            r.add_argument("--report", action="store_true", help="write the report afterwards")
+        else:
+            r.add_argument("--preset", dest="spec", default="quick",
+                           help="preset name (default quick) or a TOML spec file")
+        r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a spec value, e.g. --set train.epochs=1 "
+                            "--set grid.seeds=[0,1]")
+        r.add_argument("--workers", type=int, default=1, help="parallel worker processes")
+        r.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
+                       "./dpclip_results.db)")
+        r.add_argument("--out", help="directory for checkpoints and reports (default "
+                       "$DPCLIP_OUT or ./runs)")
+        r.add_argument("--no-progress", action="store_true")
+        r.add_argument("--json", action="store_true")
+        r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("report", help="Markdown + HTML report of an experiment from the store")
+    rp.add_argument("experiment", help="experiment name, spec file or preset name")
+    rp.add_argument("--db")
+    rp.add_argument("--out", help="output directory (default $DPCLIP_OUT or ./runs)")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
 
     b = sub.add_parser("bench", help="step time of each engine vs a non-private step")
     b.add_argument("--model", required=True, help="mlp, papernot-cnn, ...")

@@ -22,7 +22,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id            INTEGER PRIMARY KEY AUTOINCREMENT,
     fingerprint   TEXT NOT NULL,
-    status        TEXT NOT NULL CHECK (status IN ('running', 'finished', 'failed')),
+    experiment    TEXT,
+    label         TEXT,
+    status        TEXT NOT NULL CHECK (status IN ('running', 'finished', 'failed', 'interrupted')),
     created_at    REAL NOT NULL,
     finished_at   REAL,
     config        TEXT NOT NULL,
@@ -32,6 +34,13 @@ CREATE TABLE IF NOT EXISTS runs (
     error         TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_fingerprint ON runs (fingerprint);
+CREATE INDEX IF NOT EXISTS runs_experiment ON runs (experiment, status);
+CREATE TABLE IF NOT EXISTS schedules (
+    name        TEXT PRIMARY KEY,
+    created_at  REAL NOT NULL,
+    metadata    TEXT NOT NULL,
+    thresholds  TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS epochs (
     run_id   INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
     epoch    REAL NOT NULL,
@@ -102,15 +111,51 @@ class ResultsStore:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def start_run(self, fingerprint: str, config: dict[str, Any]) -> int:
+    def start_run(self, fingerprint: str, config: dict[str, Any], *,
+                  experiment: str | None = None, label: str | None = None) -> int:
         with self._conn:
             cur = self._conn.execute(
-                "INSERT INTO runs (fingerprint, status, created_at, config, environment) "
-                "VALUES (?, 'running', ?, ?, ?)",
-                (fingerprint, time.time(), json.dumps(config, sort_keys=True),
+                "INSERT INTO runs (fingerprint, experiment, label, status, created_at, config, "
+                "environment) VALUES (?, ?, ?, 'running', ?, ?, ?)",
+                (fingerprint, experiment, label, time.time(), json.dumps(config, sort_keys=True),
                  json.dumps(environment_info())),
             )
             return int(cur.lastrowid)
+
+    def finished_fingerprints(self, experiment: str | None = None) -> set[str]:
+        q = "SELECT fingerprint FROM runs WHERE status = 'finished'"
+        args: tuple[Any, ...] = ()
+        if experiment is not None:
+            q += " AND experiment = ?"
+            args = (experiment,)
+        return {fp for (fp,) in self._conn.execute(q, args)}
+
+    def mark_interrupted(self, experiment: str) -> int:
+        """Runs of ``experiment`` left 'running' by a killed runner become 'interrupted'."""
+        with self._conn:
+            cur = self._conn.execute(
+                "UPDATE runs SET status='interrupted' WHERE experiment = ? AND status='running'",
+                (experiment,),
+            )
+            return cur.rowcount
+
+    def save_schedule(self, name: str, thresholds: list[float], metadata: dict[str, Any]) -> None:
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO schedules (name, created_at, metadata, thresholds) "
+                "VALUES (?, ?, ?, ?)",
+                (name, time.time(), json.dumps(metadata), json.dumps(list(thresholds))),
+            )
+
+    def schedule(self, name: str) -> tuple[list[float], dict[str, Any]]:
+        row = self._conn.execute(
+            "SELECT thresholds, metadata FROM schedules WHERE name = ?", (name,)
+        ).fetchone()
+        if row is None:
+            names = [n for (n,) in self._conn.execute("SELECT name FROM schedules ORDER BY name")]
+            raise ValueError(f"no threshold schedule named {name!r} in {self.path}; "
+                             f"stored schedules: {names}")
+        return json.loads(row[0]), json.loads(row[1])
 
     def log_epoch(self, run_id: int, epoch: float, metrics: dict[str, Any]) -> None:
         with self._conn:
@@ -133,15 +178,24 @@ class ResultsStore:
                 (time.time(), error, run_id),
             )
 
-    def runs(self, status: str | None = None) -> Iterator[dict[str, Any]]:
-        q = "SELECT id, fingerprint, status, config, summary, ledger FROM runs"
-        args: tuple[Any, ...] = ()
+    def runs(self, status: str | None = None, experiment: str | None = None
+             ) -> Iterator[dict[str, Any]]:
+        q = "SELECT id, fingerprint, experiment, label, status, config, summary, ledger FROM runs"
+        conds, args = [], []
         if status is not None:
-            q += " WHERE status = ?"
-            args = (status,)
-        for rid, fp, st, cfg, summ, led in self._conn.execute(q + " ORDER BY id", args):
+            conds.append("status = ?")
+            args.append(status)
+        if experiment is not None:
+            conds.append("experiment = ?")
+            args.append(experiment)
+        if conds:
+            q += " WHERE " + " AND ".join(conds)
+        for rid, fp, exp, label, st, cfg, summ, led in self._conn.execute(
+            q + " ORDER BY id", tuple(args)
+        ):
             yield {
-                "id": rid, "fingerprint": fp, "status": st, "config": json.loads(cfg),
+                "id": rid, "fingerprint": fp, "experiment": exp, "label": label, "status": st,
+                "config": json.loads(cfg),
                 "summary": json.loads(summ) if summ else None,
                 "ledger": json.loads(led) if led else None,
             }

@@ -1,0 +1,233 @@
+"""Reports from the results store: a Markdown and a self-contained HTML report per experiment.
+
+The table gives test accuracy mean +- std over seeds per strategy (rows) and privacy level
+(columns), the best mean of each column in bold. Plots (matplotlib PNGs, embedded in the HTML as
+base64): accuracy, clip threshold and epsilon per epoch per strategy (means over seeds) and, when
+the runs recorded them, the non-private diagnostics (per-example gradient-norm quantiles, cosine
+between the clipped-and-weighted and the true batch gradient, clipping bias) — labelled as
+non-private.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpclip.harness.store import ResultsStore
+
+__all__ = ["Report", "build_report", "collect_runs"]
+
+DIAGNOSTIC_PLOTS = {
+    "norm_quantiles": ("nonprivate/norm_q", "per-example gradient norm quantiles (NON-PRIVATE)"),
+    "cosine": ("nonprivate/cosine", "cosine(clipped-weighted sum, true batch gradient) "
+                                    "(NON-PRIVATE)"),
+    "bias": ("nonprivate/clip_bias", "clipping bias ||E[clipped mean] - true mean|| "
+                                     "(NON-PRIVATE)"),
+}
+
+
+@dataclass
+class Report:
+    markdown_path: Path
+    html_path: Path
+    plots: list[Path]
+    table: list[dict[str, Any]]
+
+
+def collect_runs(store: ResultsStore, experiment: str) -> list[dict[str, Any]]:
+    """Finished runs of ``experiment`` with their per-epoch history."""
+    runs = []
+    for r in store.runs("finished", experiment=experiment):
+        r["history"] = store.epochs(r["id"])
+        runs.append(r)
+    return runs
+
+
+def _level(run: dict[str, Any]) -> str:
+    cfg = run["config"]
+    if cfg.get("epsilon") is not None and cfg.get("noise_multiplier") is None:
+        return f"eps={cfg['epsilon']:g}"
+    return f"sigma={cfg['noise_multiplier']:g}"
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def accuracy_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    labels: list[str] = []
+    levels: list[str] = []
+    for r in runs:
+        lab, lev = r["label"] or r["config"]["strategy"], _level(r)
+        cells[(lab, lev)].append(r)
+        if lab not in labels:
+            labels.append(lab)
+        if lev not in levels:
+            levels.append(lev)
+    rows = []
+    for lab in labels:
+        row: dict[str, Any] = {"strategy": lab}
+        for lev in levels:
+            rs = cells.get((lab, lev), [])
+            if rs:
+                accs = [100 * x["summary"]["test_accuracy"] for x in rs]
+                eps = [x["summary"]["epsilon"] for x in rs]
+                m, s = _mean_std(accs)
+                row[lev] = {"mean": m, "std": s, "n": len(rs), "epsilon": max(eps)}
+        rows.append(row)
+    return levels, rows
+
+
+def _best(levels: list[str], rows: list[dict[str, Any]]) -> dict[str, str]:
+    best = {}
+    for lev in levels:
+        cand = [(r[lev]["mean"], r["strategy"]) for r in rows if lev in r]
+        if cand:
+            best[lev] = max(cand)[1]
+    return best
+
+
+def _markdown_table(levels: list[str], rows: list[dict[str, Any]]) -> str:
+    best = _best(levels, rows)
+    out = ["| strategy | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels)]
+    for r in rows:
+        cells = []
+        for lev in levels:
+            if lev not in r:
+                cells.append("-")
+                continue
+            c = r[lev]
+            text = f"{c['mean']:.2f} +- {c['std']:.2f} (n={c['n']}, eps {c['epsilon']:.2f})"
+            cells.append(f"**{text}**" if best.get(lev) == r["strategy"] else text)
+        out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float], list[float]]]:
+    """label -> (epochs, mean over seeds of history[key]) for runs that recorded ``key``."""
+    by: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        lab = f"{r['label'] or r['config']['strategy']} {_level(r)}"
+        for h in r["history"]:
+            v = h.get(key)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                by[lab][float(h["epoch"])].append(float(v))
+    return {lab: (sorted(d), [statistics.fmean(d[e]) for e in sorted(d)]) for lab, d in by.items()}
+
+
+def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel: str,
+          path: Path, logy: bool = False) -> Path | None:
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for lab, (xs, ys) in sorted(series.items()):
+        ax.plot(xs, ys, marker="o", markersize=3, label=lab)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> Report:
+    """Write ``<out>/<experiment>.md``, ``<experiment>.html`` and the PNG plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = collect_runs(store, experiment)
+    if not runs:
+        raise ValueError(f"no finished runs of experiment {experiment!r} in {store.path}; "
+                         "run it first with `dpclip run`")
+    levels, rows = accuracy_table(runs)
+    plots: list[tuple[str, Path]] = []
+    for key, title, ylabel, logy in (
+        ("test_accuracy", "test accuracy per epoch", "test accuracy", False),
+        ("clip_threshold", "clip threshold (sensitivity) per epoch", "threshold", True),
+        ("epsilon", "epsilon spent per epoch", "epsilon", False),
+    ):
+        p = _plot(_series(runs, key), title, ylabel, out / f"{experiment}_{key}.png", logy)
+        if p:
+            plots.append((title, p))
+    keys = sorted({k for r in runs for h in r["history"] for k in h
+                   if k.startswith("nonprivate/norm_q")})
+    if keys:
+        series = {}
+        for k in keys:
+            for lab, xy in _series(runs, k).items():
+                series[f"{lab} {k.removeprefix('nonprivate/norm_')}"] = xy
+        p = _plot(series, DIAGNOSTIC_PLOTS["norm_quantiles"][1], "norm",
+                  out / f"{experiment}_norm_quantiles.png", logy=True)
+        if p:
+            plots.append((DIAGNOSTIC_PLOTS["norm_quantiles"][1], p))
+    for name in ("cosine", "bias"):
+        key, title = DIAGNOSTIC_PLOTS[name]
+        p = _plot(_series(runs, key), title, name, out / f"{experiment}_{name}.png")
+        if p:
+            plots.append((title, p))
+
+    first = runs[0]["config"]
+    header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; dataset(s) "
+              f"{sorted({r['config']['dataset'] for r in runs})}, model(s) "
+              f"{sorted({r['config']['model'] for r in runs})}, delta {first['delta']:g}, "
+              f"accountant {first['accountant']}, sampling {first['sampling']}.\n\n"
+              "Test accuracy (%), mean +- std over seeds; best mean per column in bold; "
+              "eps = largest epsilon spent in the cell.\n\n")
+    md = header + _markdown_table(levels, rows) + "\n\n"
+    md += "\n".join(f"![{t}]({p.name})" for t, p in plots) + "\n"
+    md_path = out / f"{experiment}.md"
+    md_path.write_text(md)
+
+    def img(p: Path) -> str:
+        return base64.b64encode(p.read_bytes()).decode()
+
+    best = _best(levels, rows)
+    trs = []
+    for r in rows:
+        tds = [f"<td>{html.escape(r['strategy'])}</td>"]
+        for lev in levels:
+            if lev not in r:
+                tds.append("<td>-</td>")
+                continue
+            c = r[lev]
+            text = html.escape(f"{c['mean']:.2f} ± {c['std']:.2f} (n={c['n']}, "
+                               f"ε {c['epsilon']:.2f})")
+            tds.append(f"<td><b>{text}</b></td>" if best.get(lev) == r["strategy"]
+                       else f"<td>{text}</td>")
+        trs.append("<tr>" + "".join(tds) + "</tr>")
+    ths = "".join(f"<th>{html.escape(lev)}</th>" for lev in levels)
+    figs = "\n".join(
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{img(p)}"/>'
+        f"<figcaption>{html.escape(t)}</figcaption></figure>" for t, p in plots)
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"/>"
+        f"<title>dpclip report: {html.escape(experiment)}</title>"
+        "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+        "figure{display:inline-block;margin:8px}</style></head><body>"
+        f"<h1>Experiment {html.escape(experiment)}</h1>"
+        f"<p>{html.escape(header.splitlines()[2])}</p>"
+        f"<table><tr><th>strategy</th>{ths}</tr>{''.join(trs)}</table>"
+        f"{figs}<script type=\"application/json\" id=\"table\">"
+        f"{html.escape(json.dumps(rows))}</script></body></html>\n"
+    )
+    html_path = out / f"{experiment}.html"
+    html_path.write_text(page)
+    return Report(md_path, html_path, [p for _, p in plots], rows)

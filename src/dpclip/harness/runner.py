@@ -1,0 +1,131 @@
+"""Run an experiment grid: skip finished runs, resume interrupted ones, optionally in parallel.
+
+Each run checkpoints into ``<out>/checkpoints/<fingerprint>``; a finished run is recognised by its
+config fingerprint in the SQLite store. Killing the runner and starting it again therefore loses
+nothing: finished runs are skipped, the interrupted ones resume from their last checkpoint (same
+ledger, same result as an uninterrupted run), the rest start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from dpclip.harness.spec import ExperimentSpec, RunSpec
+from dpclip.harness.store import ResultsStore
+
+__all__ = ["RunnerReport", "run_experiment"]
+
+
+@dataclass
+class RunnerReport:
+    total: int
+    skipped: int
+    finished: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another `dpclip run` holds {lock_path}; wait for it or stop it first"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
+             checkpoint_interval_s: float) -> tuple[str, str | None]:
+    """Execute one run (in this process or a worker); returns (fingerprint, error or None)."""
+    import torch
+
+    from dpclip.trainer import train
+
+    torch.set_num_threads(threads)
+    store = ResultsStore(db)
+    rid = store.start_run(run.fingerprint, run.config.to_dict(), experiment=run.experiment,
+                          label=run.label)
+    try:
+        result = train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
+                       checkpoint_interval_s=checkpoint_interval_s, progress=progress)
+        for row in result.history:  # the full history, including epochs before a resume
+            store.log_epoch(rid, row["epoch"], row)
+        store.finish_run(rid, dict(result.summary, label=run.label, experiment=run.experiment),
+                         result.ledger.to_dict())
+        return run.fingerprint, None
+    except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
+        msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        store.fail_run(rid, msg)
+        return run.fingerprint, msg
+    finally:
+        store.close()
+
+
+def run_experiment(
+    spec: ExperimentSpec,
+    *,
+    db: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    workers: int = 1,
+    progress: bool = True,
+    checkpoint_interval_s: float = 60.0,
+) -> RunnerReport:
+    """Execute every run of ``spec`` that is not finished in ``db``."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    out = Path(out_dir)
+    ck_root = out / "checkpoints"
+    runs = spec.runs()
+    with _exclusive(out / f".{spec.name}.lock"):
+        store = ResultsStore(db)
+        store.mark_interrupted(spec.name)
+        done = store.finished_fingerprints(spec.name)
+        store.close()
+        todo = [r for r in runs if r.fingerprint not in done]
+        report = RunnerReport(total=len(runs), skipped=len(runs) - len(todo))
+        bar: Any = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(runs), initial=report.skipped, desc=f"{spec.name} runs",
+                       unit="run", position=0, dynamic_ncols=True)
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        args = dict(db=str(db), ck_root=str(ck_root), threads=threads,
+                    checkpoint_interval_s=checkpoint_interval_s)
+        results: list[tuple[str, str | None]] = []
+        labels = {r.fingerprint: r.label for r in todo}
+        if workers == 1:
+            for r in todo:
+                if bar is not None:
+                    bar.set_postfix_str(f"{r.label} seed={r.config.seed}")
+                results.append(_run_one(r, progress=progress, **args))
+                if bar is not None:
+                    bar.update(1)
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(_run_one, r, progress=False, **args) for r in todo]
+                for fut in as_completed(futures):
+                    results.append(fut.result())
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+    for fp, err in results:
+        if err is None:
+            report.finished.append(fp)
+        else:
+            report.failed.append((f"{labels[fp]} ({fp})", err))
+    return report

@@ -1,0 +1,262 @@
+"""Experiment specs: a grid of datasets x models x strategies x privacy levels x seeds, in TOML.
+
+```toml
+name = "quick"
+description = "every norm-based strategy on Fashion-MNIST at epsilon 2.7"
+
+[train]                 # TrainConfig fields shared by every run
+dataset = "fashion-mnist"
+model = "papernot-cnn"
+epochs = 3
+batch_size = 1024
+lr = 2.0
+optimizer = "momentum"
+delta = 1e-5
+
+[grid]
+datasets = ["fashion-mnist"]      # optional, overrides train.dataset
+models = ["papernot-cnn"]         # optional, overrides train.model
+epsilons = [1.0, 2.7]             # or noise_multipliers = [...], not both
+seeds = [0, 1, 2]
+
+[[strategies]]
+name = "fixed"                    # a registered strategy
+label = "fixed C=0.1"             # optional; defaults to the name
+params = { clip_norm = 0.1 }
+train = { lr = 4.0 }              # optional per-strategy TrainConfig overrides
+```
+
+``load_spec(path, overrides)`` validates everything (unknown keys, unknown strategies, models and
+datasets, bad values) into frozen dataclasses with errors that name the key and the fix;
+``--set key=value`` overrides use dotted keys (``train.epochs=1``, ``grid.seeds=[0]``,
+``strategies.fixed.params.clip_norm=0.2``) with TOML values.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from dpclip.trainer import TrainConfig
+
+__all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
+
+_TOP = {"name", "description", "train", "grid", "strategies"}
+_GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
+_STRAT = {"name", "label", "params", "train"}
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+_GRID_OWNED = {"dataset", "model", "epsilon", "noise_multiplier", "seed", "strategy",
+               "strategy_params"}
+
+
+class SpecError(ValueError):
+    """An invalid experiment spec; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    label: str
+    params: dict[str, Any]
+    train: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of the grid: a label for reports and the complete training config."""
+
+    experiment: str
+    label: str
+    config: TrainConfig
+
+    @property
+    def fingerprint(self) -> str:
+        return self.config.fingerprint()
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    name: str
+    description: str
+    train: dict[str, Any]
+    datasets: tuple[str, ...]
+    models: tuple[str, ...]
+    epsilons: tuple[float, ...]
+    noise_multipliers: tuple[float, ...]
+    seeds: tuple[int, ...]
+    strategies: tuple[StrategySpec, ...]
+
+    def runs(self) -> list[RunSpec]:
+        """Every run of the grid, in a stable order (strategy-major, then privacy, then seed)."""
+        levels: list[tuple[str, float]] = [("epsilon", e) for e in self.epsilons] + [
+            ("noise_multiplier", z) for z in self.noise_multipliers
+        ]
+        out = []
+        for ds in self.datasets:
+            for model in self.models:
+                for st in self.strategies:
+                    for key, value in levels:
+                        for seed in self.seeds:
+                            fields = dict(self.train)
+                            fields.update(st.train)
+                            fields.update(dataset=ds, model=model, strategy=st.name,
+                                          strategy_params=dict(st.params), seed=seed)
+                            fields[key] = value
+                            out.append(RunSpec(self.name, st.label, TrainConfig(**fields)))
+        return out
+
+
+def _apply_set(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise SpecError(f"--set expects key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    parts = key.strip().split(".")
+    if parts[0] == "strategies" and len(parts) >= 3:
+        matches = [s for s in raw.get("strategies", [])
+                   if s.get("label", s.get("name")) == parts[1] or s.get("name") == parts[1]]
+        if not matches:
+            raise SpecError(f"--set {key}: no strategy named or labelled {parts[1]!r} in the spec")
+        targets = matches
+        parts = parts[2:]
+    else:
+        targets = [raw]
+    for target in targets:
+        node = target
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"--set {key}: {p!r} is not a table")
+        node[parts[-1]] = value
+
+
+def _as_tuple(raw: Any, key: str, kind: type) -> tuple:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raw = [raw]
+    try:
+        return tuple(kind(v) for v in raw)
+    except (TypeError, ValueError):
+        raise SpecError(f"grid.{key} must be a list of {kind.__name__}, got {raw!r}") from None
+
+
+def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
+               validate_names: bool = True) -> ExperimentSpec:
+    """Validate a spec already parsed from TOML (``overrides`` are ``--set`` items)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        _apply_set(raw, item)
+    unknown = sorted(set(raw) - _TOP)
+    if unknown:
+        raise SpecError(f"unknown top-level key(s) {unknown}; valid: {sorted(_TOP)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("the spec needs a non-empty string `name`")
+    train = dict(raw.get("train", {}))
+    bad = sorted(set(train) - _TRAIN_FIELDS)
+    if bad:
+        raise SpecError(f"[train]: unknown field(s) {bad}; valid: {sorted(_TRAIN_FIELDS)}")
+    owned = sorted(set(train) & (_GRID_OWNED - {"dataset", "model"}))
+    if owned:
+        raise SpecError(f"[train]: {owned} are set by [grid]/[[strategies]], not [train]")
+    grid = dict(raw.get("grid", {}))
+    bad = sorted(set(grid) - _GRID)
+    if bad:
+        raise SpecError(f"[grid]: unknown key(s) {bad}; valid: {sorted(_GRID)}")
+    datasets = _as_tuple(grid.get("datasets", train.pop("dataset", None)), "datasets", str)
+    models = _as_tuple(grid.get("models", train.pop("model", None)), "models", str)
+    train.pop("dataset", None)
+    train.pop("model", None)
+    epsilons = _as_tuple(grid.get("epsilons"), "epsilons", float)
+    noises = _as_tuple(grid.get("noise_multipliers"), "noise_multipliers", float)
+    seeds = _as_tuple(grid.get("seeds", [0]), "seeds", int)
+    if not datasets or not models:
+        raise SpecError("give the dataset(s) and model(s): [train] dataset/model or [grid] "
+                        "datasets/models")
+    if bool(epsilons) == bool(noises):
+        raise SpecError("[grid] needs exactly one of `epsilons` or `noise_multipliers`")
+    if not seeds:
+        raise SpecError("[grid] seeds must not be empty")
+    strategies = []
+    labels: set[str] = set()
+    for i, s in enumerate(raw.get("strategies", [])):
+        if not isinstance(s, dict):
+            raise SpecError(f"strategies[{i}] must be a table")
+        bad = sorted(set(s) - _STRAT)
+        if bad:
+            raise SpecError(f"strategies[{i}]: unknown key(s) {bad}; valid: {sorted(_STRAT)}")
+        if "name" not in s:
+            raise SpecError(f"strategies[{i}] needs a `name`")
+        st_train = dict(s.get("train", {}))
+        bad = sorted(set(st_train) - _TRAIN_FIELDS)
+        if bad:
+            raise SpecError(f"strategies[{i}].train: unknown field(s) {bad}")
+        label = str(s.get("label", s["name"]))
+        if label in labels:
+            raise SpecError(f"strategies[{i}]: duplicate label {label!r}; give each a `label`")
+        labels.add(label)
+        strategies.append(StrategySpec(str(s["name"]), label, dict(s.get("params", {})),
+                                       st_train))
+    if not strategies:
+        raise SpecError("the spec needs at least one [[strategies]] entry")
+    spec = ExperimentSpec(name, str(raw.get("description", "")), train, datasets, models,
+                          epsilons, noises, seeds, tuple(strategies))
+    if validate_names:
+        _validate_names(spec)
+    return spec
+
+
+def _validate_names(spec: ExperimentSpec) -> None:
+    from dpclip.clipping import make_strategy
+    from dpclip.data import DATASETS
+    from dpclip.models import MODELS
+
+    for ds in spec.datasets:
+        if ds not in DATASETS:
+            raise SpecError(f"unknown dataset {ds!r}; valid: {', '.join(sorted(DATASETS))}")
+    for m in spec.models:
+        if m not in MODELS:
+            raise SpecError(f"unknown model {m!r}; valid: {', '.join(sorted(MODELS))}")
+    for st in spec.strategies:
+        try:
+            make_strategy(st.name, st.params)
+        except ValueError as exc:
+            raise SpecError(f"strategy {st.label!r}: {exc}") from None
+    try:
+        spec.runs()
+    except ValueError as exc:  # TrainConfig validation
+        raise SpecError(str(exc)) from None
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> ExperimentSpec:
+    """Read and validate a TOML spec file (a preset name is resolved by ``resolve_spec_path``)."""
+    p = resolve_spec_path(path)
+    with open(p, "rb") as fh:
+        try:
+            raw = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{p}: invalid TOML: {exc}") from None
+    return parse_spec(raw, overrides)
+
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def resolve_spec_path(path: str | Path) -> Path:
+    """A file path, or the name of a shipped preset (``quick``, ...)."""
+    p = Path(path)
+    if p.exists():
+        return p
+    preset = PRESETS_DIR / f"{path}.toml"
+    if preset.exists():
+        return preset
+    names = sorted(x.stem for x in PRESETS_DIR.glob("*.toml"))
+    raise SpecError(f"no spec file {str(path)!r} and no preset of that name; presets: {names}")

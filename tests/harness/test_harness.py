@@ -1,0 +1,160 @@
+"""Experiment harness end to end on a tiny synthetic grid: spec, runner, kill/resume, report."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from dpclip.cli import main
+from dpclip.harness.spec import SpecError, load_spec, parse_spec
+
+SPEC = """
+name = "tiny"
+[train]
+dataset = "synthetic"
+model = "mlp"
+epochs = 2
+batch_size = 64
+lr = 0.5
+optimizer = "momentum"
+delta = 1e-5
+accountant = "rdp"
+[grid]
+epsilons = [1.0, 4.0]
+seeds = [0, 1]
+[[strategies]]
+name = "fixed"
+label = "big"
+params = { clip_norm = 1.0 }
+[[strategies]]
+name = "fixed"
+label = "small"
+params = { clip_norm = 0.1 }
+train = { lr = 2.0 }
+"""
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text(SPEC)
+    return p
+
+
+def test_spec_expands_and_overrides(spec_file):
+    spec = load_spec(spec_file)
+    runs = spec.runs()
+    assert len(runs) == 2 * 2 * 2
+    assert {r.label for r in runs} == {"big", "small"}
+    assert {r.config.lr for r in runs if r.label == "small"} == {2.0}
+    assert len({r.fingerprint for r in runs}) == 8
+    spec2 = load_spec(spec_file, ["train.epochs=1", "grid.seeds=[5]",
+                                  "strategies.big.params.clip_norm=3.0"])
+    runs2 = spec2.runs()
+    assert len(runs2) == 4 and all(r.config.epochs == 1 and r.config.seed == 5 for r in runs2)
+    assert {r.config.strategy_params["clip_norm"] for r in runs2} == {3.0, 0.1}
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda s: s.replace('epsilons = [1.0, 4.0]', 'epsilons = [1.0]\nnoise_multipliers = [1.0]'),
+     "exactly one of"),
+    (lambda s: s.replace('name = "fixed"\nlabel = "big"', 'name = "nope"\nlabel = "x"'),
+     "unknown strategy"),
+    (lambda s: s.replace('lr = 0.5', 'lr = 0.5\nlearning_rate = 1'), "unknown field"),
+    (lambda s: s.replace('model = "mlp"', 'model = "resnet-1000"'), "unknown model"),
+    (lambda s: s.replace('label = "small"', 'label = "big"'), "duplicate label"),
+])
+def test_spec_validation_errors(tmp_path, mutate, match):
+    p = tmp_path / "bad.toml"
+    p.write_text(mutate(SPEC))
+    with pytest.raises(SpecError, match=match):
+        load_spec(p)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(SpecError, match="quick"):
+        load_spec("no-such-preset")
+
+
+def test_quick_preset_covers_every_norm_strategy():
+    from dpclip.clipping import STRATEGIES
+
+    spec = load_spec("quick")
+    norm = {n for n, e in STRATEGIES.items() if e.kind == "norm"}
+    assert norm <= {s.name for s in spec.strategies}
+    assert spec.datasets == ("fashion-mnist",) and len(spec.epsilons) == 1
+
+
+class _Parser(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.imgs = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag == "img":
+            self.imgs.append(dict(attrs)["src"])
+
+
+RUNNER = """
+import sys
+from dpclip.cli import main
+sys.exit(main(["run", sys.argv[1], "--db", sys.argv[2], "--out", sys.argv[3], "--no-progress"]))
+"""
+
+
+def test_grid_killed_and_resumed_then_reported(spec_file, tmp_path):
+    db, out = tmp_path / "r.db", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(spec_file), str(db), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    finished = 0
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        if db.exists():
+            try:
+                finished = sqlite3.connect(db).execute(
+                    "SELECT count(*) FROM runs WHERE status='finished'").fetchone()[0]
+            except sqlite3.OperationalError:
+                continue
+            if finished >= 3:
+                break
+    assert proc.poll() is None, "runner ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = sqlite3.connect(db).execute(
+        "SELECT count(*) FROM runs WHERE status='finished'").fetchone()[0]
+    assert 3 <= done_before < 8
+    rc = main(["run", str(spec_file), "--db", str(db), "--out", str(out), "--no-progress",
+               "--report", "--json"])
+    assert rc == 0
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM runs WHERE status='finished'").fetchone()[0] == 8
+    assert con.execute("SELECT count(DISTINCT fingerprint) FROM runs WHERE status='finished'"
+                       ).fetchone()[0] == 8  # nothing was run twice
+    md = (out / "tiny.md").read_text()
+    assert "big" in md and "eps=1" in md and "eps=4" in md and "**" in md
+    for name in ("tiny_test_accuracy.png", "tiny_clip_threshold.png", "tiny_epsilon.png"):
+        png = out / name
+        assert png.exists() and png.stat().st_size > 1000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parser = _Parser()
+    parser.feed((out / "tiny.html").read_text())
+    assert "table" in parser.tags and len(parser.imgs) >= 3
+    assert all(src.startswith("data:image/png;base64,") for src in parser.imgs)
+    # a second run skips everything
+    assert main(["run", str(spec_file), "--db", str(db), "--out", str(out), "--no-progress"]) == 0
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] >= 8
+
+
+def test_report_without_runs_is_a_clear_error(tmp_path, capsys):
+    rc = main(["report", "nothing", "--db", str(tmp_path / "e.db"), "--out", str(tmp_path)])
+    assert rc == 2
+    assert "no finished runs" in capsys.readouterr().err
