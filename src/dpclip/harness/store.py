@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 __all__ = ["ResultsStore", "default_db_path", "environment_info"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -93,14 +93,33 @@ class ResultsStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise RuntimeError(
                 f"{self.path}: schema version {version} is newer than this dpclip understands "
                 f"({SCHEMA_VERSION}); upgrade dpclip or use another --db"
             )
         with self._conn:
+            if version == 1:
+                self._migrate_from_v1()
             self._conn.executescript(_SCHEMA)
             self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _migrate_from_v1(self) -> None:
+        """v1 lacked experiment/label and the 'interrupted' status: rebuild ``runs``."""
+        self._conn.execute("PRAGMA foreign_keys=OFF")
+        # legacy_alter_table keeps the epochs table's foreign key pointing at "runs"
+        self._conn.execute("PRAGMA legacy_alter_table=ON")
+        self._conn.execute("ALTER TABLE runs RENAME TO runs_v1")
+        self._conn.execute("PRAGMA legacy_alter_table=OFF")
+        self._conn.execute("DROP INDEX IF EXISTS runs_fingerprint")
+        self._conn.executescript(_SCHEMA)
+        self._conn.execute(
+            "INSERT INTO runs (id, fingerprint, status, created_at, finished_at, config, summary, "
+            "ledger, environment, error) SELECT id, fingerprint, status, created_at, finished_at, "
+            "config, summary, ledger, environment, error FROM runs_v1"
+        )
+        self._conn.execute("DROP TABLE runs_v1")
+        self._conn.execute("PRAGMA foreign_keys=ON")
 
     def close(self) -> None:
         self._conn.close()
