@@ -7,23 +7,40 @@
     grad        <- noisy / expected_batch_size         (public constant, never len(batch))
     state', ev  <- strategy.update(state, norms, ctx, release)
     event       <- sampler.step_event(compose(Gaussian(z), *ev))
+
+A strategy of class P-GRAD (AdaClip; ``needs_per_example_grads = True``, see
+:class:`GradientTransform`) replaces the engine call by ``transformed_sum``: per-example gradients
+are materialized (vmap or naive engine), mapped by ``strategy.transform`` and clipped there; the
+noisy sum is divided by the expected batch size as always and mapped back by
+``strategy.untransform``. Every other strategy takes exactly the path above.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
-from dpclip.engine.base import Engine, LossFn, ParamGroups
+from dpclip.engine._common import ChunkReducer, check_per_example_model, trainable_params
+from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
+from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
+from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, noise_std
 from dpclip.sampling import Sampler
 
-__all__ = ["StepOutput", "dp_step", "nonprivate_step_grads"]
+__all__ = [
+    "GradientTransform",
+    "StepOutput",
+    "dp_step",
+    "nonprivate_step_grads",
+    "transformed_sum",
+]
 
 
 @dataclass
@@ -79,14 +96,20 @@ def dp_step(
     def weight_fn(norms: Tensor) -> Tensor:
         return strategy.weights(norms, frozen_state)
 
-    result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
+    per_example = getattr(strategy, "needs_per_example_grads", False)
+    if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
+        result = transformed_sum(engine, strategy, state, model, loss_fn, inputs, targets, groups)
+    else:
+        result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
     sensitivity = sampler.sensitivity_factor * strategy.sensitivity(state)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
-    std = noise_std(z, sensitivity)
+    std = noise_std(z, sensitivity) * (_noise_scale(strategy, ctx) if per_example else 1.0)
     denom = sampler.expected_batch_size
     grads = {
         name: add_gaussian_noise(g, std, generator) / denom for name, g in result.grads.items()
     }
+    if per_example:  # back to parameter space: post-processing of the released mean
+        grads, state = strategy.untransform(grads, state, std / denom)
     norms = result.norms if result.norms is not None else torch.empty(0)
     new_state, extra = strategy.update(
         state, norms, ctx, _Releaser(generator, sampler.sensitivity_factor)
@@ -102,6 +125,90 @@ def dp_step(
         loss_sum=result.loss_sum,
         norms=result.norms,
     )
+
+
+@runtime_checkable
+class GradientTransform(Protocol):
+    """The extra hooks of a strategy that clips TRANSFORMED per-example gradients (class P-GRAD).
+
+    ``transform`` maps materialized per-example gradients ``{name: (b, *shape)}`` to the space
+    where ``weights``/``sensitivity`` hold (AdaClip: whitening); it must be row-wise (example
+    ``i``'s output depends on ``g_i`` and the public state only), or the bound is void.
+    ``noise_scale(ctx) >= 1`` multiplies the step's noise std ``z S`` (public; the event stays
+    ``Gaussian(z)``, a conservative bound). ``untransform(mean, state, noise_std)`` maps the noisy
+    mean (already divided by the expected batch size; ``noise_std`` is its per-coordinate noise
+    std) back to parameter space and returns ``(grads, state)``: pure post-processing.
+    """
+
+    needs_per_example_grads: ClassVar[bool]
+
+    def transform(self, grads: Mapping[str, Tensor], state: State) -> dict[str, Tensor]:
+        ...
+
+    def noise_scale(self, ctx: StepContext) -> float:
+        ...
+
+    def untransform(
+        self, mean: Mapping[str, Tensor], state: State, noise_std: float
+    ) -> tuple[dict[str, Tensor], State]:
+        ...
+
+
+def _noise_scale(strategy: Any, ctx: StepContext) -> float:
+    """``strategy.noise_scale(ctx)``, refused unless finite and >= 1 (the event assumes >= z S)."""
+    scale = float(strategy.noise_scale(ctx))
+    if not (math.isfinite(scale) and scale >= 1.0):
+        raise ValueError(
+            f"strategy {getattr(strategy, 'name', strategy)!r}: noise_scale must be finite and "
+            f">= 1 (the step's event Gaussian(z) assumes at least z * S noise), got {scale!r}"
+        )
+    return scale
+
+
+def transformed_sum(
+    engine: Engine,
+    strategy: Any,
+    state: State,
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: Tensor,
+    targets: Tensor,
+    groups: ParamGroups,
+) -> EngineResult:
+    """``sum_i w_i T(g_i)``: ``T = strategy.transform``, ``w = strategy.weights(norms of T(g))``.
+
+    Per-example gradients come from the engine's materializing function (``vmap``:
+    ``vmap_per_example_grads``; ``naive``: its loop), one physical chunk of
+    ``engine.max_physical_batch`` at a time; norms, non-finite handling (weight 0, zero vector) and
+    the weighted sum are the engines' own (``ChunkReducer``). ``loss_sum`` is NaN (not computed on
+    this path; a non-private diagnostic only). Raises ``ValueError`` for an engine that
+    materializes no per-example gradients (``summed``).
+    """
+    per_example: Callable[..., dict[str, Tensor]]
+    if isinstance(engine, VmapEngine):
+        per_example = partial(vmap_per_example_grads, max_physical_batch=engine.max_physical_batch)
+    elif isinstance(engine, NaiveEngine):
+        per_example = naive_per_example_grads
+    else:
+        raise ValueError(
+            f"strategy {getattr(strategy, 'name', strategy)!r} needs materialized per-example "
+            f"gradients (class P-GRAD), which engine {getattr(engine, 'name', engine)!r} does not "
+            "provide; use the 'vmap' engine (--engine vmap) or the 'naive' oracle"
+        )
+    check_per_example_model(model, engine.name)
+    groups.validate(model)
+    params = {n: p.detach() for n, p in trainable_params(model).items()}
+    reducer = ChunkReducer(
+        params, groups, lambda norms: strategy.weights(norms, state), engine.name, inputs
+    )
+    batch, chunk = int(inputs.shape[0]), engine.max_physical_batch
+    for start in range(0, batch, chunk):
+        stop = min(start + chunk, batch)
+        raw = per_example(model, loss_fn, inputs[start:stop], targets[start:stop])
+        grads = strategy.transform(raw, state)
+        reducer.add_chunk(grads, torch.full((stop - start,), math.nan))
+    grads, norms, weights, _ = reducer.result()
+    return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=math.nan)
 
 
 def nonprivate_step_grads(

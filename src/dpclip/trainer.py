@@ -28,7 +28,7 @@ from dpclip.accounting import Ledger, calibrate_noise_multiplier, epsilon as led
 from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
 from dpclip.data import DatasetBundle, load_dataset
 from dpclip.engine import ParamGroups, get_engine
-from dpclip.events import DpEvent
+from dpclip.events import DpEvent, GaussianEvent
 from dpclip.models import build_model
 from dpclip.noise import make_generator
 from dpclip.sampling import Sampler, make_sampler
@@ -172,10 +172,19 @@ class _Plan:
         inner = self.strategy.planned_event(base, self.ctx(step, base))
         return self.sampler.step_event(inner)
 
-    def ledger(self, base: float, steps: int | None = None) -> Ledger:
+    def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
+        """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
+        (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
+        which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
+        rejected value is never used for training (building the real plan raises)."""
         led = Ledger()
         for t in range(self.total_steps if steps is None else steps):
-            led.record(self.event(t, base))
+            try:
+                led.record(self.event(t, base))
+            except ValueError:
+                if not lenient:
+                    raise
+                led.record(self.sampler.step_event(GaussianEvent(base)))
         return led
 
 
@@ -194,7 +203,7 @@ def _resolve_noise(config: TrainConfig, plan: _Plan) -> float:
     return calibrate_noise_multiplier(
         config.epsilon,
         config.delta,
-        lambda z: plan.ledger(z).to_dp_event(),
+        lambda z: plan.ledger(z, lenient=True).to_dp_event(),
         accountant=config.accountant,
     )
 
@@ -284,6 +293,7 @@ def train(
             raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, step={step}")
     if z is None:
         z = _resolve_noise(config, plan)
+        plan.ledger(z, steps=1)  # the strategy must accept the calibrated noise (clear error)
     max_steps = _budget_steps(config, plan, z)
 
     def save() -> None:

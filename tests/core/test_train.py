@@ -113,3 +113,11 @@ def test_bad_config_errors():
         TrainConfig(**dict(BASE, optimizer="rmsprop"), noise_multiplier=1.0)
     with pytest.raises(ValueError, match="delta"):
         TrainConfig(**dict(BASE, delta=1.5), noise_multiplier=1.0)
+
+
+def test_calibration_searches_below_a_strategy_noise_limit():
+    # quantile needs z < 2 sigma_b = B/10 = 6.4 at B=64; epsilon 1 needs z ~ 2.7, and the
+    # calibration's bracket search must not fail on the invalid large values it probes
+    cfg = TrainConfig(**dict(BASE, strategy="quantile", strategy_params={}), epsilon=1.0)
+    s = train(cfg, progress=False).summary
+    assert 0.999 <= s["epsilon"] <= 1.0 and s["noise_multiplier"] < 6.4

@@ -33,6 +33,7 @@ from dpclip.accounting.accountants import (
     epsilon,
 )
 from dpclip.accounting.ledger import Ledger
+from dpclip.accounting import gdp  # CLT/GDP tools for reproducing Du et al. (never a guarantee)
 
 __all__ = [
     "ACCOUNTANTS",

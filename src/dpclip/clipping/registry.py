@@ -26,6 +26,8 @@ class StrategyEntry:
 
     def parameters(self) -> dict[str, Any]:
         """Hyper-parameters with their defaults."""
+        if hasattr(self.cls, "from_params"):  # wrappers describe themselves in CLI form
+            return dict(self.cls().describe())
         return {
             f.name: (f.default if f.default is not dataclasses.MISSING else None)
             for f in dataclasses.fields(self.cls)
