@@ -65,6 +65,8 @@ class TrainConfig:
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     data_dir: str | None = None
+    #: log NON-PRIVATE clipping diagnostics each epoch (``dpclip.diagnostics``; research only)
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         if self.epsilon is None and self.noise_multiplier is None:
@@ -326,6 +328,9 @@ def train(
         bar = tqdm(total=total_steps, initial=step, desc=f"{config.strategy}", unit="step",
                    dynamic_ncols=True, leave=False)
     last_save = time.perf_counter()
+    step_seconds = 0.0
+    steps_in_epoch_timed = 0
+    diag_idx = torch.arange(min(256, n_train))
     steps_this_call = 0
     stopped_by_budget = False
     spe = sampler.steps_per_epoch
@@ -339,6 +344,7 @@ def train(
                 bar.close()
             return RunResult({"interrupted": True, "step": step}, history, ledger, model)
         ctx = plan.ctx(step, z)
+        t_step = time.perf_counter()
         idx = sampler.sample(sample_gen)
         out = dp_step(
             model, x_train[idx], y_train[idx],
@@ -359,6 +365,8 @@ def train(
         ledger.record(out.event)
         state = out.state
         step += 1
+        step_seconds += time.perf_counter() - t_step
+        steps_in_epoch_timed += 1
         steps_this_call += 1
         if bar is not None:
             bar.update(1)
@@ -374,8 +382,16 @@ def train(
                 "epsilon": eps_now,
                 "clip_threshold": strategy.sensitivity(state),
                 "noise_multiplier": out.noise_multiplier,
+                "ms_per_step": 1000.0 * step_seconds / max(steps_in_epoch_timed, 1),
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
+            step_seconds, steps_in_epoch_timed = 0.0, 0
+            if config.diagnostics and not getattr(strategy, "needs_per_example_grads", False):
+                from dpclip.diagnostics import nonprivate_diagnostics
+
+                row.update(nonprivate_diagnostics(
+                    model, cross_entropy_per_example, x_train[diag_idx], y_train[diag_idx],
+                    strategy, state, groups))
             history.append(row)
             if bar is not None:
                 bar.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps_now:.3f}")

@@ -121,3 +121,36 @@ def test_calibration_searches_below_a_strategy_noise_limit():
     cfg = TrainConfig(**dict(BASE, strategy="quantile", strategy_params={}), epsilon=1.0)
     s = train(cfg, progress=False).summary
     assert 0.999 <= s["epsilon"] <= 1.0 and s["noise_multiplier"] < 6.4
+
+
+def test_diagnostics_are_logged_under_nonprivate_prefix():
+    cfg = TrainConfig(**dict(BASE, epochs=1, strategy_params={"clip_norm": 0.01}),
+                      noise_multiplier=1.0, diagnostics=True)
+    row = train(cfg, progress=False).history[-1]
+    assert row["ms_per_step"] > 0
+    q10, q50, q90 = (row[f"nonprivate/norm_q{q}"] for q in (10, 50, 90))
+    assert 0 < q10 <= q50 <= q90
+    # with C far below the norms every example is clipped: weights ~ C/n, bias is large, and the
+    # cosine of the clipped sum with the true sum is below 1 but positive
+    assert row["nonprivate/unclipped_fraction"] == 0.0
+    assert 0 < row["nonprivate/cosine"] < 1
+    assert row["nonprivate/clip_bias_rel"] > 0.5
+    plain = train(TrainConfig(**dict(BASE, epochs=1), noise_multiplier=1.0), progress=False)
+    assert not any(k.startswith("nonprivate/") for k in plain.history[-1])
+
+
+def test_diagnostics_oracle_no_clipping_means_no_bias():
+    import torch
+    from torch import nn
+
+    from dpclip.clipping import FixedClip
+    from dpclip.diagnostics import nonprivate_diagnostics
+    from dpclip.engine import ParamGroups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+    ce = lambda o, t: nn.functional.cross_entropy(o, t, reduction="none")  # noqa: E731
+    d = nonprivate_diagnostics(model, ce, x, y, FixedClip(1e6), {}, ParamGroups.flat(model))
+    assert d["nonprivate/clip_bias"] < 1e-12 and abs(d["nonprivate/cosine"] - 1) < 1e-12
+    assert d["nonprivate/unclipped_fraction"] == 1.0

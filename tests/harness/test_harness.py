@@ -26,6 +26,7 @@ lr = 0.5
 optimizer = "momentum"
 delta = 1e-5
 accountant = "rdp"
+diagnostics = true
 [grid]
 epsilons = [1.0, 4.0]
 seeds = [0, 1]
@@ -141,13 +142,14 @@ def test_grid_killed_and_resumed_then_reported(spec_file, tmp_path):
                        ).fetchone()[0] == 8  # nothing was run twice
     md = (out / "tiny.md").read_text()
     assert "big" in md and "eps=1" in md and "eps=4" in md and "**" in md
-    for name in ("tiny_test_accuracy.png", "tiny_clip_threshold.png", "tiny_epsilon.png"):
+    for name in ("tiny_test_accuracy.png", "tiny_clip_threshold.png", "tiny_epsilon.png",
+                 "tiny_norm_quantiles.png", "tiny_cosine.png", "tiny_bias.png"):
         png = out / name
         assert png.exists() and png.stat().st_size > 1000
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     parser = _Parser()
     parser.feed((out / "tiny.html").read_text())
-    assert "table" in parser.tags and len(parser.imgs) >= 3
+    assert "table" in parser.tags and len(parser.imgs) >= 6
     assert all(src.startswith("data:image/png;base64,") for src in parser.imgs)
     # a second run skips everything
     assert main(["run", str(spec_file), "--db", str(db), "--out", str(out), "--no-progress"]) == 0
