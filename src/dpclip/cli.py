@@ -241,6 +241,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproductions(args: argparse.Namespace) -> int:
+    from dpclip.harness.reproduce import regenerate
+    from dpclip.harness.store import default_db_path
+
+    counts = regenerate(args.db or default_db_path(), args.dir, args.doc)
+    for name, n in counts.items():
+        print(f"{name}: {n} finished runs")
+    print(f"wrote {args.doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dpclip",
@@ -328,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output directory (default $DPCLIP_OUT or ./runs)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)
+
+    rr = sub.add_parser("reproductions",
+                        help="regenerate reproductions/results/*.json and docs/reproductions.md "
+                             "from the store")
+    rr.add_argument("--db")
+    rr.add_argument("--dir", default="reproductions", help="directory of the specs")
+    rr.add_argument("--doc", default="docs/reproductions.md")
+    rr.set_defaults(func=cmd_reproductions)
 
     b = sub.add_parser("bench", help="step time of each engine vs a non-private step")
     b.add_argument("--model", required=True, help="mlp, papernot-cnn, ...")

@@ -160,3 +160,33 @@ def test_report_without_runs_is_a_clear_error(tmp_path, capsys):
     rc = main(["report", "nothing", "--db", str(tmp_path / "e.db"), "--out", str(tmp_path)])
     assert rc == 2
     assert "no finished runs" in capsys.readouterr().err
+
+
+def test_reproductions_regenerated_from_store(tmp_path):
+    spec_dir = tmp_path / "repro"
+    spec_dir.mkdir()
+    text = SPEC.replace('name = "tiny"', 'name = "tiny-repro"\npaper = "a paper"\n'
+                        '[published]\n"big" = { value = 90.0, source = "Table 9" }')
+    text = text.replace("epsilons = [1.0, 4.0]", "epsilons = [4.0]").replace(
+        "seeds = [0, 1]", "seeds = [0]").replace("epochs = 2", "epochs = 1")
+    (spec_dir / "tiny.toml").write_text(text)
+    db = tmp_path / "r.db"
+    assert main(["run", str(spec_dir / "tiny.toml"), "--db", str(db), "--out",
+                 str(tmp_path / "o"), "--no-progress"]) == 0
+    doc = tmp_path / "doc.md"
+    assert main(["reproductions", "--db", str(db), "--dir", str(spec_dir),
+                 "--doc", str(doc)]) == 0
+    rows = json.loads((spec_dir / "results" / "tiny-repro.json").read_text())
+    assert len(rows) == 2
+    for r in rows:
+        assert {"dataset", "model", "strategy", "params", "epsilon", "delta", "seed", "epochs",
+                "test_accuracy"} <= set(r)
+    text = doc.read_text()
+    assert "a paper" in text and "| big | 90.0 | Table 9 |" in text and "not run" not in text
+
+
+def test_published_must_name_a_label(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text(SPEC.replace('name = "tiny"', 'name = "t"\n[published]\n"nope" = { value = 1 }'))
+    with pytest.raises(SpecError, match="not a strategy label"):
+        load_spec(p)

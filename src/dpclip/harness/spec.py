@@ -45,7 +45,7 @@ from dpclip.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
-_TOP = {"name", "description", "train", "grid", "strategies"}
+_TOP = {"name", "description", "paper", "published", "train", "grid", "strategies"}
 _GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
 _STRAT = {"name", "label", "params", "train"}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -89,6 +89,9 @@ class ExperimentSpec:
     noise_multipliers: tuple[float, ...]
     seeds: tuple[int, ...]
     strategies: tuple[StrategySpec, ...]
+    #: the paper table this spec reproduces, and its published numbers per strategy label
+    paper: str = ""
+    published: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def runs(self) -> list[RunSpec]:
         """Every run of the grid, in a stable order (strategy-major, then privacy, then seed)."""
@@ -207,8 +210,18 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
                                        st_train))
     if not strategies:
         raise SpecError("the spec needs at least one [[strategies]] entry")
+    published = raw.get("published", {})
+    if not isinstance(published, dict):
+        raise SpecError("[published] must be a table: label = { value = ..., source = ... }")
+    for lab, entry in published.items():
+        if lab not in labels:
+            raise SpecError(f"[published]: {lab!r} is not a strategy label of this spec; "
+                            f"labels: {sorted(labels)}")
+        if not (isinstance(entry, dict) and isinstance(entry.get("value"), (int, float))):
+            raise SpecError(f"[published].{lab} must be {{ value = <accuracy %>, source = ... }}")
     spec = ExperimentSpec(name, str(raw.get("description", "")), train, datasets, models,
-                          epsilons, noises, seeds, tuple(strategies))
+                          epsilons, noises, seeds, tuple(strategies), str(raw.get("paper", "")),
+                          dict(published))
     if validate_names:
         _validate_names(spec)
     return spec
