@@ -78,6 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         engine=args.engine,
         max_physical_batch=args.max_physical_batch,
         data_dir=args.data_dir,
+        device=args.device,
     )
     store = ResultsStore(args.db or default_db_path())
     run_id = store.start_run(config.fingerprint(), config.to_dict())
@@ -285,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--engine", default="vmap", help="per-example engine: vmap (default), naive")
+    t.add_argument("--engine", default="vmap",
+                   help="per-example engine: vmap (default), ghost, auto, naive")
+    t.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N or auto; the ledger is the same on every device")
     t.add_argument("--max-physical-batch", type=int, default=256,
                    help="memory knob: examples per vectorized chunk (results do not change)")
     t.add_argument("--data-dir", help="directory with the dataset files (else $DPCLIP_DATA, "

@@ -50,7 +50,7 @@ def nonprivate_diagnostics(
     finite = flat[torch.isfinite(flat)].double()
     out: dict[str, float] = {}
     if finite.numel():
-        qs = torch.quantile(finite, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+        qs = torch.quantile(finite, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64, device=finite.device))
         out.update({"nonprivate/norm_q10": float(qs[0]), "nonprivate/norm_q50": float(qs[1]),
                     "nonprivate/norm_q90": float(qs[2])})
     denom = ws.norm() * ts.norm()

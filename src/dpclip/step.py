@@ -206,7 +206,7 @@ def transformed_sum(
         stop = min(start + chunk, batch)
         raw = per_example(model, loss_fn, inputs[start:stop], targets[start:stop])
         grads = strategy.transform(raw, state)
-        reducer.add_chunk(grads, torch.full((stop - start,), math.nan))
+        reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=inputs.device))
     grads, norms, weights, _ = reducer.result()
     return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=math.nan)
 

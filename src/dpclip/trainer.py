@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from dpclip.noise import make_generator
 from dpclip.sampling import Sampler, make_sampler
 from dpclip.step import dp_step
 
-__all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "train"]
+__all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "resolve_device", "train"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -65,6 +66,10 @@ class TrainConfig:
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     data_dir: str | None = None
+    #: where the model, the data and the clipped sums live: "cpu", "cuda", "cuda:N" or "auto"
+    #: (cuda when available). An execution setting: not part of the fingerprint (the sampling and
+    #: noise generators stay on the CPU, so the privacy ledger is identical on every device).
+    device: str = "cpu"
     #: log NON-PRIVATE clipping diagnostics each epoch (``dpclip.diagnostics``; research only)
     diagnostics: bool = False
 
@@ -90,6 +95,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: batch_size must be > 0, got {self.batch_size}")
         if not (self.lr > 0):
             raise ValueError(f"TrainConfig: lr must be > 0, got {self.lr}")
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", str(self.device)):
+            raise ValueError(
+                f"TrainConfig: device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"TrainConfig: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}"
@@ -107,9 +116,10 @@ class TrainConfig:
         return TrainConfig(**d)
 
     def fingerprint(self) -> str:
-        """Hash of everything that determines the run's outcome (not data_dir)."""
+        """Hash of everything that determines the run's outcome (not data_dir, not device)."""
         d = self.to_dict()
         d.pop("data_dir", None)
+        d.pop("device", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,6 +142,24 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``torch.device`` for a ``TrainConfig.device`` value; a clear error if CUDA is missing."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {name!r}: this torch build or machine has no CUDA device; use "
+                "--device cpu (or auto)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return dev
 
 
 def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -249,17 +277,19 @@ def train(
     bundle = data or load_dataset(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
-    x_train, y_train = bundle.train.inputs, bundle.train.targets
+    device = resolve_device(config.device)
+    x_train, y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
+    x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
     n_train = int(x_train.shape[0])
 
     torch.manual_seed(config.seed)
     model = build_model(
         config.model, bundle.input_shape, bundle.num_classes, **config.model_options
-    )
+    ).to(device)
     model.train()
     strategy = make_strategy(config.strategy, config.strategy_params)
     engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
-        if config.engine in ("vmap", "naive") else get_engine(config.engine)
+        if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
     groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else ParamGroups.per_layer(model)
     sampler = make_sampler(config.sampling, n_train, config.batch_size)
     total_steps = config.epochs * sampler.steps_per_epoch
@@ -276,7 +306,7 @@ def train(
     z: float | None = None
     elapsed_before = 0.0
     if ckpt_path is not None and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         if ck["fingerprint"] != config.fingerprint():
             raise ValueError(
                 f"checkpoint {ckpt_path} belongs to a different run configuration; use another "
@@ -330,7 +360,7 @@ def train(
     last_save = time.perf_counter()
     step_seconds = 0.0
     steps_in_epoch_timed = 0
-    diag_idx = torch.arange(min(256, n_train))
+    diag_idx = torch.arange(min(256, n_train), device=device)
     steps_this_call = 0
     stopped_by_budget = False
     spe = sampler.steps_per_epoch
@@ -345,7 +375,7 @@ def train(
             return RunResult({"interrupted": True, "step": step}, history, ledger, model)
         ctx = plan.ctx(step, z)
         t_step = time.perf_counter()
-        idx = sampler.sample(sample_gen)
+        idx = sampler.sample(sample_gen).to(device)
         out = dp_step(
             model, x_train[idx], y_train[idx],
             loss_fn=cross_entropy_per_example, strategy=strategy, state=state, engine=engine,
@@ -372,7 +402,7 @@ def train(
             bar.update(1)
         end_of_epoch = step % spe == 0 or step == total_steps
         if end_of_epoch:
-            ev = evaluate(model, bundle.test.inputs, bundle.test.targets, config.eval_batch_size)
+            ev = evaluate(model, x_test, y_test, config.eval_batch_size)
             eps_now = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
             row = {
                 "epoch": (step - 1) // spe + 1,
@@ -405,7 +435,7 @@ def train(
     if bar is not None:
         bar.close()
     if not history or history[-1]["step"] != step:
-        ev = evaluate(model, bundle.test.inputs, bundle.test.targets, config.eval_batch_size)
+        ev = evaluate(model, x_test, y_test, config.eval_batch_size)
         history.append({
             "epoch": step / spe, "step": step, "test_accuracy": ev["accuracy"],
             "test_loss": ev["loss"],
@@ -439,6 +469,7 @@ def train(
         "optimizer": config.optimizer,
         "seed": config.seed,
         "engine": config.engine,
+        "device": str(device),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
     }

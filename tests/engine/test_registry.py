@@ -5,14 +5,24 @@ from __future__ import annotations
 import pytest
 
 import dpclip.engine as engine_pkg
-from dpclip.engine import ENGINES, NaiveEngine, SummedEngine, VmapEngine, get_engine
+from dpclip.engine import (
+    ENGINES,
+    AutoEngine,
+    GhostEngine,
+    NaiveEngine,
+    SummedEngine,
+    VmapEngine,
+    get_engine,
+)
 
 
 def test_registry_entries():
-    assert dict(ENGINES) == {"vmap": VmapEngine, "naive": NaiveEngine, "summed": SummedEngine}
+    assert dict(ENGINES) == {"vmap": VmapEngine, "naive": NaiveEngine, "summed": SummedEngine,
+                             "ghost": GhostEngine, "auto": AutoEngine}
     for name, cls in ENGINES.items():
         assert cls.name == name
     assert VmapEngine.per_example and NaiveEngine.per_example and not SummedEngine.per_example
+    assert GhostEngine.per_example and AutoEngine.per_example
     with pytest.raises(TypeError):
         ENGINES["other"] = VmapEngine  # read-only
 
@@ -31,13 +41,13 @@ def test_unknown_engine_lists_valid_names(bad):
         get_engine(bad)
     msg = str(info.value)
     assert repr(bad) in msg
-    for name in ("naive", "summed", "vmap"):
+    for name in ("auto", "ghost", "naive", "summed", "vmap"):
         assert name in msg
 
 
 def test_curated_all():
     assert sorted(engine_pkg.__all__) == sorted([
-        "ENGINES", "Engine", "EngineResult", "LossFn", "NaiveEngine", "ParamGroups",
+        "ENGINES", "AutoEngine", "Engine", "EngineResult", "GhostEngine", "ghost_support", "LossFn", "NaiveEngine", "ParamGroups",
         "SummedEngine", "UnsupportedModelError", "VmapEngine", "WeightFn", "get_engine",
         "naive_per_example_grads", "vmap_per_example_grads",
     ])

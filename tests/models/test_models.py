@@ -14,7 +14,8 @@ from dpclip.models import (
     make_activation,
 )
 
-EXPECTED = {"lin-b1", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn", "papernot-cnn"}
+EXPECTED = {"lin-b1", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn", "papernot-cnn",
+            "transformer"}
 CONV_MODELS = ["papernot-cnn", "papernot-cifar-cnn", "lin-b1", "lin-b3", "lin-b4"]
 
 
@@ -70,12 +71,18 @@ def test_output_shape_backward_and_no_batchnorm(name):
     entry = MODELS[name]
     torch.manual_seed(0)
     model = build_model(name, entry.intended_input_shape, entry.intended_num_classes)
-    x = torch.randn(3, *entry.intended_input_shape)
+    if name == "transformer":  # token ids
+        x = torch.randint(0, 10_000, (3, *entry.intended_input_shape))
+    else:
+        x = torch.randn(3, *entry.intended_input_shape)
     out = model(x)
     assert out.shape == (3, entry.intended_num_classes)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
-    banned = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d)
+    # no layer mixes examples (BatchNorm); the papers' networks have no normalization at all
+    banned = (nn.modules.batchnorm._BatchNorm, nn.InstanceNorm2d)
+    if name != "transformer":  # pre-LN encoder: LayerNorm is per example
+        banned = banned + (nn.GroupNorm, nn.LayerNorm)
     assert not any(isinstance(m, banned) for m in model.modules())
 
 

@@ -1,6 +1,10 @@
 """Engines: how per-example norms and the weighted gradient sum ``sum_i w_i g_i`` are computed.
 
 ``vmap``   - ``torch.func`` reference engine (per-example, flat or per-group norms), the default;
+``ghost``  - ghost norms and book-keeping from one backward (Linear, Conv1d/2d, Embedding,
+             LayerNorm, RMSNorm, GroupNorm, eval-mode BatchNorm); other layers raise
+             ``UnsupportedModelError`` unless built with ``fallback="vmap"``;
+``auto``   - ``ghost`` when the model is supported, else ``vmap`` (recorded in ``engine_info``);
 ``naive``  - explicit per-example loop (the test oracle; slow);
 ``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
              clipping).
@@ -16,14 +20,17 @@ from typing import Any, Mapping
 
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.ghost import AutoEngine, GhostEngine, ghost_support
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.summed import SummedEngine
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 
 __all__ = [
     "ENGINES",
+    "AutoEngine",
     "Engine",
     "EngineResult",
+    "GhostEngine",
     "LossFn",
     "NaiveEngine",
     "ParamGroups",
@@ -32,18 +39,20 @@ __all__ = [
     "VmapEngine",
     "WeightFn",
     "get_engine",
+    "ghost_support",
     "naive_per_example_grads",
     "vmap_per_example_grads",
 ]
 
 #: Registered engines by name (read-only).
 ENGINES: Mapping[str, type[Any]] = MappingProxyType(
-    {cls.name: cls for cls in (VmapEngine, NaiveEngine, SummedEngine)}
+    {cls.name: cls for cls in (VmapEngine, GhostEngine, AutoEngine, NaiveEngine, SummedEngine)}
 )
 
 
 def get_engine(name: str, **kwargs: Any) -> Engine:
-    """Instantiate the engine registered as ``name`` with ``kwargs`` (e.g. ``max_physical_batch``).
+    """Instantiate the engine registered as ``name`` with ``kwargs`` (e.g. ``max_physical_batch``;
+    ``norm_mode`` and ``fallback`` for ``ghost``).
 
     Raises ``ValueError`` naming the valid engines for an unknown name.
     """

@@ -26,6 +26,7 @@ from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = [
     "ChunkReducer",
+    "apply_weight_fn",
     "check_batch",
     "check_chunk_size",
     "check_per_example_model",
@@ -100,6 +101,23 @@ def check_per_example_model(model: nn.Module, engine: str) -> None:
         )
 
 
+def apply_weight_fn(weight_fn: WeightFn, norms: Tensor, engine: str) -> Tensor:
+    """``weight_fn(norms)``, checked: a tensor of the norms' shape with finite entries."""
+    weights = weight_fn(norms)
+    if not isinstance(weights, Tensor) or weights.shape != norms.shape:
+        got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(
+            f"{engine} engine: weight_fn must return a tensor of the norms' shape "
+            f"{tuple(norms.shape)}, got {got}"
+        )
+    if weights.numel() and not bool(torch.isfinite(weights).all()):
+        raise ValueError(
+            f"{engine} engine: weight_fn returned non-finite weights; a strategy must map "
+            "every norm (including +inf, the norm of a non-finite example) to a finite weight"
+        )
+    return weights
+
+
 @dataclass(frozen=True)
 class _Layout:
     names: tuple[str, ...]  #: trainable parameter names, in model order
@@ -151,19 +169,7 @@ class ChunkReducer:
         return (b,) if self.layout.flat else (b, self.layout.n_groups)
 
     def _apply_weight_fn(self, norms: Tensor) -> Tensor:
-        weights = self.weight_fn(norms)
-        if not isinstance(weights, Tensor) or weights.shape != norms.shape:
-            got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
-            raise ValueError(
-                f"{self.engine} engine: weight_fn must return a tensor of the norms' shape "
-                f"{tuple(norms.shape)}, got {got}"
-            )
-        if weights.numel() and not bool(torch.isfinite(weights).all()):
-            raise ValueError(
-                f"{self.engine} engine: weight_fn returned non-finite weights; a strategy must map "
-                "every norm (including +inf, the norm of a non-finite example) to a finite weight"
-            )
-        return weights
+        return apply_weight_fn(self.weight_fn, norms, self.engine)
 
     def add_chunk(self, per_example: Mapping[str, Tensor], losses: Tensor) -> None:
         """Fold one chunk: ``per_example[name]`` has shape ``(b, *param.shape)``, ``losses`` ``(b,)``."""

@@ -13,7 +13,7 @@ exceed the sensitivity (anchors P7).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -114,16 +114,21 @@ class EngineResult:
              NON-PRIVATE: log only under the ``nonprivate/`` prefix.
     weights: the weights that were applied (same shape as ``norms``), or ``None``.
     loss_sum: sum of the per-example losses of the batch (non-private diagnostic).
+    engine_info: public facts about how the result was computed, for the run summary; ``None`` for
+             engines with nothing to report. The ``ghost`` and ``auto`` engines report
+             ``{"engine": <engine that ran>, "requested": <engine asked for>, "fallback": <reason
+             or None>}`` so that a fallback to ``vmap`` is recorded, never silent.
     """
 
     grads: dict[str, Tensor]
     norms: Tensor | None
     weights: Tensor | None
     loss_sum: float
+    engine_info: dict[str, Any] | None = None
 
 
 class Engine(Protocol):
-    """Protocol implemented by ``vmap``, ``summed`` (and, later, ``ghost``)."""
+    """Protocol implemented by ``vmap``, ``naive``, ``summed``, ``ghost`` and ``auto``."""
 
     name: str
     #: whether the engine provides per-example norms (and so can run norm-based strategies)

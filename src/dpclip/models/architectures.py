@@ -2,9 +2,11 @@
 
 Every builder has the signature ``builder(input_shape, num_classes, **options) -> nn.Module`` and
 returns an ``nn.Sequential`` with named children (``conv1``, ``act1``, ``pool1``, ...,
-``flatten``, ``fc1``, ...). No normalisation layers (BatchNorm mixes examples, which breaks
-per-example clipping). Parameters are initialised by PyTorch's default initialisers from the
-current global generator: seed it (``torch.manual_seed``) before building for reproducibility.
+``flatten``, ``fc1``, ...); the one exception is :func:`transformer` (a small text classifier, a
+:class:`TextTransformer`). No BatchNorm (it mixes examples, which breaks per-example clipping); the
+transformer uses LayerNorm, which is per-example. Parameters are initialised by PyTorch's default
+initialisers from the current global generator: seed it (``torch.manual_seed``) before building for
+reproducibility.
 
 Convolutional builders take ``input_shape = (channels, height, width)`` and compute the flatten
 size from it; an input too small for the network raises ``ValueError``.
@@ -17,11 +19,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from dpclip.models.activations import make_activation
 
 __all__ = [
+    "SelfAttention",
+    "TextTransformer",
+    "TransformerEncoderLayer",
     "lin_b1",
     "lin_b3",
     "lin_b4",
@@ -29,6 +35,7 @@ __all__ = [
     "mlp",
     "papernot_cifar_cnn",
     "papernot_cnn",
+    "transformer",
 ]
 
 
@@ -289,3 +296,105 @@ def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Sequential:
     return nn.Sequential(
         OrderedDict(flatten=nn.Flatten(), fc1=nn.Linear(math.prod(input_shape), num_classes))
     )
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention from two ``nn.Linear`` layers (fused ``qkv`` and ``out``) and a
+    parameter-free softmax(q k^T / sqrt(d_head)) v (written out, so that ``torch.func.vmap`` batches
+    it without a fallback); unlike ``nn.MultiheadAttention`` every parameter lives in a Linear, so
+    the ghost engine supports it. Input and output ``(B, T, d)``."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        y = scores.softmax(-1) @ v
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerEncoderLayer(nn.Module):
+    """Pre-LayerNorm encoder block: ``x + attn(ln1(x))``, then ``x + ff2(gelu(ff1(ln2(x))))``."""
+
+    def __init__(self, d_model: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, heads)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ff1 = nn.Linear(d_model, ff)
+        self.act = nn.GELU()
+        self.ff2 = nn.Linear(ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ff2(self.act(self.ff1(self.norm2(x))))
+
+
+class TextTransformer(nn.Module):
+    """Token ids ``(B, T)`` -> token + learned position embeddings -> encoder layers -> LayerNorm
+    -> mean over positions -> Linear logits ``(B, num_classes)``.
+
+    Positions are looked up with an ``(B, T)`` index (the batch dimension first), so every layer
+    sees batched inputs, as per-example engines that work layer by layer require.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, num_classes: int, d_model: int, heads: int,
+                 layers: int, ff: int) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleList(
+            [TransformerEncoderLayer(d_model, heads, ff) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t = x.shape
+        if t > self.seq_len:
+            raise ValueError(f"TextTransformer: sequence length {t} > seq_len {self.seq_len}")
+        # (B, T) and contiguous: per-example engines that work layer by layer need the batch
+        # first, and Opacus's embedding norm sampler views the indices
+        pos = torch.arange(t, device=x.device).expand(b, t).contiguous()
+        h = self.tokens(x) + self.positions(pos)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h).mean(1))
+
+
+def transformer(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    vocab_size: int = 10_000,
+    d_model: int = 128,
+    heads: int = 4,
+    layers: int = 2,
+    ff: int = 256,
+) -> TextTransformer:
+    """A small transformer encoder for text classification (a benchmark model for the engines).
+
+    ``input_shape = (seq_len,)``: one example is a sequence of ``seq_len`` token ids in
+    ``[0, vocab_size)`` (a LongTensor batch of shape ``(B, seq_len)``). Token and position
+    Embeddings, ``layers`` pre-LayerNorm encoder blocks (:class:`TransformerEncoderLayer`,
+    attention written from ``nn.Linear``), a final LayerNorm, mean pooling and a Linear head. With
+    the defaults (vocab 10,000, seq_len 64, d_model 128, 4 heads, 2 layers, ff 256): 1,553,666
+    parameters for 2 classes, 82 % of them in the token embedding.
+    """
+    shape = tuple(input_shape)
+    if len(shape) != 1:
+        raise ValueError(
+            f"model 'transformer' needs input_shape=(seq_len,) (token ids), got {shape}")
+    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("heads", heads),
+                        ("layers", layers), ("ff", ff)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model 'transformer': option {name} must be an integer >= 1, got "
+                             f"{value!r}")
+    return TextTransformer(vocab_size, shape[0], num_classes, d_model, heads, layers, ff)

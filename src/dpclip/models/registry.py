@@ -19,6 +19,7 @@ from dpclip.models.architectures import (
     mlp,
     papernot_cifar_cnn,
     papernot_cnn,
+    transformer,
 )
 
 __all__ = ["MODELS", "ModelBuilder", "ModelEntry", "build_model", "list_models", "register_model"]
@@ -208,6 +209,17 @@ for _entry in (
         paper="tabular baseline (e.g. Barczewski & Ramon, DP-SGD with weight clipping, Table 4)",
         input_notes="any input shape (flattened); e.g. 30 features of breast-cancer",
         intended_input_shape=(30,),
+        intended_num_classes=2,
+    ),
+    ModelEntry(
+        name="transformer",
+        description="small transformer encoder for text classification (token ids in, 2 layers, "
+        "d_model 128)",
+        builder=transformer,
+        paper="benchmark model for the per-example engines (pre-LN encoder, Vaswani et al. 2017; "
+        "Xiong et al. 2020)",
+        input_notes="token-id sequences (B, seq_len) of a LongTensor; input_shape=(seq_len,)",
+        intended_input_shape=(64,),
         intended_num_classes=2,
     ),
     ModelEntry(

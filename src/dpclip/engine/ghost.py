@@ -1,0 +1,1064 @@
+"""The ghost engine: per-example gradient norms without per-example gradients, and the clipped sum
+by book-keeping, from ONE backward pass.
+
+One call of :meth:`GhostEngine.compute` does, per physical chunk of the batch:
+
+1. a forward pass with forward hooks (registered for this call only, removed in a ``finally``) on
+   every layer that owns a trainable parameter; each hook stores the layer's input ``a`` and its
+   output tensor;
+2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, outputs)``,
+   that asks for the gradients ``b`` with respect to the layers' OUTPUTS only: autograd then skips
+   every parameter-gradient product, which is exactly the work that book-keeping redoes with weights
+   (Bu et al. 2023, "book-keeping");
+3. per-example squared norms of every parameter's gradient from ``a`` and ``b`` (the layer rules
+   below), reduced to flat or per-group norms; ``weights = weight_fn(norms)``;
+4. ``sum_i w_i g_i`` for every parameter from the same ``a`` and ``b`` with the weights folded into
+   ``b`` (or, for layers whose per-example gradients were kept, one weighted reduction of those).
+
+Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w.r.t. the output;
+``T`` positions of a sequence / feature map, ``d``/``p`` input/output width):
+
+* Linear, 2-D input: ``||dW_i||^2 = ||a_i||^2 ||b_i||^2``, ``||db_i||^2 = ||b_i||^2``;
+  sum ``dW = (w*b)^T a`` (one matrix product), ``db = w^T b``.
+* Linear on sequences (any number of middle dimensions) and Conv1d/Conv2d (positions of the unfolded
+  input; any stride, padding, padding mode, dilation and groups), three ways, chosen per layer:
+    - ``ghost``: ``||dW_i||^2 = sum_{t,t'} (a_t . a_t')(b_t . b_t')`` from the two Gram matrices
+      (``2 T^2 (d+p)`` flops per example, ``T^2`` memory); the sum by book-keeping
+      (``(w*b)^T a`` / one convolution weight-gradient with ``w*b``: ``2 T d p`` flops);
+    - ``direct``: the per-example gradient ``sum_t b_t a_t^T`` (batched matrix product, or a grouped
+      convolution with the batch folded into the groups) is formed, its norm taken, and freed
+      (``2 T d p`` flops, ``d p`` memory per example); the sum by book-keeping;
+    - ``keep``: like ``direct`` but the per-example gradients are kept and the sum is one weighted
+      reduction (``2 d p`` flops) instead of book-keeping.
+  The ``mixed`` rule (default; Li et al. 2022 and Bu et al.'s mixed ghost clipping, by cost) keeps
+  the layers that save the most flops per kept float while the kept gradients fit in a budget equal
+  to the inputs and output gradients the engine holds anyway, and uses ``ghost``
+  for the others when ``T (d + p) < d p``, else ``direct``. Biases: ``db_i = sum_t b_t``.
+* Embedding: ``||dE_i||^2 = sum_{t,t'} [x_t = x_t'] (b_t . b_t')`` (Gram with an index-equality
+  mask) or, for long sequences, the squared norms of per-(example, token) segment sums; the sum by
+  ``index_add`` of ``w*b`` (padding_idx rows get nothing, as in PyTorch).
+* LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode (running statistics): per-example gradients
+  are cheap sums over positions (``dgamma_i = sum_t b_t * xhat_t``, ``dbeta_i = sum_t b_t``, the
+  shape of the affine parameters) and are kept.
+* A parameter used more than once (a layer called several times, tied weights) gets its per-example
+  gradient formed for every use and summed (memory ``B * numel``); then the same as ``keep``.
+
+Soundness checks (per call): every trainable parameter must be owned by a supported layer; after the
+forward, the autograd graph is walked and each parameter must be used by exactly the hooked layer
+calls (a parameter also used functionally elsewhere, e.g. ``F.linear(x, self.fc.weight)``, would
+otherwise get part of its gradient silently dropped); and the captured inputs and outputs must not
+have been modified in place (e.g. ``ReLU(inplace=True)`` right after a hooked layer). A violation
+raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or with
+``fallback="vmap"`` runs the ``vmap`` engine on the whole batch and says so in
+``EngineResult.engine_info``.
+
+References: I. Goodfellow, "Efficient per-example gradient computations", 2015 (2-D linear rule);
+X. Li, F. Tramer, P. Liang, T. Hashimoto, "Large language models can be strong differentially
+private learners", ICLR 2022 (ghost clipping for sequences); Z. Bu, J. Mao, S. Xu, "Scalable and
+efficient training of large convolutional neural networks with differential privacy", NeurIPS 2022
+(mixed ghost clipping for convolutions); Z. Bu, Y.-X. Wang, S. Zha, G. Karypis, "Differentially
+private optimization on large model at small cost", ICML 2023 (book-keeping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpclip.engine._common import (
+    ChunkReducer,
+    apply_weight_fn,
+    check_batch,
+    check_chunk_size,
+    check_per_example_model,
+    check_weight_fn,
+)
+from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.errors import UnsupportedModelError
+
+__all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
+
+#: per-layer norm strategies: ``mixed`` (cost rule, default), ``ghost`` (Gram matrices wherever a
+#: layer has a ghost rule) and ``direct`` (per-example gradients formed and kept); results agree to
+#: float rounding, the choice only changes speed and memory.
+NORM_MODES = ("mixed", "ghost", "direct")
+_FALLBACKS = (None, "vmap")
+
+_vecdot = torch.linalg.vecdot
+
+
+# ----------------------------------------------------------------------------------- layer calls
+
+
+class _Call:
+    """One hooked call of a layer: its input ``a``, output gradient ``b`` and scratch space."""
+
+    __slots__ = ("mod", "rule", "owner", "a", "out", "b", "versions", "choice", "kept")
+
+    def __init__(self, mod: nn.Module, rule: "_Rule", a: Tensor, out: Tensor) -> None:
+        self.mod = mod
+        self.rule = rule
+        self.a = a
+        self.out = out
+        self.versions = (a._version, out._version)
+        self.b: Tensor | None = None
+        self.choice = "ghost"
+        self.kept: dict[str, Tensor] = {}
+
+
+class _Weights:
+    """The chunk's weights by group, as ``(B,)`` columns and ``(B, 1)`` views (made once each)."""
+
+    __slots__ = ("weights", "flat", "_cols", "_cols2")
+
+    def __init__(self, weights: Tensor, flat: bool) -> None:
+        self.weights = weights
+        self.flat = flat
+        self._cols: dict[int, Tensor] = {}
+        self._cols2: dict[int, Tensor] = {}
+
+    def col(self, g: int) -> Tensor:
+        if self.flat:
+            return self.weights
+        w = self._cols.get(g)
+        if w is None:
+            w = self._cols[g] = self.weights[:, g]
+        return w
+
+    def col2(self, g: int) -> Tensor:
+        w = self._cols2.get(g)
+        if w is None:
+            w = self._cols2[g] = self.col(g).unsqueeze(1)
+        return w
+
+
+def _rows(mask: Tensor, t: Tensor) -> Tensor:
+    """``t`` with the rows (examples) where ``mask`` is False set to zero."""
+    return torch.where(mask.view(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
+    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)``."""
+    return (w.to(g.dtype) @ g.reshape(g.shape[0], -1)).view(g.shape[1:])
+
+
+def _sq(g: Tensor) -> Tensor:
+    """Squared norms of the rows of ``g`` (one fused reduction, no temporary of ``g``'s size)."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
+class _Rule:
+    """How to get per-example norms and weighted sums of one layer type from ``a`` and ``b``."""
+
+    roles: ClassVar[tuple[str, ...]] = ("weight", "bias")
+    #: "matmul": a ghost/direct/keep choice by :meth:`dims`; "embedding": Gram or segment sums;
+    #: "affine": the (small) per-example gradients are always formed and kept
+    kind: ClassVar[str] = "affine"
+
+    def unsupported(self, mod: nn.Module) -> str | None:
+        """A reason this configuration of the layer is not supported, or None."""
+        return None
+
+    def prepare(self, c: _Call) -> None:
+        """Normalise ``c.a`` / ``c.b`` (flatten, pad) once ``c.b`` is known."""
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int] | None:
+        """``(T, d_in, d_out, groups)`` of a matmul layer on positions (None: no choice to make)."""
+        return None
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        """Squared per-example norms ``(B,)`` of the gradients of ``roles``; per-example gradients
+        that should be reused for the sum go into ``c.kept``."""
+        out = {}
+        for r in roles:
+            g = self.per_example(c, r)
+            c.kept[r] = g
+            out[r] = _sq(g)
+        return out
+
+    def fused_norm(self, c: _Call, roles: Sequence[str]) -> Tensor | None:
+        """The sum of the squared norms of ``roles`` in one go, when cheaper (else None)."""
+        return None
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        """The per-example gradient ``(B, *param.shape)`` of ``role`` from this call."""
+        raise NotImplementedError
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        """``sum_i w_{i, g(role)} g_i`` for every role in ``groups`` (book-keeping from a, b)."""
+        return {r: _kept_sum(self.per_example(c, r), w.col(g)) for r, g in groups.items()}
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        """Zero the rows of non-finite examples in everything :meth:`weighted` reads."""
+        if c.a.is_floating_point():
+            c.a = _rows(finite, c.a)
+        c.b = _rows(finite, c.b)
+
+
+class _LinearRule(_Rule):
+    kind = "matmul"
+
+    def prepare(self, c: _Call) -> None:
+        if c.a.ndim != 2:
+            batch = c.a.shape[0]
+            c.a = c.a.reshape(batch, -1, c.a.shape[-1])
+            c.b = c.b.reshape(batch, -1, c.b.shape[-1])
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int] | None:
+        if c.a.ndim == 2:
+            return None
+        return c.a.shape[1], c.a.shape[2], c.b.shape[2], 1
+
+    def fused_norm(self, c: _Call, roles: Sequence[str]) -> Tensor | None:
+        if c.a.ndim != 2 or len(roles) != 2:
+            return None
+        b2 = _sq(c.b)  # ||a||^2 ||b||^2 + ||b||^2
+        return torch.addcmul(b2, _sq(c.a), b2)
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        a, b = c.a, c.b
+        out: dict[str, Tensor] = {}
+        if a.ndim == 2:  # Goodfellow: ||b_i a_i^T||^2 = ||a_i||^2 ||b_i||^2
+            b2 = _sq(b)
+            if "weight" in roles:
+                out["weight"] = _sq(a) * b2
+            if "bias" in roles:
+                out["bias"] = b2
+            return out
+        if "weight" in roles:
+            if c.choice == "ghost":  # sum_{t,t'} (a_t . a_t')(b_t . b_t')
+                ga = torch.bmm(a, a.transpose(1, 2))
+                gb = torch.bmm(b, b.transpose(1, 2))
+                out["weight"] = _vecdot(ga.flatten(1), gb.flatten(1))
+            else:
+                g = torch.bmm(b.transpose(1, 2), a)
+                out["weight"] = _sq(g)
+                if c.choice == "keep":
+                    c.kept["weight"] = g
+        if "bias" in roles:
+            gb = b.sum(1)
+            c.kept["bias"] = gb
+            out["bias"] = _sq(gb)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        a, b = c.a, c.b
+        if role == "bias":
+            return b if a.ndim == 2 else b.sum(1)
+        if a.ndim == 2:
+            return b[:, :, None] * a[:, None, :]
+        return torch.bmm(b.transpose(1, 2), a)
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        a, b = c.a, c.b
+        out: dict[str, Tensor] = {}
+        g_w, g_b = groups.get("weight"), groups.get("bias")
+        if a.ndim == 2:
+            if g_w is not None:
+                bw = b * w.col2(g_w)
+                out["weight"] = torch.mm(bw.t(), a)
+                if g_b == g_w:
+                    out["bias"] = bw.sum(0)
+                    return out
+            if g_b is not None:
+                out["bias"] = w.col(g_b) @ b
+            return out
+        if g_w is not None:  # (w*b)^T a over all (example, position) rows
+            bw = b * w.col2(g_w).unsqueeze(2)
+            out["weight"] = torch.mm(bw.reshape(-1, b.shape[-1]).t(), a.reshape(-1, a.shape[-1]))
+        if g_b is not None:
+            out["bias"] = w.col(g_b) @ b.sum(1)
+        return out
+
+
+class _ConvRule(_Rule):
+    """Conv1d / Conv2d. When the layer pads by itself (a padding mode other than zeros, or string
+    padding), :meth:`prepare` pads ``c.a`` the same way and the formulas use padding 0."""
+
+    kind = "matmul"
+
+    @staticmethod
+    def _padding(c: _Call) -> tuple[int, ...]:
+        mod = c.mod
+        if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
+            return (0,) * (c.a.ndim - 2)
+        return tuple(mod.padding)
+
+    def prepare(self, c: _Call) -> None:
+        mod = c.mod
+        if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
+            mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+            c.a = F.pad(c.a, mod._reversed_padding_repeated_twice, mode=mode)
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int]:
+        mod = c.mod
+        positions = math.prod(c.b.shape[2:])
+        return positions, mod.in_channels * math.prod(mod.kernel_size), mod.out_channels, mod.groups
+
+    def _unfold(self, c: _Call) -> tuple[Tensor, bool]:
+        """``(patches, channels_last)``: ``patches`` of shape ``(B * groups, L, fan_in)``, one row
+        per output position, ``fan_in = C_in/groups * K`` ordered ``(C, *kernel)`` or, when
+        ``channels_last`` (groups == 1), ``(*kernel, C)``.
+
+        Built as a strided view of the (padded) input and copied once by ``reshape`` (``F.unfold``,
+        im2col, is one to two orders of magnitude slower on CPU); with one group the input is made
+        channels-last first, so that the copy moves runs of ``C`` contiguous values."""
+        mod, a = c.mod, c.a
+        pad = self._padding(c)
+        if any(pad):
+            a = F.pad(a, [q for p in reversed(pad) for q in (p, p)])
+        nd = a.ndim - 2
+        batch, channels, g = a.shape[0], a.shape[1], mod.groups
+        channels_last = g == 1 and channels > 1
+        if channels_last:
+            a = a.movedim(1, -1).contiguous()
+            spatial, sp_stride = a.shape[1:-1], a.stride()[1:-1]
+        else:
+            spatial, sp_stride = a.shape[2:], a.stride()[2:]
+        k_size, k_stride, o_size, o_stride = [], [], [], []
+        for i in range(nd):
+            k, d, st = mod.kernel_size[i], mod.dilation[i], mod.stride[i]
+            k_size.append(k)
+            k_stride.append(sp_stride[i] * d)
+            o_size.append((spatial[i] - d * (k - 1) - 1) // st + 1)
+            o_stride.append(sp_stride[i] * st)
+        positions = math.prod(o_size)
+        fan_in = channels // g * math.prod(mod.kernel_size)
+        if channels_last:  # (B, *out, *kernel, C)
+            view = a.as_strided([batch] + o_size + k_size + [channels],
+                                [a.stride(0)] + o_stride + k_stride + [a.stride(-1)],
+                                a.storage_offset())
+            return view.reshape(batch, positions, fan_in), True
+        # (B, g, C/g, *kernel, *out) -> (B * g, L, fan_in)
+        view = a.as_strided([batch, g, channels // g] + k_size + o_size,
+                            [a.stride(0), a.stride(1) * (channels // g), a.stride(1)] + k_stride
+                            + o_stride, a.storage_offset())
+        return view.reshape(batch * g, fan_in, positions).transpose(1, 2), False
+
+    def _weight_grad(self, c: _Call, inp: Tensor, grad_out: Tensor, shape: Sequence[int],
+                     groups: int) -> Tensor:
+        mod = c.mod
+        dummy = grad_out.new_empty(1).expand(*shape)
+        return torch.ops.aten.convolution_backward(
+            grad_out, inp, dummy, None, mod.stride, self._padding(c), mod.dilation, False,
+            [0] * (inp.ndim - 2), groups, [False, True, False])[1]
+
+    def _per_example_weight(self, c: _Call) -> Tensor:
+        mod, a, b = c.mod, c.a, c.b
+        batch, g = a.shape[0], mod.groups
+        cin_g = mod.in_channels // g
+        if cin_g > 1 and cin_g * math.prod(mod.kernel_size) * math.prod(b.shape[2:]) \
+                <= _PATCH_MAX_NUMEL:
+            # small patch matrices: copy them, then one batched matmul per (example, group)
+            u, channels_last = self._unfold(c)
+            bb = b.reshape(batch * g, mod.out_channels // g, -1)
+            gw = torch.bmm(bb, u)
+            if channels_last:  # (B, C_out, *kernel, C_in) -> (B, C_out, C_in, *kernel)
+                gw = gw.view(batch, mod.out_channels, *mod.kernel_size, cin_g).movedim(-1, 2)
+                return gw.contiguous()
+        else:  # a grouped convolution weight-gradient with the batch folded into the groups
+            x = a.reshape(1, batch * a.shape[1], *a.shape[2:])
+            go = b.reshape(1, batch * b.shape[1], *b.shape[2:])
+            gw = self._weight_grad(c, x, go, (batch * mod.out_channels, cin_g, *mod.kernel_size),
+                                   batch * g)
+        return gw.view(batch, mod.out_channels, cin_g, *mod.kernel_size)
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        batch = c.a.shape[0]
+        if "weight" in roles:
+            if c.choice == "ghost":  # Gram matrices of the patches and of the output gradients
+                u, _ = self._unfold(c)
+                ga = torch.bmm(u, u.transpose(1, 2))
+                bb = c.b.reshape(u.shape[0], -1, u.shape[1])
+                gb = torch.bmm(bb.transpose(1, 2), bb)
+                out["weight"] = _vecdot(ga.flatten(1), gb.flatten(1)).view(batch, -1).sum(1)
+            else:
+                gw = self._per_example_weight(c)
+                out["weight"] = _sq(gw)
+                if c.choice == "keep":
+                    c.kept["weight"] = gw
+        if "bias" in roles:
+            gb = c.b.flatten(2).sum(2)
+            c.kept["bias"] = gb
+            out["bias"] = _sq(gb)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        if role == "bias":
+            return c.b.flatten(2).sum(2)
+        return self._per_example_weight(c)
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        b = c.b
+        if "weight" in groups:  # one convolution weight-gradient with the weighted b
+            wc = w.col(groups["weight"])
+            bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
+            out["weight"] = self._weight_grad(c, c.a, bw, c.mod.weight.shape, c.mod.groups)
+        if "bias" in groups:
+            out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
+        return out
+
+
+class _EmbeddingRule(_Rule):
+    roles = ("weight",)
+    kind = "embedding"
+
+    def unsupported(self, mod: nn.Module) -> str | None:
+        if mod.max_norm is not None:
+            return ("max_norm is set (the forward renormalises the weight in place); use "
+                    "max_norm=None")
+        if mod.scale_grad_by_freq:
+            return "scale_grad_by_freq=True (batch-frequency scaling); use scale_grad_by_freq=False"
+        return None
+
+    def prepare(self, c: _Call) -> None:
+        batch = c.a.shape[0]
+        c.a = c.a.reshape(batch, -1)
+        b = c.b.reshape(batch, c.a.shape[1], -1)
+        if c.mod.padding_idx is not None:  # PyTorch gives the padding row no gradient
+            b = b * (c.a != c.mod.padding_idx).unsqueeze(2).to(b.dtype)
+        c.b = b
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        x, b = c.a, c.b
+        batch = x.shape[0]
+        if c.choice == "ghost":  # sum_{t,t'} [x_t = x_t'] (b_t . b_t')
+            gb = torch.bmm(b, b.transpose(1, 2))
+            same = (x.unsqueeze(2) == x.unsqueeze(1)).to(gb.dtype)
+            return {"weight": _vecdot(gb.flatten(1), same.flatten(1))}
+        # segment sums: the non-zero rows of the per-example gradient, one per (example, token)
+        vocab = c.mod.num_embeddings
+        key = torch.arange(batch, device=x.device).unsqueeze(1) * vocab + x
+        uniq, inv = torch.unique(key.flatten(), return_inverse=True)
+        seg = b.new_zeros(uniq.shape[0], b.shape[2]).index_add_(0, inv, b.reshape(-1, b.shape[2]))
+        sq = b.new_zeros(batch).index_add_(0, uniq // vocab, _sq(seg))
+        return {"weight": sq}
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        x, b = c.a, c.b
+        batch, vocab = x.shape[0], c.mod.num_embeddings
+        key = torch.arange(batch, device=x.device).unsqueeze(1) * vocab + x
+        out = b.new_zeros(batch * vocab, b.shape[2])
+        out.index_add_(0, key.flatten(), b.reshape(-1, b.shape[2]))
+        return out.view(batch, vocab, b.shape[2])
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        x, b = c.a, c.b
+        bw = (b * w.col2(groups["weight"]).unsqueeze(2)).reshape(-1, b.shape[2])
+        out = b.new_zeros(c.mod.num_embeddings, b.shape[2]).index_add_(0, x.flatten(), bw)
+        return {"weight": out}
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        c.b = _rows(finite, c.b)
+
+
+class _AffineNormRule(_Rule):
+    """LayerNorm / RMSNorm (trailing normalized dims), GroupNorm / eval BatchNorm (channel dim 1):
+    ``dgamma_i = sum over positions of b * xhat``, ``dbeta_i = sum of b``."""
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        if role == "bias":
+            return self._reduce(c.mod, c.b)
+        return self._reduce(c.mod, c.b * self._xhat(c.mod, c.a))
+
+
+class _TrailingNormRule(_AffineNormRule):
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        k = len(mod.normalized_shape)
+        return t.reshape(t.shape[0], -1, *t.shape[t.ndim - k:]).sum(1)
+
+
+class _LayerNormRule(_TrailingNormRule):
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
+
+
+class _RMSNormRule(_TrailingNormRule):
+    roles = ("weight",)
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.rms_norm(a, mod.normalized_shape, None, mod.eps)
+
+
+class _ChannelNormRule(_AffineNormRule):
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+
+
+class _GroupNormRule(_ChannelNormRule):
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.group_norm(a, mod.num_groups, None, None, mod.eps)
+
+
+class _EvalBatchNormRule(_ChannelNormRule):
+    """BatchNorm with running statistics in eval mode: a fixed per-channel affine map.
+    (Training-mode BatchNorm mixes examples and is refused before we get here.)"""
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.batch_norm(a, mod.running_mean, mod.running_var, None, None, False, 0.0, mod.eps)
+
+
+#: per-example patch-matrix size (fan-in x positions) up to which per-example conv gradients copy
+#: the patches and use one batched matmul; beyond it, or with one input channel per group (slow
+#: strided copies), a grouped convolution weight-gradient (no patch copy) is faster on CPU
+_PATCH_MAX_NUMEL = 65536
+#: reduction length below which per-example (batched) products lose efficiency (cost rule)
+_SMALL_REDUCTION = 256
+#: sequence length up to which an Embedding's norm uses the (T x T) Gram matrix, beyond which the
+#: per-(example, token) segment sums
+_EMBED_GRAM_MAX_LEN = 128
+
+_CONV = _ConvRule()
+_BATCHNORM = _EvalBatchNormRule()
+_RULES: dict[type, _Rule] = {
+    nn.Linear: _LinearRule(),
+    nn.Conv1d: _CONV,
+    nn.Conv2d: _CONV,
+    nn.Embedding: _EmbeddingRule(),
+    nn.LayerNorm: _LayerNormRule(),
+    nn.GroupNorm: _GroupNormRule(),
+    nn.BatchNorm1d: _BATCHNORM,
+    nn.BatchNorm2d: _BATCHNORM,
+    nn.BatchNorm3d: _BATCHNORM,
+    nn.SyncBatchNorm: _BATCHNORM,
+}
+if hasattr(nn, "RMSNorm"):
+    _RULES[nn.RMSNorm] = _RMSNormRule()
+
+#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``)
+SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
+
+
+def _rule_for(mod: nn.Module) -> _Rule | None:
+    rule = _RULES.get(type(mod))
+    if rule is not None:
+        return rule
+    for base, rule in _RULES.items():
+        if isinstance(mod, base) and type(mod).forward is base.forward:
+            return rule
+    return None
+
+
+# ------------------------------------------------------------------------------ model scan
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """A module that owns trainable parameters directly, with the rule for its type."""
+
+    name: str
+    module: nn.Module
+    rule: _Rule
+    roles: tuple[str, ...]  #: attribute names of its trainable parameters
+    pnames: tuple[str, ...]  #: their canonical names (as in ``model.named_parameters()``)
+
+
+@dataclass(frozen=True)
+class _Scan:
+    params: dict[str, Tensor]  #: trainable parameters by canonical name, in model order
+    owners: tuple[_Owner, ...]
+    reasons: tuple[str, ...]  #: why the model is not supported (empty: supported)
+    batchnorm: bool  #: the model has a BatchNorm layer
+
+
+def _scan(model: nn.Module) -> _Scan:
+    """One pass over the modules: the trainable parameters (as ``trainable_params``: the names and
+    order of ``model.named_parameters()``, tied parameters once), their owners and rules, and the
+    reasons the model is unsupported."""
+    params: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    owners: list[_Owner] = []
+    reasons: list[str] = []
+    batchnorm = False
+    for qual, mod in model.named_modules():
+        if isinstance(mod, _BatchNorm):
+            batchnorm = True
+        own = []
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            pid = id(p)
+            if pid in seen:  # tied: already named under its first owner
+                if p.requires_grad:
+                    own.append((attr, next(n for n, q in params.items() if q is p)))
+                continue
+            seen.add(pid)
+            if p.requires_grad:
+                name = f"{qual}.{attr}" if qual else attr
+                params[name] = p
+                own.append((attr, name))
+        if not own:
+            continue
+        where = qual or "<root>"
+        rule = _rule_for(mod)
+        if rule is None:
+            kind = "a container module" if mod._modules else "an unsupported layer"
+            reasons.append(f"{where!r} ({type(mod).__name__}, {kind} owning trainable "
+                           f"parameter(s) {', '.join(a for a, _ in own)})")
+            continue
+        extra = [attr for attr, _ in own if attr not in rule.roles]
+        if extra:
+            reasons.append(f"{where!r} ({type(mod).__name__} with extra trainable parameter(s) "
+                           f"{', '.join(extra)})")
+            continue
+        why = rule.unsupported(mod)
+        if why:
+            reasons.append(f"{where!r} ({type(mod).__name__}: {why})")
+            continue
+        owners.append(_Owner(where, mod, rule, tuple(a for a, _ in own),
+                             tuple(n for _, n in own)))
+    return _Scan(params, tuple(owners), tuple(reasons), batchnorm)
+
+
+def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
+    """``(supported, reasons)``: whether every trainable parameter of ``model`` is owned by a layer
+    the ghost engine supports (``SUPPORTED_LAYERS``, in a supported configuration), and the layers
+    that are not. Run-time conditions (a parameter used outside its layer, in-place changes of a
+    layer's input or output, a layer applied to a tensor without the batch dimension first) are
+    only detected during :meth:`GhostEngine.compute`."""
+    scan = _scan(model)
+    return not scan.reasons, scan.reasons
+
+
+class _RuntimeUnsupported(Exception):
+    """A model property found during the forward pass that the ghost rules cannot handle."""
+
+
+def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
+    """How many autograd edges lead into each wanted parameter's AccumulateGrad node."""
+    indeg: dict[Any, int] = {root: 0}
+    stack = [root]
+    while stack:
+        fn = stack.pop()
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            if nxt in indeg:
+                indeg[nxt] += 1
+            else:
+                indeg[nxt] = 1
+                stack.append(nxt)
+    uses: dict[str, int] = {}
+    for fn, n in indeg.items():
+        if fn.next_functions:
+            continue
+        var = getattr(fn, "variable", None)
+        if var is not None and id(var) in wanted:
+            uses[wanted[id(var)]] = n
+    return uses
+
+
+# --------------------------------------------------------------------------------- the engine
+
+
+@dataclass(frozen=True)
+class GhostEngine:
+    """Per-example norms by ghost norms and the weighted sum by book-keeping, from one backward.
+
+    Same contract as :class:`~dpclip.engine.vmap.VmapEngine` (flat or per-group norms, ``+inf`` and
+    a zero contribution for non-finite examples, BatchNorm refusal, group validation, empty batches,
+    frozen parameters excluded, no mutation of the model), and the same results to float rounding;
+    see the module docstring for the per-layer rules.
+
+    Args:
+        max_physical_batch: process the batch in chunks of at most this many examples (memory only;
+            ``weight_fn`` is called once per chunk, so it must be row-wise, as for ``vmap``).
+            ``None`` (default): one chunk.
+        norm_mode: ``"mixed"`` (default: per-layer choice by cost), ``"ghost"`` or ``"direct"``
+            (see :data:`NORM_MODES`).
+        fallback: ``None`` (default): a model with a layer the engine does not support raises
+            :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: such a
+            batch is computed by the ``vmap`` engine instead, and ``engine_info`` says so.
+
+    Privacy: the same as ``vmap``: each example contributes ``w_i g_i`` where ``g_i`` is exactly the
+    gradient whose norm was reported, so the strategy's sensitivity bound holds. The forward pass
+    runs on the whole chunk, so layers that mix examples are refused (training-mode BatchNorm), and
+    every hooked layer must see the batch as its inputs' first dimension (checked); dropout draws
+    independent masks per example, as under ``vmap``. Hooks live for one call only; nothing is
+    attached to modules or parameters, ``p.grad`` is not touched.
+    """
+
+    name: ClassVar[str] = "ghost"
+    per_example: ClassVar[bool] = True
+
+    max_physical_batch: int | None = None
+    norm_mode: str = "mixed"
+    fallback: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_physical_batch is not None:
+            check_chunk_size(self.max_physical_batch, type(self).__name__)
+        if self.norm_mode not in NORM_MODES:
+            raise ValueError(f"{type(self).__name__}: norm_mode must be one of {NORM_MODES}, got "
+                             f"{self.norm_mode!r}")
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"{type(self).__name__}: fallback must be None or 'vmap', got "
+                             f"{self.fallback!r}")
+
+    # ------------------------------------------------------------------------------- public
+
+    def compute(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        weight_fn: WeightFn | None,
+        groups: ParamGroups,
+    ) -> EngineResult:
+        weight_fn = check_weight_fn(weight_fn, self.name)
+        batch = check_batch(inputs, targets, self.name)
+        scan = _scan(model)
+        if scan.batchnorm:
+            check_per_example_model(model, self.name)
+        params = scan.params
+        if not (groups.is_flat and groups.members[0] == tuple(params)):
+            groups.validate(model)  # (a flat group of exactly the trainable parameters is valid)
+        if scan.reasons:
+            return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups,
+                                     "unsupported layer(s): " + "; ".join(scan.reasons))
+        if not batch or not params:
+            reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
+            chunk = self.max_physical_batch or max(batch, 1)
+            with torch.no_grad():
+                for start in range(0, batch, chunk):
+                    xs, ys = inputs[start:start + chunk], targets[start:start + chunk]
+                    reducer.add_chunk({}, _check_losses(loss_fn(model(xs), ys), xs.shape[0]))
+            grads, norms, weights, loss_sum = reducer.result()
+            return EngineResult(grads, norms, weights, loss_sum, self._info(None))
+        group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
+        chunk = self.max_physical_batch or batch
+        sums: dict[str, Tensor] | None = None
+        all_norms, all_weights, loss_sum = [], [], 0.0
+        try:
+            for start in range(0, batch, chunk):
+                part, norms, weights, loss = self._chunk(
+                    model, scan, group_of, len(groups), loss_fn, inputs[start:start + chunk],
+                    targets[start:start + chunk], weight_fn)
+                if sums is None:
+                    sums = part
+                else:
+                    for n, g in part.items():
+                        sums[n] += g
+                all_norms.append(norms)
+                all_weights.append(weights)
+                loss_sum += loss
+        except _RuntimeUnsupported as exc:
+            return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups, str(exc))
+        assert sums is not None
+        norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
+        weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
+        return EngineResult(sums, norms, weights, loss_sum, self._info(None))
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _info(self, fallback: str | None) -> dict[str, Any]:
+        return {"engine": "vmap" if fallback else "ghost", "requested": self.name,
+                "fallback": fallback}
+
+    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                     weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
+        if self.fallback == "vmap":
+            from dpclip.engine.vmap import VmapEngine
+
+            res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
+                model, loss_fn, inputs, targets, weight_fn, groups)
+            res.engine_info = self._info(reason)
+            return res
+        raise UnsupportedModelError(
+            f"{self.name} engine: {reason}. The ghost engine supports "
+            f"{', '.join(t.__name__ for t in SUPPORTED_LAYERS)} (BatchNorm in eval mode only), "
+            "with parameters used only inside their own layer's forward. Use engine 'auto' or "
+            "GhostEngine(fallback='vmap') to fall back to the vmap engine for such models (the "
+            "fallback is recorded in engine_info), or engine 'vmap'."
+        )
+
+    def _chunk(
+        self,
+        model: nn.Module,
+        scan: _Scan,
+        group_of: dict[str, int],
+        n_groups: int,
+        loss_fn: LossFn,
+        xs: Tensor,
+        ys: Tensor,
+        weight_fn: WeightFn,
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
+        batch = xs.shape[0]
+        params = scan.params
+        calls, total = _forward(model, scan, loss_fn, xs, ys)
+        owner_of = {id(o.module): o for o in scan.owners}
+        for c in calls:
+            o = c.owner = owner_of[id(c.mod)]
+            if c.versions != (c.a._version, c.out._version):
+                raise _RuntimeUnsupported(
+                    f"the input or output of layer {o.name!r} ({type(c.mod).__name__}) was "
+                    "modified in place during the forward pass (e.g. ReLU(inplace=True) after "
+                    "it); use out-of-place operations")
+            if c.a.ndim == 0 or c.a.shape[0] != batch or c.out.ndim == 0 or c.out.shape[0] != batch:
+                raise _RuntimeUnsupported(
+                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of shape "
+                    f"{tuple(c.a.shape)} (output {tuple(c.out.shape)}) whose first dimension is "
+                    f"not the batch ({batch}); per-layer rules need batch-first inputs (e.g. "
+                    "expand position indices to (B, T) before an Embedding)")
+        live = [c for c in calls if c.out.requires_grad]
+        if total.requires_grad and live:
+            uses = _graph_param_uses(total.grad_fn, {id(p): n for n, p in params.items()})
+            bs = torch.autograd.grad(total, [c.out for c in live], allow_unused=True)
+            for c, b in zip(live, bs):
+                c.b = b
+            live = [c for c in live if c.b is not None]
+        else:
+            uses, live = {}, []
+        # every parameter must be used exactly by the hooked calls that reach the loss
+        count: dict[str, int] = {}
+        for c in live:
+            for pn in c.owner.pnames:
+                count[pn] = count.get(pn, 0) + 1
+        if uses != count:
+            bad = sorted(pn for pn in params if uses.get(pn, 0) != count.get(pn, 0))
+            raise _RuntimeUnsupported(
+                f"parameter(s) {', '.join(bad)} are used more often in the autograd graph than "
+                "by the calls of the layers that own them: they are used outside their layer's "
+                "forward (e.g. F.linear(x, self.fc.weight)), which the per-layer rules cannot see")
+        with torch.no_grad():
+            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
+
+    def _reduce(
+        self,
+        live: list[_Call],
+        count: dict[str, int],
+        params: dict[str, Tensor],
+        group_of: dict[str, int],
+        n_groups: int,
+        batch: int,
+        weight_fn: WeightFn,
+        total: Tensor,
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
+        """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``."""
+        for c in live:
+            c.rule.prepare(c)
+        self._choose(live, batch)
+        first = next(iter(params.values()))
+        dtype = first.dtype
+
+        # ---- squared norms summed per group (a parameter used by several calls: its per-example
+        # gradient is formed for every use and summed first)
+        acc: list[Tensor | None] = [None] * n_groups
+        multi: dict[str, Tensor] = {}
+
+        def add(g: int, s: Tensor) -> None:
+            acc[g] = s if acc[g] is None else acc[g] + s
+
+        for c in live:
+            o = c.owner
+            gs = [group_of[pn] for pn in o.pnames]
+            single = [count[pn] == 1 for pn in o.pnames]
+            if all(single):
+                if len(set(gs)) == 1:
+                    s = c.rule.fused_norm(c, o.roles)
+                    if s is not None:
+                        add(gs[0], s)
+                        continue
+                parts = c.rule.norms(c, o.roles)
+                for r, g in zip(o.roles, gs):
+                    add(g, parts[r])
+                continue
+            roles = [r for r, one in zip(o.roles, single) if one]
+            if roles:
+                parts = c.rule.norms(c, roles)
+                for r in roles:
+                    add(gs[o.roles.index(r)], parts[r])
+            for r, pn, one in zip(o.roles, o.pnames, single):
+                if not one:
+                    g = c.rule.per_example(c, r)
+                    multi[pn] = g if pn not in multi else multi[pn] + g
+        for pn, g in multi.items():
+            add(group_of[pn], _sq(g))
+        zero = None
+        for g in range(n_groups):
+            if acc[g] is None:
+                if zero is None:
+                    zero = torch.zeros(batch, dtype=dtype, device=first.device)
+                acc[g] = zero
+        flat = n_groups == 1
+        sq = acc[0] if flat else torch.stack(acc, 1)  # type: ignore[arg-type]
+        if sq.dtype != dtype:
+            sq = sq.to(dtype)
+        norms = sq.sqrt()
+        # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
+        # exact per-example test below finds every example finite)
+        all_finite = math.isfinite(float(sq.sum()))
+        finite = None
+        if not all_finite:
+            finite = torch.isfinite(sq) if flat else torch.isfinite(sq).all(1)
+            all_finite = bool(finite.all())
+            if not all_finite:
+                norms = torch.where(finite if flat else finite[:, None], norms, math.inf)
+        weights = apply_weight_fn(weight_fn, norms, self.name)
+        wts = _Weights(weights if weights.dtype == dtype else weights.to(dtype), flat)
+
+        # ---- the weighted sum
+        if finite is not None and not all_finite:
+            for c in live:
+                c.rule.mask(c, finite)
+                for r, g in c.kept.items():
+                    c.kept[r] = _rows(finite, g)
+            for pn, g in multi.items():
+                multi[pn] = _rows(finite, g)
+        sums: dict[str, Tensor] = {}
+        for c in live:
+            o = c.owner
+            todo = {}
+            for r, pn in zip(o.roles, o.pnames):
+                if count[pn] != 1:
+                    continue
+                kept = c.kept.get(r)
+                if kept is not None:
+                    sums[pn] = _kept_sum(kept, wts.col(group_of[pn]))
+                else:
+                    todo[r] = group_of[pn]
+            if todo:
+                got = c.rule.weighted(c, todo, wts)
+                for r, pn in zip(o.roles, o.pnames):
+                    if r in got:
+                        sums[pn] = got[r]
+        for pn, g in multi.items():
+            sums[pn] = _kept_sum(g, wts.col(group_of[pn]))
+        out = {}
+        for pn, p in params.items():
+            g = sums.get(pn)
+            if g is None:
+                g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
+                g = g.reshape(p.shape).to(p.dtype).contiguous()
+            out[pn] = g
+        return out, norms, weights, float(total.detach())
+
+    def _choose(self, calls: list[_Call], batch: int) -> None:
+        """Per-call choice ``ghost`` / ``direct`` / ``keep`` (see the module docstring)."""
+        mode = self.norm_mode
+        if mode != "mixed":
+            choice = "ghost" if mode == "ghost" else "keep"
+            for c in calls:
+                c.choice = choice
+            return
+        candidates = []
+        budget = 0  # the tensors the engine holds anyway: every call's input and output gradient
+        for c in calls:
+            budget += c.b.numel() + c.a.numel()
+            kind = c.rule.kind
+            if kind == "embedding":
+                c.choice = "ghost" if c.a.shape[1] <= _EMBED_GRAM_MAX_LEN else "direct"
+                continue
+            if kind != "matmul":
+                continue
+            dims = c.rule.dims(c)
+            if dims is None:
+                continue
+            t, d_in, d_out, g = dims
+            w_numel = d_in * d_out // g
+            ghost = 2 * t * t * (d_in + d_out)  # two Gram matrices
+            bookkeeping = 2 * t * w_numel  # one large matrix product / convolution weight-grad
+            # the per-example gradients: the same flops in B small products whose reduction
+            # dimension is t, which run several times slower than one large product when t is
+            # small (measured on CPU: ~4x at t = 64, ~1x from t = 256 on)
+            direct = bookkeeping * max(1.0, _SMALL_REDUCTION / t)
+            c.choice = "ghost" if ghost < direct else "direct"
+            # keeping them replaces the book-keeping product by a weighted reduction
+            saving = min(ghost, direct) + bookkeeping - (direct + 2 * w_numel)
+            if saving > 0:
+                candidates.append((saving / w_numel, batch * w_numel, c))
+        candidates.sort(key=lambda s: -s[0])
+        used = 0
+        for _, mem, c in candidates:
+            if used + mem <= budget:
+                c.choice = "keep"
+                used += mem
+
+
+def _check_losses(losses: Tensor, batch: int) -> Tensor:
+    if losses.ndim == 0 or losses.shape[0] != batch:
+        raise ValueError(
+            "loss_fn must return per-example losses of shape (B,) (reduction 'none'), got shape "
+            f"{tuple(losses.shape)} for a batch of {batch}"
+        )
+    return losses.reshape(batch, -1).sum(1) if losses.ndim > 1 else losses
+
+
+def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
+             ys: Tensor) -> tuple[list[_Call], Tensor]:
+    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after."""
+    calls: list[_Call] = []
+    rules = {id(o.module): o.rule for o in scan.owners}
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        a = args[0] if args else next(iter(kwargs.values()))
+        calls.append(_Call(mod, rules[id(mod)], a, out))
+
+    handles = []
+    try:
+        for o in scan.owners:
+            handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
+        with torch.enable_grad():
+            losses = _check_losses(loss_fn(model(xs), ys), xs.shape[0])
+    finally:
+        for h in handles:
+            h.remove()
+    return calls, losses.sum()
+
+
+@dataclass(frozen=True)
+class AutoEngine:
+    """``engine="auto"``: the ghost engine when every parametrized layer of the model is supported,
+    otherwise the vmap engine; ``EngineResult.engine_info`` records which one ran and why.
+
+    It is :class:`GhostEngine` with ``fallback="vmap"``: models that are supported by their layer
+    types but fail a run-time check (a parameter used outside its layer, an in-place change of a
+    hooked tensor, a layer applied without the batch dimension first) also run on ``vmap``,
+    recorded. Options as :class:`GhostEngine`.
+    """
+
+    name: ClassVar[str] = "auto"
+    per_example: ClassVar[bool] = True
+
+    max_physical_batch: int | None = None
+    norm_mode: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.max_physical_batch is not None:
+            check_chunk_size(self.max_physical_batch, "AutoEngine")
+        if self.norm_mode not in NORM_MODES:
+            raise ValueError(f"AutoEngine: norm_mode must be one of {NORM_MODES}, got "
+                             f"{self.norm_mode!r}")
+
+    def compute(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        weight_fn: WeightFn | None,
+        groups: ParamGroups,
+    ) -> EngineResult:
+        engine = _AutoGhost(self.max_physical_batch, self.norm_mode, "vmap")
+        return engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
+
+
+@dataclass(frozen=True)
+class _AutoGhost(GhostEngine):
+    name: ClassVar[str] = "auto"
