@@ -374,5 +374,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # pragma: no cover
+#: subcommands that keep the allocator they were started with (``bench`` measures it as given)
+_KEEP_ALLOCATOR = ("bench",)
+
+
+def entry() -> None:
+    """Console entry point (``dpclip``): re-executes once under jemalloc without purging when it is
+    installed (``dpclip.runtime``; ``DPCLIP_ALLOCATOR=system`` turns this off), then runs ``main``.
+    ``main(argv)`` itself never re-executes (tests and library callers use it)."""
+    from dpclip.runtime import maybe_reexec_with_jemalloc
+
+    if not any(a in _KEEP_ALLOCATOR for a in sys.argv[1:2]):
+        maybe_reexec_with_jemalloc()
     sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()

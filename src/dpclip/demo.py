@@ -20,4 +20,7 @@ def run() -> int:
 
 
 if __name__ == "__main__":
+    from dpclip.runtime import maybe_reexec_with_jemalloc
+
+    maybe_reexec_with_jemalloc()  # the fast allocator (DPCLIP_ALLOCATOR=system turns it off)
     sys.exit(run())

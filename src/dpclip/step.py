@@ -187,13 +187,18 @@ def transformed_sum(
     per_example: Callable[..., dict[str, Tensor]]
     if isinstance(engine, VmapEngine):
         per_example = partial(vmap_per_example_grads, max_physical_batch=engine.max_physical_batch)
+    elif getattr(engine, "name", None) == "auto":
+        # "auto" picks the fastest correct engine for the model AND the strategy: a P-GRAD
+        # strategy needs materialized per-example gradients, which only vmap provides quickly
+        chunk = getattr(engine, "max_physical_batch", None) or VmapEngine.max_physical_batch
+        per_example = partial(vmap_per_example_grads, max_physical_batch=chunk)
     elif isinstance(engine, NaiveEngine):
         per_example = naive_per_example_grads
     else:
         raise ValueError(
             f"strategy {getattr(strategy, 'name', strategy)!r} needs materialized per-example "
             f"gradients (class P-GRAD), which engine {getattr(engine, 'name', engine)!r} does not "
-            "provide; use the 'vmap' engine (--engine vmap) or the 'naive' oracle"
+            "provide; use the 'vmap' or 'auto' engine (--engine vmap) or the 'naive' oracle"
         )
     check_per_example_model(model, engine.name)
     groups.validate(model)
@@ -201,7 +206,8 @@ def transformed_sum(
     reducer = ChunkReducer(
         params, groups, lambda norms: strategy.weights(norms, state), engine.name, inputs
     )
-    batch, chunk = int(inputs.shape[0]), engine.max_physical_batch
+    batch = int(inputs.shape[0])
+    chunk = getattr(engine, "max_physical_batch", None) or VmapEngine.max_physical_batch
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
         raw = per_example(model, loss_fn, inputs[start:stop], targets[start:stop])

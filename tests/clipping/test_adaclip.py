@@ -43,7 +43,7 @@ def test_is_a_gradient_transform_with_unit_whitened_clip():
     assert torch.equal(s.weights(n, s.init_state()), expected) and s.sensitivity({}) == 1.0
 
 
-@pytest.mark.parametrize("engine", ["vmap", "naive"])
+@pytest.mark.parametrize("engine", ["vmap", "naive", "auto"])
 def test_first_step_equals_abadi_clipping_at_initial_clip_norm(engine):
     model = small_model()
     gen = torch.Generator().manual_seed(1)
@@ -75,7 +75,7 @@ def random_state(model, seed):
     return {"m": m, "s": s}
 
 
-@pytest.mark.parametrize("engine", ["vmap", "naive"])
+@pytest.mark.parametrize("engine", ["vmap", "naive", "auto"])
 def test_whitened_sum_has_sensitivity_one(engine):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(),
@@ -175,11 +175,12 @@ def test_transform_whitens_with_the_state():
         s.transform({"v": g}, state)
 
 
-def test_summed_engine_is_refused():
+@pytest.mark.parametrize("engine", ["summed", "ghost"])
+def test_engines_without_per_example_gradients_are_refused(engine):
     model = small_model()
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.arange(4) % 3
-    with pytest.raises(ValueError, match="per-example gradients.*'summed'.*vmap"):
-        run_step(AdaClip(), AdaClip().init_state(), model, x, y, engine="summed")
+    with pytest.raises(ValueError, match=f"per-example gradients.*'{engine}'.*vmap"):
+        run_step(AdaClip(), AdaClip().init_state(), model, x, y, engine=engine)
 
 
 @pytest.mark.parametrize("bad,match", [({"noise_mode": "sample"}, "noise_mode"),

@@ -154,3 +154,29 @@ def test_diagnostics_oracle_no_clipping_means_no_bias():
     d = nonprivate_diagnostics(model, ce, x, y, FixedClip(1e6), {}, ParamGroups.flat(model))
     assert d["nonprivate/clip_bias"] < 1e-12 and abs(d["nonprivate/cosine"] - 1) < 1e-12
     assert d["nonprivate/unclipped_fraction"] == 1.0
+
+
+# ------------------------------------------------------------------------------------- device
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "CPU", ""])
+def test_bad_device_is_refused_naming_the_choices(bad):
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"):
+        TrainConfig(**BASE, noise_multiplier=1.0, device=bad)
+
+
+def test_device_is_an_execution_setting_not_part_of_the_fingerprint():
+    a = TrainConfig(**BASE, noise_multiplier=1.0)
+    b = TrainConfig(**BASE, noise_multiplier=1.0, device="cuda")
+    c = TrainConfig(**BASE, noise_multiplier=1.1, device="cuda")
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error_and_auto_runs_on_cpu():
+    with pytest.raises(ValueError, match="no CUDA device; use --device cpu"):
+        train(TrainConfig(**BASE, noise_multiplier=1.0, device="cuda"), progress=False)
+    cfg = dict(BASE, epochs=1)
+    auto = train(TrainConfig(**cfg, noise_multiplier=1.0, device="auto"), progress=False)
+    cpu = train(TrainConfig(**cfg, noise_multiplier=1.0), progress=False)
+    assert auto.summary["device"] == "cpu"
+    assert auto.ledger.to_dict() == cpu.ledger.to_dict()
+    assert auto.summary["test_accuracy"] == cpu.summary["test_accuracy"]
