@@ -1,5 +1,5 @@
 """Command line: ``dpclip train | run | compare | report | epsilon | strategies | datasets |
-models | bench``.
+models | bench | search | schedules | search-report``.
 
 With ``--json`` the last line of stdout is one JSON object (progress goes to stderr).
 """
@@ -80,6 +80,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         device=args.device,
     )
+    config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
+                                   not args.no_progress)
     store = ResultsStore(args.db or default_db_path())
     run_id = store.start_run(config.fingerprint(), config.to_dict())
     try:
@@ -177,14 +179,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dpclip.bench import run_bench
 
     rows = run_bench(args.model, args.batch_size, methods=args.method, steps=args.steps,
-                     warmup=args.warmup)
+                     warmup=args.warmup, device=args.device)
     if args.json:
         print(json.dumps(rows))
     else:
         for r in rows:
+            ratio = r["extra_mem_ratio_to_nonprivate"]
             print(f"{r['model']:<14} B={r['batch_size']:<5} {r['method']:<14} "
                   f"{r['allocator']:<8} {r['ms_per_step']:9.2f} ms  x{r['ratio_to_nonprivate']:.2f}"
-                  f"  peak {r['peak_mem_mb']:.0f} MB")
+                  f"  peak {r['peak_mem_mb']:.0f} MB, step +{r['extra_mem_mb']:.1f} MB"
+                  + (f" (x{ratio:.2f})" if ratio is not None else ""))
     return 0
 
 
@@ -359,9 +363,228 @@ def build_parser() -> argparse.ArgumentParser:
                    help="methods to time (default: nonprivate and every dpclip engine)")
     b.add_argument("--steps", type=int, default=20, help="timed steps per method")
     b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda: model and batch on the GPU, peak memory from "
+                        "torch.cuda.max_memory_allocated")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    _add_search_commands(sub)
     return p
+
+
+# -- Lin et al.'s greedy threshold search and stored schedules (dpclip.search) ------------------
+
+def _resolve_train_config(config: Any, db: Any, checkpoint_dir: Any, progress: bool) -> Any:
+    """``transfer`` schedule=NAME and ``lin-decay`` c0_from=greedy resolved from the store."""
+    from pathlib import Path
+
+    from dpclip.harness.store import ResultsStore
+    from dpclip.search import resolve_strategy_params
+
+    needs = (config.strategy == "transfer" and "schedule" in config.strategy_params) or (
+        config.strategy == "lin-decay" and "c0_from" in config.strategy_params)
+    if not needs:
+        return config
+    root = Path(checkpoint_dir) / "search" if checkpoint_dir else Path(_default_out()) / "search"
+    with ResultsStore(db) as store:
+        return resolve_strategy_params(config, store, checkpoint_root=root, progress=progress)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.search import (
+        GreedyConfig,
+        check_public,
+        default_schedule_name,
+        run_or_reuse,
+        search_noise_multiplier,
+    )
+
+    size = args.private_size
+    if size is None and args.proxy_for is not None and (
+            args.private_epsilon is not None or args.match_private_epoch):
+        from dpclip.data import load_dataset
+
+        size = int(load_dataset(args.proxy_for, args.data_dir).train.inputs.shape[0])
+    if (args.noise_multiplier is None) == (args.private_epsilon is None):
+        raise SystemExit("error: give exactly one of --noise-multiplier (the private run's sigma) "
+                         "or --private-epsilon (with --proxy-for or --private-size)")
+    z = args.noise_multiplier
+    if z is None:
+        if size is None:
+            raise SystemExit("error: --private-epsilon needs the private dataset's size: "
+                             "--proxy-for DATASET or --private-size N")
+        z = search_noise_multiplier(args.private_epsilon, args.delta,
+                                    batch_size=args.batch_size, epochs=args.epochs,
+                                    dataset_size=size, sampling=args.sampling,
+                                    accountant=args.accountant)
+    spe = args.steps_per_epoch
+    if args.match_private_epoch:
+        if size is None:
+            raise SystemExit("error: --match-private-epoch needs --proxy-for or --private-size")
+        from dpclip.sampling import make_sampler
+
+        spe = make_sampler(args.sampling, size, args.batch_size).steps_per_epoch
+    config = GreedyConfig(
+        dataset=args.dataset, model=args.model, noise_multiplier=z,
+        batch_size=args.batch_size, lr=args.lr, epochs=args.epochs, c_start=args.c_start,
+        step=args.step, tolerance=args.tolerance, max_candidates=args.max_candidates,
+        steps_per_epoch=spe, seed=args.seed, optimizer=args.optimizer, momentum=args.momentum,
+        sampling=args.sampling, engine=args.engine,
+        max_physical_batch=args.max_physical_batch,
+        model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
+                                                                "--model-option").items()},
+        proxy_for=args.proxy_for, allow_private_data=args.nonprivate_search,
+        data_dir=args.data_dir, device=args.device,
+    )
+    privacy = check_public(config)  # refuse early, before loading anything
+    if privacy == "NON-PRIVATE":
+        print(f"dpclip search: WARNING: {config.dataset!r} is marked private; this search is NOT "
+              "differentially private and its schedule is stored marked NON-PRIVATE",
+              file=sys.stderr)
+    name = args.name or default_schedule_name(config)
+    ck_root = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(_default_out()) / "search"
+    with ResultsStore(args.db or default_db_path()) as store:
+        name, thresholds, meta = run_or_reuse(config, store, name=name, checkpoint_root=ck_root,
+                                              progress=not args.no_progress)
+        db = str(store.path)
+    obj = {"name": name, "thresholds": thresholds, "db": db,
+           **{k: meta.get(k) for k in ("dataset", "model", "noise_multiplier", "batch_size",
+                                       "lr", "epochs", "seed", "steps_per_epoch", "privacy",
+                                       "best_accuracies", "candidates_per_epoch",
+                                       "wall_seconds")}}
+    _emit(obj, args.json,
+          f"schedule {name!r} ({meta.get('privacy')}; no epsilon: the search is not private on "
+          f"the data it ran on) stored in {db}:\n  thresholds per epoch: "
+          + ", ".join(f"{c:g}" for c in thresholds)
+          + "\n  best accuracy per epoch: "
+          + ", ".join(f"{a:.4f}" for a in meta.get("best_accuracies", [])))
+    return 0
+
+
+def cmd_schedules(args: argparse.Namespace) -> int:
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    with ResultsStore(args.db or default_db_path()) as store:
+        rows = store.schedules()
+    if not args.candidates:
+        for r in rows:
+            r["metadata"] = {k: v for k, v in r["metadata"].items() if k != "candidates"}
+    if args.json:
+        print(json.dumps({"schedules": rows}, default=str))
+        return 0
+    if not rows:
+        print("no stored schedules (create one with `dpclip search`)")
+    for r in rows:
+        m = r["metadata"]
+        th = ", ".join(f"{c:g}" for c in r["thresholds"])
+        print(f"{r['name']}\n    {m.get('dataset')}/{m.get('model')} sigma "
+              f"{m.get('noise_multiplier', float('nan')):.4g} B {m.get('batch_size')} lr "
+              f"{m.get('lr')} seed {m.get('seed')} [{m.get('privacy')}]\n    thresholds: {th}")
+    return 0
+
+
+def cmd_search_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.search.plots import plot_median_norms, plot_thresholds
+
+    out = Path(args.out or _default_out())
+    plots = []
+    with ResultsStore(args.db or default_db_path()) as store:
+        names = list(args.schedule or [])
+        if args.schedule_prefix:
+            names += [r["name"] for r in store.schedules()
+                      if r["name"].startswith(args.schedule_prefix) and r["name"] not in names]
+        if names:
+            plots.append(plot_thresholds(store, names, out / f"{args.prefix}_thresholds.png",
+                                         experiments=args.experiment or ()))
+        if args.norms_experiment:
+            plots.append(plot_median_norms(store, args.norms_experiment,
+                                           out / f"{args.prefix}_median_norms.png"))
+    if not plots:
+        raise SystemExit("error: nothing to plot: give --schedule/--schedule-prefix and/or "
+                         "--norms-experiment")
+    if args.json:
+        print(json.dumps({"plots": [str(p) for p in plots]}))
+    else:
+        for p in plots:
+            print(p)
+    return 0
+
+
+def _add_search_commands(sub: Any) -> None:
+    s = sub.add_parser("search", help="Lin et al.'s greedy per-epoch threshold search on PUBLIC "
+                       "data; stores the schedule (no epsilon: not private on its data)")
+    s.add_argument("--dataset", required=True, help="a public dataset (mnist-5k, digits) or a "
+                   "declared proxy (--proxy-for)")
+    s.add_argument("--model", required=True)
+    g = s.add_argument_group("noise: the private run's sigma, given or calibrated")
+    g.add_argument("--noise-multiplier", type=float, help="sigma of the private run")
+    g.add_argument("--private-epsilon", type=float,
+                   help="calibrate sigma for the private run at this epsilon (same batch size "
+                        "and epochs, dataset size from --proxy-for or --private-size)")
+    g.add_argument("--delta", type=float, default=1e-5, help="with --private-epsilon")
+    g.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
+    g.add_argument("--private-size", type=int, help="size of the private training set")
+    s.add_argument("--proxy-for", help="the private dataset this search is a public proxy for "
+                   "(e.g. fashion-mnist); declares pairs such as fashion-mnist for mnist public")
+    s.add_argument("--match-private-epoch", action="store_true",
+                   help="one search epoch = as many steps as one epoch of the private dataset")
+    s.add_argument("--steps-per-epoch", type=int, help="steps of one search epoch")
+    s.add_argument("--batch-size", type=float, required=True)
+    s.add_argument("--lr", type=float, required=True)
+    s.add_argument("--epochs", type=int, required=True)
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    s.add_argument("--momentum", type=float, default=0.9)
+    s.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
+    s.add_argument("--c-start", type=float, default=0.05, help="C_start (Lin et al.: 0.05)")
+    s.add_argument("--step", type=float, default=0.01, help="d (Lin et al.: 0.01)")
+    s.add_argument("--tolerance", type=float, default=0.02,
+                   help="S: stop when accuracy falls more than S below the best (0.02)")
+    s.add_argument("--max-candidates", type=int, default=1000, help="safety cap per epoch")
+    s.add_argument("--model-option", action="append", metavar="K=V")
+    s.add_argument("--name", help="store name (default: derived from the setting and a hash)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--engine", default="vmap", help="vmap (default), ghost, auto, naive")
+    s.add_argument("--max-physical-batch", type=int, default=256)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--data-dir")
+    s.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
+                   "./dpclip_results.db)")
+    s.add_argument("--checkpoint-dir", help="checkpoint root (default $DPCLIP_OUT/search); a "
+                   "killed search resumes from <dir>/<name>")
+    s.add_argument("--nonprivate-search", action="store_true",
+                   help="allow a dataset marked private: the search is NOT private and its "
+                        "schedule is stored marked NON-PRIVATE (transfer refuses it)")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_search)
+
+    ls = sub.add_parser("schedules", help="list the threshold schedules in the results store")
+    ls.add_argument("--db")
+    ls.add_argument("--candidates", action="store_true",
+                    help="include every candidate of the searches (with --json)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_schedules)
+
+    sr = sub.add_parser("search-report", help="plots: greedy thresholds vs other strategies "
+                        "(Lin Figs. 2-5), median gradient norms for fixed clipping (Fig. 1)")
+    sr.add_argument("--schedule", action="append", help="stored schedule name (repeatable)")
+    sr.add_argument("--schedule-prefix", help="every stored schedule whose name starts so")
+    sr.add_argument("--experiment", action="append",
+                    help="experiment whose runs' thresholds are drawn beside (repeatable)")
+    sr.add_argument("--norms-experiment", action="append",
+                    help="experiment with fixed-clipping runs recorded with diagnostics "
+                         "(repeatable)")
+    sr.add_argument("--prefix", default="lin", help="file name prefix (default lin)")
+    sr.add_argument("--db")
+    sr.add_argument("--out", help="output directory (default $DPCLIP_OUT or ./runs)")
+    sr.add_argument("--json", action="store_true")
+    sr.set_defaults(func=cmd_search_report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import secrets
+from typing import Mapping
 
 import torch
 from torch import Tensor
 
-__all__ = ["add_gaussian_noise", "make_generator", "noise_std"]
+__all__ = ["add_gaussian_noise", "add_gaussian_noise_all", "make_generator", "noise_std"]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -40,3 +41,36 @@ def add_gaussian_noise(value: Tensor, std: float, generator: torch.Generator) ->
         return value.clone()
     z = torch.randn(value.shape, generator=generator, dtype=value.dtype, device="cpu")
     return value + std * z.to(value.device)
+
+
+def add_gaussian_noise_all(
+    values: Mapping[str, Tensor], std: float, generator: torch.Generator, divide_by: float = 1.0
+) -> dict[str, Tensor]:
+    """``(value + N(0, std^2 I)) / divide_by`` for every tensor of ``values`` (new tensors).
+
+    One draw of ``sum(numel)`` standard normals from ``generator`` (on the CPU, so a seeded run
+    gives the same noise on every device), split in the mapping's order; the additions and the
+    division are fused ``torch._foreach`` operations. The same distribution as calling
+    :func:`add_gaussian_noise` per tensor, with 3 tensor operations per step instead of 4 per
+    tensor (for small models the per-operation overhead is a large part of a step).
+    """
+    if not (math.isfinite(divide_by) and divide_by > 0):
+        raise ValueError(f"divide_by must be finite and > 0, got {divide_by!r}")
+    names = list(values)
+    tensors = [values[n] for n in names]
+    if not tensors:
+        return {}
+    if std == 0.0:
+        out = [t.clone() for t in tensors]
+    else:
+        total = sum(t.numel() for t in tensors)
+        dtype, device = tensors[0].dtype, tensors[0].device
+        if any(t.dtype != dtype or t.device != device for t in tensors):
+            return {n: add_gaussian_noise(t, std, generator) / divide_by
+                    for n, t in zip(names, tensors)}
+        z = torch.randn(total, generator=generator, dtype=dtype, device="cpu").to(device)
+        parts = [c.view_as(t) for c, t in zip(z.split([t.numel() for t in tensors]), tensors)]
+        out = torch._foreach_add(tensors, parts, alpha=std)
+    if divide_by != 1.0:
+        torch._foreach_div_(out, divide_by)
+    return dict(zip(names, out))

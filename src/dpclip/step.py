@@ -31,12 +31,13 @@ from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.noise import add_gaussian_noise, noise_std
+from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
 from dpclip.sampling import Sampler
 
 __all__ = [
     "GradientTransform",
     "StepOutput",
+    "bound_step",
     "dp_step",
     "nonprivate_step_grads",
     "transformed_sum",
@@ -90,6 +91,12 @@ def dp_step(
     generator: torch.Generator,
 ) -> StepOutput:
     """Compute one privatized gradient; does not touch the optimizer or ``p.grad``."""
+    if getattr(strategy, "kind", "norm") == "bound":  # Lip-DP-SGD: sensitivity from the weights
+        return bound_step(
+            model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
+            engine=engine, groups=groups, sampler=sampler,
+            base_noise_multiplier=base_noise_multiplier, ctx=ctx, generator=generator,
+        )
     state = strategy.begin_step(state, ctx)
     frozen_state = state
 
@@ -105,9 +112,7 @@ def dp_step(
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     std = noise_std(z, sensitivity) * (_noise_scale(strategy, ctx) if per_example else 1.0)
     denom = sampler.expected_batch_size
-    grads = {
-        name: add_gaussian_noise(g, std, generator) / denom for name, g in result.grads.items()
-    }
+    grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
     if per_example:  # back to parameter space: post-processing of the released mean
         grads, state = strategy.untransform(grads, state, std / denom)
     norms = result.norms if result.norms is not None else torch.empty(0)
@@ -121,6 +126,69 @@ def dp_step(
         event=sampler.step_event(inner),
         noise_multiplier=z,
         sensitivity=sensitivity,
+        batch_size=int(inputs.shape[0]),
+        loss_sum=result.loss_sum,
+        norms=result.norms,
+    )
+
+
+def bound_step(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    loss_fn: LossFn,
+    strategy: Any,
+    state: State,
+    engine: Engine,
+    groups: ParamGroups,
+    sampler: Sampler,
+    base_noise_multiplier: float,
+    ctx: StepContext,
+    generator: torch.Generator,
+) -> StepOutput:
+    """One step of a bound-based strategy (``kind = "bound"``: Lip-DP-SGD, Fix-Lip-DP-SGD).
+
+        cert    <- strategy.certify(model, loss_fn, input_shape)   # weights + public X_0 only
+        x       <- strategy.scale_inputs(x)                        # per example, ||x|| <= X_0
+        sum     <- engine(model, x)                                # no clipping (weights 1)
+        noisy_p <- sum_p * scale_p + N(0, (z k S_p)^2)             # S_p: Delta, or Delta_k per layer
+        grad    <- noisy / expected_batch_size
+        event   <- sampler.step_event(strategy.step_event(z))
+
+    The certificate is computed before the batch is read, from parameters already released, so
+    it is a public constant, as the Gaussian mechanism requires. ``loss_fn`` must be the
+    strategy's Lipschitz loss (``strategy.loss()``): the one certified is the one differentiated.
+    With the ``summed`` engine the sum is one plain batched backward; a per-example engine gives
+    the same sum (unit weights) plus NON-PRIVATE per-example norms of the unscaled gradients.
+    """
+    state = strategy.begin_step(state, ctx)
+    state, cert = strategy.certify(model, loss_fn, tuple(inputs.shape[1:]), state)
+    x = strategy.scale_inputs(inputs)
+    frozen_state = state
+    weight_fn = (lambda n: strategy.weights(n, frozen_state)) \
+        if getattr(engine, "per_example", False) else None
+    result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
+    z = strategy.noise_multiplier(state, base_noise_multiplier)
+    k = sampler.sensitivity_factor
+    denom = sampler.expected_batch_size
+    grads = {}
+    for name, g in result.grads.items():
+        std = noise_std(z, k * cert.param_sensitivity[name])
+        grads[name] = add_gaussian_noise(g * cert.scales[name], std, generator) / denom
+    norms = result.norms if result.norms is not None else torch.empty(0)
+    new_state, extra = strategy.update(
+        state, norms, ctx, _Releaser(generator, sampler.sensitivity_factor)
+    )
+    inner = strategy.step_event(z)
+    if extra:
+        inner = ComposedEvent((inner, *extra))
+    return StepOutput(
+        grads=grads,
+        state=new_state,
+        event=sampler.step_event(inner),
+        noise_multiplier=z,
+        sensitivity=k * cert.sensitivity,
         batch_size=int(inputs.shape[0]),
         loss_sum=result.loss_sum,
         norms=result.norms,

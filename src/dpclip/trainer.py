@@ -290,6 +290,13 @@ def train(
     strategy = make_strategy(config.strategy, config.strategy_params)
     engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
         if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_per_example
+    bound_based = getattr(strategy, "kind", "norm") == "bound"
+    if bound_based:  # Lip-DP-SGD: certified loss, model checked now; "auto" = one plain backward
+        strategy = strategy.bind(model, bundle.input_shape)
+        loss_fn = strategy.loss()
+        if config.engine == "auto":
+            engine = get_engine("summed", max_physical_batch=config.max_physical_batch)
     groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else ParamGroups.per_layer(model)
     sampler = make_sampler(config.sampling, n_train, config.batch_size)
     total_steps = config.epochs * sampler.steps_per_epoch
@@ -327,6 +334,8 @@ def train(
         z = _resolve_noise(config, plan)
         plan.ledger(z, steps=1)  # the strategy must accept the calibrated noise (clear error)
     max_steps = _budget_steps(config, plan, z)
+    if bound_based and step == 0:  # ClipWeights(theta_0): the initial weights are data-free
+        strategy.post_step(model, state, input_shape=bundle.input_shape)
 
     def save() -> None:
         if ckpt_path is None:
@@ -378,7 +387,7 @@ def train(
         idx = sampler.sample(sample_gen).to(device)
         out = dp_step(
             model, x_train[idx], y_train[idx],
-            loss_fn=cross_entropy_per_example, strategy=strategy, state=state, engine=engine,
+            loss_fn=loss_fn, strategy=strategy, state=state, engine=engine,
             groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen,
         )
         planned = plan.event(step, z)
@@ -391,6 +400,8 @@ def train(
             if p.requires_grad:
                 p.grad = out.grads[name]
         optimizer.step()
+        if bound_based:  # weight clipping: post-processing of the released weights
+            strategy.post_step(model, out.state, input_shape=bundle.input_shape)
         optimizer.zero_grad(set_to_none=True)
         ledger.record(out.event)
         state = out.state
@@ -468,7 +479,7 @@ def train(
         "lr": config.lr,
         "optimizer": config.optimizer,
         "seed": config.seed,
-        "engine": config.engine,
+        "engine": engine.name,
         "device": str(device),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,

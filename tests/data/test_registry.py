@@ -15,7 +15,9 @@ from dpclip.data import (
     load_dataset,
 )
 
-EXPECTED = {"breast-cancer", "digits", "fashion-mnist", "mnist", "mnist-5k", "synthetic"}
+EXPECTED = {"breast-cancer", "digits", "fashion-mnist", "mnist", "mnist-5k", "synthetic",
+            "adult", "german-credit", "default-credit", "nursery", "android-permissions",
+            "dropout"}
 
 
 def test_registered_names():
@@ -57,8 +59,9 @@ def test_entry_metadata_matches_loaded_bundle(name):
     assert bundle.train.targets.max() < bundle.num_classes
 
 
-def test_only_mnist_5k_is_public():
-    assert {e.name for e in list_datasets() if e.is_public} == {"mnist-5k"}
+def test_only_the_bundled_proxies_are_public():
+    assert {e.name for e in list_datasets() if e.is_public} == {"mnist-5k", "digits"}
+    assert load_dataset("digits").is_public
 
 
 def test_bundle_validates_consistency():

@@ -537,3 +537,102 @@ def test_subclass_overriding_forward_is_unsupported():
 
     assert not ghost_support(nn.Sequential(Scaled(3, 2)))[0]
     assert ghost_support(nn.Sequential(Plain(3, 2)))[0]
+
+
+# ------------------------------------------------------- the model may change between calls
+
+
+def _mlp64():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(),
+                         nn.Linear(5, N_CLASSES)).to(DT)
+
+
+def test_model_changes_between_calls_are_seen():
+    """Nothing about the model is remembered between calls: freezing, replacing a layer or a
+    parameter, adding an unsupported layer, setting an Embedding's max_norm and switching a
+    BatchNorm to training mode all take effect on the next call of the same engine."""
+    engine = GhostEngine()
+    model = _mlp64()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (6,), generator=g)
+
+    def check():
+        groups = ParamGroups.flat(model)
+        res = _check(engine, model, x, y, ce, groups, clip_weights(0.3))
+        assert set(res.grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+        return res
+
+    check()
+    model[0].requires_grad_(False)
+    assert set(check().grads) == {"2.weight", "2.bias", "4.weight", "4.bias"}
+    model[2].bias.requires_grad_(False)
+    assert set(check().grads) == {"2.weight", "4.weight", "4.bias"}
+    model.requires_grad_(True)
+    model[2] = nn.Linear(6, 5, bias=False).to(DT)  # a new layer, without bias
+    assert "2.bias" not in check().grads
+    model[4].weight = nn.Parameter(torch.randn(N_CLASSES, 5, dtype=DT))  # a new parameter
+    res = check()
+    ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    assert_grads_close(res.grads, ref.grads)
+    model[1] = nn.PReLU().to(DT)  # now unsupported
+    with pytest.raises(UnsupportedModelError, match="PReLU"):
+        engine.compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    model[1] = nn.Tanh()
+    check()
+
+    emb = nn.Sequential(nn.Embedding(7, 3), nn.Flatten(), nn.Linear(6, N_CLASSES)).to(DT)
+    tokens = torch.randint(0, 7, (4, 2), generator=g)
+    labels = torch.randint(0, N_CLASSES, (4,), generator=g)
+    engine.compute(emb, ce, tokens, labels, clip_weights(1.0), ParamGroups.flat(emb))
+    emb[0].max_norm = 1.0
+    with pytest.raises(UnsupportedModelError, match="max_norm"):
+        engine.compute(emb, ce, tokens, labels, clip_weights(1.0), ParamGroups.flat(emb))
+
+    bn = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, N_CLASSES)).to(DT).eval()
+    engine.compute(bn, ce, x, y, clip_weights(1.0), ParamGroups.flat(bn))
+    bn.train()
+    with pytest.raises(UnsupportedModelError, match="BatchNorm"):
+        engine.compute(bn, ce, x, y, clip_weights(1.0), ParamGroups.flat(bn))
+
+
+def test_groups_are_checked_against_the_trainable_parameters():
+    """Groups are validated on every call (from the scanned names): a missing, unknown or repeated
+    name raises like ``ParamGroups.validate``; a flat group in another order is valid."""
+    model = _mlp64()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(5, 4, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (5,), generator=g)
+    names = tuple(n for n, _ in model.named_parameters())
+    engine = GhostEngine()
+    bad = [ParamGroups(("all",), (names[1:],)),  # missing
+           ParamGroups(("all",), (names + ("nope",),)),  # unknown
+           ParamGroups(("a", "b"), (names, names[:1])),  # repeated
+           ParamGroups(("all",), (names[:-1] + names[:1],))]  # one missing, one repeated
+    for groups in bad:
+        with pytest.raises(ValueError, match="ParamGroups"):
+            engine.compute(model, ce, x, y, clip_weights(0.5), groups)
+    ref = engine.compute(model, ce, x, y, clip_weights(0.5), ParamGroups(("all",), (names,)))
+    res = _check(engine, model, x, y, ce, ParamGroups(("all",), (names[::-1],)), clip_weights(0.5))
+    assert_grads_close(res.grads, ref.grads)
+    model[0].requires_grad_(False)  # the same groups are now wrong
+    with pytest.raises(ValueError, match="ParamGroups"):
+        engine.compute(model, ce, x, y, clip_weights(0.5), ParamGroups(("all",), (names,)))
+
+
+def test_weight_check_is_exact_when_the_sum_overflows():
+    """``apply_weight_fn`` checks the weights with one sum; finite weights whose sum overflows
+    pass, and one NaN or inf among them is still refused."""
+    from dpclip.engine._common import apply_weight_fn
+
+    norms = torch.ones(4, dtype=torch.float32)
+    big = torch.full((4,), 3e38, dtype=torch.float32)
+    assert torch.isinf(big.sum())
+    assert apply_weight_fn(lambda n: big, norms, "ghost") is big
+    for value in (math.nan, math.inf, -math.inf):
+        bad = big.clone()
+        bad[2] = value
+        with pytest.raises(ValueError, match="non-finite weights"):
+            apply_weight_fn(lambda n: bad, norms, "ghost")
+        with pytest.raises(ValueError, match="non-finite weights"):
+            apply_weight_fn(lambda n: torch.where(torch.arange(4) == 1, value, 0.5), norms,
+                            "ghost")

@@ -15,7 +15,7 @@ from dpclip.models import (
 )
 
 EXPECTED = {"lin-b1", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn", "papernot-cnn",
-            "transformer"}
+            "transformer", "lip-convnet", "tabular-mlp"}
 CONV_MODELS = ["papernot-cnn", "papernot-cifar-cnn", "lin-b1", "lin-b3", "lin-b4"]
 
 

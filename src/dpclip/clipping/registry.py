@@ -121,6 +121,8 @@ def _load_builtin_strategies() -> None:
 
     for module in ("normalize", "schedules", "quantile", "vdv", "adaclip"):
         importlib.import_module(f"dpclip.clipping.{module}")
+    # bound-based strategies live with the Lipschitz analysis they need (they use torch.nn)
+    importlib.import_module("dpclip.lipschitz.strategy")
 
 
 _load_builtin_strategies()

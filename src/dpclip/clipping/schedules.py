@@ -15,11 +15,14 @@ name            threshold ``C_t`` (and noise)               paper
 ``lin-decay``   ``C0 / t^a``, ``t`` = epoch index from 1    Lin et al. 2022, Decay strategy
 ``du-dynamic``  ``C0 rho_c^(t/T)``; noise multiplier        Du et al. 2021, dynamic DP-SGD
                 ``sigma_base rho_mu^(t/T)``
+``transfer``    ``thresholds[t]`` (last value after the     Lin et al. 2022, Transfer strategy
+                end), a stored per-epoch schedule
 =============== =========================================== ===================================
 
 Privacy: a threshold that depends only on public facts (step, epoch, plan length) costs nothing:
 the sensitivity of step ``t`` is the inner's at ``C_t`` and the noise std is ``z_t`` times it, so
-``yu-linear`` and ``lin-decay`` emit exactly the inner's events. ``du-dynamic`` also schedules the
+``yu-linear``, ``lin-decay`` and ``transfer`` emit exactly the inner's events (``transfer``'s
+schedule must come from PUBLIC data, e.g. ``dpclip.search`` run on a public proxy). ``du-dynamic`` also schedules the
 noise multiplier; each step's event is ``Gaussian(sigma_t)`` and the run is a heterogeneous
 composition accounted step by step through the ledger (PLD/RDP), never with GDP/CLT.
 
@@ -64,6 +67,7 @@ __all__ = [
     "DuDynamic",
     "GRANULARITIES",
     "LinDecay",
+    "Transfer",
     "YU_VARIANTS",
     "YuLinear",
     "du_decay",
@@ -385,7 +389,10 @@ class LinDecay(_ThresholdSchedule):
     Test vector T12 (``C0 = 1, a = 0.5``): ``C_1 = 1, C_4 = 0.5, C_9 = 0.333``. The threshold
     changes once per epoch. ``C0`` is the inner's ``clip_norm`` (default 1.0, the inner's
     default); Lin et al. take ``C0`` = the mean first-epoch optimum of their greedy search on a
-    public proxy dataset (5 runs), which that search (another issue) will supply.
+    public proxy dataset (5 runs): give ``c0_from="greedy"`` instead of ``clip_norm`` to
+    ``dpclip train``/``dpclip run`` and they resolve it (``dpclip.search.resolve_strategy_params``:
+    5 one-epoch greedy searches, seeds 0..4, on the public proxy, cached in the results store),
+    recording ``c0_from="greedy:<proxy>:<runs>:<schedule names>"``.
 
     Privacy: free (data-independent, constant noise multiplier); sensitivity is the inner's at
     ``C_t``; events are the inner's. State: ``clip_norm`` (``C_t``), ``epoch`` (``t``, from 1),
@@ -399,8 +406,23 @@ class LinDecay(_ThresholdSchedule):
     inner: ClippingStrategy = field(default_factory=FixedClip)
     a: float = 0.5
 
+    #: public provenance of ``C0`` (free text, recorded in the run's params): ``""`` when
+    #: ``clip_norm`` was given; ``"greedy:..."`` when the CLI/harness resolved ``C0`` from greedy
+    #: searches on a public proxy (``dpclip.search.resolve_strategy_params``). The unresolved
+    #: request ``c0_from="greedy"`` is refused here: strategies do no I/O.
+    c0_from: str = ""
+
     def __post_init__(self) -> None:
         self._check_inner()
+        if not isinstance(self.c0_from, str):
+            raise TypeError(f"LinDecay: c0_from must be a string, got {self.c0_from!r}")
+        if self.c0_from.strip() == "greedy":
+            raise ValueError(
+                "LinDecay: c0_from='greedy' asks for C0 = mean first-epoch greedy threshold on a "
+                "public proxy; it is resolved by `dpclip train`/`dpclip run` (or "
+                "dpclip.search.resolve_strategy_params) against the results store, not by the "
+                "strategy. In library code pass clip_norm=C0 instead"
+            )
         a = positive_finite("a", self.a, "LinDecay")
         if a > 1:
             raise ValueError(f"LinDecay: a must be in (0, 1] (Lin et al.; default 0.5), got {a!r}")
@@ -491,6 +513,120 @@ class DuDynamic(_ThresholdSchedule):
         return {"position": 0, "noise_scale": 1.0}
 
 
+def _as_thresholds(value: Any, owner: str) -> tuple[float, ...]:
+    """A non-empty tuple of positive finite floats from a list/tuple or ``"0.3,0.2"`` text."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]()")
+        value = [p for p in text.replace(";", ",").split(",") if p.strip()]
+    if isinstance(value, (int, float)):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{owner}: thresholds must be a non-empty list of per-epoch thresholds, e.g. "
+            f"thresholds=[0.5, 0.3, 0.2] (or schedule=NAME from the results store), got {value!r}"
+        )
+    out = []
+    for i, v in enumerate(value):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{owner}: thresholds[{i}]={v!r} is not a number") from None
+        out.append(positive_finite(f"thresholds[{i}]", f, owner))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Transfer(_ThresholdSchedule):
+    """Lin et al.'s Transfer strategy: replay a per-epoch threshold schedule found elsewhere.
+
+    ``C_t = thresholds[t]`` at epoch ``t`` (0-based here, the schedule's first entry is epoch 1);
+    past the end of the list the last value is kept. The schedule comes from Lin et al.'s greedy
+    search (``dpclip.search``) run on a PUBLIC proxy dataset with the same architecture, batch
+    size, learning rate, noise multiplier and number of epochs. ``schedule`` names the stored
+    schedule the thresholds came from (``dpclip schedules``); it is a record only: the CLI and the
+    harness resolve ``schedule=NAME`` from the results store into ``thresholds`` (strategies do no
+    I/O; ``dpclip.search.resolve_strategy_params``). The inner's ``clip_norm`` is set to
+    ``thresholds[0]``.
+
+    Privacy: free when the schedule is public (derived from public data only): the thresholds are
+    then data-independent constants, the sensitivity of epoch ``t`` is the inner's at ``C_t``
+    (``C_t`` for ``fixed``) and the events are the inner's (``Gaussian(z)``). A schedule searched
+    on the private data itself is NOT private; the resolver refuses such stored schedules.
+    State: ``clip_norm`` (``C_t``), ``epoch`` (1-based), ``inner``.
+    Paper: Lin et al., "Understanding adaptive gradient clipping in DP-SGD, empirically", IJIS
+    2022 (Transfer strategy; algorithms.md M9).
+    """
+
+    name: ClassVar[str] = "transfer"
+    #: parameters the registry contract suite builds it with
+    contract_params: ClassVar[dict[str, Any]] = {"thresholds": [1.0, 0.5, 0.25]}
+
+    inner: ClippingStrategy = field(default_factory=FixedClip)
+    thresholds: tuple[float, ...] = (1.0,)
+    schedule: str = ""
+
+    def __post_init__(self) -> None:
+        th = _as_thresholds(self.thresholds, "Transfer")
+        object.__setattr__(self, "thresholds", th)
+        if not isinstance(self.schedule, str):
+            raise TypeError(f"Transfer: schedule must be a name (string), got {self.schedule!r}")
+        inner = self.inner
+        if isinstance(inner, ClippingStrategy) and not isinstance(inner, type) and \
+                _has_clip_norm(type(inner)):
+            object.__setattr__(self, "inner", self._inner_at_value(inner, th[0]))
+        self._check_inner()
+
+    @staticmethod
+    def _inner_at_value(inner: ClippingStrategy, c: float) -> ClippingStrategy:
+        return dataclasses.replace(inner, clip_norm=c)  # type: ignore[type-var]
+
+    def threshold_at_epoch(self, epoch: int) -> float:
+        """``thresholds[epoch]`` (0-based epoch), the last value past the end."""
+        return self.thresholds[min(max(int(epoch), 0), len(self.thresholds) - 1)]
+
+    def _threshold(self, ctx: StepContext) -> float:
+        return self.threshold_at_epoch(ctx.epoch)
+
+    def _counters(self, ctx: StepContext) -> dict[str, Any]:
+        return {"epoch": ctx.epoch + 1}
+
+    def _initial_counters(self) -> dict[str, Any]:
+        return {"epoch": 1}
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["thresholds"] = list(self.thresholds)
+        return d
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "_ThresholdSchedule":
+        """As the other schedules, plus: ``thresholds`` (list or ``"0.3,0.2"``) is required;
+        ``schedule=NAME`` alone must first be resolved from the results store."""
+        params = dict(params)
+        if "thresholds" not in params:
+            if "schedule" in params:
+                raise ValueError(
+                    f"strategy 'transfer': schedule={params['schedule']!r} names a stored "
+                    "schedule; it is resolved into thresholds by `dpclip train`/`dpclip run` "
+                    "(dpclip.search.resolve_strategy_params with a ResultsStore). In library "
+                    "code pass thresholds=[...]; `dpclip schedules` lists the stored ones"
+                )
+            raise ValueError(
+                "strategy 'transfer' needs thresholds=[C_1, C_2, ...] (per epoch) or "
+                "schedule=NAME (a schedule stored by `dpclip search`; see `dpclip schedules`)"
+            )
+        th = _as_thresholds(params["thresholds"], "strategy 'transfer'")
+        params["thresholds"] = th
+        if "clip_norm" in params:
+            given = float(params["clip_norm"])
+            if given != th[0]:
+                raise ValueError(
+                    f"strategy 'transfer': clip_norm={given} conflicts with thresholds[0]="
+                    f"{th[0]}; the thresholds set the clip norm, leave clip_norm out"
+                )
+        return super().from_params(params)
+
+
 register(
     StrategyEntry(
         name="yu-linear",
@@ -517,5 +653,15 @@ register(
         paper="Du et al., Dynamic differential-privacy preserving SGD, arXiv 2111.00173, 2021",
         summary="schedule: clip C0 rho_c^(t/T) and noise multiplier sigma rho_mu^(t/T), "
         "accounted per step; wraps base",
+    )
+)
+register(
+    StrategyEntry(
+        name="transfer",
+        cls=Transfer,
+        paper="Lin et al., Understanding adaptive gradient clipping in DP-SGD, empirically, "
+        "IJIS 2022 (Transfer)",
+        summary="schedule: per-epoch thresholds replayed from a greedy search on public data "
+        "(thresholds=[...] or schedule=NAME); wraps base",
     )
 )

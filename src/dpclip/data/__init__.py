@@ -18,9 +18,12 @@ from dpclip.data.idx import (
 )
 from dpclip.data.registry import (
     DATASETS,
+    PUBLIC_PROXIES,
     DatasetEntry,
+    is_public_proxy,
     list_datasets,
     load_dataset,
+    public_proxy,
     register_dataset,
 )
 from dpclip.data.splits import public_private_split, stratified_split_indices
@@ -31,14 +34,17 @@ __all__ = [
     "FASHION_MNIST_STD",
     "MNIST_MEAN",
     "MNIST_STD",
+    "PUBLIC_PROXIES",
     "DatasetBundle",
     "DatasetEntry",
     "DatasetNotFoundError",
     "IdxFormatError",
     "TensorSplit",
+    "is_public_proxy",
     "list_datasets",
     "load_dataset",
     "public_private_split",
+    "public_proxy",
     "read_idx",
     "register_dataset",
     "stratified_split_indices",

@@ -48,7 +48,8 @@ def load_digits(
     y = torch.from_numpy(np.asarray(raw.target, dtype=np.int64))
     train, test = _split(x, y, test_fraction, seed)
     return DatasetBundle(
-        "digits", train, test, 10, (1, 8, 8), source="sklearn.datasets.load_digits (bundled)"
+        "digits", train, test, 10, (1, 8, 8), source="sklearn.datasets.load_digits (bundled)",
+        is_public=True,
     )
 
 

@@ -14,13 +14,24 @@ from dpclip.data.base import DatasetBundle
 from dpclip.data.bundled import load_breast_cancer, load_digits, load_mnist_5k
 from dpclip.data.idx import load_fashion_mnist, load_mnist
 from dpclip.data.synthetic import load_synthetic
+from dpclip.data.tabular import (
+    load_adult,
+    load_android_permissions,
+    load_default_credit,
+    load_dropout,
+    load_german_credit,
+    load_nursery,
+)
 
 __all__ = [
     "DATASETS",
+    "PUBLIC_PROXIES",
     "DatasetEntry",
     "DatasetLoader",
+    "is_public_proxy",
     "list_datasets",
     "load_dataset",
+    "public_proxy",
     "register_dataset",
 ]
 
@@ -187,10 +198,11 @@ register_dataset(
 register_dataset(
     DatasetEntry(
         name="digits",
-        description="scikit-learn 8x8 digits, 1,797 images, stratified 80/20 split",
+        description="scikit-learn 8x8 digits, 1,797 images, stratified 80/20 split; public",
         loader=load_digits,
         num_classes=10,
         input_shape=(1, 8, 8),
+        is_public=True,
         reference="UCI optical recognition of handwritten digits (Alpaydin & Kaynak 1998)",
     )
 )
@@ -214,3 +226,77 @@ register_dataset(
         reference="generated",
     )
 )
+
+
+_LIP_TABLE1 = "used in Barczewski & Ramon, DP-SGD with weight clipping (S2 Table 1)"
+for _name, _loader, _classes, _features, _desc, _ref in (
+    ("adult", load_adult, 2, 108, "UCI Adult adult.data/adult.test, 32,561/16,281, one-hot",
+     "Becker & Kohavi, UCI Adult, 1996"),
+    ("german-credit", load_german_credit, 2, 61, "UCI Statlog german.data, 1,000 x 20, one-hot",
+     "Hofmann, UCI Statlog (German Credit Data), 1994"),
+    ("default-credit", load_default_credit, 2, 33,
+     "UCI default of credit card clients (CSV), 30,000 x 23", "Yeh & Lien, Expert Syst. Appl. 2009"),
+    ("nursery", load_nursery, 5, 27, "UCI nursery.data, 12,960 x 8 categorical, 5 classes",
+     "Olave, Rajkovic & Bohanec, UCI Nursery, 1989"),
+    ("android-permissions", load_android_permissions, 2, 86,
+     "UCI NATICUSdroid data.csv, 29,333 x 86 permissions", "Mathur et al., UCI NATICUSdroid, 2022"),
+    ("dropout", load_dropout, 3, 36, "UCI students' dropout data.csv, 4,424 x 36, 3 classes",
+     "Realinho et al., UCI Predict Students' Dropout and Academic Success, 2021"),
+):
+    register_dataset(
+        DatasetEntry(
+            name=_name,
+            description=_desc + " (files from --data-dir / $DPCLIP_DATA)",
+            loader=_loader,
+            num_classes=_classes,
+            input_shape=(_features,),
+            reference=f"{_ref}; {_LIP_TABLE1}",
+        )
+    )
+del _name, _loader, _classes, _features, _desc, _ref
+
+
+#: "public proxy for X" (Lin et al.: a public dataset of the same kind, used to search the
+#: clipping thresholds that the private run on X replays). The first entry is the default. A pair
+#: declares its proxy public FOR THAT PAIR: Fashion-MNIST (private in its own runs) is the public
+#: proxy of MNIST, as in Lin et al. (FMNIST <-> MNIST); CIFAR-100 -> CIFAR-10 once registered.
+PUBLIC_PROXIES: dict[str, tuple[str, ...]] = {
+    "fashion-mnist": ("mnist-5k", "digits"),
+    "mnist": ("fashion-mnist", "mnist-5k"),
+    "cifar10": ("cifar100",),
+}
+
+
+def public_proxy(dataset: str, proxy: str | None = None) -> str:
+    """The public proxy dataset for private ``dataset`` (``proxy`` picks one of the pair's list).
+
+    Raises ``ValueError`` naming the known pairs when ``dataset`` has none, when ``proxy`` is not
+    one of its proxies, or when the proxy is not registered here (e.g. CIFAR-100).
+    """
+    known = ", ".join(f"{k} -> {'|'.join(v)}" for k, v in sorted(PUBLIC_PROXIES.items()))
+    if dataset not in PUBLIC_PROXIES:
+        raise ValueError(
+            f"no public proxy is known for dataset {dataset!r}; known pairs: {known}. Run "
+            "`dpclip search` on a public dataset of your choice and use its schedule by name"
+        )
+    choices = PUBLIC_PROXIES[dataset]
+    if proxy is not None and proxy not in choices:
+        raise ValueError(
+            f"{proxy!r} is not a known public proxy for {dataset!r}; valid: {', '.join(choices)}"
+        )
+    for name in ([proxy] if proxy is not None else list(choices)):
+        if name in DATASETS:
+            return name
+    raise ValueError(
+        f"the public proxy for {dataset!r} ({' or '.join(choices)}) is not a registered dataset "
+        f"here; registered: {', '.join(sorted(DATASETS))}"
+    )
+
+
+def is_public_proxy(dataset: str, for_dataset: str | None) -> bool:
+    """Whether ``dataset`` is public in its own right or as the declared proxy of
+    ``for_dataset`` (a pair of :data:`PUBLIC_PROXIES`)."""
+    entry = DATASETS.get(dataset)
+    if entry is not None and entry.is_public:
+        return True
+    return for_dataset is not None and dataset in PUBLIC_PROXIES.get(for_dataset, ())

@@ -101,9 +101,10 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "out", "b", "versions", "choice", "kept")
 
-    def __init__(self, mod: nn.Module, rule: "_Rule", a: Tensor, out: Tensor) -> None:
-        self.mod = mod
-        self.rule = rule
+    def __init__(self, owner: "_Owner", a: Tensor, out: Tensor) -> None:
+        self.owner = owner
+        self.mod = owner.module
+        self.rule = owner.rule
         self.a = a
         self.out = out
         self.versions = (a._version, out._version)
@@ -218,16 +219,16 @@ class _LinearRule(_Rule):
     def fused_norm(self, c: _Call, roles: Sequence[str]) -> Tensor | None:
         if c.a.ndim != 2 or len(roles) != 2:
             return None
-        b2 = _sq(c.b)  # ||a||^2 ||b||^2 + ||b||^2
-        return torch.addcmul(b2, _sq(c.a), b2)
+        b2 = _vecdot(c.b, c.b)  # ||a||^2 ||b||^2 + ||b||^2 (rows: one op each)
+        return torch.addcmul(b2, _vecdot(c.a, c.a), b2)
 
     def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
         a, b = c.a, c.b
         out: dict[str, Tensor] = {}
         if a.ndim == 2:  # Goodfellow: ||b_i a_i^T||^2 = ||a_i||^2 ||b_i||^2
-            b2 = _sq(b)
+            b2 = _vecdot(b, b)
             if "weight" in roles:
-                out["weight"] = _sq(a) * b2
+                out["weight"] = _vecdot(a, a) * b2
             if "bias" in roles:
                 out["bias"] = b2
             return out
@@ -556,15 +557,18 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
 # ------------------------------------------------------------------------------ model scan
 
 
-@dataclass(frozen=True)
 class _Owner:
     """A module that owns trainable parameters directly, with the rule for its type."""
 
-    name: str
-    module: nn.Module
-    rule: _Rule
-    roles: tuple[str, ...]  #: attribute names of its trainable parameters
-    pnames: tuple[str, ...]  #: their canonical names (as in ``model.named_parameters()``)
+    __slots__ = ("name", "module", "rule", "roles", "pnames")
+
+    def __init__(self, name: str, module: nn.Module, rule: _Rule, roles: tuple[str, ...],
+                 pnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.module = module
+        self.rule = rule
+        self.roles = roles  #: attribute names of its trainable parameters
+        self.pnames = pnames  #: their canonical names (as in ``model.named_parameters()``)
 
 
 @dataclass(frozen=True)
@@ -573,44 +577,59 @@ class _Scan:
     owners: tuple[_Owner, ...]
     reasons: tuple[str, ...]  #: why the model is not supported (empty: supported)
     batchnorm: bool  #: the model has a BatchNorm layer
+    by_module: dict[int, _Owner]  #: the owners by ``id(module)``
+    by_param: dict[int, str]  #: canonical names of the trainable parameters by ``id(param)``
 
 
 def _scan(model: nn.Module) -> _Scan:
     """One pass over the modules: the trainable parameters (as ``trainable_params``: the names and
     order of ``model.named_parameters()``, tied parameters once), their owners and rules, and the
-    reasons the model is unsupported."""
+    reasons the model is unsupported.
+
+    Runs on every call, so that a model changed between calls (``requires_grad_`` toggled, a
+    layer or parameter replaced, an Embedding's ``max_norm`` set) is seen as it is. Caching it per
+    model was measured and rejected: validating a cache needs the same walk over the modules, and
+    the saving on the benchmark MLP (930.9 against 932.7 us per call) was within the noise
+    (docs/engines.md, "Fixed cost per call")."""
     params: dict[str, Tensor] = {}
-    seen: set[int] = set()
+    names: dict[int, str] = {}  # canonical name of every parameter seen, trainable or not
+    by_param: dict[int, str] = {}
     owners: list[_Owner] = []
     reasons: list[str] = []
     batchnorm = False
     for qual, mod in model.named_modules():
         if isinstance(mod, _BatchNorm):
             batchnorm = True
-        own = []
-        for attr, p in mod._parameters.items():
+        own_params = mod._parameters
+        if not own_params:
+            continue
+        roles: list[str] = []
+        pnames: list[str] = []
+        for attr, p in own_params.items():
             if p is None:
                 continue
             pid = id(p)
-            if pid in seen:  # tied: already named under its first owner
+            name = names.get(pid)
+            if name is None:
+                name = names[pid] = f"{qual}.{attr}" if qual else attr
                 if p.requires_grad:
-                    own.append((attr, next(n for n, q in params.items() if q is p)))
+                    params[name] = p
+                    by_param[pid] = name
+            elif pid not in by_param:  # tied, first seen frozen: not trainable
                 continue
-            seen.add(pid)
-            if p.requires_grad:
-                name = f"{qual}.{attr}" if qual else attr
-                params[name] = p
-                own.append((attr, name))
-        if not own:
+            if p.requires_grad:  # (tied: named under its first owner)
+                roles.append(attr)
+                pnames.append(name)
+        if not roles:
             continue
         where = qual or "<root>"
         rule = _rule_for(mod)
         if rule is None:
             kind = "a container module" if mod._modules else "an unsupported layer"
             reasons.append(f"{where!r} ({type(mod).__name__}, {kind} owning trainable "
-                           f"parameter(s) {', '.join(a for a, _ in own)})")
+                           f"parameter(s) {', '.join(roles)})")
             continue
-        extra = [attr for attr, _ in own if attr not in rule.roles]
+        extra = [attr for attr in roles if attr not in rule.roles]
         if extra:
             reasons.append(f"{where!r} ({type(mod).__name__} with extra trainable parameter(s) "
                            f"{', '.join(extra)})")
@@ -619,9 +638,9 @@ def _scan(model: nn.Module) -> _Scan:
         if why:
             reasons.append(f"{where!r} ({type(mod).__name__}: {why})")
             continue
-        owners.append(_Owner(where, mod, rule, tuple(a for a, _ in own),
-                             tuple(n for _, n in own)))
-    return _Scan(params, tuple(owners), tuple(reasons), batchnorm)
+        owners.append(_Owner(where, mod, rule, tuple(roles), tuple(pnames)))
+    return _Scan(params, tuple(owners), tuple(reasons), batchnorm,
+                 {id(o.module): o for o in owners}, by_param)
 
 
 def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
@@ -642,23 +661,30 @@ def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
     """How many autograd edges lead into each wanted parameter's AccumulateGrad node."""
     indeg: dict[Any, int] = {root: 0}
     stack = [root]
+    leaves = []
+    pop, push, add_leaf = stack.pop, stack.append, leaves.append
     while stack:
-        fn = stack.pop()
-        for nxt, _ in fn.next_functions:
+        fn = pop()
+        edges = fn.next_functions
+        if not edges:
+            add_leaf(fn)
+            continue
+        for nxt, _ in edges:
             if nxt is None:
                 continue
-            if nxt in indeg:
-                indeg[nxt] += 1
-            else:
+            n = indeg.get(nxt)
+            if n is None:
                 indeg[nxt] = 1
-                stack.append(nxt)
+                push(nxt)
+            else:
+                indeg[nxt] = n + 1
     uses: dict[str, int] = {}
-    for fn, n in indeg.items():
-        if fn.next_functions:
-            continue
+    for fn in leaves:
         var = getattr(fn, "variable", None)
-        if var is not None and id(var) in wanted:
-            uses[wanted[id(var)]] = n
+        if var is not None:
+            name = wanted.get(id(var))
+            if name is not None:
+                uses[name] = indeg[fn]
     return uses
 
 
@@ -726,8 +752,8 @@ class GhostEngine:
         if scan.batchnorm:
             check_per_example_model(model, self.name)
         params = scan.params
-        if not (groups.is_flat and groups.members[0] == tuple(params)):
-            groups.validate(model)  # (a flat group of exactly the trainable parameters is valid)
+        if not _partitions(groups, params):
+            groups.validate(model)  # raises, naming the missing / unknown / repeated names
         if scan.reasons:
             return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups,
                                      "unsupported layer(s): " + "; ".join(scan.reasons))
@@ -746,9 +772,10 @@ class GhostEngine:
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
             for start in range(0, batch, chunk):
+                xs, ys = (inputs, targets) if chunk >= batch else (
+                    inputs[start:start + chunk], targets[start:start + chunk])
                 part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, inputs[start:start + chunk],
-                    targets[start:start + chunk], weight_fn)
+                    model, scan, group_of, len(groups), loss_fn, xs, ys, weight_fn)
                 if sums is None:
                     sums = part
                 else:
@@ -801,9 +828,8 @@ class GhostEngine:
         batch = xs.shape[0]
         params = scan.params
         calls, total = _forward(model, scan, loss_fn, xs, ys)
-        owner_of = {id(o.module): o for o in scan.owners}
         for c in calls:
-            o = c.owner = owner_of[id(c.mod)]
+            o = c.owner
             if c.versions != (c.a._version, c.out._version):
                 raise _RuntimeUnsupported(
                     f"the input or output of layer {o.name!r} ({type(c.mod).__name__}) was "
@@ -817,7 +843,7 @@ class GhostEngine:
                     "expand position indices to (B, T) before an Embedding)")
         live = [c for c in calls if c.out.requires_grad]
         if total.requires_grad and live:
-            uses = _graph_param_uses(total.grad_fn, {id(p): n for n, p in params.items()})
+            uses = _graph_param_uses(total.grad_fn, scan.by_param)
             bs = torch.autograd.grad(total, [c.out for c in live], allow_unused=True)
             for c, b in zip(live, bs):
                 c.b = b
@@ -947,7 +973,7 @@ class GhostEngine:
             elif g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
                 g = g.reshape(p.shape).to(p.dtype).contiguous()
             out[pn] = g
-        return out, norms, weights, float(total.detach())
+        return out, norms, weights, total.item()
 
     def _choose(self, calls: list[_Call], batch: int) -> None:
         """Per-call choice ``ghost`` / ``direct`` / ``keep`` (see the module docstring)."""
@@ -991,6 +1017,17 @@ class GhostEngine:
                 used += mem
 
 
+def _partitions(groups: ParamGroups, params: dict[str, Tensor]) -> bool:
+    """Whether ``groups`` holds every trainable parameter exactly once and nothing else (what
+    ``groups.validate`` checks, from the names already scanned)."""
+    members = groups.members
+    if len(members) == 1:
+        return members[0] == tuple(params) or (
+            len(members[0]) == len(params) and set(members[0]) == params.keys())
+    names = [n for mem in members for n in mem]
+    return len(names) == len(params) and set(names) == params.keys()
+
+
 def _check_losses(losses: Tensor, batch: int) -> Tensor:
     if losses.ndim == 0 or losses.shape[0] != batch:
         raise ValueError(
@@ -1004,11 +1041,11 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
              ys: Tensor) -> tuple[list[_Call], Tensor]:
     """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after."""
     calls: list[_Call] = []
-    rules = {id(o.module): o.rule for o in scan.owners}
+    by_module = scan.by_module
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_Call(mod, rules[id(mod)], a, out))
+        calls.append(_Call(by_module[id(mod)], a, out))
 
     handles = []
     try:

@@ -3,7 +3,10 @@
 Each run checkpoints into ``<out>/checkpoints/<fingerprint>``; a finished run is recognised by its
 config fingerprint in the SQLite store. Killing the runner and starting it again therefore loses
 nothing: finished runs are skipped, the interrupted ones resume from their last checkpoint (same
-ledger, same result as an uninterrupted run), the rest start.
+ledger, same result as an uninterrupted run), the rest start. Before that, strategy parameters
+that name stored data (``transfer``'s ``schedule``, ``lin-decay``'s ``c0_from = "greedy"``) are
+resolved from the store (``dpclip.search.resolve_strategy_params``; the greedy searches for ``C0``
+checkpoint into ``<out>/search`` and are stored, so they run once).
 """
 
 from __future__ import annotations
@@ -74,6 +77,20 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
         store.close()
 
 
+def _resolve_runs(runs: list[RunSpec], store: ResultsStore, search_root: Path,
+                  progress: bool) -> list[RunSpec]:
+    """Resolve ``transfer`` schedule=NAME and ``lin-decay`` c0_from="greedy" from the store
+    (running and storing the greedy searches the latter needs, once, resumably)."""
+    from dpclip.search.resolve import resolve_strategy_params
+
+    out = []
+    for r in runs:
+        cfg = resolve_strategy_params(r.config, store, checkpoint_root=search_root,
+                                      progress=progress)
+        out.append(r if cfg is r.config else RunSpec(r.experiment, r.label, cfg))
+    return out
+
+
 def run_experiment(
     spec: ExperimentSpec,
     *,
@@ -91,6 +108,11 @@ def run_experiment(
     runs = spec.runs()
     with _exclusive(out / f".{spec.name}.lock"):
         store = ResultsStore(db)
+        try:
+            runs = _resolve_runs(runs, store, out / "search", progress)
+        except Exception:
+            store.close()
+            raise
         store.mark_interrupted(spec.name)
         done = store.finished_fingerprints(spec.name)
         store.close()

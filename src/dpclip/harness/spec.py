@@ -30,6 +30,11 @@ train = { lr = 4.0 }              # optional per-strategy TrainConfig overrides
 datasets, bad values) into frozen dataclasses with errors that name the key and the fix;
 ``--set key=value`` overrides use dotted keys (``train.epochs=1``, ``grid.seeds=[0]``,
 ``strategies.fixed.params.clip_norm=0.2``) with TOML values.
+
+Strategy parameters that name stored or computed data, ``transfer``'s ``schedule = "NAME"`` and
+``lin-decay``'s ``c0_from = "greedy"``, are resolved by the runner against the results store
+(``dpclip.search.resolve_strategy_params``) before the grid runs; the resolved numbers are part
+of each run's config (and fingerprint).
 """
 
 from __future__ import annotations
@@ -238,15 +243,21 @@ def _validate_names(spec: ExperimentSpec) -> None:
     for m in spec.models:
         if m not in MODELS:
             raise SpecError(f"unknown model {m!r}; valid: {', '.join(sorted(MODELS))}")
-    for st in spec.strategies:
-        try:
-            make_strategy(st.name, st.params)
-        except ValueError as exc:
-            raise SpecError(f"strategy {st.label!r}: {exc}") from None
+    from dpclip.search.resolve import resolve_strategy_params
+
     try:
-        spec.runs()
+        runs = spec.runs()
     except ValueError as exc:  # TrainConfig validation
         raise SpecError(str(exc)) from None
+    for st in spec.strategies:
+        try:
+            # transfer's schedule=NAME and lin-decay's c0_from="greedy" are resolved from the
+            # store by the runner; here they get placeholders so the rest is validated
+            cfg = next(r.config for r in runs if r.label == st.label)
+            cfg = resolve_strategy_params(cfg, None, dry_run=True)
+            make_strategy(st.name, cfg.strategy_params)
+        except ValueError as exc:
+            raise SpecError(f"strategy {st.label!r}: {exc}") from None
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> ExperimentSpec:

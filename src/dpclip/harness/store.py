@@ -176,6 +176,19 @@ class ResultsStore:
                              f"stored schedules: {names}")
         return json.loads(row[0]), json.loads(row[1])
 
+    def has_schedule(self, name: str) -> bool:
+        return self._conn.execute(
+            "SELECT 1 FROM schedules WHERE name = ?", (name,)
+        ).fetchone() is not None
+
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every stored threshold schedule: name, created_at, thresholds, metadata (by name)."""
+        rows = self._conn.execute(
+            "SELECT name, created_at, thresholds, metadata FROM schedules ORDER BY name"
+        )
+        return [{"name": n, "created_at": c, "thresholds": json.loads(t),
+                 "metadata": json.loads(m)} for n, c, t, m in rows]
+
     def log_epoch(self, run_id: int, epoch: float, metrics: dict[str, Any]) -> None:
         with self._conn:
             self._conn.execute(

@@ -34,7 +34,7 @@ from dpclip.lipschitz.losses import (
     MulticlassHingeLoss,
     TemperedCrossEntropy,
 )
-from dpclip.lipschitz.models import lip_mnist_convnet
+from dpclip.lipschitz.models import lip_mnist_convnet, tabular_mlp
 from dpclip.lipschitz.norms import (
     NUMERICAL_SLACK,
     ConvNormMethod,
@@ -88,4 +88,5 @@ __all__ = [
     "power_iteration",
     "robust_norm",
     "spectral_norm",
+    "tabular_mlp",
 ]

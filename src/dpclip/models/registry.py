@@ -152,6 +152,30 @@ def build_model(
     return entry.builder(shape, num_classes, **kwargs)
 
 
+_BARCZEWSKI = "Barczewski & Ramon, DP-SGD with weight clipping, arXiv 2310.18001, Table 4"
+
+
+def _lip_convnet(
+    input_shape: Sequence[int], num_classes: int, *, activation: str = "relu", bias: bool = True
+) -> nn.Module:
+    from dpclip.lipschitz.models import lip_mnist_convnet
+
+    return lip_mnist_convnet(input_shape, num_classes, activation=activation, bias=bias)
+
+
+def _tabular_mlp(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    hidden: int = 16,
+    activation: str = "relu",
+    bias: bool = True,
+) -> nn.Module:
+    from dpclip.lipschitz.models import tabular_mlp
+
+    return tabular_mlp(input_shape, num_classes, hidden=hidden, activation=activation, bias=bias)
+
+
 _PAPERNOT = (
     "Papernot, Thakurta, Song, Chien & Erlingsson, Tempered sigmoid activations for deep "
     "learning with differential privacy, AAAI 2021"
@@ -208,6 +232,23 @@ for _entry in (
         builder=mlp,
         paper="tabular baseline (e.g. Barczewski & Ramon, DP-SGD with weight clipping, Table 4)",
         input_notes="any input shape (flattened); e.g. 30 features of breast-cancer",
+        intended_input_shape=(30,),
+        intended_num_classes=2,
+    ),
+    ModelEntry(
+        name="lip-convnet",
+        description="Lip-DP-SGD MNIST/FMNIST ConvNet (T13, 1,625,866 params), Lipschitz layers only",
+        builder=_lip_convnet,
+        paper=_BARCZEWSKI,
+        input_notes="1x28x28 images (even height/width); for lip-dp-sgd / fix-lip-dp-sgd",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="tabular-mlp",
+        description="Lip-DP-SGD 2-layer tabular MLP (Dense hidden=16 -> ReLU -> Dense)",
+        builder=_tabular_mlp,
+        paper=_BARCZEWSKI,
+        input_notes="feature vectors (breast-cancer, adult, german-credit, ...)",
         intended_input_shape=(30,),
         intended_num_classes=2,
     ),

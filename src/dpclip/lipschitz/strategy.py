@@ -1,0 +1,320 @@
+"""Lip-DP-SGD and Fix-Lip-DP-SGD: private training by weight clipping and Lipschitz sensitivity.
+
+Bound-based strategies (``kind = "bound"``, algorithms.md M15; Barczewski & Ramon, "DP-SGD with
+weight clipping", arXiv 2310.18001). No per-example gradient is clipped. One step
+(:func:`dpclip.step.bound_step`) is::
+
+    state, cert <- strategy.certify(model, loss, input_shape, state)   # from the CURRENT weights
+    x           <- strategy.scale_inputs(x)                             # x * min(1, X_0 / ||x||)
+    sum         <- d/dtheta sum_i loss_i                                # one plain batched backward
+    sum_k       <- sum_k * cert.scales[k]                               # reading R2: / X_{k-1}
+    noisy       <- sum + N(0, (z * k_s * Delta)^2)                      # Delta = cert.sensitivity
+    grad        <- noisy / expected_batch_size
+    optimizer.step(grad); strategy.post_step(model, state, input_shape) # ClipWeights
+
+Privacy, by construction: ``cert`` depends only on the weights (released by earlier private
+steps, hence public), the public ``X_0``, the public input shape and the loss; it is computed
+BEFORE the batch is read. For every example with ``||x|| <= X_0`` (enforced by ``scale_inputs``,
+a per-example map) and every label, layer ``k``'s scaled gradient has norm ``<= Delta_k``
+(:func:`dpclip.lipschitz.lipschitz_bounds`, proven upper bounds only), so the scaled summed
+gradient has l2 sensitivity ``Delta = sqrt(sum_k Delta_k^2)`` under add/remove-one (``2 Delta``
+replace-one, through the sampler's factor). The step is therefore the same sampled Gaussian
+mechanism as DP-SGD: ``Gaussian(z)``. Per-layer noise (``noise = "per-layer"``) adds
+``N(0, (z Delta_k)^2)`` to layer ``k``: ``L`` Gaussian mechanisms on the same batch, recorded as
+``ComposedEvent((Gaussian(z),) * L)`` (equivalent to one ``Gaussian(z / sqrt(L))``).
+
+Weight clipping (``post_step``) is NOT needed for soundness (the certificate is recomputed from
+whatever the weights are); it keeps the sensitivity small. Lip-DP-SGD rescales a layer's weight
+only when its proven operator-norm bound exceeds ``weight_bound``; Fix-Lip-DP-SGD always
+normalises it to ``weight_bound``. Biases are not clipped: they enter the certificate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.clipping.base import State, StepContext, StrategyBase, positive_finite
+from dpclip.clipping.registry import StrategyEntry, register
+from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
+from dpclip.lipschitz.bounds import NetworkBound, lipschitz_bounds
+from dpclip.lipschitz.losses import LipschitzLoss, TemperedCrossEntropy
+
+__all__ = ["FixLipDpSgd", "LipCertificate", "LipDpSgd", "clip_inputs"]
+
+_PAPER = (
+    "A. Barczewski & J. Ramon, DP-SGD with weight clipping, arXiv 2310.18001 (2023); "
+    "algorithms.md M15"
+)
+SCALINGS = ("r2", "none")
+NOISE_MODES = ("global", "per-layer")
+
+
+def clip_inputs(inputs: Tensor, input_norm: float) -> Tensor:
+    """Per example ``x * min(1, X_0 / ||x||)`` (l2 norm of the whole flattened example).
+
+    A row-wise map: example ``i``'s output depends on ``x_i`` only, so adjacency is preserved.
+    Examples with a non-finite entry become zeros (norm 0 <= X_0) instead of poisoning the sum.
+    The norm and factor are computed in float64; the relative rounding of the result (~1e-7 in
+    float32) is covered by the analysis' ``NUMERICAL_SLACK``.
+    """
+    if inputs.shape[0] == 0:
+        return inputs
+    flat = inputs.reshape(inputs.shape[0], -1)
+    finite = torch.isfinite(flat).all(dim=1)
+    safe = torch.where(finite[:, None], flat, torch.zeros_like(flat))
+    norms = safe.double().norm(dim=1)
+    factor = torch.clamp(input_norm / norms, max=1.0)  # 0-norm rows: inf -> 1
+    out = safe * factor.to(flat.dtype)[:, None]
+    return out.reshape(inputs.shape)
+
+
+@dataclass(frozen=True)
+class LipCertificate:
+    """What one step's sensitivity is, computed from the weights and public constants only.
+
+    ``sensitivity``: global ``Delta`` (before the sampler's factor); ``layer_sensitivities``: layer
+    name -> ``Delta_k``; ``scales``: trainable parameter name -> the public multiplier of its summed
+    gradient (``1 / X_{k-1}`` under reading R2, ``1`` without scaling or when ``X_{k-1} = 0``);
+    ``param_sensitivity``: parameter name -> the sensitivity its noise is calibrated to
+    (``Delta`` with global noise, ``Delta_k`` of its layer with per-layer noise); ``bound``: the
+    full analysis.
+    """
+
+    sensitivity: float
+    layer_sensitivities: dict[str, float]
+    scales: dict[str, float]
+    param_sensitivity: dict[str, float]
+    bound: NetworkBound = field(repr=False)
+
+
+class _LipBase(StrategyBase):
+    """Shared implementation of the two final strategies below (not registered)."""
+
+    kind: ClassVar[str] = "bound"
+    norm_kind: ClassVar[str] = "flat"
+    #: Fix-Lip-DP-SGD: always normalise weights to ``weight_bound`` (else only when above it)
+    normalize_weights: ClassVar[bool] = False
+
+    input_norm: float
+    weight_bound: float
+    temperature: float
+    scaling: str
+    noise: str
+    conv_norm: str
+    num_layers: int | None
+
+    def _validate(self) -> None:
+        owner = type(self).__name__
+        for name in ("input_norm", "weight_bound", "temperature"):
+            object.__setattr__(self, name, positive_finite(name, getattr(self, name), owner))
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"{owner}: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.noise not in NOISE_MODES:
+            raise ValueError(f"{owner}: noise must be one of {NOISE_MODES}, got {self.noise!r}")
+        if self.conv_norm not in ("auto", "reshape", "fft"):
+            raise ValueError(
+                f"{owner}: conv_norm must be 'auto', 'reshape' or 'fft', got {self.conv_norm!r}"
+            )
+        if self.num_layers is not None:
+            n = float(self.num_layers)
+            if not (n.is_integer() and n >= 1):
+                raise ValueError(f"{owner}: num_layers must be an integer >= 1, got "
+                                 f"{self.num_layers!r}")
+            object.__setattr__(self, "num_layers", int(n))
+
+    # ----------------------------------------------------------------- model-side hooks
+    def loss(self) -> LipschitzLoss:
+        """The loss the step differentiates and the certificate covers: ``CE(z / temperature)``."""
+        return TemperedCrossEntropy(self.temperature)
+
+    def bind(self, model: nn.Module, input_shape: Sequence[int]) -> "_LipBase":
+        """Check that ``model`` is analysable (an unsupported layer raises
+        ``UnsupportedLayerError`` naming it) and return a copy with ``num_layers`` set (needed to
+        plan the per-layer-noise event before training). The layer count is public (architecture)."""
+        cert = self.certify(model, self.loss(), input_shape, self.init_state())[1]
+        n = len(cert.layer_sensitivities)
+        if self.num_layers is not None and self.num_layers != n:
+            raise ValueError(
+                f"{self.name}: num_layers={self.num_layers} but the model has {n} parametrised "
+                "layers; omit num_layers (it is set from the model)"
+            )
+        return dataclasses.replace(self, num_layers=n)  # type: ignore[type-var]
+
+    def certify(
+        self, model: nn.Module, loss: Any, input_shape: Sequence[int], state: State
+    ) -> tuple[State, LipCertificate]:
+        """The step's sensitivity from the CURRENT weights and the public ``X_0`` (never the batch).
+
+        Raises ``UnsupportedLayerError`` for a layer or loss without a proven bound (e.g. the
+        trainer's plain cross-entropy function: use ``strategy.loss()``).
+        """
+        if not isinstance(loss, LipschitzLoss):
+            raise ValueError(
+                f"{self.name}: the loss must be a dpclip.lipschitz LipschitzLoss (its Lipschitz "
+                f"constant enters the sensitivity), got {loss!r}; use strategy.loss()"
+            )
+        bound = lipschitz_bounds(
+            model, loss, input_shape=tuple(input_shape), input_norm_bound=self.input_norm,
+            conv_norm=self.conv_norm,  # type: ignore[arg-type]
+        )
+        layer_sens: dict[str, float] = {}
+        scales: dict[str, float] = {}
+        owner: dict[str, str] = {}
+        for layer in bound.layers:
+            x_in = layer.input_norm_bound
+            scale = 1.0 / x_in if (self.scaling == "r2" and x_in > 0.0) else 1.0
+            layer_sens[layer.name] = layer.grad_bound * scale
+            for pname in layer.parameter_grad_bounds:
+                scales[pname] = scale
+                owner[pname] = layer.name
+        total = math.sqrt(sum(s * s for s in layer_sens.values()))
+        if self.noise == "global":
+            param_sens = {p: total for p in scales}
+        else:
+            param_sens = {p: layer_sens[owner[p]] for p in scales}
+        new_state = {**state, "sensitivity": total, "num_noise_blocks": self._blocks(len(layer_sens))}
+        cert = LipCertificate(total, layer_sens, scales, param_sens, bound)
+        return new_state, cert
+
+    def scale_inputs(self, inputs: Tensor) -> Tensor:
+        """Clip every example to ``||x|| <= input_norm`` (:func:`clip_inputs`)."""
+        return clip_inputs(inputs, self.input_norm)
+
+    def post_step(
+        self, model: nn.Module, state: State, *, input_shape: Sequence[int]
+    ) -> dict[str, float]:
+        """ClipWeights after the optimizer step, in place; returns layer name -> factor applied.
+
+        Each ``Linear``/``Conv2d`` weight is multiplied by ``weight_bound / rho`` where ``rho`` is
+        the same proven operator-norm upper bound the certificate uses (so afterwards
+        ``rho <= weight_bound`` up to float rounding): Lip-DP-SGD only when ``rho > weight_bound``,
+        Fix-Lip-DP-SGD always. Post-processing of released weights: no privacy cost. Soundness
+        does not rely on it (the next certificate is computed from whatever the weights are).
+        """
+        bound = lipschitz_bounds(
+            model, self.loss(), input_shape=tuple(input_shape), input_norm_bound=self.input_norm,
+            conv_norm=self.conv_norm,  # type: ignore[arg-type]
+        )
+        factors: dict[str, float] = {}
+        for layer in bound.layers:
+            rho = layer.operator_norm
+            if rho <= 0.0 or not math.isfinite(rho):
+                continue
+            if self.normalize_weights or rho > self.weight_bound:
+                factor = self.weight_bound / rho
+                module = model.get_submodule("" if layer.name == "<model>" else layer.name)
+                with torch.no_grad():
+                    module.weight.mul_(factor)
+                factors[layer.name] = factor
+        return factors
+
+    # ----------------------------------------------------------------- strategy protocol
+    def _blocks(self, layers: int) -> int:
+        return layers if self.noise == "per-layer" else 1
+
+    def init_state(self) -> State:
+        return {"sensitivity": None, "num_noise_blocks": None}
+
+    def weights(self, norms: Tensor, state: State) -> Tensor:
+        """No clipping: weight 1 (used only when a per-example engine computes the sum; a
+        non-finite per-example gradient gets 0, as for every strategy)."""
+        return torch.where(torch.isfinite(norms), torch.ones_like(norms), torch.zeros_like(norms))
+
+    def sensitivity(self, state: State) -> float:
+        """The last certified global ``Delta`` (set by :meth:`certify`, i.e. by every step); NaN
+        before the first certificate. A report only: the step calibrates its noise to the
+        certificate it computes itself (:func:`dpclip.step.bound_step`), never to this value."""
+        s = state.get("sensitivity")
+        return math.nan if s is None else float(s)
+
+    def step_event(self, noise_multiplier: float) -> DpEvent:
+        """``Gaussian(z)`` (global noise) or ``L`` composed ``Gaussian(z)`` (per-layer noise)."""
+        if self.noise == "global":
+            return GaussianEvent(noise_multiplier)
+        if self.num_layers is None:
+            raise ValueError(
+                f"{self.name}: per-layer noise needs the number of layers to plan its event; "
+                "call strategy.bind(model, input_shape) first (the trainer does)"
+            )
+        return ComposedEvent((GaussianEvent(noise_multiplier),) * self.num_layers)
+
+    def planned_event(self, base: float, ctx: StepContext) -> DpEvent:
+        return self.step_event(base)
+
+
+@dataclass(frozen=True)
+class LipDpSgd(_LipBase):
+    """Lip-DP-SGD (reading R2): input clipping to ``input_norm`` (X_0), sensitivity certified from
+    the current weights, one batched backward, layer ``k``'s sum divided by the public ``X_{k-1}``,
+    Gaussian noise ``z * Delta`` (or per layer ``z * Delta_k``), any optimizer, then ClipWeights:
+    a weight whose proven operator-norm bound exceeds ``weight_bound`` is rescaled to it.
+
+    Privacy: see the module docstring (same event as DP-SGD with global noise). Edge cases: a
+    layer whose input is always 0 (``X_{k-1} = 0``) is not scaled; non-finite inputs become 0.
+    Paper: Barczewski & Ramon, arXiv 2310.18001 (algorithms.md M15 (ii)).
+    """
+
+    name: ClassVar[str] = "lip-dp-sgd"
+    normalize_weights: ClassVar[bool] = False
+
+    input_norm: float = 1.0
+    weight_bound: float = 1.0
+    temperature: float = 1.0
+    scaling: str = "r2"
+    noise: str = "global"
+    conv_norm: str = "auto"
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+
+@dataclass(frozen=True)
+class FixLipDpSgd(_LipBase):
+    """Fix-Lip-DP-SGD: Lip-DP-SGD whose ClipWeights always normalises every weight's proven
+    operator-norm bound to exactly ``weight_bound`` (a Lipschitz network with fixed constants,
+    close to Bethune et al.'s Clipless DP-SGD, M16). Privacy and sensitivity as :class:`LipDpSgd`
+    (the certificate uses the current norms, which equal ``weight_bound`` after normalisation).
+    Paper: Barczewski & Ramon, arXiv 2310.18001 (algorithms.md M15, "Fix-Lip-DP-SGD").
+    """
+
+    name: ClassVar[str] = "fix-lip-dp-sgd"
+    normalize_weights: ClassVar[bool] = True
+
+    input_norm: float = 1.0
+    weight_bound: float = 1.0
+    temperature: float = 1.0
+    scaling: str = "r2"
+    noise: str = "global"
+    conv_norm: str = "auto"
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+
+register(
+    StrategyEntry(
+        name="lip-dp-sgd",
+        cls=LipDpSgd,
+        paper=_PAPER,
+        summary="no gradient clipping: input clipping to X_0, sensitivity certified from the "
+        "current weights (Lipschitz bounds), weight clipping after each step",
+        kind="bound",
+    )
+)
+register(
+    StrategyEntry(
+        name="fix-lip-dp-sgd",
+        cls=FixLipDpSgd,
+        paper=_PAPER,
+        summary="Lip-DP-SGD with every weight normalised to the bound after each step",
+        kind="bound",
+    )
+)

@@ -1,0 +1,491 @@
+"""Lin et al.'s greedy per-epoch threshold search (Algorithm 1), with checkpoint and resume.
+
+For each epoch ``t``, starting from the model AND optimizer state of epoch ``t-1``'s best
+candidate, candidate thresholds ``C = C_start, C_start + d, ...`` are each trained for ONE epoch of
+DP-SGD with fixed clipping at ``C`` and noise ``sigma C``; each candidate is scored by accuracy on
+held-out data (the dataset's test split, as Lin et al.), the best is kept, and the loop stops when
+the last accuracy falls MORE than ``S`` below the best so far (not at the first decrease)::
+
+    C <- C_start; A <- 0; A_best <- 0; C_t <- C; theta_t <- theta_{t-1}
+    while A_best - A <= S:
+        theta <- theta_{t-1} trained one epoch with clip C   (copy of model and optimizer)
+        A <- accuracy(theta)
+        if A > A_best: A_best, C_t, theta_t <- A, C, theta
+        C <- C + d
+    return C_t, theta_t
+
+Privacy: NONE on the data it runs on (many trainings and a selection on held-out data). It emits no
+ledger and no epsilon. It therefore refuses a dataset that is not public
+(``DatasetEntry.is_public``, or the declared public proxy of ``proxy_for``, see
+``dpclip.data.PUBLIC_PROXIES``) unless ``allow_private_data=True``; the result's metadata then
+says ``"privacy": "NON-PRIVATE"``. Its thresholds are public when the data is: the Transfer and
+Decay strategies replay them on a private dataset at no privacy cost.
+
+Randomness: all candidates of one epoch share the same batches, noise draws (scaled by their own
+``C``) and torch RNG (common random numbers, seeded from ``(seed, epoch)``), so candidates differ
+only by their threshold; a search is reproducible from its seed, and a killed search resumed from
+its checkpoint (written atomically after every candidate) ends with the same thresholds.
+
+``steps_per_epoch`` (optional) makes one search "epoch" that many steps, to match the epoch
+length of the private run when the public proxy is smaller (mnist-5k: 4,000 examples vs 60,000).
+
+Reference: Lin, Yan, Kou, Huang, Peng, Zhang, Dong, "Understanding adaptive gradient clipping in
+DP-SGD, empirically", Int. J. Intell. Syst. 2022, Algorithm 1 (algorithms.md M8). Defaults
+``C_start = 0.05, d = 0.01, S = 0.02`` (MNIST, FMNIST, CIFAR-10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Evaluator",
+    "GreedyConfig",
+    "GreedyResult",
+    "PrivateDataError",
+    "candidate_threshold",
+    "check_public",
+    "default_schedule_name",
+    "greedy_search",
+    "search_noise_multiplier",
+]
+
+#: ``evaluator(model, epoch, clip_norm) -> accuracy in [0, 1]`` (epoch 1-based); the default is
+#: the accuracy on the dataset's test split.
+Evaluator = Callable[[nn.Module, int, float], float]
+
+
+class PrivateDataError(ValueError):
+    """The greedy search was asked to run on a dataset that is not public."""
+
+
+@dataclass(frozen=True)
+class GreedyConfig:
+    """The public description of one greedy search (Lin et al. Algorithm 1)."""
+
+    dataset: str
+    model: str
+    noise_multiplier: float  #: sigma of the private run the schedule is for
+    batch_size: float  #: expected batch size (Poisson) or exact size (fixed-size)
+    lr: float
+    epochs: int = 1
+    c_start: float = 0.05
+    step: float = 0.01  #: d
+    tolerance: float = 0.02  #: S, in accuracy units (fraction in [0, 1])
+    #: safety cap on candidates per epoch (Algorithm 1 has none); reaching it is recorded and warned
+    max_candidates: int = 1000
+    #: steps of one search epoch (default: the dataset's own epoch, round(n / batch_size))
+    steps_per_epoch: int | None = None
+    seed: int = 0
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    sampling: str = "poisson"
+    engine: str = "vmap"
+    max_physical_batch: int = 256
+    eval_batch_size: int = 2048
+    model_options: dict[str, Any] = field(default_factory=dict)
+    dataset_options: dict[str, Any] = field(default_factory=dict)
+    #: the private dataset this search is a public proxy for (a PUBLIC_PROXIES pair makes the
+    #: proxy public for that purpose, e.g. fashion-mnist for mnist)
+    proxy_for: str | None = None
+    #: run on a dataset marked private anyway (explicit; the schedule is then marked NON-PRIVATE)
+    allow_private_data: bool = False
+    data_dir: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"GreedyConfig: {name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("noise_multiplier",):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise bad(name, "must be a finite number >= 0 (the private run's sigma)")
+        for name in ("batch_size", "lr", "c_start", "step"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise bad(name, "must be a finite number > 0")
+        for name in ("noise_multiplier", "batch_size", "lr", "c_start", "step", "tolerance",
+                     "momentum", "weight_decay"):  # 128 and 128.0 are the same search
+            v = getattr(self, name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                object.__setattr__(self, name, float(v))
+        if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < 1):
+            raise bad("tolerance", "must be in [0, 1) (accuracy units, Lin et al.: 0.02)")
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise bad("epochs", "must be an int >= 1")
+        if not (isinstance(self.max_candidates, int) and self.max_candidates >= 1):
+            raise bad("max_candidates", "must be an int >= 1")
+        if self.steps_per_epoch is not None and not (
+            isinstance(self.steps_per_epoch, int) and self.steps_per_epoch >= 1
+        ):
+            raise bad("steps_per_epoch", "must be None or an int >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "GreedyConfig":
+        names = {f.name for f in dataclasses.fields(GreedyConfig)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"GreedyConfig: unknown field(s) {unknown}; valid: {sorted(names)}")
+        return GreedyConfig(**d)
+
+    def fingerprint(self) -> str:
+        """Hash of what determines the thresholds (not data_dir, device, the override flag)."""
+        d = self.to_dict()
+        for k in ("data_dir", "device", "allow_private_data"):
+            d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class GreedyResult:
+    """Per-epoch thresholds, the best accuracy of each epoch and every candidate tried."""
+
+    thresholds: list[float]
+    accuracies: list[float]
+    #: one row per candidate: epoch (1-based), index, clip_norm, accuracy, improved, digests
+    candidates: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    model: nn.Module | None = None  #: the final epoch's best model (None when interrupted)
+    interrupted: bool = False
+
+
+def candidate_threshold(c_start: float, step: float, k: int) -> float:
+    """``C_start + k d``, rounded to 12 significant digits (no 0.060000000000000005)."""
+    return float(f"{c_start + k * step:.12g}")
+
+
+def default_schedule_name(config: GreedyConfig) -> str:
+    """A readable, unique store name: dataset, model, sigma, batch, lr, epochs, seed, hash."""
+    return (f"greedy-{config.dataset}-{config.model}-z{config.noise_multiplier:.4g}"
+            f"-b{config.batch_size:g}-lr{config.lr:g}-e{config.epochs}-s{config.seed}"
+            f"-{config.fingerprint()[:8]}")
+
+
+def search_noise_multiplier(
+    epsilon: float,
+    delta: float,
+    *,
+    batch_size: float,
+    epochs: int,
+    dataset_size: int,
+    sampling: str = "poisson",
+    accountant: str = "pld",
+) -> float:
+    """The noise multiplier of the PRIVATE run the search is for: ``sigma`` such that ``epochs``
+    epochs of DP-SGD with fixed clipping (Gaussian steps; also fixed/transfer/lin-decay) on a
+    dataset of ``dataset_size`` examples at ``batch_size`` meet ``(epsilon, delta)``. Computed with
+    the trainer's own plan and calibration, so it equals the sigma ``dpclip train --epsilon``
+    uses for such a run."""
+    from dpclip.clipping import FixedClip
+    from dpclip.sampling import make_sampler
+    from dpclip.trainer import TrainConfig, _Plan, _resolve_noise
+
+    cfg = TrainConfig(epsilon=epsilon, delta=delta, batch_size=batch_size, epochs=epochs,
+                      sampling=sampling, accountant=accountant)
+    sampler = make_sampler(sampling, int(dataset_size), batch_size)
+    plan = _Plan(FixedClip(), sampler, epochs * sampler.steps_per_epoch)
+    return float(_resolve_noise(cfg, plan))
+
+
+def _digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def _derived_seed(seed: int, epoch: int, what: str) -> int:
+    raw = hashlib.sha256(f"dpclip-greedy:{seed}:{epoch}:{what}".encode()).digest()
+    return int.from_bytes(raw[:7], "little")
+
+
+def _cpu_state(sd: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a state dict with every tensor on the CPU."""
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        return x
+
+    return conv(sd)
+
+
+def check_public(config: GreedyConfig) -> str:
+    """``"public"`` / ``"public proxy for X"``, or raise ``PrivateDataError``; with
+    ``allow_private_data`` a private dataset gives ``"NON-PRIVATE"``."""
+    from dpclip.data import DATASETS, PUBLIC_PROXIES, is_public_proxy
+
+    if config.dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {config.dataset!r}; valid datasets: "
+                         f"{', '.join(sorted(DATASETS))}")
+    if DATASETS[config.dataset].is_public:
+        return "public"
+    if is_public_proxy(config.dataset, config.proxy_for):
+        return f"public proxy for {config.proxy_for}"
+    if config.allow_private_data:
+        return "NON-PRIVATE"
+    public = sorted(n for n, e in DATASETS.items() if e.is_public)
+    pairs = ", ".join(f"{p} for {k}" for k, v in sorted(PUBLIC_PROXIES.items()) for p in v)
+    raise PrivateDataError(
+        f"the greedy threshold search is not differentially private: it trains many times and "
+        f"selects on held-out data, so it may only run on public data, and dataset "
+        f"{config.dataset!r} is marked private. Run it on a public dataset ({', '.join(public)}) "
+        f"or a declared public proxy ({pairs}; pass proxy_for / --proxy-for), or, for an "
+        f"analysis that is explicitly NOT private, pass allow_private_data=True "
+        f"(--nonprivate-search): its schedule is then marked NON-PRIVATE and must not be "
+        f"replayed on that data as if it were private"
+    )
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def greedy_search(
+    config: GreedyConfig,
+    *,
+    data: Any = None,
+    evaluator: Evaluator | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    stop_after_candidates: int | None = None,
+) -> GreedyResult:
+    """Run Lin et al.'s Algorithm 1 for ``config.epochs`` epochs (see the module docstring).
+
+    ``data`` (a ``DatasetBundle``) replaces loading ``config.dataset`` (tests); ``evaluator``
+    replaces the test-split accuracy. With ``checkpoint_dir`` the search writes
+    ``greedy.pt`` after every candidate and resumes from it when started again with the same
+    config; ``stop_after_candidates`` ends this call early after that many candidates (for tests
+    of resume), returning an ``interrupted`` result.
+
+    Raises ``PrivateDataError`` on a private dataset unless ``config.allow_private_data``.
+    """
+    from dpclip.clipping import FixedClip, StepContext
+    from dpclip.data import load_dataset
+    from dpclip.engine import ParamGroups, get_engine
+    from dpclip.models import build_model
+    from dpclip.noise import make_generator
+    from dpclip.sampling import make_sampler
+    from dpclip.step import dp_step
+    from dpclip.trainer import (
+        cross_entropy_per_example,
+        evaluate,
+        make_optimizer,
+        resolve_device,
+    )
+
+    privacy = check_public(config)
+    t_start = time.perf_counter()
+    bundle = data if data is not None else load_dataset(
+        config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
+    )
+    device = resolve_device(config.device)
+    x_train, y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
+    x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
+    sampler = make_sampler(config.sampling, int(x_train.shape[0]), config.batch_size)
+    spe = config.steps_per_epoch or sampler.steps_per_epoch
+    total_steps = config.epochs * spe
+    engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
+        if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
+    z = float(config.noise_multiplier)
+
+    def fresh() -> tuple[nn.Module, Any]:
+        m = build_model(config.model, bundle.input_shape, bundle.num_classes,
+                        **config.model_options).to(device)
+        m.train()
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = make_optimizer(config.optimizer, params, config.lr, config.momentum,
+                             config.weight_decay)
+        return m, opt
+
+    if evaluator is None:
+        def evaluator(model: nn.Module, epoch: int, clip_norm: float) -> float:
+            return float(evaluate(model, x_test, y_test, config.eval_batch_size)["accuracy"])
+
+    def train_candidate(start: dict[str, Any], epoch: int, clip: float) -> tuple[nn.Module, Any]:
+        model, opt = fresh()
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optimizer"])
+        strategy = FixedClip(clip)
+        state = strategy.init_state()
+        groups = ParamGroups.flat(model)
+        sample_gen = make_generator(_derived_seed(config.seed, epoch, "sample"))
+        noise_gen = make_generator(_derived_seed(config.seed, epoch, "noise"))
+        torch.manual_seed(_derived_seed(config.seed, epoch, "torch"))
+        for i in range(spe):
+            step = epoch * spe + i
+            ctx = StepContext(step=step, epoch=epoch, steps_per_epoch=spe,
+                              total_steps=total_steps,
+                              expected_batch_size=sampler.expected_batch_size,
+                              base_noise_multiplier=z)
+            idx = sampler.sample(sample_gen).to(device)
+            out = dp_step(model, x_train[idx], y_train[idx], loss_fn=cross_entropy_per_example,
+                          strategy=strategy, state=state, engine=engine, groups=groups,
+                          sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen)
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.grad = out.grads[name]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state = out.state
+        return model, opt
+
+    ckpt_path = Path(checkpoint_dir) / "greedy.pt" if checkpoint_dir is not None else None
+    ck: dict[str, Any] | None = None
+    if ckpt_path is not None and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
+        if ck["fingerprint"] != config.fingerprint():
+            raise ValueError(
+                f"checkpoint {ckpt_path} belongs to a different search configuration; use "
+                "another --checkpoint-dir or delete it"
+            )
+    if ck is None:
+        torch.manual_seed(config.seed)
+        m0, o0 = fresh()
+        start = {"model": _cpu_state(m0.state_dict()), "optimizer": _cpu_state(o0.state_dict()),
+                 "digest": _digest(m0)}
+        ck = {
+            "fingerprint": config.fingerprint(),
+            "config": config.to_dict(),
+            "epoch": 0,  # 0-based epoch being searched
+            "k": 0,  # next candidate index in this epoch
+            "start": start,  # theta_{t-1} (model and optimizer)
+            "best": {"clip_norm": config.c_start, "accuracy": 0.0, **start},
+            "last_accuracy": 0.0,
+            "thresholds": [],
+            "accuracies": [],
+            "capped": [],
+            "candidates": [],
+            "elapsed": 0.0,
+            "done": False,
+        }
+    elapsed_before = float(ck["elapsed"])
+
+    def save() -> None:
+        if ckpt_path is not None:
+            ck["elapsed"] = elapsed_before + time.perf_counter() - t_start
+            _atomic_save(ck, ckpt_path)
+
+    bar: Any = None
+    if progress and not ck["done"]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc=f"greedy {config.dataset} epoch {ck['epoch'] + 1}/{config.epochs}",
+                   unit="cand", dynamic_ncols=True, leave=False)
+    ran = 0
+    while not ck["done"]:
+        t = ck["epoch"]
+        best = ck["best"]
+        if best["accuracy"] - ck["last_accuracy"] > config.tolerance or \
+                ck["k"] >= config.max_candidates:
+            # the epoch is over: theta_t, C_t = the best candidate
+            capped = ck["k"] >= config.max_candidates and \
+                best["accuracy"] - ck["last_accuracy"] <= config.tolerance
+            if capped:
+                warnings.warn(
+                    f"greedy search epoch {t + 1}: stopped at max_candidates="
+                    f"{config.max_candidates} before accuracy fell more than S below the best; "
+                    "raise max_candidates or the step d", stacklevel=2)
+            ck["thresholds"].append(best["clip_norm"])
+            ck["accuracies"].append(best["accuracy"])
+            ck["capped"].append(bool(capped))
+            ck["start"] = {k: best[k] for k in ("model", "optimizer", "digest")}
+            ck["best"] = {"clip_norm": config.c_start, "accuracy": 0.0, **ck["start"]}
+            ck["last_accuracy"] = 0.0
+            ck["k"] = 0
+            ck["epoch"] = t + 1
+            ck["done"] = ck["epoch"] >= config.epochs
+            save()
+            if bar is not None and not ck["done"]:
+                bar.set_description(f"greedy {config.dataset} epoch {ck['epoch'] + 1}/"
+                                    f"{config.epochs}")
+            continue
+        if stop_after_candidates is not None and ran >= stop_after_candidates:
+            save()
+            if bar is not None:
+                bar.close()
+            return GreedyResult(list(ck["thresholds"]), list(ck["accuracies"]),
+                                list(ck["candidates"]), {}, None, interrupted=True)
+        k = ck["k"]
+        clip = candidate_threshold(config.c_start, config.step, k)
+        model, opt = train_candidate(ck["start"], t, clip)
+        acc = float(evaluator(model, t + 1, clip))
+        improved = acc > best["accuracy"]
+        digest = _digest(model)
+        ck["candidates"].append({
+            "epoch": t + 1, "index": k, "clip_norm": clip, "accuracy": acc,
+            "improved": improved, "start_digest": ck["start"]["digest"], "digest": digest,
+        })
+        if improved:
+            ck["best"] = {"clip_norm": clip, "accuracy": acc, "digest": digest,
+                          "model": _cpu_state(model.state_dict()),
+                          "optimizer": _cpu_state(opt.state_dict())}
+        ck["last_accuracy"] = acc
+        ck["k"] = k + 1
+        ran += 1
+        save()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(C=f"{clip:g}", acc=f"{acc:.4f}",
+                            best=f"{ck['best']['clip_norm']:g}@{ck['best']['accuracy']:.4f}")
+    if bar is not None:
+        bar.close()
+    final, _ = fresh()
+    final.load_state_dict(ck["start"]["model"])
+    from dpclip import __version__
+
+    metadata = {
+        "kind": "lin-greedy",
+        "dataset": config.dataset,
+        "model": config.model,
+        "noise_multiplier": config.noise_multiplier,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "epochs": config.epochs,
+        "seed": config.seed,
+        "steps_per_epoch": spe,
+        "c_start": config.c_start,
+        "step": config.step,
+        "tolerance": config.tolerance,
+        "privacy": privacy,
+        "nonprivate": privacy == "NON-PRIVATE",
+        "proxy_for": config.proxy_for,
+        "best_accuracies": list(ck["accuracies"]),
+        "candidates_per_epoch": [sum(1 for c in ck["candidates"] if c["epoch"] == e + 1)
+                                 for e in range(config.epochs)],
+        "capped_epochs": [e + 1 for e, c in enumerate(ck["capped"]) if c],
+        "fingerprint": config.fingerprint(),
+        "config": {k: v for k, v in config.to_dict().items() if k not in ("data_dir", "device")},
+        "wall_seconds": elapsed_before + time.perf_counter() - t_start,
+        "dpclip_version": __version__,
+        "note": "selection on held-out data: not differentially private on the searched data; "
+                "no epsilon",
+    }
+    return GreedyResult(list(ck["thresholds"]), list(ck["accuracies"]),
+                        list(ck["candidates"]), metadata, final)
