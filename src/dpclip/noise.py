@@ -44,9 +44,14 @@ def add_gaussian_noise(value: Tensor, std: float, generator: torch.Generator) ->
 
 
 def add_gaussian_noise_all(
-    values: Mapping[str, Tensor], std: float, generator: torch.Generator, divide_by: float = 1.0
+    values: Mapping[str, Tensor],
+    std: float | Mapping[str, float],
+    generator: torch.Generator,
+    divide_by: float = 1.0,
 ) -> dict[str, Tensor]:
     """``(value + N(0, std^2 I)) / divide_by`` for every tensor of ``values`` (new tensors).
+
+    ``std`` is one float, or a mapping ``{name: std}`` (per-layer noise: block ``h`` gets its own).
 
     One draw of ``sum(numel)`` standard normals from ``generator`` (on the CPU, so a seeded run
     gives the same noise on every device), split in the mapping's order; the additions and the
@@ -60,6 +65,19 @@ def add_gaussian_noise_all(
     tensors = [values[n] for n in names]
     if not tensors:
         return {}
+    if isinstance(std, Mapping):  # per-tensor std (per-layer noise): one draw, scaled per tensor
+        stds = [float(std[n]) for n in names]
+        for v in stds:
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"noise std must be finite and >= 0, got {v!r}")
+        total = sum(t.numel() for t in tensors)
+        z = torch.randn(total, generator=generator, dtype=tensors[0].dtype, device="cpu")
+        out = []
+        for c, t, sd in zip(z.split([t.numel() for t in tensors]), tensors, stds):
+            out.append(t + sd * c.to(device=t.device, dtype=t.dtype).view_as(t))
+        if divide_by != 1.0:
+            torch._foreach_div_(out, divide_by)
+        return dict(zip(names, out))
     if std == 0.0:
         out = [t.clone() for t in tensors]
     else:

@@ -33,6 +33,7 @@ from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
 from dpclip.sampling import Sampler
+from dpclip.units import UnitConfig, expected_units, unit_sum
 
 __all__ = [
     "GradientTransform",
@@ -89,8 +90,14 @@ def dp_step(
     base_noise_multiplier: float,
     ctx: StepContext,
     generator: torch.Generator,
+    unit: UnitConfig | None = None,
 ) -> StepOutput:
-    """Compute one privatized gradient; does not touch the optimizer or ``p.grad``."""
+    """Compute one privatized gradient; does not touch the optimizer or ``p.grad``.
+
+    ``unit`` (``dpclip.units``): ``None`` or IC clips per example; BC/GBC take ``inputs`` of shape
+    ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
+    and divide by the public number of units per step.
+    """
     if getattr(strategy, "kind", "norm") == "bound":  # Lip-DP-SGD: sensitivity from the weights
         return bound_step(
             model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
@@ -104,21 +111,49 @@ def dp_step(
         return strategy.weights(norms, frozen_state)
 
     per_example = getattr(strategy, "needs_per_example_grads", False)
-    if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
-        result = transformed_sum(engine, strategy, state, model, loss_fn, inputs, targets, groups)
+    individual = unit is None or unit.is_individual
+    if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
+        if per_example:
+            raise ValueError(
+                f"strategy {getattr(strategy, 'name', strategy)!r} clips transformed per-example "
+                "gradients and cannot run on batch units; use unit=ic, or a norm-based strategy"
+            )
+        result = unit_sum(model, loss_fn, inputs, targets, weight_fn, groups)
+        factor = unit.sensitivity_factor  # type: ignore[union-attr]
+        denom = expected_units(unit, sampler)  # type: ignore[arg-type]
+        n_examples = int(inputs.shape[0] * inputs.shape[1]) if inputs.dim() > 1 else 0
     else:
-        result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
-    sensitivity = sampler.sensitivity_factor * strategy.sensitivity(state)
+        if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
+            result = transformed_sum(
+                engine, strategy, state, model, loss_fn, inputs, targets, groups)
+        else:
+            result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
+        factor = sampler.sensitivity_factor
+        denom = sampler.expected_batch_size
+        n_examples = int(inputs.shape[0])
+    sensitivity = factor * strategy.sensitivity(state)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
-    std = noise_std(z, sensitivity) * (_noise_scale(strategy, ctx) if per_example else 1.0)
-    denom = sampler.expected_batch_size
-    grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
+    group_noise = getattr(strategy, "group_noise", None)
+    factors = group_noise(state) if group_noise is not None else None
+    std: float | dict[str, float]
+    if factors is not None:  # per-layer noise: block h gets z * k * f_h (strategy's docstring)
+        if per_example:
+            raise ValueError("per-group noise is not supported with P-GRAD strategies")
+        if len(factors) != len(groups):
+            raise ValueError(
+                f"strategy {getattr(strategy, 'name', strategy)!r} gives {len(factors)} per-group "
+                f"noise factors for {len(groups)} parameter groups"
+            )
+        std = {n: noise_std(z, factor * f)
+               for f, members in zip(factors, groups.members) for n in members}
+        grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
+    else:
+        std = noise_std(z, sensitivity) * (_noise_scale(strategy, ctx) if per_example else 1.0)
+        grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
     if per_example:  # back to parameter space: post-processing of the released mean
-        grads, state = strategy.untransform(grads, state, std / denom)
+        grads, state = strategy.untransform(grads, state, std / denom)  # type: ignore[operator]
     norms = result.norms if result.norms is not None else torch.empty(0)
-    new_state, extra = strategy.update(
-        state, norms, ctx, _Releaser(generator, sampler.sensitivity_factor)
-    )
+    new_state, extra = strategy.update(state, norms, ctx, _Releaser(generator, factor))
     inner: DpEvent = GaussianEvent(z) if not extra else ComposedEvent((GaussianEvent(z), *extra))
     return StepOutput(
         grads=grads,
@@ -126,7 +161,7 @@ def dp_step(
         event=sampler.step_event(inner),
         noise_multiplier=z,
         sensitivity=sensitivity,
-        batch_size=int(inputs.shape[0]),
+        batch_size=n_examples,
         loss_sum=result.loss_sum,
         norms=result.norms,
     )

@@ -27,13 +27,23 @@ from torch import Tensor, nn
 
 from dpclip.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
 from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
-from dpclip.data import DatasetBundle, load_dataset
+from dpclip.data import DatasetBundle, load_dataset, public_private_split
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import DpEvent, GaussianEvent
 from dpclip.models import build_model
 from dpclip.noise import make_generator
 from dpclip.sampling import Sampler, make_sampler
 from dpclip.step import dp_step
+from dpclip.units import (
+    MiniSetSampler,
+    UnitConfig,
+    batchnorm_layers,
+    check_unit_sampling,
+    expected_units,
+    frozen_bn_buffers,
+    public_unit_norms,
+    recompute_bn_stats,
+)
 
 __all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "resolve_device", "train"]
 
@@ -167,16 +177,31 @@ def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int = 2048) -> dict:
-    """Accuracy and mean cross-entropy (the model is put in eval mode and restored)."""
+def evaluate(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    batch_size: int = 2048,
+    *,
+    bn_batch_stats: bool = False,
+) -> dict:
+    """Accuracy and mean cross-entropy (the model is put in eval mode and restored).
+
+    ``bn_batch_stats``: BatchNorm layers normalize with the statistics of each evaluation batch
+    (their running statistics are neither used nor changed).
+    """
     was_training = model.training
     model.eval()
+    bns = [m for _, m in batchnorm_layers(model)] if bn_batch_stats else []
     correct, loss, n = 0, 0.0, int(inputs.shape[0])
-    for i in range(0, n, batch_size):
-        out = model(inputs[i : i + batch_size])
-        y = targets[i : i + batch_size]
-        loss += float(nn.functional.cross_entropy(out, y, reduction="sum"))
-        correct += int((out.argmax(dim=1) == y).sum())
+    with frozen_bn_buffers(model):
+        for m in bns:
+            m.train()
+        for i in range(0, n, batch_size):
+            out = model(inputs[i : i + batch_size])
+            y = targets[i : i + batch_size]
+            loss += float(nn.functional.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(dim=1) == y).sum())
     model.train(was_training)
     return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
@@ -184,8 +209,14 @@ def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int 
 class _Plan:
     """The events the run will emit, step by step (public), used for calibration and budget."""
 
-    def __init__(self, strategy: ClippingStrategy, sampler: Sampler, total_steps: int) -> None:
+    def __init__(
+        self, strategy: ClippingStrategy, sampler: Sampler, total_steps: int,
+        units_per_step: float | None = None,
+    ) -> None:
         self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
+        #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
+        self.units = units_per_step if units_per_step is not None \
+            else sampler.expected_batch_size
 
     def ctx(self, step: int, base: float) -> StepContext:
         spe = self.sampler.steps_per_epoch
@@ -194,7 +225,7 @@ class _Plan:
             epoch=step // spe,
             steps_per_epoch=spe,
             total_steps=self.total_steps,
-            expected_batch_size=self.sampler.expected_batch_size,
+            expected_batch_size=self.units,
             base_noise_multiplier=base,
         )
 
@@ -278,8 +309,25 @@ def train(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
     device = resolve_device(config.device)
-    x_train, y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
+    unit, strategy_params = UnitConfig.pop_from(config.strategy_params)
+    check_unit_sampling(unit, config.sampling)
+    strategy = make_strategy(config.strategy, strategy_params)
+    needs_public = bool(getattr(strategy, "needs_public_norms", False)) or unit.bn_stats == "public"
+    public_fraction = unit.public_fraction if unit.public_fraction is not None \
+        else (0.1 if needs_public else 0.0)
+    if needs_public and public_fraction <= 0:
+        raise ValueError(
+            f"strategy {config.strategy!r} / bn_stats={unit.bn_stats!r} needs a public split; set "
+            "--param public_fraction=F with F > 0 (default 0.1)"
+        )
+    train_split, public_split = bundle.train, None
+    if public_fraction > 0:  # carved out once, never trained on privately, never accounted
+        public_split, train_split = public_private_split(bundle.train, public_fraction, config.seed)
+    x_train, y_train = train_split.inputs.to(device), train_split.targets.to(device)
     x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
+    x_pub = y_pub = None
+    if public_split is not None:
+        x_pub, y_pub = public_split.inputs.to(device), public_split.targets.to(device)
     n_train = int(x_train.shape[0])
 
     torch.manual_seed(config.seed)
@@ -287,7 +335,6 @@ def train(
         config.model, bundle.input_shape, bundle.num_classes, **config.model_options
     ).to(device)
     model.train()
-    strategy = make_strategy(config.strategy, config.strategy_params)
     engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
         if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
     loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_per_example
@@ -297,10 +344,43 @@ def train(
         loss_fn = strategy.loss()
         if config.engine == "auto":
             engine = get_engine("summed", max_physical_batch=config.max_physical_batch)
-    groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else ParamGroups.per_layer(model)
-    sampler = make_sampler(config.sampling, n_train, config.batch_size)
+    if strategy.norm_kind == "flat":
+        groups = ParamGroups.flat(model)
+    else:
+        groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
+        if hasattr(strategy, "bind_groups"):  # L = the model's number of clipping groups
+            strategy = strategy.bind_groups(groups.names)
+    bn_layers = batchnorm_layers(model)
+    if bound_based and not unit.is_individual:
+        raise ValueError(
+            f"strategy {config.strategy!r} certifies per-example sensitivity from the weights; "
+            "it runs with unit=ic only"
+        )
+    if unit.is_individual and bn_layers:
+        raise ValueError(
+            f"model {config.model!r} has BatchNorm layer {bn_layers[0][0]!r}: BatchNorm mixes the "
+            "examples of a batch, so per-example clipping (unit=ic) cannot bound one example's "
+            "influence. Use a GroupNorm variant of the model (e.g. lenet5, or --model-option "
+            "norm=gn for resnet18) or batch clipping: --param unit=bc (or unit=gbc "
+            "miniset_size=S with --sampling fixed-size)"
+        )
+    bn_mode = unit.bn_stats if unit.bn_stats != "auto" else (
+        "public" if x_pub is not None else "batch")
+    if unit.unit == "gbc":
+        s_size = int(unit.miniset_size or 1)
+        if float(config.batch_size) != int(config.batch_size) or int(config.batch_size) % s_size:
+            raise ValueError(
+                f"unit=gbc: --batch-size ({config.batch_size}) must be a multiple of miniset_size "
+                f"({s_size}): each step draws batch_size / miniset_size whole mini-sets"
+            )
+        sampler: Any = MiniSetSampler(n_train, s_size, int(config.batch_size) // s_size,
+                                      partition_seed=config.seed)
+    else:
+        sampler = make_sampler(config.sampling, n_train, config.batch_size)
+    unit_size = int(unit.miniset_size or 1) if unit.unit == "gbc" else (
+        int(round(sampler.expected_batch_size)) if unit.unit == "bc" else 1)
     total_steps = config.epochs * sampler.steps_per_epoch
-    plan = _Plan(strategy, sampler, total_steps)
+    plan = _Plan(strategy, sampler, total_steps, expected_units(unit, sampler))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(
         config.optimizer, params, config.lr, config.momentum, config.weight_decay
@@ -332,7 +412,8 @@ def train(
             raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, step={step}")
     if z is None:
         z = _resolve_noise(config, plan)
-        plan.ledger(z, steps=1)  # the strategy must accept the calibrated noise (clear error)
+        # the strategy must accept the noise, the accountant the events (clear errors, up front)
+        ledger_epsilon(plan.ledger(z, steps=1), config.delta, accountant=config.accountant)
     max_steps = _budget_steps(config, plan, z)
     if bound_based and step == 0:  # ClipWeights(theta_0): the initial weights are data-free
         strategy.post_step(model, state, input_shape=bundle.input_shape)
@@ -373,10 +454,21 @@ def train(
     steps_this_call = 0
     stopped_by_budget = False
     spe = sampler.steps_per_epoch
+    def evaluate_now() -> dict:
+        if bn_layers and bn_mode == "public" and x_pub is not None:
+            recompute_bn_stats(model, x_pub)  # public statistics only
+        return evaluate(model, x_test, y_test, config.eval_batch_size,
+                        bn_batch_stats=bool(bn_layers) and bn_mode == "batch")
+
     while step < total_steps:
         if step >= max_steps:
             stopped_by_budget = True
             break
+        if step % spe == 0 and getattr(strategy, "needs_public_norms", False):
+            assert x_pub is not None and y_pub is not None
+            pub_norms = public_unit_norms(model, loss_fn, x_pub, y_pub, groups, unit, unit_size,
+                                          chunk=config.max_physical_batch)
+            state = strategy.public_refresh(state, pub_norms)
         if stop_after_steps is not None and steps_this_call >= stop_after_steps:
             save()
             if bar is not None:
@@ -385,10 +477,13 @@ def train(
         ctx = plan.ctx(step, z)
         t_step = time.perf_counter()
         idx = sampler.sample(sample_gen).to(device)
+        if unit.unit == "bc":  # the whole batch is one unit
+            idx = idx.unsqueeze(0)
         out = dp_step(
             model, x_train[idx], y_train[idx],
             loss_fn=loss_fn, strategy=strategy, state=state, engine=engine,
             groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen,
+            unit=unit,
         )
         planned = plan.event(step, z)
         if out.event != planned:
@@ -413,7 +508,7 @@ def train(
             bar.update(1)
         end_of_epoch = step % spe == 0 or step == total_steps
         if end_of_epoch:
-            ev = evaluate(model, x_test, y_test, config.eval_batch_size)
+            ev = evaluate_now()
             eps_now = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
             row = {
                 "epoch": (step - 1) // spe + 1,
@@ -427,7 +522,8 @@ def train(
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
             step_seconds, steps_in_epoch_timed = 0.0, 0
-            if config.diagnostics and not getattr(strategy, "needs_per_example_grads", False):
+            if config.diagnostics and unit.is_individual \
+                    and not getattr(strategy, "needs_per_example_grads", False):
                 from dpclip.diagnostics import nonprivate_diagnostics
 
                 row.update(nonprivate_diagnostics(
@@ -446,7 +542,7 @@ def train(
     if bar is not None:
         bar.close()
     if not history or history[-1]["step"] != step:
-        ev = evaluate(model, x_test, y_test, config.eval_batch_size)
+        ev = evaluate_now()
         history.append({
             "epoch": step / spe, "step": step, "test_accuracy": ev["accuracy"],
             "test_loss": ev["loss"],
@@ -460,13 +556,20 @@ def train(
         "dataset": config.dataset,
         "model": config.model,
         "strategy": config.strategy,
-        "params": strategy.describe(),
+        "params": {**strategy.describe(), **({} if unit.is_individual else unit.describe())},
         "epsilon": final_eps,
         "target_epsilon": config.epsilon,
         "delta": config.delta,
         "accountant": config.accountant,
         "adjacency": sampler.adjacency,
         "sampling": sampler.name,
+        "unit": unit.describe(),
+        "sensitivity_factor": sampler.sensitivity_factor if unit.is_individual
+        else unit.sensitivity_factor,
+        "clip_groups": len(groups),
+        "public_examples": 0 if x_pub is None else int(x_pub.shape[0]),
+        "private_examples": n_train,
+        "bn_stats": bn_mode if bn_layers else None,
         "noise_multiplier": z,
         "sample_rate": sampler.sample_rate,
         "expected_batch_size": sampler.expected_batch_size,
@@ -479,7 +582,7 @@ def train(
         "lr": config.lr,
         "optimizer": config.optimizer,
         "seed": config.seed,
-        "engine": engine.name,
+        "engine": engine.name if unit.is_individual else "unit",
         "device": str(device),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,

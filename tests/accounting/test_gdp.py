@@ -76,3 +76,21 @@ def test_no_torch_and_warning_in_docs():
             assert all(n.split(".")[0] != "torch" for n in names)
     for fn in (gdp.poisson_clt_mu, gdp.poisson_clt_epsilon, gdp.du_mu0, gdp.gdp_epsilon):
         assert "UNDER-REPORTS" in fn.__doc__
+
+
+def test_t8_t9_nguyen_gdp():
+    # algorithms.md T8/T9: E = 50, m = 64, N = 54000, L = 8 blocks of per-layer noise
+    assert gdp.nguyen_h(2.5 / math.sqrt(8)) == pytest.approx(1.5142, abs=5e-5)
+    assert gdp.nguyen_mu(50, 64, 54000, 2.5, groups=8) == pytest.approx(0.5213, abs=5e-5)
+    assert gdp.nguyen_h(1.5 / math.sqrt(8)) == pytest.approx(5.7831, abs=5e-5)
+    assert gdp.nguyen_mu(50, 64, 54000, 1.5, groups=8) == pytest.approx(1.9909, abs=5e-5)
+    # the paper's epsilons at delta = 1e-5 (algorithms.md 3.4): 2.09 and 9.94
+    assert gdp.gdp_epsilon(gdp.nguyen_mu(50, 64, 54000, 2.5, 8), 1e-5) == pytest.approx(2.09, abs=0.01)
+    assert gdp.gdp_epsilon(gdp.nguyen_mu(50, 64, 54000, 1.5, 8), 1e-5) == pytest.approx(9.94, abs=0.01)
+    # h grows as the noise shrinks; L = 1 is plain sigma
+    assert gdp.nguyen_h(1.0) < gdp.nguyen_h(0.5)
+    assert gdp.nguyen_mu(1, 10, 100, 2.0) == pytest.approx(math.sqrt(2 * 0.1) * gdp.nguyen_h(2.0))
+    with pytest.raises(ValueError, match="groups"):
+        gdp.nguyen_mu(1, 10, 100, 2.0, groups=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        gdp.nguyen_mu(1, 200, 100, 2.0)

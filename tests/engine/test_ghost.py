@@ -192,14 +192,16 @@ def _norm_strategies():
 def test_every_norm_strategy_weights(name):
     """The registered norm-based strategies' weights (flat or per layer) give the same sums."""
     assert "fixed" in _norm_strategies()
-    strategy = contract_strategy(name)
-    state = strategy.init_state()
     for case in ("conv_variety", "transformer"):
+        strategy = contract_strategy(name)
         model, x, y, loss_fn = make(case, 5, seed=3)
         with torch.no_grad():
             x = x * 3 if x.is_floating_point() else x
         groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else \
             ParamGroups.per_layer(model)
+        if hasattr(strategy, "bind_groups"):  # as the trainer does: L from the model
+            strategy = strategy.bind_groups(groups.names)
+        state = strategy.init_state()
 
         def wfn(n):
             return strategy.weights(n, state)

@@ -14,8 +14,11 @@ from dpclip.models import (
     make_activation,
 )
 
-EXPECTED = {"lin-b1", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn", "papernot-cnn",
-            "transformer", "lip-convnet", "tabular-mlp"}
+EXPECTED = {"lin-b1", "lin-b2", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn",
+            "papernot-cnn", "transformer", "lip-convnet", "tabular-mlp", "lenet5", "bn-lenet5",
+            "nguyen-convnet", "resnet18"}
+#: Nguyen et al.'s BatchNorm networks (batch clipping only); their BN-free variants by option
+BN_MODELS = {"bn-lenet5": None, "nguyen-convnet": {"norm": "none"}, "resnet18": {"norm": "gn"}}
 CONV_MODELS = ["papernot-cnn", "papernot-cifar-cnn", "lin-b1", "lin-b3", "lin-b4"]
 
 
@@ -79,11 +82,40 @@ def test_output_shape_backward_and_no_batchnorm(name):
     assert out.shape == (3, entry.intended_num_classes)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
-    # no layer mixes examples (BatchNorm); the papers' networks have no normalization at all
-    banned = (nn.modules.batchnorm._BatchNorm, nn.InstanceNorm2d)
-    if name != "transformer":  # pre-LN encoder: LayerNorm is per example
+    # no layer mixes examples (BatchNorm) except in Nguyen's BN networks, whose BN-free variant
+    # has none; the other papers' networks have no normalization at all
+    bn = (nn.modules.batchnorm._BatchNorm, nn.InstanceNorm2d)
+    if name in BN_MODELS:
+        assert any(isinstance(m, bn) for m in model.modules())
+        if BN_MODELS[name] is None:
+            return
+        model = build_model(name, entry.intended_input_shape, entry.intended_num_classes,
+                            **BN_MODELS[name])
+        assert not any(isinstance(m, bn) for m in model.modules())
+        return
+    banned = bn
+    if name not in ("transformer",):  # pre-LN encoder: LayerNorm is per example
         banned = banned + (nn.GroupNorm, nn.LayerNorm)
     assert not any(isinstance(m, banned) for m in model.modules())
+
+
+def test_nguyen_models_structure():
+    from dpclip.engine import ParamGroups
+
+    bn = build_model("bn-lenet5", (1, 28, 28), 10)
+    assert len(ParamGroups.per_layer(bn)) == 8  # L = 8 clipping blocks, as in the paper
+    assert len(ParamGroups.per_layer(build_model("lenet5", (1, 28, 28), 10))) == 5
+    bn32 = build_model("bn-lenet5", (1, 32, 32), 10)  # 32x32 inputs: no padding needed
+    assert bn32(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+    assert bn.conv1.padding == (2, 2) and build_model("lenet5", (1, 32, 32), 10).conv1.padding \
+        == (0, 0)
+    r = build_model("resnet18", (3, 32, 32), 10)
+    assert len(ParamGroups.per_parameter(r)) == 62  # algorithms.md A9
+    assert 11_000_000 < n_params(r) < 11_300_000
+    assert any(isinstance(m, nn.GroupNorm) for m in build_model(
+        "resnet18", (3, 32, 32), 10, norm="gn").modules())
+    with pytest.raises(ValueError, match="norm"):
+        build_model("nguyen-convnet", (3, 32, 32), 10, norm="ln")
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -8,7 +8,8 @@
     about the same): for ``q = 256/60000, T = 4687, sigma = 2.6157, delta = 1e-5`` the CLT says
     epsilon = 0.400 while the RDP accountant says 0.446 (algorithms.md, test vector T11). Use this
     module only to reproduce the schedules and noise multipliers of papers calibrated with it
-    (Du et al. 2021, "Dynamic differential-privacy preserving SGD"). dpclip never uses it for a
+    (Du et al. 2021, "Dynamic differential-privacy preserving SGD") and the GDP figures of Nguyen et al.
+    (``nguyen_mu``, test vectors T8/T9). dpclip never uses it for a
     guarantee: a training run is accounted per step through the ledger with PLD or RDP
     (``dpclip.accounting.epsilon``), and ``--epsilon`` calibrates with those accountants.
 
@@ -38,6 +39,8 @@ from scipy.special import log_ndtr, ndtr
 
 __all__ = [
     "du_mu0",
+    "nguyen_h",
+    "nguyen_mu",
     "du_noise_multipliers",
     "gdp_delta",
     "gdp_epsilon",
@@ -237,3 +240,40 @@ def du_mu0(mu_tot: float, sample_rate: float, steps: int, noise_final_over_initi
     while excess(hi) < 0:  # terminates: exp(mu^2) grows without bound (inf on overflow)
         hi *= 2.0
     return _bisect(excess, 0.0, hi)
+
+
+def nguyen_h(sigma: float) -> float:
+    """``h(sigma) = sqrt(e^{sigma^-2} Phi(1.5/sigma) + 3 Phi(-0.5/sigma) - 2)`` (Bu et al. 2020).
+
+    The CLT factor of a uniformly subsampled (without replacement) Gaussian with multiplier
+    ``sigma``, as used by Nguyen et al. (their Appendix B.1; algorithms.md 1.4).
+    """
+    s = _positive("sigma", sigma)
+    inv2 = s ** -2.0
+    value = math.exp(inv2) * float(ndtr(1.5 / s)) + 3.0 * float(ndtr(-0.5 / s)) - 2.0
+    return math.sqrt(max(value, 0.0))
+
+
+def nguyen_mu(
+    epochs: float, batch_size: int, dataset_size: int, noise_multiplier: float, groups: int = 1
+) -> float:
+    """Nguyen et al.'s GDP ``mu = sqrt(2) c h(sigma / sqrt(L))`` with ``c = sqrt(E m / N)``.
+
+    ``groups = L`` clipping blocks with per-layer noise (each block ``sigma``) compose to an
+    effective multiplier ``sigma / sqrt(L)``. Test vectors: T8 (``E = 50, m = 64, N = 54000,
+    L = 8, sigma = 2.5``: ``h = 1.5142, mu = 0.5213``) and T9 (``sigma = 1.5``: ``h = 5.7831,
+    mu = 1.9909``).
+
+    .. warning:: a CLT approximation (can under-report epsilon); only for reproducing the paper's
+       figures. Training runs are accounted with RDP/PLD through the ledger.
+    """
+    e = _positive("epochs", epochs)
+    m = _positive("batch_size", batch_size)
+    n = _positive("dataset_size", dataset_size)
+    if m > n:
+        raise ValueError(f"batch_size ({m}) must be <= dataset_size ({n})")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be an int >= 1, got {groups!r}")
+    sigma = _positive("noise_multiplier", noise_multiplier) / math.sqrt(groups)
+    c = math.sqrt(e * m / n)
+    return math.sqrt(2.0) * c * nguyen_h(sigma)

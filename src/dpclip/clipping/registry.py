@@ -119,7 +119,7 @@ def _load_builtin_strategies() -> None:
     """Import the modules whose import registers the built-in strategies."""
     import importlib
 
-    for module in ("normalize", "schedules", "quantile", "vdv", "adaclip"):
+    for module in ("normalize", "layerwise", "schedules", "quantile", "vdv", "adaclip"):
         importlib.import_module(f"dpclip.clipping.{module}")
     # bound-based strategies live with the Lipschitz analysis they need (they use torch.nn)
     importlib.import_module("dpclip.lipschitz.strategy")

@@ -65,6 +65,7 @@ from dpclip.events import DpEvent
 
 __all__ = [
     "DuDynamic",
+    "ExpDecay",
     "GRANULARITIES",
     "LinDecay",
     "Transfer",
@@ -276,6 +277,29 @@ class _ThresholdSchedule:
         inner_state, events = self._current(state).update(state["inner"], norms, inner_ctx, release)
         return {**state, "inner": dict(inner_state)}, events
 
+    # -- forwarded hooks of per-group inner strategies (per-layer, alc, alc-zhang) ---------------
+    def group_noise(self, state: State) -> tuple[float, ...] | None:
+        hook = getattr(self._current(state), "group_noise", None)
+        return None if hook is None else hook(state["inner"])
+
+    def bind_groups(self, group_names: Any) -> "_ThresholdSchedule":
+        hook = getattr(self.inner, "bind_groups", None)
+        if hook is None:
+            return self
+        return dataclasses.replace(self, inner=hook(group_names))  # type: ignore[type-var]
+
+    @property
+    def needs_public_norms(self) -> bool:
+        return bool(getattr(self.inner, "needs_public_norms", False))
+
+    @property
+    def grouping(self) -> str:
+        return str(getattr(self.inner, "grouping", "layer"))
+
+    def public_refresh(self, state: State, public_norms: Tensor) -> State:
+        inner = self._current(state)
+        return {**state, "inner": dict(inner.public_refresh(state["inner"], public_norms))}
+
     def describe(self) -> dict[str, Any]:
         """Flat, JSON-friendly: ``base``, ``clip_norm`` (C0), ``base.<k>``, own parameters."""
         inner = {k: v for k, v in self.inner.describe().items() if k != "clip_norm"}
@@ -436,6 +460,38 @@ class LinDecay(_ThresholdSchedule):
 
     def _initial_counters(self) -> dict[str, Any]:
         return {"epoch": 1}
+
+
+@dataclass(frozen=True)
+class ExpDecay(_ThresholdSchedule):
+    """Geometric per-epoch decay of the master threshold: ``C_t = C0 * rate^t``, ``t`` = epoch.
+
+    Nguyen et al.'s ``C_decay`` (0.9 per epoch in their Table 3), usable on any threshold strategy
+    (``base=alc`` for their master constant). Privacy: free (data-independent); events are the
+    inner's. State: ``clip_norm``, ``epoch`` (0-based), ``inner``. ``rate`` in (0, 1].
+    Paper: Nguyen, Nguyen & van Dijk 2023, Table 3 (algorithms.md M12 (d)).
+    """
+
+    name: ClassVar[str] = "exp-decay"
+
+    inner: ClippingStrategy = field(default_factory=FixedClip)
+    rate: float = 0.9
+
+    def __post_init__(self) -> None:
+        self._check_inner()
+        rate = positive_finite("rate", self.rate, "ExpDecay")
+        if rate > 1:
+            raise ValueError(f"ExpDecay: rate must be in (0, 1] (C_t = C0 rate^epoch), got {rate}")
+        object.__setattr__(self, "rate", rate)
+
+    def _threshold(self, ctx: StepContext) -> float:
+        return self.initial_clip_norm * self.rate ** ctx.epoch
+
+    def _counters(self, ctx: StepContext) -> dict[str, Any]:
+        return {"epoch": ctx.epoch}
+
+    def _initial_counters(self) -> dict[str, Any]:
+        return {"epoch": 0}
 
 
 @dataclass(frozen=True)
@@ -644,6 +700,15 @@ register(
         paper="Lin et al., Understanding adaptive gradient clipping in DP-SGD, empirically, "
         "IJIS 2022 (Decay)",
         summary="schedule: C_t = C0 / t^a per epoch (t from 1); wraps base (fixed, auto-s, ...)",
+    )
+)
+register(
+    StrategyEntry(
+        name="exp-decay",
+        cls=ExpDecay,
+        paper="Nguyen, Nguyen & van Dijk, Batch clipping and adaptive layerwise clipping for DP "
+        "SGD, 2023 (C_decay)",
+        summary="schedule: C_t = C0 * rate^epoch (default 0.9); wraps base (fixed, alc, ...)",
     )
 )
 register(

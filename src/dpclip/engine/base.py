@@ -82,6 +82,48 @@ class ParamGroups:
         names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
         return ParamGroups(names, tuple((n,) for n in names))
 
+    @staticmethod
+    def from_spec(model: nn.Module, spec: str) -> "ParamGroups":
+        """Groups from a spec: ``flat``, ``layer`` (one per module), ``parameter`` (one per tensor),
+        or ``"a,b;c"``: ``;``-separated groups of ``,``-separated module-name prefixes (a parameter
+        ``a.x.weight`` belongs to the group listing ``a`` or ``a.x``; the longest prefix wins).
+        Every trainable parameter must land in exactly one group (``validate`` says which not)."""
+        text = str(spec).strip()
+        if text in ("flat", "all"):
+            return ParamGroups.flat(model)
+        if text == "layer":
+            return ParamGroups.per_layer(model)
+        if text == "parameter":
+            return ParamGroups.per_parameter(model)
+        groups = [[p.strip() for p in g.split(",") if p.strip()] for g in text.split(";")]
+        groups = [g for g in groups if g]
+        if not groups:
+            raise ValueError(
+                f"grouping {spec!r}: give 'layer', 'parameter', 'flat' or ';'-separated groups of "
+                "module-name prefixes, e.g. 'conv1,conv2;fc1,fc2'"
+            )
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        members: list[list[str]] = [[] for _ in groups]
+        for name in trainable:
+            best, best_len = None, -1
+            for gi, prefixes in enumerate(groups):
+                for pre in prefixes:
+                    if (name == pre or name.startswith(pre + ".")) and len(pre) > best_len:
+                        best, best_len = gi, len(pre)
+            if best is None:
+                raise ValueError(
+                    f"grouping {spec!r}: parameter {name!r} matches no group prefix; add its "
+                    f"module to a group (modules with parameters: "
+                    f"{sorted({n.rsplit('.', 1)[0] for n in trainable})})"
+                )
+            members[best].append(name)
+        empty = [";".join(groups[i]) for i, m in enumerate(members) if not m]
+        if empty:
+            raise ValueError(f"grouping {spec!r}: group(s) {empty} hold no trainable parameter")
+        out = ParamGroups(tuple(",".join(g) for g in groups), tuple(tuple(m) for m in members))
+        out.validate(model)
+        return out
+
     def validate(self, model: nn.Module) -> None:
         """Raise ``ValueError`` unless every trainable parameter is in exactly one group."""
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -111,7 +111,10 @@ class ExperimentSpec:
                         for seed in self.seeds:
                             fields = dict(self.train)
                             fields.update(st.train)
-                            fields.update(dataset=ds, model=model, strategy=st.name,
+                            # a strategy's own `train.model` wins (e.g. a BatchNorm-free
+                            # variant for per-example clipping beside batch-clipped BN models)
+                            fields.update(dataset=ds, model=st.train.get("model", model),
+                                          strategy=st.name,
                                           strategy_params=dict(st.params), seed=seed)
                             fields[key] = value
                             out.append(RunSpec(self.name, st.label, TrainConfig(**fields)))
@@ -255,7 +258,11 @@ def _validate_names(spec: ExperimentSpec) -> None:
             # store by the runner; here they get placeholders so the rest is validated
             cfg = next(r.config for r in runs if r.label == st.label)
             cfg = resolve_strategy_params(cfg, None, dry_run=True)
-            make_strategy(st.name, cfg.strategy_params)
+            from dpclip.units import UnitConfig, check_unit_sampling
+
+            unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
+            check_unit_sampling(unit, cfg.sampling)
+            make_strategy(st.name, own)
         except ValueError as exc:
             raise SpecError(f"strategy {st.label!r}: {exc}") from None
 

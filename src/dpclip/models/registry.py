@@ -21,6 +21,7 @@ from dpclip.models.architectures import (
     papernot_cnn,
     transformer,
 )
+from dpclip.models.nguyen import bn_lenet5, lenet5, nguyen_convnet, resnet18
 
 __all__ = ["MODELS", "ModelBuilder", "ModelEntry", "build_model", "list_models", "register_model"]
 
@@ -176,6 +177,10 @@ def _tabular_mlp(
     return tabular_mlp(input_shape, num_classes, hidden=hidden, activation=activation, bias=bias)
 
 
+_NGUYEN = (
+    "Nguyen, Nguyen & van Dijk, Batch clipping and adaptive layerwise clipping for differential "
+    "private stochastic gradient descent, 2023"
+)
 _PAPERNOT = (
     "Papernot, Thakurta, Song, Chien & Erlingsson, Tempered sigmoid activations for deep "
     "learning with differential privacy, AAAI 2021"
@@ -199,6 +204,14 @@ for _entry in (
         description="A2: Papernot et al. CIFAR-10 CNN (= Lin B2), tanh",
         builder=papernot_cifar_cnn,
         paper=_PAPERNOT,
+        input_notes="3x32x32 images (CIFAR-10/100)",
+        intended_input_shape=(3, 32, 32),
+    ),
+    ModelEntry(
+        name="lin-b2",
+        description="Lin et al. Table B2 CIFAR CNN (= A2, papernot-cifar-cnn), tanh",
+        builder=papernot_cifar_cnn,
+        paper=_LIN + " Table B2",
         input_notes="3x32x32 images (CIFAR-10/100)",
         intended_input_shape=(3, 32, 32),
     ),
@@ -262,6 +275,38 @@ for _entry in (
         input_notes="token-id sequences (B, seq_len) of a LongTensor; input_shape=(seq_len,)",
         intended_input_shape=(64,),
         intended_num_classes=2,
+    ),
+    ModelEntry(
+        name="lenet5",
+        description="LeNet-5 without BatchNorm (tanh, avg-pool; L = 5 clipping blocks)",
+        builder=lenet5,
+        paper=_NGUYEN,
+        input_notes="1x28x28 (padded to 32x32 by conv1) or 32x32 images",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="bn-lenet5",
+        description="BN-LeNet-5: LeNet-5 with BatchNorm after each conv (L = 8); batch clipping only",
+        builder=bn_lenet5,
+        paper=_NGUYEN,
+        input_notes="1x28x28 (padded to 32x32 by conv1) or 32x32 images; --param unit=bc|gbc",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="nguyen-convnet",
+        description="Nguyen et al. CIFAR convnet: 4 x (Conv-ReLU-BN-AvgPool) + FC; norm=bn|gn|none",
+        builder=nguyen_convnet,
+        paper=_NGUYEN,
+        input_notes="3x32x32 images; norm=bn needs --param unit=bc|gbc",
+        intended_input_shape=(3, 32, 32),
+    ),
+    ModelEntry(
+        name="resnet18",
+        description="CIFAR ResNet-18 (11.2M params); norm=bn (batch clipping only) | gn | none",
+        builder=resnet18,
+        paper=_NGUYEN + "; He et al., CVPR 2016",
+        input_notes="3x32x32 images",
+        intended_input_shape=(3, 32, 32),
     ),
     ModelEntry(
         name="logreg",
