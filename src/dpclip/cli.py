@@ -216,7 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"experiment": spec.name, "total": rep.total,
                               "skipped": rep.skipped, "finished": len(rep.finished),
                               "failed": [lab for lab, _ in rep.failed], "db": str(db)}
-    if args.report or args.command == "compare":
+    if args.report:
         with ResultsStore(db) as store:
             r = build_report(store, spec.name, out)
         result.update(markdown=str(r.markdown_path), html=str(r.html_path))
@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             r.add_argument("--preset", dest="spec", default="quick",
                            help="preset name (default quick) or a TOML spec file")
+            r.set_defaults(report=True)  # compare always writes its report
         r.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a spec value, e.g. --set train.epochs=1 "
                             "--set grid.seeds=[0,1]")

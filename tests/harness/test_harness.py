@@ -190,3 +190,17 @@ def test_published_must_name_a_label(tmp_path):
     p.write_text(SPEC.replace('name = "tiny"', 'name = "t"\n[published]\n"nope" = { value = 1 }'))
     with pytest.raises(SpecError, match="not a strategy label"):
         load_spec(p)
+
+
+def test_compare_runs_a_spec_and_writes_its_report(tmp_path, capsys):
+    """`dpclip compare` (the `make demo` path) runs the grid and always writes the report."""
+    p = tmp_path / "mini.toml"
+    p.write_text(SPEC.replace('name = "tiny"', 'name = "mini"')
+                 .replace("epochs = 2", "epochs = 1")
+                 .replace("epsilons = [1.0, 4.0]", "epsilons = [4.0]")
+                 .replace("seeds = [0, 1]", "seeds = [0]"))
+    rc = main(["compare", "--preset", str(p), "--db", str(tmp_path / "c.db"),
+               "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    assert (tmp_path / "mini.md").exists() and (tmp_path / "mini.html").exists()
+    assert "report:" in capsys.readouterr().out
