@@ -18,13 +18,13 @@ left() { echo $(( end - $(date +%s) )); }
 SET=(--set "train.device=\"$DEVICE\"" --set "train.engine=\"$ENGINE\"")
 timeout "$(left)" $DPCLIP search --dataset mnist-5k --proxy-for fashion-mnist --model papernot-cnn \
   --private-epsilon 2.7 --delta 1e-5 --match-private-epoch --batch-size 1024 --lr 1 \
-  --optimizer momentum --epochs 10 --engine "$ENGINE" --device "$DEVICE" \
-  --name fmnist-transfer-mnist5k-s0 --db "$DB" \
+  --optimizer momentum --epochs 10 --step 0.05 --engine "$ENGINE" --device "$DEVICE" \
+  --name fmnist-transfer-mnist5k-d005-s0 --db "$DB" \
   --checkpoint-dir reproductions/search_checkpoints --no-progress \
   > runs/search.log 2>&1 &
 search=$!
 # Decay's C0: resolve the grid's lin-decay config (runs or reuses the 5 cached searches)
-DPCLIP_SEARCH_WORKERS=5 timeout "$(left)" ${PYTHON:-python3} - "$DB" "$DEVICE" "$ENGINE" \
+DPCLIP_SEARCH_WORKERS=${C0_WORKERS:-5} timeout "$(left)" ${PYTHON:-python3} - "$DB" "$DEVICE" "$ENGINE" \
   > runs/c0.log 2>&1 <<'PY' &
 import sys
 from dpclip.harness.spec import load_spec
