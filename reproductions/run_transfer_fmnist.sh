@@ -23,21 +23,26 @@ timeout "$(left)" $DPCLIP search --dataset mnist-5k --proxy-for fashion-mnist --
   --checkpoint-dir reproductions/search_checkpoints --no-progress \
   > runs/search.log 2>&1 &
 search=$!
-# Decay's C0: resolve the grid's lin-decay config (runs or reuses the 5 cached searches)
-DPCLIP_SEARCH_WORKERS=${C0_WORKERS:-5} timeout "$(left)" ${PYTHON:-python3} - "$DB" "$DEVICE" "$ENGINE" \
-  > runs/c0.log 2>&1 <<'PY' &
+# Decay's C0: resolve the grid's lin-decay config (runs or reuses the 5 cached searches); a script
+# file, not stdin, so that the parallel searches (spawned processes) can import __main__
+C0_PY=$(mktemp --suffix=.py)
+cat > "$C0_PY" <<'PY'
 import sys
 from dpclip.harness.spec import load_spec
 from dpclip.harness.store import ResultsStore
 from dpclip.search import resolve_strategy_params
-db, device, engine = sys.argv[1:4]
-spec = load_spec("reproductions/transfer_fmnist.toml",
-                 [f'train.device="{device}"', f'train.engine="{engine}"'])
-run = next(r for r in spec.runs() if r.config.strategy == "lin-decay")
-with ResultsStore(db) as store:
-    cfg = resolve_strategy_params(run.config, store, checkpoint_root="runs/search", progress=False)
-print(cfg.strategy_params, flush=True)
+if __name__ == "__main__":
+    db, device, engine = sys.argv[1:4]
+    spec = load_spec("reproductions/transfer_fmnist.toml",
+                     [f'train.device="{device}"', f'train.engine="{engine}"'])
+    run = next(r for r in spec.runs() if r.config.strategy == "lin-decay")
+    with ResultsStore(db) as store:
+        cfg = resolve_strategy_params(run.config, store, checkpoint_root="runs/search",
+                                      progress=False)
+    print(cfg.strategy_params, flush=True)
 PY
+DPCLIP_SEARCH_WORKERS=${C0_WORKERS:-5} timeout "$(left)" ${PYTHON:-python3} "$C0_PY" "$DB" "$DEVICE" \
+  "$ENGINE" > runs/c0.log 2>&1 &
 c0=$!
 timeout "$(left)" $DPCLIP run reproductions/strategies_fmnist.toml --db "$DB" --out runs \
   --workers 3 --set "train.device=\"$DEVICE\"" --no-progress > runs/strategies.log 2>&1

@@ -174,7 +174,28 @@ def _search_workers(runs: int) -> int:
         workers = int(raw) if raw else 1
     except ValueError:
         raise ValueError(f"DPCLIP_SEARCH_WORKERS must be an integer, got {raw!r}") from None
-    return max(1, min(workers, runs))
+    workers = max(1, min(workers, runs))
+    if workers > 1 and not _main_is_importable():
+        warnings.warn(
+            "DPCLIP_SEARCH_WORKERS > 1 needs a __main__ that worker processes can import (a "
+            "script file, not stdin or an interactive session); running the C0 searches one "
+            "after another", stacklevel=3)
+        return 1
+    return workers
+
+
+def _main_is_importable() -> bool:
+    """Whether ``spawn`` workers can re-create ``__main__`` (a real file, or ``python -m``)."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None:
+        return True
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:  # python -m package.module
+        return True
+    path = getattr(main, "__file__", None)
+    return path is None or os.path.isfile(path)
 
 
 def _run_or_reuse_in_store(config: GreedyConfig, db: str,
