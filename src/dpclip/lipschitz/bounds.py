@@ -24,6 +24,7 @@ Every constant is an upper bound (operator norms from :mod:`dpclip.lipschitz.nor
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from dpclip.lipschitz.losses import (
 from dpclip.lipschitz.norms import (
     NUMERICAL_SLACK,
     ConvNormMethod,
+    OperatorNormBound,
     conv2d_operator_norm_bound,
     conv2d_patch_multiplicity,
     linear_operator_norm_bound,
@@ -220,6 +222,8 @@ class _Node:
 class _Ctx:
     conv_norm: ConvNormMethod
     seen: set[int]
+    #: serve operator norms from the cache when still valid (else compute them fresh, and record)
+    reuse_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,11 +263,73 @@ def _unsupported(name: str, module: nn.Module, reason: str) -> UnsupportedLayerE
     )
 
 
+# --------------------------------------------------------------- operator-norm cache (speed only)
+#: ``id(weight) -> (weakref to weight, {(version, data_ptr, dtype, key): OperatorNormBound})``.
+#: Entries are valid only for the exact tensor contents they were computed (or rescaled) for: the
+#: key holds the tensor's version counter, which every in-place change (optimizer step, ``mul_``,
+#: ``copy_``) increments, and the weak reference is checked, so a freed tensor whose id is reused
+#: never lends its entries to another.
+_NORM_CACHE: dict[int, tuple[weakref.ref, dict[tuple, OperatorNormBound]]] = {}
+_NORM_CACHE_MAX = 4096
+
+
+def _entries(weight: Tensor) -> dict[tuple, OperatorNormBound]:
+    slot = _NORM_CACHE.get(id(weight))
+    if slot is not None and slot[0]() is weight:
+        return slot[1]
+    if len(_NORM_CACHE) >= _NORM_CACHE_MAX:  # drop entries of freed tensors
+        for k in [k for k, (ref, _) in _NORM_CACHE.items() if ref() is None]:
+            del _NORM_CACHE[k]
+    entries: dict[tuple, OperatorNormBound] = {}
+    _NORM_CACHE[id(weight)] = (weakref.ref(weight), entries)
+    return entries
+
+
+#: relative slack of a rescaled bound: ``fl(c W)`` differs from ``c W`` by at most ``u ||c W||_F``
+#: (``u`` = 2^-24 in float32), i.e. ``<= u sqrt(rank) ||c W||_2``; 1e-4 covers ranks up to 10^6
+RESCALE_SLACK = 1e-4
+
+
+def _cache_key(weight: Tensor, key: tuple) -> tuple:
+    return (weight._version, weight.data_ptr(), weight.dtype, key)
+
+
+def _cached_operator_norm(
+    weight: Tensor, key: tuple, compute: Callable[[], OperatorNormBound], reuse: bool
+) -> OperatorNormBound:
+    entries = _entries(weight)
+    k = _cache_key(weight, key)
+    hit = entries.get(k) if reuse else None
+    if hit is None:
+        hit = compute()
+        entries.clear()  # older versions can never match again
+        entries[k] = hit
+    return hit
+
+
+def rescale_weight_(weight: Tensor, factor: float) -> None:
+    """``weight *= factor`` in place, carrying its cached operator-norm bounds over as
+    ``bound * factor * (1 + RESCALE_SLACK)`` (a proven bound of the rescaled weight: operator
+    norms are homogeneous and the rounding of the product is covered by the slack), so the next
+    :func:`lipschitz_bounds` need not recompute them. ``factor`` must be finite and > 0."""
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"rescale_weight_: factor must be finite and > 0, got {factor!r}")
+    entries = _entries(weight)
+    old = dict(entries)
+    with torch.no_grad():
+        weight.mul_(factor)
+    entries.clear()
+    for (_, _, _, key), bound in old.items():
+        entries[_cache_key(weight, key)] = OperatorNormBound(
+            bound.value * factor * (1.0 + RESCALE_SLACK), bound.method)
+
+
 def _rule_linear(
     m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
 ) -> _Leaf:
     assert isinstance(m, nn.Linear)
-    op = linear_operator_norm_bound(m)
+    op = _cached_operator_norm(m.weight, ("linear",), lambda: linear_operator_norm_bound(m),
+                               ctx.reuse_norms)
     positions = _numel(so) // m.out_features
     bias_norm = _tensor_norm(m.bias) if m.bias is not None else 0.0
     return _Leaf(
@@ -286,7 +352,9 @@ def _rule_conv2d(
     m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
 ) -> _Leaf:
     assert isinstance(m, nn.Conv2d)
-    op = conv2d_operator_norm_bound(m, (si[1], si[2]), ctx.conv_norm)
+    op = _cached_operator_norm(
+        m.weight, ("conv2d", si[1], si[2], ctx.conv_norm, m.stride, m.padding, m.dilation, m.groups),
+        lambda: conv2d_operator_norm_bound(m, (si[1], si[2]), ctx.conv_norm), ctx.reuse_norms)
     positions = so[1] * so[2]
     bias_norm = _tensor_norm(m.bias) if m.bias is not None else 0.0
     factor = math.sqrt(conv2d_patch_multiplicity(m.kernel_size, m.stride, m.dilation))
@@ -651,6 +719,7 @@ def lipschitz_bounds(
     input_shape: Sequence[int],
     input_norm_bound: float,
     conv_norm: ConvNormMethod = "auto",
+    reuse_norms: bool = False,
 ) -> NetworkBound:
     """Certified per-layer and global per-example gradient-norm bounds of ``loss(model(x), y)``.
 
@@ -662,6 +731,10 @@ def lipschitz_bounds(
         input_norm_bound: the public bound ``X_0``; inputs must be clipped to ``||x|| <= X_0``
             (l2 norm of the whole flattened example) before the forward pass.
         conv_norm: how convolution operator norms are bounded (:data:`ConvNormMethod`).
+        reuse_norms: serve a weight's operator-norm bound from the cache when the weight has not
+            changed since it was computed, or since :func:`rescale_weight_` rescaled it (the
+            cached value is then the old bound times the factor, with slack: still a proven upper
+            bound). Default ``False``: compute every norm (and record it).
 
     Returns:
         :class:`NetworkBound` with, per parametrised layer, ``X_{k-1}``, ``G_k`` and the per-example
@@ -686,7 +759,7 @@ def lipschitz_bounds(
         )
     shape = _check_inputs(input_shape, input_norm_bound, conv_norm)
     x0 = float(input_norm_bound)
-    nodes = _walk(model, "", shape, x0, _Ctx(conv_norm, set()))
+    nodes = _walk(model, "", shape, x0, _Ctx(conv_norm, set(), reuse_norms))
     out_shape = nodes[-1].bound.output_shape if nodes else shape
     if len(out_shape) != 1 or out_shape[0] < 2:
         raise ValueError(

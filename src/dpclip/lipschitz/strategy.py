@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from dpclip.clipping.base import State, StepContext, StrategyBase, positive_finite
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.lipschitz.bounds import NetworkBound, lipschitz_bounds
+from dpclip.lipschitz.bounds import NetworkBound, lipschitz_bounds, rescale_weight_
 from dpclip.lipschitz.losses import LipschitzLoss, TemperedCrossEntropy
 
 __all__ = ["FixLipDpSgd", "LipCertificate", "LipDpSgd", "clip_inputs"]
@@ -162,6 +162,7 @@ class _LipBase(StrategyBase):
         bound = lipschitz_bounds(
             model, loss, input_shape=tuple(input_shape), input_norm_bound=self.input_norm,
             conv_norm=self.conv_norm,  # type: ignore[arg-type]
+            reuse_norms=True,  # the norms ClipWeights just computed (and rescaled) are reused
         )
         layer_sens: dict[str, float] = {}
         scales: dict[str, float] = {}
@@ -209,8 +210,9 @@ class _LipBase(StrategyBase):
             if self.normalize_weights or rho > self.weight_bound:
                 factor = self.weight_bound / rho
                 module = model.get_submodule("" if layer.name == "<model>" else layer.name)
-                with torch.no_grad():
-                    module.weight.mul_(factor)
+                # in place, carrying the proven norm over (x factor, with slack): the next
+                # certificate reuses it instead of recomputing (bounds.rescale_weight_)
+                rescale_weight_(module.weight, factor)
                 factors[layer.name] = factor
         return factors
 
