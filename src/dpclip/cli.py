@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="see `dpclip models`")
     t.add_argument("--strategy", default="fixed", help="see `dpclip strategies` (default fixed)")
     t.add_argument("--param", action="append", metavar="K=V",
-                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable)")
+                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable); also the "
+                        "clipping unit: unit=ic|bc|gbc, miniset_size=S (gbc), bn_stats=batch|public, "
+                        "public_fraction=F (see docs/strategies.md, 'Clipping units')")
     t.add_argument("--model-option", action="append", metavar="K=V",
                    help="model option, e.g. --model-option activation=relu")
     t.add_argument("--dataset-option", action="append", metavar="K=V",
