@@ -17,6 +17,7 @@ noisy sum is divided by the expected batch size as always and mapped back by
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -203,7 +204,15 @@ def bound_step(
     frozen_state = state
     weight_fn = (lambda n: strategy.weights(n, frozen_state)) \
         if getattr(engine, "per_example", False) else None
-    result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
+    if getattr(strategy, "scaling", None) == "r1" and getattr(engine, "per_example", False):
+        raise ValueError(
+            f"strategy {getattr(strategy, 'name', strategy)!r} with scaling='r1' normalises each "
+            "example's layer inputs inside a batched backward; use the summed engine "
+            "(--engine summed or auto)"
+        )
+    with strategy.gradient_context(model) if hasattr(strategy, "gradient_context") \
+            else contextlib.nullcontext():
+        result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     k = sampler.sensitivity_factor
     denom = sampler.expected_batch_size

@@ -31,10 +31,11 @@ normalises it to ``weight_bound``. Biases are not clipped: they enter the certif
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,7 @@ _PAPER = (
     "A. Barczewski & J. Ramon, DP-SGD with weight clipping, arXiv 2310.18001 (2023); "
     "algorithms.md M15"
 )
-SCALINGS = ("r2", "none")
+SCALINGS = ("r2", "r1", "none")
 NOISE_MODES = ("global", "per-layer")
 
 
@@ -91,6 +92,43 @@ class LipCertificate:
     scales: dict[str, float]
     param_sensitivity: dict[str, float]
     bound: NetworkBound = field(repr=False)
+
+
+def _per_example_unit(x: Tensor) -> Tensor:
+    """``x_i / ||x_i||`` per example (norm over all non-batch dimensions; 0 for a zero row)."""
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    unit = x / safe.view(-1, *([1] * (x.dim() - 1)))
+    return torch.where((norms > 0).view(-1, *([1] * (x.dim() - 1))), unit, torch.zeros_like(x))
+
+
+@contextlib.contextmanager
+def _normalised_weight_grads(model: nn.Module) -> Iterator[None]:
+    """Forward hooks for reading R1 (see ``gradient_context``): the output is recomputed as
+    ``f(x, W.detach(), b) + f(x_hat, W) - f(x_hat, W).detach()``: the same value and the same
+    gradient for ``x`` and ``b``, and ``dL/dW = sum_i dL/dy_i x_hat_i^T``."""
+
+    def hook(mod: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+        x = inputs[0]
+        if x.dim() < 2:
+            raise ValueError("scaling='r1' needs batched inputs (use the summed engine)")
+        x_hat = _per_example_unit(x.detach())
+        w = mod.weight
+        if isinstance(mod, nn.Linear):
+            base = nn.functional.linear(x, w.detach(), mod.bias)
+            grad_path = nn.functional.linear(x_hat, w)
+        else:
+            base = mod._conv_forward(x, w.detach(), mod.bias)
+            grad_path = mod._conv_forward(x_hat, w, None)
+        return base + (grad_path - grad_path.detach())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (nn.Linear, nn.Conv2d)) and m.weight.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class _LipBase(StrategyBase):
@@ -169,11 +207,21 @@ class _LipBase(StrategyBase):
         owner: dict[str, str] = {}
         for layer in bound.layers:
             x_in = layer.input_norm_bound
-            scale = 1.0 / x_in if (self.scaling == "r2" and x_in > 0.0) else 1.0
-            layer_sens[layer.name] = layer.grad_bound * scale
-            for pname in layer.parameter_grad_bounds:
-                scales[pname] = scale
+            scale = 1.0 / x_in if (self.scaling in ("r2", "r1") and x_in > 0.0) else 1.0
+            sq = 0.0
+            for pname, pbound in layer.parameter_grad_bounds.items():
+                if self.scaling == "r1" and pname.endswith("weight"):
+                    # R1: the weight gradient is formed with the layer input normalised per
+                    # example (gradient_context), so ||dW_i|| <= lambda_k G_k, no X_{k-1} and
+                    # no further scaling
+                    scales[pname] = 1.0
+                    pbound = layer.weight_factor * layer.output_grad_bound
+                else:
+                    scales[pname] = scale
+                    pbound = pbound * scale
+                sq += pbound * pbound
                 owner[pname] = layer.name
+            layer_sens[layer.name] = math.sqrt(sq)
         total = math.sqrt(sum(s * s for s in layer_sens.values()))
         if self.noise == "global":
             param_sens = {p: total for p in scales}
@@ -182,6 +230,15 @@ class _LipBase(StrategyBase):
         new_state = {**state, "sensitivity": total, "num_noise_blocks": self._blocks(len(layer_sens))}
         cert = LipCertificate(total, layer_sens, scales, param_sens, bound)
         return new_state, cert
+
+    def gradient_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Reading R1: while active, every ``Linear``/``Conv2d`` forms its WEIGHT gradient from
+        its input divided by the example's own norm ``||x_{k-1}^{(i)}||`` (0 for a zero input);
+        outputs, input gradients and bias gradients are unchanged. Needs a batched backward (the
+        per-example norm is over all non-batch dimensions). Other readings: a no-op."""
+        if self.scaling != "r1":
+            return contextlib.nullcontext()
+        return _normalised_weight_grads(model)
 
     def scale_inputs(self, inputs: Tensor) -> Tensor:
         """Clip every example to ``||x|| <= input_norm`` (:func:`clip_inputs`)."""
