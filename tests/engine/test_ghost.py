@@ -393,14 +393,34 @@ class Functional(nn.Module):
 
 
 class Inplace(nn.Module):
+    """A layer's OUTPUT changed in place (supported: ``b`` is taken at the layer's node)."""
+
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 5)
         self.act = nn.ReLU(inplace=True)
+        self.mid = nn.Linear(5, 5)
         self.head = nn.Linear(5, 3)
 
     def forward(self, x):
-        return self.head(self.act(self.fc(x)))
+        h = self.mid(self.act(self.fc(x)))
+        h.mul_(2.0)  # mid's output, in place (autograd: MulBackward after mid's AddmmBackward)
+        return self.head(torch.tanh(h))
+
+
+class InplaceInput(nn.Module):
+    """A layer's INPUT changed in place after the layer used it: refused (the first layer's
+    input needs no gradient, so autograd itself never notices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x.clone()
+        out = self.fc(h)
+        h.mul_(2.0)
+        return out
 
 
 class Unbatched(nn.Module):
@@ -427,7 +447,7 @@ def _data(model, batch=5):
 
 STATIC = [(PReLUNet, "'act' (PReLU"), (OwnParam, "'<root>' (OwnParam, a container module"),
           (lambda: nn.Sequential(nn.MultiheadAttention(4, 2)), "'0' (MultiheadAttention")]
-RUNTIME = [(Functional, "head.weight"), (Inplace, "in place"), (Unbatched, "first dimension")]
+RUNTIME = [(Functional, "head.weight"), (Unbatched, "first dimension")]
 
 
 @pytest.mark.parametrize("build, needle", STATIC + RUNTIME)
@@ -457,6 +477,57 @@ def test_unsupported_error_and_vmap_fallback(build, needle):
         assert needle in res.engine_info["fallback"]
         _assert_no_hooks(model)
     assert ghost_support(model)[0] == ((build, needle) in RUNTIME)
+
+
+def test_inplace_change_of_a_layer_output_is_supported():
+    """``ReLU(inplace=True)`` and ``mul_`` on layer outputs: the ghost engine equals vmap."""
+    torch.manual_seed(0)
+    model = Inplace().to(DT)
+    x, y = _data(model, batch=7)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
+        ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert res.engine_info["engine"] == "ghost"
+        assert_grads_close(res.grads, ref.grads)
+        assert_close(res.norms, ref.norms)
+    _assert_no_hooks(model)
+
+
+def test_inplace_change_of_a_consumed_input_is_refused():
+    torch.manual_seed(0)
+    model = InplaceInput().to(DT)
+    x, y = _data(model)
+    with pytest.raises(UnsupportedModelError, match="modified in place after the layer used it"):
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.4), ParamGroups.flat(model))
+    _assert_no_hooks(model)
+
+
+def test_norm_temporaries_in_example_slices(monkeypatch):
+    """With a tiny temporaries budget every conv / sequence-linear norm path (ghost, direct, keep)
+    runs slice by slice and still equals vmap."""
+    import dpclip.engine.ghost as ghost_mod
+
+    monkeypatch.setattr(ghost_mod, "_TEMP_MAX_NUMEL", 64)
+    assert ghost_mod._example_slices(10, 30) == [slice(i, min(i + 2, 10)) for i in range(0, 10, 2)]
+    assert ghost_mod._example_slices(3, 10**9) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 4, 2, stride=2),
+                          nn.Flatten(), nn.Unflatten(1, (4, 4)), nn.Linear(4, 5), nn.Tanh(),
+                          nn.Flatten(), nn.Linear(20, 3)).to(DT)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 2, 4, 4, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (7,), generator=g)
+    groups = ParamGroups.per_layer(model)
+    ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
+    for choice in ("ghost", "direct", "keep"):  # every layer forced to one per-layer choice
+        def choose(self, calls, batch, choice=choice):
+            for c in calls:
+                c.choice = choice
+
+        monkeypatch.setattr(ghost_mod.GhostEngine, "_choose", choose)
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
+        assert_grads_close(res.grads, ref.grads)
+        assert_close(res.norms, ref.norms)
 
 
 def test_embedding_max_norm_is_unsupported():

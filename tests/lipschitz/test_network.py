@@ -22,6 +22,7 @@ from dpclip.lipschitz import (
     NetworkBound,
     TemperedCrossEntropy,
     lip_mnist_convnet,
+    lip_small_convnet,
     lipschitz_bounds,
 )
 from dpclip.lipschitz.norms import OperatorNormBound
@@ -224,6 +225,30 @@ def test_t13_lip_mnist_convnet() -> None:
     for lb in nb.layers:
         assert lb.input_norm_bound == pytest.approx(expected)
         expected *= lb.operator_norm
+
+
+def test_lip_small_convnet_bounds_hold() -> None:
+    """The small Lipschitz CNN: 20,490 parameters, its 2x2/2 average pools are 1/2-Lipschitz
+    (exact Schur constant), and per-example gradients (random and adversarial inputs, small
+    weights scaled up so the bounds are not slack) stay within the certificate."""
+    torch.manual_seed(0)
+    model = lip_small_convnet()
+    assert sum(p.numel() for p in model.parameters()) == 20_490
+    with_hidden = lip_small_convnet(channels=(8,), hidden=16, activation="groupsort")
+    assert [type(m).__name__ for m in with_hidden] == [
+        "Conv2d", "GroupSort", "AvgPool2d", "Flatten", "Linear", "GroupSort", "Linear"]
+    with pytest.raises(ValueError, match="divisible by 2\\*\\*3"):
+        lip_small_convnet((1, 28, 28), channels=(4, 4, 4))
+    model = _scale_weights(lip_small_convnet(channels=(4, 6)).to(DT), 3.0)
+    loss = TemperedCrossEntropy()
+    bound = lipschitz_bounds(model, loss, input_shape=(1, 28, 28), input_norm_bound=1.0)
+    rho = {n.name: n.lipschitz for n in bound.trace}
+    assert rho["pool1"] == pytest.approx(0.5, rel=1e-6) and rho["pool2"] == pytest.approx(0.5, rel=1e-6)
+    gen = torch.Generator().manual_seed(1)
+    x = random_ball((1, 28, 28), 1.0, 8, gen)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    _adversarial(model, loss, bound, x[:4], y[:4], 1.0, steps=3)
+    _check(model, loss, bound, x, y)
 
 
 def test_bound_structure_and_r2_scaling() -> None:

@@ -4,9 +4,9 @@ by book-keeping, from ONE backward pass.
 One call of :meth:`GhostEngine.compute` does, per physical chunk of the batch:
 
 1. a forward pass with forward hooks (registered for this call only, removed in a ``finally``) on
-   every layer that owns a trainable parameter; each hook stores the layer's input ``a`` and its
-   output tensor;
-2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, outputs)``,
+   every layer that owns a trainable parameter; each hook stores the layer's input ``a`` and the
+   autograd gradient edge of its output (not the output tensor: see ``_Call``);
+2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, edges)``,
    that asks for the gradients ``b`` with respect to the layers' OUTPUTS only: autograd then skips
    every parameter-gradient product, which is exactly the work that book-keeping redoes with weights
    (Bu et al. 2023, "book-keeping");
@@ -46,8 +46,10 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
 Soundness checks (per call): every trainable parameter must be owned by a supported layer; after the
 forward, the autograd graph is walked and each parameter must be used by exactly the hooked layer
 calls (a parameter also used functionally elsewhere, e.g. ``F.linear(x, self.fc.weight)``, would
-otherwise get part of its gradient silently dropped); and the captured inputs and outputs must not
-have been modified in place (e.g. ``ReLU(inplace=True)`` right after a hooked layer). A violation
+otherwise get part of its gradient silently dropped); and a captured input must not have been
+modified in place after its layer used it (an in-place change of a layer's OUTPUT, e.g.
+``ReLU(inplace=True)`` right after it, is fine: ``b`` is taken at the layer's own autograd node,
+before the change). A violation
 raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or with
 ``fallback="vmap"`` runs the ``vmap`` engine on the whole batch and says so in
 ``EngineResult.engine_info``.
@@ -97,17 +99,26 @@ _vecdot = torch.linalg.vecdot
 
 
 class _Call:
-    """One hooked call of a layer: its input ``a``, output gradient ``b`` and scratch space."""
+    """One hooked call of a layer: its input ``a``, output gradient ``b`` and scratch space.
 
-    __slots__ = ("mod", "rule", "owner", "a", "out", "b", "versions", "choice", "kept")
+    The output tensor itself is not kept, only its autograd *gradient edge* (the layer's own
+    backward node and output slot) and its shape: keeping the outputs alive until the backward would
+    hold every pre-activation tensor of the model (e.g. a Conv's output before its ``tanh``, which
+    autograd itself does not save). The gradient that arrives at that edge is the gradient with
+    respect to the layer's output as the layer produced it, also when the output is later modified
+    in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
+
+    __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
+                 "kept")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor) -> None:
         self.owner = owner
         self.mod = owner.module
         self.rule = owner.rule
         self.a = a
-        self.out = out
-        self.versions = (a._version, out._version)
+        self.a_version = a._version
+        self.out_shape = tuple(out.shape)
+        self.edge = _gradient_edge(out) if out.requires_grad else None
         self.b: Tensor | None = None
         self.choice = "ghost"
         self.kept: dict[str, Tensor] = {}
@@ -137,6 +148,23 @@ class _Weights:
         if w is None:
             w = self._cols2[g] = self.col(g).unsqueeze(1)
         return w
+
+
+_gradient_edge = torch.autograd.graph.get_gradient_edge
+
+#: per-example temporaries of a norm computation (patch matrices, Gram matrices, per-example
+#: gradients that are not kept) are formed for at most this many floats at a time, in slices of
+#: examples: the peak memory of the norms stays near the tensors the engine holds anyway
+_TEMP_MAX_NUMEL = 1 << 22
+
+
+def _example_slices(batch: int, per_example: int) -> list[slice]:
+    """Slices of ``range(batch)`` with at most ``_TEMP_MAX_NUMEL`` floats of temporaries each
+    (one slice when everything fits; at least one example per slice)."""
+    size = max(1, _TEMP_MAX_NUMEL // max(per_example, 1))
+    if size >= batch:
+        return [slice(0, batch)]
+    return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
 
 def _rows(mask: Tensor, t: Tensor) -> Tensor:
@@ -233,15 +261,21 @@ class _LinearRule(_Rule):
                 out["bias"] = b2
             return out
         if "weight" in roles:
+            t, d, p = a.shape[1], a.shape[2], b.shape[2]
             if c.choice == "ghost":  # sum_{t,t'} (a_t . a_t')(b_t . b_t')
-                ga = torch.bmm(a, a.transpose(1, 2))
-                gb = torch.bmm(b, b.transpose(1, 2))
-                out["weight"] = _vecdot(ga.flatten(1), gb.flatten(1))
-            else:
+                parts = []
+                for sl in _example_slices(a.shape[0], 2 * t * t):
+                    ga = torch.bmm(a[sl], a[sl].transpose(1, 2))
+                    gb = torch.bmm(b[sl], b[sl].transpose(1, 2))
+                    parts.append(_vecdot(ga.flatten(1), gb.flatten(1)))
+                out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            elif c.choice == "keep":
                 g = torch.bmm(b.transpose(1, 2), a)
                 out["weight"] = _sq(g)
-                if c.choice == "keep":
-                    c.kept["weight"] = g
+                c.kept["weight"] = g
+            else:
+                out["weight"] = torch.cat([_sq(torch.bmm(b[sl].transpose(1, 2), a[sl]))
+                                           for sl in _example_slices(a.shape[0], d * p)])
         if "bias" in roles:
             gb = b.sum(1)
             c.kept["bias"] = gb
@@ -302,15 +336,16 @@ class _ConvRule(_Rule):
         positions = math.prod(c.b.shape[2:])
         return positions, mod.in_channels * math.prod(mod.kernel_size), mod.out_channels, mod.groups
 
-    def _unfold(self, c: _Call) -> tuple[Tensor, bool]:
+    def _unfold(self, c: _Call, a: Tensor) -> tuple[Tensor, bool]:
         """``(patches, channels_last)``: ``patches`` of shape ``(B * groups, L, fan_in)``, one row
         per output position, ``fan_in = C_in/groups * K`` ordered ``(C, *kernel)`` or, when
         ``channels_last`` (groups == 1), ``(*kernel, C)``.
 
         Built as a strided view of the (padded) input and copied once by ``reshape`` (``F.unfold``,
         im2col, is one to two orders of magnitude slower on CPU); with one group the input is made
-        channels-last first, so that the copy moves runs of ``C`` contiguous values."""
-        mod, a = c.mod, c.a
+        channels-last first, so that the copy moves runs of ``C`` contiguous values. ``a`` is
+        ``c.a`` or a slice of its examples."""
+        mod = c.mod
         pad = self._padding(c)
         if any(pad):
             a = F.pad(a, [q for p in reversed(pad) for q in (p, p)])
@@ -350,14 +385,23 @@ class _ConvRule(_Rule):
             grad_out, inp, dummy, None, mod.stride, self._padding(c), mod.dilation, False,
             [0] * (inp.ndim - 2), groups, [False, True, False])[1]
 
-    def _per_example_weight(self, c: _Call) -> Tensor:
-        mod, a, b = c.mod, c.a, c.b
+    def _patch_numel(self, c: _Call) -> int:
+        """Floats of one example's patch matrix (fan-in x positions)."""
+        mod = c.mod
+        return mod.in_channels * math.prod(mod.kernel_size) * math.prod(c.b.shape[2:])
+
+    def _per_example_weight(self, c: _Call, a: Tensor | None = None,
+                            b: Tensor | None = None) -> Tensor:
+        """Per-example weight gradients of ``c`` (or of the examples in ``a``, ``b``: slices)."""
+        mod = c.mod
+        a = c.a if a is None else a
+        b = c.b if b is None else b
         batch, g = a.shape[0], mod.groups
         cin_g = mod.in_channels // g
         if cin_g > 1 and cin_g * math.prod(mod.kernel_size) * math.prod(b.shape[2:]) \
                 <= _PATCH_MAX_NUMEL:
             # small patch matrices: copy them, then one batched matmul per (example, group)
-            u, channels_last = self._unfold(c)
+            u, channels_last = self._unfold(c, a)
             bb = b.reshape(batch * g, mod.out_channels // g, -1)
             gw = torch.bmm(bb, u)
             if channels_last:  # (B, C_out, *kernel, C_in) -> (B, C_out, C_in, *kernel)
@@ -374,17 +418,34 @@ class _ConvRule(_Rule):
         out: dict[str, Tensor] = {}
         batch = c.a.shape[0]
         if "weight" in roles:
+            a, b = c.a, c.b
+            positions = math.prod(b.shape[2:])
+            patches = self._patch_numel(c)
             if c.choice == "ghost":  # Gram matrices of the patches and of the output gradients
-                u, _ = self._unfold(c)
-                ga = torch.bmm(u, u.transpose(1, 2))
-                bb = c.b.reshape(u.shape[0], -1, u.shape[1])
-                gb = torch.bmm(bb.transpose(1, 2), bb)
-                out["weight"] = _vecdot(ga.flatten(1), gb.flatten(1)).view(batch, -1).sum(1)
+                parts = []
+                for sl in _example_slices(batch, patches + 2 * positions * positions):
+                    u, _ = self._unfold(c, a[sl])
+                    ga = torch.bmm(u, u.transpose(1, 2))
+                    bb = b[sl].reshape(u.shape[0], -1, u.shape[1])
+                    gb = torch.bmm(bb.transpose(1, 2), bb)
+                    n = b[sl].shape[0]
+                    parts.append(_vecdot(ga.flatten(1), gb.flatten(1)).view(n, -1).sum(1))
+                out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
-                gw = self._per_example_weight(c)
-                out["weight"] = _sq(gw)
+                numel = c.mod.weight.numel()
+                slices = _example_slices(batch, patches + numel)
                 if c.choice == "keep":
+                    if len(slices) == 1:
+                        gw = self._per_example_weight(c)
+                    else:  # formed slice by slice into the kept tensor
+                        gw = b.new_empty((batch, *c.mod.weight.shape))
+                        for sl in slices:
+                            gw[sl] = self._per_example_weight(c, a[sl], b[sl])
+                    out["weight"] = _sq(gw)
                     c.kept["weight"] = gw
+                else:
+                    out["weight"] = torch.cat([_sq(self._per_example_weight(c, a[sl], b[sl]))
+                                               for sl in slices])
         if "bias" in roles:
             gb = c.b.flatten(2).sum(2)
             c.kept["bias"] = gb
@@ -646,8 +707,8 @@ def _scan(model: nn.Module) -> _Scan:
 def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
     """``(supported, reasons)``: whether every trainable parameter of ``model`` is owned by a layer
     the ghost engine supports (``SUPPORTED_LAYERS``, in a supported configuration), and the layers
-    that are not. Run-time conditions (a parameter used outside its layer, in-place changes of a
-    layer's input or output, a layer applied to a tensor without the batch dimension first) are
+    that are not. Run-time conditions (a parameter used outside its layer, an in-place change of a
+    layer's input after the layer used it, a layer applied to a tensor without the batch dimension first) are
     only detected during :meth:`GhostEngine.compute`."""
     scan = _scan(model)
     return not scan.reasons, scan.reasons
@@ -830,21 +891,24 @@ class GhostEngine:
         calls, total = _forward(model, scan, loss_fn, xs, ys)
         for c in calls:
             o = c.owner
-            if c.versions != (c.a._version, c.out._version):
+            if c.a_version != c.a._version:
                 raise _RuntimeUnsupported(
-                    f"the input or output of layer {o.name!r} ({type(c.mod).__name__}) was "
-                    "modified in place during the forward pass (e.g. ReLU(inplace=True) after "
-                    "it); use out-of-place operations")
-            if c.a.ndim == 0 or c.a.shape[0] != batch or c.out.ndim == 0 or c.out.shape[0] != batch:
+                    f"the input of layer {o.name!r} ({type(c.mod).__name__}) was modified in "
+                    "place after the layer used it (e.g. x.mul_(2) on a tensor a layer has "
+                    "consumed); use out-of-place operations")
+            if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
+                    or c.out_shape[0] != batch:
                 raise _RuntimeUnsupported(
                     f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of shape "
-                    f"{tuple(c.a.shape)} (output {tuple(c.out.shape)}) whose first dimension is "
+                    f"{tuple(c.a.shape)} (output {c.out_shape}) whose first dimension is "
                     f"not the batch ({batch}); per-layer rules need batch-first inputs (e.g. "
                     "expand position indices to (B, T) before an Embedding)")
-        live = [c for c in calls if c.out.requires_grad]
+        live = [c for c in calls if c.edge is not None]
         if total.requires_grad and live:
             uses = _graph_param_uses(total.grad_fn, scan.by_param)
-            bs = torch.autograd.grad(total, [c.out for c in live], allow_unused=True)
+            bs = torch.autograd.grad(total, [c.edge for c in live], allow_unused=True)
+            for c in live:
+                c.edge = None  # the graph is freed: no node references left behind
             for c, b in zip(live, bs):
                 c.b = b
             live = [c for c in live if c.b is not None]
@@ -1066,7 +1130,7 @@ class AutoEngine:
 
     It is :class:`GhostEngine` with ``fallback="vmap"``: models that are supported by their layer
     types but fail a run-time check (a parameter used outside its layer, an in-place change of a
-    hooked tensor, a layer applied without the batch dimension first) also run on ``vmap``,
+    hooked layer's input after the layer used it, a layer applied without the batch dimension first) also run on ``vmap``,
     recorded. Options as :class:`GhostEngine`.
     """
 

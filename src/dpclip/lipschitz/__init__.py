@@ -34,7 +34,7 @@ from dpclip.lipschitz.losses import (
     MulticlassHingeLoss,
     TemperedCrossEntropy,
 )
-from dpclip.lipschitz.models import lip_mnist_convnet, tabular_mlp
+from dpclip.lipschitz.models import lip_mnist_convnet, lip_small_convnet, tabular_mlp
 from dpclip.lipschitz.norms import (
     NUMERICAL_SLACK,
     ConvNormMethod,
@@ -83,6 +83,7 @@ __all__ = [
     "gram_iteration_bound",
     "linear_operator_norm_bound",
     "lip_mnist_convnet",
+    "lip_small_convnet",
     "lipschitz_bounds",
     "module_lipschitz",
     "power_iteration",

@@ -164,6 +164,21 @@ def _lip_convnet(
     return lip_mnist_convnet(input_shape, num_classes, activation=activation, bias=bias)
 
 
+def _lip_small_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    channels: tuple[int, ...] = (16, 32),
+    hidden: int = 0,
+    activation: str = "relu",
+    bias: bool = True,
+) -> nn.Module:
+    from dpclip.lipschitz.models import lip_small_convnet
+
+    return lip_small_convnet(input_shape, num_classes, channels=channels, hidden=hidden,
+                             activation=activation, bias=bias)
+
+
 def _tabular_mlp(
     input_shape: Sequence[int],
     num_classes: int,
@@ -254,6 +269,15 @@ for _entry in (
         builder=_lip_convnet,
         paper=_BARCZEWSKI,
         input_notes="1x28x28 images (even height/width); for lip-dp-sgd / fix-lip-dp-sgd",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-small-cnn",
+        description="small Lipschitz CNN (Conv16-AvgPool-Conv32-AvgPool-Dense, 20,490 params), "
+        "Lipschitz layers only",
+        builder=_lip_small_cnn,
+        paper="ours: a small model for Lip-DP-SGD on 28x28 images (noise grows with sqrt(#params))",
+        input_notes="1x28x28 images (height/width divisible by 4); for lip-dp-sgd / fix-lip-dp-sgd",
         intended_input_shape=(1, 28, 28),
     ),
     ModelEntry(
