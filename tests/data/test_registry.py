@@ -17,7 +17,7 @@ from dpclip.data import (
 
 EXPECTED = {"breast-cancer", "digits", "fashion-mnist", "mnist", "mnist-5k", "synthetic",
             "adult", "german-credit", "default-credit", "nursery", "android-permissions",
-            "dropout"}
+            "dropout", "cifar10", "cifar100"}
 
 
 def test_registered_names():

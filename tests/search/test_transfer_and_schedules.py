@@ -73,8 +73,7 @@ def test_public_proxy_pairs():
     assert public_proxy("fashion-mnist") == "mnist-5k"
     assert public_proxy("fashion-mnist", "digits") == "digits"
     assert public_proxy("mnist") == "fashion-mnist"
-    with pytest.raises(ValueError, match="not a registered dataset"):
-        public_proxy("cifar10")
+    assert public_proxy("cifar10") == "cifar100"
     with pytest.raises(ValueError, match="no public proxy is known for dataset 'synthetic'"):
         public_proxy("synthetic")
     with pytest.raises(ValueError, match="not a known public proxy"):

