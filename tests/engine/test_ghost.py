@@ -709,3 +709,104 @@ def test_weight_check_is_exact_when_the_sum_overflows():
         with pytest.raises(ValueError, match="non-finite weights"):
             apply_weight_fn(lambda n: torch.where(torch.arange(4) == 1, value, 0.5), norms,
                             "ghost")
+
+
+# ------------------------------------------- plain nn.Sequential chains: run without hooks
+
+
+def _chain_model():
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6)
+    frozen = nn.Linear(6, 6).requires_grad_(False)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(4, 6), nn.ReLU(inplace=True),
+        nn.Sequential(shared, nn.Tanh(), frozen, nn.Sequential(nn.Tanh(), shared)),
+        nn.Tanh(), nn.Linear(6, N_CLASSES)).to(DT)
+
+
+def _hooked_path(monkeypatch):
+    import dpclip.engine.ghost as ghost_mod
+
+    monkeypatch.setattr(ghost_mod, "_plain_chain", lambda model, by_module: None)
+
+
+def test_plain_chain_equals_the_hooked_forward_and_vmap(monkeypatch):
+    """A nested Sequential with an in-place ReLU on a layer output, a frozen layer and a layer
+    called twice runs as a plain chain; the result is bit-for-bit the hooked path's and equals
+    vmap."""
+    import dpclip.engine.ghost as ghost_mod
+
+    model = _chain_model()
+    scan = ghost_mod._scan(model)
+    chain = ghost_mod._plain_chain(model, scan.by_module)
+    assert chain is not None and len(chain) == 10
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 2, 2, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (7,), generator=g)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
+        fast = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        with monkeypatch.context() as m:
+            _hooked_path(m)
+            hooked = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert torch.equal(fast.norms, hooked.norms)
+        assert all(torch.equal(fast.grads[n], hooked.grads[n]) for n in hooked.grads)
+        assert_grads_close(fast.grads, ref.grads)
+        assert_close(fast.norms, ref.norms)
+    _assert_no_hooks(model)
+
+
+def test_plain_chain_is_only_used_when_it_sees_what_hooks_would():
+    import dpclip.engine.ghost as ghost_mod
+
+    def chain_of(model):
+        return ghost_mod._plain_chain(model, ghost_mod._scan(model).by_module)
+
+    class Sub(nn.Sequential):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    assert chain_of(nn.Sequential(nn.Linear(4, 4), nn.Tanh())) is not None
+    assert chain_of(Sub(nn.Linear(4, 4))) is None
+    assert chain_of(nn.Sequential(Block())) is None  # a container of another kind
+    for kind in ("register_forward_hook", "register_forward_pre_hook"):
+        for target in (0, 1):  # the root, or the layer owning the parameters
+            model = nn.Sequential(nn.Linear(4, 4))
+            handle = getattr(model if target == 0 else model[0], kind)(lambda *a: None)
+            assert chain_of(model) is None
+            handle.remove()
+            assert chain_of(model) is not None
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 4), act)
+    handle = act.register_forward_hook(lambda *a: None)  # a parameter-free leaf: harmless
+    assert chain_of(model) is not None
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert chain_of(model) is None
+    finally:
+        handle.remove()
+
+
+def test_forward_pre_hook_changing_a_layer_input_is_seen():
+    """A pre-hook that rescales the first layer's input: the layer's ``a`` is the rescaled input
+    (hooked path), so the ghost result still equals vmap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, N_CLASSES)).to(DT)
+    handle = model[0].register_forward_pre_hook(lambda mod, args: (3.0 * args[0],))
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(6, 4, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (6,), generator=g)
+        groups = ParamGroups.flat(model)
+        ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
+        assert_grads_close(res.grads, ref.grads)
+        assert_close(res.norms, ref.norms)
+    finally:
+        handle.remove()

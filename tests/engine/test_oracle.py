@@ -210,3 +210,34 @@ def _check_against_oracle(model, x, y, groups, seed):
     res = VmapEngine(max_physical_batch=2).compute(model, ce, x, y, wfn, groups)
     assert_close(res.norms, expected)
     assert_grads_close(res.grads, oracle_sum(per_ex, wfn(expected), groups, batch))
+
+
+def test_layer_under_two_names_is_left_intact_and_correct():
+    """A module that appears twice in the model (``Sequential(shared, ..., Sequential(shared))``)
+    plus weights tied across two modules: per-example gradients equal the naive loop, and the model
+    still holds its own ``Parameter`` objects afterwards (``torch.func.functional_call`` in torch
+    2.13 leaves such a shared layer holding plain tensors)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    head = nn.Linear(4, 4, bias=False)
+    tail = nn.Linear(4, 4, bias=False)
+    tail.weight = head.weight  # tied across two modules
+    model = nn.Sequential(shared, nn.Tanh(), nn.Sequential(shared, head), nn.Tanh(), tail).to(DT)
+    before = {n: p for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g, dtype=DT), torch.randint(0, 4, (5,), generator=g)
+    expected = naive_per_example_grads(model, ce, x, y)
+    assert_grads_close(vmap_per_example_grads(model, ce, x, y, max_physical_batch=2), expected)
+    res = VmapEngine().compute(model, ce, x, y, clip_weights(0.5), ParamGroups.flat(model))
+    batch = x.shape[0]
+    groups = ParamGroups.flat(model)
+    norms = oracle_norms(expected, groups, batch)
+    assert_close(res.norms, norms)
+    assert_grads_close(res.grads, oracle_sum(expected, clip_weights(0.5)(norms), groups, batch))
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+    assert all(isinstance(p, nn.Parameter) for p in (shared.weight, shared.bias, head.weight))
+    assert tail.weight is head.weight
+    with pytest.raises(RuntimeError, match="boom"):  # restored on error too
+        vmap_per_example_grads(model, lambda o, t: (_ for _ in ()).throw(RuntimeError("boom")), x, y)
+    assert all(dict(model.named_parameters())[n] is p for n, p in before.items())

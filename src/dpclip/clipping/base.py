@@ -142,8 +142,9 @@ class StrategyBase:
 
 
 def finite_or_inf(norms: Tensor) -> Tensor:
-    """Map NaN norms to +inf so that every weight function sends them to weight 0."""
-    return torch.where(torch.isnan(norms), torch.full_like(norms, math.inf), norms)
+    """Map NaN norms to +inf so that every weight function sends them to weight 0 (one fused op;
+    +inf and -inf are kept as they are)."""
+    return torch.nan_to_num(norms, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 def positive_finite(name: str, value: float, owner: str) -> float:

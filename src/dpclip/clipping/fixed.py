@@ -37,8 +37,8 @@ class FixedClip(StrategyBase):
         )
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
-        n = finite_or_inf(norms)
-        return torch.clamp(self.clip_norm / (n + NORM_EPS), max=1.0)
+        # min(1, C / (n + eps)), in place on one temporary (the same arithmetic as the expression)
+        return finite_or_inf(norms).add_(NORM_EPS).reciprocal_().mul_(self.clip_norm).clamp_(max=1.0)
 
     def sensitivity(self, state: State) -> float:
         return self.clip_norm

@@ -296,11 +296,14 @@ class _LinearRule(_Rule):
         g_w, g_b = groups.get("weight"), groups.get("bias")
         if a.ndim == 2:
             if g_w is not None:
-                bw = b * w.col2(g_w)
-                out["weight"] = torch.mm(bw.t(), a)
-                if g_b == g_w:
-                    out["bias"] = bw.sum(0)
-                    return out
+                if a.shape[1] < b.shape[1]:  # scale the narrower of a and b by the weights
+                    out["weight"] = torch.mm(b.t(), a * w.col2(g_w))
+                else:
+                    bw = b * w.col2(g_w)
+                    out["weight"] = torch.mm(bw.t(), a)
+                    if g_b == g_w:
+                        out["bias"] = bw.sum(0)
+                        return out
             if g_b is not None:
                 out["bias"] = w.col(g_b) @ b
             return out
@@ -1101,11 +1104,70 @@ def _check_losses(losses: Tensor, batch: int) -> Tensor:
     return losses.reshape(batch, -1).sum(1) if losses.ndim > 1 else losses
 
 
+_module_mod = torch.nn.modules.module
+
+
+def _no_hooks(mod: nn.Module) -> bool:
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or mod._backward_pre_hooks)
+
+
+def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Module] | None:
+    """The modules that ``model(x)`` applies one after the other, when ``model`` is a plain chain:
+    an ``nn.Sequential`` (exactly that type, nested ones flattened) of leaf modules, without hooks
+    on the containers or on the layers that own trainable parameters, and no global module hooks.
+    Then running the chain ourselves sees every owner call with its input and output exactly as
+    forward hooks would, at a fraction of the cost (hooks put every call of a hooked module on
+    PyTorch's slow path). ``None``: use hooks."""
+    if type(model) is not nn.Sequential or not _no_hooks(model):
+        return None
+    if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
+            or _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks):
+        return None
+    chain: list[nn.Module] = []
+    stack = [iter(model._modules.values())]
+    while stack:
+        mod = next(stack[-1], _END)
+        if mod is _END:
+            stack.pop()
+            continue
+        if mod is None:  # not callable: let the ordinary forward raise its own error
+            return None
+        if type(mod) is nn.Sequential:
+            if not _no_hooks(mod):
+                return None
+            stack.append(iter(mod._modules.values()))
+        elif mod._modules:  # a container of another kind: its calls are its own business
+            return None
+        elif id(mod) in by_module and not _no_hooks(mod):
+            return None
+        else:
+            chain.append(mod)
+    return chain
+
+
+_END = object()
+
+
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
              ys: Tensor) -> tuple[list[_Call], Tensor]:
     """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after."""
     calls: list[_Call] = []
     by_module = scan.by_module
+    chain = _plain_chain(model, by_module)
+    if chain is not None:  # the same calls as the hooks would see, without hooks
+        with torch.enable_grad():
+            h = xs
+            for mod in chain:
+                owner = by_module.get(id(mod))
+                if owner is None:
+                    h = mod(h)
+                else:
+                    out = mod(h)
+                    calls.append(_Call(owner, h, out))
+                    h = out
+            losses = _check_losses(loss_fn(h, ys), xs.shape[0])
+        return calls, losses.sum()
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         a = args[0] if args else next(iter(kwargs.values()))

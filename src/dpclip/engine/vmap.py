@@ -8,12 +8,13 @@ reduces them at once to norms and the weighted sum, and moves to the next chunk.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from dpclip.engine._common import (
     ChunkReducer,
@@ -135,11 +136,47 @@ def _check_example_loss(loss: Tensor) -> Tensor:
 _GradFn = Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]
 
 
+def _slots(model: nn.Module) -> list[tuple[dict[str, Any], str, str]]:
+    """``(module._parameters, attribute, canonical name)`` for every place a trainable parameter
+    is held: each module once (a module that appears under two names is one module), each tied
+    parameter under every module that holds it, named by its canonical (first) name."""
+    canonical = {id(p): n for n, p in trainable_params(model).items()}
+    slots = []
+    for mod in model.modules():  # each module object once
+        for attr, p in mod._parameters.items():
+            name = canonical.get(id(p)) if p is not None else None
+            if name is not None:
+                slots.append((mod._parameters, attr, name))
+    return slots
+
+
+@contextlib.contextmanager
+def _parameters_replaced(model: nn.Module, params: dict[str, Tensor]) -> Iterator[None]:
+    """Run ``model`` with its trainable parameters replaced by ``params`` (canonical names), and
+    put the original parameters back afterwards, also on error.
+
+    This is what ``torch.func.functional_call`` does, done by module object instead of by
+    attribute path: ``functional_call`` (torch 2.13) leaves a module that appears under two names
+    (``nn.Sequential(layer, ..., layer)``) holding the replacement tensors after the call (it swaps
+    the same attribute twice and restores the wrong original), which silently turns the layer's
+    parameters into plain tensors."""
+    slots = _slots(model)
+    saved = [(store, attr, store[attr]) for store, attr, _ in slots]
+    try:
+        for store, attr, name in slots:
+            store[attr] = params[name]
+        yield
+    finally:
+        for store, attr, orig in saved:
+            store[attr] = orig
+
+
 def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
     """``(params, xs, ys) -> ({name: (b, *shape)}, losses (b,))`` for one chunk."""
 
     def example_loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        out = functional_call(model, params, (x.unsqueeze(0),))
+        with _parameters_replaced(model, params):
+            out = model(x.unsqueeze(0))
         loss = _check_example_loss(loss_fn(out, y.unsqueeze(0)))
         return loss, loss.detach()
 
