@@ -5,7 +5,9 @@ One call of :meth:`GhostEngine.compute` does, per physical chunk of the batch:
 
 1. a forward pass with forward hooks (registered for this call only, removed in a ``finally``) on
    every layer that owns a trainable parameter; each hook stores the layer's input ``a`` and the
-   autograd gradient edge of its output (not the output tensor: see ``_Call``);
+   autograd gradient edge of its output (not the output tensor: see ``_Call``). A plain
+   ``nn.Sequential`` chain (``_plain_chain``) is run entry by entry instead, recording the same
+   calls without hooks;
 2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, edges)``,
    that asks for the gradients ``b`` with respect to the layers' OUTPUTS only: autograd then skips
    every parameter-gradient product, which is exactly the work that book-keeping redoes with weights
