@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dpclip._checks import positive_ints
 from dpclip.data.base import DatasetBundle, TensorSplit
 
 __all__ = ["DEFAULT_NUM_FEATURES", "load_synthetic"]
@@ -55,7 +56,7 @@ def load_synthetic(
     num_classes = _positive_int(num_classes, "num_classes", minimum=2)
     if image_shape is not None:
         shape = tuple(image_shape)
-        if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        if not positive_ints(shape):
             raise ValueError(
                 f"image_shape must be a tuple of positive integers, got {image_shape!r}"
             )

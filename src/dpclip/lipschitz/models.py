@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from dpclip._checks import positive_ints
 from dpclip.lipschitz.layers import GroupSort
 from dpclip.models.activations import make_activation
 
@@ -79,7 +80,7 @@ def lip_small_convnet(
     test), which the bound propagation uses."""
     shape = tuple(input_shape)
     chans = tuple(channels)
-    if not chans or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in chans):
+    if not positive_ints(chans):
         raise ValueError(
             f"lip_small_convnet: channels must be a non-empty sequence of positive integers, got "
             f"{channels!r}"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dpclip._checks import positive_ints
 from dpclip.models.activations import make_activation
 
 __all__ = [
@@ -275,7 +276,7 @@ def mlp(
     :func:`papernot_cnn`.
     """
     hidden = tuple(hidden)
-    if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
+    if hidden and not positive_ints(hidden):
         raise ValueError(f"option hidden must be a tuple of positive integers, got {hidden!r}")
     act = _activation_factory(activation, scale, inverse_temperature, offset)
     layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())

@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from torch import nn
 
+from dpclip._checks import positive_ints
 from dpclip.models.architectures import (
     lin_b1,
     lin_b3,
@@ -134,7 +135,7 @@ def build_model(
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(MODELS))}")
     entry = MODELS[name]
     shape = tuple(input_shape)
-    if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+    if not positive_ints(shape):
         raise ValueError(
             f"input_shape must be a non-empty tuple of positive integers (one example, without "
             f"the batch dimension), got {input_shape!r}"
