@@ -73,6 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         momentum=args.momentum,
         seed=args.seed,
+        reproducible_noise=args.reproducible_noise,
         sampling=args.sampling,
         accountant=args.accountant,
         engine=args.engine,
@@ -96,6 +97,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         store.close()
         raise
     summary = dict(result.summary, run_id=run_id, db=str(store.path))
+    if summary.get("randomness_warning"):
+        print(f"warning: {summary['randomness_warning']} (--reproducible-noise)", file=sys.stderr)
     store.finish_run(run_id, result.summary, result.ledger.to_dict())
     store.close()
     if not args.json:
@@ -291,7 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, required=True)
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="public randomness: model initialisation, data splits (noise and batch "
+                        "sampling draw from OS entropy; see --reproducible-noise)")
+    t.add_argument("--reproducible-noise", action="store_true",
+                   help="derive the noise and sampling generators from --seed (research only: the "
+                        "run is NOT private against anyone who knows the seed, and is labelled so)")
     t.add_argument("--engine", default="vmap",
                    help="per-example engine: vmap (default), ghost, auto, naive")
     t.add_argument("--device", default="cpu",

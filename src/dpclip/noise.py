@@ -1,16 +1,15 @@
 """Gaussian noise: the one place where a noise standard deviation meets random numbers.
 
 Random generators are always explicit (design rule 9). ``make_generator(seed)`` gives a reproducible
-generator; ``make_generator(None)`` seeds it from the operating system's CSPRNG (``secrets``), which
-is what a deployment should use. (torch's generator is a Mersenne Twister, not a CSPRNG: the OS seed
-makes its output unpredictable to an outsider but not cryptographically strong; floating-point
-attacks on Gaussian sampling are out of scope for this research library, see anchors P11.)
+(public, NOT secret) generator; ``make_generator(None)`` fills the generator's whole state from the
+operating system's CSPRNG (``dpclip.randomness.secure_generator``), which is what private training
+uses (through ``dpclip.randomness.PrivateRandomness``). What that does and does not cover
+(Mersenne Twister, floating-point attacks): ``dpclip.randomness`` and docs/privacy.md.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Mapping
 
 import torch
@@ -20,9 +19,15 @@ __all__ = ["add_gaussian_noise", "add_gaussian_noise_all", "make_generator", "no
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU ``torch.Generator`` seeded with ``seed``, or from the OS when ``seed`` is None."""
+    """A CPU ``torch.Generator`` seeded with ``seed`` (public), or with its whole state from OS
+    entropy when ``seed`` is None (``torch.Generator.manual_seed`` keeps only 32 bits of a seed, so
+    an OS seed passed through it would allow only 2**32 streams)."""
+    if seed is None:
+        from dpclip.randomness import secure_generator
+
+        return secure_generator()
     g = torch.Generator()
-    g.manual_seed(secrets.randbits(63) if seed is None else int(seed))
+    g.manual_seed(int(seed))
     return g
 
 

@@ -31,6 +31,8 @@ from dpclip.events import (
 
 __all__ = ["FixedSizeSampler", "PoissonSampler", "Sampler", "SAMPLERS", "make_sampler"]
 
+_TWO53 = 2**53
+
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -90,10 +92,27 @@ class PoissonSampler:
     def steps_per_epoch(self) -> int:
         return max(1, round(self.dataset_size / self.batch_size))
 
+    @property
+    def inclusion_threshold(self) -> int:
+        """``floor(q * 2**53)``: an example joins when its uniform 53-bit integer is below it."""
+        return math.floor(self.sample_rate * _TWO53)  # exact: scaling by a power of 2
+
+    @property
+    def inclusion_probability(self) -> float:
+        """The exact probability with which :meth:`sample` includes an example:
+        ``floor(q 2**53) / 2**53``, in ``(q - 2**-53, q]``. Never above the accounted ``q``, so the
+        accountant's Poisson event (rate ``q``) is an upper bound (epsilon grows with ``q``)."""
+        return self.inclusion_threshold / _TWO53
+
     def sample(self, generator: torch.Generator) -> Tensor:
-        """Indices of one batch (sorted); may be empty."""
-        mask = torch.rand(self.dataset_size, generator=generator) < self.sample_rate
-        return mask.nonzero(as_tuple=True)[0]
+        """Indices of one batch (sorted); may be empty.
+
+        Each example draws a uniform integer in ``[0, 2**53)`` and joins when it is below
+        ``floor(q 2**53)``: inclusion probability exactly :attr:`inclusion_probability` <= q.
+        (A float32 uniform lies on a 2**-24 grid, which rounds the inclusion probability UP by up
+        to 6e-8: that would sample more often than accounted.)"""
+        u = torch.randint(0, _TWO53, (self.dataset_size,), generator=generator, dtype=torch.int64)
+        return (u < self.inclusion_threshold).nonzero(as_tuple=True)[0]
 
     def step_event(self, inner: DpEvent) -> DpEvent:
         return PoissonSampledEvent(self.sample_rate, inner)

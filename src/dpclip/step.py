@@ -38,12 +38,65 @@ from dpclip.units import UnitConfig, expected_units, unit_sum
 
 __all__ = [
     "GradientTransform",
+    "PrivateBufferError",
     "StepOutput",
     "bound_step",
     "dp_step",
     "nonprivate_step_grads",
+    "private_buffer_guard",
     "transformed_sum",
 ]
+
+
+class PrivateBufferError(RuntimeError):
+    """A module changed a buffer during a private forward pass (the buffer would carry private
+    statistics out of the run without noise)."""
+
+
+@contextlib.contextmanager
+def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
+    """Refuse any buffer change made while private data flows through ``model``.
+
+    Every buffer of ``model`` (running statistics of InstanceNorm / BatchNorm with
+    ``track_running_stats=True``, counters, caches, ...) is snapshotted before the block; after it
+    a buffer whose tensor was replaced, or whose version counter moved and whose values differ, is
+    restored from the snapshot and :class:`PrivateBufferError` is raised naming it. Buffers that a
+    context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
+    pass. Nothing leaves: the model is as it was before the block. Costs one clone of the buffers
+    per step (nothing for models without buffers)."""
+    saved = [(name, b, b._version, b.detach().clone())
+             for name, b in model.named_buffers() if b is not None]
+    try:
+        yield
+    finally:
+        changed = []
+        if saved:
+            current = dict(model.named_buffers())
+            for name, b, version, copy in saved:
+                now = current.get(name)
+                if now is b and b._version == version:
+                    continue
+                if now is not None and now.shape == copy.shape and torch.equal(now, copy):
+                    continue
+                changed.append(name)
+                with torch.no_grad():
+                    if now is not None and now.shape == copy.shape:
+                        now.copy_(copy)
+                    else:  # replaced by another tensor: put the original object back
+                        mod_name, _, attr = name.rpartition(".")
+                        owner = model.get_submodule(mod_name) if mod_name else model
+                        b.copy_(copy)
+                        owner.register_buffer(attr, b,
+                                              persistent=attr not in owner._non_persistent_buffers_set)
+    if changed:
+        raise PrivateBufferError(
+            f"{where}: the model changed buffer(s) {', '.join(repr(c) for c in changed)} while "
+            "computing private gradients; a buffer updated from private data (running statistics "
+            "of InstanceNorm/BatchNorm with track_running_stats=True, caches, counters) would "
+            "leave the run without noise. Buffers were restored. Fix: build the layer with "
+            "track_running_stats=False (InstanceNorm: instance statistics at evaluation too), "
+            "use GroupNorm/LayerNorm, or batch clipping (--param unit=bc) for BatchNorm"
+        )
 
 
 @dataclass
@@ -58,6 +111,8 @@ class StepOutput:
     batch_size: int  #: realised batch size (NON-PRIVATE, diagnostics only)
     loss_sum: float  #: NON-PRIVATE diagnostic
     norms: Tensor | None  #: NON-PRIVATE diagnostic
+    #: public facts about the engine that ran (``{"engine", "requested", "fallback"}``)
+    engine_info: dict[str, Any] | None = None
 
 
 class _Releaser:
@@ -119,16 +174,18 @@ def dp_step(
                 f"strategy {getattr(strategy, 'name', strategy)!r} clips transformed per-example "
                 "gradients and cannot run on batch units; use unit=ic, or a norm-based strategy"
             )
-        result = unit_sum(model, loss_fn, inputs, targets, weight_fn, groups)
+        with private_buffer_guard(model):
+            result = unit_sum(model, loss_fn, inputs, targets, weight_fn, groups)
         factor = unit.sensitivity_factor  # type: ignore[union-attr]
         denom = expected_units(unit, sampler)  # type: ignore[arg-type]
         n_examples = int(inputs.shape[0] * inputs.shape[1]) if inputs.dim() > 1 else 0
     else:
-        if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
-            result = transformed_sum(
-                engine, strategy, state, model, loss_fn, inputs, targets, groups)
-        else:
-            result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
+        with private_buffer_guard(model):
+            if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
+                result = transformed_sum(
+                    engine, strategy, state, model, loss_fn, inputs, targets, groups)
+            else:
+                result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
         factor = sampler.sensitivity_factor
         denom = sampler.expected_batch_size
         n_examples = int(inputs.shape[0])
@@ -165,7 +222,16 @@ def dp_step(
         batch_size=n_examples,
         loss_sum=result.loss_sum,
         norms=result.norms,
+        engine_info=_engine_info(result, engine),
     )
+
+
+def _engine_info(result: EngineResult, engine: Engine) -> dict[str, Any]:
+    info = dict(result.engine_info or {})
+    info.setdefault("engine", getattr(engine, "name", type(engine).__name__))
+    info.setdefault("requested", getattr(engine, "name", type(engine).__name__))
+    info.setdefault("fallback", None)
+    return info
 
 
 def bound_step(
@@ -210,7 +276,8 @@ def bound_step(
             "example's layer inputs inside a batched backward; use the summed engine "
             "(--engine summed or auto)"
         )
-    with strategy.gradient_context(model) if hasattr(strategy, "gradient_context") \
+    with private_buffer_guard(model, "bound_step"), \
+            strategy.gradient_context(model) if hasattr(strategy, "gradient_context") \
             else contextlib.nullcontext():
         result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
@@ -236,6 +303,7 @@ def bound_step(
         batch_size=int(inputs.shape[0]),
         loss_sum=result.loss_sum,
         norms=result.norms,
+        engine_info=_engine_info(result, engine),
     )
 
 
@@ -326,7 +394,12 @@ def transformed_sum(
         grads = strategy.transform(raw, state)
         reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=inputs.device))
     grads, norms, weights, _ = reducer.result()
-    return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=math.nan)
+    info = {"engine": "naive" if isinstance(engine, NaiveEngine) else "vmap",
+            "requested": engine.name,
+            "fallback": None if engine.name in ("vmap", "naive") else
+            "P-GRAD strategy: per-example gradients are materialized (vmap)"}
+    return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=math.nan,
+                        engine_info=info)
 
 
 def nonprivate_step_grads(

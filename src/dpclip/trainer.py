@@ -31,9 +31,9 @@ from dpclip.data import DatasetBundle, load_dataset, public_private_split
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import DpEvent, GaussianEvent
 from dpclip.models import build_model
-from dpclip.noise import make_generator
+from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import Sampler, make_sampler
-from dpclip.step import dp_step
+from dpclip.step import dp_step, private_buffer_guard
 from dpclip.units import (
     MiniSetSampler,
     UnitConfig,
@@ -48,6 +48,9 @@ from dpclip.units import (
 __all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "resolve_device", "train"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+#: TrainConfig.diagnostics values -> the split they are computed on (None: off)
+DIAGNOSTICS: dict[Any, str | None] = {False: None, "off": None, "test": "test", True: "train",
+                                      "train": "train"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,12 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
+    #: public randomness only: model initialisation, data splits, public choices. The noise and
+    #: batch-sampling generators draw their seeds from OS entropy unless ``reproducible_noise``.
     seed: int = 0
+    #: derive the noise and sampling generators from ``seed`` (research reproducibility only): the
+    #: run is NOT private against anyone who knows the seed, and is labelled so everywhere
+    reproducible_noise: bool = False
     sampling: str = "poisson"
     accountant: str = "pld"
     engine: str = "vmap"
@@ -80,10 +88,47 @@ class TrainConfig:
     #: (cuda when available). An execution setting: not part of the fingerprint (the sampling and
     #: noise generators stay on the CPU, so the privacy ledger is identical on every device).
     device: str = "cpu"
-    #: log NON-PRIVATE clipping diagnostics each epoch (``dpclip.diagnostics``; research only)
-    diagnostics: bool = False
+    #: clipping diagnostics each epoch (``dpclip.diagnostics``): False / "off" (default);
+    #: "test": on a fixed batch of the TEST split (data never trained on; keys ``heldout/...``);
+    #: True / "train": on private TRAINING examples, NON-PRIVATE (keys ``nonprivate/...``;
+    #: research only: these numbers are not noised and not accounted)
+    diagnostics: bool | str = False
 
     def __post_init__(self) -> None:
+        import numbers
+
+        from dpclip.accounting import ACCOUNTANTS
+        from dpclip.clipping.registry import STRATEGIES
+        from dpclip.engine import ENGINES
+        from dpclip.errors import unknown_name
+        from dpclip.models import MODELS
+        from dpclip.sampling import SAMPLERS
+
+        def flag(name: str) -> str:
+            return f"{name} (--{name.replace('_', '-')})"
+
+        # types first: a TOML or JSON value of the wrong type gets a message, not a TypeError
+        kinds = {"epsilon": numbers.Real, "noise_multiplier": numbers.Real,
+                 "delta": numbers.Real, "batch_size": numbers.Real, "lr": numbers.Real,
+                 "momentum": numbers.Real, "weight_decay": numbers.Real,
+                 "epochs": numbers.Integral, "seed": numbers.Integral,
+                 "max_physical_batch": numbers.Integral, "eval_batch_size": numbers.Integral,
+                 "dataset": str, "model": str, "strategy": str, "optimizer": str,
+                 "sampling": str, "accountant": str, "engine": str,
+                 "strategy_params": dict, "model_options": dict, "dataset_options": dict}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if value is None and name in ("epsilon", "noise_multiplier"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                want = {numbers.Real: "a number", numbers.Integral: "an integer",
+                        str: "a string", dict: "a table / dict"}[kind]
+                hint = " (in a TOML spec, write numbers without quotes)" if (
+                    isinstance(value, str) and kind in (numbers.Real, numbers.Integral)) else ""
+                raise ValueError(
+                    f"TrainConfig: {flag(name)} must be {want}, got {type(value).__name__} "
+                    f"{value!r}{hint}"
+                )
         if self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
                 "TrainConfig: give a target epsilon (--epsilon) or a noise multiplier "
@@ -109,10 +154,32 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig: device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}"
             )
-        if self.optimizer not in OPTIMIZERS:
+        for name in ("max_physical_batch", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"TrainConfig: {flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("momentum", "weight_decay"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(
+                    f"TrainConfig: {flag(name)} must be >= 0, got {getattr(self, name)}")
+        # unknown names: "did you mean" and the valid names (the dataset is checked when loaded:
+        # train(config, data=bundle) may name a dataset of its own)
+        for name, valid in (("optimizer", OPTIMIZERS), ("sampling", SAMPLERS),
+                            ("accountant", ACCOUNTANTS), ("engine", ENGINES),
+                            ("strategy", STRATEGIES), ("model", MODELS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"TrainConfig: {unknown_name(name, getattr(self, name), valid)}")
+
+        if self.diagnostics not in DIAGNOSTICS:
             raise ValueError(
-                f"TrainConfig: unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}"
+                f"TrainConfig: diagnostics must be one of False, True, 'off', 'test', 'train', got "
+                f"{self.diagnostics!r}"
             )
+
+    @property
+    def diagnostics_split(self) -> str | None:
+        """``None`` (off), ``"test"`` or ``"train"`` (NON-PRIVATE)."""
+        return DIAGNOSTICS[self.diagnostics]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -126,11 +193,102 @@ class TrainConfig:
         return TrainConfig(**d)
 
     def fingerprint(self) -> str:
-        """Hash of everything that determines the run's outcome (not data_dir, not device)."""
+        """Hash of everything that determines the run's outcome (not data_dir, not device).
+
+        A ``reproducible_noise=True`` config hashes as the same config did before secure randomness
+        became the default (dpclip < 0.2 always derived the noise from the seed, exactly as the
+        reproducible mode does), so stored seeded runs keep their identity; a secure config gets
+        a new fingerprint. The data itself is fingerprinted separately (``data_fingerprint``)."""
         d = self.to_dict()
         d.pop("data_dir", None)
         d.pop("device", None)
+        if d.get("reproducible_noise"):
+            d.pop("reproducible_noise")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_fingerprint(bundle: DatasetBundle) -> str:
+    """SHA-256 of a dataset bundle's name, shapes, classes and every tensor's bytes.
+
+    PRIVATE (a hash of the training data lets anyone holding a candidate dataset confirm it): it
+    is kept in the run's checkpoint only, so that a run never resumes on different data."""
+    h = hashlib.sha256()
+    h.update(json.dumps([bundle.name, list(bundle.input_shape), int(bundle.num_classes)]).encode())
+    for split in (bundle.train, bundle.test):
+        for t in (split.inputs, split.targets):
+            t = t.detach().to("cpu").contiguous()
+            h.update(json.dumps([str(t.dtype), list(t.shape)]).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def describe_config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The fields of two ``TrainConfig.to_dict()`` dicts that differ, for error messages:
+    ``"lr: 0.5 -> 0.1; epochs: 3 -> 4"`` (``data_dir`` and ``device`` are execution settings and
+    never listed). Nested dicts (strategy_params, ...) are compared key by key."""
+    ignore = {"data_dir", "device"}
+    parts: list[str] = []
+    for key in sorted((set(old) | set(new)) - ignore):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in sorted(set(a) | set(b)):
+                sa, sb = a.get(sub, "<absent>"), b.get(sub, "<absent>")
+                if sa != sb:
+                    parts.append(f"{key}.{sub}: {sa!r} -> {sb!r}")
+        else:
+            parts.append(f"{key}: {a!r} -> {b!r}")
+    return "; ".join(parts) if parts else "(no field differs)"
+
+
+#: a noise multiplier above this triggers a NoiseWarning (the model will not learn)
+NOISE_WARNING_THRESHOLD = 50.0
+
+
+def _check_run_inputs(config: TrainConfig, bundle: Any) -> None:
+    """Checks of the data against the config, before anything is built (errors name the fix).
+
+    * ``bundle`` is a ``DatasetBundle`` with a non-empty training split (its own construction
+      checked shapes, label ranges and finite inputs);
+    * ``delta < 1/N``, N the number of PRIVATE training examples (after the public split the
+      strategy asks for): with ``delta >= 1/N`` a mechanism that publishes one random record in
+      the clear meets the guarantee, so the (epsilon, delta) claim would be meaningless.
+    """
+    if not isinstance(bundle, DatasetBundle):
+        raise TypeError(
+            f"train(config, data=...): data must be a dpclip.data.DatasetBundle, got "
+            f"{type(bundle).__name__}; build one with DatasetBundle(name, TensorSplit(x_train, "
+            "y_train), TensorSplit(x_test, y_test), num_classes, input_shape, source='...')"
+        )
+    n = len(bundle.train)
+    if n == 0:
+        raise ValueError(f"dataset {bundle.name!r}: the training split has no examples")
+    unit, params = UnitConfig.pop_from(config.strategy_params)
+    fraction = unit.public_fraction
+    if fraction is None:
+        try:
+            needs = bool(getattr(make_strategy(config.strategy, params), "needs_public_norms",
+                                 False))
+        except ValueError:  # reported with its own message when the run builds the strategy
+            needs = False
+        fraction = 0.1 if (needs or unit.bn_stats == "public") else 0.0
+    n_private = n - int(round(fraction * n)) if fraction > 0 else n
+    if n_private >= 1 and config.delta >= 1.0 / n_private:
+        what = (f"{n_private} private training examples" if n_private == n else
+                f"{n_private} private training examples ({n} minus the public split)")
+        raise ValueError(
+            f"delta={config.delta:g} (--delta) is >= 1/N = 1/{n_private} ({what}): a mechanism "
+            "that publishes one random record in the clear meets this delta, so the guarantee "
+            f"would mean nothing; use delta < 1/N, e.g. {_suggest_delta(n_private):g}"
+        )
+
+
+def _suggest_delta(n: int) -> float:
+    """A conventional delta well below 1/n: 1e-5, or the power of ten below 1/(10 n)."""
+    if 1e-5 < 0.1 / n:
+        return 1e-5
+    return 10.0 ** math.floor(math.log10(0.1 / n))
 
 
 @dataclass
@@ -259,14 +417,38 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def _resolve_noise(config: TrainConfig, plan: _Plan) -> float:
     if config.noise_multiplier is not None:
-        return float(config.noise_multiplier)
-    assert config.epsilon is not None
-    return calibrate_noise_multiplier(
-        config.epsilon,
-        config.delta,
-        lambda z: plan.ledger(z, lenient=True).to_dp_event(),
-        accountant=config.accountant,
-    )
+        z = float(config.noise_multiplier)
+    else:
+        assert config.epsilon is not None
+        z = calibrate_noise_multiplier(
+            config.epsilon,
+            config.delta,
+            lambda z: plan.ledger(z, lenient=True).to_dp_event(),
+            accountant=config.accountant,
+        )
+    _warn_if_noise_too_large(config, z, plan.units)
+    return z
+
+
+def _warn_if_noise_too_large(config: TrainConfig, z: float, units: float) -> None:
+    """``NoiseWarning`` when ``z`` exceeds :data:`NOISE_WARNING_THRESHOLD` (utility only: any
+    noise is private; the model will just not learn)."""
+    if z <= NOISE_WARNING_THRESHOLD:
+        return
+    import warnings
+
+    from dpclip.errors import NoiseWarning
+
+    origin = (f"given as --noise-multiplier {config.noise_multiplier:g}"
+              if config.noise_multiplier is not None
+              else f"calibrated for --epsilon {config.epsilon:g} at delta {config.delta:g}")
+    warnings.warn(NoiseWarning(
+        f"noise multiplier {z:,.6g} ({origin}) is so large that the model will not learn: the "
+        f"noise on each coordinate of the averaged gradient has std {z / units:,.4g} x the clip "
+        f"norm (noise multiplier / expected batch size {units:g}), while the whole clipped "
+        "signal is at most 1 x the clip norm. Raise --epsilon, lower --noise-multiplier, or "
+        "raise --batch-size (more examples share the noise of each step)"
+    ), stacklevel=3)
 
 
 def _budget_steps(config: TrainConfig, plan: _Plan, z: float) -> int:
@@ -286,7 +468,38 @@ def _budget_steps(config: TrainConfig, plan: _Plan, z: float) -> int:
             lo = mid
         else:
             hi = mid
+    _report_budget(config, plan, z, lo, eps(1))
     return lo
+
+
+def _report_budget(config: TrainConfig, plan: _Plan, z: float, steps: int, eps1: float) -> None:
+    """0 steps allowed: ``ValueError`` before training; fewer than planned: ``BudgetWarning``."""
+    import warnings
+
+    from dpclip.errors import BudgetWarning
+
+    total, spe = plan.total_steps, plan.sampler.steps_per_epoch
+    try:  # the noise that fits every planned step into the cap: part of the fix
+        z_all = calibrate_noise_multiplier(
+            config.epsilon, config.delta, lambda x: plan.ledger(x, lenient=True).to_dp_event(),
+            accountant=config.accountant)
+        fit = f"--noise-multiplier {z_all:.4g} fits all {total} steps in epsilon {config.epsilon:g}"
+    except (ValueError, RuntimeError):
+        fit = "a larger --noise-multiplier fits more steps"
+    if steps == 0:
+        raise ValueError(
+            f"--epsilon {config.epsilon:g} with --noise-multiplier {z:g} allows 0 of the {total} "
+            f"planned steps: a single step (sample rate {plan.sampler.sample_rate:.4g}) already "
+            f"costs epsilon {eps1:.4g} at delta {config.delta:g} ({config.accountant}). Raise "
+            f"--epsilon above {eps1:.4g}, or raise --noise-multiplier ({fit}), or give only "
+            "--epsilon to calibrate the noise"
+        )
+    warnings.warn(BudgetWarning(
+        f"--epsilon {config.epsilon:g} with --noise-multiplier {z:g} allows only {steps} of the "
+        f"{total} planned steps ({100.0 * steps / total:.0f}%, {steps / spe:.3g} of "
+        f"{total / spe:.3g} epochs): training stops early. To train every step, raise "
+        f"--epsilon or --noise-multiplier ({fit}), or give only --epsilon to calibrate the noise"
+    ), stacklevel=3)
 
 
 def train(
@@ -308,6 +521,7 @@ def train(
     bundle = data or load_dataset(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
+    _check_run_inputs(config, bundle)
     device = resolve_device(config.device)
     unit, strategy_params = UnitConfig.pop_from(config.strategy_params)
     check_unit_sampling(unit, config.sampling)
@@ -385,12 +599,15 @@ def train(
     optimizer = make_optimizer(
         config.optimizer, params, config.lr, config.momentum, config.weight_decay
     )
-    sample_gen = make_generator(config.seed * 2 + 1)
-    noise_gen = make_generator(config.seed * 2 + 2)
+    # the run's secrets: batch sampling and noise (OS entropy unless reproducible_noise, which
+    # derives them from the public seed and labels the run NOT private against the seed's holders)
+    rng = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
 
     ckpt_path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
+    data_fp = data_fingerprint(bundle) if ckpt_path is not None else None
     step, ledger, state, history = 0, Ledger(), strategy.init_state(), []
     z: float | None = None
+    resumed_engines: tuple[set[str], set[str]] | None = None
     elapsed_before = 0.0
     if ckpt_path is not None and ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
@@ -399,12 +616,24 @@ def train(
                 f"checkpoint {ckpt_path} belongs to a different run configuration; use another "
                 "--checkpoint-dir or delete it"
             )
+        if ck.get("data_fingerprint") != data_fp:
+            raise ValueError(
+                f"checkpoint {ckpt_path} was written for different data than dataset "
+                f"{config.dataset!r} loaded now (from {bundle.source!r}): resuming would mix two "
+                "datasets in one privacy ledger. Point --data-dir at the data the run started with, "
+                "or use another --checkpoint-dir"
+            )
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         state, step, history = ck["strategy_state"], ck["step"], ck["history"]
         ledger = Ledger.from_dict(ck["ledger"])
-        sample_gen.set_state(ck["sample_gen"])
-        noise_gen.set_state(ck["noise_gen"])
+        if "randomness" not in ck:
+            raise ValueError(
+                f"checkpoint {ckpt_path} was written by an older dpclip (no private randomness "
+                "state); it cannot be resumed: delete it or use another --checkpoint-dir"
+            )
+        rng.load_state_dict(ck["randomness"])
+        resumed_engines = (set(ck.get("engines_ran", ())), set(ck.get("engine_fallbacks", ())))
         torch.set_rng_state(ck["torch_rng"])
         z = ck["noise_multiplier"]
         elapsed_before = ck["elapsed"]
@@ -425,6 +654,7 @@ def train(
         _atomic_save(
             {
                 "fingerprint": config.fingerprint(),
+                "data_fingerprint": data_fp,
                 "config": config.to_dict(),
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -432,8 +662,10 @@ def train(
                 "step": step,
                 "history": history,
                 "ledger": ledger.to_dict(),
-                "sample_gen": sample_gen.get_state(),
-                "noise_gen": noise_gen.get_state(),
+                # PRIVATE: the sampling and noise generators' state (never leaves the checkpoint)
+                "randomness": rng.state_dict(),
+                "engines_ran": sorted(engines_ran),
+                "engine_fallbacks": sorted(fallbacks),
                 "torch_rng": torch.get_rng_state(),
                 "noise_multiplier": z,
                 "elapsed": elapsed_before + time.perf_counter() - t_start,
@@ -451,7 +683,12 @@ def train(
     step_seconds = 0.0
     steps_in_epoch_timed = 0
     diag_idx = torch.arange(min(256, n_train), device=device)
+    diag_test_idx = torch.arange(min(256, int(x_test.shape[0])), device=device)
     steps_this_call = 0
+    engines_ran: set[str] = set()  # the engine(s) that actually ran (auto / fallbacks), public
+    fallbacks: set[str] = set()
+    if resumed_engines is not None:
+        engines_ran, fallbacks = resumed_engines
     stopped_by_budget = False
     spe = sampler.steps_per_epoch
     def evaluate_now() -> dict:
@@ -476,13 +713,13 @@ def train(
             return RunResult({"interrupted": True, "step": step}, history, ledger, model)
         ctx = plan.ctx(step, z)
         t_step = time.perf_counter()
-        idx = sampler.sample(sample_gen).to(device)
+        idx = sampler.sample(rng.sampling).to(device)
         if unit.unit == "bc":  # the whole batch is one unit
             idx = idx.unsqueeze(0)
         out = dp_step(
             model, x_train[idx], y_train[idx],
             loss_fn=loss_fn, strategy=strategy, state=state, engine=engine,
-            groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen,
+            groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=rng.noise,
             unit=unit,
         )
         planned = plan.event(step, z)
@@ -491,6 +728,10 @@ def train(
                 f"privacy bug: strategy {config.strategy!r} emitted {out.event} at step {step} but "
                 f"planned {planned}; refusing to continue"
             )
+        if out.engine_info is not None:
+            engines_ran.add(str(out.engine_info.get("engine")))
+            if out.engine_info.get("fallback"):
+                fallbacks.add(str(out.engine_info["fallback"]))
         for (name, p) in model.named_parameters():
             if p.requires_grad:
                 p.grad = out.grads[name]
@@ -522,13 +763,18 @@ def train(
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
             step_seconds, steps_in_epoch_timed = 0.0, 0
-            if config.diagnostics and unit.is_individual \
+            if config.diagnostics_split and unit.is_individual \
                     and not getattr(strategy, "needs_per_example_grads", False):
                 from dpclip.diagnostics import nonprivate_diagnostics
 
-                row.update(nonprivate_diagnostics(
-                    model, cross_entropy_per_example, x_train[diag_idx], y_train[diag_idx],
-                    strategy, state, groups))
+                if config.diagnostics_split == "test":  # held-out data: not the protected data
+                    xd, yd, prefix = x_test[diag_test_idx], y_test[diag_test_idx], "heldout/"
+                else:  # private training examples: NON-PRIVATE, only when asked for
+                    xd, yd, prefix = x_train[diag_idx], y_train[diag_idx], "nonprivate/"
+                with private_buffer_guard(model, "diagnostics"):
+                    diag = nonprivate_diagnostics(model, cross_entropy_per_example, xd, yd,
+                                                  strategy, state, groups)
+                row.update({prefix + k.removeprefix("nonprivate/"): v for k, v in diag.items()})
             history.append(row)
             if bar is not None:
                 bar.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps_now:.3f}")
@@ -582,7 +828,14 @@ def train(
         "lr": config.lr,
         "optimizer": config.optimizer,
         "seed": config.seed,
-        "engine": engine.name if unit.is_individual else "unit",
+        **rng.describe(),
+        "diagnostics": {None: "off", "test": "test split",
+                        "train": "training examples (NON-PRIVATE)"}[config.diagnostics_split],
+        # the engine that ran (not the one requested: "auto" resolves per model and strategy)
+        "engine": "+".join(sorted(engines_ran)) if engines_ran
+        else (engine.name if unit.is_individual else "unit"),
+        "engine_requested": config.engine,
+        "engine_fallback": sorted(fallbacks) or None,
         "device": str(device),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,

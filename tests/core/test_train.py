@@ -54,7 +54,8 @@ def test_epsilon_cap_stops_before_exceeding():
 
 
 def test_resume_in_process_is_identical(tmp_path):
-    cfg = TrainConfig(**BASE, noise_multiplier=1.0)
+    # reproducible noise: the uninterrupted run must replay the same randomness to compare weights
+    cfg = TrainConfig(**BASE, noise_multiplier=1.0, reproducible_noise=True)
     full = train(cfg, progress=False)
     part = train(cfg, checkpoint_dir=tmp_path, progress=False, stop_after_steps=5)
     assert part.summary.get("interrupted")
@@ -91,7 +92,7 @@ KILLER = textwrap.dedent("""
 
 @pytest.mark.parametrize("kill_at", [7, 17])  # mid-epoch and just after an epoch boundary
 def test_sigkill_and_resume_gives_the_same_ledger(tmp_path, kill_at):
-    cfg = TrainConfig(**BASE, noise_multiplier=1.0)
+    cfg = TrainConfig(**BASE, noise_multiplier=1.0, reproducible_noise=True)
     full = train(cfg, progress=False)
     ck = tmp_path / "ck"
     proc = subprocess.run([sys.executable, "-c", KILLER, json.dumps(cfg.to_dict()), str(ck),
@@ -174,7 +175,7 @@ def test_device_is_an_execution_setting_not_part_of_the_fingerprint():
 def test_cuda_without_a_gpu_is_a_clear_error_and_auto_runs_on_cpu():
     with pytest.raises(ValueError, match="no CUDA device; use --device cpu"):
         train(TrainConfig(**BASE, noise_multiplier=1.0, device="cuda"), progress=False)
-    cfg = dict(BASE, epochs=1)
+    cfg = dict(BASE, epochs=1, reproducible_noise=True)  # same noise: results comparable
     auto = train(TrainConfig(**cfg, noise_multiplier=1.0, device="auto"), progress=False)
     cpu = train(TrainConfig(**cfg, noise_multiplier=1.0), progress=False)
     assert auto.summary["device"] == "cpu"

@@ -143,7 +143,8 @@ def test_grid_killed_and_resumed_then_reported(spec_file, tmp_path):
     md = (out / "tiny.md").read_text()
     assert "big" in md and "eps=1" in md and "eps=4" in md and "**" in md
     for name in ("tiny_test_accuracy.png", "tiny_clip_threshold.png", "tiny_epsilon.png",
-                 "tiny_norm_quantiles.png", "tiny_cosine.png", "tiny_bias.png"):
+                 "tiny_nonprivate_norm_quantiles.png", "tiny_nonprivate_cosine.png",
+                 "tiny_nonprivate_bias.png"):
         png = out / name
         assert png.exists() and png.stat().st_size > 1000
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -41,22 +41,31 @@ def _setting(r: dict[str, Any]) -> tuple:
             r.get("expected_batch_size"), r.get("lr"), r.get("optimizer"), r.get("accountant"))
 
 
+def _noise(r: dict[str, Any]) -> str:
+    """``secure`` or ``seeded`` (rows without the field predate secure randomness: seeded)."""
+    return "secure" if r.get("randomness") == "secure" else "seeded"
+
+
 def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
     out = [f"# {title} (generated from {title}.json by dpclip.harness.evidence)", "",
            "| dataset | model | strategy | params | epsilon | delta | accountant | sigma | B | lr "
-           "| optimizer | epochs | seed | test acc |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| optimizer | epochs | seed | noise | test acc |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
             f"| {r['dataset']} | {r['model']} | {r['strategy']} | "
             f"{json.dumps(r['params'], sort_keys=True)} | {r['epsilon']:.3f} | {r['delta']:g} | "
             f"{r.get('accountant', '')} | {r.get('noise_multiplier', float('nan')):.4f} | "
             f"{r.get('expected_batch_size', '')} | {r.get('lr', '')} | {r.get('optimizer', '')} | "
-            f"{r.get('epochs_completed', r['epochs'])} | {r['seed']} | "
+            f"{r.get('epochs_completed', r['epochs'])} | {r['seed']} | {_noise(r)} | "
             f"{100 * r['test_accuracy']:.2f} % |")
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(_setting(r), []).append(r)
+    if any(_noise(r) == "seeded" for r in rows):
+        out += ["", "*seeded*: the noise and batch sampling were derived from the published seed "
+                "(--reproducible-noise, or a run made before dpclip 0.2): NOT private against "
+                "anyone who knows the seed."]
     out += ["", "## Mean and standard deviation per setting", "",
             "| dataset | model | strategy | params | epsilon (max) | runs | test acc mean | std |",
             "|---|---|---|---|---|---|---|---|"]

@@ -25,12 +25,25 @@ from dpclip.harness.store import ResultsStore
 __all__ = ["Report", "build_report", "collect_runs"]
 
 DIAGNOSTIC_PLOTS = {
-    "norm_quantiles": ("nonprivate/norm_q", "per-example gradient norm quantiles (NON-PRIVATE)"),
-    "cosine": ("nonprivate/cosine", "cosine(clipped-weighted sum, true batch gradient) "
-                                    "(NON-PRIVATE)"),
-    "bias": ("nonprivate/clip_bias", "clipping bias ||E[clipped mean] - true mean|| "
-                                     "(NON-PRIVATE)"),
+    "norm_quantiles": ("norm_q", "per-example gradient norm quantiles"),
+    "cosine": ("cosine", "cosine(clipped-weighted sum, true batch gradient)"),
+    "bias": ("clip_bias", "clipping bias ||E[clipped mean] - true mean||"),
 }
+#: diagnostics prefixes: computed on private training examples (NON-PRIVATE) or on held-out data
+DIAGNOSTIC_SOURCES = {"nonprivate/": "NON-PRIVATE: private training examples",
+                      "heldout/": "held-out test examples"}
+
+
+def seeded_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs whose noise and sampling were derived from the published seed: made with
+    ``reproducible_noise``, or before secure randomness was the default (no ``randomness`` field:
+    dpclip < 0.2 seeded every run). NOT private against anyone who knows the seed."""
+    return [r for r in runs if (r.get("summary") or {}).get("randomness") != "secure"]
+
+
+SEEDED_NOTE = ("seeded noise: the noise and batch sampling were derived from the published seed "
+               "(--reproducible-noise, or a run made before dpclip 0.2): NOT private against "
+               "anyone who knows the seed")
 
 
 @dataclass
@@ -166,22 +179,27 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
         p = _plot(_series(runs, key), title, ylabel, out / f"{experiment}_{key}.png", logy)
         if p:
             plots.append((title, p))
-    keys = sorted({k for r in runs for h in r["history"] for k in h
-                   if k.startswith("nonprivate/norm_q")})
-    if keys:
-        series = {}
-        for k in keys:
-            for lab, xy in _series(runs, k).items():
-                series[f"{lab} {k.removeprefix('nonprivate/norm_')}"] = xy
-        p = _plot(series, DIAGNOSTIC_PLOTS["norm_quantiles"][1], "norm",
-                  out / f"{experiment}_norm_quantiles.png", logy=True)
-        if p:
-            plots.append((DIAGNOSTIC_PLOTS["norm_quantiles"][1], p))
-    for name in ("cosine", "bias"):
-        key, title = DIAGNOSTIC_PLOTS[name]
-        p = _plot(_series(runs, key), title, name, out / f"{experiment}_{name}.png")
-        if p:
-            plots.append((title, p))
+    for prefix, source in DIAGNOSTIC_SOURCES.items():
+        tag = prefix.rstrip("/")
+        qkey = prefix + DIAGNOSTIC_PLOTS["norm_quantiles"][0]
+        keys = sorted({k for r in runs for h in r["history"] for k in h if k.startswith(qkey)})
+        if keys:
+            series = {}
+            for k in keys:
+                for lab, xy in _series(runs, k).items():
+                    series[f"{lab} {k.removeprefix(prefix + 'norm_')}"] = xy
+            title = f"{DIAGNOSTIC_PLOTS['norm_quantiles'][1]} ({source})"
+            p = _plot(series, title, "norm", out / f"{experiment}_{tag}_norm_quantiles.png",
+                      logy=True)
+            if p:
+                plots.append((title, p))
+        for name in ("cosine", "bias"):
+            key, title = DIAGNOSTIC_PLOTS[name]
+            title = f"{title} ({source})"
+            p = _plot(_series(runs, prefix + key), title, name,
+                      out / f"{experiment}_{tag}_{name}.png")
+            if p:
+                plots.append((title, p))
 
     first = runs[0]["config"]
     header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; dataset(s) "
@@ -190,6 +208,9 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
               f"accountant {first['accountant']}, sampling {first['sampling']}.\n\n"
               "Test accuracy (%), mean +- std over seeds; best mean per column in bold; "
               "eps = largest epsilon spent in the cell.\n\n")
+    seeded = seeded_runs(runs)
+    if seeded:
+        header += (f"**Warning: {len(seeded)} of {len(runs)} runs used {SEEDED_NOTE}.**\n\n")
     md = header + _markdown_table(levels, rows) + "\n\n"
     md += "\n".join(f"![{t}]({p.name})" for t, p in plots) + "\n"
     md_path = out / f"{experiment}.md"
@@ -224,6 +245,8 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
         "figure{display:inline-block;margin:8px}</style></head><body>"
         f"<h1>Experiment {html.escape(experiment)}</h1>"
         f"<p>{html.escape(header.splitlines()[2])}</p>"
+        + (f"<p><b>Warning: {len(seeded)} of {len(runs)} runs used "
+           f"{html.escape(SEEDED_NOTE)}.</b></p>" if seeded else "") +
         f"<table><tr><th>strategy</th>{ths}</tr>{''.join(trs)}</table>"
         f"{figs}<script type=\"application/json\" id=\"table\">"
         f"{html.escape(json.dumps(rows))}</script></body></html>\n"
