@@ -80,14 +80,12 @@ def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
                     continue
                 changed.append(name)
                 with torch.no_grad():
-                    if now is not None and now.shape == copy.shape:
-                        now.copy_(copy)
-                    else:  # replaced by another tensor: put the original object back
-                        mod_name, _, attr = name.rpartition(".")
-                        owner = model.get_submodule(mod_name) if mod_name else model
-                        b.copy_(copy)
-                        owner.register_buffer(attr, b,
-                                              persistent=attr not in owner._non_persistent_buffers_set)
+                    b.copy_(copy)
+                if now is not b:  # replaced by another tensor: put the original object back
+                    mod_name, _, attr = name.rpartition(".")
+                    owner = model.get_submodule(mod_name) if mod_name else model
+                    owner.register_buffer(
+                        attr, b, persistent=attr not in owner._non_persistent_buffers_set)
     if changed:
         raise PrivateBufferError(
             f"{where}: the model changed buffer(s) {', '.join(repr(c) for c in changed)} while "

@@ -613,7 +613,8 @@ def train(
         ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         if ck["fingerprint"] != config.fingerprint():
             raise ValueError(
-                f"checkpoint {ckpt_path} belongs to a different run configuration; use another "
+                f"checkpoint {ckpt_path} belongs to a different run configuration (changed: "
+                f"{describe_config_diff(ck.get('config', {}), config.to_dict())}); use another "
                 "--checkpoint-dir or delete it"
             )
         if ck.get("data_fingerprint") != data_fp:
