@@ -14,7 +14,7 @@ from torch import nn
 
 from dpclip.clipping import StepContext, make_strategy
 from dpclip.data import load_dataset
-from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine import ParamGroups, UnsupportedModelError, get_engine
 from dpclip.randomness import PrivateRandomness, secure_generator, seeded_generator
 from dpclip.sampling import PoissonSampler
 from dpclip.step import PrivateBufferError, dp_step
@@ -185,14 +185,32 @@ def _step(model, engine: str, unit=None):
                    base_noise_multiplier=1.0, ctx=ctx, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("engine", ["ghost", "auto", "naive"])
+@pytest.mark.parametrize("engine", ["ghost", "auto", "vmap", "naive"])
 def test_instancenorm_running_stats_are_refused_and_restored(engine):
-    """Before: ghost/auto ran and the running statistics absorbed the private batch."""
+    """Before: ghost/auto ran and the running statistics absorbed the private batch. Now every
+    engine refuses (the buffer guard, the ghost separability check, or vmap's own error) and the
+    buffers are as before the step."""
     torch.manual_seed(0)
     model = _in_model(affine=False)
     before = {k: v.clone() for k, v in model.named_buffers()}
-    with pytest.raises(PrivateBufferError, match="track_running_stats=False"):
+    with pytest.raises((PrivateBufferError, UnsupportedModelError, RuntimeError)) as info:
         _step(model, engine)
+    if engine == "naive":
+        assert isinstance(info.value, PrivateBufferError)
+        assert "track_running_stats=False" in str(info.value)
+    for k, v in model.named_buffers():
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_buffer_guard_restores_whatever_the_engine_did():
+    """The guard itself, on an engine that runs the forward as a plain batch (naive oracle)."""
+    from dpclip.step import private_buffer_guard
+
+    model = _in_model(affine=True)
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(PrivateBufferError, match="1.running_mean"):
+        with private_buffer_guard(model):
+            model(torch.randn(4, 1, 8, 8))
     for k, v in model.named_buffers():
         assert torch.equal(v, before[k]), k
 
