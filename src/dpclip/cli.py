@@ -55,6 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dpclip.harness.store import ResultsStore, default_db_path
     from dpclip.trainer import TrainConfig, train
 
+    _check_dataset_name(args.dataset)
+    _check_data_dir(args)
     config = TrainConfig(
         dataset=args.dataset,
         model=args.model,
@@ -103,13 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     store.close()
     if not args.json:
         for row in result.history:
-            print(f"epoch {row['epoch']:>5}  test_acc {row['test_accuracy']:.4f}  "
-                  f"eps {row['epsilon']:.3f}")
+            print(f"epoch {row['epoch']:>5.4g}  test_acc {row['test_accuracy']:.4f}  "
+                  f"eps {row['epsilon']:.4g}")
     _emit(
         summary,
         args.json,
         f"{summary['strategy']} on {summary['dataset']}/{summary['model']}: test accuracy "
-        f"{summary['test_accuracy']:.4f} at epsilon {summary['epsilon']:.3f} "
+        f"{summary['test_accuracy']:.4f} at epsilon {summary['epsilon']:.4g} "
         f"(delta {summary['delta']:g}, {summary['accountant']}, {summary['adjacency']}), "
         f"noise multiplier {summary['noise_multiplier']:.4f}, {summary['steps']} steps, "
         f"{summary['wall_seconds']:.1f} s; stored as run {run_id} in {summary['db']}",
@@ -380,7 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     _add_search_commands(sub)
+    fl = sub.add_parser("fl", help="user-level DP-FedAvg with adaptive clipping "
+                        "(dpclip.federated): train | run | flower-server | flower-client")
+    from dpclip.federated.command import add_arguments as _fl_arguments
+    _fl_arguments(fl)
+    fl.set_defaults(func=cmd_fl)
     return p
+
+
+def cmd_fl(args: argparse.Namespace) -> int:
+    """``dpclip fl ...``: see ``dpclip.federated.command``."""
+    from dpclip.federated.command import run_command
+    return run_command(args)
 
 
 # -- Lin et al.'s greedy threshold search and stored schedules (dpclip.search) ------------------
@@ -413,6 +426,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         search_noise_multiplier,
     )
 
+    _check_dataset_name(args.dataset)
+    _check_dataset_name(args.proxy_for, "--proxy-for")
+    _check_data_dir(args)
     size = args.private_size
     if size is None and args.proxy_for is not None and (
             args.private_epsilon is not None or args.match_private_epoch):
@@ -598,14 +614,53 @@ def _add_search_commands(sub: Any) -> None:
     sr.set_defaults(func=cmd_search_report)
 
 
+def _check_data_dir(args: argparse.Namespace) -> None:
+    """An explicit ``--data-dir`` must exist: never a silent fallback to other data."""
+    import os
+
+    d = getattr(args, "data_dir", None)
+    if d is not None and not os.path.isdir(d):
+        raise FileNotFoundError(
+            f"--data-dir {d!r}: no such directory; give the directory that holds the dataset's "
+            "files (see `dpclip datasets`), or leave --data-dir out to search $DPCLIP_DATA and "
+            "/usr/share/datasets"
+        )
+
+
+def _check_dataset_name(name: str | None, flag: str = "--dataset") -> None:
+    from dpclip.data import DATASETS
+    from dpclip.errors import unknown_name
+
+    if name is not None and name not in DATASETS:
+        raise ValueError(f"{flag}: {unknown_name('dataset', name, DATASETS)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; errors print ``dpclip CMD: error: ...`` on stderr and return 2, dpclip's
+    warnings (``dpclip.errors.DpclipWarning``) print ``dpclip CMD: warning: ...``."""
+    import warnings
+
+    from dpclip.errors import DpclipWarning
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, DpclipWarning):
+            print(f"dpclip {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            default_show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        default_show = warnings.showwarning
+        warnings.simplefilter("always", DpclipWarning)
+        warnings.showwarning = show
+        try:
+            return int(args.func(args) or 0)
+        except (ValueError, OSError, RuntimeError) as exc:
+            print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
+            return 2
 
 
 #: subcommands that keep the allocator they were started with (``bench`` measures it as given)

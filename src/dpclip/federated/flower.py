@@ -1,0 +1,235 @@
+"""DP-FedAvg on Flower (``flwr``): a server strategy and a client built on dpclip's aggregator.
+
+Optional extra: ``pip install dpclip[flower]``. The server side is :class:`DPFedAvgStrategy`, a
+``flwr.server.strategy.Strategy`` that delegates every privacy-relevant step to the SAME
+:class:`~dpclip.federated.server.FedAvgServer` the in-process simulation uses: user sampling from
+``PrivateRandomness.sampling``, clipping with the dpclip strategy, one Gaussian noise draw on the
+sum, division by the public expected number of users, the quantile count and the ledger. With
+the same spec and ``PrivateRandomness.reproducible(seed)`` a Flower run and ``run_fedavg`` record
+equal ledgers and end with the same parameters (tested).
+
+Runtime used (Flower 1.42): the gRPC server and client of ``flwr.server.start_server`` and
+``flwr.client.start_client`` (Flower's own transport, one OS process per client, on localhost
+with ``insecure=True``). Flower marks them deprecated since 1.13 in favour of the SuperLink /
+SuperNode deployment (``flower-superlink``, ``flower-supernode``, ``flwr run`` with a packaged
+Flower App); see docs/federated.md for what was and was not run here. Flower's simulation engine
+(``flwr.simulation``, Ray-based) is not used.
+
+Model of trust: central DP with a trusted server (as in Andrew et al.): clients send raw deltas
+to the server, which privatizes them; nothing reported by Flower (``num_examples`` is sent as 1,
+metrics carry only the user id) is released by dpclip. Each client process hosts one user.
+
+Command line (what the test and ``dpclip fl flower-*`` launch)::
+
+    python -m dpclip.federated.flower server --address 127.0.0.1:PORT --spec run.json --out res.json
+    python -m dpclip.federated.flower client --address 127.0.0.1:PORT --spec run.json --user 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+try:  # the optional extra
+    import flwr
+    from flwr.common import (
+        FitIns,
+        GetPropertiesIns,
+        Parameters,
+        ndarrays_to_parameters,
+        parameters_to_ndarrays,
+    )
+    from flwr.server.strategy import Strategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "dpclip.federated.flower needs Flower: pip install 'dpclip[flower]' (or pip install flwr)"
+    ) from exc
+
+from dpclip.accounting import compute_epsilon
+from dpclip.data.base import TensorSplit
+from dpclip.federated.client import LocalTraining, local_seed, local_update
+from dpclip.federated.server import FedAvgServer
+from dpclip.federated.simulation import FedAvgConfig, build_server
+from dpclip.federated.spec import build_data, build_model_for, build_run, config_from_spec
+from dpclip.randomness import PrivateRandomness
+
+__all__ = ["DPFedAvgStrategy", "UserClient", "main", "run_client", "run_server"]
+
+USER_KEY = "dpclip_user_id"
+
+
+class DPFedAvgStrategy(Strategy):
+    """Flower strategy: each round, the dpclip server samples users, the clients hosting them
+    train locally, and :meth:`FedAvgServer.finish_round` privatizes and applies their deltas.
+
+    Client sampling is dpclip's (secret, ``PrivateRandomness.sampling``), not Flower's
+    ``ClientManager.sample``. An empty round (Poisson) is privatized at configuration time (pure
+    noise update, ledger entry) because Flower skips ``aggregate_fit`` for rounds with no client.
+    A sampled user whose client fails contributes nothing that round (the clipped sum and its
+    sensitivity are unaffected; the denominator stays the public constant).
+    """
+
+    def __init__(self, server: FedAvgServer, config: FedAvgConfig, *,
+                 wait_timeout: float = 60.0, rpc_timeout: float | None = 60.0) -> None:
+        super().__init__()
+        self.server = server
+        self.config = config
+        self.wait_timeout = wait_timeout
+        self.rpc_timeout = rpc_timeout
+        self._proxies: dict[int, Any] = {}
+        self.failures: list[str] = []
+        self.round_clips: list[float] = []
+
+    def __repr__(self) -> str:
+        return f"DPFedAvgStrategy({self.server.aggregator.strategy!r})"
+
+    # -- parameters -------------------------------------------------------------------------------
+    def _parameters(self) -> Parameters:
+        return ndarrays_to_parameters([self.server.theta.numpy().copy()])
+
+    def initialize_parameters(self, client_manager: Any) -> Parameters | None:
+        return self._parameters()
+
+    # -- users <-> Flower clients ---------------------------------------------------------------
+    def _map_users(self, client_manager: Any) -> None:
+        n = self.server.aggregator.sampler.dataset_size
+        if len(self._proxies) == n:
+            return
+        if not client_manager.wait_for(n, timeout=int(self.wait_timeout)):
+            raise RuntimeError(
+                f"DPFedAvgStrategy: {n} user clients must be connected (one per user), only "
+                f"{client_manager.num_available()} after {self.wait_timeout} s")
+        for proxy in client_manager.all().values():
+            res = proxy.get_properties(GetPropertiesIns({}), timeout=self.rpc_timeout,
+                                       group_id=None)
+            self._proxies[int(res.properties[USER_KEY])] = proxy
+        if sorted(self._proxies) != list(range(n)):
+            raise RuntimeError(f"DPFedAvgStrategy: clients report users {sorted(self._proxies)}, "
+                               f"expected 0..{n - 1}")
+
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: Any) -> list[tuple[Any, FitIns]]:
+        self._map_users(client_manager)
+        users = self.server.sample_users()
+        if not users:  # Flower would skip the round: privatize it here (noise + ledger)
+            out = self.server.finish_round([], [])
+            self.round_clips.append(out.clip_norm)
+            return []
+        cfg = {"round": self.server.round_index, "seed": self.config.seed,
+               "epochs": self.config.local.epochs, "batch_size": self.config.local.batch_size,
+               "lr": float(self.config.local.lr)}
+        params = self._parameters()
+        return [(self._proxies[u], FitIns(params, {**cfg, USER_KEY: u})) for u in users]
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[Any, Any]],
+                      failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
+        self.failures += [repr(f) for f in failures]
+        got = sorted((int(res.metrics[USER_KEY]), parameters_to_ndarrays(res.parameters)[0])
+                     for _, res in results)
+        d = self.server.theta.numel()
+        deltas = (torch.stack([torch.from_numpy(np.asarray(a, dtype=np.float32)).reshape(-1)
+                               for _, a in got]) if got else torch.zeros(0, d))
+        out = self.server.finish_round(deltas, [u for u, _ in got])
+        self.round_clips.append(out.clip_norm)
+        return self._parameters(), {"clip_norm": out.clip_norm}
+
+    # -- no federated evaluation (centralised evaluation is done by the caller) ----------------
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: Any) -> list:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list
+                           ) -> tuple[float | None, dict[str, Any]]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters
+                 ) -> tuple[float, dict[str, Any]] | None:
+        return None
+
+
+class UserClient(flwr.client.NumPyClient):
+    """One user's device: local SGD from the received global model, returns the delta."""
+
+    def __init__(self, user_id: int, data: TensorSplit, model: torch.nn.Module) -> None:
+        self.user_id, self.data, self.model = int(user_id), data, model
+
+    def get_properties(self, config: dict[str, Any]) -> dict[str, Any]:
+        return {USER_KEY: self.user_id}
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]
+            ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        if int(config[USER_KEY]) != self.user_id:
+            raise ValueError(f"client of user {self.user_id} got instructions for user "
+                             f"{config[USER_KEY]}")
+        theta = torch.from_numpy(np.asarray(parameters[0], dtype=np.float32).copy())
+        training = LocalTraining(int(config["epochs"]), int(config["batch_size"]),
+                                 float(config["lr"]))
+        delta = local_update(self.model, theta, self.data, training,
+                             seed=local_seed(int(config["seed"]), int(config["round"]),
+                                             self.user_id))
+        return [delta.numpy()], 1, {USER_KEY: self.user_id}
+
+
+def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float = 60.0
+               ) -> dict[str, Any]:
+    """Run the Flower server for ``spec``; return the public result (ledger, epsilon, clips,
+    final parameters)."""
+    from flwr.server import ServerConfig, start_server
+
+    data, model, strategy, config = build_run(spec)
+    randomness = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
+    server = build_server(model, strategy, config, data.num_users, randomness=randomness)
+    fl_strategy = DPFedAvgStrategy(server, config, wait_timeout=wait_timeout)
+    start_server(server_address=address, config=ServerConfig(num_rounds=config.rounds),
+                 strategy=fl_strategy)
+    eps = compute_epsilon(server.aggregator.ledger, config.delta, config.accountant).epsilon
+    return {"ledger": server.aggregator.ledger.to_dict(), "epsilon": eps,
+            "clip_history": server.clip_history, "rounds": server.round_index,
+            "theta": server.theta.tolist(), "failures": fl_strategy.failures,
+            **server.describe()}
+
+
+def run_client(spec: dict[str, Any], address: str, user: int) -> None:
+    """Connect user ``user``'s client to the Flower server at ``address`` (insecure, localhost)."""
+    from flwr.client import start_client
+
+    data = build_data(spec)
+    model = build_model_for(spec, data)
+    config_from_spec(spec)  # validate the plan on the client too
+    start_client(server_address=address,
+                 client=UserClient(user, data.users[user], model).to_client(), insecure=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpclip.federated.flower")
+    p.add_argument("role", choices=["server", "client"])
+    p.add_argument("--address", required=True, help="host:port, e.g. 127.0.0.1:8089")
+    p.add_argument("--spec", required=True, help="JSON file of the run (dpclip.federated.spec)")
+    p.add_argument("--user", type=int, help="client: the user id this process hosts")
+    p.add_argument("--out", help="server: write the result JSON here")
+    p.add_argument("--wait-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    torch.set_num_threads(1)
+    if args.role == "server":
+        result = run_server(spec, args.address, wait_timeout=args.wait_timeout)
+        text = json.dumps(result)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        print(json.dumps({k: result[k] for k in ("epsilon", "rounds", "clip_history")}))
+        return 0
+    if args.user is None:
+        p.error("client needs --user")
+    run_client(spec, args.address, args.user)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""A DP-FedAvg run described by a flat mapping (CLI flags, TOML/JSON specs, Flower processes).
+
+``build_run(spec)`` turns the public description into ``(data, model, strategy, config)``; the
+same function is used by ``dpclip fl train``, the Flower server and every Flower client process,
+so all of them agree on the users, the model and the plan. Keys (defaults in :data:`DEFAULTS`):
+
+``dataset`` (a ``dpclip.data`` name), ``dataset_options``, ``data_dir``, ``num_users``,
+``partition`` (iid, label-skew, dirichlet, attribute), ``shards_per_user``, ``alpha``,
+``attribute_columns``, ``max_user_size``, ``max_examples``; ``model``, ``model_options``;
+``strategy``, ``params`` (strategy parameters); ``rounds``, ``clients_per_round``, ``sampling``,
+``noise_multiplier`` or ``epsilon``, ``delta``, ``accountant``; ``local_epochs``,
+``local_batch_size``, ``client_lr``; ``server_optimizer``, ``server_lr``, ``server_momentum``;
+``seed``, ``reproducible_noise``, ``eval_every``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from dpclip.clipping.base import ClippingStrategy
+from dpclip.clipping.registry import make_strategy
+from dpclip.data import load_dataset
+from dpclip.federated.client import LocalTraining
+from dpclip.federated.data import FederatedData, federate
+from dpclip.federated.server import ServerOptimizer
+from dpclip.federated.simulation import FedAvgConfig
+from dpclip.models import build_model
+
+__all__ = ["DEFAULTS", "build_data", "build_model_for", "build_run", "build_strategy",
+           "config_from_spec"]
+
+DEFAULTS: dict[str, Any] = {
+    "dataset_options": {}, "data_dir": None, "partition": "iid", "shards_per_user": 2,
+    "alpha": 0.5, "attribute_columns": None, "max_user_size": None, "max_examples": None,
+    "model": "mlp", "model_options": {}, "strategy": "quantile", "params": {},
+    "sampling": "poisson", "noise_multiplier": None, "epsilon": None, "accountant": "pld",
+    "local_epochs": 1, "local_batch_size": 16, "client_lr": 0.1, "server_optimizer": "momentum",
+    "server_lr": 1.0, "server_momentum": 0.9, "seed": 0, "reproducible_noise": False,
+    "eval_every": 10,
+}
+REQUIRED = ("dataset", "num_users", "rounds", "clients_per_round", "delta")
+
+
+def _full(spec: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(spec) - set(DEFAULTS) - set(REQUIRED))
+    if unknown:
+        raise ValueError(
+            f"federated spec has unknown key(s) {unknown}; valid keys: "
+            f"{', '.join(sorted([*REQUIRED, *DEFAULTS]))}")
+    missing = [k for k in REQUIRED if spec.get(k) is None and k != "num_users"]
+    if missing:
+        raise ValueError(f"federated spec misses required key(s) {missing}")
+    return {**DEFAULTS, **spec}
+
+
+def build_data(spec: Mapping[str, Any]) -> FederatedData:
+    s = _full(spec)
+    bundle = load_dataset(s["dataset"], s["data_dir"], seed=int(s["seed"]),
+                          **dict(s["dataset_options"]))
+    return federate(bundle, s.get("num_users"), s["partition"], seed=int(s["seed"]),
+                    shards_per_user=int(s["shards_per_user"]), alpha=float(s["alpha"]),
+                    attribute_columns=s["attribute_columns"], max_user_size=s["max_user_size"],
+                    max_examples=s["max_examples"])
+
+
+def build_model_for(spec: Mapping[str, Any], data: FederatedData) -> nn.Module:
+    """The global model, initialised from the public seed."""
+    s = _full(spec)
+    torch.manual_seed(int(s["seed"]))
+    return build_model(s["model"], data.input_shape, data.num_classes, **dict(s["model_options"]))
+
+
+def build_strategy(spec: Mapping[str, Any]) -> ClippingStrategy:
+    s = _full(spec)
+    return make_strategy(s["strategy"], dict(s["params"]))
+
+
+def config_from_spec(spec: Mapping[str, Any]) -> FedAvgConfig:
+    s = _full(spec)
+    return FedAvgConfig(
+        rounds=int(s["rounds"]), clients_per_round=float(s["clients_per_round"]),
+        delta=float(s["delta"]),
+        noise_multiplier=None if s["noise_multiplier"] is None else float(s["noise_multiplier"]),
+        target_epsilon=None if s["epsilon"] is None else float(s["epsilon"]),
+        sampling=s["sampling"], accountant=s["accountant"],
+        local=LocalTraining(int(s["local_epochs"]), int(s["local_batch_size"]),
+                            float(s["client_lr"])),
+        server=ServerOptimizer(s["server_optimizer"], float(s["server_lr"]),
+                               float(s["server_momentum"])),
+        seed=int(s["seed"]), reproducible_noise=bool(s["reproducible_noise"]),
+        eval_every=int(s["eval_every"]),
+    )
+
+
+def build_run(spec: Mapping[str, Any]) -> tuple[FederatedData, nn.Module, ClippingStrategy,
+                                                FedAvgConfig]:
+    """``(data, model, strategy, config)`` of the run described by ``spec``."""
+    config = config_from_spec(spec)
+    data = build_data(spec)
+    return data, build_model_for(spec, data), build_strategy(spec), config

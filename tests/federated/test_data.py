@@ -1,0 +1,81 @@
+"""Users from centralised datasets, and the TFF federated files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpclip.data import DatasetNotFoundError, load_dataset
+from dpclip.federated.data import (
+    federate,
+    find_tff_files,
+    partition_attribute,
+    partition_dirichlet,
+    partition_iid,
+    partition_label_skew,
+)
+
+
+def _is_partition(parts, n):
+    allidx = torch.cat(parts).sort().values
+    return torch.equal(allidx, torch.arange(n))
+
+
+def test_iid_partition_covers_every_example_once():
+    parts = partition_iid(103, 10, seed=1)
+    assert _is_partition(parts, 103)
+    assert {len(p) for p in parts} <= {10, 11}
+    assert all(torch.equal(a, b) for a, b in zip(parts, partition_iid(103, 10, seed=1)))
+
+
+def test_label_skew_users_see_few_classes():
+    y = torch.arange(400) % 10
+    parts = partition_label_skew(y, 20, seed=0, shards_per_user=2)
+    assert _is_partition(parts, 400)
+    assert max(len(torch.unique(y[p])) for p in parts) <= 2 + 1  # a shard may straddle a label
+    iid_classes = [len(torch.unique(y[p])) for p in partition_iid(400, 20, seed=0)]
+    assert sum(len(torch.unique(y[p])) for p in parts) < sum(iid_classes)
+
+
+def test_dirichlet_small_alpha_concentrates_labels():
+    y = torch.arange(1000) % 10
+    parts = partition_dirichlet(y, 20, seed=0, alpha=0.05)
+    assert _is_partition(parts, 1000) and {len(p) for p in parts} == {50}
+    top = [torch.bincount(y[p], minlength=10).max().item() / len(p) for p in parts]
+    assert sum(top) / len(top) > 0.6
+    with pytest.raises(ValueError, match="alpha"):
+        partition_dirichlet(y, 20, seed=0, alpha=0)
+
+
+def test_attribute_partition_groups_by_column_and_caps_size():
+    x = torch.zeros(30, 3)
+    x[:, 1] = torch.tensor([0, 1, 2] * 10, dtype=torch.float32)
+    parts = partition_attribute(x, [1], max_user_size=4)
+    assert _is_partition(parts, 30)
+    assert all(len(torch.unique(x[p, 1])) == 1 and len(p) <= 4 for p in parts)
+    with pytest.raises(ValueError, match="attribute_columns"):
+        partition_attribute(x, [7])
+
+
+def test_federate_mnist_5k_users_with_a_few_dozen_examples():
+    fd = federate(load_dataset("mnist-5k"), 100, "label-skew", seed=0)
+    assert fd.num_users == 100 and 30 <= min(fd.user_sizes()) and max(fd.user_sizes()) <= 50
+    assert fd.describe()["partition"] == "label-skew"
+    with pytest.raises(ValueError, match="partition"):
+        federate(load_dataset("mnist-5k"), 10, "by-magic")
+
+
+def test_tff_files_missing_error_names_files_and_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPCLIP_DATA", raising=False)
+    with pytest.raises(DatasetNotFoundError) as err:
+        find_tff_files("emnist-fed", tmp_path)
+    msg = str(err.value)
+    assert "fed_emnist_train.h5" in msg and "fed_emnist.tar.bz2" in msg and str(tmp_path) in msg
+    for name, needle in (("shakespeare", "shakespeare_train.h5"),
+                         ("stackoverflow", "stackoverflow.tar.bz2")):
+        with pytest.raises(DatasetNotFoundError, match=needle):
+            find_tff_files(name, tmp_path)
+    (tmp_path / "emnist").mkdir()
+    for f in ("fed_emnist_train.h5", "fed_emnist_test.h5"):
+        (tmp_path / "emnist" / f).write_bytes(b"")
+    assert find_tff_files("emnist-fed", tmp_path)["fed_emnist_train.h5"].parent.name == "emnist"
