@@ -1,0 +1,573 @@
+"""Private training in your own loop: :class:`PrivateTraining` (``dpclip.make_private``).
+
+Bring your model, optimizer and data; get back Poisson batches and a ``backward`` that puts the
+clipped, noised gradient in ``p.grad``. Every private release is recorded in the ledger, and
+``epsilon()`` can be read at any time::
+
+    dp = dpclip.make_private(model, optimizer, (x_train, y_train), strategy="quantile",
+                             epsilon=3.0, epochs=10, batch_size=256)
+    for epoch in range(dp.epochs):
+        for x, y in dp.loader:          # Poisson batches drawn with secret randomness
+            optimizer.zero_grad()
+            dp.backward(x, y)           # replaces loss = criterion(model(x), y); loss.backward()
+            optimizer.step()
+        print(epoch, dp.epsilon())
+
+This is the same step and ledger that ``dpclip train`` uses (``dpclip.trainer.train`` drives
+this class): ``dpclip.step.dp_step`` computes the privatized gradient, the sampler names the
+event, and the ledger checks every step against the plan made before training. The plan is public:
+the strategy's events per step, the sampler and the number of steps. The noise multiplier is
+calibrated from that plan to the target epsilon. The budget stops the loader, and ``backward``
+raises :class:`BudgetExhausted` before a release that would exceed the epsilon cap.
+
+Privacy contract:
+
+* Batches must come from ``dp.loader``, which draws them with :class:`~dpclip.randomness.
+  PrivateRandomness`. ``backward`` refuses any other batch, because the accountant assumes the
+  sampler's subsampling. Each yielded batch may be released once.
+* ``loss_fn(outputs, targets)`` must return one loss per example (shape ``(B,)``): for example
+  ``nn.CrossEntropyLoss(reduction="none")``, a masked token loss summed per sequence, or a
+  regression loss reduced over all but the batch dimension.
+* The model must be per-example separable (no BatchNorm in training mode with per-example
+  clipping). The ``auto`` engine proves separability and falls back to ``vmap`` where it cannot;
+  the engine that ran is in ``engine_info``.
+* ``state_dict()`` holds the secret randomness state: store it like the data (docs/privacy.md).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.accounting import Ledger, calibrate_noise_multiplier
+from dpclip.accounting import epsilon as ledger_epsilon
+from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.events import DpEvent, GaussianEvent
+from dpclip.randomness import PrivateRandomness
+from dpclip.sampling import make_sampler
+from dpclip.step import StepOutput, dp_step, private_buffer_guard
+from dpclip.units import (
+    MiniSetSampler,
+    UnitConfig,
+    batchnorm_layers,
+    check_unit_sampling,
+    expected_units,
+    public_unit_norms,
+)
+
+__all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private"]
+
+ENGINE_NAMES = ("auto", "ghost", "vmap", "naive", "summed")
+
+
+class BudgetExhausted(RuntimeError):
+    """The next private release would take the ledger past the epsilon cap."""
+
+
+def default_delta(n: int) -> float:
+    """A conventional delta well below ``1/n``: 1e-5, or the power of ten below ``1 / (10 n)``."""
+    if n < 1:
+        raise ValueError(f"default_delta: n must be >= 1, got {n}")
+    if 1e-5 < 0.1 / n:
+        return 1e-5
+    return 10.0 ** math.floor(math.log10(0.1 / n))
+
+
+class _Plan:
+    """The events the run will emit, step by step (public), used for calibration and budget."""
+
+    def __init__(self, strategy: ClippingStrategy, sampler: Any, total_steps: int,
+                 units_per_step: float | None = None) -> None:
+        self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
+        #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
+        self.units = units_per_step if units_per_step is not None \
+            else sampler.expected_batch_size
+
+    def ctx(self, step: int, base: float) -> StepContext:
+        spe = self.sampler.steps_per_epoch
+        return StepContext(step=step, epoch=step // spe, steps_per_epoch=spe,
+                           total_steps=self.total_steps, expected_batch_size=self.units,
+                           base_noise_multiplier=base)
+
+    def event(self, step: int, base: float) -> DpEvent:
+        return self.sampler.step_event(self.strategy.planned_event(base, self.ctx(step, base)))
+
+    def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
+        """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
+        (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
+        which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
+        rejected value is never used for training (building the real plan raises)."""
+        led = Ledger()
+        for t in range(self.total_steps if steps is None else steps):
+            try:
+                led.record(self.event(t, base))
+            except ValueError:
+                if not lenient:
+                    raise
+                led.record(self.sampler.step_event(GaussianEvent(base)))
+        return led
+
+
+def _as_tensors(data: Any) -> tuple[Any, Any, int]:
+    """``(inputs, targets, n)`` from a pair of tensors, a TensorDataset, a map-style Dataset or a
+    DataLoader (its dataset; its own sampler and batch size are replaced by dpclip's)."""
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        data = tuple(data.tensors)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
+            isinstance(t, Tensor) for t in data):
+        x, y = data
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"make_private: inputs and targets have different lengths ({x.shape[0]} and "
+                f"{y.shape[0]}); pass (inputs, targets) with one row per example"
+            )
+        return x, y, int(x.shape[0])
+    if isinstance(data, Dataset) and hasattr(data, "__len__"):
+        return data, None, len(data)  # type: ignore[arg-type]
+    raise TypeError(
+        "make_private: data must be (inputs, targets) tensors, a TensorDataset, a map-style "
+        f"Dataset with __len__ returning (input, target) pairs, or a DataLoader; got "
+        f"{type(data).__name__}"
+    )
+
+
+class PrivateTraining:
+    """DP-SGD around a user's model and optimizer (see the module docstring; build it with
+    :func:`make_private`).
+
+    Attributes (public): ``strategy``, ``engine``, ``sampler``, ``unit``, ``noise_multiplier``,
+    ``total_steps`` (planned), ``max_steps`` (within the epsilon cap), ``steps`` (done),
+    ``steps_per_epoch``, ``epochs``, ``ledger``, ``delta``, ``accountant``, ``engine_info``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        data: Any,
+        *,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        strategy: str | ClippingStrategy = "fixed",
+        strategy_params: Mapping[str, Any] | None = None,
+        epsilon: float | None = None,
+        noise_multiplier: float | None = None,
+        delta: float | None = None,
+        epochs: int | None = None,
+        steps: int | None = None,
+        batch_size: float = 256,
+        sampling: str = "poisson",
+        accountant: str = "pld",
+        engine: str = "auto",
+        max_physical_batch: int = 256,
+        reproducible_noise: bool = False,
+        seed: int = 0,
+        public_data: tuple[Tensor, Tensor] | None = None,
+        input_shape: Sequence[int] | None = None,
+        device: str | torch.device | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if epsilon is None and noise_multiplier is None:
+            raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
+                             "multiplier (noise_multiplier=)")
+        if (epochs is None) == (steps is None):
+            raise ValueError("make_private: give exactly one of epochs= and steps= (the planned "
+                             "length of training, which the noise is calibrated for)")
+        if engine not in ENGINE_NAMES:
+            import difflib
+
+            near = difflib.get_close_matches(str(engine), ENGINE_NAMES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"make_private: unknown engine {engine!r}{hint}; valid: "
+                             f"{', '.join(ENGINE_NAMES)}")
+        self.model, self.optimizer = model, optimizer
+        self._x, self._y, n = _as_tensors(data)
+        if n < 1:
+            raise ValueError("make_private: the training data has no examples")
+        self.device = torch.device(device) if device is not None else None
+        self.delta = float(delta) if delta is not None else default_delta(n)
+        if delta is None and verbose:
+            print(f"dpclip: delta = {self.delta:g} (below 1/N = 1/{n}; pass delta= to choose)",
+                  file=sys.stderr)
+        if not (0 < self.delta < 1):
+            raise ValueError(f"make_private: delta must be in (0, 1), got {self.delta}")
+        if self.delta >= 1.0 / n:
+            raise ValueError(
+                f"make_private: delta={self.delta:g} is >= 1/N = 1/{n}: a mechanism that publishes "
+                "one random record in the clear meets this delta; use delta < 1/N, e.g. "
+                f"{default_delta(n):g}"
+            )
+        self.accountant = accountant
+        self.epsilon_cap = epsilon
+        self.seed = int(seed)
+
+        unit, params = UnitConfig.pop_from(dict(strategy_params or {}))
+        check_unit_sampling(unit, sampling)
+        self.unit = unit
+        if isinstance(strategy, str):
+            strategy = make_strategy(strategy, params)
+        elif params:
+            raise ValueError("make_private: strategy_params are for a strategy given by name; "
+                             "configure a strategy instance directly")
+        self.loss_fn = loss_fn if loss_fn is not None else (
+            lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
+        self.bound_based = getattr(strategy, "kind", "norm") == "bound"
+        self.engine = get_engine(engine, max_physical_batch=max_physical_batch) \
+            if engine != "summed" else get_engine(engine)
+        if self.bound_based:  # Lip-DP-SGD: certified loss; "auto" = one plain backward
+            if input_shape is None:
+                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
+                                 "sensitivity from the model: pass input_shape= (one example)")
+            if loss_fn is not None:
+                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies its "
+                                 "own Lipschitz loss; do not pass loss_fn=")
+            strategy = strategy.bind(model, tuple(input_shape))
+            self.loss_fn = strategy.loss()
+            if engine == "auto":
+                self.engine = get_engine("summed", max_physical_batch=max_physical_batch)
+            if not unit.is_individual:
+                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
+                                 "per-example sensitivity from the weights; it runs with unit=ic "
+                                 "only")
+        if strategy.norm_kind == "flat":
+            self.groups = ParamGroups.flat(model)
+        else:
+            self.groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
+            if hasattr(strategy, "bind_groups"):  # L = the model's number of clipping groups
+                strategy = strategy.bind_groups(self.groups.names)
+        self.strategy = strategy
+        self.input_shape = tuple(input_shape) if input_shape is not None else None
+        bn = batchnorm_layers(model)
+        if unit.is_individual and bn:
+            raise ValueError(
+                f"the model has BatchNorm layer {bn[0][0]!r}: BatchNorm mixes the examples of a "
+                "batch, so per-example clipping (unit=ic) cannot bound one example's influence. "
+                "Use GroupNorm or LayerNorm instead, or batch clipping: strategy_params="
+                "{'unit': 'bc'} (or unit='gbc' with miniset_size=S and sampling='fixed-size')"
+            )
+        self.public_data = public_data
+        if getattr(strategy, "needs_public_norms", False) and public_data is None:
+            raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} estimates its "
+                             "thresholds on public data: pass public_data=(inputs, targets)")
+        if unit.unit == "gbc":
+            s_size = int(unit.miniset_size or 1)
+            if float(batch_size) != int(batch_size) or int(batch_size) % s_size:
+                raise ValueError(
+                    f"unit=gbc: batch_size ({batch_size}) must be a multiple of miniset_size "
+                    f"({s_size}): each step draws batch_size / miniset_size whole mini-sets"
+                )
+            self.sampler: Any = MiniSetSampler(n, s_size, int(batch_size) // s_size,
+                                               partition_seed=self.seed)
+        else:
+            self.sampler = make_sampler(sampling, n, batch_size)
+        self.unit_size = int(unit.miniset_size or 1) if unit.unit == "gbc" else (
+            int(round(self.sampler.expected_batch_size)) if unit.unit == "bc" else 1)
+        self.steps_per_epoch = int(self.sampler.steps_per_epoch)
+        if steps is not None:
+            if not (isinstance(steps, int) and steps >= 1):
+                raise ValueError(f"make_private: steps must be an int >= 1, got {steps!r}")
+            self.total_steps = steps
+        else:
+            if not (isinstance(epochs, int) and epochs >= 1):
+                raise ValueError(f"make_private: epochs must be an int >= 1, got {epochs!r}")
+            self.total_steps = epochs * self.steps_per_epoch
+        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        self._plan = _Plan(strategy, self.sampler, self.total_steps,
+                           expected_units(unit, self.sampler))
+        self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed)
+        self.ledger = Ledger()
+        self.state = strategy.init_state()
+        self.steps = 0
+        self.engines_ran: set[str] = set()
+        self.fallbacks: set[str] = set()
+        self.noise_multiplier = self._resolve_noise(noise_multiplier)
+        # the strategy must accept the noise, the accountant the events (clear errors, up front)
+        ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
+                       accountant=self.accountant)
+        self.max_steps = self._budget_steps()
+        if self.max_steps == 0:
+            raise ValueError(
+                f"make_private: epsilon={self.epsilon_cap:g} with noise_multiplier="
+                f"{self.noise_multiplier:g} allows not even one step (one step costs epsilon "
+                f"{self.planned_epsilon(1):.4g}); raise epsilon or noise_multiplier, or give only "
+                "epsilon to calibrate the noise"
+            )
+        self._pending: tuple[Any, Any] | None = None
+        self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
+        self.last_output: StepOutput | None = None
+
+    # ----------------------------------------------------------------------------- planning
+
+    def _resolve_noise(self, noise_multiplier: float | None) -> float:
+        if noise_multiplier is not None:
+            if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+                raise ValueError(f"make_private: noise_multiplier must be >= 0, got "
+                                 f"{noise_multiplier}")
+            return float(noise_multiplier)
+        assert self.epsilon_cap is not None
+        return calibrate_noise_multiplier(
+            self.epsilon_cap, self.delta,
+            lambda z: self._plan.ledger(z, lenient=True).to_dp_event(),
+            accountant=self.accountant,
+        )
+
+    def _budget_steps(self) -> int:
+        """Largest number of planned steps whose epsilon stays within the cap."""
+        if self.epsilon_cap is None:
+            return self.total_steps
+        z, cap = self.noise_multiplier, self.epsilon_cap
+
+        def eps(k: int) -> float:
+            return ledger_epsilon(self._plan.ledger(z, k), self.delta, accountant=self.accountant)
+
+        if eps(self.total_steps) <= cap:
+            return self.total_steps
+        lo, hi = 0, self.total_steps  # eps(lo) <= cap < eps(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if eps(mid) <= cap:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def planned_epsilon(self, steps: int | None = None) -> float:
+        """Epsilon of the plan after ``steps`` steps (default: all planned steps)."""
+        return ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps), self.delta,
+                              accountant=self.accountant)
+
+    # ----------------------------------------------------------------------------- batches
+
+    @property
+    def exhausted(self) -> bool:
+        """True when no further step fits the plan or the epsilon cap."""
+        return self.steps >= min(self.max_steps, self.total_steps)
+
+    @property
+    def stopped_by_budget(self) -> bool:
+        return self.max_steps < self.total_steps and self.steps >= self.max_steps
+
+    def _gather(self, idx: Tensor) -> tuple[Any, Any]:
+        if self._y is not None:
+            x, y = self._x[idx], self._y[idx]
+        else:  # a map-style Dataset: collate the examples (the shapes of one example are public)
+            from torch.utils.data import default_collate
+
+            flat = idx.reshape(-1).tolist()
+            if flat:
+                x, y = default_collate([self._x[i] for i in flat])
+            else:
+                x0, y0 = default_collate([self._x[0]])
+                x, y = x0[:0], y0[:0]
+            x = x.reshape(*idx.shape, *x.shape[1:])
+            y = y.reshape(*idx.shape, *y.shape[1:])
+        if self.device is not None:
+            x, y = x.to(self.device), y.to(self.device)
+        return x, y
+
+    def sample(self) -> tuple[Any, Any]:
+        """Draw the next private batch (secret randomness). Under batch clipping units the inputs
+        are ``(units, examples per unit, ...)``."""
+        if self.exhausted:
+            raise BudgetExhausted(self._exhausted_message())
+        idx = self.sampler.sample(self.rng.sampling)
+        if self.unit.unit == "bc":  # the whole batch is one unit
+            idx = idx.unsqueeze(0)
+        batch = self._gather(idx)
+        self._pending = batch
+        return batch
+
+    @property
+    def loader(self) -> Iterator[tuple[Any, Any]]:
+        """The batches of the current epoch (fewer when the budget ends it), each drawn fresh."""
+        return self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[tuple[Any, Any]]:
+        end = (self.steps // self.steps_per_epoch + 1) * self.steps_per_epoch
+        while self.steps < end and not self.exhausted:
+            yield self.sample()
+
+    def _exhausted_message(self) -> str:
+        if self.stopped_by_budget:
+            return (f"privacy budget exhausted: {self.steps} steps spent epsilon "
+                    f"{self.epsilon():.4g}; one more would exceed the cap {self.epsilon_cap:g}")
+        return f"all {self.total_steps} planned steps are done"
+
+    # ------------------------------------------------------------------------------- steps
+
+    def backward(self, inputs: Any, targets: Any) -> float:
+        """Release one privatized gradient for the batch last drawn from ``loader``/``sample``:
+        ``p.grad`` of every trainable parameter becomes the noisy clipped sum divided by the
+        expected batch size (the optimizer's ``zero_grad`` is not needed: grads are assigned).
+        Records the step's event in the ledger. Returns the NON-PRIVATE mean loss of the batch
+        (a diagnostic: do not publish it)."""
+        if self._pending is None or inputs is not self._pending[0] \
+                or targets is not self._pending[1]:
+            raise ValueError(
+                "backward: the batch must be the one just drawn from dp.loader (or dp.sample()), "
+                "passed as drawn and used once: the privacy accounting assumes the sampler's "
+                "secret subsampling. Move data to a device with make_private(device=...)"
+            )
+        self._pending = None
+        if self.exhausted:
+            raise BudgetExhausted(self._exhausted_message())
+        step = self.steps
+        if self._post_step_due:  # weight clipping of the released weights (bound-based)
+            self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
+            self._post_step_due = False
+        if step % self.steps_per_epoch == 0 and getattr(self.strategy, "needs_public_norms",
+                                                        False):
+            x_pub, y_pub = self.public_data  # type: ignore[misc]
+            with private_buffer_guard(self.model, "public norms"):
+                norms = public_unit_norms(self.model, self.loss_fn, x_pub, y_pub, self.groups,
+                                          self.unit, self.unit_size,
+                                          chunk=getattr(self.engine, "max_physical_batch", None)
+                                          or 256)
+            self.state = self.strategy.public_refresh(self.state, norms)
+        z = self.noise_multiplier
+        out = dp_step(
+            self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
+            state=self.state, engine=self.engine, groups=self.groups, sampler=self.sampler,
+            base_noise_multiplier=z, ctx=self._plan.ctx(step, z), generator=self.rng.noise,
+            unit=self.unit,
+        )
+        planned = self._plan.event(step, z)
+        if out.event != planned:
+            raise RuntimeError(
+                f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
+                f"{out.event} at step {step} but planned {planned}; refusing to continue"
+            )
+        if out.engine_info is not None:
+            self.engines_ran.add(str(out.engine_info.get("engine")))
+            if out.engine_info.get("fallback"):
+                self.fallbacks.add(str(out.engine_info["fallback"]))
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                p.grad = out.grads[name]
+        self.ledger.record(out.event)
+        self.state = out.state
+        self.steps += 1
+        self.last_output = out
+        if self.bound_based:
+            self._post_step_due = True
+        n = max(int(out.batch_size), 1)
+        return float(out.loss_sum) / n if math.isfinite(out.loss_sum) else math.nan
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """``backward`` then ``optimizer.step()``, weight clipping (bound-based strategies) and
+        ``optimizer.zero_grad()``. Returns the NON-PRIVATE mean loss."""
+        if self.optimizer is None:
+            raise ValueError("step: this PrivateTraining has no optimizer; call backward() and "
+                             "step your own optimizer")
+        loss = self.backward(inputs, targets)
+        self.optimizer.step()
+        if self.bound_based:
+            self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
+            self._post_step_due = False
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    # --------------------------------------------------------------------------- reporting
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far (the ledger, through dp-accounting)."""
+        return ledger_epsilon(self.ledger, self.delta if delta is None else delta,
+                              accountant=self.accountant)
+
+    @property
+    def clip_threshold(self) -> float:
+        return float(self.strategy.sensitivity(self.state))
+
+    @property
+    def engine_info(self) -> dict[str, Any]:
+        """The engine(s) that ran, the one requested and every fallback reason (public)."""
+        return {"engine": "+".join(sorted(self.engines_ran)) or None,
+                "requested": self.engine.name, "fallback": sorted(self.fallbacks) or None}
+
+    def describe(self) -> dict[str, Any]:
+        """Public facts for a run summary."""
+        return {
+            "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
+            "params": {**self.strategy.describe(),
+                       **({} if self.unit.is_individual else self.unit.describe())},
+            "epsilon": self.epsilon(),
+            "target_epsilon": self.epsilon_cap,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "adjacency": self.sampler.adjacency,
+            "sampling": self.sampler.name,
+            "unit": self.unit.describe(),
+            "sensitivity_factor": self.sampler.sensitivity_factor if self.unit.is_individual
+            else self.unit.sensitivity_factor,
+            "clip_groups": len(self.groups),
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sampler.sample_rate,
+            "expected_batch_size": self.sampler.expected_batch_size,
+            "steps": self.steps,
+            "planned_steps": self.total_steps,
+            "stopped_by_budget": self.stopped_by_budget,
+            "engine": self.engine_info["engine"] or self.engine.name,
+            "engine_requested": self.engine.name,
+            "engine_fallback": self.engine_info["fallback"],
+            **self.rng.describe(),
+        }
+
+    # -------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume (model, optimizer, strategy state, ledger, step, and the PRIVATE
+        randomness state: keep it secret)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "strategy_state": self.state,
+            "step": self.steps,
+            "ledger": self.ledger.to_dict(),
+            "randomness": self.rng.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "engines_ran": sorted(self.engines_ran),
+            "engine_fallbacks": sorted(self.fallbacks),
+            "post_step_due": self._post_step_due,
+        }
+
+    def load_state_dict(self, ck: Mapping[str, Any]) -> None:
+        if "randomness" not in ck:
+            raise ValueError("checkpoint has no private randomness state (written by an older "
+                             "dpclip?); it cannot be resumed")
+        if float(ck["noise_multiplier"]) != self.noise_multiplier:
+            raise ValueError(
+                f"checkpoint noise multiplier {ck['noise_multiplier']} differs from this run's "
+                f"{self.noise_multiplier}: the privacy settings changed; resume with the same "
+                "settings")
+        ledger = Ledger.from_dict(ck["ledger"])
+        if ledger.steps != ck["step"]:
+            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, "
+                               f"step={ck['step']}")
+        self.model.load_state_dict(ck["model"])
+        if self.optimizer is not None and ck.get("optimizer") is not None:
+            self.optimizer.load_state_dict(ck["optimizer"])
+        self.state, self.steps, self.ledger = ck["strategy_state"], int(ck["step"]), ledger
+        self.rng.load_state_dict(ck["randomness"])
+        self.engines_ran = set(ck.get("engines_ran", ()))
+        self.fallbacks = set(ck.get("engine_fallbacks", ()))
+        self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))
+        self._pending = None
+
+    def __repr__(self) -> str:
+        return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
+                f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
+                f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
+
+
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any,
+                 **kwargs: Any) -> PrivateTraining:
+    """DP-SGD around your own model, optimizer and data: see :class:`PrivateTraining`."""
+    return PrivateTraining(model, optimizer, data, **kwargs)
