@@ -58,22 +58,63 @@ def test_test_fraction_option_and_validation():
 
 
 # ---------------------------------------------------------------- breast-cancer
-def test_breast_cancer_standardised_with_train_statistics_only():
+def test_breast_cancer_scaled_with_declared_ranges():
     from sklearn.datasets import load_breast_cancer
+
+    from dpclip.data.bundled import BREAST_CANCER_RANGES
 
     bundle = load_dataset("breast-cancer", seed=5)
     assert bundle.input_shape == (30,) and bundle.num_classes == 2
     assert len(bundle.train) == 455 and len(bundle.test) == 114
-    x_train = bundle.train.inputs.double()
-    torch.testing.assert_close(
-        x_train.mean(0), torch.zeros(30, dtype=torch.float64), atol=1e-5, rtol=0
-    )
-    torch.testing.assert_close(
-        x_train.std(0, unbiased=False), torch.ones(30, dtype=torch.float64), atol=1e-5, rtol=0
-    )
-    # the test split is NOT re-centred: its mean is off zero
-    assert bundle.test.inputs.mean(0).abs().max() > 0.05
-    # oracle: raw features standardised with the statistics of the train rows
+    assert bundle.preprocessing["scaling"] == "declared-ranges"
+    assert bundle.preprocessing["nonprivate"] is False
+    # oracle: each raw feature clipped into its declared range and mapped to [-1, 1]
+    raw = load_breast_cancer()
+    x = torch.from_numpy(raw.data)
+    y = torch.from_numpy(raw.target).long()
+    lo = torch.tensor([r.lo for r in BREAST_CANCER_RANGES], dtype=torch.float64)
+    hi = torch.tensor([r.hi for r in BREAST_CANCER_RANGES], dtype=torch.float64)
+    # the declared bounds are generous: no value of the distributed data is clipped
+    assert bool(((x >= lo) & (x <= hi)).all())
+    expect = 2 * (torch.minimum(torch.maximum(x, lo), hi) - lo) / (hi - lo) - 1
+    test_idx, train_idx = stratified_split_indices(y, 0.2, 5)
+    torch.testing.assert_close(bundle.train.inputs, expect[train_idx].float())
+    torch.testing.assert_close(bundle.test.inputs, expect[test_idx].float())
+    assert torch.equal(bundle.test.targets, y[test_idx])
+    assert_stratified(bundle.train.targets, bundle.test.targets, 0.2, 2)
+
+
+def _neighbour_breast_cancer(monkeypatch, scaling: str, seed: int = 0):
+    """(bundle, neighbour bundle) where ONE training record's features were changed."""
+    import sklearn.datasets
+
+    real = sklearn.datasets.load_breast_cancer
+    base = load_dataset("breast-cancer", seed=seed, scaling=scaling)
+    raw = real()
+    y = torch.from_numpy(raw.target).long()
+    _, train_idx = stratified_split_indices(y, 0.2, seed)
+    changed = raw.data.copy()
+    changed[int(train_idx[0])] *= 3.0  # one training record, far from the others
+    monkeypatch.setattr(sklearn.datasets, "load_breast_cancer",
+                        lambda: type(raw)(data=changed, target=raw.target))
+    other = load_dataset("breast-cancer", seed=seed, scaling=scaling)
+    monkeypatch.setattr(sklearn.datasets, "load_breast_cancer", real)
+    return base, other
+
+
+def test_breast_cancer_one_record_never_changes_another(monkeypatch):
+    base, other = _neighbour_breast_cancer(monkeypatch, "declared-ranges")
+    assert not torch.equal(base.train.inputs[0], other.train.inputs[0])  # the changed record
+    assert torch.equal(base.train.inputs[1:], other.train.inputs[1:])
+    assert torch.equal(base.test.inputs, other.test.inputs)
+
+
+def test_breast_cancer_train_statistics_is_explicit_and_labelled_nonprivate(monkeypatch):
+    from sklearn.datasets import load_breast_cancer
+
+    bundle = load_dataset("breast-cancer", seed=5, scaling="train-statistics")
+    assert bundle.preprocessing["nonprivate"] is True
+    assert "NON-PRIVATE" in bundle.preprocessing["detail"]
     raw = load_breast_cancer()
     x = torch.from_numpy(raw.data)
     y = torch.from_numpy(raw.target).long()
@@ -81,8 +122,11 @@ def test_breast_cancer_standardised_with_train_statistics_only():
     mean, std = x[train_idx].mean(0), x[train_idx].std(0, unbiased=False)
     torch.testing.assert_close(bundle.train.inputs, ((x[train_idx] - mean) / std).float())
     torch.testing.assert_close(bundle.test.inputs, ((x[test_idx] - mean) / std).float())
-    assert torch.equal(bundle.test.targets, y[test_idx])
-    assert_stratified(bundle.train.targets, bundle.test.targets, 0.2, 2)
+    # what the default avoids: one training record moves every other record's features
+    base, other = _neighbour_breast_cancer(monkeypatch, "train-statistics")
+    assert not torch.equal(base.train.inputs[1:], other.train.inputs[1:])
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        load_dataset("breast-cancer", scaling="standardise")
 
 
 def test_breast_cancer_deterministic():

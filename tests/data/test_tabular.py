@@ -121,3 +121,60 @@ def test_malformed_row_is_reported(tmp_path):
     (tmp_path / "nursery.data").write_text("usual,proper,priority\n")
     with pytest.raises(ValueError, match="fields"):
         load_dataset("nursery", tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_default_scaling_is_declared_ranges(name, tmp_path):
+    CASES[name](tmp_path)
+    b = load_dataset(name, tmp_path, seed=0)
+    assert b.preprocessing["scaling"] == "declared-ranges"
+    assert b.preprocessing["nonprivate"] is False
+    assert float(b.train.inputs.abs().max()) <= 1.0  # numeric in [-1, 1], one-hot in {0, 1}
+    assert b.derived_from == (name,)
+
+
+@pytest.mark.parametrize("scaling", [None, "train-statistics"])
+def test_one_training_record_changes_no_other_record(scaling, tmp_path):
+    """Default (declared ranges): editing one record changes that record only."""
+    _german(tmp_path)
+    path = tmp_path / "german.data"
+    opts = {} if scaling is None else {"scaling": scaling}
+    base = load_dataset("german-credit", tmp_path, seed=0, **opts)
+    rows = path.read_text().splitlines()
+    fields = rows[0].split()
+    fields[1], fields[4] = "60", "15000"  # duration and credit amount of ONE record
+    rows[0] = " ".join(fields)
+    path.write_text("\n".join(rows) + "\n")
+    other = load_dataset("german-credit", tmp_path, seed=0, **opts)
+    changed = (base.train.inputs != other.train.inputs).any(dim=1)
+    changed_test = (base.test.inputs != other.test.inputs).any(dim=1)
+    n_changed = int(changed.sum()) + int(changed_test.sum())
+    if scaling is None:
+        assert n_changed == 1  # only the edited record
+        assert other.preprocessing["nonprivate"] is False
+    else:  # the NON-PRIVATE pipeline: one record moves every record's standardised features
+        assert n_changed == len(base.train) + len(base.test)
+        assert other.preprocessing["nonprivate"] is True
+
+
+def test_declared_values_are_clipped_and_a_missing_range_is_refused(tmp_path, monkeypatch):
+    import dataclasses
+
+    from dpclip.data import tabular
+
+    _german(tmp_path)
+    path = tmp_path / "german.data"
+    rows = path.read_text().splitlines()
+    fields = rows[0].split()
+    fields[4] = "1e9"  # a credit amount far above the declared bound: clipped to it
+    rows[0] = " ".join(fields)
+    path.write_text("\n".join(rows) + "\n")
+    b = load_dataset("german-credit", tmp_path, seed=0)
+    assert float(b.train.inputs.max()) <= 1.0 and float(b.test.inputs.max()) <= 1.0
+    spec = tabular.TABULAR_SPECS["german-credit"]
+    monkeypatch.setitem(tabular.TABULAR_SPECS, "german-credit",
+                        dataclasses.replace(spec, ranges=spec.ranges[1:]))
+    with pytest.raises(ValueError, match="no declared range"):
+        load_dataset("german-credit", tmp_path, seed=0)
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        load_dataset("nursery", tmp_path, scaling="zscore")

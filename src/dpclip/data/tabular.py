@@ -6,13 +6,15 @@ and Dropout both ship as ``data.csv``, so keep them in their own sub-directories
 missing file raises :class:`DatasetNotFoundError` naming the file, the directories searched and
 the download page.
 
-Encoding (the same for every dataset): numeric columns are standardised with the mean and
-population standard deviation of the TRAIN split only; categorical columns are one-hot encoded
-over the categories present in the file (a data-independent schema in the UCI documentation; a
-missing value ``?`` is its own category). Splits: the official train/test files for Adult, a
-stratified ``1 - test_fraction`` / ``test_fraction`` split from ``seed`` otherwise. Privacy
-caveat (as for breast-cancer): the standardisation statistics are computed without noise; treat
-them as public or privatise them if every training example must be protected.
+Encoding (the same for every dataset): numeric columns are clipped into a DECLARED range and
+mapped to ``[-1, 1]`` (``scaling="declared-ranges"``, the default; :class:`TabularSpec.ranges`
+states every range and its provenance: the UCI codebook where it documents the domain, otherwise
+a generous bound declared by us, values outside clipped), a per-record map that uses no statistic
+of the data. ``scaling="train-statistics"`` is the old NON-PRIVATE pipeline (noiseless mean and
+population std of the TRAIN split), recorded as such in ``DatasetBundle.preprocessing``.
+Categorical columns are one-hot encoded over the categories present in the file (a missing value
+``?`` is its own category). Splits: the official train/test files for Adult, a stratified
+``1 - test_fraction`` / ``test_fraction`` split from ``seed`` otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ import torch
 
 from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
 from dpclip.data.idx import DATA_ENV_VAR
+from dpclip.data.scaling import (
+    FeatureRange,
+    check_scaling,
+    declared_range_scale,
+    preprocessing_record,
+    train_statistics_scale,
+)
 from dpclip.data.splits import stratified_split_indices
 
 __all__ = [
@@ -50,7 +59,9 @@ class TabularSpec:
     row names the columns; ``label``: the label column (index, or name with a header);
     ``categorical``: indices/names of categorical feature columns (others numeric); ``drop``:
     columns ignored (ids); ``classes``: label values in class-index order (``None``: sorted values
-    found); ``url``: the download page.
+    found); ``url``: the download page; ``ranges``: the declared range of each numeric column
+    (index or name -> :class:`FeatureRange`); ``default_range``: the range of numeric columns not
+    listed (``None``: every numeric column must be listed, else loading fails naming it).
     """
 
     name: str
@@ -63,19 +74,79 @@ class TabularSpec:
     drop: tuple[int | str, ...] = ()
     classes: tuple[str, ...] | None = None
     skip_rows: int = 0
+    ranges: tuple[tuple[int | str, FeatureRange], ...] = ()
+    default_range: FeatureRange | None = None
 
 
 _UCI = "https://archive.ics.uci.edu/dataset"
+
+
+def _r(lo: float, hi: float, provenance: str = "declared generous bound") -> FeatureRange:
+    return FeatureRange(float(lo), float(hi), provenance)
+
+
+_BIN = _r(0, 1, "codebook: binary 0/1")
+_ADULT_RANGES = (
+    (0, _r(0, 100)),  # age (years)
+    (2, _r(0, 1.5e6)),  # fnlwgt (census sampling weight)
+    (4, _r(1, 16, "codebook: the 16 education levels of adult.names, coded 1..16")),
+    (10, _r(0, 99999, "declared: the census top code 99999")),  # capital-gain
+    (11, _r(0, 5000)),  # capital-loss
+    (12, _r(0, 99, "declared: the census top code 99")),  # hours-per-week
+)
+_GERMAN_RANGES = (
+    (1, _r(0, 120)),  # duration in months
+    (4, _r(0, 25000)),  # credit amount (DM)
+    (7, _r(0, 4)),  # installment rate in percentage of disposable income (coded)
+    (10, _r(0, 4)),  # present residence since (coded)
+    (12, _r(0, 100)),  # age in years
+    (15, _r(0, 4)),  # number of existing credits at this bank
+    (17, _r(0, 2)),  # number of people being liable to provide maintenance for
+)
+_PAY_STATUS = _r(-2, 9, "codebook (Yeh & Lien 2009): -1 paid duly, 1..9 months of delay; "
+                 "declared down to -2")
+_DEFAULT_RANGES = (
+    ("LIMIT_BAL", _r(0, 1e6)),  # NT dollars
+    ("AGE", _r(0, 100)),
+    *((f"PAY_{k}", _PAY_STATUS) for k in (0, 2, 3, 4, 5, 6)),
+    *((f"BILL_AMT{k}", _r(-1e6, 1e6)) for k in range(1, 7)),
+    *((f"PAY_AMT{k}", _r(0, 1e6)) for k in range(1, 7)),
+)
+_CODES = "codebook: the code list of the UCI variable table"
+_SEM = (_r(0, 40), _r(0, 40), _r(0, 60), _r(0, 40),  # credited, enrolled, evaluations, approved
+        _r(0, 20, "codebook: grades 0..20"), _r(0, 40))  # grade, without evaluations
+_DROPOUT_RANGES = tuple(enumerate((
+    _r(1, 6, _CODES),  # marital status
+    _r(1, 57, _CODES),  # application mode
+    _r(0, 9, "codebook: 0 first choice .. 9 last choice"),  # application order
+    _r(33, 9991, _CODES),  # course
+    _BIN,  # daytime/evening attendance
+    _r(1, 43, _CODES),  # previous qualification
+    _r(0, 200, "codebook: grade between 0 and 200"),  # previous qualification (grade)
+    _r(1, 109, _CODES),  # nacionality
+    _r(1, 44, _CODES), _r(1, 44, _CODES),  # mother's, father's qualification
+    _r(0, 194, _CODES), _r(0, 195, _CODES),  # mother's, father's occupation
+    _r(0, 200, "codebook: grade between 0 and 200"),  # admission grade
+    _BIN, _BIN, _BIN, _BIN, _BIN, _BIN,  # displaced, special needs, debtor, fees, gender, schol.
+    _r(0, 100),  # age at enrollment
+    _BIN,  # international
+    *_SEM, *_SEM,  # curricular units 1st and 2nd semester
+    _r(0, 30),  # unemployment rate (%)
+    _r(-10, 10),  # inflation rate (%)
+    _r(-10, 10),  # GDP growth (%)
+)))
 
 TABULAR_SPECS: dict[str, TabularSpec] = {
     "adult": TabularSpec(
         "adult", ("adult.data",), ",", False, 14, (1, 3, 5, 6, 7, 8, 9, 13),
         f"{_UCI}/2/adult (files adult.data and adult.test)", classes=("<=50K", ">50K"),
+        ranges=_ADULT_RANGES,
     ),
     "german-credit": TabularSpec(
         "german-credit", ("german.data",), " ", False, 20,
         (0, 2, 3, 5, 6, 8, 9, 11, 13, 14, 16, 18, 19),
         f"{_UCI}/144/statlog+german+credit+data (file german.data)", classes=("1", "2"),
+        ranges=_GERMAN_RANGES,
     ),
     "default-credit": TabularSpec(
         "default-credit",
@@ -84,6 +155,7 @@ TABULAR_SPECS: dict[str, TabularSpec] = {
         ",", True, "default payment next month", ("SEX", "EDUCATION", "MARRIAGE"),
         f"{_UCI}/350/default+of+credit+card+clients (the .xls saved as CSV, "
         "default_of_credit_card_clients.csv)", drop=("ID",), classes=("0", "1"),
+        ranges=_DEFAULT_RANGES,
     ),
     "nursery": TabularSpec(
         "nursery", ("nursery.data",), ",", False, 8, (0, 1, 2, 3, 4, 5, 6, 7),
@@ -95,12 +167,14 @@ TABULAR_SPECS: dict[str, TabularSpec] = {
         ",", True, "Class", (),
         f"{_UCI}/722/naticusdroid+android+permissions+dataset (file data.csv; 86 permission "
         "columns and Class)", classes=("0", "1"),
+        default_range=_r(0, 1, "codebook: binary permission flags"),
     ),
     "dropout": TabularSpec(
         "dropout", ("dropout.csv", "data.csv"), ";", True, "Target",
         (),
         f"{_UCI}/697/predict+students+dropout+and+academic+success (file data.csv, ';'-separated)",
         classes=("Dropout", "Enrolled", "Graduate"),
+        ranges=_DROPOUT_RANGES,
     ),
 }
 
@@ -160,8 +234,9 @@ def _index(col: int | str, header: list[str] | None, path: Path) -> int:
 
 def _encode(
     spec: TabularSpec, path: Path, header: list[str] | None, rows: list[list[str]]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(features float64 (N, D) with one-hot categoricals, labels int64, numeric-column mask)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[FeatureRange | None]]:
+    """(features float64 (N, D) with one-hot categoricals, labels int64, numeric-column mask,
+    the declared range of each feature: ``None`` for one-hot columns)."""
     width = len(header) if header is not None else len(rows[0])
     bad = [i for i, r in enumerate(rows) if len(r) != width]
     if bad:
@@ -186,8 +261,10 @@ def _encode(
     if unknown:
         raise ValueError(f"{path}: unknown label value(s) {unknown[:5]}; expected {list(classes)}")
     y = np.array([lookup[v] for v in raw_labels], dtype=np.int64)
+    declared = {_index(c, header, path): r for c, r in spec.ranges}
     blocks: list[np.ndarray] = []
     numeric: list[bool] = []
+    ranges: list[FeatureRange | None] = []
     for j in range(width):
         if j == label or j in drop:
             continue
@@ -199,108 +276,135 @@ def _encode(
             onehot[np.arange(len(rows)), [pos[v] for v in col]] = 1.0
             blocks.append(onehot)
             numeric += [False] * len(values)
+            ranges += [None] * len(values)
         else:
             try:
                 blocks.append(np.array([float(v) for v in col])[:, None])
             except ValueError as exc:
                 raise ValueError(f"{path}: column {j} should be numeric ({exc})") from None
             numeric.append(True)
-    return np.concatenate(blocks, axis=1), y, np.array(numeric)
+            r = declared.get(j, spec.default_range)
+            if r is None:
+                name = header[j] if header is not None else j
+                raise ValueError(
+                    f"{path}: numeric column {name!r} of {spec.name!r} has no declared range; "
+                    "add it to TABULAR_SPECS[...].ranges (scaling must not use statistics of "
+                    "the private data)"
+                )
+            ranges.append(r)
+    return np.concatenate(blocks, axis=1), y, np.array(numeric), ranges
 
 
 def _bundle(
     name: str, x: np.ndarray, y: np.ndarray, numeric: np.ndarray, train_idx: np.ndarray,
-    test_idx: np.ndarray, source: str, num_classes: int,
+    test_idx: np.ndarray, source: str, num_classes: int, ranges: list[FeatureRange | None],
+    scaling: str,
 ) -> DatasetBundle:
-    mean = np.where(numeric, x[train_idx].mean(axis=0), 0.0)
-    std = np.where(numeric, x[train_idx].std(axis=0), 1.0)
-    std = np.where(std > 0, std, 1.0)
-    xs = torch.from_numpy(((x - mean) / std).astype(np.float32))
+    if scaling == "declared-ranges":
+        scaled = declared_range_scale(x, ranges)
+        detail = (f"{int(numeric.sum())} numeric column(s) clipped into their declared ranges "
+                  f"(dpclip.data.tabular.TABULAR_SPECS[{name!r}]) and mapped to [-1, 1]; "
+                  "categorical columns one-hot over the categories present in the file")
+    else:
+        scaled = train_statistics_scale(x, numeric, train_idx)
+        detail = (f"{int(numeric.sum())} numeric column(s); categorical columns one-hot over "
+                  "the categories present in the file")
+    xs = torch.from_numpy(scaled.astype(np.float32))
     yt = torch.from_numpy(y)
     tr, te = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
     return DatasetBundle(
         name, TensorSplit(xs[tr], yt[tr]), TensorSplit(xs[te], yt[te]), num_classes,
-        (int(x.shape[1]),), source=source,
+        (int(x.shape[1]),), source=source, derived_from=(name,),
+        preprocessing=preprocessing_record(scaling, detail),
     )
 
 
 def _load(
-    name: str, data_dir: str | os.PathLike[str] | None, seed: int, test_fraction: float
+    name: str, data_dir: str | os.PathLike[str] | None, seed: int, test_fraction: float,
+    scaling: str,
 ) -> DatasetBundle:
+    check_scaling(scaling, name)
     spec = TABULAR_SPECS[name]
     path = _find(spec, data_dir, spec.files)
     header, rows = _read_rows(path, spec)
     if not rows:
         raise ValueError(f"{path}: no data rows")
-    x, y, numeric = _encode(spec, path, header, rows)
+    x, y, numeric, ranges = _encode(spec, path, header, rows)
     test_idx, train_idx = stratified_split_indices(
         torch.from_numpy(y), test_fraction, seed, argument="test_fraction"
     )
     num_classes = len(spec.classes) if spec.classes else int(y.max()) + 1
     return _bundle(name, x, y, numeric, np.asarray(train_idx), np.asarray(test_idx),
-                   str(path), num_classes)
+                   str(path), num_classes, ranges, scaling)
 
 
 def load_adult(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI Adult (census income): ``adult.data`` (32,561) and ``adult.test`` (16,281; its first
     line ``|1x3 Cross validator`` and the labels' trailing ``.`` are handled), 14 attributes
     (6 numeric, 8 categorical one-hot, ``?`` a category) -> 108 features in the full files;
     label ``>50K``. The official split (``seed`` unused)."""
     del seed
+    check_scaling(scaling, "adult")
     spec = TABULAR_SPECS["adult"]
     train_path = _find(spec, data_dir, ("adult.data",))
     test_path = _find(spec, data_dir, ("adult.test",))
     _, train_rows = _read_rows(train_path, spec)
     _, test_rows = _read_rows(test_path, spec)
     test_rows = [r for r in test_rows if not r[0].startswith("|")]
-    x, y, numeric = _encode(spec, train_path, None, train_rows + test_rows)
+    x, y, numeric, ranges = _encode(spec, train_path, None, train_rows + test_rows)
     n = len(train_rows)
     return _bundle("adult", x, y, numeric, np.arange(n), np.arange(n, len(y)),
-                   f"{train_path} + {test_path}", 2)
+                   f"{train_path} + {test_path}", 2, ranges, scaling)
 
 
 def load_german_credit(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI Statlog German Credit ``german.data`` (1,000 x 20, space separated; 7 numeric, 13
     categorical one-hot); label 1 good -> class 0, 2 bad -> class 1. Stratified split."""
-    return _load("german-credit", data_dir, seed, test_fraction)
+    return _load("german-credit", data_dir, seed, test_fraction, scaling)
 
 
 def load_default_credit(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI default of credit card clients (30,000 x 23) as CSV: the UCI ``.xls`` saved as
     ``default_of_credit_card_clients.csv`` (its extra ``X1..X23, Y`` row is skipped) or the
     common ``UCI_Credit_Card.csv``; ``ID`` dropped; SEX, EDUCATION, MARRIAGE one-hot; label
     ``default payment next month``. Stratified split."""
-    return _load("default-credit", data_dir, seed, test_fraction)
+    return _load("default-credit", data_dir, seed, test_fraction, scaling)
 
 
 def load_nursery(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI Nursery ``nursery.data`` (12,960 x 8 categorical, one-hot -> 27 features), 5 classes
     (not_recom, recommend, very_recom, priority, spec_prior). Stratified split (``recommend``
     has 2 examples)."""
-    return _load("nursery", data_dir, seed, test_fraction)
+    return _load("nursery", data_dir, seed, test_fraction, scaling)
 
 
 def load_android_permissions(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI NATICUSdroid (Android permissions): ``data.csv`` (29,333 x 86 binary permissions and
     ``Class`` 0 benign / 1 malware; also accepted as ``NATICUSdroid.csv``). Stratified split."""
-    return _load("android-permissions", data_dir, seed, test_fraction)
+    return _load("android-permissions", data_dir, seed, test_fraction, scaling)
 
 
 def load_dropout(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    scaling: str = "declared-ranges",
 ) -> DatasetBundle:
     """UCI Predict Students' Dropout and Academic Success: ``data.csv`` (4,424 x 36, ``;``
     separated, header; also accepted as ``dropout.csv``); every column is used as distributed
-    (integer codes standardised as numbers: 36 features, as in S2 Table 1; one-hot encoding of the
+    (integer codes scaled as numbers within their codebook ranges: 36 features, as in S2 Table 1; one-hot encoding of the
     10 coded columns would give ~250 features, beyond the paper's MLP sizes); ``Target`` Dropout / Enrolled / Graduate (3 classes). Stratified split."""
-    return _load("dropout", data_dir, seed, test_fraction)
+    return _load("dropout", data_dir, seed, test_fraction, scaling)

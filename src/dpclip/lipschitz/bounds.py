@@ -110,11 +110,17 @@ class LayerBound:
       method ``operator_norm_method``); ``weight_factor`` ``lambda_k``.
     * ``weight_grad_bound = lambda_k X_{k-1} G_k``; ``bias_grad_bound = sqrt(P_k) G_k`` (``None``
       without bias); ``parameter_grad_bounds`` maps the TRAINABLE parameters' names (as in
-      ``model.named_parameters()``) to their bounds; ``grad_bound`` is their root sum of squares.
+      ``model.named_parameters()``, i.e. the FIRST name of a parameter tied to several modules) to
+      their bounds; ``grad_bound`` is their root sum of squares.
+    * ``weight_name`` / ``bias_name``: those names of this layer's weight / bias (``None``:
+      no bias), trainable or not.
 
     Privacy: ``||grad_{theta_k} l(x_i)|| <= grad_bound`` for every example with ``||x_i|| <= X_0``
-    and every label, so adding or removing one example changes the summed gradient of this layer by
-    at most ``grad_bound``.
+    and every label, where ``grad_{theta_k}`` is this layer's OWN contribution to the gradient
+    (its use of the parameters). For untied parameters that is the whole gradient. A parameter
+    tied to several layers receives the plain SUM of its per-use contributions, so its bound is
+    the SUM of its per-use bounds (triangle inequality): use
+    :attr:`NetworkBound.parameter_grad_bounds`, never a root sum of squares over layers.
     """
 
     name: str
@@ -127,10 +133,13 @@ class LayerBound:
     weight_grad_bound: float
     bias_grad_bound: float | None
     parameter_grad_bounds: dict[str, float] = field(default_factory=dict)
+    weight_name: str | None = None
+    bias_name: str | None = None
 
     @property
     def grad_bound(self) -> float:
-        """Bound on the per-example gradient norm of this layer's trainable parameters."""
+        """Bound on the per-example norm of this layer's own contribution to the gradient of its
+        trainable parameters (the whole gradient when no parameter is tied to another layer)."""
         return math.sqrt(sum(b * b for b in self.parameter_grad_bounds.values()))
 
     @property
@@ -155,10 +164,12 @@ class NetworkBound:
     logits' norm.
 
     Privacy: for every example with ``||x|| <= input_norm_bound`` and every label,
-    ``||grad_theta l(x, y)|| <= grad_bound`` (all trainable parameters), and per layer
-    ``<= layers[k].grad_bound``: the l2 sensitivity of the summed batch gradient under add/remove
-    adjacency (``2 x`` for replace-one). Valid for the weights at analysis time only: re-run after
-    every update (the weights are public after each private step).
+    ``||grad_theta l(x, y)|| <= grad_bound`` (all trainable parameters), and per parameter
+    ``<= parameter_grad_bounds[name]``: the l2 sensitivity of the summed batch gradient under
+    add/remove adjacency (``2 x`` for replace-one). A parameter tied to several layers (one
+    ``nn.Parameter`` held by two modules) gets the SUM of its per-use bounds, since its gradient is
+    the sum of the per-use contributions. Valid for the weights at analysis time only: re-run
+    after every update (the weights are public after each private step).
     """
 
     input_norm_bound: float
@@ -169,23 +180,79 @@ class NetworkBound:
     trace: tuple[NodeBound, ...]
 
     @property
-    def grad_bound(self) -> float:
-        """``sqrt(sum_k grad_bound_k^2)``: the global per-example gradient-norm bound."""
-        return math.sqrt(sum(layer.grad_bound**2 for layer in self.layers))
-
-    @property
-    def scaled_grad_bound(self) -> float:
-        """Reading R2's global sensitivity ``Delta = sqrt(sum_k Delta_k^2)`` of the gradient whose
-        layer ``k`` is divided by ``X_{k-1}``."""
-        return math.sqrt(sum(layer.scaled_grad_bound**2 for layer in self.layers))
+    def parameter_uses(self) -> dict[str, tuple[LayerBound, ...]]:
+        """Trainable parameter name -> the layers that use it (more than one: a tied parameter)."""
+        out: dict[str, list[LayerBound]] = {}
+        for layer in self.layers:
+            for name in layer.parameter_grad_bounds:
+                out.setdefault(name, []).append(layer)
+        return {name: tuple(uses) for name, uses in out.items()}
 
     @property
     def parameter_grad_bounds(self) -> dict[str, float]:
-        """Trainable parameter name -> bound on its per-example gradient norm."""
+        """Trainable parameter name -> bound on its per-example gradient norm: the SUM of its
+        per-use bounds over the layers that use it (triangle inequality; one term if untied)."""
         out: dict[str, float] = {}
         for layer in self.layers:
-            out.update(layer.parameter_grad_bounds)
+            for name, b in layer.parameter_grad_bounds.items():
+                out[name] = out.get(name, 0.0) + b
         return out
+
+    @property
+    def parameter_scales(self) -> dict[str, float]:
+        """Reading R2's public multiplier of each trainable parameter's summed gradient:
+        ``1 / X_{k-1}`` of its layer; for a parameter tied to several layers ``1 / max_k X_{k-1}``
+        over its uses (one multiplier per parameter, since its gradient is one sum). ``1.0`` when
+        that bound is 0 (the parameter's weight gradient is then always zero)."""
+        out: dict[str, float] = {}
+        for name, uses in self.parameter_uses.items():
+            x_max = max(layer.input_norm_bound for layer in uses)
+            out[name] = 1.0 / x_max if x_max > 0.0 else 1.0
+        return out
+
+    @property
+    def grad_bound(self) -> float:
+        """``sqrt(sum_p parameter_grad_bounds[p]^2)``: the global per-example gradient-norm bound
+        (``sqrt(sum_k grad_bound_k^2)`` when no parameter is tied)."""
+        return math.sqrt(sum(b * b for b in self.parameter_grad_bounds.values()))
+
+    @property
+    def scaled_grad_bound(self) -> float:
+        """Reading R2's global sensitivity ``Delta`` of the gradient whose parameters are
+        multiplied by :attr:`parameter_scales` (``sqrt(sum_k Delta_k^2)``, ``Delta_k =
+        grad_bound_k / X_{k-1}``, when no parameter is tied). Needs every ``X_{k-1} > 0``."""
+        for layer in self.layers:
+            layer.scaled_grad_bound  # noqa: B018  (raises for X_{k-1} = 0, naming the layer)
+        scales = self.parameter_scales
+        return math.sqrt(
+            sum((scales[p] * b) ** 2 for p, b in self.parameter_grad_bounds.items())
+        )
+
+    @property
+    def tied_blocks(self) -> tuple[tuple[str, ...], ...]:
+        """The parametrised layers grouped by shared parameters (connected components: two layers
+        are in one block when they use a common trainable parameter), in forward order. Without
+        tied parameters every block is one layer. Per-layer noise adds one noise draw per block:
+        the blocks partition the trainable parameters, which the per-block Gaussian events need."""
+        names = [layer.name for layer in self.layers]
+        parent = {n: n for n in names}
+
+        def find(n: str) -> str:
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for uses in self.parameter_uses.values():
+            root = find(uses[0].name)
+            for layer in uses[1:]:
+                other = find(layer.name)
+                if other != root:
+                    parent[other] = root
+        blocks: dict[str, list[str]] = {}
+        for n in names:
+            blocks.setdefault(find(n), []).append(n)
+        return tuple(tuple(b) for b in blocks.values())
 
     def layer(self, name: str) -> LayerBound:
         """The :class:`LayerBound` of the layer called ``name``."""
@@ -536,8 +603,9 @@ def _walk(module: nn.Module, name: str, shape: tuple[int, ...], x: float, ctx: _
         raise _unsupported(
             name,
             module,
-            "the same parametrised module is used twice (weight sharing: its "
-            "gradient would sum several contributions); use separate modules",
+            "the same parametrised module is used twice (weight sharing by module reuse); use a "
+            "separate module for each use (to share a weight, assign the same nn.Parameter to "
+            "both: tied parameters are bounded by the sum of their per-use bounds)",
         )
     ctx.seen.add(id(module))
     kind = type(module)
@@ -623,23 +691,30 @@ def _flat_trace(nodes: Sequence[_Node]) -> list[NodeBound]:
     return out
 
 
-def _backward(nodes: Sequence[_Node], g: float, out: list[LayerBound]) -> float:
+def _backward(
+    nodes: Sequence[_Node], g: float, out: list[LayerBound], canon: dict[str, str]
+) -> float:
     """Backward pass: ``g`` bounds the gradient norm at the output of ``nodes``; appends the
-    parametrised layers' bounds (in reverse order) and returns the bound at their input."""
+    parametrised layers' bounds (in reverse order) and returns the bound at their input.
+    ``canon`` maps a parameter's path to its name in ``model.named_parameters()`` (the first path
+    of a tied parameter), so that every use of one tensor is keyed by one name."""
     for node in reversed(nodes):
         if node.children is not None:
             # the skip path does not depend on the block's parameters: they see only g (the
             # gradient at the block's output) back-propagated through the block's later layers
-            _backward(node.children, g, out)
+            _backward(node.children, g, out, canon)
         elif node.params is not None:
             p, b = node.params, node.bound
             w_bound = p.weight_factor * b.input_norm_bound * g
             b_bound = math.sqrt(p.bias_positions) * g if p.bias_name is not None else None
+            w_name = canon.get(p.weight_name, p.weight_name)
+            bias_name = canon.get(p.bias_name, p.bias_name) if p.bias_name is not None else None
             per_param: dict[str, float] = {}
+            # += : one tensor used twice in a layer would get both contributions (the sum)
             if p.weight_trainable:
-                per_param[p.weight_name] = w_bound
-            if p.bias_name is not None and p.bias_trainable and b_bound is not None:
-                per_param[p.bias_name] = b_bound
+                per_param[w_name] = per_param.get(w_name, 0.0) + w_bound
+            if bias_name is not None and p.bias_trainable and b_bound is not None:
+                per_param[bias_name] = per_param.get(bias_name, 0.0) + b_bound
             out.append(
                 LayerBound(
                     name=b.name,
@@ -652,6 +727,8 @@ def _backward(nodes: Sequence[_Node], g: float, out: list[LayerBound]) -> float:
                     weight_grad_bound=w_bound,
                     bias_grad_bound=b_bound,
                     parameter_grad_bounds=per_param,
+                    weight_name=w_name,
+                    bias_name=bias_name,
                 )
             )
         g = g * node.bound.lipschitz
@@ -746,6 +823,10 @@ def lipschitz_bounds(
     It is computed from the CURRENT weights (Lip-DP-SGD); re-run it after every update. Biases are
     handled soundly (they enter the input-norm bounds and get their own gradient bounds).
     Frozen parameters (``requires_grad=False``) count in the propagation but get no gradient bound.
+    A parameter tied to several layers (one ``nn.Parameter`` held by two modules) is keyed by its
+    ``named_parameters()`` name in every layer that uses it, and its bound is the SUM of the
+    per-use bounds (its gradient is the sum of the per-use contributions). The same module used
+    twice is refused (give the second use its own module, tying the parameter if intended).
 
     Raises:
         UnsupportedLayerError: a layer or loss without a proven rule (named, with the fix).
@@ -769,8 +850,14 @@ def lipschitz_bounds(
         )
     loss_lip = float(loss.lipschitz(out_shape[0]))
     collected: list[LayerBound] = []
+    # a parameter held by several modules (tied) is named once in named_parameters(): key every
+    # use by that name, so its per-use bounds are summed (NetworkBound.parameter_grad_bounds)
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    canon = {
+        n: first_name.get(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+    }
     # the slack covers float rounding of attained constants (e.g. ||e_j - e_y|| = sqrt(2))
-    _backward(nodes, loss_lip * (1.0 + NUMERICAL_SLACK), collected)
+    _backward(nodes, loss_lip * (1.0 + NUMERICAL_SLACK), collected, canon)
     layers = tuple(reversed(collected))
     covered = {name for layer in layers for name in layer.parameter_grad_bounds}
     stray = sorted(

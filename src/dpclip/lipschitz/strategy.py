@@ -80,11 +80,13 @@ class LipCertificate:
     """What one step's sensitivity is, computed from the weights and public constants only.
 
     ``sensitivity``: global ``Delta`` (before the sampler's factor); ``layer_sensitivities``: layer
-    name -> ``Delta_k``; ``scales``: trainable parameter name -> the public multiplier of its summed
-    gradient (``1 / X_{k-1}`` under reading R2, ``1`` without scaling or when ``X_{k-1} = 0``);
-    ``param_sensitivity``: parameter name -> the sensitivity its noise is calibrated to
-    (``Delta`` with global noise, ``Delta_k`` of its layer with per-layer noise); ``bound``: the
-    full analysis.
+    name -> ``Delta_k`` (layers that share a tied parameter form one noise block, named
+    ``"a+b"``); ``scales``: trainable parameter name -> the public multiplier of its summed
+    gradient (``1 / X_{k-1}`` under reading R2, ``1 / max_k X_{k-1}`` over the uses of a tied
+    parameter, ``1`` without scaling or when ``X_{k-1} = 0``); ``param_sensitivity``: parameter
+    name -> the sensitivity its noise is calibrated to (``Delta`` with global noise, ``Delta_k`` of
+    its block with per-layer noise); ``bound``: the full analysis. A tied parameter's bound is the
+    SUM of its per-use bounds (its gradient is the sum of the per-use contributions).
     """
 
     sensitivity: float
@@ -180,7 +182,8 @@ class _LipBase(StrategyBase):
         if self.num_layers is not None and self.num_layers != n:
             raise ValueError(
                 f"{self.name}: num_layers={self.num_layers} but the model has {n} parametrised "
-                "layers; omit num_layers (it is set from the model)"
+                "layers (noise blocks: layers sharing a tied parameter count once); omit "
+                "num_layers (it is set from the model)"
             )
         return dataclasses.replace(self, num_layers=n)  # type: ignore[type-var]
 
@@ -202,27 +205,45 @@ class _LipBase(StrategyBase):
             conv_norm=self.conv_norm,  # type: ignore[arg-type]
             reuse_norms=True,  # the norms ClipWeights just computed (and rescaled) are reused
         )
-        layer_sens: dict[str, float] = {}
+        # one public multiplier per PARAMETER (its summed gradient is one tensor): 1 / X_{k-1} of
+        # its layer under R2 (1 / max_k X_{k-1} for a parameter tied to several layers)
+        r2_scales = bound.parameter_scales
         scales: dict[str, float] = {}
+        param_bound: dict[str, float] = {}
+        for pname, uses in bound.parameter_uses.items():
+            scale = r2_scales[pname] if self.scaling in ("r2", "r1") else 1.0
+            as_weight = [layer.weight_name == pname for layer in uses]
+            if self.scaling == "r1" and any(as_weight) and not all(as_weight):
+                raise ValueError(
+                    f"{self.name}: parameter {pname!r} is a weight in one layer and a bias in "
+                    "another; scaling='r1' cannot bound it. Untie it or use scaling='r2'"
+                )
+            if self.scaling == "r1" and all(as_weight):
+                # R1: the weight gradient is formed with the layer input normalised per example
+                # (gradient_context), so each use contributes ||dW_i|| <= lambda_k G_k, no
+                # X_{k-1} and no further scaling
+                scales[pname] = 1.0
+                per_use = [layer.weight_factor * layer.output_grad_bound for layer in uses]
+            else:
+                scales[pname] = scale
+                per_use = [scale * layer.parameter_grad_bounds[pname] for layer in uses]
+            # a tied parameter's gradient is the plain SUM of its per-use contributions, so its
+            # bound is the sum of the per-use bounds (triangle inequality), never a root sum of
+            # squares
+            param_bound[pname] = math.fsum(per_use)
+        # noise blocks: the layers, merged where they share a parameter (a partition of the
+        # parameters, as the per-block Gaussian events need)
+        layer_sens: dict[str, float] = {}
         owner: dict[str, str] = {}
-        for layer in bound.layers:
-            x_in = layer.input_norm_bound
-            scale = 1.0 / x_in if (self.scaling in ("r2", "r1") and x_in > 0.0) else 1.0
+        for block in bound.tied_blocks:
+            block_name = "+".join(block)
             sq = 0.0
-            for pname, pbound in layer.parameter_grad_bounds.items():
-                if self.scaling == "r1" and pname.endswith("weight"):
-                    # R1: the weight gradient is formed with the layer input normalised per
-                    # example (gradient_context), so ||dW_i|| <= lambda_k G_k, no X_{k-1} and
-                    # no further scaling
-                    scales[pname] = 1.0
-                    pbound = layer.weight_factor * layer.output_grad_bound
-                else:
-                    scales[pname] = scale
-                    pbound = pbound * scale
-                sq += pbound * pbound
-                owner[pname] = layer.name
-            layer_sens[layer.name] = math.sqrt(sq)
-        total = math.sqrt(sum(s * s for s in layer_sens.values()))
+            for pname, uses in bound.parameter_uses.items():
+                if uses[0].name in block:
+                    sq += param_bound[pname] ** 2
+                    owner[pname] = block_name
+            layer_sens[block_name] = math.sqrt(sq)
+        total = math.sqrt(math.fsum(b * b for b in param_bound.values()))
         if self.noise == "global":
             param_sens = {p: total for p in scales}
         else:
@@ -260,17 +281,24 @@ class _LipBase(StrategyBase):
             conv_norm=self.conv_norm,  # type: ignore[arg-type]
         )
         factors: dict[str, float] = {}
+        # a weight tied to several layers is rescaled ONCE, by its largest operator norm over its
+        # uses (rescaling it once per use would shrink it twice)
+        by_weight: dict[int, tuple[Tensor, float, list[str]]] = {}
         for layer in bound.layers:
-            rho = layer.operator_norm
+            module = model.get_submodule("" if layer.name == "<model>" else layer.name)
+            w = module.weight
+            _, rho_max, names = by_weight.get(id(w), (w, 0.0, []))
+            by_weight[id(w)] = (w, max(rho_max, layer.operator_norm), [*names, layer.name])
+        for weight, rho, names in by_weight.values():
             if rho <= 0.0 or not math.isfinite(rho):
                 continue
             if self.normalize_weights or rho > self.weight_bound:
                 factor = self.weight_bound / rho
-                module = model.get_submodule("" if layer.name == "<model>" else layer.name)
                 # in place, carrying the proven norm over (x factor, with slack): the next
                 # certificate reuses it instead of recomputing (bounds.rescale_weight_)
-                rescale_weight_(module.weight, factor)
-                factors[layer.name] = factor
+                rescale_weight_(weight, factor)
+                for name in names:
+                    factors[name] = factor
         return factors
 
     # ----------------------------------------------------------------- strategy protocol

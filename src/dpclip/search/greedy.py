@@ -17,7 +17,9 @@ the last accuracy falls MORE than ``S`` below the best so far (not at the first 
 Privacy: NONE on the data it runs on (many trainings and a selection on held-out data). It emits no
 ledger and no epsilon. It therefore refuses a dataset that is not public
 (``DatasetEntry.is_public``, or the declared public proxy of ``proxy_for``, see
-``dpclip.data.PUBLIC_PROXIES``) unless ``allow_private_data=True``; the result's metadata then
+``dpclip.data.PUBLIC_PROXIES``), a proxy that shares provenance with ``proxy_for`` (mnist-5k for
+mnist) and a user-supplied bundle not itself declared public, unless
+``allow_private_data=True``; the result's metadata then
 says ``"privacy": "NON-PRIVATE"``. Its thresholds are public when the data is: the Transfer and
 Decay strategies replay them on a private dataset at no privacy cost.
 
@@ -231,20 +233,71 @@ def _cpu_state(sd: dict[str, Any]) -> dict[str, Any]:
     return conv(sd)
 
 
-def check_public(config: GreedyConfig) -> str:
+def check_public(config: GreedyConfig, data: Any = None) -> str:
     """``"public"`` / ``"public proxy for X"``, or raise ``PrivateDataError``; with
-    ``allow_private_data`` a private dataset gives ``"NON-PRIVATE"``."""
-    from dpclip.data import DATASETS, PUBLIC_PROXIES, is_public_proxy
+    ``allow_private_data`` a private dataset gives ``"NON-PRIVATE"``.
+
+    Checks, in order: the dataset is registered; with ``proxy_for``, the dataset shares no
+    provenance with it (``dpclip.data.check_proxy_pair``: ``mnist-5k`` is drawn from MNIST, so it
+    is public but no proxy for ``mnist``); a user-supplied bundle ``data`` is the dataset named by
+    ``config.dataset`` (same name), shares no provenance with ``proxy_for`` either (its own
+    ``derived_from``) and is itself declared public (``data.is_public``): the bundle is what the
+    search reads, so the registry's word for the name is not enough.
+    """
+    from dpclip.data import (
+        DATASETS,
+        PUBLIC_PROXIES,
+        ProxyOverlapError,
+        check_proxy_pair,
+        is_public_proxy,
+    )
 
     if config.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {config.dataset!r}; valid datasets: "
                          f"{', '.join(sorted(DATASETS))}")
-    if DATASETS[config.dataset].is_public:
-        return "public"
-    if is_public_proxy(config.dataset, config.proxy_for):
-        return f"public proxy for {config.proxy_for}"
+    if data is not None:
+        name = getattr(data, "name", None)
+        if name != config.dataset:
+            raise ValueError(
+                f"greedy_search: data is the bundle {name!r} but config.dataset is "
+                f"{config.dataset!r}; pass the bundle of the configured dataset (or set "
+                "config.dataset to the bundle's name)"
+            )
+    overlap = None
+    if config.proxy_for is not None:
+        try:
+            check_proxy_pair(config.dataset, config.proxy_for)
+            if data is not None:
+                check_proxy_pair(config.dataset, config.proxy_for,
+                                 tuple(getattr(data, "derived_from", ()) or ()))
+        except ProxyOverlapError as exc:
+            overlap = str(exc)
+    if overlap is None:
+        if data is not None:
+            if bool(getattr(data, "is_public", False)):
+                return "public" if config.proxy_for is None \
+                    else f"public proxy for {config.proxy_for}"
+        elif DATASETS[config.dataset].is_public:
+            return "public" if config.proxy_for is None \
+                else f"public proxy for {config.proxy_for}"
+        elif is_public_proxy(config.dataset, config.proxy_for):
+            return f"public proxy for {config.proxy_for}"
     if config.allow_private_data:
         return "NON-PRIVATE"
+    if overlap is not None:
+        raise PrivateDataError(
+            f"the greedy threshold search is not differentially private, and its thresholds "
+            f"would be replayed on {config.proxy_for!r}: {overlap}. Pass another proxy, or "
+            "allow_private_data=True (--nonprivate-search) for an explicitly NON-PRIVATE analysis"
+        )
+    if data is not None:
+        raise PrivateDataError(
+            f"greedy_search: the bundle passed as data ({config.dataset!r}, source "
+            f"{getattr(data, 'source', '?')!r}) is not declared public (is_public=False): the "
+            "greedy search is not differentially private and may only read public data. Build "
+            "the bundle with is_public=True if it is public, or pass allow_private_data=True "
+            "(--nonprivate-search) for an explicitly NON-PRIVATE analysis"
+        )
     public = sorted(n for n, e in DATASETS.items() if e.is_public)
     pairs = ", ".join(f"{p} for {k}" for k, v in sorted(PUBLIC_PROXIES.items()) for p in v)
     raise PrivateDataError(
@@ -278,7 +331,9 @@ def greedy_search(
 ) -> GreedyResult:
     """Run Lin et al.'s Algorithm 1 for ``config.epochs`` epochs (see the module docstring).
 
-    ``data`` (a ``DatasetBundle``) replaces loading ``config.dataset`` (tests); ``evaluator``
+    ``data`` (a ``DatasetBundle``) replaces loading ``config.dataset`` (tests); it must carry
+    the configured dataset's name and be declared public itself (``is_public``, and no provenance
+    shared with ``proxy_for``), else ``PrivateDataError`` (see :func:`check_public`); ``evaluator``
     replaces the test-split accuracy. With ``checkpoint_dir`` the search writes
     ``greedy.pt`` after every candidate and resumes from it when started again with the same
     config; ``stop_after_candidates`` ends this call early after that many candidates (for tests
@@ -300,11 +355,15 @@ def greedy_search(
         resolve_device,
     )
 
-    privacy = check_public(config)
+    privacy = check_public(config, data)
     t_start = time.perf_counter()
     bundle = data if data is not None else load_dataset(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
+    from dpclip.data import provenance
+
+    derived = tuple(getattr(bundle, "derived_from", ()) or ())
+    searched_provenance = sorted(provenance(config.dataset) | set(derived))
     device = resolve_device(config.device)
     x_train, y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
     x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
@@ -476,6 +535,9 @@ def greedy_search(
         "privacy": privacy,
         "nonprivate": privacy == "NON-PRIVATE",
         "proxy_for": config.proxy_for,
+        # the example collections the searched data is drawn from: a schedule may not be
+        # replayed on a private dataset that shares one (dpclip.search.resolve)
+        "provenance": searched_provenance,
         "best_accuracies": list(ck["accuracies"]),
         "candidates_per_epoch": [sum(1 for c in ck["candidates"] if c["epoch"] == e + 1)
                                  for e in range(config.epochs)],

@@ -219,11 +219,25 @@ def _check_schedule_use(config: Any, name: str, thresholds: list[float],
     from dpclip.data import DATASETS
 
     entry = DATASETS.get(config.dataset)
-    if meta.get("dataset") == config.dataset and not (entry is not None and entry.is_public):
+    private_run = not (entry is not None and entry.is_public)
+    if meta.get("dataset") == config.dataset and private_run:
         raise ValueError(
             f"schedule {name!r} was searched on {config.dataset!r} itself; Transfer replays a "
             "schedule found on a PUBLIC proxy dataset on the private one"
         )
+    if private_run and meta.get("dataset") is not None:
+        from dpclip.data import ProxyOverlapError, check_proxy_pair, provenance
+
+        searched = str(meta["dataset"])
+        # the provenance recorded by the search (its bundle's), else the registry's
+        recorded = tuple(str(p) for p in meta.get("provenance") or ()) \
+            or tuple(provenance(searched))
+        try:
+            check_proxy_pair(searched, config.dataset, recorded)
+        except ProxyOverlapError as exc:
+            raise ValueError(
+                f"schedule {name!r} cannot be replayed on {config.dataset!r}: {exc}"
+            ) from None
     diffs = []
     for key, mine in (("model", config.model), ("batch_size", config.batch_size),
                       ("lr", config.lr), ("noise_multiplier", config.noise_multiplier)):
