@@ -262,6 +262,73 @@ def cmd_reproductions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``dpclip audit``: white-box audit of the configured step (dpclip.audit.step_audit) or
+    black-box audit of a training run (dpclip.audit.blackbox); stored in the results store under
+    experiment "audit". Exit status 1 when a lower bound exceeds the claim."""
+    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.units import UnitConfig
+
+    unit, strategy_params = UnitConfig.pop_from(_parse_params(args.param))
+    record: dict[str, Any] = {"mode": args.mode, "strategy": args.strategy,
+                              "params": strategy_params, "unit": unit.unit,
+                              "sampling": args.sampling, "engine": args.engine,
+                              "noise_multiplier": args.noise_multiplier, "delta": args.delta,
+                              "significance": args.significance, "canaries": args.canaries,
+                              "seed": args.seed}
+    if args.mode == "whitebox":
+        from dpclip.audit.step_audit import audit_step
+        from dpclip.clipping import make_strategy
+
+        if args.noise_multiplier is None:
+            raise ValueError("dpclip audit --mode whitebox needs --noise-multiplier (the step's "
+                             "multiplier; the claim is one step's epsilon)")
+        r = audit_step(make_strategy(args.strategy, strategy_params),
+                       noise_multiplier=args.noise_multiplier, delta=args.delta,
+                       engine=args.engine, unit=unit.unit, sampling=args.sampling,
+                       n_canaries=args.canaries, significance=args.significance,
+                       miniset_size=unit.miniset_size or 2, seed=args.seed,
+                       progress=not args.no_progress, params=strategy_params)
+        summary = {**record, **r.to_dict(), "claim_scope": "one step, no sampling amplification"}
+    else:
+        from dpclip.audit.blackbox import blackbox_audit
+        from dpclip.trainer import TrainConfig
+
+        if not (args.dataset and args.model):
+            raise ValueError("dpclip audit --mode blackbox needs --dataset and --model")
+        _check_dataset_name(args.dataset)
+        _check_data_dir(args)
+        config = TrainConfig(
+            dataset=args.dataset, model=args.model, strategy=args.strategy,
+            strategy_params=_parse_params(args.param),
+            model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
+                                                                    "--model-option").items()},
+            dataset_options={k: _coerce(v) for k, v in _parse_params(args.dataset_option,
+                                                                      "--dataset-option").items()},
+            epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, delta=args.delta,
+            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+            sampling=args.sampling, engine=args.engine, data_dir=args.data_dir)
+        b = blackbox_audit(config, n_canaries=args.canaries, significance=args.significance,
+                           progress=not args.no_progress)
+        summary = {**record, **b.to_dict(), "claim_scope": "the whole training run"}
+    store = ResultsStore(args.db or default_db_path())
+    run_id = store.start_run(f"audit-{args.mode}-{args.strategy}-{args.seed}", record,
+                             experiment="audit", label=f"{args.mode}:{args.strategy}")
+    store.finish_run(run_id, dict(summary, run_id=run_id), {})
+    store.close()
+    verdict = ("VIOLATION: the mechanism leaks more than claimed" if summary["violates_claim"]
+               else "no violation found (an audit refutes claims, it cannot prove one)")
+    extra = (f", gaussian {summary['gaussian_epsilon']:.4g}, ratio {summary['ratio']:.2f}"
+             if "gaussian_epsilon" in summary else "")
+    _emit(dict(summary, run_id=run_id), args.json,
+          f"{args.mode} audit of {args.strategy}: claimed epsilon "
+          f"{summary['claimed_epsilon']:.4g} ({summary['claim_scope']}); lower bound "
+          f"{summary['lower_bound']:.4g} at confidence {1 - args.significance:g} (one-run "
+          f"{summary['one_run_epsilon']:.4g}, f-DP {summary['one_run_fdp_epsilon']:.4g}{extra}), "
+          f"delta {args.delta:g}; {verdict}; stored as run {run_id}")
+    return 1 if summary["violates_claim"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dpclip",
@@ -308,8 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu (default), cuda, cuda:N or auto; the ledger is the same on every device")
     t.add_argument("--max-physical-batch", type=int, default=256,
                    help="memory knob: examples per vectorized chunk (results do not change)")
-    t.add_argument("--data-dir", help="directory with the dataset files (else $DPCLIP_DATA, "
-                   "/usr/share/datasets/<name>)")
+    t.add_argument("--data-dir", help="directory with the dataset files; when given it is the "
+                   "only place searched (else $DPCLIP_DATA, /usr/share/datasets/<name>)")
     t.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
                    "./dpclip_results.db)")
     t.add_argument("--checkpoint-dir", help="write checkpoints here and resume from them")
@@ -387,6 +454,36 @@ def build_parser() -> argparse.ArgumentParser:
     from dpclip.federated.command import add_arguments as _fl_arguments
     _fl_arguments(fl)
     fl.set_defaults(func=cmd_fl)
+
+    au = sub.add_parser("audit", help="empirical epsilon lower bound vs the claimed epsilon "
+                        "(white-box: Dirac canaries in one step; black-box: mislabelled input "
+                        "canaries in a training run); see docs/audit.md")
+    au.add_argument("--mode", default="whitebox", choices=["whitebox", "blackbox"])
+    au.add_argument("--strategy", default="fixed", help="see `dpclip strategies`")
+    au.add_argument("--param", action="append", metavar="K=V",
+                    help="strategy parameter (repeatable); unit=ic|bc|gbc, miniset_size=S")
+    au.add_argument("--engine", default="vmap", help="vmap, ghost, auto, naive, summed")
+    au.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
+    au.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
+    au.add_argument("--epsilon", type=float, help="black-box: target epsilon of the run")
+    au.add_argument("--delta", type=float, required=True)
+    au.add_argument("--canaries", type=int, default=4000)
+    au.add_argument("--significance", type=float, default=0.05)
+    au.add_argument("--seed", type=int, default=0,
+                    help="the audit's coins and noise (reproducible: an audit is not a private run)")
+    au.add_argument("--dataset", help="black-box: see `dpclip datasets`")
+    au.add_argument("--model", help="black-box: see `dpclip models`")
+    au.add_argument("--model-option", action="append", metavar="K=V")
+    au.add_argument("--dataset-option", action="append", metavar="K=V")
+    au.add_argument("--epochs", type=int, default=1)
+    au.add_argument("--batch-size", type=float, default=256)
+    au.add_argument("--lr", type=float, default=0.1)
+    au.add_argument("--data-dir")
+    au.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
+                    "./dpclip_results.db)")
+    au.add_argument("--no-progress", action="store_true")
+    au.add_argument("--json", action="store_true")
+    au.set_defaults(func=cmd_audit)
     return p
 
 

@@ -95,8 +95,6 @@ class TrainConfig:
     diagnostics: bool | str = False
 
     def __post_init__(self) -> None:
-        import numbers
-
         from dpclip.accounting import ACCOUNTANTS
         from dpclip.clipping.registry import STRATEGIES
         from dpclip.engine import ENGINES
@@ -104,27 +102,32 @@ class TrainConfig:
         from dpclip.models import MODELS
         from dpclip.sampling import SAMPLERS
 
-        def flag(name: str) -> str:
-            return f"{name} (--{name.replace('_', '-')})"
+        cli = {"strategy_params": "--param", "model_options": "--model-option",
+               "dataset_options": "--dataset-option", "weight_decay": None,
+               "eval_batch_size": None}
+
+        def flag(name: str) -> str:  # the field and its command-line flag, where there is one
+            f = cli.get(name, f"--{name.replace('_', '-')}")
+            return f"{name} ({f})" if f else name
 
         # types first: a TOML or JSON value of the wrong type gets a message, not a TypeError
-        kinds = {"epsilon": numbers.Real, "noise_multiplier": numbers.Real,
-                 "delta": numbers.Real, "batch_size": numbers.Real, "lr": numbers.Real,
-                 "momentum": numbers.Real, "weight_decay": numbers.Real,
-                 "epochs": numbers.Integral, "seed": numbers.Integral,
-                 "max_physical_batch": numbers.Integral, "eval_batch_size": numbers.Integral,
-                 "dataset": str, "model": str, "strategy": str, "optimizer": str,
-                 "sampling": str, "accountant": str, "engine": str,
-                 "strategy_params": dict, "model_options": dict, "dataset_options": dict}
+        real, integer = (int, float), int  # plain Python numbers: the config is JSON
+        kinds: dict[str, Any] = {
+            "epsilon": real, "noise_multiplier": real, "delta": real, "batch_size": real,
+            "lr": real, "momentum": real, "weight_decay": real, "epochs": integer,
+            "seed": integer, "max_physical_batch": integer, "eval_batch_size": integer,
+            "dataset": str, "model": str, "strategy": str, "optimizer": str, "sampling": str,
+            "accountant": str, "engine": str, "strategy_params": dict, "model_options": dict,
+            "dataset_options": dict}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if value is None and name in ("epsilon", "noise_multiplier"):
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
-                want = {numbers.Real: "a number", numbers.Integral: "an integer",
-                        str: "a string", dict: "a table / dict"}[kind]
+                want = {real: "a number", integer: "an integer", str: "a string",
+                        dict: "a table / dict"}[kind]
                 hint = " (in a TOML spec, write numbers without quotes)" if (
-                    isinstance(value, str) and kind in (numbers.Real, numbers.Integral)) else ""
+                    isinstance(value, str) and kind in (real, integer)) else ""
                 raise ValueError(
                     f"TrainConfig: {flag(name)} must be {want}, got {type(value).__name__} "
                     f"{value!r}{hint}"
@@ -408,11 +411,23 @@ class _Plan:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
+    """Write ``path`` atomically (a ``.tmp`` then ``os.replace``): a failed write (full disk)
+    leaves the previous checkpoint intact and says so."""
     tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        kept = (f"the previous checkpoint {path} is intact" if path.exists()
+                else "no checkpoint was written")
+        raise OSError(
+            exc.errno,
+            f"could not write checkpoint {path} ({exc.strerror or exc}); {kept}. Free disk space "
+            "or use another --checkpoint-dir, then run the same command again to resume",
+        ) from exc
 
 
 def _resolve_noise(config: TrainConfig, plan: _Plan) -> float:

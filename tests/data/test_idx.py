@@ -217,16 +217,20 @@ def test_missing_fashion_mnist_message(tmp_path, isolated, monkeypatch):
     message = str(info.value)
     for stem in STEMS.values():
         assert stem in message
-    for searched in (
-        tmp_path / "nowhere",
-        tmp_path / "nowhere" / "fashion-mnist",
-        tmp_path / "env" / "fashion-mnist",
-        tmp_path / "env",
-    ):
+    for searched in (tmp_path / "nowhere", tmp_path / "nowhere" / "fashion-mnist"):
         assert str(searched) in message
+    # an explicit data_dir is the only place searched: no fallback to $DPCLIP_DATA (issue 15)
+    assert str(tmp_path / "env") not in message
+    assert "given explicitly, so $DPCLIP_DATA and the system directories were not searched" \
+        in message
     assert "apt-get install dataset-fashion-mnist" in message
     assert "zalandoresearch/fashion-mnist" in message
     assert "--data-dir" in message
+    # without data_dir, the environment's directories are searched and listed
+    with pytest.raises(DatasetNotFoundError) as info:
+        load_dataset("fashion-mnist")
+    for searched in (tmp_path / "env" / "fashion-mnist", tmp_path / "env"):
+        assert str(searched) in str(info.value)
 
 
 def test_missing_mnist_message_and_partial_directory(tmp_path, isolated):

@@ -34,13 +34,21 @@ Neighbouring relation: add-remove-one unless the event contains fixed-size sampl
 replacement (replace-one); a ledger mixing both raises ``ValueError``.
 Edge cases: an empty ledger (or no-op event) has epsilon 0; epsilon is never negative; a noise
 multiplier of 0 gives ``math.inf``.
+
+dp_accounting's own log lines (absl warnings such as "_compute_log_a_frac failed to converge ...
+Excluding this order from the epsilon computation") are kept from the user: they are recorded and
+dropped by a logging filter scoped to each call (:func:`quiet_dp_accounting`). An order excluded
+that way only removes one term of the minimum over orders, so the epsilon reported stays a valid
+upper bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +108,37 @@ class EpsilonReport:
     def neighbouring_relation(self) -> str:
         """Alias of ``adjacency``."""
         return self.adjacency
+
+
+class _DpAccountingLogFilter(logging.Filter):
+    """Drops (and keeps a copy of) the records dp_accounting logs below ERROR."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_dp_accounting = record.name == "absl" or "dp_accounting" in (record.pathname or "")
+        if from_dp_accounting and record.levelno < logging.ERROR:
+            self.dropped.append(record.getMessage())
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def quiet_dp_accounting() -> Iterator[list[str]]:
+    """Within the block, dp_accounting's warnings (absl logger for RDP, the root logger for PLD)
+    do not reach the user; yields the list of dropped messages. Other loggers and other records
+    are untouched, and the filters are removed on exit."""
+    filt = _DpAccountingLogFilter()
+    loggers = (logging.getLogger("absl"), logging.getLogger())
+    for lg in loggers:
+        lg.addFilter(filt)
+    try:
+        yield filt.dropped
+    finally:
+        for lg in loggers:
+            lg.removeFilter(filt)
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
@@ -218,14 +257,16 @@ def compute_epsilon(
         acc = PLDAccountant(
             relation, value_discretization_interval=float(value_discretization_interval)
         )
-        try:
-            acc.compose(composed)
-        except UnsupportedEventError as err:  # pragma: no cover - guarded above
-            raise UnsupportedAccountingError(
-                f"the PLD accountant cannot account for {ledger_or_event!r} ({err}); "
-                "use accountant='rdp'"
-            ) from err
-        return report(acc.get_epsilon(delta), None)
+        with quiet_dp_accounting():
+            try:
+                acc.compose(composed)
+            except UnsupportedEventError as err:  # pragma: no cover - guarded above
+                raise UnsupportedAccountingError(
+                    f"the PLD accountant cannot account for {ledger_or_event!r} ({err}); "
+                    "use accountant='rdp'"
+                ) from err
+            pld_eps = acc.get_epsilon(delta)
+        return report(pld_eps, None)
 
     orders_key = tuple(orders) if orders is not None else _DEFAULT_ORDERS
     rdp = np.zeros(len(orders_key), dtype=np.float64)
@@ -233,7 +274,8 @@ def compute_epsilon(
         rdp = rdp + n * _rdp_curve(leaf, orders_key, relation)
     orders_arr = np.asarray(orders_key, dtype=np.float64)
     if accountant == "rdp":
-        eps, order = rdp_compute_epsilon(orders_arr, rdp, delta)
+        with quiet_dp_accounting():
+            eps, order = rdp_compute_epsilon(orders_arr, rdp, delta)
         return report(float(eps), float(order) if math.isfinite(eps) else None)
     eps, order = _classic_conversion(orders_arr, rdp, delta)
     return report(eps, order if math.isfinite(eps) else None)
@@ -252,12 +294,13 @@ def _rdp_curve(
     ledger (or searching over step counts) needs one curve per distinct step event.
     """
     acc = RdpAccountant(list(orders), relation)
-    try:
-        acc.compose(to_dp_accounting(leaf))  # type: ignore[arg-type]
-    except UnsupportedEventError as err:  # pragma: no cover - our leaves are all supported
-        raise UnsupportedAccountingError(
-            f"the RDP accountant cannot account for {leaf!r}: {err}"
-        ) from err
+    with quiet_dp_accounting():  # e.g. "_compute_log_a_frac failed to converge": order excluded
+        try:
+            acc.compose(to_dp_accounting(leaf))  # type: ignore[arg-type]
+        except UnsupportedEventError as err:  # pragma: no cover - our leaves are all supported
+            raise UnsupportedAccountingError(
+                f"the RDP accountant cannot account for {leaf!r}: {err}"
+            ) from err
     curve = acc.rdp
     curve.setflags(write=False)
     return curve

@@ -2,9 +2,10 @@
 
 dpclip never downloads: the files are read from the first of these places that has them,
 
-1. ``data_dir``, ``data_dir/<folder>`` and ``data_dir/<name>`` (``--data-dir``);
-2. the same under ``$DPCLIP_DATA``;
-3. ``/usr/share/datasets/<name>``;
+1. ``data_dir``, ``data_dir/<folder>`` and ``data_dir/<name>`` (``--data-dir``); when
+   ``data_dir`` is given, ONLY these are searched (no silent fallback to other data);
+2. otherwise the same under ``$DPCLIP_DATA``;
+3. then ``/usr/share/datasets/<name>``;
 
 where ``<folder>`` is the archive's folder (``cifar-10-batches-py`` / ``cifar-100-python``) and a
 place "has them" when it holds the extracted files or the original archive
@@ -22,6 +23,7 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +101,17 @@ def _unpickle(data: bytes, where: str) -> dict:
 
 def _candidates(spec: _CifarSpec, data_dir: str | os.PathLike[str] | None) -> list[Path]:
     roots: list[Path] = []
-    if data_dir is not None:
+    if data_dir is not None:  # an explicit directory is the only place searched: no fallback
         roots.append(Path(data_dir))
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        roots.append(Path(env))
+    else:
+        env = os.environ.get(DATA_ENV_VAR)
+        if env:
+            roots.append(Path(env))
     out: list[Path] = []
     for root in roots:
         out += [root, root / spec.folder, root / spec.name]
-    out += [Path(r) / spec.name for r in SYSTEM_DATA_ROOTS]
+    if data_dir is None:
+        out += [Path(r) / spec.name for r in SYSTEM_DATA_ROOTS]
     unique: list[Path] = []
     for c in out:
         if c not in unique:
@@ -130,21 +134,32 @@ def _read_members(spec: _CifarSpec, data_dir: str | os.PathLike[str] | None
         archive = d / spec.archive
         if archive.is_file():
             out: dict[str, bytes] = {}
-            with tarfile.open(archive, "r:*") as tar:
-                for f in needed:
-                    try:
-                        member = tar.extractfile(f"{spec.folder}/{f}")
-                    except KeyError:
-                        member = None
-                    if member is None:
-                        raise CifarFormatError(
-                            f"{archive}: no member {spec.folder}/{f}; is this the official "
-                            f"{spec.archive}?")
-                    out[f] = member.read()
+            try:
+                with tarfile.open(archive, "r:*") as tar:
+                    for f in needed:
+                        try:
+                            member = tar.extractfile(f"{spec.folder}/{f}")
+                        except KeyError:
+                            member = None
+                        if member is None:
+                            raise CifarFormatError(
+                                f"{archive}: no member {spec.folder}/{f}; is this the official "
+                                f"{spec.archive}?")
+                        out[f] = member.read()
+            except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+                raise CifarFormatError(
+                    f"{archive}: corrupted or truncated archive ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())}); "
+                    f"delete it and download {spec.url} again"
+                ) from None
             return out, str(archive)
         report.append(f"  - {d} (missing: {', '.join(missing)}; no {spec.archive})")
+    where = (f" in the data directory you gave, {str(data_dir)!r} (--data-dir / data_dir; "
+             f"given explicitly, so ${DATA_ENV_VAR} and the system directories were not "
+             "searched)" if data_dir is not None else "")
     raise DatasetNotFoundError(
-        f"dataset {spec.name!r} not found. Places searched, in order:\n" + "\n".join(report)
+        f"dataset {spec.name!r} not found{where}. Places searched, in order:\n"
+        + "\n".join(report)
         + f"\nExpected the python-version files {', '.join(needed)} (the folder {spec.folder} "
         f"of {spec.archive}) or the archive itself.\nTo get them: download {spec.url} and pass "
         f"its directory (extracted or not) as --data-dir (or set ${DATA_ENV_VAR}, or place it in "
@@ -185,8 +200,14 @@ def _load(spec: _CifarSpec, data_dir: str | os.PathLike[str] | None,
             f"download=True is not available: dpclip runs offline and never downloads datasets. "
             f"Download {spec.url} yourself and pass its directory as --data-dir")
     raw, source = _read_members(spec, data_dir)
-    train = _split(spec, raw, spec.train, source)
-    test = _split(spec, raw, (spec.test,), source)
+    try:
+        train = _split(spec, raw, spec.train, source)
+        test = _split(spec, raw, (spec.test,), source)
+    except CifarFormatError as exc:  # say what to fetch again
+        raise CifarFormatError(
+            f"{exc}.\nThe {spec.name} files in {source} cannot be used; get them again: "
+            f"download {spec.url} and pass its directory as --data-dir"
+        ) from None
     return DatasetBundle(spec.name, train, test, spec.num_classes, (3, 32, 32), is_public=False,
                          source=source)
 

@@ -6,10 +6,12 @@ row-major order. Files may be gzipped (detected from the gzip header, not the fi
 
 Search order for a dataset ``<name>`` (first directory holding all four files wins):
 
-1. the ``data_dir`` argument, then ``data_dir/<name>``;
-2. ``$DPCLIP_DATA/<name>``, then ``$DPCLIP_DATA``;
-3. ``<root>/<name>`` for each root in :data:`SYSTEM_DATA_ROOTS` (``/usr/share/datasets``, where
-   the Debian package ``dataset-fashion-mnist`` installs Fashion-MNIST).
+1. the ``data_dir`` argument, then ``data_dir/<name>``; when ``data_dir`` is given, ONLY these
+   two are searched (a directory the user named that does not exist or lacks the files is an
+   error listing what was searched, never a silent fallback to other data);
+2. otherwise ``$DPCLIP_DATA/<name>``, then ``$DPCLIP_DATA``;
+3. then ``<root>/<name>`` for each root in :data:`SYSTEM_DATA_ROOTS` (``/usr/share/datasets``,
+   where the Debian package ``dataset-fashion-mnist`` installs Fashion-MNIST).
 
 Nothing is downloaded: this library runs offline.
 """
@@ -157,12 +159,13 @@ _MNIST = _IdxSpec(
 
 def _candidate_dirs(name: str, data_dir: str | os.PathLike[str] | None) -> list[Path]:
     candidates: list[Path] = []
-    if data_dir is not None:
+    if data_dir is not None:  # an explicit directory is the only place searched: no fallback
         candidates += [Path(data_dir), Path(data_dir) / name]
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        candidates += [Path(env) / name, Path(env)]
-    candidates += [Path(root) / name for root in SYSTEM_DATA_ROOTS]
+    else:
+        env = os.environ.get(DATA_ENV_VAR)
+        if env:
+            candidates += [Path(env) / name, Path(env)]
+        candidates += [Path(root) / name for root in SYSTEM_DATA_ROOTS]
     unique: list[Path] = []
     for c in candidates:
         if c not in unique:
@@ -206,8 +209,12 @@ def find_idx_dir(
             return found
         report.append(f"  - {directory} (missing: {', '.join(missing)})")
     expected = ", ".join(f"{stem}[.gz]" for stem in IDX_FILES.values())
+    where = (f"in the data directory you gave, {str(data_dir)!r} (--data-dir / data_dir; "
+             f"given explicitly, so ${DATA_ENV_VAR} and the system directories were not "
+             "searched)" if data_dir is not None else "")
     raise DatasetNotFoundError(
-        f"dataset {name!r} not found. Directories searched, in order:\n"
+        f"dataset {name!r} not found{' ' + where if where else ''}. Directories searched, in "
+        "order:\n"
         + "\n".join(report)
         + f"\nExpected in one directory the four IDX files: {expected} "
         "(gzipped or not).\n" + (f"To get them: {how_to_get}." if how_to_get else "")
@@ -265,8 +272,14 @@ def _load_idx_dataset(
             f"Get the {spec.name} files yourself: {spec.how_to_get}; then call with download=False"
         )
     files = find_idx_dir(spec.name, data_dir, how_to_get=spec.how_to_get)
-    train = _load_split(spec, files["train_images"], files["train_labels"])
-    test = _load_split(spec, files["test_images"], files["test_labels"])
+    try:
+        train = _load_split(spec, files["train_images"], files["train_labels"])
+        test = _load_split(spec, files["test_images"], files["test_labels"])
+    except IdxFormatError as exc:  # say which dataset's files to fetch again, and how
+        raise IdxFormatError(
+            f"{exc}.\nThe {spec.name} files in {files['train_images'].parent} cannot be used; "
+            f"get them again: {spec.how_to_get}"
+        ) from None
     return DatasetBundle(
         spec.name,
         train,

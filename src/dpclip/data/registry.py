@@ -165,7 +165,9 @@ def load_dataset(
         DatasetNotFoundError: the files of a file-based dataset are not found.
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(DATASETS))}")
+        from dpclip.errors import unknown_name
+
+        raise ValueError(unknown_name("dataset", name, DATASETS))
     entry = DATASETS[name]
     valid = entry.options()
     unknown = sorted(set(options) - set(valid))

@@ -181,11 +181,12 @@ TABULAR_SPECS: dict[str, TabularSpec] = {
 
 def _candidate_dirs(name: str, data_dir: str | os.PathLike[str] | None) -> list[Path]:
     out: list[Path] = []
-    if data_dir is not None:
+    if data_dir is not None:  # a directory given explicitly is the only place searched
         out += [Path(data_dir) / name, Path(data_dir)]
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        out += [Path(env) / name, Path(env)]
+    else:
+        env = os.environ.get(DATA_ENV_VAR)
+        if env:
+            out += [Path(env) / name, Path(env)]
     return list(dict.fromkeys(out))
 
 

@@ -27,7 +27,8 @@ train = { lr = 4.0 }              # optional per-strategy TrainConfig overrides
 ```
 
 ``load_spec(path, overrides)`` validates everything (unknown keys, unknown strategies, models and
-datasets, bad values) into frozen dataclasses with errors that name the key and the fix;
+datasets, values of the wrong type, missing sections) into frozen dataclasses with errors that
+name the file, the key and the fix (with "did you mean ...?" for misspelt keys and names);
 ``--set key=value`` overrides use dotted keys (``train.epochs=1``, ``grid.seeds=[0]``,
 ``strategies.fixed.params.clip_norm=0.2``) with TOML values.
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from dpclip.errors import did_you_mean, unknown_name
 from dpclip.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
@@ -59,7 +61,28 @@ _GRID_OWNED = {"dataset", "model", "epsilon", "noise_multiplier", "seed", "strat
 
 
 class SpecError(ValueError):
-    """An invalid experiment spec; the message names the offending key."""
+    """An invalid experiment spec; the message names the offending key (and, from
+    ``load_spec``, the file)."""
+
+
+def _unknown_keys(where: str, bad: list[str], valid: set[str],
+                  noun: str = "key(s)") -> SpecError:
+    """``[train]: unknown field(s) ['epoch'] (did you mean 'epochs'?); valid: [...]``."""
+    hints = [f"{k!r}{did_you_mean(k, valid)}" for k in bad if did_you_mean(k, valid)]
+    if len(bad) == 1:
+        hint = did_you_mean(bad[0], valid)
+    else:
+        hint = f" ({'; '.join(hints)})" if hints else ""
+    return SpecError(f"{where}: unknown {noun} {bad}{hint}; valid: {sorted(valid)}")
+
+
+def _table(raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where} must be a table ([{where}] or {where} = {{ ... }}), got "
+                        f"{type(raw).__name__} {raw!r}")
+    return dict(raw)
 
 
 @dataclass(frozen=True)
@@ -167,21 +190,21 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
         _apply_set(raw, item)
     unknown = sorted(set(raw) - _TOP)
     if unknown:
-        raise SpecError(f"unknown top-level key(s) {unknown}; valid: {sorted(_TOP)}")
+        raise _unknown_keys("top level", unknown, _TOP)
     name = raw.get("name")
     if not isinstance(name, str) or not name:
-        raise SpecError("the spec needs a non-empty string `name`")
-    train = dict(raw.get("train", {}))
+        raise SpecError("the spec needs a non-empty string `name` (top level: name = \"...\")")
+    train = _table(raw.get("train"), "train")
     bad = sorted(set(train) - _TRAIN_FIELDS)
     if bad:
-        raise SpecError(f"[train]: unknown field(s) {bad}; valid: {sorted(_TRAIN_FIELDS)}")
+        raise _unknown_keys("[train]", bad, _TRAIN_FIELDS, "field(s)")
     owned = sorted(set(train) & (_GRID_OWNED - {"dataset", "model"}))
     if owned:
         raise SpecError(f"[train]: {owned} are set by [grid]/[[strategies]], not [train]")
-    grid = dict(raw.get("grid", {}))
+    grid = _table(raw.get("grid"), "grid")
     bad = sorted(set(grid) - _GRID)
     if bad:
-        raise SpecError(f"[grid]: unknown key(s) {bad}; valid: {sorted(_GRID)}")
+        raise _unknown_keys("[grid]", bad, _GRID)
     datasets = _as_tuple(grid.get("datasets", train.pop("dataset", None)), "datasets", str)
     models = _as_tuple(grid.get("models", train.pop("model", None)), "models", str)
     train.pop("dataset", None)
@@ -198,18 +221,23 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
         raise SpecError("[grid] seeds must not be empty")
     strategies = []
     labels: set[str] = set()
-    for i, s in enumerate(raw.get("strategies", [])):
+    raw_strategies = raw.get("strategies", [])
+    if not isinstance(raw_strategies, list):
+        raise SpecError("`strategies` must be an array of tables: write each as [[strategies]] "
+                        "with name = \"...\" (and optional label, params, train)")
+    for i, s in enumerate(raw_strategies):
         if not isinstance(s, dict):
             raise SpecError(f"strategies[{i}] must be a table")
         bad = sorted(set(s) - _STRAT)
         if bad:
-            raise SpecError(f"strategies[{i}]: unknown key(s) {bad}; valid: {sorted(_STRAT)}")
+            raise _unknown_keys(f"strategies[{i}]", bad, _STRAT)
         if "name" not in s:
             raise SpecError(f"strategies[{i}] needs a `name`")
-        st_train = dict(s.get("train", {}))
+        _table(s.get("params"), f"strategies[{i}].params")
+        st_train = _table(s.get("train"), f"strategies[{i}].train")
         bad = sorted(set(st_train) - _TRAIN_FIELDS)
         if bad:
-            raise SpecError(f"strategies[{i}].train: unknown field(s) {bad}")
+            raise _unknown_keys(f"strategies[{i}].train", bad, _TRAIN_FIELDS, "field(s)")
         label = str(s.get("label", s["name"]))
         if label in labels:
             raise SpecError(f"strategies[{i}]: duplicate label {label!r}; give each a `label`")
@@ -242,16 +270,26 @@ def _validate_names(spec: ExperimentSpec) -> None:
 
     for ds in spec.datasets:
         if ds not in DATASETS:
-            raise SpecError(f"unknown dataset {ds!r}; valid: {', '.join(sorted(DATASETS))}")
+            raise SpecError(f"[grid] datasets / [train] dataset: "
+                            f"{unknown_name('dataset', ds, DATASETS)}")
     for m in spec.models:
         if m not in MODELS:
-            raise SpecError(f"unknown model {m!r}; valid: {', '.join(sorted(MODELS))}")
+            raise SpecError(f"[grid] models / [train] model: {unknown_name('model', m, MODELS)}")
     from dpclip.search.resolve import resolve_strategy_params
 
-    try:
-        runs = spec.runs()
-    except ValueError as exc:  # TrainConfig validation
-        raise SpecError(str(exc)) from None
+    from dpclip.clipping import STRATEGIES
+
+    for st in spec.strategies:
+        if st.name not in STRATEGIES:
+            raise SpecError(f"[[strategies]] {st.label!r}: "
+                            f"{unknown_name('strategy', st.name, STRATEGIES)}")
+    runs = []
+    for st in spec.strategies:  # TrainConfig validation, blamed on the table that set the value
+        try:
+            runs += dataclasses.replace(spec, strategies=(st,)).runs()
+        except ValueError as exc:
+            where = f"[train] with [[strategies]] {st.label!r} train" if st.train else "[train]"
+            raise SpecError(f"{where}: {exc}") from None
     for st in spec.strategies:
         try:
             # transfer's schedule=NAME and lin-decay's c0_from="greedy" are resolved from the
@@ -275,7 +313,10 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> ExperimentSpec
             raw = tomllib.load(fh)
         except tomllib.TOMLDecodeError as exc:
             raise SpecError(f"{p}: invalid TOML: {exc}") from None
-    return parse_spec(raw, overrides)
+    try:
+        return parse_spec(raw, overrides)
+    except SpecError as exc:
+        raise SpecError(f"{p}: {exc}") from None
 
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
