@@ -195,7 +195,8 @@ def test_train_meets_epsilon_and_resumes_from_a_checkpoint(tmp_path):
     logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = TrainConfig(dataset="synthetic", model="mlp", strategy="adaclip",
                       strategy_params={"initial_clip_norm": 0.5}, epsilon=3.0, delta=1e-5,
-                      epochs=1, batch_size=64, lr=0.5, optimizer="momentum", seed=0)
+                      epochs=1, batch_size=64, lr=0.5, optimizer="momentum", seed=0,
+                      reproducible_noise=True)  # the full run replays the same noise
     full = train(cfg, progress=False)
     assert full.summary["epsilon"] <= 3.0 and full.summary["steps"] == 8
     assert full.summary["test_accuracy"] > 0.5  # 4 classes
