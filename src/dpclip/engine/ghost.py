@@ -56,6 +56,17 @@ raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or
 ``fallback="vmap"`` runs the ``vmap`` engine on the whole batch and says so in
 ``EngineResult.engine_info``.
 
+Separability (per call, batches of more than one example): the forward and the loss run under
+:class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
+input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
+must hold no custom ``autograd.Function``. A model that mixes examples (``x - x.mean(0)``, a softmax
+or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
+``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded).
+
+Rounding: the norms passed to ``weight_fn`` (and reported) are upper bounds of the norms of the
+vectors actually summed, rounding included (:class:`_Rounding`, ``_Rule.bound_sq``,
+``_position_bound_sq``; docs/engines.md, "Privacy").
+
 References: I. Goodfellow, "Efficient per-example gradient computations", 2015 (2-D linear rule);
 X. Li, F. Tramer, P. Liang, T. Hashimoto, "Large language models can be strong differentially
 private learners", ICLR 2022 (ghost clipping for sequences); Z. Bu, J. Mao, S. Xu, "Scalable and
@@ -66,6 +77,7 @@ private optimization on large model at small cost", ICML 2023 (book-keeping).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -85,6 +97,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
 
@@ -111,9 +124,21 @@ class _Call:
     in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
-                 "kept")
+                 "kept", "layouts")
 
-    def __init__(self, owner: "_Owner", a: Tensor, out: Tensor) -> None:
+    def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
+                 tracer: SeparabilityTracer | None = None) -> None:
+        #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
+        #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
+        #: The output is then marked ``(0, 1)`` whatever it was: its row ``i`` carries example
+        #: ``i``'s share of the parameter gradient, so the trace must also prove that row ``i``
+        #: reaches no other example's loss (a data-independent output, e.g. of a position
+        #: embedding, flipped over the batch would otherwise pass as a constant)
+        if tracer is None:
+            self.layouts = None
+        else:
+            self.layouts = (tracer.layout(a), tracer.layout(out))
+            tracer.mark(out, (0, 1))
         self.owner = owner
         self.mod = owner.module
         self.rule = owner.rule
@@ -184,6 +209,45 @@ def _sq(g: Tensor) -> Tensor:
     return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
 
+class _Rounding:
+    """Floating-point error constants of one chunk (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2002, ch. 3): ``u`` the unit roundoff of the working dtype, ``u_p`` the relative
+    error of one product inside a matrix product or convolution (``u``, or more when the backend may
+    round the factors: TF32 on CUDA, ``torch.set_float32_matmul_precision`` below "highest"),
+    ``gam(n) = n u / (1 - n u)`` the relative error of a sum of ``n`` terms in any order, and
+    ``gp(n)`` that of a dot product of length ``n`` (each term's error relative to ``|x_k y_k|``).
+    A bound that is not valid (``n u >= 1/2``) is ``inf``: the weight is then 0 (sound)."""
+
+    __slots__ = ("u", "u_p", "batch")
+
+    def __init__(self, dtypes: Sequence[torch.dtype], device: torch.device, batch: int) -> None:
+        self.u = max(torch.finfo(d).eps for d in dtypes) / 2
+        u_p = self.u
+        if self.u <= 2.0 ** -24:  # float32 (or float64) factors may be rounded by the backend
+            prec = torch.get_float32_matmul_precision()
+            if prec == "medium":
+                u_p = max(u_p, 2.0 ** -8)  # bfloat16 factors
+            elif prec == "high":
+                u_p = max(u_p, 2.0 ** -11)  # TF32 factors
+            if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
+                                          or torch.backends.cudnn.allow_tf32):
+                u_p = max(u_p, 2.0 ** -11)
+        self.u_p = 2 * u_p + u_p * u_p  # both factors rounded
+        self.batch = batch
+
+    def gam(self, n: int) -> float:
+        nu = n * self.u
+        return nu / (1 - nu) if nu < 0.5 else math.inf
+
+    def gp(self, n: int) -> float:
+        return self.u_p + self.gam(n) * (1 + self.u_p)
+
+    def bookkeeping(self, n: int) -> float:
+        """Relative error (to ``sum_t ||w b_t|| ||a_t||``) of one example's part of a book-keeping
+        reduction of length ``n`` with the weights folded into ``b`` (one rounding of ``w b``)."""
+        return (1 + self.u) * (1 + self.gp(n)) - 1
+
+
 class _Rule:
     """How to get per-example norms and weighted sums of one layer type from ``a`` and ``b``."""
 
@@ -217,6 +281,21 @@ class _Rule:
         """The sum of the squared norms of ``roles`` in one go, when cheaper (else None)."""
         return None
 
+    def rel_len(self, c: _Call, roles: Sequence[str]) -> int:
+        """The length of the longest reduction behind the squared norms of ``roles`` when the
+        vector summed for example ``i`` is the very vector whose norm was taken (kept per-example
+        gradients, rank-one 2-D Linear gradients): their bound is then relative,
+        ``(1 + gam(rel_len))``, applied once per chunk. Layers whose summed vector is formed
+        separately (book-keeping over positions) bound themselves in :meth:`bound_sq`."""
+        return sum(getattr(c.mod, r).numel() for r in roles) + 4
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        """For a weight computed by Gram matrices or formed apart from the book-keeping sum: the
+        squared upper bound of ``||V_i|| / w_i`` (``V_i`` example ``i``'s part of the weighted sum
+        exactly as computed, rounding included) from the computed ``sq``; None: ``sq`` is already
+        such a bound up to the chunk's relative factor."""
+        return None
+
     def per_example(self, c: _Call, role: str) -> Tensor:
         """The per-example gradient ``(B, *param.shape)`` of ``role`` from this call."""
         raise NotImplementedError
@@ -232,8 +311,65 @@ class _Rule:
         c.b = _rows(finite, c.b)
 
 
+def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red_len: int,
+                       gram_err: float, bk_len: int, rnd: _Rounding,
+                       direct: Any = None) -> Tensor:
+    """The squared bound on ``||V_i|| / w_i`` of a layer whose per-example gradient is a sum over
+    positions, ``G_i = sum_t b_t a_t^T``, and whose weighted sum is formed by book-keeping.
+
+    ``abs_sum`` is (an upper bound of) ``A_i = sum_t ||a_t|| ||b_t||``, the sum of the norms of the
+    terms: every rounding error below is relative to it, not to ``||G_i||``, because the terms can
+    cancel (a constant image into a GroupNorm: ``G_i`` ~ 0 while each term is large). Then
+
+    * ghost (``sq`` from Gram matrices): ``||G_i||^2 <= max(sq, 0) + gram_err A^2`` (every entry of
+      both Gram matrices and of their inner product has an error below ``gp(.) ||.|| ||.||``, and
+      ``sum_{t,t'} ||a_t|| ||a_t'|| ||b_t|| ||b_t'|| = A^2``);
+    * direct (``sq`` of the per-example gradient formed over ``red_len`` positions):
+      ``||G_i|| <= sqrt(sq) (1 + gam(numel + 2)) + gp(red_len) A``;
+    * book-keeping over ``bk_len`` rows with ``w b`` rounded once:
+      ``||V_i|| <= w (||G_i|| + bk A)``, and by the triangle inequality also ``<= w (1 + bk) A``.
+
+    The ghost bound's error term is ``sqrt(gram_err) A``; where it dominates (cancellation:
+    ``gram_err A^2 > sq / 64``), the examples' gradients are formed directly (``direct(rows)``:
+    their squared norms), whose error term is ``gp(red_len) A``, much smaller.
+    """
+    bk = rnd.bookkeeping(bk_len)
+    if choice == "ghost":
+        err = gram_err * abs_sum.square()
+        g = (sq.clamp(min=0) + err).sqrt()
+        if direct is not None:
+            rows = (err * 64 > sq).nonzero().flatten()
+            if rows.numel():
+                d_sq = direct(rows).to(sq.dtype)
+                d_bound = d_sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum[rows]
+                g = g.index_put((rows,), torch.minimum(g[rows], d_bound))
+    else:
+        g = sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum
+    bound = torch.minimum(g + bk * abs_sum, (1 + bk) * abs_sum)
+    return bound.square()
+
+
 class _LinearRule(_Rule):
     kind = "matmul"
+
+    def rel_len(self, c: _Call, roles: Sequence[str]) -> int:
+        if c.a.ndim == 2:  # ||a||^2 ||b||^2 (+ ||b||^2): two row dot products, one product
+            return c.a.shape[1] + c.b.shape[1] + 4
+        return super().rel_len(c, roles)
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        if c.a.ndim == 2 or c.choice == "keep":
+            return None
+        a, b = c.a, c.b
+        batch, t, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+        na = torch.linalg.vector_norm(a, dim=2)
+        nb = torch.linalg.vector_norm(b, dim=2)
+        abs_sum = _vecdot(na, nb).to(sq.dtype) * (1 + rnd.gam(max(d, p) + t + 4))
+        gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
+            + rnd.gam(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+        return _position_bound_sq(
+            sq, abs_sum, c.choice, d * p, t, gram, batch * t, rnd,
+            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])))
 
     def prepare(self, c: _Call) -> None:
         if c.a.ndim != 2:
@@ -462,6 +598,29 @@ class _ConvRule(_Rule):
             return c.b.flatten(2).sum(2)
         return self._per_example_weight(c)
 
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        if c.choice == "keep":
+            return None
+        mod, a, b = c.mod, c.a, c.b
+        batch, g, nd = a.shape[0], mod.groups, a.ndim - 2
+        # ||patch_t||^2 per group: the squares summed over the group's channels, then over each
+        # kernel window (a convolution with a kernel of ones, same geometry as the layer)
+        a2 = a.square().reshape(batch, g, a.shape[1] // g, *a.shape[2:]).sum(2)
+        ones = a2.new_ones((g, 1, *mod.kernel_size))
+        conv = F.conv1d if nd == 1 else F.conv2d
+        pa2 = conv(a2, ones, None, mod.stride, self._padding(c), mod.dilation, g)
+        na = pa2.clamp(min=0).sqrt().reshape(batch, g, -1)
+        nb = torch.linalg.vector_norm(b.reshape(batch, g, b.shape[1] // g, -1), dim=2)
+        positions = na.shape[2]
+        fan_in = a.shape[1] // g * math.prod(mod.kernel_size)
+        p = mod.out_channels // g
+        abs_sum = (na * nb).sum((1, 2)).to(sq.dtype) * (1 + rnd.gp(fan_in + p + positions * g + 8))
+        gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
+            + rnd.gam(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
+        return _position_bound_sq(
+            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, batch * positions, rnd,
+            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])))
+
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         b = c.b
@@ -472,6 +631,13 @@ class _ConvRule(_Rule):
         if "bias" in groups:
             out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
         return out
+
+
+class _Sub:
+    """The rows ``rows`` of a call's ``a`` and ``b`` (for a rule's ``per_example``)."""
+
+    def __init__(self, c: _Call, rows: Tensor) -> None:
+        self.a, self.b, self.mod = c.a[rows], c.b[rows], c.mod
 
 
 class _EmbeddingRule(_Rule):
@@ -516,6 +682,16 @@ class _EmbeddingRule(_Rule):
         out = b.new_zeros(batch * vocab, b.shape[2])
         out.index_add_(0, key.flatten(), b.reshape(-1, b.shape[2]))
         return out.view(batch, vocab, b.shape[2])
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        b = c.b  # padding positions already zeroed
+        batch, t, p = b.shape
+        abs_sum = torch.linalg.vector_norm(b, dim=2).sum(1).to(sq.dtype) * (1 + rnd.gam(p + t + 4))
+        gram = rnd.gp(p) + rnd.gam(t * t + 1) * (1 + rnd.gp(p))
+        # segment sums: at most t rows per (example, token), then their squared norms summed
+        return _position_bound_sq(sq, abs_sum, "ghost" if c.choice == "ghost" else "direct",
+                                  p + t, t, gram, batch * t, rnd,
+                                  lambda rows: _sq(self.per_example(_Sub(c, rows), "weight")))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         x, b = c.a, c.b
@@ -719,18 +895,30 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
     return not scan.reasons, scan.reasons
 
 
+_CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
+
+
 class _RuntimeUnsupported(Exception):
     """A model property found during the forward pass that the ghost rules cannot handle."""
 
 
 def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
-    """How many autograd edges lead into each wanted parameter's AccumulateGrad node."""
+    """How many autograd edges lead into each wanted parameter's AccumulateGrad node.
+
+    Raises :class:`_RuntimeUnsupported` on a node of a custom ``torch.autograd.Function`` (or a
+    module backward hook, which is one): its backward is user code that the separability trace of
+    the forward cannot see, and it could mix the examples' gradients."""
     indeg: dict[Any, int] = {root: 0}
     stack = [root]
     leaves = []
     pop, push, add_leaf = stack.pop, stack.append, leaves.append
     while stack:
         fn = pop()
+        if isinstance(fn, _CUSTOM_FUNCTION):
+            raise _RuntimeUnsupported(
+                f"the autograd graph contains a custom autograd.Function ({type(fn).__name__}) "
+                "or a module backward hook, whose backward code could mix the examples' "
+                "gradients and is not checked; remove it or use engine 'vmap'")
         edges = fn.next_functions
         if not edges:
             add_leaf(fn)
@@ -776,11 +964,11 @@ class GhostEngine:
             :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: such a
             batch is computed by the ``vmap`` engine instead, and ``engine_info`` says so.
 
-    Privacy: the same as ``vmap``: each example contributes ``w_i g_i`` where ``g_i`` is exactly the
-    gradient whose norm was reported, so the strategy's sensitivity bound holds. The forward pass
-    runs on the whole chunk, so layers that mix examples are refused (training-mode BatchNorm), and
-    every hooked layer must see the batch as its inputs' first dimension (checked); dropout draws
-    independent masks per example, as under ``vmap``. Hooks live for one call only; nothing is
+    Privacy: each example contributes a vector ``V_i`` with ``||V_i|| <= w_i n_i``, ``n_i`` the
+    reported norm: an upper bound of the norm of what is actually summed, rounding included, so
+    the strategy's sensitivity bound holds. The forward runs on the whole chunk, so it is traced and
+    must be proved per-example separable (mixing models and sequence-first layers are refused or
+    fall back to ``vmap``); dropout draws independent masks per example, as under ``vmap``. Hooks live for one call only; nothing is
     attached to modules or parameters, ``p.grad`` is not touched.
     """
 
@@ -950,6 +1138,23 @@ class GhostEngine:
         self._choose(live, batch)
         first = next(iter(params.values()))
         dtype = first.dtype
+        dtypes = {dtype}
+        for c in live:
+            dtypes.add(c.b.dtype)
+        rnd = _Rounding(tuple(dtypes), first.device, batch)
+        k_rel = 0  # the longest reduction behind a relative bound (see _Rule.rel_len)
+
+        def part_norms(c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+            nonlocal k_rel
+            parts = c.rule.norms(c, roles)
+            rel = roles
+            if "weight" in parts:
+                bound = c.rule.bound_sq(c, parts["weight"], rnd)
+                if bound is not None:
+                    parts["weight"] = bound
+                    rel = [r for r in roles if r != "weight"]
+            k_rel = max(k_rel, c.rule.rel_len(c, rel))
+            return parts
 
         # ---- squared norms summed per group (a parameter used by several calls: its per-example
         # gradient is formed for every use and summed first)
@@ -968,14 +1173,15 @@ class GhostEngine:
                     s = c.rule.fused_norm(c, o.roles)
                     if s is not None:
                         add(gs[0], s)
+                        k_rel = max(k_rel, c.rule.rel_len(c, o.roles))
                         continue
-                parts = c.rule.norms(c, o.roles)
+                parts = part_norms(c, o.roles)
                 for r, g in zip(o.roles, gs):
                     add(g, parts[r])
                 continue
             roles = [r for r, one in zip(o.roles, single) if one]
             if roles:
-                parts = c.rule.norms(c, roles)
+                parts = part_norms(c, roles)
                 for r in roles:
                     add(gs[o.roles.index(r)], parts[r])
             for r, pn, one in zip(o.roles, o.pnames, single):
@@ -984,6 +1190,7 @@ class GhostEngine:
                     multi[pn] = g if pn not in multi else multi[pn] + g
         for pn, g in multi.items():
             add(group_of[pn], _sq(g))
+            k_rel = max(k_rel, g[0].numel() + 4)
         zero = None
         for g in range(n_groups):
             if acc[g] is None:
@@ -994,7 +1201,13 @@ class GhostEngine:
         sq = acc[0] if flat else torch.stack(acc, 1)  # type: ignore[arg-type]
         if sq.dtype != dtype:
             sq = sq.to(dtype)
-        norms = sq.sqrt()
+        # the norms used for the weights are upper bounds of the norms of the vectors actually
+        # summed, rounding included (module docstring, "Rounding"): the relative factor covers the
+        # norms' own reductions (k_rel), the weighted reduction over the batch (its products
+        # rounded: u_p), the sums over layers and groups, the square root and the strategy's few
+        # operations on the norm (32)
+        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + k_rel + 2 * len(live) + n_groups + 32)) - 1
+        norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
         all_finite = math.isfinite(float(sq.sum()))
@@ -1157,34 +1370,125 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
     calls: list[_Call] = []
     by_module = scan.by_module
     chain = _plain_chain(model, by_module)
+    batch = xs.shape[0]
+    # a batch of one example cannot mix examples; otherwise every operation is traced
+    tracer = SeparabilityTracer(batch) if batch > 1 else None
+    if tracer is not None:
+        tracer.mark(xs, (0, 1))
+        tracer.mark(ys, (0, 1))
     if chain is not None:  # the same calls as the hooks would see, without hooks
+        key = _chain_key(chain, xs) if tracer is not None else None
+        cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
+        chain_tracer = tracer if cached is None else None
         with torch.enable_grad():
-            h = xs
-            for mod in chain:
-                owner = by_module.get(id(mod))
-                if owner is None:
-                    h = mod(h)
-                else:
-                    out = mod(h)
-                    calls.append(_Call(owner, h, out))
-                    h = out
-            losses = _check_losses(loss_fn(h, ys), xs.shape[0])
+            with chain_tracer or contextlib.nullcontext():
+                h = xs
+                for mod in chain:
+                    owner = by_module.get(id(mod))
+                    if owner is None:
+                        h = mod(h)
+                    else:
+                        out = mod(h)
+                        calls.append(_Call(owner, h, out, chain_tracer))
+                        h = out
+            if tracer is not None:
+                if cached is not None:
+                    for c, lay in zip(calls, cached[0]):
+                        c.layouts = lay
+                    tracer.mark(h, cached[1])
+                elif key is not None and tracer.violation is None:
+                    if len(_CHAIN_LAYOUTS) >= 256:
+                        _CHAIN_LAYOUTS.clear()
+                    _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
+            with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
+                losses = _check_losses(loss_fn(h, ys), batch)
+        _check_separable(tracer, calls, losses)
         return calls, losses.sum()
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_Call(by_module[id(mod)], a, out))
+        calls.append(_Call(by_module[id(mod)], a, out, tracer))
 
     handles = []
     try:
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
-        with torch.enable_grad():
-            losses = _check_losses(loss_fn(model(xs), ys), xs.shape[0])
+        with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+            losses = _check_losses(loss_fn(model(xs), ys), batch)
     finally:
         for h in handles:
             h.remove()
+    _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+#: separability layouts of plain chains of built-in modules, by :func:`_chain_key`: ``(layouts of
+#: the hooked calls, layout of the chain's output)``. Sound to reuse: a built-in ``torch.nn`` module's
+#: operations depend only on its class, its public configuration (all part of the key), its
+#: parameters' and buffers' shapes (fixed by that configuration) and the input's shape and dtype
+#: (part of the key), never on the data; the loss function, user code, is traced on every call
+_CHAIN_LAYOUTS: dict[tuple, tuple] = {}
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
+    """The cache key of a plain chain's separability trace, or None (not cacheable: a module that
+    is not a built-in ``torch.nn`` class, or public configuration that is not plain data)."""
+    parts: list[Any] = [tuple(xs.shape), xs.dtype, xs.device.type]
+    for mod in chain:
+        cls = type(mod)
+        if not cls.__module__.startswith("torch.nn.modules."):
+            return None
+        conf = []
+        for k, v in mod.__dict__.items():
+            if k[0] == "_":
+                continue
+            if isinstance(v, tuple):
+                if not all(isinstance(x, _SIMPLE) for x in v):
+                    return None
+            elif not isinstance(v, _SIMPLE):
+                return None
+            conf.append((k, v))
+        parts.append((cls, tuple(conf)))
+    return tuple(parts)
+
+
+def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
+                     losses: Tensor) -> None:
+    """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
+    per-example losses and every hooked layer's input have layout ``(0, 1)`` or are constant (each
+    row a function of its own example; :mod:`dpclip.engine.separable`)."""
+    if tracer is None:
+        return
+    fix = ("; per-example clipping needs every example's loss to depend on that example alone, "
+           "with the batch as the first dimension of every layer's input and output. Keep the "
+           "model batch-first and free of operations across the batch, or use engine 'vmap', "
+           "which evaluates each example on its own")
+    if tracer.violation is not None:
+        raise _RuntimeUnsupported(f"the forward pass is not per-example separable: "
+                                  f"{tracer.violation}{fix}")
+    if tracer.mixers:
+        fix = f" (first mixing operation: {tracer.mixers[0]})" + fix
+    for c in calls:
+        lay_a, lay_out = c.layouts
+        # only the input: a supported layer runs its standard forward (``_rule_for`` refuses
+        # subclasses that override it), which is per sample along dimension 0 of a batch-first
+        # input; its output is then marked ``(0, 1)`` (``_Call``)
+        for what, lay in (("input", lay_a),):
+            if lay is not None and lay != (0, 1):
+                how = ("mixes the examples of the batch (it depends on several examples, e.g. "
+                       "through x.mean(0), a softmax or roll over the batch dimension, or an "
+                       "operation the separability check does not know)") if lay == "mixed" \
+                    else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
+                          "layout: a shape coincidence such as T == B cannot hide it)")
+                raise _RuntimeUnsupported(
+                    f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
+    lay = tracer.layout(losses)
+    if lay is not None and lay != (0, 1):
+        raise _RuntimeUnsupported(
+            "the per-example losses are not per-example separable (layout "
+            f"{lay!r}: a loss row depends on other examples, e.g. a batch-centred model or a "
+            f"loss normalised over the batch){fix}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,739 @@
+"""Per-example separability of a forward pass, proved op by op (used by the ghost engine).
+
+The ghost engine runs the model ONCE on the whole batch and reads example ``i``'s gradient from row
+``i`` of every layer's input ``a`` and output gradient ``b``. That is the per-example gradient, and
+the per-example clipping bound bounds the sensitivity, only if the batched computation is *row
+separable*: every row of every tensor that reaches the per-example losses or a layer rule depends on
+its own example and on constants only. A layer that mixes examples (``x - x.mean(0)``, a softmax or
+a ``roll`` over the batch dimension, BatchNorm with batch statistics) or a layer that receives the
+batch in another dimension (a sequence-first ``(T, B, d)`` layout, even when ``T == B``) breaks it,
+and nothing in the shapes shows it.
+
+:class:`SeparabilityTracer` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that sees
+every ATen operation of the forward pass and the loss (with or without autograd, in-place ops
+included) and tracks, for every tensor, an abstract *layout*:
+
+* ``None`` (constant): does not depend on the batch data (parameters, buffers, ``arange``, random
+  draws such as dropout masks);
+* ``(d, k)`` (row separable): dimension ``d`` has size ``B * k`` and its slice ``[i k, (i + 1) k)``
+  depends on example ``i`` and on constants only; the inputs and targets start as ``(0, 1)``;
+* ``MIXED``: anything else (unknown operation, a reduction over the batch dimension, ...).
+
+Every operation has a rule that is sound by construction (pointwise ops with broadcasting,
+reductions and softmax-like ops over other dimensions, views and reshapes that keep the batch
+blocks, matrix products and convolutions with constant weights, layer/group/eval-batch norms,
+pooling and padding of trailing dimensions, embeddings, per-example losses with
+``reduction='none'``); an operation without a rule makes its outputs ``MIXED`` unless all its inputs
+are constant. In-place writes that change a tensor's layout taint the tensor's storage, so that other
+views of it read as ``MIXED``. Reading batch data into Python (``.item()``, ``nonzero``, a ``bool``
+of a tensor: ops tagged ``data_dependent_output`` / ``dynamic_output_shape``) from a non-constant
+tensor is a violation (the value could steer anything). The engine then requires the per-example
+losses and every hooked layer's input and output to have layout ``(0, 1)``.
+
+Soundness: the rules only ever claim ``(d, k)`` when each output block is a function of the same
+example's input blocks and of constants, so a ``(0, 1)`` loss row is a function of its own example
+(no false "separable"); unknown operations are refused, never guessed. What the tracer cannot see:
+tensors reached outside the call's arguments (a model reading a global copy of the data) and
+user-written backward code (custom ``autograd.Function`` backward, tensor hooks), which the engine
+checks separately (custom Functions in the autograd graph are refused). A batch of one example is
+trivially separable and is not traced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["MIXED", "SeparabilityTracer"]
+
+#: the layout of a tensor that may mix examples
+MIXED = "mixed"
+
+Layout = Any  # None | tuple[int, int] | MIXED
+
+_aten = torch.ops.aten
+_POINTWISE = torch.Tag.pointwise
+_REDUCTION = torch.Tag.reduction
+_DATA_DEP = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+def _name(func: Any) -> str:
+    return func._schema.name.split("::", 1)[-1]
+
+
+class _Meta:
+    """What the tracer needs to know about one ATen overload, read from its schema once."""
+
+    __slots__ = ("mutable", "data_dep", "rule", "args", "writes")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        tags = func.tags
+        self.mutable = schema.is_mutable
+        self.data_dep = any(t in tags for t in _DATA_DEP)
+        rule = _RULES.get(func.overloadpacket)
+        if rule is None:
+            rule = _pointwise if _POINTWISE in tags else _reduction if _REDUCTION in tags else None
+        self.rule = rule
+        self.args: dict[str, tuple[int, bool, Any]] = {}
+        self.writes: list[tuple[int, str]] = []
+        for i, a in enumerate(schema.arguments):
+            has = a.has_default_value()
+            self.args[a.name] = (i, has, a.default_value if has else None)
+            if a.alias_info is not None and a.alias_info.is_write:
+                self.writes.append((i, a.name))
+
+
+_METAS: dict[Any, _Meta] = {}
+
+
+def _meta(func: Any) -> _Meta:
+    m = _METAS.get(func)
+    if m is None:
+        m = _METAS[func] = _Meta(func)
+    return m
+
+
+def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    """The value of the schema argument ``name`` (positional or keyword) or ``default``."""
+    got = _meta(func).args.get(name)
+    if got is None:
+        return default
+    i, has, dflt = got
+    if i < len(args):
+        return args[i]
+    if name in kwargs:
+        return kwargs[name]
+    return dflt if has else default
+
+
+class SeparabilityTracer(TorchDispatchMode):
+    """Tracks the layout of every tensor of a forward pass over a batch of ``batch`` examples.
+
+    Use as a context manager around the forward and the loss; :meth:`mark` the inputs and targets
+    first (layout ``(0, 1)``), then read :meth:`layout` of the tensors that must be separable and
+    :attr:`violation` (a reason, or None)."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+        self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
+        self.violation: str | None = None
+        #: the operations that first turned row-separable inputs into a MIXED result (for the
+        #: error message), in order, at most a few
+        self.mixers: list[str] = []
+
+    # ------------------------------------------------------------------------------ layouts
+
+    def mark(self, t: Tensor, layout: Layout) -> None:
+        self._layouts[t] = layout
+
+    def layout(self, t: Tensor) -> Layout:
+        """The layout of ``t`` (``None``: constant)."""
+        lay = self._layouts.get(t)
+        if self._taint:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - tensors without storage: be conservative
+                return MIXED
+            owner = self._taint.get(ptr)
+            if owner is not None and owner != id(t):
+                return MIXED
+        return lay
+
+    def _fit(self, lay: Layout, t: Any) -> Layout:
+        """``lay`` if it is a valid layout for tensor ``t``, else MIXED."""
+        if lay is None or lay is MIXED:
+            return lay
+        d, k = lay
+        if not isinstance(t, Tensor) or t.ndim <= d or t.shape[d] != self.batch * k:
+            return MIXED
+        return lay
+
+    # ------------------------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        layouts = self._layouts
+        any_data = False
+        for a in args:
+            if isinstance(a, Tensor):
+                if a in layouts or self._taint:
+                    if self.layout(a) is not None:
+                        any_data = True
+                        break
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, Tensor) and self.layout(x) is not None:
+                        any_data = True
+                        break
+                if any_data:
+                    break
+        if not any_data:
+            for v in kwargs.values():
+                if isinstance(v, Tensor) and self.layout(v) is not None:
+                    any_data = True
+                    break
+        meta = _meta(func)
+        mutable = meta.mutable
+        if not any_data and not mutable:
+            return out  # constants in, constants out
+        if any_data and meta.data_dep:
+            if self.violation is None:
+                self.violation = (f"the operation {_name(func)} reads values of a tensor that "
+                                  "depends on the batch into Python (e.g. .item(), bool(t), "
+                                  "nonzero): such a value can carry one example into every "
+                                  "other's computation")
+        if any_data:
+            rule = meta.rule
+            try:
+                lay = rule(self, func, args, kwargs, out) if rule is not None else MIXED
+            except Exception:  # noqa: BLE001 - a rule that cannot read the call: conservative
+                lay = MIXED
+        else:
+            lay = None
+        if lay is MIXED and len(self.mixers) < 3:
+            ins = [self.layout(t) for t in _tensors(args, kwargs)]
+            if not any(x is MIXED for x in ins):
+                self.mixers.append(f"{_name(func)} on inputs of shapes "
+                                   f"{[tuple(t.shape) for t in _tensors(args, kwargs)]} with "
+                                   f"batch layouts {ins}")
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if mutable:
+            self._mutated(func, args, kwargs, lay)
+        for o in outs:
+            if isinstance(o, Tensor):
+                new = self._fit(lay, o)
+                if mutable and any(o is w for w in self._written(func, args, kwargs)):
+                    continue  # handled by _mutated
+                if new is None:
+                    if o in layouts:
+                        del layouts[o]
+                else:
+                    layouts[o] = new
+            elif any_data and o is not None and not isinstance(o, (tuple, list)):
+                if self.violation is None:
+                    self.violation = (f"the operation {_name(func)} returns a Python value "
+                                      "computed from batch data")
+        return out
+
+    def _written(self, func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+        got = []
+        for i, name in _meta(func).writes:
+            if True:
+                v = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(v, Tensor):
+                    got.append(v)
+                elif isinstance(v, (list, tuple)):
+                    got.extend(x for x in v if isinstance(x, Tensor))
+        return got
+
+    def _mutated(self, func: Any, args: tuple, kwargs: dict, lay: Layout) -> None:
+        """An in-place / out= write: the written tensor takes the result's layout; if that changes
+        its layout, every other view of its storage reads as MIXED from now on."""
+        for t in self._written(func, args, kwargs):
+            old = self.layout(t)
+            new = self._fit(lay, t)
+            if new == old:
+                continue
+            if new is None:
+                self._layouts.pop(t, None)
+            else:
+                self._layouts[t] = new
+            try:
+                self._taint[t.untyped_storage().data_ptr()] = id(t)
+            except Exception:  # noqa: BLE001
+                if self.violation is None:
+                    self.violation = f"in-place {_name(func)} on a tensor without storage"
+
+
+# ----------------------------------------------------------------------------------- rules
+
+Rule = Callable[[SeparabilityTracer, Any, tuple, dict, Any], Layout]
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    ts = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, Tensor):
+            ts.append(a)
+        elif isinstance(a, (list, tuple)):
+            ts.extend(x for x in a if isinstance(x, Tensor))
+    return ts
+
+
+def _first_out(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[int, ...]) -> Layout:
+    """Layout of a broadcasting elementwise result of ``shape`` from ``tensors``."""
+    res: Layout = None
+    nd = len(shape)
+    for t in tensors:
+        lay = tr.layout(t)
+        if lay is None:
+            continue
+        if lay is MIXED:
+            return MIXED
+        d, k = lay
+        dd = d + nd - t.ndim
+        if dd < 0 or t.shape[d] != shape[dd] or shape[dd] != tr.batch * k:
+            return MIXED
+        if res is None:
+            res = (dd, k)
+        elif res != (dd, k):
+            return MIXED
+    return res
+
+
+def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    o = _first_out(out)
+    return _broadcast_join(tr, _tensors(args, kwargs), tuple(o.shape))
+
+
+def _same(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Unary ops whose output has the input's shape element for element (copies, casts, dropout)."""
+    lay = tr.layout(args[0])
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    return lay
+
+
+def _dims(dim: Any, ndim: int) -> list[int] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        dim = [dim]
+    return [x % ndim if ndim else 0 for x in dim]
+
+
+def _reduction(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    if lay is None or lay is MIXED:
+        return lay
+    d, k = lay
+    dims = _dims(_arg(func, args, kwargs, "dim"), x.ndim)
+    if not dims:  # None or []: every dimension
+        return MIXED
+    if d in dims:
+        return MIXED
+    if _arg(func, args, kwargs, "keepdim", False):
+        return lay
+    return (d - sum(1 for x_ in set(dims) if x_ < d), k)
+
+
+def _along_dim(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Ops that work along one dimension and keep the others (softmax, cumsum, sort, flip, roll)."""
+    x = args[0]
+    lay = tr.layout(x)
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    if lay is None or lay is MIXED:
+        return lay
+    dims = None
+    for name in ("dim", "dims"):
+        v = _arg(func, args, kwargs, name, "absent")
+        if v != "absent":
+            dims = _dims(v, x.ndim)
+            break
+    if not dims or lay[0] in dims:
+        return MIXED
+    return lay
+
+
+def _reshape(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    d, k = lay
+    old = list(x.shape)
+    new = list(_first_out(out).shape)
+    outer = math.prod(old[:d])
+    block = k * math.prod(old[d + 1:])  # contiguous (row-major) elements of one example block
+    acc = 1
+    for e, size in enumerate(new):
+        if acc == outer and size % tr.batch == 0:
+            kk = size // tr.batch
+            if kk * math.prod(new[e + 1:]) == block:
+                return (e, kk)
+        acc *= size
+        if acc > outer:
+            break
+    return MIXED
+
+
+def _expand(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    d, k = lay
+    o = _first_out(out)
+    dd = d + o.ndim - x.ndim
+    return (dd, k) if o.shape[dd] == x.shape[d] else MIXED
+
+
+def _permute(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dims = [p % x.ndim for p in args[1]]
+    return (dims.index(lay[0]), lay[1])
+
+
+def _transpose(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    if _name(func) in ("t", "t_"):
+        d0, d1 = (0, 1) if x.ndim == 2 else (0, 0)
+    else:
+        d0, d1 = args[1] % x.ndim, args[2] % x.ndim
+    d = lay[0]
+    d = d1 if d == d0 else d0 if d == d1 else d
+    return (d, lay[1])
+
+
+def _unsqueeze(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = args[1] % (x.ndim + 1)
+    return (lay[0] + (1 if dim <= lay[0] else 0), lay[1])
+
+
+def _squeeze(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dims = _dims(args[1], x.ndim) if len(args) > 1 else list(range(x.ndim))
+    removed = [i for i in dims if x.shape[i] == 1]
+    d = lay[0]
+    return (d - sum(1 for i in removed if i < d), lay[1])
+
+
+def _select(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = args[1] % x.ndim
+    if dim == lay[0]:
+        return MIXED
+    return (lay[0] - (1 if dim < lay[0] else 0), lay[1])
+
+
+def _slice(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = _arg(func, args, kwargs, "dim", 0) % x.ndim
+    if dim == lay[0]:  # only the whole batch dimension keeps the blocks
+        return lay if _first_out(out).shape[dim] == x.shape[dim] and \
+            (_arg(func, args, kwargs, "step", 1) or 1) == 1 else MIXED
+    return lay
+
+
+def _split(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = _arg(func, args, kwargs, "dim", 0) % x.ndim
+    if dim == lay[0]:
+        return MIXED
+    if _name(func) == "unbind":
+        return (lay[0] - (1 if dim < lay[0] else 0), lay[1])
+    return lay
+
+
+def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    tensors = [t for t in args[0] if isinstance(t, Tensor)]
+    o = _first_out(out)
+    dim = _arg(func, args, kwargs, "dim", 0) % o.ndim
+    res: Layout = None
+    for t in tensors:
+        lay = tr.layout(t)
+        if lay is None:
+            continue
+        if lay is MIXED or t.ndim != o.ndim or lay[0] == dim:
+            return MIXED
+        if res is None:
+            res = lay
+        elif res != lay:
+            return MIXED
+    return res
+
+
+def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """mm / addmm / bmm / baddbmm / mv: the batch along a free (not contracted) dimension of one
+    factor, the other constant (or, for bmm, both batched along the shared dimension 0)."""
+    name = _name(func)
+    if name in ("addmm", "baddbmm", "addmv", "_addmm_activation"):
+        extra, a, b = args[0], args[1], args[2]
+    else:
+        extra, a, b = None, args[0], args[1]
+    la, lb = tr.layout(a), tr.layout(b)
+    if la is MIXED or lb is MIXED:
+        return MIXED
+    if name in ("bmm", "baddbmm"):
+        if la is not None and lb is not None:
+            res = la if (la == lb and la[0] == 0) else MIXED
+        elif la is not None:
+            res = la if la[0] in (0, 1) else MIXED
+        elif lb is not None:
+            res = lb if lb[0] in (0, 2) else MIXED
+        else:
+            res = None
+    elif name in ("mv", "addmv"):
+        res = la if (lb is None and la is not None and la[0] == 0) else (None if la is lb is None
+                                                                            else MIXED)
+    else:  # mm, addmm
+        if la is not None and lb is not None:
+            res = MIXED
+        elif la is not None:
+            res = la if la[0] == 0 else MIXED
+        elif lb is not None:
+            res = lb if lb[0] == 1 else MIXED
+        else:
+            res = None
+    if res is MIXED or extra is None:
+        return res
+    o = _first_out(out)
+    le = _broadcast_join(tr, [extra], tuple(o.shape))
+    if le is None:
+        return res
+    if le is MIXED or (res is not None and res != le):
+        return MIXED
+    return le
+
+
+def _conv(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    lay = tr.layout(args[0])
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    if lay is None or lay is MIXED:
+        return lay
+    return lay if lay[0] == 0 else MIXED
+
+
+def _leading(spatial: Callable[[tuple, dict, Tensor], int]) -> Rule:
+    """Ops on the trailing ``spatial(args)`` dimensions, independent over the leading ones, with
+    every other tensor argument constant."""
+
+    def rule(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+        x = args[0]
+        lay = tr.layout(x)
+        for t in _tensors(args[1:], kwargs):
+            if tr.layout(t) is not None:
+                return MIXED
+        if lay is None or lay is MIXED:
+            return lay
+        return lay if lay[0] < x.ndim - spatial(args, kwargs, x) else MIXED
+
+    return rule
+
+
+def _n(k: int) -> Callable[[tuple, dict, Tensor], int]:
+    return lambda args, kwargs, x: k
+
+
+def _layer_norm_dims(args: tuple, kwargs: dict, x: Tensor) -> int:
+    return len(args[1])
+
+
+def _pad_dims(args: tuple, kwargs: dict, x: Tensor) -> int:
+    return len(args[1]) // 2
+
+
+def _group_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    return _conv(tr, func, args, kwargs, out)  # per sample over dim 0, constant affine
+
+
+def _batch_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    name = _name(func)
+    if name == "native_batch_norm" and _arg(func, args, kwargs, "training", True):
+        return MIXED
+    if name in ("_native_batch_norm_legit", "_batch_norm_with_update"):
+        return MIXED
+    x = args[0]
+    lay = tr.layout(x)
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    if lay is None or lay is MIXED:
+        return lay
+    return lay if lay[0] != 1 else MIXED  # per channel (dim 1) with fixed statistics
+
+
+def _embedding(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    w, idx = args[0], args[1]
+    if tr.layout(w) is not None:
+        return MIXED
+    return tr.layout(idx)
+
+
+def _index_select(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                  out: Any) -> Layout:
+    x, dim, idx = args[0], args[1] % max(args[0].ndim, 1), args[2]
+    lx, li = tr.layout(x), tr.layout(idx)
+    if lx is MIXED or li is MIXED:
+        return MIXED
+    if lx is not None and li is None:
+        return lx if lx[0] != dim else MIXED
+    if lx is None and li is not None:
+        return (dim, li[1])
+    return None if lx is li is None else MIXED
+
+
+def _gather(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x, dim, idx = args[0], args[1] % max(args[0].ndim, 1), args[2]
+    lx, li = tr.layout(x), tr.layout(idx)
+    if lx is MIXED or li is MIXED:
+        return MIXED
+    lay = lx if lx is not None else li
+    if lay is None:
+        return None
+    if (lx is not None and li is not None and lx != li) or lay[0] == dim:
+        return MIXED
+    if lx is not None and x.shape[lay[0]] != idx.shape[lay[0]]:
+        return MIXED
+    return lay
+
+
+def _loss(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Losses with a ``reduction`` argument: only ``none`` (0) is per example."""
+    if _arg(func, args, kwargs, "reduction", 1) != 0:
+        return MIXED
+    name = _name(func)
+    if name in ("nll_loss_forward", "nll_loss2d_forward"):
+        x, target = args[0], args[1]
+        lx, lt = tr.layout(x), tr.layout(target)
+        if tr.layout(args[2]) is not None if isinstance(args[2], Tensor) else False:
+            return MIXED
+        if lx is MIXED or lt is MIXED:
+            return MIXED
+        if lx is not None and lx[0] != 0:
+            return MIXED
+        if lt is not None and lt[0] != 0:
+            return MIXED
+        if lx is not None and lt is not None and lx != lt:
+            return MIXED
+        return lx if lx is not None else lt
+    return _pointwise(tr, func, args, kwargs, out)
+
+
+def _sdpa(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Scaled dot-product attention on ``(..., T, d)``: independent over the leading dims."""
+    q, k, v = args[0], args[1], args[2]
+    lays = [tr.layout(t) for t in (q, k, v)]
+    for t in _tensors(args[3:], kwargs):
+        lt = tr.layout(t)
+        if lt is not None:
+            lays.append(lt)
+    non = [x for x in lays if x is not None]
+    if not non:
+        return None
+    if any(x is MIXED for x in non) or any(x != non[0] for x in non):
+        return MIXED
+    return non[0] if non[0][0] < q.ndim - 2 else MIXED
+
+
+_P = _aten
+_RULES: dict[Any, Rule] = {}
+
+
+def _add(rule: Rule, *names: str) -> None:
+    for n in names:
+        packet = getattr(_P, n, None)
+        if packet is not None:
+            _RULES[packet] = rule
+
+
+def _const(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Factories that read only the shape, dtype and device of their tensor argument."""
+    return None
+
+
+def _copy(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``self.copy_(src)``: ``self`` is overwritten by ``src`` broadcast to its shape."""
+    return _broadcast_join(tr, [args[1]], tuple(args[0].shape))
+
+
+def _repeat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    x, reps = args[0], list(args[1])
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    d = lay[0] + len(reps) - x.ndim
+    return (d, lay[1]) if reps[d] == 1 else MIXED
+
+
+_add(_copy, "copy_", "copy")
+_add(_repeat, "repeat")
+_add(_const, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "empty_like",
+     "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like")
+_add(_same, "detach", "alias", "clone", "_to_copy", "lift_fresh", "lift_fresh_copy",
+     "native_dropout", "contiguous", "bernoulli", "positive", "view_as_real", "_conj",
+     "resolve_conj", "resolve_neg")
+_add(_reshape, "view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "flatten",
+     "unflatten")
+_add(_expand, "expand", "expand_copy")
+_add(_permute, "permute", "permute_copy")
+_add(_transpose, "transpose", "transpose_", "t", "t_", "swapaxes", "swapdims")
+_add(_unsqueeze, "unsqueeze", "unsqueeze_copy")
+_add(_squeeze, "squeeze", "squeeze_copy")
+_add(_select, "select", "select_copy")
+_add(_slice, "slice", "slice_copy", "narrow")
+_add(_split, "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split")
+_add(_cat, "cat")
+_add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation")
+_add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+     "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
+_add(_group_norm, "native_group_norm")
+_add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
+     "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
+_add(_leading(_layer_norm_dims), "native_layer_norm", "_fused_rms_norm")
+_add(_leading(_n(1)), "max_pool1d_with_indices", "avg_pool1d", "adaptive_avg_pool1d",
+     "adaptive_max_pool1d", "reflection_pad1d", "replication_pad1d", "max_pool1d")
+_add(_leading(_n(2)), "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d",
+     "_adaptive_avg_pool2d", "adaptive_max_pool2d", "reflection_pad2d", "replication_pad2d",
+     "max_pool2d", "upsample_nearest2d", "upsample_bilinear2d")
+_add(_leading(_n(3)), "max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d",
+     "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d")
+_add(_leading(_pad_dims), "constant_pad_nd")
+_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "cumsum", "cumprod",
+     "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
+_add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
+     "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
+_add(_embedding, "embedding")
+_add(_index_select, "index_select")
+_add(_gather, "gather")
+_add(_loss, "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss",
+     "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+     "soft_margin_loss", "kl_div")
+_add(_sdpa, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
+     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+     "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention")
