@@ -1,11 +1,12 @@
 """dpclip: differentially private training with every gradient-clipping strategy of the literature.
 
-The public API (see README.md): ``train`` / ``TrainConfig`` run a private training job; ``dp_step``
-is one step; strategies live in ``dpclip.clipping``, engines in ``dpclip.engine``, accounting in
+The public API (see README.md): ``make_private`` wraps your own model, optimizer and data for your
+own loop; ``train`` / ``TrainConfig`` run a private training job from the registries (through the
+same loop); ``dp_step`` is one step; strategies live in ``dpclip.clipping``, engines in ``dpclip.engine``, accounting in
 ``dpclip.accounting``, samplers in ``dpclip.sampling``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon, epsilon
 from dpclip.clipping import FixedClip, StepContext, list_strategies, make_strategy
@@ -17,11 +18,14 @@ from dpclip.events import (
     SampledWithoutReplacementEvent,
     SelfComposedEvent,
 )
+from dpclip.private import BudgetExhausted, PrivateTraining, make_private
+from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import FixedSizeSampler, PoissonSampler
 from dpclip.step import dp_step
 from dpclip.trainer import RunResult, TrainConfig, train
 
 __all__ = [
+    "BudgetExhausted",
     "ComposedEvent",
     "FixedClip",
     "FixedSizeSampler",
@@ -30,6 +34,8 @@ __all__ = [
     "ParamGroups",
     "PoissonSampledEvent",
     "PoissonSampler",
+    "PrivateRandomness",
+    "PrivateTraining",
     "RunResult",
     "SampledWithoutReplacementEvent",
     "SelfComposedEvent",
@@ -42,6 +48,7 @@ __all__ = [
     "epsilon",
     "get_engine",
     "list_strategies",
+    "make_private",
     "make_strategy",
     "train",
 ]

@@ -37,17 +37,29 @@ Privacy contract:
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from dpclip.accounting import Ledger, calibrate_noise_multiplier
+from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
-from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
+from dpclip.clipping import ClippingStrategy, make_strategy
+from dpclip.distributed import (
+    DistributedEngine,
+    ShardedSampler,
+    assert_synchronized,
+    broadcast_module,
+    broadcast_tensor_,
+    check_randomness,
+    check_same,
+    resolve_distributed,
+    shared_randomness,
+)
 from dpclip.engine import ParamGroups, get_engine
-from dpclip.events import DpEvent, GaussianEvent
+from dpclip.planning import API_FLAGS, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
 from dpclip.step import StepOutput, dp_step, private_buffer_guard
@@ -60,9 +72,19 @@ from dpclip.units import (
     public_unit_norms,
 )
 
-__all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private"]
+__all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private",
+           "public_reason"]
 
 ENGINE_NAMES = ("auto", "ghost", "vmap", "naive", "summed")
+
+
+def public_reason(reason: str) -> str:
+    """An engine's fallback reason without the shapes and sizes it quotes: a shape's first
+    dimension is the realised (private) batch size, so only the words may be published."""
+    reason = re.sub(r"\(\s*\d+(?:\s*,\s*\d+)*\s*,?\s*\)", "(...)", reason)
+    reason = re.sub(r"\[\s*(?:\(\.\.\.\)|None)(?:\s*,\s*(?:\(\.\.\.\)|None))*\s*\]", "[...]",
+                    reason)
+    return re.sub(r"\b(batch|chunk) of \d+", r"\1 of B", reason)
 
 
 class BudgetExhausted(RuntimeError):
@@ -76,41 +98,6 @@ def default_delta(n: int) -> float:
     if 1e-5 < 0.1 / n:
         return 1e-5
     return 10.0 ** math.floor(math.log10(0.1 / n))
-
-
-class _Plan:
-    """The events the run will emit, step by step (public), used for calibration and budget."""
-
-    def __init__(self, strategy: ClippingStrategy, sampler: Any, total_steps: int,
-                 units_per_step: float | None = None) -> None:
-        self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
-        #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
-        self.units = units_per_step if units_per_step is not None \
-            else sampler.expected_batch_size
-
-    def ctx(self, step: int, base: float) -> StepContext:
-        spe = self.sampler.steps_per_epoch
-        return StepContext(step=step, epoch=step // spe, steps_per_epoch=spe,
-                           total_steps=self.total_steps, expected_batch_size=self.units,
-                           base_noise_multiplier=base)
-
-    def event(self, step: int, base: float) -> DpEvent:
-        return self.sampler.step_event(self.strategy.planned_event(base, self.ctx(step, base)))
-
-    def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
-        """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
-        (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
-        which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
-        rejected value is never used for training (building the real plan raises)."""
-        led = Ledger()
-        for t in range(self.total_steps if steps is None else steps):
-            try:
-                led.record(self.event(t, base))
-            except ValueError:
-                if not lenient:
-                    raise
-                led.record(self.sampler.step_event(GaussianEvent(base)))
-        return led
 
 
 def _as_tensors(data: Any) -> tuple[Any, Any, int]:
@@ -140,13 +127,45 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
     )
 
 
+def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
+                         accountant: str) -> None:
+    """Refuse what the distributed step cannot reproduce exactly or account for
+    (``dpclip.distributed``); before any collective, so every rank fails alike."""
+    name = getattr(strategy, "name", type(strategy).__name__)
+    if sampling != "poisson" and accountant == "pld":
+        raise ValueError(
+            f"distributed: sampling={sampling!r} draws a fixed-size GLOBAL batch (sampled without "
+            "replacement, replace-one adjacency), which the PLD accountant (Poisson subsampling "
+            "only) does not cover; use sampling='poisson', or accountant='rdp' for fixed-size "
+            "batches. Per-rank fixed-size batches are never accounted as Poisson")
+    if getattr(strategy, "needs_per_example_grads", False):
+        raise ValueError(
+            f"distributed: strategy {name!r} clips transformed per-example gradients (P-GRAD) "
+            "outside the engine, which the distributed step does not all-reduce; train it in one "
+            "process (distributed=False), or use a norm-based strategy")
+    if not unit.is_individual:
+        raise ValueError(
+            f"distributed: unit={unit.unit} clips each unit's mean gradient outside the engine, "
+            "which the distributed step does not all-reduce; use unit=ic, or train batch "
+            "clipping in one process (distributed=False)")
+
+
 class PrivateTraining:
     """DP-SGD around a user's model and optimizer (see the module docstring; build it with
     :func:`make_private`).
 
     Attributes (public): ``strategy``, ``engine``, ``sampler``, ``unit``, ``noise_multiplier``,
     ``total_steps`` (planned), ``max_steps`` (within the epsilon cap), ``steps`` (done),
-    ``steps_per_epoch``, ``epochs``, ``ledger``, ``delta``, ``accountant``, ``engine_info``.
+    ``steps_per_epoch``, ``epochs``, ``ledger``, ``delta``, ``accountant``, ``engine_info``,
+    ``distributed`` (the :class:`~dpclip.distributed.DistributedContext`, or ``None``).
+
+    ``distributed=True`` (or a ``DistributedContext``) trains ONE private run across the ranks of
+    a ``torch.distributed`` group (docs/distributed.md): the secret generators are agreed once
+    (rank 0's, broadcast), every rank draws the same global batch and keeps its shard, the clipped
+    sums are all-reduced before the noise, which is drawn once; ``loader`` yields this rank's shard,
+    ``sampler`` is a :class:`~dpclip.distributed.ShardedSampler` (its public properties are the
+    global ones), and the ledger on every rank equals the one-process ledger. Only rank 0 should
+    write results and checkpoints (``is_main_process``); every rank loads the same checkpoint.
     """
 
     def __init__(
@@ -174,6 +193,8 @@ class PrivateTraining:
         input_shape: Sequence[int] | None = None,
         device: str | torch.device | None = None,
         verbose: bool = True,
+        flags: Mapping[str, str] = API_FLAGS,
+        distributed: Any = None,
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -189,6 +210,7 @@ class PrivateTraining:
             raise ValueError(f"make_private: unknown engine {engine!r}{hint}; valid: "
                              f"{', '.join(ENGINE_NAMES)}")
         self.model, self.optimizer = model, optimizer
+        self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
         self._x, self._y, n = _as_tensors(data)
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
@@ -268,6 +290,11 @@ class PrivateTraining:
                                                partition_seed=self.seed)
         else:
             self.sampler = make_sampler(sampling, n, batch_size)
+        # distributed (dpclip.distributed): every rank draws the GLOBAL batch, keeps its shard
+        self.distributed = resolve_distributed(distributed)
+        if self.distributed is not None:
+            _check_distributable(strategy, unit, sampling, accountant)
+            self.sampler = ShardedSampler(self.sampler, self.distributed)
         self.unit_size = int(unit.miniset_size or 1) if unit.unit == "gbc" else (
             int(round(self.sampler.expected_batch_size)) if unit.unit == "bc" else 1)
         self.steps_per_epoch = int(self.sampler.steps_per_epoch)
@@ -283,6 +310,17 @@ class PrivateTraining:
         self._plan = _Plan(strategy, self.sampler, self.total_steps,
                            expected_units(unit, self.sampler))
         self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed)
+        #: the engine dp_step runs: ``engine``, or its all-reducing wrapper when distributed
+        self._step_engine: Any = self.engine
+        if self.distributed is not None:  # one secret, one model, one plan on every rank
+            check_same(self.distributed, repr((
+                getattr(strategy, "name", type(strategy).__name__), strategy.describe(),
+                self.unit.describe(), self.sampler.name, n, float(batch_size), self.total_steps,
+                epsilon, noise_multiplier, self.delta, accountant, engine, self.seed)),
+                "the run's configuration")
+            shared_randomness(self.rng, self.distributed)
+            broadcast_module(model, self.distributed)
+            self._step_engine = DistributedEngine(self.engine, self.distributed)
         self.ledger = Ledger()
         self.state = strategy.init_state()
         self.steps = 0
@@ -293,13 +331,6 @@ class PrivateTraining:
         ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
                        accountant=self.accountant)
         self.max_steps = self._budget_steps()
-        if self.max_steps == 0:
-            raise ValueError(
-                f"make_private: epsilon={self.epsilon_cap:g} with noise_multiplier="
-                f"{self.noise_multiplier:g} allows not even one step (one step costs epsilon "
-                f"{self.planned_epsilon(1):.4g}); raise epsilon or noise_multiplier, or give only "
-                "epsilon to calibrate the noise"
-            )
         self._pending: tuple[Any, Any] | None = None
         self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
         self.last_output: StepOutput | None = None
@@ -307,37 +338,18 @@ class PrivateTraining:
     # ----------------------------------------------------------------------------- planning
 
     def _resolve_noise(self, noise_multiplier: float | None) -> float:
-        if noise_multiplier is not None:
-            if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-                raise ValueError(f"make_private: noise_multiplier must be >= 0, got "
-                                 f"{noise_multiplier}")
-            return float(noise_multiplier)
-        assert self.epsilon_cap is not None
-        return calibrate_noise_multiplier(
-            self.epsilon_cap, self.delta,
-            lambda z: self._plan.ledger(z, lenient=True).to_dp_event(),
-            accountant=self.accountant,
-        )
+        if noise_multiplier is not None and not (math.isfinite(noise_multiplier)
+                                                 and noise_multiplier >= 0):
+            raise ValueError(f"make_private: noise_multiplier must be >= 0, got "
+                             f"{noise_multiplier}")
+        return resolve_noise(self._plan, epsilon=self.epsilon_cap,
+                             noise_multiplier=noise_multiplier, delta=self.delta,
+                             accountant=self.accountant, flags=self._flags)
 
     def _budget_steps(self) -> int:
         """Largest number of planned steps whose epsilon stays within the cap."""
-        if self.epsilon_cap is None:
-            return self.total_steps
-        z, cap = self.noise_multiplier, self.epsilon_cap
-
-        def eps(k: int) -> float:
-            return ledger_epsilon(self._plan.ledger(z, k), self.delta, accountant=self.accountant)
-
-        if eps(self.total_steps) <= cap:
-            return self.total_steps
-        lo, hi = 0, self.total_steps  # eps(lo) <= cap < eps(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if eps(mid) <= cap:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return budget_steps(self._plan, self.noise_multiplier, epsilon=self.epsilon_cap,
+                            delta=self.delta, accountant=self.accountant, flags=self._flags)
 
     def planned_epsilon(self, steps: int | None = None) -> float:
         """Epsilon of the plan after ``steps`` steps (default: all planned steps)."""
@@ -431,11 +443,14 @@ class PrivateTraining:
                                           self.unit, self.unit_size,
                                           chunk=getattr(self.engine, "max_physical_batch", None)
                                           or 256)
+            if self.distributed is not None:  # the same public thresholds on every rank
+                norms = norms.contiguous()
+                broadcast_tensor_(norms, self.distributed)
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
         out = dp_step(
             self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
-            state=self.state, engine=self.engine, groups=self.groups, sampler=self.sampler,
+            state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
             base_noise_multiplier=z, ctx=self._plan.ctx(step, z), generator=self.rng.noise,
             unit=self.unit,
         )
@@ -445,10 +460,13 @@ class PrivateTraining:
                 f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
                 f"{out.event} at step {step} but planned {planned}; refusing to continue"
             )
-        if out.engine_info is not None:
+        if out.engine_info is not None and out.batch_size >= 2:
+            # public record: batches of fewer than 2 examples are trivially separable (ghost can
+            # run them where it refuses larger ones), so they are left out, and the reasons lose
+            # every shape (a shape's first dimension is the private realised batch size)
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
-                self.fallbacks.add(str(out.engine_info["fallback"]))
+                self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 p.grad = out.grads[name]
@@ -459,6 +477,8 @@ class PrivateTraining:
         if self.bound_based:
             self._post_step_due = True
         n = max(int(out.batch_size), 1)
+        if self.distributed is not None:  # loss_sum is global: divide by the global batch size
+            n = max(int(self.sampler.last_global_batch_size or 0), 1)
         return float(out.loss_sum) / n if math.isfinite(out.loss_sum) else math.nan
 
     def step(self, inputs: Any, targets: Any) -> float:
@@ -518,7 +538,14 @@ class PrivateTraining:
             "engine_requested": self.engine.name,
             "engine_fallback": self.engine_info["fallback"],
             **self.rng.describe(),
+            "distributed": self.distributed.describe() if self.distributed is not None else None,
         }
+
+    @property
+    def is_main_process(self) -> bool:
+        """True in one process, and on rank 0 of a distributed run (the rank that writes the
+        ledger, results and checkpoints)."""
+        return self.distributed is None or self.distributed.is_main
 
     # -------------------------------------------------------------------------- checkpoints
 
@@ -556,6 +583,9 @@ class PrivateTraining:
             self.optimizer.load_state_dict(ck["optimizer"])
         self.state, self.steps, self.ledger = ck["strategy_state"], int(ck["step"]), ledger
         self.rng.load_state_dict(ck["randomness"])
+        if self.distributed is not None:  # every rank must have loaded the same checkpoint
+            check_randomness(self.rng, self.distributed)
+            assert_synchronized(self.model, self.distributed)
         self.engines_ran = set(ck.get("engines_ran", ()))
         self.fallbacks = set(ck.get("engine_fallbacks", ()))
         self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))

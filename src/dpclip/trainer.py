@@ -1,8 +1,10 @@
 """The training loop: thin, reads like the paper's algorithm; checkpoint and resume.
 
-``train(config)`` runs DP-SGD as described by a ``TrainConfig`` and returns a ``RunResult``. Each
-step is ``dpclip.step.dp_step``; the ledger records the event the sampler and strategy emit; the
-loop stops before the ledger would exceed ``config.epsilon``. With ``checkpoint_dir`` set, the run
+``train(config)`` runs DP-SGD as described by a ``TrainConfig`` and returns a ``RunResult``. The
+registries turn names into data, a model and an optimizer; the private loop is
+``dpclip.private.PrivateTraining`` (the own-model API): each step is ``dpclip.step.dp_step``, the
+ledger records the event the sampler and strategy emit, and the loop stops before the ledger would
+exceed ``config.epsilon``. With ``checkpoint_dir`` set, the run
 writes atomic checkpoints (model, optimizer, strategy state, ledger, every RNG, history) and, when
 started again with the same config and directory, resumes from the last one: a run killed with
 SIGKILL and resumed ends with the same ledger and epsilon (and the same weights) as an
@@ -25,27 +27,23 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from dpclip.accounting import Ledger, calibrate_noise_multiplier, epsilon as ledger_epsilon
-from dpclip.clipping import ClippingStrategy, StepContext, make_strategy
+from dpclip.accounting import Ledger
+from dpclip.clipping import make_strategy
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
-from dpclip.engine import ParamGroups, get_engine
-from dpclip.events import DpEvent, GaussianEvent
 from dpclip.models import build_model
-from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import Sampler, make_sampler
-from dpclip.step import dp_step, private_buffer_guard
+from dpclip.planning import CLI_FLAGS
+from dpclip.private import PrivateTraining, default_delta
+from dpclip.step import private_buffer_guard
 from dpclip.units import (
-    MiniSetSampler,
     UnitConfig,
     batchnorm_layers,
     check_unit_sampling,
-    expected_units,
     frozen_bn_buffers,
-    public_unit_norms,
     recompute_bn_stats,
 )
 
-__all__ = ["RunResult", "TrainConfig", "evaluate", "make_optimizer", "resolve_device", "train"]
+__all__ = ["RunResult", "TrainConfig", "data_fingerprint", "evaluate", "make_optimizer",
+           "resolve_device", "train"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: TrainConfig.diagnostics values -> the split they are computed on (None: off)
@@ -245,8 +243,6 @@ def describe_config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(parts) if parts else "(no field differs)"
 
 
-#: a noise multiplier above this triggers a NoiseWarning (the model will not learn)
-NOISE_WARNING_THRESHOLD = 50.0
 
 
 def _check_run_inputs(config: TrainConfig, bundle: Any) -> None:
@@ -283,15 +279,8 @@ def _check_run_inputs(config: TrainConfig, bundle: Any) -> None:
         raise ValueError(
             f"delta={config.delta:g} (--delta) is >= 1/N = 1/{n_private} ({what}): a mechanism "
             "that publishes one random record in the clear meets this delta, so the guarantee "
-            f"would mean nothing; use delta < 1/N, e.g. {_suggest_delta(n_private):g}"
+            f"would mean nothing; use delta < 1/N, e.g. {default_delta(n_private):g}"
         )
-
-
-def _suggest_delta(n: int) -> float:
-    """A conventional delta well below 1/n: 1e-5, or the power of ten below 1/(10 n)."""
-    if 1e-5 < 0.1 / n:
-        return 1e-5
-    return 10.0 ** math.floor(math.log10(0.1 / n))
 
 
 @dataclass
@@ -367,49 +356,6 @@ def evaluate(
     return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
-class _Plan:
-    """The events the run will emit, step by step (public), used for calibration and budget."""
-
-    def __init__(
-        self, strategy: ClippingStrategy, sampler: Sampler, total_steps: int,
-        units_per_step: float | None = None,
-    ) -> None:
-        self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
-        #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
-        self.units = units_per_step if units_per_step is not None \
-            else sampler.expected_batch_size
-
-    def ctx(self, step: int, base: float) -> StepContext:
-        spe = self.sampler.steps_per_epoch
-        return StepContext(
-            step=step,
-            epoch=step // spe,
-            steps_per_epoch=spe,
-            total_steps=self.total_steps,
-            expected_batch_size=self.units,
-            base_noise_multiplier=base,
-        )
-
-    def event(self, step: int, base: float) -> DpEvent:
-        inner = self.strategy.planned_event(base, self.ctx(step, base))
-        return self.sampler.step_event(inner)
-
-    def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
-        """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
-        (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
-        which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
-        rejected value is never used for training (building the real plan raises)."""
-        led = Ledger()
-        for t in range(self.total_steps if steps is None else steps):
-            try:
-                led.record(self.event(t, base))
-            except ValueError:
-                if not lenient:
-                    raise
-                led.record(self.sampler.step_event(GaussianEvent(base)))
-        return led
-
-
 def _atomic_save(obj: Any, path: Path) -> None:
     """Write ``path`` atomically (a ``.tmp`` then ``os.replace``): a failed write (full disk)
     leaves the previous checkpoint intact and says so."""
@@ -430,93 +376,6 @@ def _atomic_save(obj: Any, path: Path) -> None:
         ) from exc
 
 
-def _resolve_noise(config: TrainConfig, plan: _Plan) -> float:
-    if config.noise_multiplier is not None:
-        z = float(config.noise_multiplier)
-    else:
-        assert config.epsilon is not None
-        z = calibrate_noise_multiplier(
-            config.epsilon,
-            config.delta,
-            lambda z: plan.ledger(z, lenient=True).to_dp_event(),
-            accountant=config.accountant,
-        )
-    _warn_if_noise_too_large(config, z, plan.units)
-    return z
-
-
-def _warn_if_noise_too_large(config: TrainConfig, z: float, units: float) -> None:
-    """``NoiseWarning`` when ``z`` exceeds :data:`NOISE_WARNING_THRESHOLD` (utility only: any
-    noise is private; the model will just not learn)."""
-    if z <= NOISE_WARNING_THRESHOLD:
-        return
-    import warnings
-
-    from dpclip.errors import NoiseWarning
-
-    origin = (f"given as --noise-multiplier {config.noise_multiplier:g}"
-              if config.noise_multiplier is not None
-              else f"calibrated for --epsilon {config.epsilon:g} at delta {config.delta:g}")
-    warnings.warn(NoiseWarning(
-        f"noise multiplier {z:,.6g} ({origin}) is so large that the model will not learn: the "
-        f"noise on each coordinate of the averaged gradient has std {z / units:,.4g} x the clip "
-        f"norm (noise multiplier / expected batch size {units:g}), while the whole clipped "
-        "signal is at most 1 x the clip norm. Raise --epsilon, lower --noise-multiplier, or "
-        "raise --batch-size (more examples share the noise of each step)"
-    ), stacklevel=3)
-
-
-def _budget_steps(config: TrainConfig, plan: _Plan, z: float) -> int:
-    """Largest number of planned steps whose epsilon stays within ``config.epsilon``."""
-    if config.epsilon is None:
-        return plan.total_steps
-
-    def eps(k: int) -> float:
-        return ledger_epsilon(plan.ledger(z, k), config.delta, accountant=config.accountant)
-
-    if eps(plan.total_steps) <= config.epsilon:
-        return plan.total_steps
-    lo, hi = 0, plan.total_steps  # eps(lo) <= target < eps(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if eps(mid) <= config.epsilon:
-            lo = mid
-        else:
-            hi = mid
-    _report_budget(config, plan, z, lo, eps(1))
-    return lo
-
-
-def _report_budget(config: TrainConfig, plan: _Plan, z: float, steps: int, eps1: float) -> None:
-    """0 steps allowed: ``ValueError`` before training; fewer than planned: ``BudgetWarning``."""
-    import warnings
-
-    from dpclip.errors import BudgetWarning
-
-    total, spe = plan.total_steps, plan.sampler.steps_per_epoch
-    try:  # the noise that fits every planned step into the cap: part of the fix
-        z_all = calibrate_noise_multiplier(
-            config.epsilon, config.delta, lambda x: plan.ledger(x, lenient=True).to_dp_event(),
-            accountant=config.accountant)
-        fit = f"--noise-multiplier {z_all:.4g} fits all {total} steps in epsilon {config.epsilon:g}"
-    except (ValueError, RuntimeError):
-        fit = "a larger --noise-multiplier fits more steps"
-    if steps == 0:
-        raise ValueError(
-            f"--epsilon {config.epsilon:g} with --noise-multiplier {z:g} allows 0 of the {total} "
-            f"planned steps: a single step (sample rate {plan.sampler.sample_rate:.4g}) already "
-            f"costs epsilon {eps1:.4g} at delta {config.delta:g} ({config.accountant}). Raise "
-            f"--epsilon above {eps1:.4g}, or raise --noise-multiplier ({fit}), or give only "
-            "--epsilon to calibrate the noise"
-        )
-    warnings.warn(BudgetWarning(
-        f"--epsilon {config.epsilon:g} with --noise-multiplier {z:g} allows only {steps} of the "
-        f"{total} planned steps ({100.0 * steps / total:.0f}%, {steps / spe:.3g} of "
-        f"{total / spe:.3g} epochs): training stops early. To train every step, raise "
-        f"--epsilon or --noise-multiplier ({fit}), or give only --epsilon to calibrate the noise"
-    ), stacklevel=3)
-
-
 def train(
     config: TrainConfig,
     *,
@@ -528,6 +387,11 @@ def train(
     stop_after_steps: int | None = None,
 ) -> RunResult:
     """Run DP-SGD as ``config`` describes (see the module docstring).
+
+    The registries turn names into a dataset, a model and an optimizer; the private loop itself is
+    :class:`dpclip.private.PrivateTraining`, the same object the own-model API returns (one path:
+    the plan, calibration, budget, step, ledger and randomness are shared). This function adds
+    evaluation, history, progress and checkpoints.
 
     ``stop_after_steps`` ends the process-local run early (for tests of resume); the checkpoint
     written then lets a later call continue.
@@ -559,32 +423,12 @@ def train(
         x_pub, y_pub = public_split.inputs.to(device), public_split.targets.to(device)
     n_train = int(x_train.shape[0])
 
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # public randomness: model initialisation (and dropout)
     model = build_model(
         config.model, bundle.input_shape, bundle.num_classes, **config.model_options
     ).to(device)
     model.train()
-    engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
-        if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
-    loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_per_example
-    bound_based = getattr(strategy, "kind", "norm") == "bound"
-    if bound_based:  # Lip-DP-SGD: certified loss, model checked now; "auto" = one plain backward
-        strategy = strategy.bind(model, bundle.input_shape)
-        loss_fn = strategy.loss()
-        if config.engine == "auto":
-            engine = get_engine("summed", max_physical_batch=config.max_physical_batch)
-    if strategy.norm_kind == "flat":
-        groups = ParamGroups.flat(model)
-    else:
-        groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
-        if hasattr(strategy, "bind_groups"):  # L = the model's number of clipping groups
-            strategy = strategy.bind_groups(groups.names)
     bn_layers = batchnorm_layers(model)
-    if bound_based and not unit.is_individual:
-        raise ValueError(
-            f"strategy {config.strategy!r} certifies per-example sensitivity from the weights; "
-            "it runs with unit=ic only"
-        )
     if unit.is_individual and bn_layers:
         raise ValueError(
             f"model {config.model!r} has BatchNorm layer {bn_layers[0][0]!r}: BatchNorm mixes the "
@@ -595,34 +439,30 @@ def train(
         )
     bn_mode = unit.bn_stats if unit.bn_stats != "auto" else (
         "public" if x_pub is not None else "batch")
-    if unit.unit == "gbc":
-        s_size = int(unit.miniset_size or 1)
-        if float(config.batch_size) != int(config.batch_size) or int(config.batch_size) % s_size:
-            raise ValueError(
-                f"unit=gbc: --batch-size ({config.batch_size}) must be a multiple of miniset_size "
-                f"({s_size}): each step draws batch_size / miniset_size whole mini-sets"
-            )
-        sampler: Any = MiniSetSampler(n_train, s_size, int(config.batch_size) // s_size,
-                                      partition_seed=config.seed)
-    else:
-        sampler = make_sampler(config.sampling, n_train, config.batch_size)
-    unit_size = int(unit.miniset_size or 1) if unit.unit == "gbc" else (
-        int(round(sampler.expected_batch_size)) if unit.unit == "bc" else 1)
-    total_steps = config.epochs * sampler.steps_per_epoch
-    plan = _Plan(strategy, sampler, total_steps, expected_units(unit, sampler))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(
         config.optimizer, params, config.lr, config.momentum, config.weight_decay
     )
-    # the run's secrets: batch sampling and noise (OS entropy unless reproducible_noise, which
-    # derives them from the public seed and labels the run NOT private against the seed's holders)
-    rng = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
+    # the private loop: plan, calibration, budget, secret randomness, step and ledger
+    dp = PrivateTraining(
+        model, optimizer, (x_train, y_train),
+        loss_fn=None if getattr(strategy, "kind", "norm") == "bound" else cross_entropy_per_example,
+        strategy=strategy,
+        strategy_params={k: v for k, v in config.strategy_params.items()
+                         if k not in strategy_params},  # the clipping-unit keys
+        epsilon=config.epsilon, noise_multiplier=config.noise_multiplier, delta=config.delta,
+        epochs=config.epochs, batch_size=config.batch_size, sampling=config.sampling,
+        accountant=config.accountant, engine=config.engine,
+        max_physical_batch=config.max_physical_batch,
+        reproducible_noise=config.reproducible_noise, seed=config.seed,
+        public_data=(x_pub, y_pub) if x_pub is not None else None,
+        input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
+    )
+    total_steps, spe = dp.total_steps, dp.steps_per_epoch
 
     ckpt_path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
     data_fp = data_fingerprint(bundle) if ckpt_path is not None else None
-    step, ledger, state, history = 0, Ledger(), strategy.init_state(), []
-    z: float | None = None
-    resumed_engines: tuple[set[str], set[str]] | None = None
+    history: list[dict[str, Any]] = []
     elapsed_before = 0.0
     if ckpt_path is not None and ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
@@ -639,29 +479,15 @@ def train(
                 "datasets in one privacy ledger. Point --data-dir at the data the run started with, "
                 "or use another --checkpoint-dir"
             )
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        state, step, history = ck["strategy_state"], ck["step"], ck["history"]
-        ledger = Ledger.from_dict(ck["ledger"])
-        if "randomness" not in ck:
+        if "private" not in ck:
             raise ValueError(
                 f"checkpoint {ckpt_path} was written by an older dpclip (no private randomness "
                 "state); it cannot be resumed: delete it or use another --checkpoint-dir"
             )
-        rng.load_state_dict(ck["randomness"])
-        resumed_engines = (set(ck.get("engines_ran", ())), set(ck.get("engine_fallbacks", ())))
+        dp.load_state_dict(ck["private"])
+        history = ck["history"]
         torch.set_rng_state(ck["torch_rng"])
-        z = ck["noise_multiplier"]
         elapsed_before = ck["elapsed"]
-        if ledger.steps != step:
-            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, step={step}")
-    if z is None:
-        z = _resolve_noise(config, plan)
-        # the strategy must accept the noise, the accountant the events (clear errors, up front)
-        ledger_epsilon(plan.ledger(z, steps=1), config.delta, accountant=config.accountant)
-    max_steps = _budget_steps(config, plan, z)
-    if bound_based and step == 0:  # ClipWeights(theta_0): the initial weights are data-free
-        strategy.post_step(model, state, input_shape=bundle.input_shape)
 
     def save() -> None:
         if ckpt_path is None:
@@ -670,20 +496,13 @@ def train(
         _atomic_save(
             {
                 "fingerprint": config.fingerprint(),
-                "data_fingerprint": data_fp,
+                "data_fingerprint": data_fp,  # PRIVATE (a hash of the data)
                 "config": config.to_dict(),
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "strategy_state": state,
-                "step": step,
+                # PRIVATE: model, optimizer, strategy state, ledger and the secret generators
+                "private": dp.state_dict(),
+                "step": dp.steps,
                 "history": history,
-                "ledger": ledger.to_dict(),
-                # PRIVATE: the sampling and noise generators' state (never leaves the checkpoint)
-                "randomness": rng.state_dict(),
-                "engines_ran": sorted(engines_ran),
-                "engine_fallbacks": sorted(fallbacks),
                 "torch_rng": torch.get_rng_state(),
-                "noise_multiplier": z,
                 "elapsed": elapsed_before + time.perf_counter() - t_start,
             },
             ckpt_path,
@@ -693,7 +512,7 @@ def train(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_steps, initial=step, desc=f"{config.strategy}", unit="step",
+        bar = tqdm(total=total_steps, initial=dp.steps, desc=f"{config.strategy}", unit="step",
                    dynamic_ncols=True, leave=False)
     last_save = time.perf_counter()
     step_seconds = 0.0
@@ -701,86 +520,46 @@ def train(
     diag_idx = torch.arange(min(256, n_train), device=device)
     diag_test_idx = torch.arange(min(256, int(x_test.shape[0])), device=device)
     steps_this_call = 0
-    engines_ran: set[str] = set()  # the engine(s) that actually ran (auto / fallbacks), public
-    fallbacks: set[str] = set()
-    if resumed_engines is not None:
-        engines_ran, fallbacks = resumed_engines
-    stopped_by_budget = False
-    spe = sampler.steps_per_epoch
+
     def evaluate_now() -> dict:
         if bn_layers and bn_mode == "public" and x_pub is not None:
             recompute_bn_stats(model, x_pub)  # public statistics only
         return evaluate(model, x_test, y_test, config.eval_batch_size,
                         bn_batch_stats=bool(bn_layers) and bn_mode == "batch")
 
-    while step < total_steps:
-        if step >= max_steps:
-            stopped_by_budget = True
-            break
-        if step % spe == 0 and getattr(strategy, "needs_public_norms", False):
-            assert x_pub is not None and y_pub is not None
-            pub_norms = public_unit_norms(model, loss_fn, x_pub, y_pub, groups, unit, unit_size,
-                                          chunk=config.max_physical_batch)
-            state = strategy.public_refresh(state, pub_norms)
+    while not dp.exhausted:
         if stop_after_steps is not None and steps_this_call >= stop_after_steps:
             save()
             if bar is not None:
                 bar.close()
-            return RunResult({"interrupted": True, "step": step}, history, ledger, model)
-        ctx = plan.ctx(step, z)
+            return RunResult({"interrupted": True, "step": dp.steps}, history, dp.ledger, model)
         t_step = time.perf_counter()
-        idx = sampler.sample(rng.sampling).to(device)
-        if unit.unit == "bc":  # the whole batch is one unit
-            idx = idx.unsqueeze(0)
-        out = dp_step(
-            model, x_train[idx], y_train[idx],
-            loss_fn=loss_fn, strategy=strategy, state=state, engine=engine,
-            groups=groups, sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=rng.noise,
-            unit=unit,
-        )
-        planned = plan.event(step, z)
-        if out.event != planned:
-            raise RuntimeError(
-                f"privacy bug: strategy {config.strategy!r} emitted {out.event} at step {step} but "
-                f"planned {planned}; refusing to continue"
-            )
-        if out.engine_info is not None:
-            engines_ran.add(str(out.engine_info.get("engine")))
-            if out.engine_info.get("fallback"):
-                fallbacks.add(str(out.engine_info["fallback"]))
-        for (name, p) in model.named_parameters():
-            if p.requires_grad:
-                p.grad = out.grads[name]
-        optimizer.step()
-        if bound_based:  # weight clipping: post-processing of the released weights
-            strategy.post_step(model, out.state, input_shape=bundle.input_shape)
-        optimizer.zero_grad(set_to_none=True)
-        ledger.record(out.event)
-        state = out.state
-        step += 1
+        xb, yb = dp.sample()
+        dp.step(xb, yb)
+        step = dp.steps
         step_seconds += time.perf_counter() - t_step
         steps_in_epoch_timed += 1
         steps_this_call += 1
         if bar is not None:
             bar.update(1)
-        end_of_epoch = step % spe == 0 or step == total_steps
-        if end_of_epoch:
+        if step % spe == 0 or step == total_steps:  # end of an epoch
             ev = evaluate_now()
-            eps_now = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
+            eps_now = dp.epsilon()
             row = {
                 "epoch": (step - 1) // spe + 1,
                 "step": step,
                 "test_accuracy": ev["accuracy"],
                 "test_loss": ev["loss"],
                 "epsilon": eps_now,
-                "clip_threshold": strategy.sensitivity(state),
-                "noise_multiplier": out.noise_multiplier,
+                "clip_threshold": dp.clip_threshold,
+                "noise_multiplier": dp.last_output.noise_multiplier if dp.last_output
+                else dp.noise_multiplier,
                 "ms_per_step": 1000.0 * step_seconds / max(steps_in_epoch_timed, 1),
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
             step_seconds, steps_in_epoch_timed = 0.0, 0
             if config.diagnostics_split and unit.is_individual \
-                    and not getattr(strategy, "needs_per_example_grads", False):
+                    and not getattr(dp.strategy, "needs_per_example_grads", False):
                 from dpclip.diagnostics import nonprivate_diagnostics
 
                 if config.diagnostics_split == "test":  # held-out data: not the protected data
@@ -789,7 +568,7 @@ def train(
                     xd, yd, prefix = x_train[diag_idx], y_train[diag_idx], "nonprivate/"
                 with private_buffer_guard(model, "diagnostics"):
                     diag = nonprivate_diagnostics(model, cross_entropy_per_example, xd, yd,
-                                                  strategy, state, groups)
+                                                  dp.strategy, dp.state, dp.groups)
                 row.update({prefix + k.removeprefix("nonprivate/"): v for k, v in diag.items()})
             history.append(row)
             if bar is not None:
@@ -803,57 +582,47 @@ def train(
             last_save = time.perf_counter()
     if bar is not None:
         bar.close()
+    step = dp.steps
     if not history or history[-1]["step"] != step:
         ev = evaluate_now()
         history.append({
             "epoch": step / spe, "step": step, "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
-            "epsilon": ledger_epsilon(ledger, config.delta, accountant=config.accountant),
-            "clip_threshold": strategy.sensitivity(state), "noise_multiplier": z,
+            "test_loss": ev["loss"], "epsilon": dp.epsilon(),
+            "clip_threshold": dp.clip_threshold, "noise_multiplier": dp.noise_multiplier,
             "wall_seconds": elapsed_before + time.perf_counter() - t_start,
         })
         save()
-    final_eps = ledger_epsilon(ledger, config.delta, accountant=config.accountant)
+    facts = dp.describe()
     summary = {
         "dataset": config.dataset,
         "model": config.model,
         "strategy": config.strategy,
-        "params": {**strategy.describe(), **({} if unit.is_individual else unit.describe())},
-        "epsilon": final_eps,
-        "target_epsilon": config.epsilon,
-        "delta": config.delta,
-        "accountant": config.accountant,
-        "adjacency": sampler.adjacency,
-        "sampling": sampler.name,
-        "unit": unit.describe(),
-        "sensitivity_factor": sampler.sensitivity_factor if unit.is_individual
-        else unit.sensitivity_factor,
-        "clip_groups": len(groups),
+        **{k: facts[k] for k in ("params", "epsilon", "target_epsilon", "delta", "accountant",
+                                 "adjacency", "sampling", "unit", "sensitivity_factor",
+                                 "clip_groups")},
         "public_examples": 0 if x_pub is None else int(x_pub.shape[0]),
         "private_examples": n_train,
         "bn_stats": bn_mode if bn_layers else None,
-        "noise_multiplier": z,
-        "sample_rate": sampler.sample_rate,
-        "expected_batch_size": sampler.expected_batch_size,
-        "steps": step,
-        "planned_steps": total_steps,
+        **{k: facts[k] for k in ("noise_multiplier", "sample_rate", "expected_batch_size",
+                                 "steps", "planned_steps")},
         "epochs": config.epochs,
         "epochs_completed": step / spe,
-        "stopped_by_budget": stopped_by_budget,
+        "stopped_by_budget": facts["stopped_by_budget"],
         "test_accuracy": history[-1]["test_accuracy"],
         "lr": config.lr,
         "optimizer": config.optimizer,
         "seed": config.seed,
-        **rng.describe(),
+        **dp.rng.describe(),
         "diagnostics": {None: "off", "test": "test split",
                         "train": "training examples (NON-PRIVATE)"}[config.diagnostics_split],
+        "preprocessing": dict(getattr(bundle, "preprocessing", None) or {}),
         # the engine that ran (not the one requested: "auto" resolves per model and strategy)
-        "engine": "+".join(sorted(engines_ran)) if engines_ran
-        else (engine.name if unit.is_individual else "unit"),
+        "engine": facts["engine"] if dp.engines_ran
+        else (dp.engine.name if unit.is_individual else "unit"),
         "engine_requested": config.engine,
-        "engine_fallback": sorted(fallbacks) or None,
+        "engine_fallback": facts["engine_fallback"],
         "device": str(device),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
     }
-    return RunResult(summary, history, ledger, model)
+    return RunResult(summary, history, dp.ledger, model)

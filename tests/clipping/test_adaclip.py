@@ -204,7 +204,7 @@ def test_train_meets_epsilon_and_resumes_from_a_checkpoint(tmp_path):
     assert part.summary.get("interrupted")
     ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     sizes = {n: p.numel() for n, p in full.model.named_parameters()}
-    assert {n: len(v) for n, v in ck["strategy_state"]["s"].items()} == sizes
+    assert {n: len(v) for n, v in ck["private"]["strategy_state"]["s"].items()} == sizes
     resumed = train(cfg, checkpoint_dir=tmp_path, progress=False)
     assert resumed.ledger == full.ledger
     assert resumed.summary["epsilon"] == full.summary["epsilon"]

@@ -109,7 +109,7 @@ def test_secure_resume_continues_the_stored_stream(tmp_path):
     text = json.dumps(ra.summary, default=str)
     assert "sampling_state" not in text and "'noise'" not in text
     ck = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
-    assert ck["randomness"]["mode"] == "secure"
+    assert ck["private"]["randomness"]["mode"] == "secure"
     assert "sample_gen" not in ck and "noise_gen" not in ck
 
 
@@ -302,3 +302,35 @@ def test_test_split_diagnostics_use_heldout_keys_only():
     assert res.summary["diagnostics"] == "test split"
     with pytest.raises(ValueError, match="diagnostics"):
         TrainConfig(**dict(BASE, diagnostics="yes"))
+
+
+def test_published_fallback_reasons_do_not_reveal_batch_sizes():
+    """The ghost engine's fallback reason quotes tensor shapes, whose first dimension is the
+    realised Poisson batch size; the public record keeps the words only (one reason, not one per
+    batch size), and batches of fewer than 2 examples (trivially separable) are not counted."""
+    import re
+
+    from dpclip import make_private
+
+    class Centred(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x - x.mean(0, keepdim=True))  # mixes the examples of the batch
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 4, generator=g), torch.randint(0, 3, (200,), generator=g)
+    dp = make_private(Centred(), None, (x, y), noise_multiplier=1.0, steps=12, batch_size=20,
+                      delta=1e-5, engine="auto")
+    sizes = set()
+    for _ in range(12):
+        xb, yb = dp.sample()
+        sizes.add(int(xb.shape[0]))
+        dp.backward(xb, yb)
+    assert len(sizes) > 1
+    info = dp.engine_info
+    assert info["engine"] == "vmap" and len(info["fallback"]) == 1
+    assert not re.search(r"\(\d", info["fallback"][0]), info["fallback"][0]
+    assert not any(str(s) in re.findall(r"\d+", info["fallback"][0]) for s in sizes if s > 9)

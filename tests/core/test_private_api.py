@@ -99,7 +99,7 @@ def test_the_budget_stops_the_loader_and_backward():
     led = dp.ledger
     led.record(led.entries[-1][0])
     assert ledger_epsilon(led, 1e-5, accountant="pld") > 2.0
-    with pytest.raises(ValueError, match="not even one step"):
+    with pytest.raises(ValueError, match="allows 0 of the"):
         P.make_private(_model(), None, (x, y), noise_multiplier=1.0, epsilon=0.5, epochs=1,
                        batch_size=32, delta=1e-5)
 

@@ -76,16 +76,17 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
 
 KILLER = textwrap.dedent("""
     import json, os, signal, sys
+    import dpclip.private as P
     import dpclip.trainer as T
     cfg = T.TrainConfig.from_dict(json.loads(sys.argv[1]))
     kill_at = int(sys.argv[3])
-    orig, calls = T.dp_step, [0]
+    orig, calls = P.dp_step, [0]
     def killer(*a, **k):
         calls[0] += 1
         if calls[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         return orig(*a, **k)
-    T.dp_step = killer
+    P.dp_step = killer
     T.train(cfg, checkpoint_dir=sys.argv[2], checkpoint_interval_s=0.0, progress=False)
 """)
 

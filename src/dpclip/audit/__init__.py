@@ -13,10 +13,13 @@ and scipy (``dpclip``'s top-level package imports torch, as for every subpackage
 
 from dpclip.audit.estimators import (
     AuditResult,
+    GaussianShiftResult,
     Thresholds,
     clopper_pearson_epsilon,
     clopper_pearson_upper,
+    gaussian_epsilon_for,
     gaussian_mu_for,
+    gaussian_shift_epsilon,
     one_run_epsilon,
     one_run_epsilon_from_counts,
     one_run_fdp_epsilon,
@@ -28,10 +31,13 @@ from dpclip.audit.estimators import (
 
 __all__ = [
     "AuditResult",
+    "GaussianShiftResult",
     "Thresholds",
     "clopper_pearson_epsilon",
     "clopper_pearson_upper",
+    "gaussian_epsilon_for",
     "gaussian_mu_for",
+    "gaussian_shift_epsilon",
     "one_run_epsilon",
     "one_run_epsilon_from_counts",
     "one_run_fdp_epsilon",

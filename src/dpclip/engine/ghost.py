@@ -1056,8 +1056,18 @@ class GhostEngine:
         if self.fallback == "vmap":
             from dpclip.engine.vmap import VmapEngine
 
-            res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
-                model, loss_fn, inputs, targets, weight_fn, groups)
+            try:
+                res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
+                    model, loss_fn, inputs, targets, weight_fn, groups)
+            except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
+                raise UnsupportedModelError(
+                    f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
+                    f"vmap fallback failed too ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+                    "vmap evaluates each example alone and cannot run data-dependent Python "
+                    "control flow (e.g. `if mask.all():`) or in-place updates of unbatched "
+                    "buffers; make the forward batch-first and free of such branches, or use "
+                    "engine 'naive' (a per-example loop, slow)"
+                ) from exc
             res.engine_info = self._info(reason)
             return res
         raise UnsupportedModelError(

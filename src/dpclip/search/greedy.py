@@ -196,14 +196,16 @@ def search_noise_multiplier(
     the trainer's own plan and calibration, so it equals the sigma ``dpclip train --epsilon``
     uses for such a run."""
     from dpclip.clipping import FixedClip
+    from dpclip.planning import CLI_FLAGS, Plan, resolve_noise
     from dpclip.sampling import make_sampler
-    from dpclip.trainer import TrainConfig, _Plan, _resolve_noise
+    from dpclip.trainer import TrainConfig
 
-    cfg = TrainConfig(epsilon=epsilon, delta=delta, batch_size=batch_size, epochs=epochs,
-                      sampling=sampling, accountant=accountant)
+    TrainConfig(epsilon=epsilon, delta=delta, batch_size=batch_size, epochs=epochs,
+                sampling=sampling, accountant=accountant)  # the same validation as a run
     sampler = make_sampler(sampling, int(dataset_size), batch_size)
-    plan = _Plan(FixedClip(), sampler, epochs * sampler.steps_per_epoch)
-    return float(_resolve_noise(cfg, plan))
+    plan = Plan(FixedClip(), sampler, epochs * sampler.steps_per_epoch)
+    return float(resolve_noise(plan, epsilon=epsilon, noise_multiplier=None, delta=delta,
+                               accountant=accountant, flags=CLI_FLAGS))
 
 
 def _digest(model: nn.Module) -> str:

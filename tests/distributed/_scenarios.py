@@ -1,0 +1,143 @@
+"""Training scenarios run identically in one process (``ctx=None``) and on every gloo rank.
+
+Each returns plain data (ledger dict, epsilon, parameters, clip trajectory, batch sizes) so that
+the tests can compare a distributed run with the single-process run of the same configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpclip.private import make_private
+from dpclip.distributed import DistributedContext, assert_synchronized, barrier
+
+
+def data(n: int, d: int = 5, k: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = (x @ torch.randn(d, k, generator=g, dtype=torch.float64)).argmax(1)
+    return x, y
+
+
+def model(ctx: DistributedContext | None, d: int = 5, k: int = 3) -> nn.Module:
+    """The same float64 MLP on rank 0 and in one process; a DIFFERENT initialisation on the other
+    ranks, so the tests see that make_private copies rank 0's model to every rank."""
+    torch.manual_seed(0 if ctx is None or ctx.rank == 0 else 1000 + ctx.rank)
+    return nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, k)).double()
+
+
+def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
+          strategy_params: dict[str, Any] | None = None, n: int = 48, batch_size: float = 12,
+          steps: int = 6, engine: str = "ghost", sampling: str = "poisson",
+          accountant: str = "pld", resume_dir: str | None = None, resume_at: int = 0,
+          noise_multiplier: float = 1.1, **extra: Any) -> dict[str, Any]:
+    """``steps`` SGD steps of make_private on ``data(n)`` with reproducible noise (seed 7).
+
+    With ``resume_dir``: stop after ``resume_at`` steps, rank 0 saves the state dict, every rank
+    builds a fresh model and run, loads the same file and finishes."""
+    x, y = data(n)
+    params = strategy_params if strategy_params is not None else {"clip_norm": 0.7}
+
+    def build(m: nn.Module):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        return make_private(
+            m, opt, (x, y), strategy=strategy, strategy_params=params,
+            noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size, delta=1e-5,
+            engine=engine, sampling=sampling, accountant=accountant, reproducible_noise=True,
+            seed=7, verbose=False, distributed=ctx if ctx is not None else False, **extra)
+
+    m = model(ctx)
+    dp = build(m)
+    clips, global_sizes, shard_sizes, losses = [], [], [], []
+    while not dp.exhausted:
+        if resume_dir is not None and dp.steps == resume_at:
+            path = Path(resume_dir) / "ckpt.pt"
+            if dp.is_main_process:
+                torch.save(dp.state_dict(), path)
+            barrier(ctx)
+            m = model(ctx)
+            dp = build(m)
+            dp.load_state_dict(torch.load(path, weights_only=False))
+            resume_dir = None
+        xb, yb = dp.sample()
+        clips.append(dp.clip_threshold)
+        if ctx is None:
+            global_sizes.append(int(xb.shape[0]))
+        else:
+            global_sizes.append(dp.sampler.last_global_batch_size)
+        shard_sizes.append(int(xb.shape[0]))
+        losses.append(dp.step(xb, yb))
+    assert_synchronized(m, ctx)
+    return {
+        "ledger": dp.ledger.to_dict(),
+        "epsilon": dp.epsilon(),
+        "steps": dp.steps,
+        "params": {k: v.detach().clone() for k, v in m.state_dict().items()},
+        "clips": clips + [dp.clip_threshold],
+        "global_sizes": global_sizes,
+        "shard_sizes": shard_sizes,
+        "losses": losses,
+        "describe": dp.describe(),
+    }
+
+
+def zero_grad_noise(ctx: DistributedContext | None, steps: int, z: float, clip: float,
+                    batch_size: float) -> torch.Tensor:
+    """The released gradients of ``steps`` steps on a model whose loss (hence every gradient) is
+    zero, with SECURE randomness: pure noise, which must have std ``z * clip / batch_size``."""
+    x = torch.randn(40, 3)
+    y = torch.zeros(40, dtype=torch.long)
+    torch.manual_seed(0)
+    m = nn.Linear(3, 4)  # 16 coordinates
+
+    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return (out * 0.0).sum(1)
+
+    dp = make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
+                             strategy_params={"clip_norm": clip}, noise_multiplier=z,
+                             steps=steps, batch_size=batch_size, delta=1e-5, engine="ghost",
+                             verbose=False, distributed=ctx if ctx is not None else False)
+    out = torch.empty(steps, 16, dtype=torch.float64)
+    for t in range(steps):
+        xb, yb = dp.sample()
+        dp.backward(xb, yb)
+        out[t] = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).double()
+    assert dp.steps == steps and dp.ledger.steps == steps
+    return out
+
+
+def rank_env(ctx: DistributedContext) -> dict[str, Any]:  # pragma: no cover - debugging aid
+    return {"rank": ctx.rank, "pid": os.getpid()}
+
+
+def mismatches(ctx: DistributedContext) -> dict[str, str]:
+    """Configurations and checkpoints that differ between ranks are refused on every rank."""
+    x, y = data(32)
+    out: dict[str, str] = {}
+
+    def build(batch_size: float):
+        return make_private(model(ctx), None, (x, y), noise_multiplier=1.0, steps=4,
+                            batch_size=batch_size, delta=1e-5, reproducible_noise=True, seed=1,
+                            verbose=False, distributed=ctx)
+
+    try:
+        build(8.0 if ctx.rank == 0 else 9.0)
+    except RuntimeError as err:
+        out["config"] = str(err)
+    dp = build(8.0)
+    states = []
+    for _ in range(2):
+        xb, yb = dp.sample()
+        dp.backward(xb, yb)
+        states.append(dp.state_dict())
+    fresh = build(8.0)
+    try:  # rank r loads the checkpoint of step r + 1
+        fresh.load_state_dict(states[ctx.rank])
+    except RuntimeError as err:
+        out["resume"] = str(err)
+    return out
