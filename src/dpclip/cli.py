@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from typing import Any, Sequence
@@ -85,6 +86,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
                                    not args.no_progress)
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 stores and prints
+        train(config, checkpoint_dir=args.checkpoint_dir, progress=False)
+        return 0
     store = ResultsStore(args.db or default_db_path())
     run_id = store.start_run(config.fingerprint(), config.to_dict())
     try:
@@ -352,15 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "is a cap and training stops before exceeding it)")
     g.add_argument("--epsilon", type=float, help="target epsilon: calibrates the noise")
     g.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
-    g.add_argument("--delta", type=float, required=True)
+    g.add_argument("--delta", type=float, default=None,
+                   help="default: below 1/N for the N private examples (1e-5, or the power of ten "
+                        "below 1/(10 N)), printed")
     g.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
                    help="pld (tightest, default) or rdp")
     g.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"],
                    help="poisson (add/remove-one) or fixed-size (replace-one, sensitivity x2)")
     t.add_argument("--epochs", type=int, required=True)
-    t.add_argument("--batch-size", type=float, required=True,
-                   help="expected batch size (Poisson) or exact size (fixed-size)")
-    t.add_argument("--lr", type=float, required=True)
+    t.add_argument("--batch-size", type=float, default=256,
+                   help="expected batch size (Poisson) or exact size (fixed-size); default 256")
+    t.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
     t.add_argument("--seed", type=int, default=0,
@@ -369,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reproducible-noise", action="store_true",
                    help="derive the noise and sampling generators from --seed (research only: the "
                         "run is NOT private against anyone who knows the seed, and is labelled so)")
-    t.add_argument("--engine", default="vmap",
-                   help="per-example engine: vmap (default), ghost, auto, naive")
+    t.add_argument("--engine", default="auto",
+                   help="per-example engine: auto (default: ghost where the model is proven "
+                        "per-example separable, else vmap; recorded), ghost, vmap, naive")
     t.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N or auto; the ledger is the same on every device")
     t.add_argument("--max-physical-batch", type=int, default=256,
@@ -673,7 +680,7 @@ def _add_search_commands(sub: Any) -> None:
     s.add_argument("--model-option", action="append", metavar="K=V")
     s.add_argument("--name", help="store name (default: derived from the setting and a hash)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--engine", default="vmap", help="vmap (default), ghost, auto, naive")
+    s.add_argument("--engine", default="auto", help="auto (default), ghost, vmap, naive")
     s.add_argument("--max-physical-batch", type=int, default=256)
     s.add_argument("--device", default="cpu")
     s.add_argument("--data-dir")

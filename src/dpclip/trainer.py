@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
+from dpclip.distributed import init_from_env
 from dpclip.models import build_model
 from dpclip.planning import CLI_FLAGS
 from dpclip.private import PrivateTraining, default_delta
@@ -63,7 +65,8 @@ class TrainConfig:
     dataset_options: dict[str, Any] = field(default_factory=dict)
     epsilon: float | None = None  #: target (calibrates the noise) or, with noise_multiplier, a cap
     noise_multiplier: float | None = None
-    delta: float = 1e-5
+    #: None: chosen below 1/N (1e-5, or the power of ten below 1/(10 N)) and printed
+    delta: float | None = None
     epochs: int = 1
     batch_size: float = 256  #: expected batch size (Poisson) or exact size (fixed-size)
     lr: float = 0.1
@@ -78,7 +81,7 @@ class TrainConfig:
     reproducible_noise: bool = False
     sampling: str = "poisson"
     accountant: str = "pld"
-    engine: str = "vmap"
+    engine: str = "auto"
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     data_dir: str | None = None
@@ -119,7 +122,7 @@ class TrainConfig:
             "dataset_options": dict}
         for name, kind in kinds.items():
             value = getattr(self, name)
-            if value is None and name in ("epsilon", "noise_multiplier"):
+            if value is None and name in ("epsilon", "noise_multiplier", "delta"):
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 want = {real: "a number", integer: "an integer", str: "a string",
@@ -143,7 +146,7 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig: noise_multiplier must be >= 0, got {self.noise_multiplier}"
             )
-        if not (0 < self.delta < 1):
+        if self.delta is not None and not (0 < self.delta < 1):
             raise ValueError(f"TrainConfig: delta must be in (0, 1), got {self.delta}")
         if not (isinstance(self.epochs, int) and self.epochs >= 1):
             raise ValueError(f"TrainConfig: epochs must be an int >= 1, got {self.epochs!r}")
@@ -273,7 +276,7 @@ def _check_run_inputs(config: TrainConfig, bundle: Any) -> None:
             needs = False
         fraction = 0.1 if (needs or unit.bn_stats == "public") else 0.0
     n_private = n - int(round(fraction * n)) if fraction > 0 else n
-    if n_private >= 1 and config.delta >= 1.0 / n_private:
+    if n_private >= 1 and config.delta is not None and config.delta >= 1.0 / n_private:
         what = (f"{n_private} private training examples" if n_private == n else
                 f"{n_private} private training examples ({n} minus the public split)")
         raise ValueError(
@@ -397,11 +400,16 @@ def train(
     written then lets a later call continue.
     """
     t_start = time.perf_counter()
+    # torchrun: one private run across the ranks (dpclip.distributed); None in one process
+    dist_ctx = init_from_env()
+    is_main = dist_ctx is None or dist_ctx.is_main
     bundle = data or load_dataset(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
     _check_run_inputs(config, bundle)
     device = resolve_device(config.device)
+    if dist_ctx is not None and device.type == "cuda" and device.index is None:
+        device = dist_ctx.device  # each rank on its own GPU (cuda:LOCAL_RANK)
     unit, strategy_params = UnitConfig.pop_from(config.strategy_params)
     check_unit_sampling(unit, config.sampling)
     strategy = make_strategy(config.strategy, strategy_params)
@@ -422,6 +430,12 @@ def train(
     if public_split is not None:
         x_pub, y_pub = public_split.inputs.to(device), public_split.targets.to(device)
     n_train = int(x_train.shape[0])
+    delta = config.delta
+    if delta is None:  # the default: well below 1/N of the private examples, and said so
+        delta = default_delta(n_train)
+        if is_main:
+            print(f"dpclip: delta = {delta:g} (below 1/N = 1/{n_train}; --delta to choose)",
+                  file=sys.stderr)
 
     torch.manual_seed(config.seed)  # public randomness: model initialisation (and dropout)
     model = build_model(
@@ -450,13 +464,14 @@ def train(
         strategy=strategy,
         strategy_params={k: v for k, v in config.strategy_params.items()
                          if k not in strategy_params},  # the clipping-unit keys
-        epsilon=config.epsilon, noise_multiplier=config.noise_multiplier, delta=config.delta,
+        epsilon=config.epsilon, noise_multiplier=config.noise_multiplier, delta=delta,
         epochs=config.epochs, batch_size=config.batch_size, sampling=config.sampling,
         accountant=config.accountant, engine=config.engine,
         max_physical_batch=config.max_physical_batch,
         reproducible_noise=config.reproducible_noise, seed=config.seed,
         public_data=(x_pub, y_pub) if x_pub is not None else None,
         input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
+        distributed=dist_ctx if dist_ctx is not None else False,
     )
     total_steps, spe = dp.total_steps, dp.steps_per_epoch
 
@@ -490,7 +505,7 @@ def train(
         elapsed_before = ck["elapsed"]
 
     def save() -> None:
-        if ckpt_path is None:
+        if ckpt_path is None or not is_main:  # rank 0 writes; every rank resumes from its file
             return
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_save(
@@ -509,7 +524,7 @@ def train(
         )
 
     bar = None
-    if progress:
+    if progress and is_main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total_steps, initial=dp.steps, desc=f"{config.strategy}", unit="step",
@@ -573,11 +588,12 @@ def train(
             history.append(row)
             if bar is not None:
                 bar.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps_now:.3f}")
-            if on_epoch is not None:
+            if on_epoch is not None and is_main:
                 on_epoch(row)
             save()
             last_save = time.perf_counter()
-        elif ckpt_path is not None and time.perf_counter() - last_save > checkpoint_interval_s:
+        elif ckpt_path is not None and is_main \
+                and time.perf_counter() - last_save > checkpoint_interval_s:
             save()
             last_save = time.perf_counter()
     if bar is not None:
@@ -622,6 +638,7 @@ def train(
         "engine_requested": config.engine,
         "engine_fallback": facts["engine_fallback"],
         "device": str(device),
+        "distributed": facts.get("distributed"),
         "model_options": config.model_options,
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
     }

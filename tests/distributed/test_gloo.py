@@ -177,3 +177,31 @@ def test_ranks_that_disagree_are_refused(tmp_path):
     for res in out:
         assert "ranks [1] disagree with rank 0 on the run's configuration" in res["config"]
         assert "ranks [1] disagree with rank 0 on the private generator states" in res["resume"]
+
+
+@pytest.mark.slow
+def test_torchrun_dpclip_train_cli_matches_one_process(tmp_path):
+    """``torchrun --nproc_per_node 2 -m dpclip train ...``: rank 0 stores and prints one run whose
+    ledger, epsilon and step count are those of the same command in one process."""
+    args = ["train", "--dataset", "synthetic", "--model", "mlp", "--noise-multiplier", "1.0",
+            "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--delta", "1e-5",
+            "--no-progress", "--json"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "DPCLIP_ALLOCATOR": "system",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "dpclip", *args, "--db", str(tmp_path / "two.db")],
+        env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1  # rank 0 only
+    two = rows[0]
+    one = subprocess.run([sys.executable, "-m", "dpclip", *args, "--db", str(tmp_path / "one.db")],
+                         env=env, capture_output=True, text=True, timeout=110)
+    assert one.returncode == 0, one.stderr[-3000:]
+    one_row = json.loads(one.stdout.strip().splitlines()[-1])
+    assert two["distributed"] == {"world_size": 2, "backend": "gloo"}
+    assert two["steps"] == one_row["steps"] and two["epsilon"] == one_row["epsilon"]
+    assert two["noise_multiplier"] == one_row["noise_multiplier"]

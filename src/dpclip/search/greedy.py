@@ -95,7 +95,7 @@ class GreedyConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     sampling: str = "poisson"
-    engine: str = "vmap"
+    engine: str = "auto"
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     model_options: dict[str, Any] = field(default_factory=dict)
