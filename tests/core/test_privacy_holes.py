@@ -281,8 +281,9 @@ def test_summary_records_the_engine_that_ran():
                 progress=False).summary
     assert ada["engine"] == "vmap" and ada["engine_requested"] == "auto"
     assert ada["engine_fallback"] and "P-GRAD" in ada["engine_fallback"][0]
-    plain = train(TrainConfig(**BASE), progress=False).summary
+    plain = train(TrainConfig(**dict(BASE, engine="vmap")), progress=False).summary
     assert plain["engine"] == "vmap" and plain["engine_fallback"] is None
+    assert TrainConfig(**BASE).engine == "auto"  # the default (issue 17)
 
 
 # ------------------------------------------------------ item 12: diagnostics off private data
