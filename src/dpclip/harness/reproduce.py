@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,12 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
              "`reproductions/results/<spec>.json`.", "",
              "Column *noise*: `secure` (OS entropy, the default) or `seeded` (" + SEEDED_NOTE
              + "). Every run made before secure randomness became the default is `seeded`.", ""]
+    federated: list[Path] = []
     with ResultsStore(db) as store:
         for path in sorted(spec_dir.glob("*.toml")):
+            if "run" in tomllib.loads(path.read_text()):  # a federated spec (`dpclip fl run`)
+                federated.append(path)
+                continue
             spec = load_spec(path)
             runs = collect_runs(store, spec.name)
             rows = [_row(r) for r in runs]
@@ -77,10 +82,38 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
                              f"{pub.get('source', '') if pub else ''} | {ours} | {len(accs)} | "
                              f"{eps} | {noise} | {diff} |")
             lines.append("")
+    lines += _federated_section(federated, spec_dir / "results")
     lines += _audit_section(spec_dir / "results")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines) + "\n")
     return out_counts
+
+
+def _federated_section(specs: list[Path], results: Path) -> list[str]:
+    """User-level DP-FedAvg grids (``dpclip fl run``): rows from ``results/<name>.json``."""
+    out: list[str] = []
+    for path in specs:
+        name = tomllib.loads(path.read_text()).get("name", path.stem)
+        res = results / f"{name}.json"
+        out += [f"## {name} (user-level DP-FedAvg)", "", f"Spec: `{path.as_posix()}`; rows: "
+                f"`{res.as_posix()}`.", ""]
+        if not res.exists():
+            out += ["not run", ""]
+            continue
+        rows = json.loads(res.read_text())
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            groups.setdefault(str(r.get("label", r["strategy"])), []).append(r)
+        out += ["| clip | runs | test acc mean +- std | user-level epsilon | noise |",
+                "|---|---|---|---|---|"]
+        for label, rs in groups.items():
+            accs = [100 * r["test_accuracy"] for r in rs]
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            noise = "secure" if all(r.get("randomness") == "secure" for r in rs) else "seeded"
+            out.append(f"| {label} | {len(rs)} | {statistics.fmean(accs):.2f} +- {sd:.2f} | "
+                       f"{max(r['epsilon'] for r in rs):.3f} | {noise} |")
+        out.append("")
+    return out
 
 
 def _audit_section(results: Path) -> list[str]:
