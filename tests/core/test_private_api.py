@@ -164,3 +164,26 @@ def test_bad_arguments_name_the_fix(capsys):
                        noise_multiplier=1.0, epochs=1)
     dp = P.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1)
     assert dp.delta == 1e-5 and "delta = 1e-05" in capsys.readouterr().err
+
+
+def test_the_api_ledger_equals_dpclip_train_for_the_same_settings():
+    """One path: `dpclip train` drives PrivateTraining, so the same settings give the same plan,
+    noise multiplier and ledger from the CLI's trainer and from a user's own loop."""
+    from dpclip.data import load_dataset
+    from dpclip.models import build_model
+    from dpclip.trainer import TrainConfig, train
+
+    cfg = TrainConfig(dataset="synthetic", model="mlp", strategy="quantile", epsilon=2.0,
+                      delta=1e-5, epochs=2, batch_size=64, lr=0.5)
+    res = train(cfg, progress=False)
+    bundle = load_dataset("synthetic", None, seed=0)
+    torch.manual_seed(0)
+    model = build_model("mlp", bundle.input_shape, bundle.num_classes)
+    dp = P.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                        (bundle.train.inputs, bundle.train.targets), strategy="quantile",
+                        epsilon=2.0, delta=1e-5, epochs=2, batch_size=64)
+    for _ in range(dp.epochs):
+        for xb, yb in dp.loader:
+            dp.step(xb, yb)
+    assert dp.noise_multiplier == res.summary["noise_multiplier"]
+    assert dp.ledger == res.ledger and dp.epsilon() == res.summary["epsilon"]

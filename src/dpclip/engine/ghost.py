@@ -311,6 +311,32 @@ class _Rule:
         c.b = _rows(finite, c.b)
 
 
+def _gam64(n: int) -> float:
+    """``gam(n)`` of a float64 sum (the Gram inner products are summed in float64)."""
+    nu = n * 2.0 ** -53
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
+def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
+    """``sum_k ga[i, k] gb[i, k]`` per row (summed further over ``groups`` consecutive rows), in
+    float64, then rounded UP to the working dtype.
+
+    Products of float32 (or float16/bfloat16) numbers are exact in float64, so the only error is
+    that of the float64 sum, ``_gam64(n)`` relative to ``sum |ga gb|``, instead of float32's
+    ``gam(n)``: for a sequence of T positions the sum has T^2 terms, and float32's bound
+    (T^2 * 6e-8) would make the error term of the ghost norm dominate (and force per-example
+    gradients to be formed) for T of a few dozen. Rounding up keeps the value an upper bound of
+    the float64 result."""
+    exact = _vecdot(ga.flatten(1).double(), gb.flatten(1).double())
+    if groups > 1:
+        exact = exact.view(-1, groups).sum(1)
+    if ga.dtype == torch.float64:
+        return exact
+    out = exact.to(ga.dtype)
+    up = torch.nextafter(out, torch.full_like(out, math.inf))
+    return torch.where(out.double() < exact, up, out)
+
+
 def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red_len: int,
                        gram_err: float, bk_len: int, rnd: _Rounding,
                        direct: Any = None) -> Tensor:
@@ -366,7 +392,7 @@ class _LinearRule(_Rule):
         nb = torch.linalg.vector_norm(b, dim=2)
         abs_sum = _vecdot(na, nb).to(sq.dtype) * (1 + rnd.gam(max(d, p) + t + 4))
         gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
-            + rnd.gam(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+            + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
         return _position_bound_sq(
             sq, abs_sum, c.choice, d * p, t, gram, batch * t, rnd,
             lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])))
@@ -405,7 +431,7 @@ class _LinearRule(_Rule):
                 for sl in _example_slices(a.shape[0], 2 * t * t):
                     ga = torch.bmm(a[sl], a[sl].transpose(1, 2))
                     gb = torch.bmm(b[sl], b[sl].transpose(1, 2))
-                    parts.append(_vecdot(ga.flatten(1), gb.flatten(1)))
+                    parts.append(_gram_dot(ga, gb))
                 out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
             elif c.choice == "keep":
                 g = torch.bmm(b.transpose(1, 2), a)
@@ -570,7 +596,7 @@ class _ConvRule(_Rule):
                     bb = b[sl].reshape(u.shape[0], -1, u.shape[1])
                     gb = torch.bmm(bb.transpose(1, 2), bb)
                     n = b[sl].shape[0]
-                    parts.append(_vecdot(ga.flatten(1), gb.flatten(1)).view(n, -1).sum(1))
+                    parts.append(_gram_dot(ga, gb, ga.shape[0] // n))
                 out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
                 numel = c.mod.weight.numel()
@@ -616,7 +642,7 @@ class _ConvRule(_Rule):
         p = mod.out_channels // g
         abs_sum = (na * nb).sum((1, 2)).to(sq.dtype) * (1 + rnd.gp(fan_in + p + positions * g + 8))
         gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
-            + rnd.gam(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
+            + _gam64(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
         return _position_bound_sq(
             sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, batch * positions, rnd,
             lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])))
@@ -666,7 +692,7 @@ class _EmbeddingRule(_Rule):
         if c.choice == "ghost":  # sum_{t,t'} [x_t = x_t'] (b_t . b_t')
             gb = torch.bmm(b, b.transpose(1, 2))
             same = (x.unsqueeze(2) == x.unsqueeze(1)).to(gb.dtype)
-            return {"weight": _vecdot(gb.flatten(1), same.flatten(1))}
+            return {"weight": _gram_dot(gb, same)}
         # segment sums: the non-zero rows of the per-example gradient, one per (example, token)
         vocab = c.mod.num_embeddings
         key = torch.arange(batch, device=x.device).unsqueeze(1) * vocab + x
@@ -687,7 +713,7 @@ class _EmbeddingRule(_Rule):
         b = c.b  # padding positions already zeroed
         batch, t, p = b.shape
         abs_sum = torch.linalg.vector_norm(b, dim=2).sum(1).to(sq.dtype) * (1 + rnd.gam(p + t + 4))
-        gram = rnd.gp(p) + rnd.gam(t * t + 1) * (1 + rnd.gp(p))
+        gram = rnd.gp(p) + _gam64(t * t + 1) * (1 + rnd.gp(p))
         # segment sums: at most t rows per (example, token), then their squared norms summed
         return _position_bound_sq(sq, abs_sum, "ghost" if c.choice == "ghost" else "direct",
                                   p + t, t, gram, batch * t, rnd,
