@@ -218,6 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = args.out or _default_out()
     rep = run_experiment(spec, db=db, out_dir=out, workers=args.workers,
                          progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
+        return 1 if rep.failed else 0
     print(f"{spec.name}: {rep.total} runs, {rep.skipped} already finished, "
           f"{len(rep.finished)} finished now, {len(rep.failed)} failed", file=sys.stderr)
     for label, err in rep.failed:

@@ -205,3 +205,61 @@ def test_torchrun_dpclip_train_cli_matches_one_process(tmp_path):
     assert two["distributed"] == {"world_size": 2, "backend": "gloo"}
     assert two["steps"] == one_row["steps"] and two["epsilon"] == one_row["epsilon"]
     assert two["noise_multiplier"] == one_row["noise_multiplier"]
+
+
+GRID = """
+name = "tinydist"
+[train]
+dataset = "synthetic"
+model = "mlp"
+epochs = 1
+batch_size = 64
+lr = 0.5
+delta = 1e-5
+[grid]
+epsilons = [2.0]
+seeds = [0, 1]
+[[strategies]]
+name = "quantile"
+params = { initial_clip_norm = 0.5 }
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_dpclip_run_grid_is_stored_once_with_the_one_process_ledger(tmp_path):
+    """``torchrun --nproc_per_node 2 -m dpclip run spec.toml``: rank 0 plans the grid and writes
+    the store; every run is trained by both ranks and recorded once, with the epsilon and noise
+    of the same grid run in one process."""
+    import sqlite3
+
+    spec = tmp_path / "grid.toml"
+    spec.write_text(GRID)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "DPCLIP_ALLOCATOR": "system",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "dpclip", "run", str(spec), "--db", str(tmp_path / "two.db"), "--out",
+         str(tmp_path / "out2"), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=110)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "dpclip", "run", str(spec), "--db", str(tmp_path / "one.db"),
+         "--out", str(tmp_path / "out1"), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=110)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def rows(db):
+        con = sqlite3.connect(db)
+        out = [json.loads(s) for (s,) in con.execute(
+            "SELECT summary FROM runs WHERE status='finished' ORDER BY id")]
+        assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == len(out)
+        return out
+
+    a, b = rows(tmp_path / "two.db"), rows(tmp_path / "one.db")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert x["distributed"] == {"world_size": 2, "backend": "gloo"}
+        assert x["epsilon"] == y["epsilon"] and x["noise_multiplier"] == y["noise_multiplier"]
+        assert x["steps"] == y["steps"]

@@ -11,6 +11,8 @@ checkpoint into ``<out>/search`` and are stored, so they run once).
 
 from __future__ import annotations
 
+import contextlib
+
 import fcntl
 import os
 import traceback
@@ -51,13 +53,23 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
-             checkpoint_interval_s: float) -> tuple[str, str | None]:
-    """Execute one run (in this process or a worker); returns (fingerprint, error or None)."""
+             checkpoint_interval_s: float, is_main: bool = True) -> tuple[str, str | None]:
+    """Execute one run (in this process or a worker); returns (fingerprint, error or None).
+
+    Under torchrun every rank trains the run together (``dpclip.distributed``); only rank 0
+    (``is_main``) writes the store."""
     import torch
 
     from dpclip.trainer import train
 
     torch.set_num_threads(threads)
+    if not is_main:
+        try:
+            train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
+                  checkpoint_interval_s=checkpoint_interval_s, progress=False)
+            return run.fingerprint, None
+        except Exception as exc:  # noqa: BLE001 - rank 0 records the failure
+            return run.fingerprint, "".join(traceback.format_exception_only(type(exc), exc))
     store = ResultsStore(db)
     rid = store.start_run(run.fingerprint, run.config.to_dict(), experiment=run.experiment,
                           label=run.label)
@@ -100,26 +112,46 @@ def run_experiment(
     progress: bool = True,
     checkpoint_interval_s: float = 60.0,
 ) -> RunnerReport:
-    """Execute every run of ``spec`` that is not finished in ``db``."""
+    """Execute every run of ``spec`` that is not finished in ``db``.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) each run is one private run across the ranks: rank 0
+    plans the grid (the lock, the store, resolved schedules) and sends the list of runs to the
+    other ranks; every rank then trains each run together, and only rank 0 writes results and
+    checkpoints. ``workers`` must be 1 there."""
+    from dpclip.distributed import init_from_env
+
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    dist_ctx = init_from_env()
+    if dist_ctx is not None and workers != 1:
+        raise ValueError("under torchrun the ranks train each run together: use --workers 1 "
+                         "(the processes are the ranks)")
+    is_main = dist_ctx is None or dist_ctx.is_main
     out = Path(out_dir)
     ck_root = out / "checkpoints"
     runs = spec.runs()
-    with _exclusive(out / f".{spec.name}.lock"):
-        store = ResultsStore(db)
-        try:
-            runs = _resolve_runs(runs, store, out / "search", progress)
-        except Exception:
+    todo: list[RunSpec] = []
+    with _exclusive(out / f".{spec.name}.lock") if is_main else contextlib.nullcontext():
+        if is_main:
+            store = ResultsStore(db)
+            try:
+                runs = _resolve_runs(runs, store, out / "search", progress)
+            except Exception:
+                store.close()
+                raise
+            store.mark_interrupted(spec.name)
+            done = store.finished_fingerprints(spec.name)
             store.close()
-            raise
-        store.mark_interrupted(spec.name)
-        done = store.finished_fingerprints(spec.name)
-        store.close()
-        todo = [r for r in runs if r.fingerprint not in done]
+            todo = [r for r in runs if r.fingerprint not in done]
+        if dist_ctx is not None:  # the same plan on every rank
+            import torch.distributed as dist
+
+            plan = [(runs, todo) if is_main else None]
+            dist.broadcast_object_list(plan, src=0)
+            runs, todo = plan[0]  # type: ignore[misc]
         report = RunnerReport(total=len(runs), skipped=len(runs) - len(todo))
         bar: Any = None
-        if progress:
+        if progress and is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(runs), initial=report.skipped, desc=f"{spec.name} runs",
@@ -133,7 +165,8 @@ def run_experiment(
             for r in todo:
                 if bar is not None:
                     bar.set_postfix_str(f"{r.label} seed={r.config.seed}")
-                results.append(_run_one(r, progress=progress, **args))
+                results.append(_run_one(r, progress=progress and is_main, is_main=is_main,
+                                        **args))
                 if bar is not None:
                     bar.update(1)
         else:
