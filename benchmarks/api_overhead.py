@@ -1,0 +1,106 @@
+"""Step time of the own-model API (``dpclip.make_private``) against the engine benchmark's step.
+
+Issue 17 asks that a step in a user's loop costs within 5 % of the engine's benchmark step. For
+each model this script times, interleaved in one process on the same fixed batch of the
+benchmark's size:
+
+* ``engine``: ``dpclip bench``'s ``dpclip-ghost`` step (``dp_step``, grads assigned,
+  ``optimizer.step``);
+* ``api-step``: ``PrivateTraining.step`` on that batch (the API's checks, plan check, ledger
+  record and bookkeeping around the same ``dp_step``);
+* ``api-sample+step``: ``dp.sample()`` (a Poisson mask over 60,000 examples, then the gather)
+  followed by ``dp.step``. The batch size varies here, as in training.
+
+The batch of ``api-step`` is handed to ``backward`` the way ``dp.loader`` hands it, through the
+pending-batch slot. That is a benchmark shortcut: user code cannot pass a batch the loader did not
+draw. Rows go to ``benchmarks/results/api_overhead.{json,md}``.
+
+    python benchmarks/api_overhead.py [--models mlp,papernot-cnn] [--batch-size 256] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dpclip.bench import BENCH_MODELS, CLIP_NORM, NOISE_MULTIPLIER, _dpclip_step, _loss_fn
+from dpclip.models import build_model
+from dpclip.private import make_private
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def _setup(model_name: str, batch: int, n: int = 60_000):
+    spec = BENCH_MODELS[model_name]
+    torch.manual_seed(0)
+    model = build_model(spec.registry, spec.input_shape, spec.classes, **spec.options)
+    data_x = torch.randn(n, *spec.input_shape)
+    data_y = torch.randint(0, spec.classes, (n,))
+    x, y = data_x[:batch].clone(), data_y[:batch].clone()
+    return model, data_x, data_y, x, y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="mlp,papernot-cnn")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    rows = []
+    for name in args.models.split(","):
+        model, data_x, data_y, x, y = _setup(name, args.batch_size)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        engine_step = _dpclip_step("ghost", model, opt, x, y, args.batch_size, 0)
+        dp = make_private(model, opt, (data_x, data_y), loss_fn=_loss_fn, strategy="fixed",
+                          strategy_params={"clip_norm": CLIP_NORM},
+                          noise_multiplier=NOISE_MULTIPLIER, steps=10**6,
+                          batch_size=args.batch_size, delta=1e-6, engine="ghost", verbose=False)
+
+        def api_step() -> None:
+            dp._pending = (x, y)  # as dp.loader would hand it over (benchmark shortcut)
+            dp.step(x, y)
+
+        def api_sample_step() -> None:
+            xb, yb = dp.sample()
+            dp.step(xb, yb)
+
+        methods = {"engine": engine_step, "api-step": api_step,
+                   "api-sample+step": api_sample_step}
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for fn in methods.values():  # warm-up
+            for _ in range(3):
+                fn()
+        for _ in range(args.steps):
+            for m, fn in methods.items():
+                t = time.perf_counter()
+                fn()
+                times[m].append(1000 * (time.perf_counter() - t))
+        base = statistics.median(times["engine"])
+        for m, ts in times.items():
+            med = statistics.median(ts)
+            rows.append({"model": name, "batch_size": args.batch_size, "method": m,
+                         "allocator": os.environ.get("DPCLIP_ALLOCATOR", "default"),
+                         "ms_per_step": round(med, 3), "ratio_to_engine": round(med / base, 3),
+                         "ratio_to_nonprivate": None, "peak_mem_mb": None,
+                         "steps": args.steps})
+    OUT.mkdir(exist_ok=True)
+    (OUT / "api_overhead.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["# Own-model API step vs the engine benchmark step (benchmarks/api_overhead.py)", "",
+             "Median ms per step, interleaved in one process, ghost engine, fixed clipping. "
+             "`ratio_to_engine` compares with `dpclip bench`'s dpclip-ghost step.", "",
+             "| model | batch | method | ms/step | x engine step |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['batch_size']} | {r['method']} | {r['ms_per_step']} | "
+              f"{r['ratio_to_engine']} |" for r in rows]
+    (OUT / "api_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
