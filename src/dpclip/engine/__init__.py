@@ -1,10 +1,11 @@
 """Engines: how per-example norms and the weighted gradient sum ``sum_i w_i g_i`` are computed.
 
-``vmap``   - ``torch.func`` reference engine (per-example, flat or per-group norms), the default;
+``vmap``   - ``torch.func`` reference engine (per-example, flat or per-group norms);
 ``ghost``  - ghost norms and book-keeping from one backward (Linear, Conv1d/2d, Embedding,
              LayerNorm, RMSNorm, GroupNorm, eval-mode BatchNorm); other layers raise
              ``UnsupportedModelError`` unless built with ``fallback="vmap"``;
-``auto``   - ``ghost`` when the model is supported, else ``vmap`` (recorded in ``engine_info``);
+``auto``   - ``ghost`` when the model is supported and proven separable, else ``vmap`` (recorded in
+             ``engine_info``); the default of ``dpclip train`` and ``make_private``;
 ``naive``  - explicit per-example loop (the test oracle; slow);
 ``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
              clipping).

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tomllib
 from pathlib import Path
 from typing import Any
