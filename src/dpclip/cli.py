@@ -73,6 +73,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        lr_gamma=args.lr_gamma,
+        lr_step_epochs=args.lr_step_epochs,
+        lr_min=args.lr_min,
+        lr_warmup_epochs=args.lr_warmup_epochs,
         optimizer=args.optimizer,
         momentum=args.momentum,
         seed=args.seed,
@@ -369,6 +374,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=float, default=256,
                    help="expected batch size (Poisson) or exact size (fixed-size); default 256")
     t.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    ls = t.add_argument_group(
+        "learning-rate schedule (post-processing: no effect on privacy; stepped per optimizer "
+        "step, saved in checkpoints; see docs/tuning.md)")
+    ls.add_argument("--lr-schedule", default="constant",
+                    choices=["constant", "step", "exponential", "cosine"],
+                    help="constant (default); step: x --lr-gamma every --lr-step-epochs epochs; "
+                         "exponential: x --lr-gamma per epoch (Nguyen et al.: 0.9); cosine: to "
+                         "--lr-min over the run")
+    ls.add_argument("--lr-gamma", type=float, help="step / exponential: the factor (0, 1]")
+    ls.add_argument("--lr-step-epochs", type=int, help="step: epochs between two decays")
+    ls.add_argument("--lr-min", type=float, help="cosine: the final learning rate (default 0)")
+    ls.add_argument("--lr-warmup-epochs", type=float, default=0.0,
+                    help="linear warm-up over this many epochs (fractions allowed), then the "
+                         "schedule; default 0")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
     t.add_argument("--seed", type=int, default=0,

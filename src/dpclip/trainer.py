@@ -48,6 +48,9 @@ __all__ = ["RunResult", "TrainConfig", "data_fingerprint", "evaluate", "make_opt
            "resolve_device", "train"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+#: the learning-rate schedule fields and their defaults (left out of the fingerprint at default)
+_LR_DEFAULTS: dict[str, Any] = {"lr_schedule": "constant", "lr_gamma": None,
+                                "lr_step_epochs": None, "lr_min": None, "lr_warmup_epochs": 0.0}
 #: TrainConfig.diagnostics values -> the split they are computed on (None: off)
 DIAGNOSTICS: dict[Any, str | None] = {False: None, "off": None, "test": "test", True: "train",
                                       "train": "train"}
@@ -70,6 +73,13 @@ class TrainConfig:
     epochs: int = 1
     batch_size: float = 256  #: expected batch size (Poisson) or exact size (fixed-size)
     lr: float = 0.1
+    #: learning-rate schedule (``dpclip.lr_schedules``): "constant", "step", "exponential",
+    #: "cosine"; post-processing only (no privacy effect), stepped per optimizer step
+    lr_schedule: str = "constant"
+    lr_gamma: float | None = None  #: step / exponential: the factor (per lr_step_epochs / epoch)
+    lr_step_epochs: int | None = None  #: step: epochs between two multiplications by lr_gamma
+    lr_min: float | None = None  #: cosine: the final learning rate (default 0)
+    lr_warmup_epochs: float = 0.0  #: linear warm-up over this many epochs (any schedule)
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -174,6 +184,10 @@ class TrainConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"TrainConfig: {unknown_name(name, getattr(self, name), valid)}")
 
+        from dpclip.lr_schedules import check_lr_schedule
+
+        check_lr_schedule(self.lr_schedule, self.lr_gamma, self.lr_step_epochs, self.lr_min,
+                          self.lr_warmup_epochs, self.lr)
         if self.diagnostics not in DIAGNOSTICS:
             raise ValueError(
                 f"TrainConfig: diagnostics must be one of False, True, 'off', 'test', 'train', got "
@@ -206,6 +220,11 @@ class TrainConfig:
         d = self.to_dict()
         d.pop("data_dir", None)
         d.pop("device", None)
+        # the schedule fields at their defaults hash as before they existed (a constant rate),
+        # so stored runs and checkpoints keep their identity
+        for key, default in _LR_DEFAULTS.items():
+            if d.get(key) == default:
+                d.pop(key)
         if d.get("reproducible_noise"):
             d.pop("reproducible_noise")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -474,6 +493,13 @@ def train(
         distributed=dist_ctx if dist_ctx is not None else False,
     )
     total_steps, spe = dp.total_steps, dp.steps_per_epoch
+    # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
+    from dpclip.lr_schedules import build_lr_scheduler, describe_lr_schedule
+
+    lr_kwargs = dict(gamma=config.lr_gamma, step_epochs=config.lr_step_epochs,
+                     lr_min=config.lr_min, warmup_epochs=config.lr_warmup_epochs)
+    scheduler = build_lr_scheduler(optimizer, schedule=config.lr_schedule, **lr_kwargs,
+                                   steps_per_epoch=spe, total_steps=total_steps)
 
     ckpt_path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
     data_fp = data_fingerprint(bundle) if ckpt_path is not None else None
@@ -500,6 +526,8 @@ def train(
                 "state); it cannot be resumed: delete it or use another --checkpoint-dir"
             )
         dp.load_state_dict(ck["private"])
+        if scheduler is not None:  # the schedule continues where it stopped
+            scheduler.load_state_dict(ck["lr_scheduler"])
         history = ck["history"]
         torch.set_rng_state(ck["torch_rng"])
         elapsed_before = ck["elapsed"]
@@ -515,6 +543,7 @@ def train(
                 "config": config.to_dict(),
                 # PRIVATE: model, optimizer, strategy state, ledger and the secret generators
                 "private": dp.state_dict(),
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "step": dp.steps,
                 "history": history,
                 "torch_rng": torch.get_rng_state(),
@@ -550,7 +579,10 @@ def train(
             return RunResult({"interrupted": True, "step": dp.steps}, history, dp.ledger, model)
         t_step = time.perf_counter()
         xb, yb = dp.sample()
+        lr_used = optimizer.param_groups[0]["lr"]
         dp.step(xb, yb)
+        if scheduler is not None:
+            scheduler.step()
         step = dp.steps
         step_seconds += time.perf_counter() - t_step
         steps_in_epoch_timed += 1
@@ -569,6 +601,7 @@ def train(
                 "clip_threshold": dp.clip_threshold,
                 "noise_multiplier": dp.last_output.noise_multiplier if dp.last_output
                 else dp.noise_multiplier,
+                "lr": lr_used,  # the learning rate of the epoch's last step
                 "ms_per_step": 1000.0 * step_seconds / max(steps_in_epoch_timed, 1),
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
@@ -626,6 +659,8 @@ def train(
         "stopped_by_budget": facts["stopped_by_budget"],
         "test_accuracy": history[-1]["test_accuracy"],
         "lr": config.lr,
+        "lr_schedule": describe_lr_schedule(config.lr_schedule, lr=config.lr,
+                                            steps_per_epoch=spe, **lr_kwargs),
         "optimizer": config.optimizer,
         "seed": config.seed,
         **dp.rng.describe(),

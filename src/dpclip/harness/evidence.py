@@ -17,7 +17,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_row", "markdown_table"]
+__all__ = ["append_row", "lr_text", "markdown_table"]
 
 KEYS = ("dataset", "model", "strategy", "params", "epsilon", "delta", "seed", "epochs",
         "test_accuracy")
@@ -38,7 +38,21 @@ def append_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
 def _setting(r: dict[str, Any]) -> tuple:
     return (r["dataset"], r["model"], r["strategy"], json.dumps(r["params"], sort_keys=True),
             r.get("target_epsilon"), r.get("noise_multiplier_arg"), r["epochs"],
-            r.get("expected_batch_size"), r.get("lr"), r.get("optimizer"), r.get("accountant"))
+            r.get("expected_batch_size"), lr_text(r), r.get("optimizer"), r.get("accountant"),
+            json.dumps(r.get("tuning", {}).get("choice"), sort_keys=True))
+
+
+def lr_text(r: dict[str, Any]) -> str:
+    """The learning rate and its schedule: ``1`` or ``1 exponential(gamma 0.9)``, ``0.5 cosine(
+    lr_min 0, warm-up 1 ep)`` (rows without ``lr_schedule`` had a constant rate)."""
+    lr = r.get("lr", "")
+    sch = r.get("lr_schedule") or {}
+    if not sch or (sch.get("name") == "constant" and not sch.get("warmup_epochs")):
+        return f"{lr}"
+    parts = [f"{k} {sch[k]:g}" for k in ("gamma", "step_epochs", "lr_min") if k in sch]
+    if sch.get("warmup_epochs"):
+        parts.append(f"warm-up {sch['warmup_epochs']:g} ep")
+    return f"{lr} {sch['name']}({', '.join(parts)})"
 
 
 def _noise(r: dict[str, Any]) -> str:
@@ -56,7 +70,7 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
             f"| {r['dataset']} | {r['model']} | {r['strategy']} | "
             f"{json.dumps(r['params'], sort_keys=True)} | {r['epsilon']:.3f} | {r['delta']:g} | "
             f"{r.get('accountant', '')} | {r.get('noise_multiplier', float('nan')):.4f} | "
-            f"{r.get('expected_batch_size', '')} | {r.get('lr', '')} | {r.get('optimizer', '')} | "
+            f"{r.get('expected_batch_size', '')} | {lr_text(r)} | {r.get('optimizer', '')} | "
             f"{r.get('epochs_completed', r['epochs'])} | {r['seed']} | {_noise(r)} | "
             f"{100 * r['test_accuracy']:.2f} % |")
     groups: dict[tuple, list[dict[str, Any]]] = {}
