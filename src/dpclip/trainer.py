@@ -576,7 +576,11 @@ def train(
             save()
             if bar is not None:
                 bar.close()
-            return RunResult({"interrupted": True, "step": dp.steps}, history, dp.ledger, model)
+            # public facts of the plan (stop_after_steps=0 gives the calibrated noise, no step)
+            return RunResult({"interrupted": True, "step": dp.steps,
+                              "noise_multiplier": dp.noise_multiplier,
+                              "steps_per_epoch": spe, "private_examples": n_train},
+                             history, dp.ledger, model)
         t_step = time.perf_counter()
         xb, yb = dp.sample()
         lr_used = optimizer.param_groups[0]["lr"]

@@ -6,7 +6,9 @@ nothing: finished runs are skipped, the interrupted ones resume from their last 
 ledger, same result as an uninterrupted run), the rest start. Before that, strategy parameters
 that name stored data (``transfer``'s ``schedule``, ``lin-decay``'s ``c0_from = "greedy"``) are
 resolved from the store (``dpclip.search.resolve_strategy_params``; the greedy searches for ``C0``
-checkpoint into ``<out>/search`` and are stored, so they run once).
+checkpoint into ``<out>/search`` and are stored, so they run once). A spec with ``[tuning]`` then
+runs its trials (``dpclip.harness.tuning``: stored under ``<name>:tuning``, checkpointed under
+``<out>/tuning``, never repeated) and its runs use each cell's chosen setting.
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
                        checkpoint_interval_s=checkpoint_interval_s, progress=progress)
         for row in result.history:  # the full history, including epochs before a resume
             store.log_epoch(rid, row["epoch"], row)
-        store.finish_run(rid, dict(result.summary, label=run.label, experiment=run.experiment),
-                         result.ledger.to_dict())
+        summary = dict(result.summary, label=run.label, experiment=run.experiment)
+        if run.tuning is not None:  # the budget, the trials and the choice of the tuning
+            summary["tuning"] = run.tuning
+        store.finish_run(rid, summary, result.ledger.to_dict())
         return run.fingerprint, None
     except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
         msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -127,6 +131,9 @@ def run_experiment(
         raise ValueError("under torchrun the ranks train each run together: use --workers 1 "
                          "(the processes are the ranks)")
     is_main = dist_ctx is None or dist_ctx.is_main
+    if dist_ctx is not None and spec.tuning is not None:
+        raise ValueError(f"spec {spec.name!r} has a [tuning] section: run it once without "
+                         "torchrun first (the trials and choices are stored), or remove [tuning]")
     out = Path(out_dir)
     ck_root = out / "checkpoints"
     runs = spec.runs()
@@ -136,6 +143,10 @@ def run_experiment(
             store = ResultsStore(db)
             try:
                 runs = _resolve_runs(runs, store, out / "search", progress)
+                if spec.tuning is not None:  # the tuning protocol: trials, then the choices
+                    from dpclip.harness.tuning import tune_runs
+
+                    runs = tune_runs(spec, runs, store, out, progress=progress)
             except Exception:
                 store.close()
                 raise

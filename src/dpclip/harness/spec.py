@@ -32,6 +32,24 @@ name the file, the key and the fix (with "did you mean ...?" for misspelt keys a
 ``--set key=value`` overrides use dotted keys (``train.epochs=1``, ``grid.seeds=[0]``,
 ``strategies.fixed.params.clip_norm=0.2``) with TOML values.
 
+A ``[tuning]`` section (``docs/tuning.md``, ``dpclip.harness.tuning``) gives every strategy the
+same hyperparameter budget over its own search space, selected on a validation split of the
+private training data (not privacy-accounted) or on a public proxy, never on the test split:
+
+```toml
+[tuning]
+source = "validation"             # or "public-proxy" (then optionally proxy = "mnist-5k")
+validation_fraction = 0.1         # validation: held out from the private training split
+trials = 4                        # settings tried per strategy and privacy level (same for all)
+epochs = 5                        # epochs per trial
+seed = 0                          # trials' seed and the search order
+
+[[strategies]]
+name = "fixed"
+params = { clip_norm = 0.4 }
+tune = { clip_norm = [0.1, 0.4, 1.0, 2.0] }   # strategy parameters and/or lr (and its schedule)
+```
+
 Strategy parameters that name stored or computed data, ``transfer``'s ``schedule = "NAME"`` and
 ``lin-decay``'s ``c0_from = "greedy"``, are resolved by the runner against the results store
 (``dpclip.search.resolve_strategy_params``) before the grid runs; the resolved numbers are part
@@ -48,13 +66,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dpclip.errors import did_you_mean, unknown_name
+from dpclip.harness.tuning import (SOURCES, TUNABLE_TRAIN_FIELDS, TuningSpec, apply_point,
+                                   search_points)
 from dpclip.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
-_TOP = {"name", "description", "paper", "published", "train", "grid", "strategies"}
+_TOP = {"name", "description", "paper", "published", "train", "grid", "strategies", "tuning"}
+_TUNING = {"source", "trials", "epochs", "seed", "validation_fraction", "proxy"}
 _GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
-_STRAT = {"name", "label", "params", "train"}
+_STRAT = {"name", "label", "params", "train", "tune"}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _GRID_OWNED = {"dataset", "model", "epsilon", "noise_multiplier", "seed", "strategy",
                "strategy_params"}
@@ -91,15 +112,21 @@ class StrategySpec:
     label: str
     params: dict[str, Any]
     train: dict[str, Any]
+    #: the search space of the tuning protocol: name -> list of values (strategy parameters,
+    #: or TrainConfig fields of ``dpclip.harness.tuning.TUNABLE_TRAIN_FIELDS``)
+    tune: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One cell of the grid: a label for reports and the complete training config."""
+    """One cell of the grid: a label for reports and the complete training config (and, for a
+    tuned spec, the tuning record: budget, trials, choice; not part of the fingerprint, the
+    chosen values are in the config)."""
 
     experiment: str
     label: str
     config: TrainConfig
+    tuning: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -120,6 +147,7 @@ class ExperimentSpec:
     #: the paper table this spec reproduces, and its published numbers per strategy label
     paper: str = ""
     published: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    tuning: Any = None  #: a ``dpclip.harness.tuning.TuningSpec`` or None
 
     def runs(self) -> list[RunSpec]:
         """Every run of the grid, in a stable order (strategy-major, then privacy, then seed)."""
@@ -242,8 +270,18 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
         if label in labels:
             raise SpecError(f"strategies[{i}]: duplicate label {label!r}; give each a `label`")
         labels.add(label)
+        tune = _table(s.get("tune"), f"strategies[{i}].tune")
+        for key, values in tune.items():
+            if key in _TRAIN_FIELDS and key not in TUNABLE_TRAIN_FIELDS:
+                raise SpecError(
+                    f"strategies[{i}].tune: {key!r} cannot be tuned (it changes the privacy plan "
+                    f"or the budget); tunable TrainConfig fields: {list(TUNABLE_TRAIN_FIELDS)}, "
+                    "and the strategy's own parameters")
+            if not isinstance(values, list) or not values:
+                raise SpecError(f"strategies[{i}].tune.{key} must be a non-empty list of values, "
+                                f"got {values!r}")
         strategies.append(StrategySpec(str(s["name"]), label, dict(s.get("params", {})),
-                                       st_train))
+                                       st_train, tune))
     if not strategies:
         raise SpecError("the spec needs at least one [[strategies]] entry")
     published = raw.get("published", {})
@@ -255,12 +293,61 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
                             f"labels: {sorted(labels)}")
         if not (isinstance(entry, dict) and isinstance(entry.get("value"), (int, float))):
             raise SpecError(f"[published].{lab} must be {{ value = <accuracy %>, source = ... }}")
+    tuning = _parse_tuning(raw.get("tuning"), strategies)
     spec = ExperimentSpec(name, str(raw.get("description", "")), train, datasets, models,
                           epsilons, noises, seeds, tuple(strategies), str(raw.get("paper", "")),
-                          dict(published))
+                          dict(published), tuning)
     if validate_names:
         _validate_names(spec)
     return spec
+
+
+def _parse_tuning(raw: Any, strategies: list[StrategySpec]) -> TuningSpec | None:
+    if raw is None:
+        for st in strategies:
+            if st.tune:
+                raise SpecError(f"strategy {st.label!r} has a `tune` search space but the spec "
+                                "has no [tuning] section (source, trials, epochs)")
+        return None
+    t = _table(raw, "tuning")
+    bad = sorted(set(t) - _TUNING)
+    if bad:
+        raise _unknown_keys("[tuning]", bad, _TUNING)
+    source = t.get("source")
+    if source not in SOURCES:
+        raise SpecError(f"[tuning] source must be one of {sorted(SOURCES)}, got {source!r}")
+    for key in ("trials", "epochs"):
+        v = t.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError(f"[tuning] {key} must be an integer >= 1 (the budget, the same for "
+                            f"every strategy), got {v!r}")
+    seed = t.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SpecError(f"[tuning] seed must be an integer, got {seed!r}")
+    frac = t.get("validation_fraction", 0.1)
+    if source == "validation":
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac < 1:
+            raise SpecError(f"[tuning] validation_fraction must be in (0, 1), got {frac!r}")
+        if "proxy" in t:
+            raise SpecError("[tuning] proxy is only used with source = \"public-proxy\"")
+    elif "validation_fraction" in t:
+        raise SpecError("[tuning] validation_fraction is only used with source = \"validation\"")
+    proxy = t.get("proxy")
+    if proxy is not None and not isinstance(proxy, str):
+        raise SpecError(f"[tuning] proxy must be a dataset name, got {proxy!r}")
+    missing = [st.label for st in strategies if not st.tune]
+    if missing:
+        raise SpecError(
+            f"[tuning]: every strategy gets the same budget over its own search space; "
+            f"{missing} have no `tune` table (e.g. tune = {{ lr = [0.5, 1.0] }})")
+    tuning = TuningSpec(str(source), int(t["trials"]), int(t["epochs"]), int(seed),
+                        float(frac), proxy)
+    for st in strategies:  # the same number of trials for everyone (or a clear error now)
+        try:
+            search_points(st.tune, tuning.trials, tuning.seed, f"strategy {st.label!r} tune")
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+    return tuning
 
 
 def _validate_names(spec: ExperimentSpec) -> None:
@@ -279,6 +366,14 @@ def _validate_names(spec: ExperimentSpec) -> None:
 
     from dpclip.clipping import STRATEGIES
 
+    if spec.tuning is not None and spec.tuning.source == "public-proxy":
+        from dpclip.data import public_proxy
+
+        for ds in spec.datasets:
+            try:
+                public_proxy(ds, spec.tuning.proxy)
+            except ValueError as exc:
+                raise SpecError(f"[tuning] source = \"public-proxy\": {exc}") from None
     for st in spec.strategies:
         if st.name not in STRATEGIES:
             raise SpecError(f"[[strategies]] {st.label!r}: "
@@ -301,6 +396,11 @@ def _validate_names(spec: ExperimentSpec) -> None:
             unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
             check_unit_sampling(unit, cfg.sampling)
             make_strategy(st.name, own)
+            if spec.tuning is not None:  # every setting of the search space is a valid config
+                for point in search_points(st.tune, spec.tuning.trials, spec.tuning.seed):
+                    tuned = apply_point(cfg, point)
+                    _, own = UnitConfig.pop_from(tuned.strategy_params)
+                    make_strategy(st.name, own)
         except ValueError as exc:
             raise SpecError(f"strategy {st.label!r}: {exc}") from None
 
