@@ -106,6 +106,16 @@ def test_tuned_grid_selects_on_validation_never_on_test(tmp_path, monkeypatch):
         # the final run's noise is the one its trials used
         assert r["summary"]["noise_multiplier"] == pytest.approx(
             t["trials"][0]["noise_multiplier"])
+    # shown in reports and evidence tables
+    from dpclip.harness.evidence import markdown_table
+    from dpclip.harness.report import build_report
+
+    with ResultsStore(db) as store:
+        md = build_report(store, "tune-tiny", tmp_path / "rep").markdown_path.read_text()
+    assert "## Tuning" in md and "NOT privacy-accounted" in md and "Settings and cost" in md
+    chosen = final_runs[0]["summary"]["tuning"]["choice"]
+    table = markdown_table([r["summary"] for r in final_runs], "x")
+    assert "## Tuning" in table and str(chosen)[1:-1].replace("'", '"') in table
     fixed = [r for r in final_runs if r["label"] == "fixed"]
     # C = 0.01 barely moves the model in one epoch: never the choice
     assert all(r["summary"]["tuning"]["choice"]["clip_norm"] != 0.01 for r in fixed)

@@ -91,6 +91,9 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
                    f"{json.dumps(r0['params'], sort_keys=True)} | "
                    f"{max(r['epsilon'] for r in rs):.3f} | {len(rs)} | "
                    f"{statistics.fmean(accs):.2f} % | {sd:.2f} |")
+    from dpclip.harness.tuning import tuning_table
+
+    out += tuning_table(rows)
     return "\n".join(out) + "\n"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from dpclip.harness.store import ResultsStore
 
-__all__ = ["Report", "build_report", "collect_runs"]
+__all__ = ["Report", "build_report", "collect_runs", "settings_table"]
 
 DIAGNOSTIC_PLOTS = {
     "norm_quantiles": ("norm_q", "per-example gradient norm quantiles"),
@@ -124,6 +124,34 @@ def _markdown_table(levels: list[str], rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def settings_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown: one line per strategy and privacy level with what a newcomer needs to read the
+    accuracy: epsilon (target and spent), sigma, the strategy's parameters, the learning rate
+    (and schedule), epochs, seconds per run and test accuracy (mean +- std over seeds)."""
+    from dpclip.harness.evidence import lr_text
+
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        cells[(r["label"] or r["config"]["strategy"], _level(r))].append(r)
+    out = ["| strategy | epsilon (target) | epsilon spent | sigma | params | lr | epochs | "
+           "s / run | runs | test acc (%) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (label, _lev), rs in cells.items():
+        s0, cfg = rs[0]["summary"], rs[0]["config"]
+        target = cfg.get("epsilon")
+        params = {k: v for k, v in (s0.get("params") or cfg["strategy_params"]).items()
+                  if not isinstance(v, (list, dict))}
+        m, sd = _mean_std([100 * x["summary"]["test_accuracy"] for x in rs])
+        secs = statistics.fmean(x["summary"].get("wall_seconds", float("nan")) for x in rs)
+        out.append(
+            f"| {label} | {'-' if target is None else f'{target:g}'} | "
+            f"{max(x['summary']['epsilon'] for x in rs):.3f} | "
+            f"{s0.get('noise_multiplier', float('nan')):.3f} | "
+            f"{json.dumps(params, sort_keys=True)} | {lr_text(s0)} | "
+            f"{s0.get('epochs_completed', cfg['epochs']):g} | {secs:.0f} | {len(rs)} | "
+            f"{m:.2f} +- {sd:.2f} |")
+    return "\n".join(out)
+
+
 def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float], list[float]]]:
     """label -> (epochs, mean over seeds of history[key]) for runs that recorded ``key``."""
     by: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -211,7 +239,11 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     seeded = seeded_runs(runs)
     if seeded:
         header += (f"**Warning: {len(seeded)} of {len(runs)} runs used {SEEDED_NOTE}.**\n\n")
-    md = header + _markdown_table(levels, rows) + "\n\n"
+    from dpclip.harness.tuning import tuning_table
+
+    tuned = tuning_table([dict(r["summary"], label=r["label"]) for r in runs])
+    md = (header + _markdown_table(levels, rows) + "\n\n## Settings and cost per strategy\n\n"
+          + settings_table(runs) + "\n" + "\n".join(tuned) + "\n\n")
     md += "\n".join(f"![{t}]({p.name})" for t, p in plots) + "\n"
     md_path = out / f"{experiment}.md"
     md_path.write_text(md)
@@ -248,6 +280,8 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
         + (f"<p><b>Warning: {len(seeded)} of {len(runs)} runs used "
            f"{html.escape(SEEDED_NOTE)}.</b></p>" if seeded else "") +
         f"<table><tr><th>strategy</th>{ths}</tr>{''.join(trs)}</table>"
+        + f"<h2>Settings and cost per strategy</h2><pre>{html.escape(settings_table(runs))}</pre>"
+        + (f"<pre>{html.escape(chr(10).join(tuned))}</pre>" if tuned else "") +
         f"{figs}<script type=\"application/json\" id=\"table\">"
         f"{html.escape(json.dumps(rows))}</script></body></html>\n"
     )

@@ -81,6 +81,10 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
                 lines.append(f"| {st.label} | {pub['value'] if pub else '-'} | "
                              f"{pub.get('source', '') if pub else ''} | {ours} | {len(accs)} | "
                              f"{eps} | {noise} | {diff} |")
+            from dpclip.harness.tuning import tuning_table
+
+            lines += [x.replace("## Tuning", f"### {spec.name}: tuning") for x in
+                      tuning_table([dict(r["summary"], label=r["label"]) for r in runs])]
             lines.append("")
     lines += _federated_section(federated, spec_dir / "results")
     lines += _audit_section(spec_dir / "results")

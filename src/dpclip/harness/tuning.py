@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["SOURCES", "TUNABLE_TRAIN_FIELDS", "TuningSpec", "apply_point", "search_points",
-           "tune_runs"]
+           "tune_runs", "tuning_table"]
 
 #: selection sources and what they mean for privacy (stored with every tuned result)
 SOURCES: dict[str, str] = {
@@ -298,4 +298,41 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
         rec = records[cell_key(r.config, r.label)]
         cfg = apply_point(r.config, rec["choice"])
         out.append(RunSpec(r.experiment, r.label, cfg, tuning=rec))
+    return out
+
+
+def tuning_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: one per tuned setting (strategy label, privacy level): the selection
+    source, the budget, the choice and every trial's selection accuracy. ``rows`` are run
+    summaries (or evidence rows) with ``label``, ``target_epsilon`` / ``noise_multiplier`` and
+    ``tuning``; empty when none was tuned."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        t = r.get("tuning")
+        if not t:
+            continue
+        level = (f"eps={r['target_epsilon']:g}" if r.get("target_epsilon") is not None
+                 else f"sigma={r.get('noise_multiplier', float('nan')):.4g}")
+        seen.setdefault((str(r.get("label") or r.get("strategy")), r.get("dataset"),
+                         r.get("model"), level), t)
+    if not seen:
+        return []
+    first = next(iter(seen.values()))
+    out = ["", "## Tuning", "",
+           f"Settings chosen by the tuning protocol (docs/tuning.md): {first['privacy']}. "
+           f"Budget for every strategy: {first['budget']['trials']} trials of "
+           f"{first['budget']['epochs_per_trial']} epoch(s), "
+           + (f"validation fraction {first['validation_fraction']:g}"
+              if first["source"] == "validation"
+              else f"public proxy {first.get('proxy') or '(the dataset default)'}")
+           + "; metric: selection accuracy at the end of the trial.", "",
+           "| strategy | dataset/model | level | choice | selection acc | trials (setting: acc) |",
+           "|---|---|---|---|---|---|"]
+    for (label, ds, model, level), t in seen.items():
+        trials = "; ".join(
+            f"{json.dumps(x['setting'], sort_keys=True)}: {100 * x['selection_accuracy']:.2f}"
+            for x in t["trials"])
+        out.append(f"| {label} | {ds}/{model} | {level} | "
+                   f"{json.dumps(t['choice'], sort_keys=True)} | "
+                   f"{100 * t['selection_accuracy']:.2f} % | {trials} |")
     return out
