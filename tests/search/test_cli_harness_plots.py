@@ -176,3 +176,42 @@ def test_fit_decay_trend_recovers_c_over_t_to_the_a():
     c, a = fit_decay_trend([0.8 / t ** 0.5 for t in range(1, 11)])
     assert c == pytest.approx(0.8) and a == pytest.approx(0.5)
     assert fit_decay_trend([0.3]) == (0.3, 0.0)
+
+
+def test_transfer_schedule_greedy_is_searched_in_the_runs_setting(tmp_path, monkeypatch):
+    """schedule = "greedy": one search on the proxy, as many epochs as the run (or
+    schedule_epochs), at the run's own sigma; stored and reused; the last threshold is kept
+    beyond a shorter schedule."""
+    import tomllib
+
+    monkeypatch.setitem(PUBLIC_PROXIES, "synthetic", ("digits",))
+    raw = tomllib.loads(SPEC)
+    raw["train"]["epochs"] = 3
+    raw["strategies"] = [
+        {"name": "transfer", "label": "full",
+         "params": {"schedule": "greedy", "schedule_c_start": 0.25, "schedule_step": 0.5,
+                    "schedule_tolerance": 0.05}},
+        {"name": "transfer", "label": "short",
+         "params": {"schedule": "greedy", "schedule_epochs": 2, "schedule_c_start": 0.25,
+                    "schedule_step": 0.5, "schedule_tolerance": 0.05}}]
+    spec = parse_spec(raw)
+    db = tmp_path / "r.db"
+    with pytest.warns(UserWarning, match="its last threshold is kept"):  # the short one
+        rep = run_experiment(spec, db=db, out_dir=tmp_path / "out", progress=False)
+    assert not rep.failed
+    with ResultsStore(db) as store:
+        scheds = {s["name"]: s for s in store.schedules()}
+        runs = {r["label"]: r for r in store.runs("finished", experiment="lin-tiny")}
+    assert len(scheds) == 2
+    for label, epochs in (("full", 3), ("short", 2)):
+        p = runs[label]["summary"]["params"]
+        s = scheds[p["schedule"]]
+        assert p["thresholds"] == s["thresholds"] and len(s["thresholds"]) == epochs
+        assert s["metadata"]["dataset"] == "digits"
+        assert s["metadata"]["noise_multiplier"] == pytest.approx(0.8)  # the run's sigma
+        hist = [h["clip_threshold"] for h in
+                ResultsStore(db).epochs(runs[label]["id"])]
+        assert hist == pytest.approx((s["thresholds"] + s["thresholds"][-1:])[:3])
+    with pytest.raises(Exception, match="schedule_epochs"):
+        parse_spec({**raw, "strategies": [{"name": "transfer", "params": {
+            "schedule": "pub", "schedule_epochs": 2}}]})

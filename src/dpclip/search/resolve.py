@@ -6,6 +6,16 @@ here, before a run starts, into plain numbers recorded in the run's config and p
 * ``transfer`` with ``schedule = "NAME"`` (and no ``thresholds``): the thresholds of the stored
   schedule ``NAME`` (``dpclip schedules``). A schedule whose metadata says NON-PRIVATE (searched
   on private data) is refused: replaying it would not be private.
+* ``transfer`` with ``schedule = "greedy"``: Lin's greedy search is run (once; stored and reused
+  by name) on the public proxy of the run's dataset (``schedule_proxy``, default
+  ``dpclip.data.public_proxy(dataset)``) in the run's own setting: its model, batch size,
+  learning rate, optimizer and noise multiplier (calibrated from its epsilon when not given),
+  search epochs as long as the private epochs, and ``schedule_epochs`` epochs (default: all of the
+  run's epochs, so a 40-epoch run gets a 40-epoch schedule). With ``schedule_epochs`` below the
+  run's epochs the policy beyond the schedule is Transfer's own: the last threshold is kept
+  (recorded, and warned about). ``C_start, d, S`` are Lin's 0.05, 0.01, 0.02 unless
+  ``schedule_c_start``, ``schedule_step``, ``schedule_tolerance``; ``schedule`` becomes the stored
+  search's name.
 * ``lin-decay`` with ``c0_from = "greedy"`` (and no ``clip_norm``): ``C0`` = the mean of the
   first-epoch greedy thresholds of ``c0_runs`` (default 5) one-epoch greedy searches, seeds
   ``0..c0_runs-1``, on the public proxy of the run's dataset (``c0_proxy``, default
@@ -44,6 +54,9 @@ __all__ = [
 
 #: lin-decay parameters consumed by the resolver (not strategy fields)
 C0_RESOLVER_KEYS = ("c0_proxy", "c0_runs", "c0_c_start", "c0_step", "c0_tolerance")
+#: transfer parameters consumed by the resolver with schedule = "greedy"
+SCHEDULE_RESOLVER_KEYS = ("schedule_proxy", "schedule_epochs", "schedule_c_start",
+                          "schedule_step", "schedule_tolerance")
 
 
 def save_search(store: Any, name: str, result: GreedyResult) -> None:
@@ -267,6 +280,12 @@ def resolve_strategy_params(
     the rest of the parameters can be validated.
     """
     params = dict(config.strategy_params)
+    if config.strategy == "transfer" and str(params.get("schedule", "")).strip() == "greedy" \
+            and "thresholds" not in params:
+        return _resolve_greedy_schedule(config, params, store, checkpoint_root, progress, dry_run)
+    for key in SCHEDULE_RESOLVER_KEYS:
+        if config.strategy == "transfer" and key in params:
+            raise ValueError(f"transfer: {key} is only used with schedule='greedy'")
     if config.strategy == "transfer" and "schedule" in params and "thresholds" not in params:
         name = str(params["schedule"])
         if dry_run:
@@ -312,3 +331,44 @@ def resolve_strategy_params(
         if config.strategy == "lin-decay" and key in params:
             raise ValueError(f"lin-decay: {key} is only used with c0_from='greedy'")
     return config
+
+
+def _resolve_greedy_schedule(config: Any, params: dict[str, Any], store: Any,
+                             checkpoint_root: Any, progress: bool, dry_run: bool) -> Any:
+    """``transfer`` with ``schedule = "greedy"`` (module docstring)."""
+    from dpclip.data import public_proxy
+    from dpclip.sampling import make_sampler
+
+    proxy = params.pop("schedule_proxy", None)
+    epochs = params.pop("schedule_epochs", config.epochs)
+    search: dict[str, float] = {}
+    try:
+        for key, default in (("c_start", 0.05), ("step", 0.01), ("tolerance", 0.02)):
+            search[key] = float(params.pop(f"schedule_{key}", default))
+    except (TypeError, ValueError):
+        raise ValueError("transfer: schedule_c_start, schedule_step and schedule_tolerance must "
+                         "be numbers") from None
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"transfer: schedule_epochs must be an integer >= 1, got {epochs!r}")
+    proxy_name = public_proxy(config.dataset, None if proxy is None else str(proxy))
+    if dry_run:
+        params.update(thresholds=[1.0], schedule="greedy:(unresolved)")
+        return dataclasses.replace(config, strategy_params=params)
+    if store is None:
+        raise ValueError("transfer: schedule='greedy' needs a results store (--db)")
+    n = _private_size(config)
+    z = private_noise_multiplier(config, n)
+    spe = make_sampler(config.sampling, n, config.batch_size).steps_per_epoch
+    g = GreedyConfig(
+        dataset=proxy_name, model=config.model, noise_multiplier=z,
+        batch_size=config.batch_size, lr=config.lr, epochs=epochs, steps_per_epoch=spe,
+        seed=0, optimizer=config.optimizer, momentum=config.momentum,
+        weight_decay=config.weight_decay, sampling=config.sampling, engine=config.engine,
+        max_physical_batch=config.max_physical_batch, eval_batch_size=config.eval_batch_size,
+        model_options=dict(config.model_options), proxy_for=config.dataset,
+        data_dir=config.data_dir, device=config.device, **search)
+    name, thresholds, meta = run_or_reuse(g, store, checkpoint_root=checkpoint_root,
+                                          progress=progress)
+    _check_schedule_use(config, name, thresholds, meta)
+    params.update(thresholds=[float(c) for c in thresholds], schedule=name)
+    return dataclasses.replace(config, strategy_params=params)
