@@ -84,12 +84,16 @@ def test_unknown_preset_lists_presets():
         load_spec("no-such-preset")
 
 
-def test_quick_preset_covers_every_norm_strategy():
+def test_quick_preset_is_tuned_with_one_budget():
+    """The demo compares a few strategies with settings from the tuning protocol (the same
+    budget for each, selected on validation data), at one epsilon on Fashion-MNIST."""
     from dpclip.clipping import STRATEGIES
 
     spec = load_spec("quick")
-    norm = {n for n, e in STRATEGIES.items() if e.kind == "norm"}
-    assert norm <= {s.name for s in spec.strategies}
+    assert {s.name for s in spec.strategies} <= {n for n, e in STRATEGIES.items()
+                                                 if e.kind == "norm"}
+    assert len(spec.strategies) >= 3 and all(s.tune for s in spec.strategies)
+    assert spec.tuning is not None and spec.tuning.source == "validation"
     assert spec.datasets == ("fashion-mnist",) and len(spec.epsilons) == 1
 
 

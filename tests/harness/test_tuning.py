@@ -170,6 +170,7 @@ def test_public_proxy_source_trains_on_the_proxy(tmp_path, monkeypatch):
     (lambda r: r["tuning"].update(epochs=0), "epochs must be an integer >= 1"),
     (lambda r: r["strategies"][0]["tune"].update(clip_nrom=[1.0]), "clip_nrom"),
     (lambda r: r["tuning"].update(proxy="mnist-5k"), "only used with source"),
+    (lambda r: r["train"].update(lr_warmup_epochs=1), "does not fit in a trial"),
 ])
 def test_bad_tuning_sections_name_the_fix(change, match):
     raw = raw_spec()

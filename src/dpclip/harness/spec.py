@@ -399,6 +399,11 @@ def _validate_names(spec: ExperimentSpec) -> None:
             if spec.tuning is not None:  # every setting of the search space is a valid config
                 for point in search_points(st.tune, spec.tuning.trials, spec.tuning.seed):
                     tuned = apply_point(cfg, point)
+                    if tuned.lr_warmup_epochs >= spec.tuning.epochs:
+                        raise ValueError(
+                            f"lr_warmup_epochs {tuned.lr_warmup_epochs:g} does not fit in a trial "
+                            f"of [tuning] epochs = {spec.tuning.epochs}; raise tuning.epochs or "
+                            "shorten the warm-up")
                     _, own = UnitConfig.pop_from(tuned.strategy_params)
                     make_strategy(st.name, own)
         except ValueError as exc:
