@@ -127,3 +127,18 @@ def test_warmup_longer_than_the_run_is_refused():
     cfg = TrainConfig(**BASE, noise_multiplier=1.0, lr_warmup_epochs=3)
     with pytest.raises(ValueError, match="shorten the warm-up"):
         train(cfg, progress=False)
+
+
+def test_cli_flags_reach_the_run_and_its_summary(tmp_path, capsys):
+    from dpclip.cli import main
+
+    common = ["train", "--dataset", "synthetic", "--model", "logreg", "--epochs", "2",
+              "--batch-size", "128", "--noise-multiplier", "1", "--delta", "1e-5",
+              "--db", str(tmp_path / "r.db"), "--no-progress"]
+    assert main(common + ["--lr", "0.4", "--lr-schedule", "step", "--lr-gamma", "0.5",
+                          "--lr-step-epochs", "1", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["lr_schedule"] == {"name": "step", "lr": 0.4, "per": "step", "gamma": 0.5,
+                                "step_epochs": 1}
+    assert main(common + ["--lr-schedule", "exponential"]) == 2
+    assert "needs lr_gamma (--lr-gamma)" in capsys.readouterr().err
