@@ -134,7 +134,7 @@ class _Tuner:
         self.experiment = f"{spec.name}:tuning"
         self._bundles: dict[tuple, Any] = {}
         self._facts: dict[str, dict[str, Any]] = {}
-        self.calls: list[dict[str, Any]] = []  # what every trial trained and was scored on
+        self._validation: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------ data
     def _private(self, config: Any) -> Any:
@@ -179,10 +179,14 @@ class _Tuner:
         takes the place of the test split (the test split is never given to a trial)."""
         from dpclip.data import public_private_split
 
-        full = self._private(config)
-        val, rest = public_private_split(full.train, self.tuning.validation_fraction,
-                                         self.tuning.seed)
-        return dataclasses.replace(full, train=rest, test=val)
+        key = (config.dataset, config.data_dir,
+               json.dumps(config.dataset_options, sort_keys=True))
+        if key not in self._validation:  # carved once per dataset (the same split every trial)
+            full = self._private(config)
+            val, rest = public_private_split(full.train, self.tuning.validation_fraction,
+                                             self.tuning.seed)
+            self._validation[key] = dataclasses.replace(full, train=rest, test=val)
+        return self._validation[key]
 
     def _facts_of(self, config: Any) -> dict[str, Any]:
         """The final run's public plan facts (calibrated noise multiplier, steps per epoch),
@@ -196,7 +200,6 @@ class _Tuner:
         if key not in self._facts:
             full = self._private(config)
             bundle = dataclasses.replace(full, test=self._validation_bundle(config).test)
-            self.calls.append({"purpose": "calibration", "data": bundle})
             r = train(dataclasses.replace(config, seed=self.tuning.seed), data=bundle,
                       progress=False, stop_after_steps=0)
             self._facts[key] = {k: r.summary[k] for k in
@@ -247,7 +250,6 @@ class _Tuner:
             if fp in done:
                 summary = done[fp]["summary"]
             else:
-                self.calls.append({"purpose": "trial", "data": data, "config": cfg})
                 rid = self.store.start_run(fp, cfg.to_dict(), experiment=self.experiment,
                                            label=label)
                 try:
@@ -278,7 +280,7 @@ class _Tuner:
 
 
 def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
-              progress: bool = True, _tuner: list | None = None) -> list[Any]:
+              progress: bool = True) -> list[Any]:
     """``runs`` with each cell's chosen setting applied and its tuning record attached
     (``RunSpec.tuning``); runs the trials that are not finished in ``store`` first."""
     from dpclip.harness.spec import RunSpec
@@ -286,8 +288,6 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
     if spec.tuning is None:
         return runs
     tuner = _Tuner(spec, store, Path(out_dir), progress)
-    if _tuner is not None:
-        _tuner.append(tuner)
     by_label = {s.label: s for s in spec.strategies}
     cells: dict[tuple, list[Any]] = {}
     for r in runs:
