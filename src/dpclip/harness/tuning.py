@@ -135,6 +135,7 @@ class _Tuner:
         self._bundles: dict[tuple, Any] = {}
         self._facts: dict[str, dict[str, Any]] = {}
         self._validation: dict[tuple, Any] = {}
+        self._checked: set[tuple] = set()
 
     # ------------------------------------------------------------------ data
     def _private(self, config: Any) -> Any:
@@ -152,8 +153,11 @@ class _Tuner:
         """The validation split is carved from the training split of the tuning seed; a dataset
         whose train/test split changes with the seed would let the selection see examples that
         are test examples of another seed's run. Refused, naming the fix."""
-        if self.tuning.source != "validation":
+        key = (config.dataset, config.data_dir, json.dumps(config.dataset_options,
+                                                           sort_keys=True), tuple(seeds))
+        if self.tuning.source != "validation" or key in self._checked:
             return
+        self._checked.add(key)
         import torch
 
         from dpclip.data import load_dataset
