@@ -349,7 +349,7 @@ def test_spec_unknown_top_level_key(tmp_path):
     msg = spec_error(tmp_path, SPEC.replace("[[strategies]]", "[[strategy]]"))
     assert msg.startswith("top level: unknown key(s) ['strategy'] (did you mean 'strategies'?); "
                           "valid: ['description', 'grid', 'name', 'paper', 'published', "
-                          "'strategies', 'train']")
+                          "'strategies', 'train', 'tuning']")
 
 
 def test_spec_unknown_train_field(tmp_path):
