@@ -47,7 +47,7 @@ def measure(model: torch.nn.Module, strategy: LipDpSgd, x: torch.Tensor, y: torc
     loss = strategy.loss()
     _, cert = strategy.certify(model, loss, INPUT_SHAPE, strategy.init_state())
     xc = clip_inputs(x, strategy.input_norm)
-    params = {k: v.detach() for k, v in model.named_parameters()}
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
     def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         return loss(functional_call(model, p, (xi[None],)), yi[None]).sum()
@@ -57,7 +57,9 @@ def measure(model: torch.nn.Module, strategy: LipDpSgd, x: torch.Tensor, y: torc
     layers = []
     total_sq = torch.zeros(x.shape[0], dtype=torch.float64)
     for lb in cert.bound.layers:
-        names = list(lb.parameter_grad_bounds)
+        names = [n for n in lb.parameter_grad_bounds if n in scaled]
+        if not names:  # a frozen layer: not trained, not in the certificate
+            continue
         sq = sum(scaled[n].flatten(1).double().pow(2).sum(dim=1) for n in names)
         total_sq += sq
         norms = sq.sqrt()
@@ -150,8 +152,10 @@ def main() -> None:
             weights = "init (after ClipWeights)"
         else:
             model.load_state_dict(ck[1]["private"]["model"])
-            weights = f"private run, step {ck[1]['step']} ({Path(ck[0]).parent.name})"
-        row = {"model": model_name, "weights": weights, "n": int(x.shape[0]),
+            kind = "NON-PRIVATE run (sigma 0)" if sigma == 0 else "private run"
+            weights = f"{kind}, step {ck[1]['step']} ({Path(ck[0]).parent.name})"
+        shown = model_name + "".join(f" {k}={v}" for k, v in sorted(opts.items()))
+        row = {"model": shown, "weights": weights, "n": int(x.shape[0]),
                "nonprivate": True, "data": "fashion-mnist test[:n] (held out)", **params,
                **measure(model, strategy, x, y, sigma, batch)}
         rows.append(row)
