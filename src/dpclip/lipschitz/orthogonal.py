@@ -9,9 +9,9 @@ per-example bounds of ``nn.Linear`` / ``nn.Conv2d`` apply unchanged.
 
 * :class:`OrthLinear` - an ``nn.Linear`` whose :meth:`~OrthLinear.project_` replaces ``W`` by its
   orthogonal polar factor ``U V^T`` (``W = U S V^T``): orthonormal rows (wide) or columns (tall),
-  all singular values 1. A tall or square ``OrthLinear`` is an isometry; every one has an
-  isometric ``W^T`` on its row space, so GroupSort + ``OrthLinear`` back-propagates gradients
-  without loss (gradient-norm preserving, tested).
+  all singular values 1. A tall or square ``OrthLinear`` is an isometry; a wide or square one
+  has an isometric ``W^T``, so it back-propagates gradients without loss (with GroupSort, a chain
+  of square ones is gradient-norm preserving: tested).
 * :class:`OrthConv2d` - an ``nn.Conv2d`` whose :meth:`~OrthConv2d.project_` orthonormalises the
   reshaped kernel ``(c_out, c_in k_h k_w)`` (deel-lip's ``SpectralConv2d`` / Bjorck on the
   reshaped kernel). The convolution's operator norm is then at most ``sqrt(k_h k_w)`` and usually
