@@ -15,7 +15,8 @@ from dpclip.models import (
 )
 
 EXPECTED = {"lin-b1", "lin-b2", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-cifar-cnn",
-            "papernot-cnn", "transformer", "lip-convnet", "lip-small-cnn", "tabular-mlp", "lenet5",
+            "papernot-cnn", "transformer", "lip-convnet", "lip-small-cnn", "lip-orth-cnn",
+            "tabular-mlp", "lenet5",
             "bn-lenet5",
             "nguyen-convnet", "resnet18"}
 #: Nguyen et al.'s BatchNorm networks (batch clipping only); their BN-free variants by option

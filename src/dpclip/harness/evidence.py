@@ -35,8 +35,14 @@ def append_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _model(r: dict[str, Any]) -> str:
+    """The model name, with its options when any (runs differing only there are distinct)."""
+    opts = r.get("model_options") or {}
+    return r["model"] + (f" {json.dumps(opts, sort_keys=True)}" if opts else "")
+
+
 def _setting(r: dict[str, Any]) -> tuple:
-    return (r["dataset"], r["model"], r["strategy"], json.dumps(r["params"], sort_keys=True),
+    return (r["dataset"], _model(r), r["strategy"], json.dumps(r["params"], sort_keys=True),
             r.get("target_epsilon"), r.get("noise_multiplier_arg"), r["epochs"],
             r.get("expected_batch_size"), lr_text(r), r.get("optimizer"), r.get("accountant"),
             json.dumps(r.get("tuning", {}).get("choice"), sort_keys=True))
@@ -67,7 +73,7 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
-            f"| {r['dataset']} | {r['model']} | {r['strategy']} | "
+            f"| {r['dataset']} | {_model(r)} | {r['strategy']} | "
             f"{json.dumps(r['params'], sort_keys=True)} | {r['epsilon']:.3f} | {r['delta']:g} | "
             f"{r.get('accountant', '')} | {r.get('noise_multiplier', float('nan')):.4f} | "
             f"{r.get('expected_batch_size', '')} | {lr_text(r)} | {r.get('optimizer', '')} | "
@@ -87,7 +93,7 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
         accs = [100 * r["test_accuracy"] for r in rs]
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         r0 = rs[0]
-        out.append(f"| {r0['dataset']} | {r0['model']} | {r0['strategy']} | "
+        out.append(f"| {r0['dataset']} | {_model(r0)} | {r0['strategy']} | "
                    f"{json.dumps(r0['params'], sort_keys=True)} | "
                    f"{max(r['epsilon'] for r in rs):.3f} | {len(rs)} | "
                    f"{statistics.fmean(accs):.2f} % | {sd:.2f} |")

@@ -34,7 +34,13 @@ from dpclip.lipschitz.losses import (
     MulticlassHingeLoss,
     TemperedCrossEntropy,
 )
-from dpclip.lipschitz.models import lip_mnist_convnet, lip_small_convnet, tabular_mlp
+from dpclip.lipschitz.models import (
+    lip_mnist_convnet,
+    lip_orth_convnet,
+    lip_small_convnet,
+    tabular_mlp,
+)
+from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear, orthogonalize
 from dpclip.lipschitz.norms import (
     NUMERICAL_SLACK,
     ConvNormMethod,
@@ -70,6 +76,8 @@ __all__ = [
     "NetworkBound",
     "NodeBound",
     "NormUnderestimateError",
+    "OrthConv2d",
+    "OrthLinear",
     "OperatorNormBound",
     "PowerIterationResult",
     "TemperedCrossEntropy",
@@ -83,9 +91,11 @@ __all__ = [
     "gram_iteration_bound",
     "linear_operator_norm_bound",
     "lip_mnist_convnet",
+    "lip_orth_convnet",
     "lip_small_convnet",
     "lipschitz_bounds",
     "module_lipschitz",
+    "orthogonalize",
     "power_iteration",
     "robust_norm",
     "spectral_norm",

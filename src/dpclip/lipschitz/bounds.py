@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.lipschitz.layers import GroupSort, LipGroupNorm, LipResidual
+from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.lipschitz.losses import (
     CosineSimilarityLoss,
     LipschitzLoss,
@@ -536,6 +537,9 @@ def _rule_lip_groupnorm(
 _RULES: dict[type[nn.Module], _Rule] = {
     nn.Linear: _rule_linear,
     nn.Conv2d: _rule_conv2d,
+    # same forward as their bases (not overridden, tested); only post_step projects the weight
+    OrthLinear: _rule_linear,
+    OrthConv2d: _rule_conv2d,
     nn.ReLU: _rule_relu,
     nn.LeakyReLU: _rule_leaky_relu,
     nn.Tanh: _rule_tanh,

@@ -15,9 +15,33 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["GroupSort", "LipGroupNorm", "LipResidual"]
+
+
+class _MinMax(torch.autograd.Function):
+    """``(min(a, b), max(a, b))`` elementwise, with the gradient routed by the same mask
+    ``a > b`` (a permutation per pair; ties keep the order, as a stable sort). Differentiable
+    backward (``torch.where``), so double backward and ``vmap`` work."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        swap = a > b
+        return torch.where(swap, b, a), torch.where(swap, a, b), swap
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[override]
+        ctx.mark_non_differentiable(output[2])
+        ctx.save_for_backward(output[2])
+
+    @staticmethod
+    def backward(ctx, g_lo: Tensor, g_hi: Tensor, _: Tensor):  # type: ignore[override]
+        (swap,) = ctx.saved_tensors
+        return torch.where(swap, g_hi, g_lo), torch.where(swap, g_lo, g_hi)
 
 
 class GroupSort(nn.Module):
@@ -49,6 +73,12 @@ class GroupSort(nn.Module):
                 f"not a multiple of the group size; change group_size or the layer width"
             )
         grouped = x.unflatten(dim, (size // self.group_size, self.group_size))
+        if self.group_size == 2:
+            # MaxMin: the same values as the sort, and a permutation as its Jacobian (ties keep
+            # the order), but about twice as fast on CPU (sort and min/max backward are slow)
+            a, b = grouped.unbind(dim + 1)
+            lo, hi, _ = _MinMax.apply(a, b)
+            return torch.stack((lo, hi), dim + 1).flatten(dim, dim + 1)
         return grouped.sort(dim=dim + 1).values.flatten(dim, dim + 1)
 
     def extra_repr(self) -> str:

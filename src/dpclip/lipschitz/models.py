@@ -15,9 +15,10 @@ from torch import nn
 
 from dpclip._checks import positive_ints
 from dpclip.lipschitz.layers import GroupSort
+from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.models.activations import make_activation
 
-__all__ = ["lip_mnist_convnet", "lip_small_convnet", "tabular_mlp"]
+__all__ = ["lip_mnist_convnet", "lip_orth_convnet", "lip_small_convnet", "tabular_mlp"]
 
 
 def _activation(name: str) -> nn.Module:
@@ -107,6 +108,74 @@ def lip_small_convnet(
         layers[f"act{blocks + 1}"] = _activation(activation)
         width = hidden
     layers["fc"] = nn.Linear(width, num_classes, bias=bias)
+    return nn.Sequential(layers)
+
+
+POOLS = ("scaled-avg", "avg")
+
+
+def lip_orth_convnet(
+    input_shape: Sequence[int] = (1, 28, 28),
+    num_classes: int = 10,
+    *,
+    channels: Sequence[int] = (16, 32),
+    hidden: int = 0,
+    activation: str = "groupsort",
+    pool: str = "scaled-avg",
+    bias: bool = False,
+    freeze_convs: bool = False,
+) -> nn.Sequential:
+    """A small orthogonal Lipschitz CNN for 28x28 images (ours, after Bethune et al.'s lip-dp
+    recipe: orthogonal layers, GroupSort, norm-preserving pooling, no biases): per entry of
+    ``channels`` an ``OrthConv2d c 3x3 SAME -> act -> pool 2x2 (stride 2)`` block, then ``Flatten
+    -> [OrthLinear hidden -> act ->] OrthLinear num_classes``. Same shape and parameter count as
+    :func:`lip_small_convnet` (20,432 without biases for the defaults).
+
+    ``pool="scaled-avg"`` is ``AvgPool2d(2, 2, divisor_override=2)``, i.e. twice the average
+    (the sum over the window divided by 2): exactly 1-Lipschitz (Schur test: row sums 2, column
+    sums 1/2) and norm preserving on locally constant images, where ``"avg"`` (the plain average,
+    1/2-Lipschitz) halves the signal and the back-propagated gradient at every block.
+    ``bias=False`` (default): every layer maps 0 to 0, and the certificate has no bias terms
+    (a convolution bias is used at every position and its bound carries ``sqrt(H W)``).
+    ``freeze_convs=True`` keeps the convolutions at their random orthogonal initialisation
+    (public, data-independent features; ``requires_grad=False``): only the dense layers are
+    trained, so only they enter the certificate (their bound is nearly tight, the convolutions'
+    is loose by 10-50x: docs/lipschitz.md)."""
+    shape = tuple(input_shape)
+    chans = tuple(channels)
+    if not positive_ints(chans):
+        raise ValueError(
+            f"lip_orth_convnet: channels must be a non-empty sequence of positive integers, got "
+            f"{channels!r}"
+        )
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
+        raise ValueError(f"lip_orth_convnet: hidden must be an integer >= 0, got {hidden!r}")
+    if pool not in POOLS:
+        raise ValueError(f"lip_orth_convnet: pool must be one of {POOLS}, got {pool!r}")
+    blocks = len(chans)
+    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
+        raise ValueError(
+            f"lip_orth_convnet: input_shape must be (channels, height, width) with height and "
+            f"width divisible by 2**{blocks} (one 2x2 pool per block), got {shape}"
+        )
+    c, h, w = shape
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    for i, k in enumerate(chans, 1):
+        layers[f"conv{i}"] = OrthConv2d(c, k, 3, padding=1, bias=bias)
+        layers[f"act{i}"] = _activation(activation)
+        layers[f"pool{i}"] = (nn.AvgPool2d(2, 2, divisor_override=2) if pool == "scaled-avg"
+                              else nn.AvgPool2d(2, 2))
+        c, h, w = k, h // 2, w // 2
+    layers["flatten"] = nn.Flatten()
+    width = c * h * w
+    if hidden:
+        layers["fc1"] = OrthLinear(width, hidden, bias=bias)
+        layers[f"act{blocks + 1}"] = _activation(activation)
+        width = hidden
+    layers["fc"] = OrthLinear(width, num_classes, bias=bias)
+    if freeze_convs:
+        for i in range(1, blocks + 1):
+            layers[f"conv{i}"].requires_grad_(False)
     return nn.Sequential(layers)
 
 

@@ -45,6 +45,7 @@ from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.lipschitz.bounds import NetworkBound, lipschitz_bounds, rescale_weight_
 from dpclip.lipschitz.losses import LipschitzLoss, TemperedCrossEntropy
+from dpclip.lipschitz.orthogonal import project_orthogonal_layers_
 
 __all__ = ["FixLipDpSgd", "LipCertificate", "LipDpSgd", "clip_inputs"]
 
@@ -275,7 +276,13 @@ class _LipBase(StrategyBase):
         ``rho <= weight_bound`` up to float rounding): Lip-DP-SGD only when ``rho > weight_bound``,
         Fix-Lip-DP-SGD always. Post-processing of released weights: no privacy cost. Soundness
         does not rely on it (the next certificate is computed from whatever the weights are).
+
+        Orthogonal layers (``OrthLinear`` / ``OrthConv2d``) are first projected onto the
+        orthogonal matrices (Bjorck / polar factor, Bethune et al.); the rescaling above then uses
+        the proven norm of the PROJECTED weight (an orthogonal convolution kernel's operator norm
+        is up to ``sqrt(k_h k_w)``, and is scaled to ``weight_bound`` like any other).
         """
+        project_orthogonal_layers_(model)
         bound = lipschitz_bounds(
             model, self.loss(), input_shape=tuple(input_shape), input_norm_bound=self.input_norm,
             conv_norm=self.conv_norm,  # type: ignore[arg-type]

@@ -180,6 +180,24 @@ def _lip_small_cnn(
                              activation=activation, bias=bias)
 
 
+def _lip_orth_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    channels: tuple[int, ...] = (16, 32),
+    hidden: int = 0,
+    activation: str = "groupsort",
+    pool: str = "scaled-avg",
+    bias: bool = False,
+    freeze_convs: bool = False,
+) -> nn.Module:
+    from dpclip.lipschitz.models import lip_orth_convnet
+
+    return lip_orth_convnet(input_shape, num_classes, channels=channels, hidden=hidden,
+                            activation=activation, pool=pool, bias=bias,
+                            freeze_convs=freeze_convs)
+
+
 def _tabular_mlp(
     input_shape: Sequence[int],
     num_classes: int,
@@ -278,6 +296,16 @@ for _entry in (
         "Lipschitz layers only",
         builder=_lip_small_cnn,
         paper="ours: a small model for Lip-DP-SGD on 28x28 images (noise grows with sqrt(#params))",
+        input_notes="1x28x28 images (height/width divisible by 4); for lip-dp-sgd / fix-lip-dp-sgd",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-orth-cnn",
+        description="small orthogonal Lipschitz CNN (OrthConv16-GroupSort-SumPool/2-OrthConv32-"
+        "GroupSort-SumPool/2-OrthDense, 20,432 params, no biases)",
+        builder=_lip_orth_cnn,
+        paper="ours, after Bethune et al., DP-SGD without clipping: the Lipschitz neural network "
+        "way (2023): orthogonal (Bjorck-projected) layers and GroupSort",
         input_notes="1x28x28 images (height/width divisible by 4); for lip-dp-sgd / fix-lip-dp-sgd",
         intended_input_shape=(1, 28, 28),
     ),
