@@ -11,11 +11,18 @@ so all of them agree on the users, the model and the plan. Keys (defaults in :da
 ``noise_multiplier`` or ``epsilon``, ``delta``, ``accountant``; ``local_epochs``,
 ``local_batch_size``, ``client_lr``; ``server_optimizer``, ``server_lr``, ``server_momentum``;
 ``seed``, ``reproducible_noise``, ``eval_every``.
+
+:class:`FederatedRunConfig` is the same mapping as a frozen, fingerprinted run config: the
+experiment harness (``dpclip run spec.toml`` with a ``[federated]`` table) stores it, skips a
+finished run by its fingerprint and calls :func:`run_from_config`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -26,11 +33,11 @@ from dpclip.data import load_dataset
 from dpclip.federated.client import LocalTraining
 from dpclip.federated.data import FederatedData, federate
 from dpclip.federated.server import ServerOptimizer
-from dpclip.federated.simulation import FedAvgConfig
+from dpclip.federated.simulation import FedAvgConfig, FedAvgResult, run_fedavg
 from dpclip.models import build_model
 
-__all__ = ["DEFAULTS", "build_data", "build_model_for", "build_run", "build_strategy",
-           "config_from_spec"]
+__all__ = ["DEFAULTS", "FederatedRunConfig", "build_data", "build_model_for", "build_run",
+           "build_strategy", "config_from_spec", "run_from_config", "valid_keys"]
 
 DEFAULTS: dict[str, Any] = {
     "dataset_options": {}, "data_dir": None, "partition": "iid", "shards_per_user": 2,
@@ -42,6 +49,11 @@ DEFAULTS: dict[str, Any] = {
     "eval_every": 10,
 }
 REQUIRED = ("dataset", "num_users", "rounds", "clients_per_round", "delta")
+
+
+def valid_keys() -> set[str]:
+    """Every key a federated spec may hold."""
+    return {*REQUIRED, *DEFAULTS}
 
 
 def _full(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,3 +113,67 @@ def build_run(spec: Mapping[str, Any]) -> tuple[FederatedData, nn.Module, Clippi
     config = config_from_spec(spec)
     data = build_data(spec)
     return data, build_model_for(spec, data), build_strategy(spec), config
+
+
+@dataclass(frozen=True)
+class FederatedRunConfig:
+    """One federated run of an experiment grid: the full spec (defaults filled in), frozen.
+
+    ``fingerprint()`` hashes everything that determines the outcome (not ``data_dir``), so the
+    harness recognises a finished run; ``to_dict()`` is what the store keeps as the run's config
+    (with ``kind = "federated"``)."""
+
+    spec: Mapping[str, Any]
+    kind: ClassVar[str] = "federated"
+
+    def __post_init__(self) -> None:
+        full = _full(self.spec)
+        config_from_spec(full)  # validates the plan (rounds, delta, sampling/accountant, ...)
+        object.__setattr__(self, "spec", full)
+
+    def __getattr__(self, name: str) -> Any:  # seed, strategy, dataset, ... as on TrainConfig
+        spec = self.__dict__.get("spec")
+        if spec is not None and name in spec:
+            return spec[name]
+        raise AttributeError(name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": dict(self.spec)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "spec", state["spec"])
+
+    @property
+    def strategy_params(self) -> dict[str, Any]:
+        return dict(self.spec["params"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "federated", **json.loads(json.dumps(dict(self.spec), default=str))}
+
+    def fingerprint(self) -> str:
+        d = self.to_dict()
+        d.pop("data_dir", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_from_config(config: FederatedRunConfig) -> tuple[FedAvgResult, dict[str, Any],
+                                                         list[dict[str, Any]]]:
+    """Run ``config``; returns the result, the evidence summary (the row keys of
+    ``dpclip.harness.evidence``: dataset, model, strategy, params, epsilon, delta, seed, epochs,
+    test_accuracy, plus the federated facts) and the per-round history rows for the store (each
+    with ``epoch`` = the round and ``clip_threshold`` = the round's clip ``C_t``)."""
+    data, model, strategy, fed_config = build_run(config.spec)
+    res = run_fedavg(data, model, strategy, fed_config)
+    s = res.summary
+    spec = config.spec
+    summary = {
+        **s, "model": spec["model"], "model_options": dict(spec["model_options"]),
+        "strategy": strategy.name, "params": strategy.describe(),
+        "epochs": s["rounds"], "privacy_unit": "user",
+        # the evidence table's batch / lr / optimizer columns: users per round and the server's
+        "expected_batch_size": s["expected_clients"], "lr": s["server_lr"],
+        "optimizer": s["server_optimizer"],
+        "final_clip_norm": res.clip_history[-1],
+    }
+    history = [{**h, "epoch": h["round"], "clip_threshold": h["clip_norm"]} for h in res.history]
+    return res, summary, history
