@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpclip.data import DatasetNotFoundError, load_dataset
+from dpclip.data import load_dataset
 from dpclip.federated.data import (
     federate,
-    find_tff_files,
     partition_attribute,
     partition_dirichlet,
     partition_iid,
@@ -63,19 +62,3 @@ def test_federate_mnist_5k_users_with_a_few_dozen_examples():
     assert fd.describe()["partition"] == "label-skew"
     with pytest.raises(ValueError, match="partition"):
         federate(load_dataset("mnist-5k"), 10, "by-magic")
-
-
-def test_tff_files_missing_error_names_files_and_source(tmp_path, monkeypatch):
-    monkeypatch.delenv("DPCLIP_DATA", raising=False)
-    with pytest.raises(DatasetNotFoundError) as err:
-        find_tff_files("emnist-fed", tmp_path)
-    msg = str(err.value)
-    assert "fed_emnist_train.h5" in msg and "fed_emnist.tar.bz2" in msg and str(tmp_path) in msg
-    for name, needle in (("shakespeare", "shakespeare_train.h5"),
-                         ("stackoverflow", "stackoverflow.tar.bz2")):
-        with pytest.raises(DatasetNotFoundError, match=needle):
-            find_tff_files(name, tmp_path)
-    (tmp_path / "emnist").mkdir()
-    for f in ("fed_emnist_train.h5", "fed_emnist_test.h5"):
-        (tmp_path / "emnist" / f).write_bytes(b"")
-    assert find_tff_files("emnist-fed", tmp_path)["fed_emnist_train.h5"].parent.name == "emnist"

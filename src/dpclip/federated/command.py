@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dataset-option", action="append", metavar="K=V")
     t.add_argument("--data-dir")
     t.add_argument("--num-users", type=int)
-    t.add_argument("--partition", choices=["iid", "label-skew", "dirichlet", "attribute"])
+    t.add_argument("--partition", choices=["iid", "label-skew", "dirichlet", "attribute", "natural"],
+                   help="how a centralised dataset is split into users (default iid); natural: "
+                        "the clients of a TFF federated dataset (its default)")
     t.add_argument("--model")
     t.add_argument("--model-option", action="append", metavar="K=V")
     t.add_argument("--strategy", help="fixed, quantile, lin-decay, ... (see `dpclip strategies`)")

@@ -152,6 +152,7 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
     it holds the final parameters on return. ``callback(row)`` is called at every evaluation.
     """
     t0 = time.perf_counter()
+    loss_fn = loss_fn or data.loss_fn()
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
                           user_weights=user_weights)
     worker = copy.deepcopy(model)
@@ -163,7 +164,8 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
                                seed=local_seed(config.seed, r, u)) for u in users]
         out = server.finish_round(deltas if deltas else torch.zeros(0, theta.numel()), users)
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            acc, loss = evaluate(model, data.test.inputs, data.test.targets, loss_fn=loss_fn)
+            acc, loss = evaluate(model, data.test.inputs, data.test.targets, loss_fn=loss_fn,
+                                 ignore_index=data.ignore_index)
             row: dict[str, Any] = {
                 "round": r + 1, "test_accuracy": acc, "test_loss": loss,
                 "clip_norm": out.clip_norm,

@@ -5,7 +5,8 @@ same function is used by ``dpclip fl train``, the Flower server and every Flower
 so all of them agree on the users, the model and the plan. Keys (defaults in :data:`DEFAULTS`):
 
 ``dataset`` (a ``dpclip.data`` name), ``dataset_options``, ``data_dir``, ``num_users``,
-``partition`` (iid, label-skew, dirichlet, attribute), ``shards_per_user``, ``alpha``,
+``partition`` (iid, label-skew, dirichlet, attribute; default iid, and natural = the clients
+of a TFF federated dataset), ``shards_per_user``, ``alpha``,
 ``attribute_columns``, ``max_user_size``, ``max_examples``; ``model``, ``model_options``;
 ``strategy``, ``params`` (strategy parameters); ``rounds``, ``clients_per_round``, ``sampling``,
 ``noise_multiplier`` or ``epsilon``, ``delta``, ``accountant``; ``local_epochs``,
@@ -34,13 +35,13 @@ from dpclip.federated.client import LocalTraining
 from dpclip.federated.data import FederatedData, federate
 from dpclip.federated.server import ServerOptimizer
 from dpclip.federated.simulation import FedAvgConfig, FedAvgResult, run_fedavg
-from dpclip.models import build_model
+from dpclip.federated.models import build_federated_model
 
 __all__ = ["DEFAULTS", "FederatedRunConfig", "build_data", "build_model_for", "build_run",
            "build_strategy", "config_from_spec", "run_from_config", "valid_keys"]
 
 DEFAULTS: dict[str, Any] = {
-    "dataset_options": {}, "data_dir": None, "partition": "iid", "shards_per_user": 2,
+    "dataset_options": {}, "data_dir": None, "partition": None, "shards_per_user": 2,
     "alpha": 0.5, "attribute_columns": None, "max_user_size": None, "max_examples": None,
     "model": "mlp", "model_options": {}, "strategy": "quantile", "params": {},
     "sampling": "poisson", "noise_multiplier": None, "epsilon": None, "accountant": "pld",
@@ -69,10 +70,29 @@ def _full(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_data(spec: Mapping[str, Any]) -> FederatedData:
+    """The users: a ``dpclip.data`` dataset partitioned by ``partition``, or a TFF federated
+    dataset (``emnist-fed``, ``emnist-digits-fed``, ``shakespeare``, ``stackoverflow``) whose
+    users are its clients (``num_users``: a seeded sample of them; ``dataset_options``:
+    ``max_user_examples``, ``max_test_examples``, ``sequence_length``, ``vocab_size``,
+    ``test_split``; see ``dpclip.federated.tff``)."""
+    from dpclip.federated.tff import TFF_DATASETS, load_tff
+
     s = _full(spec)
+    partition = s["partition"] or ("natural" if s["dataset"] in TFF_DATASETS else "iid")
+    if s["dataset"] in TFF_DATASETS:
+        if partition != "natural":
+            raise ValueError(f"dataset {s['dataset']!r} is federated already (users = its "
+                             f"clients): leave `partition` out or set it to 'natural', not "
+                             f"{partition!r}")
+        return load_tff(s["dataset"], s["data_dir"], num_users=s.get("num_users"),
+                        seed=int(s["seed"]), **dict(s["dataset_options"]))
+    if partition == "natural":
+        raise ValueError(f"partition='natural' is for the TFF federated datasets "
+                         f"({', '.join(TFF_DATASETS)}); {s['dataset']!r} needs iid, label-skew, "
+                         "dirichlet or attribute")
     bundle = load_dataset(s["dataset"], s["data_dir"], seed=int(s["seed"]),
                           **dict(s["dataset_options"]))
-    return federate(bundle, s.get("num_users"), s["partition"], seed=int(s["seed"]),
+    return federate(bundle, s.get("num_users"), partition, seed=int(s["seed"]),
                     shards_per_user=int(s["shards_per_user"]), alpha=float(s["alpha"]),
                     attribute_columns=s["attribute_columns"], max_user_size=s["max_user_size"],
                     max_examples=s["max_examples"])
@@ -82,7 +102,8 @@ def build_model_for(spec: Mapping[str, Any], data: FederatedData) -> nn.Module:
     """The global model, initialised from the public seed."""
     s = _full(spec)
     torch.manual_seed(int(s["seed"]))
-    return build_model(s["model"], data.input_shape, data.num_classes, **dict(s["model_options"]))
+    return build_federated_model(s["model"], data.input_shape, data.num_classes,
+                                 **dict(s["model_options"]))
 
 
 def build_strategy(spec: Mapping[str, Any]) -> ClippingStrategy:

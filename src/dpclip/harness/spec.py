@@ -324,13 +324,21 @@ def _validate_names(spec: ExperimentSpec) -> None:
     from dpclip.data import DATASETS
     from dpclip.models import MODELS
 
+    datasets, models = list(DATASETS), list(MODELS)
+    if spec.kind == "federated":  # + the TFF federated datasets and the benchmarks' models
+        from dpclip.federated.models import FEDERATED_MODELS
+        from dpclip.federated.tff import TFF_DATASETS
+
+        datasets += list(TFF_DATASETS)
+        models += list(FEDERATED_MODELS)
     for ds in spec.datasets:
-        if ds not in DATASETS:
-            raise SpecError(f"[grid] datasets / [train] dataset: "
-                            f"{unknown_name('dataset', ds, DATASETS)}")
+        if ds not in datasets:
+            raise SpecError(f"[grid] datasets / [{spec.kind}] dataset: "
+                            f"{unknown_name('dataset', ds, datasets)}")
     for m in spec.models:
-        if m not in MODELS:
-            raise SpecError(f"[grid] models / [train] model: {unknown_name('model', m, MODELS)}")
+        if m not in models:
+            raise SpecError(f"[grid] models / [{spec.kind}] model: "
+                            f"{unknown_name('model', m, models)}")
     from dpclip.search.resolve import resolve_strategy_params
 
     from dpclip.clipping import STRATEGIES
