@@ -178,3 +178,22 @@ def test_parse_spec_without_names_keeps_kind():
 
     spec = parse_spec(tomllib.loads(SPEC), validate_names=False)
     assert spec.kind == "federated" and len(spec.runs()) == 4
+
+
+def test_weight_cap_declares_capped_weights(capsys):
+    from dpclip.federated.spec import build_run
+
+    spec = {**__import__("tomllib").loads(SPEC)["federated"], "strategy": "fixed",
+            "params": {"clip_norm": 1.0}, "noise_multiplier": 0.5, "weight_cap": 4}
+    spec["dataset_options"] = {"n_train": 230, "n_test": 64}  # users of 5 or 6 examples
+    data, _, _, config = build_run(spec)
+    assert config.weight_cap == 4 and set(data.user_sizes()) == {5, 6}
+    rc = main(["fl", "train", "--dataset", "synthetic", "--dataset-option", "n_train=230",
+               "--num-users", "40", "--rounds", "2", "--clients-per-round", "8", "--delta", "1e-3",
+               "--strategy", "fixed", "--param", "clip_norm=1.0", "--noise-multiplier", "0.5",
+               "--weight-cap", "10", "--json", "--eval-every", "2"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["weighting"] == "declared-capped"
+    with pytest.raises(ValueError, match="weight_cap"):
+        config_from_spec({**spec, "weight_cap": 0})

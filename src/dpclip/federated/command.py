@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--reproducible-noise", action="store_true", default=None,
                    help="derive noise and sampling from --seed (NOT private; labelled so)")
     t.add_argument("--eval-every", type=int)
+    t.add_argument("--weight-cap", type=int, help="declared capped weights min(n_u / CAP, 1) "
+                   "from the users' example counts (declared public); default equal weights")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     for role in ("server", "client"):
         f = sub.add_parser(f"flower-{role}", help=f"Flower {role} process (needs dpclip[flower])")
@@ -101,6 +103,7 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
         "client_lr": args.client_lr, "server_optimizer": args.server_optimizer,
         "server_lr": args.server_lr, "server_momentum": args.server_momentum, "seed": args.seed,
         "reproducible_noise": args.reproducible_noise, "eval_every": args.eval_every,
+        "weight_cap": args.weight_cap,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
     for key, items in (("dataset_options", args.dataset_option),

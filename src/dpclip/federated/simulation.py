@@ -61,6 +61,9 @@ class FedAvgConfig:
     reproducible_noise: bool = False
     eval_every: int = 10
     log_nonprivate: bool = False
+    #: declared capped weights ``a_u = min(n_u / weight_cap, 1)`` from the users' example counts
+    #: (McMahan et al. 2018; the counts are declared public); ``None``: equal weights
+    weight_cap: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
@@ -74,6 +77,10 @@ class FedAvgConfig:
             raise ValueError(
                 "FedAvgConfig: fixed-size user sampling (replace-one) is accounted with RDP; "
                 "set accountant='rdp' (PLD supports Poisson sampling only)")
+        if self.weight_cap is not None and (isinstance(self.weight_cap, bool) or not isinstance(
+                self.weight_cap, int) or self.weight_cap < 1):
+            raise ValueError(f"FedAvgConfig: weight_cap must be an int >= 1 or None, got "
+                             f"{self.weight_cap!r}")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) \
                 or self.eval_every < 1:
             raise ValueError(f"FedAvgConfig: eval_every must be an int >= 1, got {self.eval_every!r}")
@@ -153,6 +160,8 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
     """
     t0 = time.perf_counter()
     loss_fn = loss_fn or data.loss_fn()
+    if user_weights is None and config.weight_cap is not None:
+        user_weights = UserWeights.capped_counts(data.user_sizes(), config.weight_cap)
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
                           user_weights=user_weights)
     worker = copy.deepcopy(model)

@@ -11,7 +11,8 @@ of a TFF federated dataset), ``shards_per_user``, ``alpha``,
 ``strategy``, ``params`` (strategy parameters); ``rounds``, ``clients_per_round``, ``sampling``,
 ``noise_multiplier`` or ``epsilon``, ``delta``, ``accountant``; ``local_epochs``,
 ``local_batch_size``, ``client_lr``; ``server_optimizer``, ``server_lr``, ``server_momentum``;
-``seed``, ``reproducible_noise``, ``eval_every``.
+``seed``, ``reproducible_noise``, ``eval_every``, ``weight_cap`` (declared capped weights
+``min(n_u / weight_cap, 1)``; default equal weights).
 
 :class:`FederatedRunConfig` is the same mapping as a frozen, fingerprinted run config: the
 experiment harness (``dpclip run spec.toml`` with a ``[federated]`` table) stores it, skips a
@@ -47,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "sampling": "poisson", "noise_multiplier": None, "epsilon": None, "accountant": "pld",
     "local_epochs": 1, "local_batch_size": 16, "client_lr": 0.1, "server_optimizer": "momentum",
     "server_lr": 1.0, "server_momentum": 0.9, "seed": 0, "reproducible_noise": False,
-    "eval_every": 10,
+    "eval_every": 10, "weight_cap": None,
 }
 REQUIRED = ("dataset", "num_users", "rounds", "clients_per_round", "delta")
 
@@ -125,6 +126,7 @@ def config_from_spec(spec: Mapping[str, Any]) -> FedAvgConfig:
                                float(s["server_momentum"])),
         seed=int(s["seed"]), reproducible_noise=bool(s["reproducible_noise"]),
         eval_every=int(s["eval_every"]),
+        weight_cap=None if s["weight_cap"] is None else int(s["weight_cap"]),
     )
 
 
