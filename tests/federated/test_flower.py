@@ -34,6 +34,19 @@ SPEC = {
 }
 
 
+def _assert_matches_simulation(result: dict, spec: dict) -> None:
+    """The Flower run recorded what the in-process simulation records with the same plan and
+    randomness: the same ledger, epsilon, clip trajectory and final parameters."""
+    data, model, strategy, config = build_run(spec)
+    sim = run_fedavg(data, model, strategy, config,
+                     randomness=PrivateRandomness.reproducible(spec["seed"]))
+    assert Ledger.from_dict(result["ledger"]) == sim.ledger
+    assert result["epsilon"] == pytest.approx(sim.epsilon)
+    assert result["clip_history"] == pytest.approx(sim.clip_history)
+    torch.testing.assert_close(torch.tensor(result["theta"]), torch.cat(
+        [p.detach().reshape(-1) for p in sim.model.parameters()]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,15 +89,7 @@ def test_flower_run_matches_in_process_simulation(tmp_path):
     assert result["rounds"] == SPEC["rounds"] and result["failures"] == []
 
     # the same plan in process: same users, same noise, same ledger, same parameters
-    data, model, strategy, config = build_run(SPEC)
-    sim = run_fedavg(data, model, strategy, config,
-                     randomness=PrivateRandomness.reproducible(SPEC["seed"]))
-    assert Ledger.from_dict(result["ledger"]) == sim.ledger
-    assert result["epsilon"] == pytest.approx(sim.epsilon)
-    assert result["clip_history"] == pytest.approx(sim.clip_history)
-    theta = torch.tensor(result["theta"])
-    torch.testing.assert_close(theta, torch.cat([p.detach().reshape(-1)
-                                                 for p in sim.model.parameters()]))
+    _assert_matches_simulation(result, SPEC)
     assert result["randomness"] == "reproducible" and result["privacy_unit"] == "user"
 
 
@@ -137,6 +142,11 @@ def test_flower_deployment_engine_superlink_supernodes_flwr_run(tmp_path):
                              "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
                              "--port", str(port), "--database", str(tmp_path / "link.db")],
                             open(logs / "superlink.log", "w"), env))
+        while time.monotonic() < deadline:  # the SuperLink's HTTP API is up
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.3)
         for user in range(DEPLOY_SPEC["num_users"]):
             procs.append(_start([tools[1], "--insecure", "--superlink", f"127.0.0.1:{port}",
                                  "--port", str(_free_port()), "--node-config", f"user={user}"],
@@ -153,14 +163,7 @@ def test_flower_deployment_engine_superlink_supernodes_flwr_run(tmp_path):
         _stop(procs)
     result = json.loads(out.read_text())
     assert result["rounds"] == DEPLOY_SPEC["rounds"] and result["failures"] == []
-    data, model, strategy, config = build_run(DEPLOY_SPEC)
-    sim = run_fedavg(data, model, strategy, config,
-                     randomness=PrivateRandomness.reproducible(DEPLOY_SPEC["seed"]))
-    assert Ledger.from_dict(result["ledger"]) == sim.ledger
-    assert result["epsilon"] == pytest.approx(sim.epsilon)
-    assert result["clip_history"] == pytest.approx(sim.clip_history)
-    torch.testing.assert_close(torch.tensor(result["theta"]), torch.cat(
-        [p.detach().reshape(-1) for p in sim.model.parameters()]))
+    _assert_matches_simulation(result, DEPLOY_SPEC)
 
 
 def test_flower_app_run_config_and_node_config_errors(tmp_path):
@@ -178,3 +181,21 @@ def test_flower_app_run_config_and_node_config_errors(tmp_path):
     ctx = Context(run_id=1, node_id=1, node_config={"user": 0}, state=RecordDict(), run_config={})
     with pytest.raises(ValueError, match="run config needs `spec`"):
         _client_fn(ctx)
+
+
+def test_flower_simulation_engine_matches_in_process(tmp_path):
+    """Flower's Ray-based simulation engine with the same apps (skipped without Ray, which the
+    `test` extra does not install: pip install 'flwr[simulation]')."""
+    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray (flwr[simulation])")
+    from flwr.simulation import run_simulation
+
+    from dpclip.federated.flower import flower_apps
+
+    spec_path, out = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(json.dumps(DEPLOY_SPEC))
+    server, client = flower_apps(spec_path, out)
+    run_simulation(server_app=server, client_app=client,
+                   num_supernodes=DEPLOY_SPEC["num_users"],
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2}})
+    _assert_matches_simulation(json.loads(out.read_text()), DEPLOY_SPEC)

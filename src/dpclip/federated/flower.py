@@ -66,8 +66,8 @@ from dpclip.federated.simulation import FedAvgConfig, build_server
 from dpclip.federated.spec import build_data, build_model_for, build_run, config_from_spec
 from dpclip.randomness import PrivateRandomness
 
-__all__ = ["DPFedAvgStrategy", "UserClient", "client_app", "main", "run_client", "run_server",
-           "server_app", "write_flower_app"]
+__all__ = ["DPFedAvgStrategy", "UserClient", "client_app", "flower_apps", "main", "run_client",
+           "run_server", "server_app", "write_flower_app"]
 
 USER_KEY = "dpclip_user_id"
 
@@ -220,36 +220,17 @@ def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float = 60.0
 
 # -- Flower's deployment engine: ServerApp / ClientApp ------------------------------------------
 
-def _app_spec(context: Any) -> dict[str, Any]:
-    path = context.run_config.get("spec")
+def _app_spec(context: Any, spec_path: str | None = None) -> dict[str, Any]:
+    path = spec_path or context.run_config.get("spec")
     if not path:
         raise ValueError("the Flower App's run config needs `spec` (path of the run's JSON spec): "
-                         "flwr run APP --run-config \"spec='run.json'\"")
+                         "flwr run APP --run-config \"spec='run.json'\" (or "
+                         "flower_apps(spec=...) for flwr.simulation.run_simulation)")
     with open(str(path)) as f:
         return json.load(f)
 
 
-server_app = flwr.server.ServerApp()
-
-
-@server_app.main()
-def _server_main(grid: Any, context: Any) -> None:
-    """The SuperLink's ServerApp: the same strategy, driven by ``start_grid``; writes the public
-    result to the run config's ``out`` (if given)."""
-    from flwr.server import ServerConfig
-    from flwr.server.compat import start_grid
-
-    torch.set_num_threads(1)
-    spec = _app_spec(context)
-    fl_strategy, config = _server_for(spec, float(context.run_config.get("wait-timeout", 60)))
-    start_grid(grid=grid, strategy=fl_strategy, config=ServerConfig(num_rounds=config.rounds))
-    out = context.run_config.get("out")
-    if out:
-        with open(str(out), "w") as f:
-            json.dump(_result(fl_strategy, config), f)
-
-
-def _client_fn(context: Any) -> Any:
+def _client_fn(context: Any, spec_path: str | None = None) -> Any:
     """The SuperNode's ClientApp: hosts the user named by the node config (``user=U``; under
     Flower's simulation engine its ``partition-id``)."""
     torch.set_num_threads(1)
@@ -257,14 +238,43 @@ def _client_fn(context: Any) -> Any:
     if "user" not in cfg and "partition-id" not in cfg:
         raise ValueError("start each SuperNode with --node-config \"user=U\" (the user it hosts)")
     user = int(cfg["user"] if "user" in cfg else cfg["partition-id"])
-    spec = _app_spec(context)
+    spec = _app_spec(context, spec_path)
     data = build_data(spec)
     model = build_model_for(spec, data)
     config_from_spec(spec)
     return UserClient(user, data.users[user], model, data.loss_fn()).to_client()
 
 
-client_app = flwr.client.ClientApp(client_fn=_client_fn)
+def flower_apps(spec: str | Path | None = None, out: str | Path | None = None
+                ) -> tuple[Any, Any]:
+    """``(ServerApp, ClientApp)`` of a run. ``spec``/``out`` (paths of the JSON spec and of the
+    result file) default to the run config's ``spec``/``out`` (``flwr run``); give them for
+    ``flwr.simulation.run_simulation``, which passes no run config."""
+    server = flwr.server.ServerApp()
+
+    @server.main()
+    def _server_main(grid: Any, context: Any) -> None:
+        """The same strategy, driven by ``start_grid``; writes the public result to ``out``."""
+        from flwr.server import ServerConfig
+        from flwr.server.compat import start_grid
+
+        torch.set_num_threads(1)
+        run = _app_spec(context, None if spec is None else str(spec))
+        fl_strategy, config = _server_for(run, float(context.run_config.get("wait-timeout", 60)))
+        start_grid(grid=grid, strategy=fl_strategy,
+                   config=ServerConfig(num_rounds=config.rounds))
+        target = out if out is not None else context.run_config.get("out")
+        if target:
+            with open(str(target), "w") as f:
+                json.dump(_result(fl_strategy, config), f)
+
+    client = flwr.client.ClientApp(
+        client_fn=lambda context: _client_fn(context, None if spec is None else str(spec)))
+    return server, client
+
+
+#: the Flower App's components (spec and result paths from the run config)
+server_app, client_app = flower_apps()
 
 _APP_TOML = """[build-system]
 requires = ["hatchling"]
