@@ -62,3 +62,39 @@ def test_federate_mnist_5k_users_with_a_few_dozen_examples():
     assert fd.describe()["partition"] == "label-skew"
     with pytest.raises(ValueError, match="partition"):
         federate(load_dataset("mnist-5k"), 10, "by-magic")
+
+
+def test_fashion_mnist_label_skew_users_of_a_few_dozen_examples():
+    from dpclip.data import DatasetNotFoundError
+
+    try:
+        bundle = load_dataset("fashion-mnist")
+    except DatasetNotFoundError:
+        pytest.skip("Fashion-MNIST files not on this machine")
+    fd = federate(bundle, 1000, "label-skew", seed=0)
+    assert fd.num_users == 1000 and set(fd.user_sizes()) == {60}
+    classes = [len(torch.unique(u.targets)) for u in fd.users]
+    assert max(classes) <= 3 and sum(classes) / len(classes) < 2.5  # IID users would see ~10
+
+
+def test_uci_set_split_by_an_attribute(tmp_path):
+    """UCI Nursery in its published format (here 200 rows of it): users = examples sharing the
+    `parents` attribute (its one-hot block, columns 0-2), cut into users of at most 20."""
+    import random
+
+    values = [["usual", "pretentious", "great_pret"],
+              ["proper", "less_proper", "improper", "critical", "very_crit"],
+              ["complete", "completed", "incomplete", "foster"], ["1", "2", "3", "more"],
+              ["convenient", "less_conv", "critical"], ["convenient", "inconv"],
+              ["nonprob", "slightly_prob", "problematic"],
+              ["recommended", "priority", "not_recom"]]
+    labels = ["not_recom", "recommend", "very_recom", "priority", "spec_prior"]
+    rng = random.Random(0)
+    rows = [",".join([rng.choice(v) for v in values] + [labels[i % 5]]) for i in range(200)]
+    (tmp_path / "nursery.data").write_text("\n".join(rows) + "\n")
+    bundle = load_dataset("nursery", tmp_path)
+    fd = federate(bundle, partition="attribute", attribute_columns=[0, 1, 2], max_user_size=20)
+    block = [u.inputs[:, :3] for u in fd.users]
+    assert all(torch.equal(b, b[:1].expand_as(b)) for b in block)  # one parents value per user
+    assert len({tuple(b[0].tolist()) for b in block}) == 3
+    assert sum(fd.user_sizes()) == len(bundle.train) and max(fd.user_sizes()) <= 20
