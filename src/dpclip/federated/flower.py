@@ -59,10 +59,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from dpclip.accounting import compute_epsilon
 from dpclip.data.base import TensorSplit
-from dpclip.federated.aggregator import UserWeights
 from dpclip.federated.client import LocalTraining, local_seed, local_update
 from dpclip.federated.server import FedAvgServer
-from dpclip.federated.simulation import FedAvgConfig, build_server
+from dpclip.federated.simulation import FedAvgConfig, build_server, declared_weights
 from dpclip.federated.spec import build_data, build_model_for, build_run, config_from_spec
 from dpclip.randomness import PrivateRandomness
 
@@ -190,10 +189,8 @@ def _server_for(spec: dict[str, Any], wait_timeout: float
                  ) -> tuple[DPFedAvgStrategy, FedAvgConfig]:
     data, model, strategy, config = build_run(spec)
     randomness = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
-    weights = (UserWeights.capped_counts(data.user_sizes(), config.weight_cap)
-               if config.weight_cap is not None else None)
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
-                          user_weights=weights)
+                          user_weights=declared_weights(config, data))
     return DPFedAvgStrategy(server, config, wait_timeout=wait_timeout), config
 
 

@@ -34,8 +34,8 @@ from dpclip.federated.data import FederatedData
 from dpclip.federated.server import FedAvgServer, ServerOptimizer, evaluate
 from dpclip.randomness import PrivateRandomness
 
-__all__ = ["FedAvgConfig", "FedAvgResult", "build_server", "plan_ledger", "resolve_noise",
-           "run_fedavg"]
+__all__ = ["FedAvgConfig", "FedAvgResult", "build_server", "declared_weights", "plan_ledger",
+           "resolve_noise", "run_fedavg"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,13 @@ def resolve_noise(strategy: ClippingStrategy, config: FedAvgConfig, num_users: i
     return z
 
 
+def declared_weights(config: FedAvgConfig, data: FederatedData) -> UserWeights | None:
+    """The declared capped weights of ``config.weight_cap`` (``None``: equal weights)."""
+    if config.weight_cap is None:
+        return None
+    return UserWeights.capped_counts(data.user_sizes(), config.weight_cap)
+
+
 def build_server(model: nn.Module, strategy: ClippingStrategy, config: FedAvgConfig,
                  num_users: int, *, randomness: PrivateRandomness | None = None,
                  user_weights: UserWeights | None = None,
@@ -160,8 +167,8 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
     """
     t0 = time.perf_counter()
     loss_fn = loss_fn or data.loss_fn()
-    if user_weights is None and config.weight_cap is not None:
-        user_weights = UserWeights.capped_counts(data.user_sizes(), config.weight_cap)
+    if user_weights is None:
+        user_weights = declared_weights(config, data)
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
                           user_weights=user_weights)
     worker = copy.deepcopy(model)
