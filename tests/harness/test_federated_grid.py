@@ -197,3 +197,15 @@ def test_weight_cap_declares_capped_weights(capsys):
     assert s["weighting"] == "declared-capped"
     with pytest.raises(ValueError, match="weight_cap"):
         config_from_spec({**spec, "weight_cap": 0})
+
+
+def test_federated_spec_accepts_tff_datasets_and_benchmark_models(tmp_path):
+    p = tmp_path / "tff.toml"
+    p.write_text(SPEC.replace('dataset = "synthetic"', 'dataset = "shakespeare"')
+                 .replace('model = "mlp"', 'model = "char-lstm"')
+                 .replace("model_options = { hidden = [8] }", "model_options = { hidden = 8 }"))
+    spec = load_spec(p)  # validated without the files (they are read when a run starts)
+    assert {r.config.dataset for r in spec.runs()} == {"shakespeare"}
+    p.write_text(SPEC.replace('model = "mlp"', 'model = "char-lstn"'))
+    with pytest.raises(SpecError, match="did you mean 'char-lstm'"):
+        load_spec(p)
