@@ -126,6 +126,8 @@ def test_emnist_users_are_the_clients_and_train(tmp_path):
     assert res.history[-1]["test_loss"] < loss0  # it trained
     with pytest.raises(ValueError, match="federated already"):
         build_run({**spec, "partition": "iid"})
+    with pytest.raises(ValueError, match=r"dataset_options \['n_train'\] do not apply"):
+        build_run({**spec, "dataset_options": {"n_train": 5}})
 
 
 def test_shakespeare_next_character_task_trains(tmp_path):

@@ -85,8 +85,15 @@ def build_data(spec: Mapping[str, Any]) -> FederatedData:
             raise ValueError(f"dataset {s['dataset']!r} is federated already (users = its "
                              f"clients): leave `partition` out or set it to 'natural', not "
                              f"{partition!r}")
+        options = dict(s["dataset_options"])
+        valid = {"max_user_examples", "max_test_examples", "sequence_length", "vocab_size",
+                 "test_split"}
+        bad = sorted(set(options) - valid)
+        if bad:
+            raise ValueError(f"dataset_options {bad} do not apply to {s['dataset']!r}; valid: "
+                             f"{sorted(valid)}")
         return load_tff(s["dataset"], s["data_dir"], num_users=s.get("num_users"),
-                        seed=int(s["seed"]), **dict(s["dataset_options"]))
+                        seed=int(s["seed"]), **options)
     if partition == "natural":
         raise ValueError(f"partition='natural' is for the TFF federated datasets "
                          f"({', '.join(TFF_DATASETS)}); {s['dataset']!r} needs iid, label-skew, "
