@@ -136,7 +136,7 @@ def test_flower_deployment_engine_superlink_supernodes_flwr_run(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen] = []
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 200  # generous: each message starts a process
     try:
         procs.append(_start([tools[0], "--insecure", "--isolation", "subprocess",
                              "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
