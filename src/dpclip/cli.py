@@ -478,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     _add_search_commands(sub)
     fl = sub.add_parser("fl", help="user-level DP-FedAvg with adaptive clipping "
-                        "(dpclip.federated): train | run | flower-server | flower-client")
+                        "(dpclip.federated): train | flower-server | flower-client; "
+                        "grids: `dpclip run` "
+                        "with a [federated] spec")
     from dpclip.federated.command import add_arguments as _fl_arguments
     _fl_arguments(fl)
     fl.set_defaults(func=cmd_fl)

@@ -225,3 +225,25 @@ def test_refuses_group_and_per_example_strategies():
         agg(PerLayerClip())
     with pytest.raises(ValueError, match="P-GRAD"):
         agg(AdaClip())
+
+
+@pytest.mark.parametrize("max_weight", [1.0, 2.5])
+def test_capped_weights_sensitivity_is_max_weight_times_clip_on_neighbours(max_weight):
+    """Add/remove one user: the clipped weighted sum moves by at most a_max * C, and by exactly
+    that for a user of weight a_max whose delta is clipped (so the noise scale is tight)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, clip = 6, 5, 0.7
+    deltas = torch.randn(n, d, generator=g, dtype=torch.float64) * 3
+    weights = UserWeights(tuple([max_weight] + [max_weight * k / n for k in range(1, n)]),
+                          max_weight)
+    a = agg(FixedClip(clip), n_users=n, m=3, z=0.0, weights=weights)
+    total = a.denominator
+    assert total == pytest.approx(3 / n * sum(weights.weights))
+    full = a.aggregate(deltas.float(), list(range(n))).update.double()
+    for u in range(n):
+        rest = [i for i in range(n) if i != u]
+        without = a.aggregate(deltas[rest].float(), rest).update.double()
+        diff = float((full - without).norm()) * total  # the sums' difference
+        assert diff <= max_weight * clip * (1 + 1e-5)
+        if u == 0:  # weight a_max, ||delta|| >> C
+            assert diff == pytest.approx(max_weight * clip, rel=1e-5)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpclip.data import DatasetNotFoundError, load_dataset
+from dpclip.data import load_dataset
 from dpclip.federated.data import (
     federate,
-    find_tff_files,
     partition_attribute,
     partition_dirichlet,
     partition_iid,
@@ -65,17 +64,37 @@ def test_federate_mnist_5k_users_with_a_few_dozen_examples():
         federate(load_dataset("mnist-5k"), 10, "by-magic")
 
 
-def test_tff_files_missing_error_names_files_and_source(tmp_path, monkeypatch):
-    monkeypatch.delenv("DPCLIP_DATA", raising=False)
-    with pytest.raises(DatasetNotFoundError) as err:
-        find_tff_files("emnist-fed", tmp_path)
-    msg = str(err.value)
-    assert "fed_emnist_train.h5" in msg and "fed_emnist.tar.bz2" in msg and str(tmp_path) in msg
-    for name, needle in (("shakespeare", "shakespeare_train.h5"),
-                         ("stackoverflow", "stackoverflow.tar.bz2")):
-        with pytest.raises(DatasetNotFoundError, match=needle):
-            find_tff_files(name, tmp_path)
-    (tmp_path / "emnist").mkdir()
-    for f in ("fed_emnist_train.h5", "fed_emnist_test.h5"):
-        (tmp_path / "emnist" / f).write_bytes(b"")
-    assert find_tff_files("emnist-fed", tmp_path)["fed_emnist_train.h5"].parent.name == "emnist"
+def test_fashion_mnist_label_skew_users_of_a_few_dozen_examples():
+    from dpclip.data import DatasetNotFoundError
+
+    try:
+        bundle = load_dataset("fashion-mnist")
+    except DatasetNotFoundError:
+        pytest.skip("Fashion-MNIST files not on this machine")
+    fd = federate(bundle, 1000, "label-skew", seed=0)
+    assert fd.num_users == 1000 and set(fd.user_sizes()) == {60}
+    classes = [len(torch.unique(u.targets)) for u in fd.users]
+    assert max(classes) <= 3 and sum(classes) / len(classes) < 2.5  # IID users would see ~10
+
+
+def test_uci_set_split_by_an_attribute(tmp_path):
+    """UCI Nursery in its published format (here 200 rows of it): users = examples sharing the
+    `parents` attribute (its one-hot block, columns 0-2), cut into users of at most 20."""
+    import random
+
+    values = [["usual", "pretentious", "great_pret"],
+              ["proper", "less_proper", "improper", "critical", "very_crit"],
+              ["complete", "completed", "incomplete", "foster"], ["1", "2", "3", "more"],
+              ["convenient", "less_conv", "critical"], ["convenient", "inconv"],
+              ["nonprob", "slightly_prob", "problematic"],
+              ["recommended", "priority", "not_recom"]]
+    labels = ["not_recom", "recommend", "very_recom", "priority", "spec_prior"]
+    rng = random.Random(0)
+    rows = [",".join([rng.choice(v) for v in values] + [labels[i % 5]]) for i in range(200)]
+    (tmp_path / "nursery.data").write_text("\n".join(rows) + "\n")
+    bundle = load_dataset("nursery", tmp_path)
+    fd = federate(bundle, partition="attribute", attribute_columns=[0, 1, 2], max_user_size=20)
+    block = [u.inputs[:, :3] for u in fd.users]
+    assert all(torch.equal(b, b[:1].expand_as(b)) for b in block)  # one parents value per user
+    assert len({tuple(b[0].tolist()) for b in block}) == 3
+    assert sum(fd.user_sizes()) == len(bundle.train) and max(fd.user_sizes()) <= 20

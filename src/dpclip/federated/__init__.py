@@ -8,7 +8,11 @@
 * :func:`run_fedavg`: the in-process simulation; ``dpclip.federated.flower``: the same server on
   Flower's runtime (optional extra ``dpclip[flower]``).
 * ``dpclip.federated.data``: users from Fashion-MNIST / MNIST-5k / UCI (IID, label-skew,
-  Dirichlet, by attribute) and the TFF federated files.
+  Dirichlet, by attribute); ``dpclip.federated.tff``: the TFF federated EMNIST / Shakespeare /
+  Stack Overflow files (users = their clients; needs ``h5py``); ``dpclip.federated.models``: the
+  benchmarks' EMNIST CNN and character / word LSTMs.
+* ``dpclip.federated.spec``: a run as a flat mapping (CLI, Flower processes) and as a
+  fingerprinted ``FederatedRunConfig`` (the harness's federated grids).
 * ``dpclip.federated.tracking``: the paper's log-normal quantile-tracking simulation.
 
 The privacy unit is the user; epsilon is computed from the ledger by ``dpclip.accounting``.

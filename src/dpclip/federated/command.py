@@ -2,13 +2,13 @@
 
     dpclip fl train --dataset synthetic --num-users 50 --rounds 30 --clients-per-round 10 \
         --strategy quantile --noise-multiplier 0.5 --delta 1e-3 [--param K=V] [--json]
-    dpclip fl run reproductions/federated_fmnist.toml [--set rounds=20] [--out rows.json]
     dpclip fl flower-server|flower-client ...   (Flower runtime; needs dpclip[flower])
 
-A spec file (TOML or JSON) holds the keys of ``dpclip.federated.spec`` at the top level or in a
-``[run]`` table, and optionally a ``[grid]`` table: ``seeds = [0, 1, 2]`` and
-``strategies = [{label = "adaptive", strategy = "quantile", params = {...}}, ...]``; ``run``
-executes every (strategy, seed) cell and writes the rows (JSON), a Markdown table and a plot.
+``--spec`` (TOML or JSON) holds the keys of ``dpclip.federated.spec`` at the top level or in a
+``[federated]`` table (an experiment spec's table: its grid is ignored, flags override it).
+Grids of federated runs (strategies x user-level epsilons x seeds, the results store, resume,
+reports) are experiment specs with a ``[federated]`` table, run by ``dpclip run SPEC``
+(``dpclip.harness``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dataset-option", action="append", metavar="K=V")
     t.add_argument("--data-dir")
     t.add_argument("--num-users", type=int)
-    t.add_argument("--partition", choices=["iid", "label-skew", "dirichlet", "attribute"])
+    t.add_argument("--partition", choices=["iid", "label-skew", "dirichlet", "attribute", "natural"],
+                   help="how a centralised dataset is split into users (default iid); natural: "
+                        "the clients of a TFF federated dataset (its default)")
     t.add_argument("--model")
     t.add_argument("--model-option", action="append", metavar="K=V")
     t.add_argument("--strategy", help="fixed, quantile, lin-decay, ... (see `dpclip strategies`)")
@@ -65,11 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--reproducible-noise", action="store_true", default=None,
                    help="derive noise and sampling from --seed (NOT private; labelled so)")
     t.add_argument("--eval-every", type=int)
+    t.add_argument("--weight-cap", type=int, help="declared capped weights min(n_u / CAP, 1) "
+                   "from the users' example counts (declared public); default equal weights")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
-    r = sub.add_parser("run", help="run a spec's grid (strategies x seeds); rows + table + plot")
-    r.add_argument("spec")
-    r.add_argument("--set", action="append", metavar="K=V", help="override a run key")
-    r.add_argument("--out", help="rows JSON (default reproductions/results/<name>.json)")
     for role in ("server", "client"):
         f = sub.add_parser(f"flower-{role}", help=f"Flower {role} process (needs dpclip[flower])")
         f.add_argument("--address", required=True)
@@ -91,7 +91,8 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if args.spec:
         raw = _load_spec(args.spec)
-        spec.update(raw.get("run", {k: v for k, v in raw.items() if k not in ("grid", "name")}))
+        spec.update(raw.get("federated", {k: v for k, v in raw.items()
+                                          if k not in ("grid", "name", "description")}))
     flags = {
         "dataset": args.dataset, "data_dir": args.data_dir, "num_users": args.num_users,
         "partition": args.partition, "model": args.model, "strategy": args.strategy,
@@ -102,6 +103,7 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
         "client_lr": args.client_lr, "server_optimizer": args.server_optimizer,
         "server_lr": args.server_lr, "server_momentum": args.server_momentum, "seed": args.seed,
         "reproducible_noise": args.reproducible_noise, "eval_every": args.eval_every,
+        "weight_cap": args.weight_cap,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
     for key, items in (("dataset_options", args.dataset_option),
@@ -131,43 +133,6 @@ def run_command(args: argparse.Namespace) -> int:
                   f"test accuracy {100 * s['test_accuracy']:.2f} %, epsilon {s['epsilon']:.3f} "
                   f"at delta {s['delta']:g} ({s['accountant']}), final clip "
                   f"{res.clip_history[-1]:.4g}; randomness {s['randomness']}")
-        return 0
-    if args.fl_command == "run":
-        from dpclip.federated.report import write_markdown, write_plot
-
-        raw = _load_spec(args.spec)
-        name = raw.get("name", Path(args.spec).stem)
-        base = dict(raw.get("run", {}))
-        base.update(_kv(args.set))
-        grid = raw.get("grid", {})
-        cells = grid.get("strategies") or [{"strategy": base.get("strategy", "quantile"),
-                                           "params": base.get("params", {})}]
-        rows = []
-        out = Path(args.out or f"reproductions/results/{name}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for seed in grid.get("seeds", [base.get("seed", 0)]):
-            for cell in cells:
-                spec = {**base, "seed": seed, "strategy": cell["strategy"],
-                        "params": cell.get("params", {})}
-                res, strategy = _run_one(spec)
-                s = res.summary
-                rows.append({
-                    "dataset": s["dataset"], "model": spec.get("model", "mlp"),
-                    "strategy": strategy.name, "label": cell.get("label", strategy.name),
-                    "params": strategy.describe(), "epsilon": res.epsilon,
-                    "delta": s["delta"], "accountant": s["accountant"], "seed": seed,
-                    "epochs": s["rounds"], "rounds": s["rounds"], "num_users": s["num_users"],
-                    "expected_clients": s["expected_clients"],
-                    "noise_multiplier": s["noise_multiplier"], "sampling": s["sampling"],
-                    "adjacency": s["adjacency"], "randomness": s["randomness"],
-                    "privacy_unit": "user", "test_accuracy": s["test_accuracy"],
-                    "final_clip_norm": res.clip_history[-1], "history": res.history,
-                })
-                print(f"{rows[-1]['label']} seed {seed}: acc {s['test_accuracy']:.4f} "
-                      f"eps {res.epsilon:.3f}", flush=True)
-                out.write_text(json.dumps(rows, indent=1, default=str))
-        write_markdown(rows, out.with_suffix(".md"), title=name)
-        write_plot(rows, out.with_suffix(".png"), title=name)
         return 0
     from dpclip.federated import flower  # the optional extra: a clear ImportError without it
 

@@ -16,31 +16,26 @@ Partitions of a ``dpclip.data`` bundle (``federate``), all following a PUBLIC se
   (``attribute_columns``: one column, or the columns of a one-hot block), e.g. the UCI tabular sets
   split by an attribute; groups larger than ``max_user_size`` are cut into several users.
 
-``load_tff_federated(name, data_dir)``: the federated EMNIST / Shakespeare / StackOverflow files
-of TensorFlow Federated, read from a user directory (never downloaded); a missing file raises
-``DatasetNotFoundError`` naming the file and where to fetch it.
+The federated EMNIST / Shakespeare / Stack Overflow files of TensorFlow Federated, whose users
+are their clients, are read by ``dpclip.federated.tff``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
+from dpclip.data.base import DatasetBundle, TensorSplit
 
 __all__ = [
     "FederatedData",
     "PARTITIONS",
-    "TFF_DATASETS",
     "federate",
-    "load_tff_federated",
     "partition_attribute",
     "partition_dirichlet",
     "partition_iid",
@@ -52,7 +47,11 @@ PARTITIONS = ("iid", "label-skew", "dirichlet", "attribute")
 
 @dataclass(frozen=True, eq=False)
 class FederatedData:
-    """Users (the privacy unit) and a centralised test split."""
+    """Users (the privacy unit) and a centralised test split.
+
+    ``ignore_index``: for sequence tasks (targets ``(n, L)``, model outputs ``(n, classes, L)``)
+    the padding target, which counts in neither the loss nor the accuracy; ``None`` for
+    classification."""
 
     name: str
     users: tuple[TensorSplit, ...]
@@ -60,6 +59,7 @@ class FederatedData:
     num_classes: int
     input_shape: tuple[int, ...]
     partition: dict[str, Any] = field(default_factory=dict)
+    ignore_index: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "users", tuple(self.users))
@@ -72,6 +72,15 @@ class FederatedData:
 
     def user_sizes(self) -> list[int]:
         return [len(u) for u in self.users]
+
+    def loss_fn(self) -> Any:
+        """Cross-entropy, skipping ``ignore_index`` targets where set."""
+        import functools
+
+        if self.ignore_index is None:
+            return torch.nn.functional.cross_entropy
+        return functools.partial(torch.nn.functional.cross_entropy,
+                                 ignore_index=self.ignore_index)
 
     def describe(self) -> dict[str, Any]:
         sizes = self.user_sizes()
@@ -207,86 +216,3 @@ def federate(bundle: DatasetBundle, num_users: int | None = None, partition: str
             info["alpha"] = alpha
     return FederatedData(bundle.name, tuple(train.subset(p) for p in parts), bundle.test,
                          bundle.num_classes, bundle.input_shape, info)
-
-
-# -- the federated files of TensorFlow Federated --------------------------------------------------
-
-_TFF = "https://storage.googleapis.com/tff-datasets-public"
-
-#: name -> (sub-directory, required files, archive to fetch, what the h5 holds per client)
-TFF_DATASETS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
-    "emnist-fed": ("emnist", ("fed_emnist_train.h5", "fed_emnist_test.h5"),
-                   f"{_TFF}/fed_emnist.tar.bz2",
-                   "examples/<client>/pixels (n, 28, 28) and examples/<client>/label (n,)"),
-    "shakespeare": ("shakespeare", ("shakespeare_train.h5", "shakespeare_test.h5"),
-                    f"{_TFF}/shakespeare.tar.bz2", "examples/<client>/snippets (strings)"),
-    "stackoverflow": ("stackoverflow", ("stackoverflow_train.h5", "stackoverflow_test.h5"),
-                      f"{_TFF}/stackoverflow.tar.bz2",
-                      "examples/<client>/tokens and examples/<client>/tags (strings)"),
-}
-
-
-def _tff_dirs(name: str, data_dir: str | os.PathLike[str] | None) -> list[Path]:
-    sub = TFF_DATASETS[name][0]
-    dirs: list[Path] = []
-    if data_dir is not None:
-        dirs += [Path(data_dir), Path(data_dir) / sub]
-    env = os.environ.get("DPCLIP_DATA")
-    if env:
-        dirs += [Path(env) / sub, Path(env)]
-    dirs.append(Path("/usr/share/datasets") / sub)
-    return dirs
-
-
-def find_tff_files(name: str, data_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
-    """Locate the h5 files of TFF dataset ``name`` (see :data:`TFF_DATASETS`)."""
-    if name not in TFF_DATASETS:
-        raise ValueError(f"unknown federated dataset {name!r}; valid: {', '.join(TFF_DATASETS)}")
-    sub, files, url, _ = TFF_DATASETS[name]
-    dirs = _tff_dirs(name, data_dir)
-    for d in dirs:
-        if all((d / f).is_file() for f in files):
-            return {f: d / f for f in files}
-    raise DatasetNotFoundError(
-        f"federated dataset {name!r}: files {', '.join(files)} not found in any of "
-        f"{', '.join(str(d) for d in dirs)}. dpclip never downloads data: fetch {url}, unpack it "
-        f"into <dir>/{sub}/ and pass --data-dir <dir> (or set DPCLIP_DATA=<dir>)"
-    )
-
-
-def load_tff_federated(name: str, data_dir: str | os.PathLike[str] | None = None,
-                       split: str = "train", max_users: int | None = None) -> dict[str, dict[str, Any]]:
-    """Read TFF dataset ``name`` per client: ``{client_id: {field: numpy array}}``.
-
-    The h5 layout is ``examples/<client_id>/<field>`` (:data:`TFF_DATASETS` lists the fields).
-    Needs ``h5py`` (``pip install h5py``). ``max_users`` reads only the first clients (sorted ids).
-    """
-    paths = find_tff_files(name, data_dir)
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    path = next(p for f, p in paths.items() if f.endswith(f"_{split}.h5"))
-    try:
-        import h5py  # type: ignore[import-not-found]
-    except ImportError:
-        raise ImportError(
-            f"reading {path} needs h5py, which is not installed: pip install h5py"
-        ) from None
-    out: dict[str, dict[str, Any]] = {}
-    with h5py.File(path, "r") as f:
-        clients = sorted(f["examples"].keys())
-        for cid in clients[:max_users]:
-            grp = f["examples"][cid]
-            out[cid] = {k: grp[k][()] for k in grp.keys()}
-    return out
-
-
-def emnist_users(clients: dict[str, dict[str, Any]]) -> tuple[TensorSplit, ...]:
-    """Federated EMNIST clients (``pixels``, ``label``) as users of shape ``(n, 1, 28, 28)``."""
-    users = []
-    for cid, fields in clients.items():
-        if "pixels" not in fields or "label" not in fields:
-            raise ValueError(f"EMNIST client {cid!r} has fields {sorted(fields)}, need pixels, label")
-        x = torch.as_tensor(np.asarray(fields["pixels"], dtype=np.float32)).unsqueeze(1)
-        y = torch.as_tensor(np.asarray(fields["label"], dtype=np.int64))
-        users.append(TensorSplit(x, y))
-    return tuple(users)

@@ -8,12 +8,18 @@ sum, division by the public expected number of users, the quantile count and the
 the same spec and ``PrivateRandomness.reproducible(seed)`` a Flower run and ``run_fedavg`` record
 equal ledgers and end with the same parameters (tested).
 
-Runtime used (Flower 1.42): the gRPC server and client of ``flwr.server.start_server`` and
-``flwr.client.start_client`` (Flower's own transport, one OS process per client, on localhost
-with ``insecure=True``). Flower marks them deprecated since 1.13 in favour of the SuperLink /
-SuperNode deployment (``flower-superlink``, ``flower-supernode``, ``flwr run`` with a packaged
-Flower App); see docs/federated.md for what was and was not run here. Flower's simulation engine
-(``flwr.simulation``, Ray-based) is not used.
+Two runtimes, the same strategy and client (Flower 1.42; both tested on localhost):
+
+* **Deployment engine** (Flower's recommended runtime): :data:`server_app` (a ``ServerApp``) and
+  :data:`client_app` (a ``ClientApp``) in a Flower App written by :func:`write_flower_app`, run by
+  ``flwr run APP`` on a SuperLink (``flower-superlink --insecure``) with one SuperNode per user
+  (``flower-supernode --insecure --node-config "user=U"``). The app's run config names the spec
+  (JSON) and the result file.
+* **Legacy gRPC API**: ``flwr.server.start_server`` / ``flwr.client.start_client`` (deprecated by
+  Flower since 1.13, still shipped): ``python -m dpclip.federated.flower server|client``.
+
+Flower's simulation engine (``flwr.simulation``, Ray-based) is not used: Ray is not installed
+here (docs/federated.md says exactly what was tried).
 
 Model of trust: central DP with a trusted server (as in Andrew et al.): clients send raw deltas
 to the server, which privatizes them; nothing reported by Flower (``num_examples`` is sent as 1,
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -54,11 +61,12 @@ from dpclip.accounting import compute_epsilon
 from dpclip.data.base import TensorSplit
 from dpclip.federated.client import LocalTraining, local_seed, local_update
 from dpclip.federated.server import FedAvgServer
-from dpclip.federated.simulation import FedAvgConfig, build_server
+from dpclip.federated.simulation import FedAvgConfig, build_server, declared_weights
 from dpclip.federated.spec import build_data, build_model_for, build_run, config_from_spec
 from dpclip.randomness import PrivateRandomness
 
-__all__ = ["DPFedAvgStrategy", "UserClient", "main", "run_client", "run_server"]
+__all__ = ["DPFedAvgStrategy", "UserClient", "client_app", "flower_apps", "main", "run_client",
+           "run_server", "server_app", "write_flower_app"]
 
 USER_KEY = "dpclip_user_id"
 
@@ -155,8 +163,10 @@ class DPFedAvgStrategy(Strategy):
 class UserClient(flwr.client.NumPyClient):
     """One user's device: local SGD from the received global model, returns the delta."""
 
-    def __init__(self, user_id: int, data: TensorSplit, model: torch.nn.Module) -> None:
+    def __init__(self, user_id: int, data: TensorSplit, model: torch.nn.Module,
+                 loss_fn: Any = None) -> None:
         self.user_id, self.data, self.model = int(user_id), data, model
+        self.loss_fn = loss_fn
 
     def get_properties(self, config: dict[str, Any]) -> dict[str, Any]:
         return {USER_KEY: self.user_id}
@@ -169,29 +179,143 @@ class UserClient(flwr.client.NumPyClient):
         theta = torch.from_numpy(np.asarray(parameters[0], dtype=np.float32).copy())
         training = LocalTraining(int(config["epochs"]), int(config["batch_size"]),
                                  float(config["lr"]))
-        delta = local_update(self.model, theta, self.data, training,
+        delta = local_update(self.model, theta, self.data, training, loss_fn=self.loss_fn,
                              seed=local_seed(int(config["seed"]), int(config["round"]),
                                              self.user_id))
         return [delta.numpy()], 1, {USER_KEY: self.user_id}
 
 
-def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float = 60.0
-               ) -> dict[str, Any]:
-    """Run the Flower server for ``spec``; return the public result (ledger, epsilon, clips,
-    final parameters)."""
-    from flwr.server import ServerConfig, start_server
-
+def _server_for(spec: dict[str, Any], wait_timeout: float
+                 ) -> tuple[DPFedAvgStrategy, FedAvgConfig]:
     data, model, strategy, config = build_run(spec)
     randomness = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
-    server = build_server(model, strategy, config, data.num_users, randomness=randomness)
-    fl_strategy = DPFedAvgStrategy(server, config, wait_timeout=wait_timeout)
-    start_server(server_address=address, config=ServerConfig(num_rounds=config.rounds),
-                 strategy=fl_strategy)
+    server = build_server(model, strategy, config, data.num_users, randomness=randomness,
+                          user_weights=declared_weights(config, data))
+    return DPFedAvgStrategy(server, config, wait_timeout=wait_timeout), config
+
+
+def _result(fl_strategy: DPFedAvgStrategy, config: FedAvgConfig) -> dict[str, Any]:
+    """The public result of a Flower run: ledger, user-level epsilon, clips, final parameters."""
+    server = fl_strategy.server
     eps = compute_epsilon(server.aggregator.ledger, config.delta, config.accountant).epsilon
     return {"ledger": server.aggregator.ledger.to_dict(), "epsilon": eps,
             "clip_history": server.clip_history, "rounds": server.round_index,
             "theta": server.theta.tolist(), "failures": fl_strategy.failures,
             **server.describe()}
+
+
+def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float = 60.0
+               ) -> dict[str, Any]:
+    """Run the Flower server for ``spec`` (legacy gRPC API); return the public result."""
+    from flwr.server import ServerConfig, start_server
+
+    fl_strategy, config = _server_for(spec, wait_timeout)
+    start_server(server_address=address, config=ServerConfig(num_rounds=config.rounds),
+                 strategy=fl_strategy)
+    return _result(fl_strategy, config)
+
+
+# -- Flower's deployment engine: ServerApp / ClientApp ------------------------------------------
+
+def _app_spec(context: Any, spec_path: str | None = None) -> dict[str, Any]:
+    path = spec_path or context.run_config.get("spec")
+    if not path:
+        raise ValueError("the Flower App's run config needs `spec` (path of the run's JSON spec): "
+                         "flwr run APP --run-config \"spec='run.json'\" (or "
+                         "flower_apps(spec=...) for flwr.simulation.run_simulation)")
+    with open(str(path)) as f:
+        return json.load(f)
+
+
+def _client_fn(context: Any, spec_path: str | None = None) -> Any:
+    """The SuperNode's ClientApp: hosts the user named by the node config (``user=U``; under
+    Flower's simulation engine its ``partition-id``)."""
+    torch.set_num_threads(1)
+    cfg = context.node_config
+    if "user" not in cfg and "partition-id" not in cfg:
+        raise ValueError("start each SuperNode with --node-config \"user=U\" (the user it hosts)")
+    user = int(cfg["user"] if "user" in cfg else cfg["partition-id"])
+    spec = _app_spec(context, spec_path)
+    data = build_data(spec)
+    model = build_model_for(spec, data)
+    config_from_spec(spec)
+    return UserClient(user, data.users[user], model, data.loss_fn()).to_client()
+
+
+def flower_apps(spec: str | Path | None = None, out: str | Path | None = None
+                ) -> tuple[Any, Any]:
+    """``(ServerApp, ClientApp)`` of a run. ``spec``/``out`` (paths of the JSON spec and of the
+    result file) default to the run config's ``spec``/``out`` (``flwr run``); give them for
+    ``flwr.simulation.run_simulation``, which passes no run config."""
+    server = flwr.server.ServerApp()
+
+    @server.main()
+    def _server_main(grid: Any, context: Any) -> None:
+        """The same strategy, driven by ``start_grid``; writes the public result to ``out``."""
+        from flwr.server import ServerConfig
+        from flwr.server.compat import start_grid
+
+        torch.set_num_threads(1)
+        run = _app_spec(context, None if spec is None else str(spec))
+        fl_strategy, config = _server_for(run, float(context.run_config.get("wait-timeout", 60)))
+        start_grid(grid=grid, strategy=fl_strategy,
+                   config=ServerConfig(num_rounds=config.rounds))
+        target = out if out is not None else context.run_config.get("out")
+        if target:
+            with open(str(target), "w") as f:
+                json.dump(_result(fl_strategy, config), f)
+
+    client = flwr.client.ClientApp(
+        client_fn=lambda context: _client_fn(context, None if spec is None else str(spec)))
+    return server, client
+
+
+#: the Flower App's components (spec and result paths from the run config)
+server_app, client_app = flower_apps()
+
+_APP_TOML = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "dpclip-fedavg"
+version = "1.0.0"
+description = "user-level DP-FedAvg (dpclip.federated.flower) as a Flower App"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "dpclip"
+
+[tool.flwr.app.components]
+serverapp = "dpclip_fedavg_app:server_app"
+clientapp = "dpclip_fedavg_app:client_app"
+
+[tool.flwr.app.config]
+spec = {spec}
+out = {out}
+wait-timeout = {wait}
+"""
+
+
+def write_flower_app(directory: str | Path, spec_path: str | Path, out_path: str | Path = "",
+                     wait_timeout: float = 60.0) -> Path:
+    """Write a Flower App (``pyproject.toml`` + a module re-exporting :data:`server_app` and
+    :data:`client_app`) for ``flwr run``; its run config names the JSON spec and the result file.
+    dpclip must be importable where the SuperLink and SuperNodes run the app."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "pyproject.toml").write_text(_APP_TOML.format(
+        spec=json.dumps(str(Path(spec_path).resolve())),
+        out=json.dumps(str(Path(out_path).resolve()) if out_path else ""),
+        wait=float(wait_timeout)))
+    (d / "dpclip_fedavg_app.py").write_text(
+        '"""Flower App of dpclip user-level DP-FedAvg (written by write_flower_app)."""\n'
+        "from dpclip.federated.flower import client_app, server_app\n\n"
+        '__all__ = ["client_app", "server_app"]\n')
+    return d
 
 
 def run_client(spec: dict[str, Any], address: str, user: int) -> None:
@@ -202,7 +326,8 @@ def run_client(spec: dict[str, Any], address: str, user: int) -> None:
     model = build_model_for(spec, data)
     config_from_spec(spec)  # validate the plan on the client too
     start_client(server_address=address,
-                 client=UserClient(user, data.users[user], model).to_client(), insecure=True)
+                 client=UserClient(user, data.users[user], model, data.loss_fn()).to_client(),
+                 insecure=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,16 +110,24 @@ class FedAvgServer:
 
 
 def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int = 2048,
-             loss_fn: Callable[..., Tensor] | None = None) -> tuple[float, float]:
-    """(accuracy, mean loss) of ``model`` on a centralised (public test) split."""
+             loss_fn: Callable[..., Tensor] | None = None,
+             ignore_index: int | None = None) -> tuple[float, float]:
+    """(accuracy, mean loss) of ``model`` on a centralised (public test) split.
+
+    Sequence tasks (targets ``(n, L)``, outputs ``(n, classes, L)``) are scored per target token;
+    tokens equal to ``ignore_index`` (padding) count in neither the accuracy nor the loss (give a
+    ``loss_fn`` that ignores them too, e.g. ``FederatedData.loss_fn()``)."""
     loss_fn = loss_fn or nn.functional.cross_entropy
     model.eval()
-    correct, loss, n = 0, 0.0, int(targets.shape[0])
+    correct, loss, n = 0, 0.0, 0
     with torch.no_grad():
-        for s in range(0, n, batch_size):
+        for s in range(0, int(targets.shape[0]), batch_size):
             out = model(inputs[s:s + batch_size])
             y = targets[s:s + batch_size]
+            keep = torch.ones_like(y, dtype=torch.bool) if ignore_index is None \
+                else y != ignore_index
             loss += float(loss_fn(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
+            correct += int(((out.argmax(1) == y) & keep).sum())
+            n += int(keep.sum())
     model.train()
     return correct / max(n, 1), loss / max(n, 1)

@@ -34,8 +34,8 @@ from dpclip.federated.data import FederatedData
 from dpclip.federated.server import FedAvgServer, ServerOptimizer, evaluate
 from dpclip.randomness import PrivateRandomness
 
-__all__ = ["FedAvgConfig", "FedAvgResult", "build_server", "plan_ledger", "resolve_noise",
-           "run_fedavg"]
+__all__ = ["FedAvgConfig", "FedAvgResult", "build_server", "declared_weights", "plan_ledger",
+           "resolve_noise", "run_fedavg"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class FedAvgConfig:
     reproducible_noise: bool = False
     eval_every: int = 10
     log_nonprivate: bool = False
+    #: declared capped weights ``a_u = min(n_u / weight_cap, 1)`` from the users' example counts
+    #: (McMahan et al. 2018; the counts are declared public); ``None``: equal weights
+    weight_cap: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
@@ -74,6 +77,10 @@ class FedAvgConfig:
             raise ValueError(
                 "FedAvgConfig: fixed-size user sampling (replace-one) is accounted with RDP; "
                 "set accountant='rdp' (PLD supports Poisson sampling only)")
+        if self.weight_cap is not None and (isinstance(self.weight_cap, bool) or not isinstance(
+                self.weight_cap, int) or self.weight_cap < 1):
+            raise ValueError(f"FedAvgConfig: weight_cap must be an int >= 1 or None, got "
+                             f"{self.weight_cap!r}")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) \
                 or self.eval_every < 1:
             raise ValueError(f"FedAvgConfig: eval_every must be an int >= 1, got {self.eval_every!r}")
@@ -115,6 +122,13 @@ def resolve_noise(strategy: ClippingStrategy, config: FedAvgConfig, num_users: i
     return z
 
 
+def declared_weights(config: FedAvgConfig, data: FederatedData) -> UserWeights | None:
+    """The declared capped weights of ``config.weight_cap`` (``None``: equal weights)."""
+    if config.weight_cap is None:
+        return None
+    return UserWeights.capped_counts(data.user_sizes(), config.weight_cap)
+
+
 def build_server(model: nn.Module, strategy: ClippingStrategy, config: FedAvgConfig,
                  num_users: int, *, randomness: PrivateRandomness | None = None,
                  user_weights: UserWeights | None = None,
@@ -152,6 +166,9 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
     it holds the final parameters on return. ``callback(row)`` is called at every evaluation.
     """
     t0 = time.perf_counter()
+    loss_fn = loss_fn or data.loss_fn()
+    if user_weights is None:
+        user_weights = declared_weights(config, data)
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
                           user_weights=user_weights)
     worker = copy.deepcopy(model)
@@ -163,7 +180,8 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
                                seed=local_seed(config.seed, r, u)) for u in users]
         out = server.finish_round(deltas if deltas else torch.zeros(0, theta.numel()), users)
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            acc, loss = evaluate(model, data.test.inputs, data.test.targets, loss_fn=loss_fn)
+            acc, loss = evaluate(model, data.test.inputs, data.test.targets, loss_fn=loss_fn,
+                                 ignore_index=data.ignore_index)
             row: dict[str, Any] = {
                 "round": r + 1, "test_accuracy": acc, "test_loss": loss,
                 "clip_norm": out.clip_norm,

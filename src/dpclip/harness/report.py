@@ -22,7 +22,8 @@ from typing import Any
 
 from dpclip.harness.store import ResultsStore
 
-__all__ = ["Report", "build_report", "collect_runs", "settings_table"]
+__all__ = ["Report", "accuracy_plots", "build_report", "collect_runs", "is_federated",
+           "settings_table"]
 
 DIAGNOSTIC_PLOTS = {
     "norm_quantiles": ("norm_q", "per-example gradient norm quantiles"),
@@ -127,7 +128,8 @@ def _markdown_table(levels: list[str], rows: list[dict[str, Any]]) -> str:
 def settings_table(runs: list[dict[str, Any]]) -> str:
     """Markdown: one line per strategy and privacy level with what a newcomer needs to read the
     accuracy: epsilon (target and spent), sigma, the strategy's parameters, the learning rate
-    (and schedule), epochs, seconds per run and test accuracy (mean +- std over seeds)."""
+    (and schedule), epochs, seconds per run and test accuracy (mean +- std over seeds). For a
+    federated grid the epochs are rounds and the learning rate is the server's."""
     from dpclip.harness.evidence import lr_text
 
     cells: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -147,9 +149,23 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
             f"{max(x['summary']['epsilon'] for x in rs):.3f} | "
             f"{s0.get('noise_multiplier', float('nan')):.3f} | "
             f"{json.dumps(params, sort_keys=True)} | {lr_text(s0)} | "
-            f"{s0.get('epochs_completed', cfg['epochs']):g} | {secs:.0f} | {len(rs)} | "
+            f"{s0.get('epochs_completed', cfg.get('epochs', s0.get('epochs'))):g} | {secs:.0f} | {len(rs)} | "
             f"{m:.2f} +- {sd:.2f} |")
     return "\n".join(out)
+
+
+def is_federated(runs: list[dict[str, Any]]) -> bool:
+    """Runs of a federated grid (user-level DP-FedAvg; their history is per round)."""
+    return bool(runs) and all(r["config"].get("kind") == "federated" for r in runs)
+
+
+def accuracy_plots(unit: str = "epoch") -> tuple[tuple[str, str, str, bool], ...]:
+    """(history key, title, y label, log scale) of the report's standard plots."""
+    return (
+        ("test_accuracy", f"test accuracy per {unit}", "test accuracy", False),
+        ("clip_threshold", f"clip threshold (sensitivity) per {unit}", "threshold", True),
+        ("epsilon", f"epsilon spent per {unit}", "epsilon", False),
+    )
 
 
 def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -165,7 +181,7 @@ def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float]
 
 
 def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel: str,
-          path: Path, logy: bool = False) -> Path | None:
+          path: Path, logy: bool = False, xlabel: str = "epoch") -> Path | None:
     if not series:
         return None
     import matplotlib
@@ -176,7 +192,7 @@ def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for lab, (xs, ys) in sorted(series.items()):
         ax.plot(xs, ys, marker="o", markersize=3, label=lab)
-    ax.set_xlabel("epoch")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     if logy:
@@ -199,12 +215,11 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
                          "run it first with `dpclip run`")
     levels, rows = accuracy_table(runs)
     plots: list[tuple[str, Path]] = []
-    for key, title, ylabel, logy in (
-        ("test_accuracy", "test accuracy per epoch", "test accuracy", False),
-        ("clip_threshold", "clip threshold (sensitivity) per epoch", "threshold", True),
-        ("epsilon", "epsilon spent per epoch", "epsilon", False),
-    ):
-        p = _plot(_series(runs, key), title, ylabel, out / f"{experiment}_{key}.png", logy)
+    federated = is_federated(runs)
+    unit = "round" if federated else "epoch"
+    for key, title, ylabel, logy in accuracy_plots(unit):
+        p = _plot(_series(runs, key), title, ylabel, out / f"{experiment}_{key}.png", logy,
+                  xlabel=unit)
         if p:
             plots.append((title, p))
     for prefix, source in DIAGNOSTIC_SOURCES.items():
@@ -230,7 +245,8 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
                 plots.append((title, p))
 
     first = runs[0]["config"]
-    header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; dataset(s) "
+    scope = ("user-level DP-FedAvg (privacy unit: user; epoch = round); " if federated else "")
+    header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; {scope}dataset(s) "
               f"{sorted({r['config']['dataset'] for r in runs})}, model(s) "
               f"{sorted({r['config']['model'] for r in runs})}, delta {first['delta']:g}, "
               f"accountant {first['accountant']}, sampling {first['sampling']}.\n\n"

@@ -3,19 +3,27 @@
 ``dpclip reproductions [--db DB] [--dir reproductions] [--doc docs/reproductions.md]``: for every
 spec ``reproductions/*.toml``, the finished runs of that experiment are written as rows to
 ``reproductions/results/<name>.json`` (with a generated ``.md`` table), and ``docs/reproductions.md``
-maps paper -> spec -> published number -> our number (mean +- std over seeds).
+maps paper -> spec -> published number -> our number (mean +- std over seeds). Federated specs
+(``[federated]``, user-level DP-FedAvg) are handled the same way and also get
+``<name>.png``: test accuracy and clip norm per round (means over seeds).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from dpclip.harness.evidence import markdown_table
-from dpclip.harness.report import SEEDED_NOTE, collect_runs, seeded_runs
+from dpclip.harness.report import (
+    SEEDED_NOTE,
+    _series,
+    accuracy_plots,
+    collect_runs,
+    is_federated,
+    seeded_runs,
+)
 from dpclip.harness.spec import load_spec
 from dpclip.harness.store import ResultsStore
 
@@ -44,12 +52,8 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
              "`reproductions/results/<spec>.json`.", "",
              "Column *noise*: `secure` (OS entropy, the default) or `seeded` (" + SEEDED_NOTE
              + "). Every run made before secure randomness became the default is `seeded`.", ""]
-    federated: list[Path] = []
     with ResultsStore(db) as store:
         for path in sorted(spec_dir.glob("*.toml")):
-            if "run" in tomllib.loads(path.read_text()):  # a federated spec (`dpclip fl run`)
-                federated.append(path)
-                continue
             spec = load_spec(path)
             runs = collect_runs(store, spec.name)
             rows = [_row(r) for r in runs]
@@ -59,7 +63,11 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
                 res.parent.mkdir(parents=True, exist_ok=True)
                 res.write_text(json.dumps(rows, indent=1, default=str) + "\n")
                 res.with_suffix(".md").write_text(markdown_table(rows, spec.name))
-            lines += [f"## {spec.name}", "", f"Spec: `{path.as_posix()}` — {spec.description}",
+                if is_federated(runs):
+                    _round_plot(runs, spec.name, res.with_suffix(".png"))
+            scope = " (user-level DP-FedAvg)" if spec.kind == "federated" else ""
+            lines += [f"## {spec.name}{scope}", "",
+                      f"Spec: `{path.as_posix()}` — {spec.description}",
                       "", f"Paper: {spec.paper or '-'}", "",
                       "| strategy | published | source | ours | n | epsilon | noise | difference |",
                       "|---|---|---|---|---|---|---|---|"]
@@ -86,38 +94,32 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
             lines += [x.replace("## Tuning", f"### {spec.name}: tuning") for x in
                       tuning_table([dict(r["summary"], label=r["label"]) for r in runs])]
             lines.append("")
-    lines += _federated_section(federated, spec_dir / "results")
     lines += _audit_section(spec_dir / "results")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines) + "\n")
     return out_counts
 
 
-def _federated_section(specs: list[Path], results: Path) -> list[str]:
-    """User-level DP-FedAvg grids (``dpclip fl run``): rows from ``results/<name>.json``."""
-    out: list[str] = []
-    for path in specs:
-        name = tomllib.loads(path.read_text()).get("name", path.stem)
-        res = results / f"{name}.json"
-        out += [f"## {name} (user-level DP-FedAvg)", "", f"Spec: `{path.as_posix()}`; rows: "
-                f"`{res.as_posix()}`.", ""]
-        if not res.exists():
-            out += ["not run", ""]
-            continue
-        rows = json.loads(res.read_text())
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            groups.setdefault(str(r.get("label", r["strategy"])), []).append(r)
-        out += ["| clip | runs | test acc mean +- std | user-level epsilon | noise |",
-                "|---|---|---|---|---|"]
-        for label, rs in groups.items():
-            accs = [100 * r["test_accuracy"] for r in rs]
-            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            noise = "secure" if all(r.get("randomness") == "secure" for r in rs) else "seeded"
-            out.append(f"| {label} | {len(rs)} | {statistics.fmean(accs):.2f} +- {sd:.2f} | "
-                       f"{max(r['epsilon'] for r in rs):.3f} | {noise} |")
-        out.append("")
-    return out
+def _round_plot(runs: list[dict[str, Any]], name: str, path: Path) -> None:
+    """Test accuracy and clip norm per round of a federated grid (the report's plots, stacked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    for ax, (key, title, ylabel, logy) in zip(axes, accuracy_plots("round")[:2]):
+        for lab, (xs, ys) in sorted(_series(runs, key).items()):
+            ax.plot(xs, ys, "-" if "adaptive" in lab else "--", label=lab)
+        ax.set_ylabel(f"{ylabel} (mean over seeds)")
+        ax.set_yscale("log" if logy else "linear")
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"{name}: user-level DP-FedAvg", fontsize=10)
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _audit_section(results: Path) -> list[str]:

@@ -9,6 +9,11 @@ resolved from the store (``dpclip.search.resolve_strategy_params``; the greedy s
 checkpoint into ``<out>/search`` and are stored, so they run once). A spec with ``[tuning]`` then
 runs its trials (``dpclip.harness.tuning``: stored under ``<name>:tuning``, checkpointed under
 ``<out>/tuning``, never repeated) and its runs use each cell's chosen setting.
+checkpoint into ``<out>/search`` and are stored, so they run once).
+
+Federated grids (``[federated]`` specs, user-level DP-FedAvg) go through the same loop, store and
+resume; their runs are short and keep no checkpoint: an interrupted federated run starts again
+from round 0 (with fresh secret randomness; nothing of the interrupted run was released).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
     from dpclip.trainer import train
 
     torch.set_num_threads(threads)
+    federated = getattr(run.config, "kind", None) == "federated"
     if not is_main:
         try:
             train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
@@ -76,14 +82,21 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
     rid = store.start_run(run.fingerprint, run.config.to_dict(), experiment=run.experiment,
                           label=run.label)
     try:
-        result = train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
-                       checkpoint_interval_s=checkpoint_interval_s, progress=progress)
-        for row in result.history:  # the full history, including epochs before a resume
+        if federated:
+            from dpclip.federated.spec import run_from_config
+
+            fed, summary, history = run_from_config(run.config)
+            ledger = fed.ledger
+        else:
+            result = train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
+                           checkpoint_interval_s=checkpoint_interval_s, progress=progress)
+            summary, history, ledger = result.summary, result.history, result.ledger
+        for row in history:  # the full history, including epochs before a resume
             store.log_epoch(rid, row["epoch"], row)
-        summary = dict(result.summary, label=run.label, experiment=run.experiment)
+        summary = dict(summary, label=run.label, experiment=run.experiment)
         if run.tuning is not None:  # the budget, the trials and the choice of the tuning
             summary["tuning"] = run.tuning
-        store.finish_run(rid, summary, result.ledger.to_dict())
+        store.finish_run(rid, summary, ledger.to_dict())
         return run.fingerprint, None
     except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
         msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -130,6 +143,9 @@ def run_experiment(
     if dist_ctx is not None and workers != 1:
         raise ValueError("under torchrun the ranks train each run together: use --workers 1 "
                          "(the processes are the ranks)")
+    if dist_ctx is not None and spec.kind == "federated":
+        raise ValueError(f"{spec.name} is a federated grid (user-level DP-FedAvg): it runs in one "
+                         "process; start it without torchrun (use --workers for parallel runs)")
     is_main = dist_ctx is None or dist_ctx.is_main
     if dist_ctx is not None and spec.tuning is not None:
         raise ValueError(f"spec {spec.name!r} has a [tuning] section: run it once without "

@@ -50,6 +50,29 @@ params = { clip_norm = 0.4 }
 tune = { clip_norm = [0.1, 0.4, 1.0, 2.0] }   # strategy parameters and/or lr (and its schedule)
 ```
 
+**Federated grids** (user-level DP-FedAvg, ``dpclip.federated``): a ``[federated]`` table in place
+of ``[train]`` holds the keys of ``dpclip.federated.spec`` (dataset, num_users, partition, model,
+rounds, clients_per_round, delta, local/server optimisation, ...); ``[grid]`` and
+``[[strategies]]`` are as above (``epsilons`` are user-level; a strategy's ``train`` table
+overrides federated keys), and each cell is a ``dpclip.federated.FederatedRunConfig``:
+
+```toml
+name = "fedavg-tiny"
+[federated]
+dataset = "synthetic"
+num_users = 40
+rounds = 10
+clients_per_round = 8
+delta = 1e-3
+[grid]
+epsilons = [4.0]
+seeds = [0, 1]
+[[strategies]]
+name = "quantile"
+label = "adaptive-median"
+params = { initial_clip_norm = 0.1, target_quantile = 0.5 }
+```
+
 Strategy parameters that name stored or computed data, ``transfer``'s ``schedule = "NAME"`` and
 ``lin-decay``'s ``c0_from = "greedy"``, are resolved by the runner against the results store
 (``dpclip.search.resolve_strategy_params``) before the grid runs; the resolved numbers are part
@@ -72,13 +95,24 @@ from dpclip.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
-_TOP = {"name", "description", "paper", "published", "train", "grid", "strategies", "tuning"}
+_TOP = {"name", "description", "paper", "published", "train", "federated", "grid", "strategies",
+        "tuning"}
 _TUNING = {"source", "trials", "epochs", "seed", "validation_fraction", "proxy"}
 _GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
 _STRAT = {"name", "label", "params", "train", "tune"}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _GRID_OWNED = {"dataset", "model", "epsilon", "noise_multiplier", "seed", "strategy",
                "strategy_params"}
+#: keys of a [federated] table the grid sets (dataset/model may also come from the table)
+_FED_GRID_OWNED = {"epsilon", "noise_multiplier", "seed", "strategy", "params"}
+
+
+def _train_fields(kind: str) -> set[str]:
+    if kind == "federated":
+        from dpclip.federated.spec import valid_keys
+
+        return valid_keys()
+    return _TRAIN_FIELDS
 
 
 class SpecError(ValueError):
@@ -119,13 +153,14 @@ class StrategySpec:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One cell of the grid: a label for reports and the complete training config (and, for a
-    tuned spec, the tuning record: budget, trials, choice; not part of the fingerprint, the
-    chosen values are in the config)."""
+    """One cell of the grid: a label for reports and the complete training config (a
+    ``TrainConfig``, or a ``dpclip.federated.FederatedRunConfig`` in a federated grid) and, for a
+    tuned spec, the tuning record (budget, trials, choice; not part of the fingerprint, the chosen
+    values are in the config)."""
 
     experiment: str
     label: str
-    config: TrainConfig
+    config: Any
     tuning: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     @property
@@ -148,6 +183,8 @@ class ExperimentSpec:
     paper: str = ""
     published: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     tuning: Any = None  #: a ``dpclip.harness.tuning.TuningSpec`` or None
+    #: "train" (example-level DP-SGD, [train]) or "federated" (user-level DP-FedAvg, [federated])
+    kind: str = "train"
 
     def runs(self) -> list[RunSpec]:
         """Every run of the grid, in a stable order (strategy-major, then privacy, then seed)."""
@@ -168,8 +205,16 @@ class ExperimentSpec:
                                           strategy=st.name,
                                           strategy_params=dict(st.params), seed=seed)
                             fields[key] = value
-                            out.append(RunSpec(self.name, st.label, TrainConfig(**fields)))
+                            out.append(RunSpec(self.name, st.label, self._config(fields)))
         return out
+
+    def _config(self, fields: dict[str, Any]) -> Any:
+        if self.kind != "federated":
+            return TrainConfig(**fields)
+        from dpclip.federated.spec import FederatedRunConfig
+
+        fields["params"] = fields.pop("strategy_params")
+        return FederatedRunConfig(fields)
 
 
 def _apply_set(raw: dict[str, Any], item: str) -> None:
@@ -222,13 +267,19 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("the spec needs a non-empty string `name` (top level: name = \"...\")")
-    train = _table(raw.get("train"), "train")
-    bad = sorted(set(train) - _TRAIN_FIELDS)
+    if "train" in raw and "federated" in raw:
+        raise SpecError("give [train] (example-level DP-SGD) or [federated] (user-level "
+                        "DP-FedAvg), not both")
+    kind = "federated" if "federated" in raw else "train"
+    fields_valid = _train_fields(kind)
+    train = _table(raw.get(kind), kind)
+    bad = sorted(set(train) - fields_valid)
     if bad:
-        raise _unknown_keys("[train]", bad, _TRAIN_FIELDS, "field(s)")
-    owned = sorted(set(train) & (_GRID_OWNED - {"dataset", "model"}))
+        raise _unknown_keys(f"[{kind}]", bad, fields_valid, "field(s)")
+    owned_keys = _FED_GRID_OWNED if kind == "federated" else _GRID_OWNED - {"dataset", "model"}
+    owned = sorted(set(train) & owned_keys)
     if owned:
-        raise SpecError(f"[train]: {owned} are set by [grid]/[[strategies]], not [train]")
+        raise SpecError(f"[{kind}]: {owned} are set by [grid]/[[strategies]], not [{kind}]")
     grid = _table(raw.get("grid"), "grid")
     bad = sorted(set(grid) - _GRID)
     if bad:
@@ -241,8 +292,11 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
     noises = _as_tuple(grid.get("noise_multipliers"), "noise_multipliers", float)
     seeds = _as_tuple(grid.get("seeds", [0]), "seeds", int)
     if not datasets or not models:
-        raise SpecError("give the dataset(s) and model(s): [train] dataset/model or [grid] "
-                        "datasets/models")
+        if kind == "federated" and datasets and not models:
+            models = ("mlp",)  # the federated spec's default model
+        else:
+            raise SpecError(f"give the dataset(s) and model(s): [{kind}] dataset/model or [grid] "
+                            "datasets/models")
     if bool(epsilons) == bool(noises):
         raise SpecError("[grid] needs exactly one of `epsilons` or `noise_multipliers`")
     if not seeds:
@@ -263,9 +317,12 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
             raise SpecError(f"strategies[{i}] needs a `name`")
         _table(s.get("params"), f"strategies[{i}].params")
         st_train = _table(s.get("train"), f"strategies[{i}].train")
-        bad = sorted(set(st_train) - _TRAIN_FIELDS)
+        bad = sorted(set(st_train) - fields_valid)
         if bad:
-            raise _unknown_keys(f"strategies[{i}].train", bad, _TRAIN_FIELDS, "field(s)")
+            raise _unknown_keys(f"strategies[{i}].train", bad, fields_valid, "field(s)")
+        owned = sorted(set(st_train) & (owned_keys - {"dataset", "model"}))
+        if owned:
+            raise SpecError(f"strategies[{i}].train: {owned} are set by [grid]/[[strategies]]")
         label = str(s.get("label", s["name"]))
         if label in labels:
             raise SpecError(f"strategies[{i}]: duplicate label {label!r}; give each a `label`")
@@ -293,10 +350,13 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
                             f"labels: {sorted(labels)}")
         if not (isinstance(entry, dict) and isinstance(entry.get("value"), (int, float))):
             raise SpecError(f"[published].{lab} must be {{ value = <accuracy %>, source = ... }}")
+    if kind == "federated" and ("tuning" in raw or any(st.tune for st in strategies)):
+        raise SpecError("[tuning] and `tune` are for example-level [train] grids; a [federated] "
+                        "grid has no tuning protocol yet: remove them, or tune by hand with a grid")
     tuning = _parse_tuning(raw.get("tuning"), strategies)
     spec = ExperimentSpec(name, str(raw.get("description", "")), train, datasets, models,
                           epsilons, noises, seeds, tuple(strategies), str(raw.get("paper", "")),
-                          dict(published), tuning)
+                          dict(published), tuning, kind)
     if validate_names:
         _validate_names(spec)
     return spec
@@ -355,13 +415,21 @@ def _validate_names(spec: ExperimentSpec) -> None:
     from dpclip.data import DATASETS
     from dpclip.models import MODELS
 
+    datasets, models = list(DATASETS), list(MODELS)
+    if spec.kind == "federated":  # + the TFF federated datasets and the benchmarks' models
+        from dpclip.federated.models import FEDERATED_MODELS
+        from dpclip.federated.tff import TFF_DATASETS
+
+        datasets += list(TFF_DATASETS)
+        models += list(FEDERATED_MODELS)
     for ds in spec.datasets:
-        if ds not in DATASETS:
-            raise SpecError(f"[grid] datasets / [train] dataset: "
-                            f"{unknown_name('dataset', ds, DATASETS)}")
+        if ds not in datasets:
+            raise SpecError(f"[grid] datasets / [{spec.kind}] dataset: "
+                            f"{unknown_name('dataset', ds, datasets)}")
     for m in spec.models:
-        if m not in MODELS:
-            raise SpecError(f"[grid] models / [train] model: {unknown_name('model', m, MODELS)}")
+        if m not in models:
+            raise SpecError(f"[grid] models / [{spec.kind}] model: "
+                            f"{unknown_name('model', m, models)}")
     from dpclip.search.resolve import resolve_strategy_params
 
     from dpclip.clipping import STRATEGIES
@@ -385,6 +453,15 @@ def _validate_names(spec: ExperimentSpec) -> None:
         except ValueError as exc:
             where = f"[train] with [[strategies]] {st.label!r} train" if st.train else "[train]"
             raise SpecError(f"{where}: {exc}") from None
+    if spec.kind == "federated":
+        from dpclip.federated.aggregator import check_federated_strategy
+
+        for st in spec.strategies:
+            try:
+                check_federated_strategy(make_strategy(st.name, dict(st.params)))
+            except ValueError as exc:
+                raise SpecError(f"strategy {st.label!r}: {exc}") from None
+        return
     for st in spec.strategies:
         try:
             # transfer's schedule=NAME and lin-decay's c0_from="greedy" are resolved from the
