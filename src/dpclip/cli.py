@@ -313,9 +313,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                                                       "--dataset-option").items()},
             epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, delta=args.delta,
             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            sampling=args.sampling, engine=args.engine, data_dir=args.data_dir)
-        b = blackbox_audit(config, n_canaries=args.canaries, significance=args.significance,
-                           progress=not args.no_progress)
+            optimizer=args.optimizer, momentum=args.momentum, accountant=args.accountant,
+            reproducible_noise=args.reproducible_noise, max_physical_batch=args.max_physical_batch,
+            device=args.device, sampling=args.sampling, engine=args.engine,
+            data_dir=args.data_dir)
+        b = blackbox_audit(config, n_canaries=args.canaries, canary=args.canary,
+                           canary_scale=args.canary_scale, significance=args.significance,
+                           claimed_epsilon=args.claim, progress=not args.no_progress)
         summary = {**record, **b.to_dict(), "claim_scope": "the whole training run"}
     store = ResultsStore(args.db or default_db_path())
     run_id = store.start_run(f"audit-{args.mode}-{args.strategy}-{args.seed}", record,
@@ -487,6 +491,21 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--epochs", type=int, default=1)
     au.add_argument("--batch-size", type=float, default=256)
     au.add_argument("--lr", type=float, default=0.1)
+    au.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    au.add_argument("--momentum", type=float, default=0.9)
+    au.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
+    au.add_argument("--reproducible-noise", action="store_true",
+                    help="black-box: the run's noise and sampling from --seed (as dpclip train)")
+    au.add_argument("--max-physical-batch", type=int, default=256)
+    au.add_argument("--device", default="cpu")
+    au.add_argument("--canary", default="ood", choices=["ood", "mislabelled"],
+                    help="black-box canaries: random out-of-distribution inputs with random labels "
+                    "(default) or mislabelled test inputs")
+    au.add_argument("--canary-scale", type=float, default=3.0,
+                    help="black-box ood canaries' norm / the mean training-input norm")
+    au.add_argument("--claim", type=float,
+                    help="black-box: compare with this epsilon instead of the run's own (a "
+                    "no-noise control: --noise-multiplier 0 --claim <the intended run's epsilon>)")
     au.add_argument("--data-dir")
     au.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
                     "./dpclip_results.db)")
