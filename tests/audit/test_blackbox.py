@@ -88,3 +88,27 @@ def test_cli_stores_the_audit_and_report_shows_it(tmp_path, capsys):
     assert "claimed epsilon vs empirical lower bound" in md
     assert f"| {summary['run_id']} | blackbox | fixed |" in md
     assert "claimed_epsilon" in (tmp_path / "rep" / "audit.html").read_text()
+
+
+def test_cli_whitebox_with_epsilon_audits_the_runs_calibrated_multiplier(tmp_path, capsys):
+    # white-box from a `dpclip train` configuration given by its target epsilon: the step is
+    # audited at the multiplier train calibrates for that run
+    from dpclip.trainer import train
+
+    run = train(TrainConfig(dataset="synthetic", model="mlp", epsilon=2.0, epochs=5,
+                            batch_size=64, delta=1e-4, seed=0), progress=False)
+    rc = cli_main(["audit", "--strategy", "fixed", "--epsilon", "2", "--dataset", "synthetic",
+                   "--epochs", "5", "--batch-size", "64", "--delta", "1e-4", "--canaries",
+                   "2000", "--db", str(tmp_path / "r.db"), "--no-progress", "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and not summary["violates_claim"]
+    assert summary["noise_multiplier"] == pytest.approx(run.summary["noise_multiplier"],
+                                                        rel=1e-9)
+    assert "calibrated" in summary["noise_multiplier_source"]
+    assert summary["gaussian_epsilon"] > 0.5 * summary["claimed_epsilon"]
+
+
+def test_cli_whitebox_without_noise_or_epsilon_is_a_clear_error(capsys):
+    rc = cli_main(["audit", "--strategy", "fixed", "--delta", "1e-5"])
+    assert rc == 2
+    assert "--noise-multiplier" in capsys.readouterr().err
