@@ -5,6 +5,11 @@ clipping units), with :func:`dpclip.audit.step_audit.audit_step`, and writes
 ``reproductions/results/audit-strategies.json`` (one row per audit) and a generated ``.md`` table.
 A pair that the library refuses (e.g. AdaClip on the ghost engine) is recorded as skipped with the
 library's error. Reproducible: the audit's generators are seeded (NOT private; synthetic canaries).
+
+``--blackbox``: the black-box rows instead (:data:`BLACKBOX_RUNS`, each an honest run and its
+no-noise control, :func:`dpclip.audit.blackbox.blackbox_audit`), written to
+``reproductions/results/audit-blackbox.json`` and ``.md``. ``--only`` / ``--units`` / ``--merge``
+re-run part of either file.
 """
 
 from __future__ import annotations
