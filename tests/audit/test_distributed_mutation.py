@@ -93,7 +93,7 @@ def test_real_two_process_noise_placement(tmp_path, mutated):
         assert r["mu_hat"] == pytest.approx(1 / Z, rel=0.1)
     else:
         assert r["violates_claim"], r
-        # the Gaussian fit's lower confidence bound: about 1.2x the claim (the true epsilon of
-        # multiplier z / sqrt(2) is 1.55x); its point estimate of mu is sqrt(W) / z
+        # the Gaussian fit's lower confidence bound: 1.23x the claim at seed 0 (the true epsilon
+        # of multiplier z / sqrt(2) is 2.94, 1.48x); its point estimate of mu is sqrt(W) / z
         assert r["gaussian_epsilon"] > 1.1 * r["claimed_epsilon"], r
         assert r["mu_hat"] == pytest.approx(math.sqrt(WORLD) / Z, rel=0.1)
