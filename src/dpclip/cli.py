@@ -286,6 +286,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         from dpclip.audit.step_audit import audit_step
         from dpclip.clipping import make_strategy
 
+        if args.claim is not None:
+            raise ValueError("dpclip audit: --claim is for --mode blackbox (a white-box audit's "
+                             "claim is the audited step's own epsilon); drop it")
         z = args.noise_multiplier
         if z is None:
             if args.epsilon is None or not args.dataset:

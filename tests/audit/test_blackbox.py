@@ -112,3 +112,10 @@ def test_cli_whitebox_without_noise_or_epsilon_is_a_clear_error(capsys):
     rc = cli_main(["audit", "--strategy", "fixed", "--delta", "1e-5"])
     assert rc == 2
     assert "--noise-multiplier" in capsys.readouterr().err
+
+
+def test_cli_claim_in_whitebox_mode_is_refused(capsys):
+    rc = cli_main(["audit", "--strategy", "fixed", "--noise-multiplier", "1", "--delta", "1e-5",
+                   "--claim", "2"])
+    assert rc == 2
+    assert "--claim is for --mode blackbox" in capsys.readouterr().err
