@@ -291,11 +291,23 @@ def cmd_audit(args: argparse.Namespace) -> int:
         from dpclip.audit.step_audit import audit_step
         from dpclip.clipping import make_strategy
 
-        if args.noise_multiplier is None:
-            raise ValueError("dpclip audit --mode whitebox needs --noise-multiplier (the step's "
-                             "multiplier; the claim is one step's epsilon)")
+        if args.claim is not None:
+            raise ValueError("dpclip audit: --claim is for --mode blackbox (a white-box audit's "
+                             "claim is the audited step's own epsilon); drop it")
+        z = args.noise_multiplier
+        if z is None:
+            if args.epsilon is None or not args.dataset:
+                raise ValueError("dpclip audit --mode whitebox needs --noise-multiplier (the "
+                                 "step's multiplier; the claim is one step's epsilon), or "
+                                 "--epsilon with --dataset, --epochs and --batch-size (the "
+                                 "multiplier dpclip train would calibrate for that run)")
+            z = _whitebox_calibrated_z(args, unit, strategy_params)
+            record["noise_multiplier"] = z
+            record["noise_multiplier_source"] = (
+                f"calibrated as dpclip train does: epsilon {args.epsilon:g} over {args.epochs} "
+                f"epochs of {args.dataset}, batch size {args.batch_size:g}, {args.sampling}")
         r = audit_step(make_strategy(args.strategy, strategy_params),
-                       noise_multiplier=args.noise_multiplier, delta=args.delta,
+                       noise_multiplier=z, delta=args.delta,
                        engine=args.engine, unit=unit.unit, sampling=args.sampling,
                        n_canaries=args.canaries, significance=args.significance,
                        miniset_size=unit.miniset_size or 2, seed=args.seed,
@@ -318,9 +330,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                                                       "--dataset-option").items()},
             epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, delta=args.delta,
             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            sampling=args.sampling, engine=args.engine, data_dir=args.data_dir)
-        b = blackbox_audit(config, n_canaries=args.canaries, significance=args.significance,
-                           progress=not args.no_progress)
+            optimizer=args.optimizer, momentum=args.momentum, accountant=args.accountant,
+            reproducible_noise=args.reproducible_noise, max_physical_batch=args.max_physical_batch,
+            device=args.device, sampling=args.sampling, engine=args.engine,
+            data_dir=args.data_dir)
+        b = blackbox_audit(config, n_canaries=args.canaries, canary=args.canary,
+                           canary_scale=args.canary_scale, significance=args.significance,
+                           claimed_epsilon=args.claim, progress=not args.no_progress)
         summary = {**record, **b.to_dict(), "claim_scope": "the whole training run"}
     store = ResultsStore(args.db or default_db_path())
     run_id = store.start_run(f"audit-{args.mode}-{args.strategy}-{args.seed}", record,
@@ -338,6 +354,37 @@ def cmd_audit(args: argparse.Namespace) -> int:
           f"{summary['one_run_epsilon']:.4g}, f-DP {summary['one_run_fdp_epsilon']:.4g}{extra}), "
           f"delta {args.delta:g}; {verdict}; stored as run {run_id}")
     return 1 if summary["violates_claim"] else 0
+
+
+def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
+                           strategy_params: dict[str, Any]) -> float:
+    """The noise multiplier ``dpclip train`` would calibrate for ``--epsilon`` (public: the
+    dataset's size, the sampler, the steps and the strategy's planned events; dpclip.planning)."""
+    from dpclip.clipping import make_strategy
+    from dpclip.data import load_dataset
+    from dpclip.planning import CLI_FLAGS, Plan, resolve_noise
+    from dpclip.sampling import make_sampler
+    from dpclip.units import MiniSetSampler, expected_units
+
+    _check_dataset_name(args.dataset)
+    _check_data_dir(args)
+    bundle = load_dataset(args.dataset, args.data_dir, seed=args.seed,
+                          **{k: _coerce(v) for k, v in _parse_params(
+                              args.dataset_option, "--dataset-option").items()})
+    n = int(bundle.train.inputs.shape[0])
+    if unit.public_fraction:  # the public split is carved out before the private run
+        n -= round(unit.public_fraction * n)
+    if unit.unit == "gbc":
+        s_size = int(unit.miniset_size or 1)
+        sampler: Any = MiniSetSampler(n, s_size, int(args.batch_size) // s_size,
+                                      partition_seed=args.seed)
+    else:
+        sampler = make_sampler(args.sampling, n, args.batch_size)
+    strategy = make_strategy(args.strategy, strategy_params)
+    plan = Plan(strategy, sampler, int(args.epochs) * int(sampler.steps_per_epoch),
+                expected_units(unit, sampler))
+    return float(resolve_noise(plan, epsilon=args.epsilon, noise_multiplier=None,
+                               delta=args.delta, accountant=args.accountant, flags=CLI_FLAGS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,19 +542,38 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--engine", default="vmap", help="vmap, ghost, auto, naive, summed")
     au.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
     au.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
-    au.add_argument("--epsilon", type=float, help="black-box: target epsilon of the run")
+    au.add_argument("--epsilon", type=float, help="target epsilon of the run: black-box, the run "
+                    "is calibrated to it; white-box (without --noise-multiplier), the step is "
+                    "audited at the multiplier dpclip train calibrates (needs --dataset, "
+                    "--epochs, --batch-size)")
     au.add_argument("--delta", type=float, required=True)
     au.add_argument("--canaries", type=int, default=4000)
     au.add_argument("--significance", type=float, default=0.05)
     au.add_argument("--seed", type=int, default=0,
                     help="the audit's coins and noise (reproducible: an audit is not a private run)")
-    au.add_argument("--dataset", help="black-box: see `dpclip datasets`")
+    au.add_argument("--dataset", help="black-box, or white-box with --epsilon: see "
+                    "`dpclip datasets`")
     au.add_argument("--model", help="black-box: see `dpclip models`")
     au.add_argument("--model-option", action="append", metavar="K=V")
     au.add_argument("--dataset-option", action="append", metavar="K=V")
     au.add_argument("--epochs", type=int, default=1)
     au.add_argument("--batch-size", type=float, default=256)
     au.add_argument("--lr", type=float, default=0.1)
+    au.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    au.add_argument("--momentum", type=float, default=0.9)
+    au.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
+    au.add_argument("--reproducible-noise", action="store_true",
+                    help="black-box: the run's noise and sampling from --seed (as dpclip train)")
+    au.add_argument("--max-physical-batch", type=int, default=256)
+    au.add_argument("--device", default="cpu")
+    au.add_argument("--canary", default="ood", choices=["ood", "mislabelled"],
+                    help="black-box canaries: random out-of-distribution inputs with random labels "
+                    "(default) or mislabelled test inputs")
+    au.add_argument("--canary-scale", type=float, default=3.0,
+                    help="black-box ood canaries' norm / the mean training-input norm")
+    au.add_argument("--claim", type=float,
+                    help="black-box: compare with this epsilon instead of the run's own (a "
+                    "no-noise control: --noise-multiplier 0 --claim <the intended run's epsilon>)")
     au.add_argument("--data-dir")
     au.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
                     "./dpclip_results.db)")

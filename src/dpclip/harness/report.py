@@ -205,14 +205,91 @@ def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel
     return path
 
 
+AUDIT_COLUMNS = ("mode", "strategy", "unit", "sampling", "engine", "dataset", "model",
+                 "canaries", "claimed_epsilon", "lower_bound", "one_run_epsilon",
+                 "one_run_fdp_epsilon", "gaussian_epsilon", "significance", "delta",
+                 "violates_claim")
+
+
+def is_audit(run: dict[str, Any]) -> bool:
+    """A ``dpclip audit`` record (summary with a lower bound and a claim), not a training run."""
+    return "lower_bound" in run["summary"] and "claimed_epsilon" in run["summary"]
+
+
+def audit_table(audits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per stored audit: the claimed epsilon next to the lower bound and its confidence."""
+    rows = []
+    for r in audits:
+        s = r["summary"]
+        row = {k: s.get(k) for k in AUDIT_COLUMNS}
+        row["mode"] = s.get("mode", s.get("design"))
+        row["confidence"] = 1 - float(s.get("significance") or 0.05)
+        row["run_id"] = r["id"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "-"}[v]
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _audit_markdown(rows: list[dict[str, Any]]) -> str:
+    cols = ["run_id", "mode", "strategy", "unit", "sampling", "engine", "dataset", "model",
+            "canaries", "claimed_epsilon", "lower_bound", "confidence", "one_run_epsilon",
+            "one_run_fdp_epsilon", "gaussian_epsilon", "violates_claim"]
+    out = ["## Audits (`dpclip audit`): claimed epsilon vs empirical lower bound", "",
+           "A lower bound above the claim (`violates_claim`) refutes the claim; an audit never "
+           "proves one. White-box claims are one step's epsilon; black-box claims the whole "
+           "run's. See docs/audit.md.", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _audit_html(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols)
+                   + "</tr>" for r in rows)
+    return (f"<h2>Audits: claimed epsilon vs empirical lower bound</h2><table><tr>{head}</tr>"
+            f"{body}</table>")
+
+
+def _audit_only_report(out: Path, experiment: str, rows: list[dict[str, Any]]) -> Report:
+    md_path = out / f"{experiment}.md"
+    md_path.write_text(f"# Experiment `{experiment}`\n\n{len(rows)} audits.\n\n"
+                       + _audit_markdown(rows))
+    html_path = out / f"{experiment}.html"
+    html_path.write_text(
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"/>"
+        f"<title>dpclip report: {html.escape(experiment)}</title></head><body>"
+        f"<h1>Experiment {html.escape(experiment)}</h1>{_audit_html(rows)}"
+        f"<script type=\"application/json\" id=\"audits\">{html.escape(json.dumps(rows))}"
+        "</script></body></html>\n")
+    return Report(md_path, html_path, [], rows)
+
+
 def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> Report:
-    """Write ``<out>/<experiment>.md``, ``<experiment>.html`` and the PNG plots."""
+    """Write ``<out>/<experiment>.md``, ``<experiment>.html`` and the PNG plots.
+
+    Stored audits (``dpclip audit``, experiment ``audit`` by default) get their own table: the
+    claimed epsilon next to the lower bound and its confidence."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = collect_runs(store, experiment)
     if not runs:
         raise ValueError(f"no finished runs of experiment {experiment!r} in {store.path}; "
                          "run it first with `dpclip run`")
+    audits = audit_table([r for r in runs if is_audit(r)])
+    runs = [r for r in runs if not is_audit(r)]
+    if not runs:
+        return _audit_only_report(out, experiment, audits)
     levels, rows = accuracy_table(runs)
     plots: list[tuple[str, Path]] = []
     federated = is_federated(runs)
@@ -261,6 +338,8 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     md = (header + _markdown_table(levels, rows) + "\n\n## Settings and cost per strategy\n\n"
           + settings_table(runs) + "\n" + "\n".join(tuned) + "\n\n")
     md += "\n".join(f"![{t}]({p.name})" for t, p in plots) + "\n"
+    if audits:
+        md += "\n" + _audit_markdown(audits)
     md_path = out / f"{experiment}.md"
     md_path.write_text(md)
 
@@ -298,7 +377,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
         f"<table><tr><th>strategy</th>{ths}</tr>{''.join(trs)}</table>"
         + f"<h2>Settings and cost per strategy</h2><pre>{html.escape(settings_table(runs))}</pre>"
         + (f"<pre>{html.escape(chr(10).join(tuned))}</pre>" if tuned else "") +
-        f"{figs}<script type=\"application/json\" id=\"table\">"
+        f"{figs}{_audit_html(audits)}<script type=\"application/json\" id=\"table\">"
         f"{html.escape(json.dumps(rows))}</script></body></html>\n"
     )
     html_path = out / f"{experiment}.html"
