@@ -59,6 +59,7 @@ from dpclip.distributed import (
     shared_randomness,
 )
 from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine.batch import check_batch, map_batch
 from dpclip.planning import API_FLAGS, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -101,7 +102,8 @@ def default_delta(n: int) -> float:
 
 
 def _as_tensors(data: Any) -> tuple[Any, Any, int]:
-    """``(inputs, targets, n)`` from a pair of tensors, a TensorDataset, a map-style Dataset or a
+    """``(inputs, targets, n)`` from a pair ``(inputs, targets)`` of tensors or of tuples/dicts of
+    tensors (one row per example in every leaf), a TensorDataset, a map-style Dataset or a
     DataLoader (its dataset; its own sampler and batch size are replaced by dpclip's)."""
     from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -109,21 +111,21 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
         data = data.dataset
     if isinstance(data, TensorDataset) and len(data.tensors) == 2:
         data = tuple(data.tensors)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
-            isinstance(t, Tensor) for t in data):
+    if isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data, Dataset):
         x, y = data
-        if x.shape[0] != y.shape[0]:
+        try:
+            n = check_batch(x, y, "make_private")
+        except ValueError as exc:
             raise ValueError(
-                f"make_private: inputs and targets have different lengths ({x.shape[0]} and "
-                f"{y.shape[0]}); pass (inputs, targets) with one row per example"
-            )
-        return x, y, int(x.shape[0])
+                f"{exc}. make_private: pass (inputs, targets): tensors, or tuples/dicts of "
+                "tensors, with one row per training example in every tensor") from None
+        return x, y, n
     if isinstance(data, Dataset) and hasattr(data, "__len__"):
         return data, None, len(data)  # type: ignore[arg-type]
     raise TypeError(
-        "make_private: data must be (inputs, targets) tensors, a TensorDataset, a map-style "
-        f"Dataset with __len__ returning (input, target) pairs, or a DataLoader; got "
-        f"{type(data).__name__}"
+        "make_private: data must be (inputs, targets) (tensors, or tuples/dicts of tensors), a "
+        "TensorDataset, a map-style Dataset with __len__ returning (input, target) pairs (the "
+        f"input may be a tuple or dict of tensors), or a DataLoader; got {type(data).__name__}"
     )
 
 
@@ -369,7 +371,10 @@ class PrivateTraining:
 
     def _gather(self, idx: Tensor) -> tuple[Any, Any]:
         if self._y is not None:
-            x, y = self._x[idx], self._y[idx]
+            if isinstance(self._x, Tensor) and isinstance(self._y, Tensor):
+                x, y = self._x[idx], self._y[idx]
+            else:  # tuples / dicts of tensors: the same rows of every leaf
+                x, y = map_batch(lambda t: t[idx], self._x), map_batch(lambda t: t[idx], self._y)
         else:  # a map-style Dataset: collate the examples (the shapes of one example are public)
             from torch.utils.data import default_collate
 
@@ -378,11 +383,14 @@ class PrivateTraining:
                 x, y = default_collate([self._x[i] for i in flat])
             else:
                 x0, y0 = default_collate([self._x[0]])
-                x, y = x0[:0], y0[:0]
-            x = x.reshape(*idx.shape, *x.shape[1:])
-            y = y.reshape(*idx.shape, *y.shape[1:])
+                x, y = map_batch(lambda t: t[:0], x0), map_batch(lambda t: t[:0], y0)
+            if idx.ndim != 1:  # batch clipping units: (units, examples per unit, ...)
+                x = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), x)
+                y = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), y)
+            check_batch(x, y, "make_private")  # every leaf a tensor (collate keeps strings)
         if self.device is not None:
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = map_batch(lambda t: t.to(self.device), x), map_batch(
+                lambda t: t.to(self.device), y)
         return x, y
 
     def sample(self) -> tuple[Any, Any]:

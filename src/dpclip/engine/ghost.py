@@ -96,6 +96,7 @@ from dpclip.engine._common import (
     check_weight_fn,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.separable import SeparabilityTracer
 
@@ -1021,8 +1022,8 @@ class GhostEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
@@ -1042,8 +1043,10 @@ class GhostEngine:
             chunk = self.max_physical_batch or max(batch, 1)
             with torch.no_grad():
                 for start in range(0, batch, chunk):
-                    xs, ys = inputs[start:start + chunk], targets[start:start + chunk]
-                    reducer.add_chunk({}, _check_losses(loss_fn(model(xs), ys), xs.shape[0]))
+                    stop = min(start + chunk, batch)
+                    xs, ys = slice_batch(inputs, start, stop), slice_batch(targets, start, stop)
+                    reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys),
+                                                        stop - start))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
@@ -1052,10 +1055,11 @@ class GhostEngine:
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
             for start in range(0, batch, chunk):
+                stop = min(start + chunk, batch)
                 xs, ys = (inputs, targets) if chunk >= batch else (
-                    inputs[start:start + chunk], targets[start:start + chunk])
+                    slice_batch(inputs, start, stop), slice_batch(targets, start, stop))
                 part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, xs, ys, weight_fn)
+                    model, scan, group_of, len(groups), loss_fn, xs, ys, stop - start, weight_fn)
                 if sums is None:
                     sums = part
                 else:
@@ -1077,7 +1081,7 @@ class GhostEngine:
         return {"engine": "vmap" if fallback else "ghost", "requested": self.name,
                 "fallback": fallback}
 
-    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                      weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
         if self.fallback == "vmap":
             from dpclip.engine.vmap import VmapEngine
@@ -1111,13 +1115,13 @@ class GhostEngine:
         group_of: dict[str, int],
         n_groups: int,
         loss_fn: LossFn,
-        xs: Tensor,
-        ys: Tensor,
+        xs: Any,
+        ys: Any,
+        batch: int,
         weight_fn: WeightFn,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
-        batch = xs.shape[0]
         params = scan.params
-        calls, total = _forward(model, scan, loss_fn, xs, ys)
+        calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
         for c in calls:
             o = c.owner
             if c.a_version != c.a._version:
@@ -1400,18 +1404,18 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
 _END = object()
 
 
-def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
-             ys: Tensor) -> tuple[list[_Call], Tensor]:
-    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after."""
+def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+             ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
+    ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
     calls: list[_Call] = []
     by_module = scan.by_module
-    chain = _plain_chain(model, by_module)
-    batch = xs.shape[0]
+    chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
     # a batch of one example cannot mix examples; otherwise every operation is traced
     tracer = SeparabilityTracer(batch) if batch > 1 else None
-    if tracer is not None:
-        tracer.mark(xs, (0, 1))
-        tracer.mark(ys, (0, 1))
+    if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
+        for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
+            tracer.mark(t, (0, 1))
     if chain is not None:  # the same calls as the hooks would see, without hooks
         key = _chain_key(chain, xs) if tracer is not None else None
         cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
@@ -1450,7 +1454,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
         with torch.enable_grad(), (tracer or contextlib.nullcontext()):
-            losses = _check_losses(loss_fn(model(xs), ys), batch)
+            losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
     finally:
         for h in handles:
             h.remove()
@@ -1555,8 +1559,8 @@ class AutoEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
