@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
@@ -127,6 +128,18 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
         "TensorDataset, a map-style Dataset with __len__ returning (input, target) pairs (the "
         f"input may be a tuple or dict of tensors), or a DataLoader; got {type(data).__name__}"
     )
+
+
+def _same_batch(given: Any, drawn: Any) -> bool:
+    """Whether ``given`` holds exactly the tensor objects of the drawn batch, in its structure
+    (a tuple or dict unpacked and packed again in the loop is the same batch; a copy is not)."""
+    if given is drawn:
+        return True
+    if isinstance(given, Tensor) or isinstance(drawn, Tensor):
+        return False
+    a, spec_a = pytree.tree_flatten(given)
+    b, spec_b = pytree.tree_flatten(drawn)
+    return spec_a == spec_b and all(x is y for x, y in zip(a, b))
 
 
 def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
@@ -429,8 +442,8 @@ class PrivateTraining:
         expected batch size (the optimizer's ``zero_grad`` is not needed: grads are assigned).
         Records the step's event in the ledger. Returns the NON-PRIVATE mean loss of the batch
         (a diagnostic: do not publish it)."""
-        if self._pending is None or inputs is not self._pending[0] \
-                or targets is not self._pending[1]:
+        if self._pending is None or not _same_batch(inputs, self._pending[0]) \
+                or not _same_batch(targets, self._pending[1]):
             raise ValueError(
                 "backward: the batch must be the one just drawn from dp.loader (or dp.sample()), "
                 "passed as drawn and used once: the privacy accounting assumes the sampler's "

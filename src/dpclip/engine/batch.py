@@ -36,6 +36,12 @@ def _path(kp: Any) -> str:
     return pytree.keystr(kp) if kp else ""
 
 
+def _who(engine: str) -> str:
+    if not engine:
+        return ""
+    return f"{engine}: " if engine in ("make_private", "dp_step") else f"{engine} engine: "
+
+
 def batch_leaves(tree: Any, what: str = "inputs", engine: str = "") -> list[Tensor]:
     """The tensor leaves of ``tree`` (``None`` skipped); ``ValueError`` on any other leaf."""
     if isinstance(tree, Tensor):
@@ -46,9 +52,8 @@ def batch_leaves(tree: Any, what: str = "inputs", engine: str = "") -> list[Tens
         if isinstance(leaf, Tensor):
             out.append(leaf)
         elif leaf is not None:
-            who = f"{engine} engine: " if engine else ""
-            raise ValueError(
-                f"{who}{what}{_path(kp)} is a {type(leaf).__name__} ({leaf!r:.40}), not a tensor "
+            raise ValueError(  # the value itself is not quoted: it may be private data
+                f"{_who(engine)}{what}{_path(kp)} is a {type(leaf).__name__}, not a tensor "
                 "with the batch in dimension 0. Inputs and targets are tensors, or tuples/dicts "
                 "of tensors, one row per example. A value shared by every example is public "
                 "configuration: set it in the model or the loss (an attribute, a closure or "
@@ -74,18 +79,18 @@ def check_batch(inputs: Any, targets: Any, engine: str) -> int:
                 sizes.append((f"{what}{_path(kp)}", tuple(leaf.shape)))
                 got = True
         if not got:
-            raise ValueError(f"{engine} engine: {what} hold no tensor; give a tensor, or a "
+            raise ValueError(f"{_who(engine)}{what} hold no tensor; give a tensor, or a "
                              "tuple/dict of tensors with the batch in dimension 0")
     for name, shape in sizes:
         if not shape:
             raise ValueError(
-                f"{engine} engine: {name} is a 0-d tensor; inputs and targets need a leading "
+                f"{_who(engine)}{name} is a 0-d tensor; inputs and targets need a leading "
                 f"batch dimension (shapes: {', '.join(f'{n} {s}' for n, s in sizes)})")
     b = sizes[0][1][0]
     for name, shape in sizes:
         if shape[0] != b:
             raise ValueError(
-                f"{engine} engine: inputs and targets have different batch sizes (dimension 0 "
+                f"{_who(engine)}inputs and targets have different batch sizes (dimension 0 "
                 f"of every tensor): {', '.join(f'{n} {s}' for n, s in sizes)}. Every tensor of the "
                 "inputs and targets needs the batch first; a tensor shared by every example "
                 "(e.g. (1, T) positions) belongs in the model, expanded to (B, ...) there")
