@@ -25,6 +25,9 @@ Privacy contract:
 * Batches must come from ``dp.loader``, which draws them with :class:`~dpclip.randomness.
   PrivateRandomness`. ``backward`` refuses any other batch, because the accountant assumes the
   sampler's subsampling. Each yielded batch may be released once.
+* Inputs and targets are tensors, or tuples/dicts of tensors with one row per example in every
+  tensor; the model is called as ``model(x)``, ``model(*inputs)`` or ``model(**inputs)``
+  (:mod:`dpclip.engine.batch`).
 * ``loss_fn(outputs, targets)`` must return one loss per example (shape ``(B,)``): for example
   ``nn.CrossEntropyLoss(reduction="none")``, a masked token loss summed per sequence, or a
   regression loss reduced over all but the batch dimension.
@@ -201,7 +204,7 @@ class PrivateTraining:
         sampling: str = "poisson",
         accountant: str = "pld",
         engine: str = "auto",
-        max_physical_batch: int = 256,
+        max_physical_batch: int | None = None,
         reproducible_noise: bool = False,
         seed: int = 0,
         public_data: tuple[Tensor, Tensor] | None = None,
@@ -257,8 +260,10 @@ class PrivateTraining:
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
         self.bound_based = getattr(strategy, "kind", "norm") == "bound"
-        self.engine = get_engine(engine, max_physical_batch=max_physical_batch) \
-            if engine != "summed" else get_engine(engine)
+        # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
+        # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
+        chunk_kw = {} if max_physical_batch is None else {"max_physical_batch": max_physical_batch}
+        self.engine = get_engine(engine, **chunk_kw) if engine != "summed" else get_engine(engine)
         if self.bound_based:  # Lip-DP-SGD: certified loss; "auto" = one plain backward
             if input_shape is None:
                 raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
@@ -269,7 +274,7 @@ class PrivateTraining:
             strategy = strategy.bind(model, tuple(input_shape))
             self.loss_fn = strategy.loss()
             if engine == "auto":
-                self.engine = get_engine("summed", max_physical_batch=max_physical_batch)
+                self.engine = get_engine("summed", **chunk_kw)
             if not unit.is_individual:
                 raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
                                  "per-example sensitivity from the weights; it runs with unit=ic "
@@ -469,13 +474,13 @@ class PrivateTraining:
                 broadcast_tensor_(norms, self.distributed)
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
+        ctx = self._plan.ctx(step, z)
         out = dp_step(
             self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
             state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
-            base_noise_multiplier=z, ctx=self._plan.ctx(step, z), generator=self.rng.noise,
-            unit=self.unit,
+            base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise, unit=self.unit,
         )
-        planned = self._plan.event(step, z)
+        planned = self._plan.event_at(ctx, z)
         if out.event != planned:
             raise RuntimeError(
                 f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
@@ -488,9 +493,11 @@ class PrivateTraining:
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
                 self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                p.grad = out.grads[name]
+        params = out.params  # the parameters the engine differentiated, found during this call
+        if params is None:
+            params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        for name, p in params.items():
+            p.grad = out.grads[name]
         self.ledger.record(out.event)
         self.state = out.state
         self.steps += 1

@@ -112,6 +112,8 @@ class StepOutput:
     norms: Tensor | None  #: NON-PRIVATE diagnostic
     #: public facts about the engine that ran (``{"engine", "requested", "fallback"}``)
     engine_info: dict[str, Any] | None = None
+    #: the parameters ``grads`` belong to, when the engine reported them (``EngineResult.params``)
+    params: dict[str, Tensor] | None = None
 
 
 class _Releaser:
@@ -229,6 +231,7 @@ def dp_step(
         loss_sum=result.loss_sum,
         norms=result.norms,
         engine_info=_engine_info(result, engine),
+        params=result.params,
     )
 
 
@@ -315,6 +318,7 @@ def bound_step(
         loss_sum=result.loss_sum,
         norms=result.norms,
         engine_info=_engine_info(result, engine),
+        params=result.params,
     )
 
 

@@ -61,7 +61,13 @@ Separability (per call, batches of more than one example): the forward and the l
 input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
 must hold no custom ``autograd.Function``. A model that mixes examples (``x - x.mean(0)``, a softmax
 or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
-``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded).
+``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded). A plain
+``nn.Sequential`` of known ``torch.nn`` classes (``_KNOWN_MODULES``) is proved from the modules'
+semantics instead, at every batch size, with configuration and input rank checked per call
+(docs/engines.md, "Separability without a trace"); the loss is traced on every call.
+
+Inputs and targets may be tensors or tuples/dicts of tensors (:mod:`dpclip.engine.batch`); every
+leaf is marked as example data for the trace.
 
 Rounding: the norms passed to ``weight_fn`` (and reported) are upper bounds of the norms of the
 vectors actually summed, rounding included (:class:`_Rounding`, ``_Rule.bound_sq``,
@@ -1073,7 +1079,7 @@ class GhostEngine:
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
-        return EngineResult(sums, norms, weights, loss_sum, self._info(None))
+        return EngineResult(sums, norms, weights, loss_sum, self._info(None), params)
 
     # ------------------------------------------------------------------------------ helpers
 
