@@ -24,7 +24,8 @@ The batch of ``api-step`` is handed to ``backward`` the way ``dp.loader`` hands 
 pending-batch slot. That is a benchmark shortcut: user code cannot pass a batch the loader did not
 draw. Rows go to ``benchmarks/results/api_overhead.{json,md}``.
 
-    python benchmarks/api_overhead.py [--models mlp,papernot-cnn] [--batch-size 256] [--steps 40]
+    python benchmarks/api_overhead.py [--models mlp,papernot-cnn] [--batch-size 256] [--steps 200]
+                                      [--threads 1]
 """
 
 from __future__ import annotations
@@ -60,8 +61,14 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,papernot-cnn")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads (0: one per core). On a machine shared with other "
+                         "jobs use 1: spinning threads that wait for each other turn load into "
+                         "orders-of-magnitude noise")
+    ap.add_argument("--keep-other-models", action="store_true",
+                    help="keep the committed rows of models not measured in this run")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     rows = []
     for name in args.models.split(","):
         model, data_x, data_y, x, y = _setup(name, args.batch_size)
@@ -105,8 +112,10 @@ def main() -> None:
                 fn()
                 times[m].append(1000 * (time.perf_counter() - t))
         base = statistics.median(times["engine"])
+        base_p10 = statistics.quantiles(times["engine"], n=10)[0]
         for m, ts in times.items():
             med = statistics.median(ts)
+            p10 = statistics.quantiles(ts, n=10)[0]
             ref = times["engine-varying-batch" if m == "api-sample+step" else "engine"]
             pair = sorted(a / b for a, b in zip(ts, ref))
             q = statistics.quantiles(pair, n=4)
@@ -114,6 +123,8 @@ def main() -> None:
                          "allocator": os.environ.get("DPCLIP_ALLOCATOR", "default"),
                          "threads": torch.get_num_threads(),
                          "ms_per_step": round(med, 3), "ratio_to_engine": round(med / base, 3),
+                         "ms_p10": round(p10, 3), "ratio_p10_to_engine": round(p10 / base_p10, 3),
+                         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          "pair_ratio_to": "engine-varying-batch" if m == "api-sample+step"
                          else "engine",
                          "pair_ratio_median": round(statistics.median(pair), 3),
@@ -121,18 +132,27 @@ def main() -> None:
                          "ratio_to_nonprivate": None, "peak_mem_mb": None,
                          "steps": args.steps})
     OUT.mkdir(exist_ok=True)
-    (OUT / "api_overhead.json").write_text(json.dumps(rows, indent=1) + "\n")
+    path = OUT / "api_overhead.json"
+    if args.keep_other_models and path.exists():  # re-measure some models, keep the others' rows
+        done = {r["model"] for r in rows}
+        rows = [r for r in json.loads(path.read_text()) if r["model"] not in done] + rows
+    path.write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["# Own-model API step vs the engine benchmark step (benchmarks/api_overhead.py)", "",
              "Median ms per step, interleaved in one process (rotating order), ghost engine, "
              "fixed clipping. `x engine step`: median over the median of `dpclip bench`'s "
              "dpclip-ghost step on the same fixed batch. `per-round ratio`: median and "
              "interquartile range of the ratios within each round, against the method named "
-             "(`api-sample+step` against the engine on batches of the same Poisson sizes).", "",
-             "| model | batch | method | ms/step | x engine step | per-round ratio (IQR) | "
-             "against |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch_size']} | {r['method']} | {r['ms_per_step']} | "
+             "(`api-sample+step` against the engine on batches of the same Poisson sizes). "
+             "`p10`: the 10th percentile of the step times, the least disturbed by other jobs on "
+             "a shared machine, and its ratio to the engine's.", "",
+             "| model | batch | method | steps | threads | ms/step | x engine step | "
+             "per-round ratio (IQR) | against | p10 ms | p10 x engine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['batch_size']} | {r['method']} | {r['steps']} | "
+              f"{r.get('threads', '')} | {r['ms_per_step']} | "
               f"{r['ratio_to_engine']} | {r['pair_ratio_median']} ({r['pair_ratio_iqr'][0]}-"
-              f"{r['pair_ratio_iqr'][1]}) | {r['pair_ratio_to']} |" for r in rows]
+              f"{r['pair_ratio_iqr'][1]}) | {r['pair_ratio_to']} | {r.get('ms_p10', '')} | "
+              f"{r.get('ratio_p10_to_engine', '')} |" for r in rows]
     (OUT / "api_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
