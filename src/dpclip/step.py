@@ -174,9 +174,10 @@ def dp_step(
     individual = unit is None or unit.is_individual
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
         if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
+            name = getattr(unit, "unit", unit)
             raise ValueError(
-                f"unit={unit.unit} (batch clipping) takes inputs and targets as single tensors "  # type: ignore[union-attr]
-                "of shape (units, examples per unit, ...); tuple or dict inputs run with unit=ic")
+                f"unit={name} (batch clipping) takes inputs and targets as single tensors of "
+                "shape (units, examples per unit, ...); tuple or dict inputs run with unit=ic")
         if per_example:
             raise ValueError(
                 f"strategy {getattr(strategy, 'name', strategy)!r} clips transformed per-example "

@@ -172,3 +172,15 @@ def test_bad_structured_data_is_refused_by_name():
     with pytest.raises(ValueError,
                        match=r"make_private: inputs\[.text.\]\[0\] is a str, not a tensor"):
         dp.sample()
+
+
+def test_batch_clipping_units_refuse_tuple_inputs_by_name():
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(100, 3, generator=g), torch.randn(100, 2, generator=g)
+    y = torch.randn(100, generator=g)
+    dp = P.make_private(TwoInputRegressor(), None, ((x1, x2), y),
+                        loss_fn=lambda o, t: (o - t) ** 2, strategy_params={"unit": "bc"},
+                        noise_multiplier=1.0, steps=2, batch_size=20, delta=1e-3)
+    xb, yb = dp.sample()
+    with pytest.raises(ValueError, match="unit=bc .*tuple or dict inputs run with unit=ic"):
+        dp.backward(xb, yb)
