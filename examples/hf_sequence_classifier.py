@@ -2,16 +2,18 @@
 """A Hugging Face ``transformers`` sequence classifier, trained privately with adaptive (quantile)
 clipping on the ghost engine. The model is built from a small config: nothing is downloaded.
 
-Needs ``pip install transformers`` (an optional extra). The engines take one input tensor, so a
-small wrapper maps ``input_ids`` to logits and passes three things the ghost engine needs to prove
-that every example's gradient depends on that example alone (docs/own_model.md):
+Needs ``pip install transformers`` (an optional extra). The model is called as transformers models
+are, ``model(**inputs)``, on a dict of per-example tensors; the loss reads ``outputs.logits``. The
+dict holds what the ghost engine needs to prove that every example's gradient depends on that
+example alone (docs/own_model.md):
 
 * ``attn_implementation="eager"``: the default ``sdpa`` path runs ``_safe_softmax``, an operation
   the separability check has no rule for (``engine="auto"`` then falls back to vmap);
-* a 4-D additive attention mask built in the wrapper: from a 2-D mask transformers decides in
-  Python whether ANY row of the batch has padding (``mask.all()``), which reads batch data;
-* ``position_ids`` of shape ``(B, T)``: the model's own ``(1, T)`` positions are broadcast over
-  the batch, so one row of the position embedding's output would reach every example.
+* ``attention_mask`` as a 4-D ``(B, 1, 1, T)`` additive mask: from a 2-D mask transformers decides
+  in Python whether ANY row of the batch has padding (``mask.all()``), which reads batch data;
+* ``position_ids`` and ``token_type_ids`` of shape ``(B, T)``: the model's own ``(1, T)`` positions
+  are broadcast over the batch, so one row of the position embedding's output would reach every
+  example.
 
 Data: ``--data FILE.pt`` with ``(input_ids (N, T) int64, labels (N,) int64)`` (pad id 0), or a
 synthetic two-class task (which half of the vocabulary most tokens come from).
@@ -21,7 +23,7 @@ import argparse
 import json
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from dpclip.private import make_private
 
@@ -31,21 +33,18 @@ except ImportError as e:  # an optional extra
     raise SystemExit(f"this example needs transformers: pip install transformers ({e})")
 
 
-class LogitsOnly(nn.Module):
-    """``input_ids (B, T) -> logits (B, K)``; ``pad_id`` tokens are masked out of attention."""
+def model_inputs(input_ids, pad_id=0):
+    """The dict of per-example tensors the model is called with: ``model(**model_inputs(ids))``."""
+    n, t = input_ids.shape
+    keep = (input_ids != pad_id)[:, None, None, :]  # (N, 1, 1, T): each example's own padding
+    mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return {"input_ids": input_ids, "attention_mask": mask,
+            "position_ids": torch.arange(t).expand(n, t).contiguous(),
+            "token_type_ids": torch.zeros_like(input_ids)}
 
-    def __init__(self, model: nn.Module, pad_id: int = 0):
-        super().__init__()
-        self.model, self.pad_id = model, pad_id
 
-    def forward(self, input_ids):
-        b, t = input_ids.shape
-        keep = (input_ids != self.pad_id)[:, None, None, :]  # (B, 1, 1, T): per example
-        mask = torch.zeros(keep.shape, device=input_ids.device).masked_fill(
-            ~keep, torch.finfo(torch.float32).min)
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                          token_type_ids=torch.zeros_like(input_ids)).logits
+def loss_fn(outputs, labels):
+    return F.cross_entropy(outputs.logits, labels, reduction="none")
 
 
 def synthetic(n, length, vocab, seed):
@@ -94,9 +93,13 @@ def main(argv=None):
                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
                         intermediate_size=2 * args.hidden, max_position_embeddings=ids.shape[1],
                         num_labels=args.num_classes, pad_token_id=0, attn_implementation="eager")
-    model = LogitsOnly(BertForSequenceClassification(config))
+    model = BertForSequenceClassification(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    dp = make_private(model, optimizer, (ids[train], labels[train]), strategy="quantile",
+    inputs = model_inputs(ids)
+    train_inputs = {k: v[train] for k, v in inputs.items()}
+    test_inputs = {k: v[test] for k, v in inputs.items()}
+    dp = make_private(model, optimizer, (train_inputs, labels[train]), loss_fn=loss_fn,
+                      strategy="quantile",
                       strategy_params={"target_quantile": args.target_quantile},
                       epsilon=args.epsilon, delta=args.delta, epochs=args.epochs,
                       batch_size=args.batch_size, engine=args.engine)
@@ -107,7 +110,8 @@ def main(argv=None):
             dp.step(xb, yb)
         model.eval()
         with torch.no_grad():
-            acc = (model(ids[test]).argmax(1) == labels[test]).float().mean().item()
+            logits = model(**test_inputs).logits
+            acc = (logits.argmax(1) == labels[test]).float().mean().item()
         print(f"epoch {epoch}: test accuracy {acc:.4f}, epsilon {dp.epsilon():.3f}, "
               f"clip threshold {dp.clip_threshold:.3g} (private: noised quantile)")
     print("summary:", json.dumps(dp.describe(), default=str))

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import check_batch
 from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import FixedSizeSampler, PoissonSampler
@@ -432,7 +433,7 @@ class DistributedEngine:
         if ctx.world_size == 1:
             return EngineResult(local.grads, local.norms, local.weights, local.loss_sum, info)
         dist = _dist()
-        n_local = int(inputs.shape[0])
+        n_local = check_batch(inputs, targets, self.name)
         has_norms = local.norms is not None
         has_weights = local.weights is not None
         meta = torch.tensor([float(n_local), float(local.loss_sum), float(has_norms),

@@ -48,7 +48,11 @@ class Plan:
                            base_noise_multiplier=base)
 
     def event(self, step: int, base: float) -> DpEvent:
-        return self.sampler.step_event(self.strategy.planned_event(base, self.ctx(step, base)))
+        return self.event_at(self.ctx(step, base), base)
+
+    def event_at(self, ctx: StepContext, base: float) -> DpEvent:
+        """The planned event of the step described by ``ctx`` (``ctx = self.ctx(step, base)``)."""
+        return self.sampler.step_event(self.strategy.planned_event(base, ctx))
 
     def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
         """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``

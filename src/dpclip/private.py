@@ -25,6 +25,9 @@ Privacy contract:
 * Batches must come from ``dp.loader``, which draws them with :class:`~dpclip.randomness.
   PrivateRandomness`. ``backward`` refuses any other batch, because the accountant assumes the
   sampler's subsampling. Each yielded batch may be released once.
+* Inputs and targets are tensors, or tuples/dicts of tensors with one row per example in every
+  tensor; the model is called as ``model(x)``, ``model(*inputs)`` or ``model(**inputs)``
+  (:mod:`dpclip.engine.batch`).
 * ``loss_fn(outputs, targets)`` must return one loss per example (shape ``(B,)``): for example
   ``nn.CrossEntropyLoss(reduction="none")``, a masked token loss summed per sequence, or a
   regression loss reduced over all but the batch dimension.
@@ -43,6 +46,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
@@ -59,6 +63,7 @@ from dpclip.distributed import (
     shared_randomness,
 )
 from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine.batch import check_batch, map_batch
 from dpclip.planning import API_FLAGS, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -101,7 +106,8 @@ def default_delta(n: int) -> float:
 
 
 def _as_tensors(data: Any) -> tuple[Any, Any, int]:
-    """``(inputs, targets, n)`` from a pair of tensors, a TensorDataset, a map-style Dataset or a
+    """``(inputs, targets, n)`` from a pair ``(inputs, targets)`` of tensors or of tuples/dicts of
+    tensors (one row per example in every leaf), a TensorDataset, a map-style Dataset or a
     DataLoader (its dataset; its own sampler and batch size are replaced by dpclip's)."""
     from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -109,22 +115,34 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
         data = data.dataset
     if isinstance(data, TensorDataset) and len(data.tensors) == 2:
         data = tuple(data.tensors)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
-            isinstance(t, Tensor) for t in data):
+    if isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data, Dataset):
         x, y = data
-        if x.shape[0] != y.shape[0]:
+        try:
+            n = check_batch(x, y, "make_private")
+        except ValueError as exc:
             raise ValueError(
-                f"make_private: inputs and targets have different lengths ({x.shape[0]} and "
-                f"{y.shape[0]}); pass (inputs, targets) with one row per example"
-            )
-        return x, y, int(x.shape[0])
+                f"{exc}. make_private: pass (inputs, targets): tensors, or tuples/dicts of "
+                "tensors, with one row per training example in every tensor") from None
+        return x, y, n
     if isinstance(data, Dataset) and hasattr(data, "__len__"):
         return data, None, len(data)  # type: ignore[arg-type]
     raise TypeError(
-        "make_private: data must be (inputs, targets) tensors, a TensorDataset, a map-style "
-        f"Dataset with __len__ returning (input, target) pairs, or a DataLoader; got "
-        f"{type(data).__name__}"
+        "make_private: data must be (inputs, targets) (tensors, or tuples/dicts of tensors), a "
+        "TensorDataset, a map-style Dataset with __len__ returning (input, target) pairs (the "
+        f"input may be a tuple or dict of tensors), or a DataLoader; got {type(data).__name__}"
     )
+
+
+def _same_batch(given: Any, drawn: Any) -> bool:
+    """Whether ``given`` holds exactly the tensor objects of the drawn batch, in its structure
+    (a tuple or dict unpacked and packed again in the loop is the same batch; a copy is not)."""
+    if given is drawn:
+        return True
+    if isinstance(given, Tensor) or isinstance(drawn, Tensor):
+        return False
+    a, spec_a = pytree.tree_flatten(given)
+    b, spec_b = pytree.tree_flatten(drawn)
+    return spec_a == spec_b and all(x is y for x, y in zip(a, b))
 
 
 def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
@@ -186,7 +204,7 @@ class PrivateTraining:
         sampling: str = "poisson",
         accountant: str = "pld",
         engine: str = "auto",
-        max_physical_batch: int = 256,
+        max_physical_batch: int | None = None,
         reproducible_noise: bool = False,
         seed: int = 0,
         public_data: tuple[Tensor, Tensor] | None = None,
@@ -242,8 +260,10 @@ class PrivateTraining:
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
         self.bound_based = getattr(strategy, "kind", "norm") == "bound"
-        self.engine = get_engine(engine, max_physical_batch=max_physical_batch) \
-            if engine != "summed" else get_engine(engine)
+        # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
+        # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
+        chunk_kw = {} if max_physical_batch is None else {"max_physical_batch": max_physical_batch}
+        self.engine = get_engine(engine, **chunk_kw) if engine != "summed" else get_engine(engine)
         if self.bound_based:  # Lip-DP-SGD: certified loss; "auto" = one plain backward
             if input_shape is None:
                 raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
@@ -254,7 +274,7 @@ class PrivateTraining:
             strategy = strategy.bind(model, tuple(input_shape))
             self.loss_fn = strategy.loss()
             if engine == "auto":
-                self.engine = get_engine("summed", max_physical_batch=max_physical_batch)
+                self.engine = get_engine("summed", **chunk_kw)
             if not unit.is_individual:
                 raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
                                  "per-example sensitivity from the weights; it runs with unit=ic "
@@ -369,7 +389,10 @@ class PrivateTraining:
 
     def _gather(self, idx: Tensor) -> tuple[Any, Any]:
         if self._y is not None:
-            x, y = self._x[idx], self._y[idx]
+            if isinstance(self._x, Tensor) and isinstance(self._y, Tensor):
+                x, y = self._x[idx], self._y[idx]
+            else:  # tuples / dicts of tensors: the same rows of every leaf
+                x, y = map_batch(lambda t: t[idx], self._x), map_batch(lambda t: t[idx], self._y)
         else:  # a map-style Dataset: collate the examples (the shapes of one example are public)
             from torch.utils.data import default_collate
 
@@ -378,11 +401,14 @@ class PrivateTraining:
                 x, y = default_collate([self._x[i] for i in flat])
             else:
                 x0, y0 = default_collate([self._x[0]])
-                x, y = x0[:0], y0[:0]
-            x = x.reshape(*idx.shape, *x.shape[1:])
-            y = y.reshape(*idx.shape, *y.shape[1:])
+                x, y = map_batch(lambda t: t[:0], x0), map_batch(lambda t: t[:0], y0)
+            if idx.ndim != 1:  # batch clipping units: (units, examples per unit, ...)
+                x = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), x)
+                y = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), y)
+            check_batch(x, y, "make_private")  # every leaf a tensor (collate keeps strings)
         if self.device is not None:
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = map_batch(lambda t: t.to(self.device), x), map_batch(
+                lambda t: t.to(self.device), y)
         return x, y
 
     def sample(self) -> tuple[Any, Any]:
@@ -421,8 +447,8 @@ class PrivateTraining:
         expected batch size (the optimizer's ``zero_grad`` is not needed: grads are assigned).
         Records the step's event in the ledger. Returns the NON-PRIVATE mean loss of the batch
         (a diagnostic: do not publish it)."""
-        if self._pending is None or inputs is not self._pending[0] \
-                or targets is not self._pending[1]:
+        if self._pending is None or not _same_batch(inputs, self._pending[0]) \
+                or not _same_batch(targets, self._pending[1]):
             raise ValueError(
                 "backward: the batch must be the one just drawn from dp.loader (or dp.sample()), "
                 "passed as drawn and used once: the privacy accounting assumes the sampler's "
@@ -448,13 +474,13 @@ class PrivateTraining:
                 broadcast_tensor_(norms, self.distributed)
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
+        ctx = self._plan.ctx(step, z)
         out = dp_step(
             self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
             state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
-            base_noise_multiplier=z, ctx=self._plan.ctx(step, z), generator=self.rng.noise,
-            unit=self.unit,
+            base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise, unit=self.unit,
         )
-        planned = self._plan.event(step, z)
+        planned = self._plan.event_at(ctx, z)
         if out.event != planned:
             raise RuntimeError(
                 f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
@@ -467,9 +493,11 @@ class PrivateTraining:
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
                 self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                p.grad = out.grads[name]
+        params = out.params  # the parameters the engine differentiated, found during this call
+        if params is None:
+            params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        for name, p in params.items():
+            p.grad = out.grads[name]
         self.ledger.record(out.event)
         self.state = out.state
         self.steps += 1

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.engine._common import ChunkReducer, check_per_example_model, trainable_params
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
+from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
@@ -111,6 +112,8 @@ class StepOutput:
     norms: Tensor | None  #: NON-PRIVATE diagnostic
     #: public facts about the engine that ran (``{"engine", "requested", "fallback"}``)
     engine_info: dict[str, Any] | None = None
+    #: the parameters ``grads`` belong to, when the engine reported them (``EngineResult.params``)
+    params: dict[str, Tensor] | None = None
 
 
 class _Releaser:
@@ -132,8 +135,8 @@ class _Releaser:
 
 def dp_step(
     model: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
+    inputs: Any,
+    targets: Any,
     *,
     loss_fn: LossFn,
     strategy: ClippingStrategy,
@@ -148,6 +151,9 @@ def dp_step(
 ) -> StepOutput:
     """Compute one privatized gradient; does not touch the optimizer or ``p.grad``.
 
+    ``inputs``/``targets``: tensors, or tuples/dicts of tensors with the batch in dimension 0 of
+    every leaf (:mod:`dpclip.engine.batch`: the model is called as ``model(*inputs)`` or
+    ``model(**inputs)``).
     ``unit`` (``dpclip.units``): ``None`` or IC clips per example; BC/GBC take ``inputs`` of shape
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
@@ -167,6 +173,11 @@ def dp_step(
     per_example = getattr(strategy, "needs_per_example_grads", False)
     individual = unit is None or unit.is_individual
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
+        if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
+            name = getattr(unit, "unit", unit)
+            raise ValueError(
+                f"unit={name} (batch clipping) takes inputs and targets as single tensors of "
+                "shape (units, examples per unit, ...); tuple or dict inputs run with unit=ic")
         if per_example:
             raise ValueError(
                 f"strategy {getattr(strategy, 'name', strategy)!r} clips transformed per-example "
@@ -186,7 +197,7 @@ def dp_step(
                 result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
         factor = sampler.sensitivity_factor
         denom = sampler.expected_batch_size
-        n_examples = int(inputs.shape[0])
+        n_examples = check_batch(inputs, targets, "dp_step")
     sensitivity = factor * strategy.sensitivity(state)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     group_noise = getattr(strategy, "group_noise", None)
@@ -221,6 +232,7 @@ def dp_step(
         loss_sum=result.loss_sum,
         norms=result.norms,
         engine_info=_engine_info(result, engine),
+        params=result.params,
     )
 
 
@@ -262,6 +274,11 @@ def bound_step(
     With the ``summed`` engine the sum is one plain batched backward; a per-example engine gives
     the same sum (unit weights) plus NON-PRIVATE per-example norms of the unscaled gradients.
     """
+    if not isinstance(inputs, Tensor):
+        raise ValueError(
+            f"strategy {getattr(strategy, 'name', strategy)!r} certifies its sensitivity from a "
+            "bound on each input tensor's norm and takes a single input tensor; tuple or dict "
+            "inputs need a norm-based strategy")
     state = strategy.begin_step(state, ctx)
     state, cert = strategy.certify(model, loss_fn, tuple(inputs.shape[1:]), state)
     x = strategy.scale_inputs(inputs)
@@ -302,6 +319,7 @@ def bound_step(
         loss_sum=result.loss_sum,
         norms=result.norms,
         engine_info=_engine_info(result, engine),
+        params=result.params,
     )
 
 
@@ -349,8 +367,8 @@ def transformed_sum(
     state: State,
     model: nn.Module,
     loss_fn: LossFn,
-    inputs: Tensor,
-    targets: Tensor,
+    inputs: Any,
+    targets: Any,
     groups: ParamGroups,
 ) -> EngineResult:
     """``sum_i w_i T(g_i)``: ``T = strategy.transform``, ``w = strategy.weights(norms of T(g))``.
@@ -384,13 +402,15 @@ def transformed_sum(
     reducer = ChunkReducer(
         params, groups, lambda norms: strategy.weights(norms, state), engine.name, inputs
     )
-    batch = int(inputs.shape[0])
+    batch = check_batch(inputs, targets, engine.name)
     chunk = getattr(engine, "max_physical_batch", None) or VmapEngine.max_physical_batch
+    device = first_tensor(inputs).device
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)
-        raw = per_example(model, loss_fn, inputs[start:stop], targets[start:stop])
+        raw = per_example(model, loss_fn, slice_batch(inputs, start, stop),
+                          slice_batch(targets, start, stop))
         grads = strategy.transform(raw, state)
-        reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=inputs.device))
+        reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=device))
     grads, norms, weights, _ = reducer.result()
     info = {"engine": "naive" if isinstance(engine, NaiveEngine) else "vmap",
             "requested": engine.name,
@@ -401,10 +421,10 @@ def transformed_sum(
 
 
 def nonprivate_step_grads(
-    model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: LossFn
+    model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn
 ) -> dict[str, Any]:
     """Mean-loss gradients of an ordinary (non-private) step, for baselines and benchmarks."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    loss = loss_fn(model(inputs), targets).mean()
+    loss = loss_fn(call_model(model, inputs), targets).mean()
     gs = torch.autograd.grad(loss, list(params.values()))
     return dict(zip(params, gs))

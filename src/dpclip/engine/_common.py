@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpclip.engine.base import ParamGroups, WeightFn
+from dpclip.engine.batch import check_batch, first_tensor
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = [
@@ -38,21 +39,6 @@ __all__ = [
 def trainable_params(model: nn.Module) -> dict[str, Tensor]:
     """``{name: parameter}`` for every trainable parameter (tied parameters appear once)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def check_batch(inputs: Tensor, targets: Tensor, engine: str) -> int:
-    """Return the batch size, raising ``ValueError`` if inputs and targets disagree."""
-    if inputs.ndim == 0 or targets.ndim == 0:
-        raise ValueError(
-            f"{engine} engine: inputs and targets need a leading batch dimension, got shapes "
-            f"{tuple(inputs.shape)} and {tuple(targets.shape)}"
-        )
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(
-            f"{engine} engine: inputs and targets have different batch sizes "
-            f"({inputs.shape[0]} and {targets.shape[0]})"
-        )
-    return int(inputs.shape[0])
 
 
 def check_chunk_size(value: object, owner: str) -> int:
@@ -145,11 +131,12 @@ class ChunkReducer:
         groups: ParamGroups,
         weight_fn: WeightFn,
         engine: str,
-        inputs: Tensor,
+        inputs: Any,
     ) -> None:
         index = {n: g for g, mem in enumerate(groups.members) for n in mem}
         names = tuple(params)
         first = next(iter(params.values()), None)
+        inputs = first_tensor(inputs)  # a tensor, or a tuple/dict of tensors (engine.batch)
         self.layout = _Layout(
             names=names,
             group_of=tuple(index[n] for n in names),

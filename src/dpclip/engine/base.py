@@ -160,6 +160,9 @@ class EngineResult:
              engines with nothing to report. The ``ghost`` and ``auto`` engines report
              ``{"engine": <engine that ran>, "requested": <engine asked for>, "fallback": <reason
              or None>}`` so that a fallback to ``vmap`` is recorded, never silent.
+    params:  the trainable parameters the sums belong to (``{name: Parameter}``, the model's own
+             objects, as found during this call), or ``None``; lets a caller assign ``p.grad``
+             without walking the model again.
     """
 
     grads: dict[str, Tensor]
@@ -167,6 +170,7 @@ class EngineResult:
     weights: Tensor | None
     loss_sum: float
     engine_info: dict[str, Any] | None = None
+    params: dict[str, Tensor] | None = None
 
 
 class Engine(Protocol):

@@ -61,7 +61,13 @@ Separability (per call, batches of more than one example): the forward and the l
 input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
 must hold no custom ``autograd.Function``. A model that mixes examples (``x - x.mean(0)``, a softmax
 or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
-``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded).
+``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded). A plain
+``nn.Sequential`` of known ``torch.nn`` classes (``_KNOWN_MODULES``) is proved from the modules'
+semantics instead, at every batch size, with configuration and input rank checked per call
+(docs/engines.md, "Separability without a trace"); the loss is traced on every call.
+
+Inputs and targets may be tensors or tuples/dicts of tensors (:mod:`dpclip.engine.batch`); every
+leaf is marked as example data for the trace.
 
 Rounding: the norms passed to ``weight_fn`` (and reported) are upper bounds of the norms of the
 vectors actually summed, rounding included (:class:`_Rounding`, ``_Rule.bound_sq``,
@@ -80,7 +86,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +102,7 @@ from dpclip.engine._common import (
     check_weight_fn,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.separable import SeparabilityTracer
 
@@ -1021,8 +1028,8 @@ class GhostEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
@@ -1042,8 +1049,10 @@ class GhostEngine:
             chunk = self.max_physical_batch or max(batch, 1)
             with torch.no_grad():
                 for start in range(0, batch, chunk):
-                    xs, ys = inputs[start:start + chunk], targets[start:start + chunk]
-                    reducer.add_chunk({}, _check_losses(loss_fn(model(xs), ys), xs.shape[0]))
+                    stop = min(start + chunk, batch)
+                    xs, ys = slice_batch(inputs, start, stop), slice_batch(targets, start, stop)
+                    reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys),
+                                                        stop - start))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
@@ -1052,10 +1061,11 @@ class GhostEngine:
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
             for start in range(0, batch, chunk):
+                stop = min(start + chunk, batch)
                 xs, ys = (inputs, targets) if chunk >= batch else (
-                    inputs[start:start + chunk], targets[start:start + chunk])
+                    slice_batch(inputs, start, stop), slice_batch(targets, start, stop))
                 part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, xs, ys, weight_fn)
+                    model, scan, group_of, len(groups), loss_fn, xs, ys, stop - start, weight_fn)
                 if sums is None:
                     sums = part
                 else:
@@ -1069,7 +1079,7 @@ class GhostEngine:
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
-        return EngineResult(sums, norms, weights, loss_sum, self._info(None))
+        return EngineResult(sums, norms, weights, loss_sum, self._info(None), params)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -1077,7 +1087,7 @@ class GhostEngine:
         return {"engine": "vmap" if fallback else "ghost", "requested": self.name,
                 "fallback": fallback}
 
-    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                      weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
         if self.fallback == "vmap":
             from dpclip.engine.vmap import VmapEngine
@@ -1111,13 +1121,13 @@ class GhostEngine:
         group_of: dict[str, int],
         n_groups: int,
         loss_fn: LossFn,
-        xs: Tensor,
-        ys: Tensor,
+        xs: Any,
+        ys: Any,
+        batch: int,
         weight_fn: WeightFn,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
-        batch = xs.shape[0]
         params = scan.params
-        calls, total = _forward(model, scan, loss_fn, xs, ys)
+        calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
         for c in calls:
             o = c.owner
             if c.a_version != c.a._version:
@@ -1125,6 +1135,12 @@ class GhostEngine:
                     f"the input of layer {o.name!r} ({type(c.mod).__name__}) was modified in "
                     "place after the layer used it (e.g. x.mul_(2) on a tensor a layer has "
                     "consumed); use out-of-place operations")
+            if not _batched_rank(c.mod, c.a):
+                raise _RuntimeUnsupported(
+                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
+                    f"{c.a.ndim}, which it reads as ONE unbatched example (e.g. a 2-D input to "
+                    "Conv1d): its first dimension is then not the batch; give it the batched "
+                    "rank (B, C, ...)")
             if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
                     or c.out_shape[0] != batch:
                 raise _RuntimeUnsupported(
@@ -1400,19 +1416,28 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
 _END = object()
 
 
-def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
-             ys: Tensor) -> tuple[list[_Call], Tensor]:
-    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after."""
+def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+             ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
+    ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
     calls: list[_Call] = []
     by_module = scan.by_module
-    chain = _plain_chain(model, by_module)
-    batch = xs.shape[0]
+    chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
     # a batch of one example cannot mix examples; otherwise every operation is traced
     tracer = SeparabilityTracer(batch) if batch > 1 else None
-    if tracer is not None:
-        tracer.mark(xs, (0, 1))
-        tracer.mark(ys, (0, 1))
+    if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
+        for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
+            tracer.mark(t, (0, 1))
     if chain is not None:  # the same calls as the hooks would see, without hooks
+        if tracer is not None and _known_chain(chain):
+            got = _run_known_chain(chain, by_module, xs, batch)
+            if got is not None:  # proved per-example separable by the modules' semantics
+                calls, h = got
+                tracer.mark(h, (0, 1))
+                with torch.enable_grad(), tracer:  # the loss is user code: traced every call
+                    losses = _check_losses(loss_fn(h, ys), batch)
+                _check_separable(tracer, calls, losses)
+                return calls, losses.sum()
         key = _chain_key(chain, xs) if tracer is not None else None
         cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
         chain_tracer = tracer if cached is None else None
@@ -1450,12 +1475,145 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Tensor,
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
         with torch.enable_grad(), (tracer or contextlib.nullcontext()):
-            losses = _check_losses(loss_fn(model(xs), ys), batch)
+            losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
     finally:
         for h in handles:
             h.remove()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+# ------------------------------------------------------- chains of known modules (no trace)
+#
+# A plain chain made only of the modules below is proved per-example separable from the modules'
+# documented semantics instead of by tracing its operations, at every batch size, without a cache.
+# Each entry is an EXACT ``torch.nn`` class (not a subclass: a subclass may override any method the
+# forward calls) whose forward applies one fixed function to every example of a batch-first input
+# independently, given the module's configuration, which the predicate checks together with the
+# rank of the input it is about to receive (the rank at which the documented batch dimension is
+# dimension 0; a wrong rank, e.g. a 3-D tensor given to Conv2d, which reads it as ONE unbatched
+# example, is not proved and goes to the tracer). Nothing in these forwards reads the batch size
+# or the data, so the verdict cannot change with the batch size, the step or the values. Run-time
+# conditions are checked on every call: no hooks (module or global), no instance attribute
+# ``forward``, the output a tensor with the batch first. See docs/engines.md, "Separability
+# without a trace".
+
+
+def _rank_at_least(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim >= k
+
+
+def _rank(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim == k
+
+
+def _softmax_ok(mod: nn.Module, x: Tensor) -> bool:
+    return mod.dim is not None and x.ndim >= 2 and mod.dim % x.ndim != 0
+
+
+def _flatten_ok(mod: nn.Module, x: Tensor) -> bool:
+    return x.ndim >= 2 and mod.start_dim % x.ndim >= 1 and mod.end_dim % x.ndim >= \
+        mod.start_dim % x.ndim
+
+
+def _unflatten_ok(mod: nn.Module, x: Tensor) -> bool:
+    return isinstance(mod.dim, int) and x.ndim >= 2 and mod.dim % x.ndim >= 1
+
+
+def _trailing_norm_ok(mod: nn.Module, x: Tensor) -> bool:
+    return x.ndim > len(mod.normalized_shape)
+
+
+def _embedding_ok(mod: nn.Module, x: Tensor) -> bool:
+    return mod.max_norm is None and x.ndim >= 1
+
+
+def _eval_batchnorm_ok(mod: nn.Module, x: Tensor) -> bool:
+    return not mod.training and mod.running_mean is not None and mod.running_var is not None \
+        and x.ndim >= 2
+
+
+def _no_indices(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim == k and not getattr(mod, "return_indices", False)
+
+
+_POINTWISE_MODULES = (
+    "Identity", "ReLU", "ReLU6", "LeakyReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish",
+    "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Hardswish", "Softplus", "Softsign",
+    "Tanhshrink", "LogSigmoid", "Dropout", "AlphaDropout",
+)
+_KNOWN_MODULES: dict[type, Callable[[nn.Module, Tensor], bool]] = {
+    getattr(nn, name): _rank_at_least(1) for name in _POINTWISE_MODULES if hasattr(nn, name)}
+_KNOWN_MODULES.update({
+    nn.Linear: _rank_at_least(2),
+    nn.Conv1d: _rank(3),
+    nn.Conv2d: _rank(4),
+    nn.Embedding: _embedding_ok,
+    nn.LayerNorm: _trailing_norm_ok,
+    nn.GroupNorm: _rank_at_least(2),
+    nn.BatchNorm1d: _eval_batchnorm_ok,
+    nn.BatchNorm2d: _eval_batchnorm_ok,
+    nn.Softmax: _softmax_ok,
+    nn.LogSoftmax: _softmax_ok,
+    nn.Softmin: _softmax_ok,
+    nn.Flatten: _flatten_ok,
+    nn.Unflatten: _unflatten_ok,
+    nn.MaxPool1d: _no_indices(3),
+    nn.MaxPool2d: _no_indices(4),
+    nn.AvgPool1d: _rank(3),
+    nn.AvgPool2d: _rank(4),
+    nn.AdaptiveAvgPool1d: _rank(3),
+    nn.AdaptiveAvgPool2d: _rank(4),
+    nn.AdaptiveMaxPool1d: _no_indices(3),
+    nn.AdaptiveMaxPool2d: _no_indices(4),
+    nn.ZeroPad2d: _rank(4),
+    nn.ConstantPad1d: _rank(3),
+    nn.ConstantPad2d: _rank(4),
+})
+if hasattr(nn, "RMSNorm"):
+    _KNOWN_MODULES[nn.RMSNorm] = _trailing_norm_ok
+
+
+def _batched_rank(mod: nn.Module, a: Tensor) -> bool:
+    """Whether a supported layer (or a subclass keeping its forward) receives its BATCHED rank,
+    the rank at which its documented batch dimension is dimension 0."""
+    for cls in type(mod).__mro__:
+        pred = _KNOWN_MODULES.get(cls)
+        if pred is not None:
+            return pred(mod, a) or isinstance(mod, _BatchNorm)  # BatchNorm checks its own rank
+    return True
+
+
+def _known_chain(chain: list[nn.Module]) -> bool:
+    """Whether every module of the chain is of a known exact class, without hooks (container
+    and global hooks are excluded by :func:`_plain_chain`) or an instance ``forward``."""
+    for mod in chain:
+        if type(mod) not in _KNOWN_MODULES or not _no_hooks(mod) or "forward" in mod.__dict__:
+            return False
+    return True
+
+
+def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs: Tensor,
+                     batch: int) -> tuple[list[_Call], Tensor] | None:
+    """Run a chain of known modules, checking each module's predicate on the input it receives
+    and that its output has the batch first; the calls with the layouts ``(0, 1)`` they are
+    proved to have, and the output. ``None`` when a check fails (the caller then traces)."""
+    calls: list[_Call] = []
+    h = xs
+    with torch.enable_grad():
+        for mod in chain:
+            if not _KNOWN_MODULES[type(mod)](mod, h):
+                return None
+            out = mod(h)
+            if not isinstance(out, Tensor) or out.ndim == 0 or out.shape[0] != batch:
+                return None
+            owner = by_module.get(id(mod))
+            if owner is not None:
+                c = _Call(owner, h, out)
+                c.layouts = ((0, 1), (0, 1))
+                calls.append(c)
+            h = out
+    return calls, h
 
 
 #: separability layouts of plain chains of built-in modules, by :func:`_chain_key`: ``(layouts of
@@ -1555,8 +1713,8 @@ class AutoEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:

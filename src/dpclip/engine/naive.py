@@ -8,7 +8,7 @@ a debugging aid. :class:`NaiveEngine` fulfils the same contract as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -22,16 +22,18 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import call_model, first_tensor, slice_batch
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
 
 
 def naive_per_example_grads(
-    model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor
+    model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any
 ) -> dict[str, Tensor]:
     """``{name: (B, *param.shape)}``: example ``i``'s gradient of ``loss_fn(model(x_i[None]),
     y_i[None]).sum()`` for every trainable parameter, by a Python loop of ``torch.autograd.grad``.
 
+    ``inputs``/``targets``: a tensor or a tuple/dict of tensors (:mod:`dpclip.engine.batch`).
     Raw gradients: NaN/Inf are returned as computed (the engines, not this oracle, zero them).
     A parameter the loss does not reach gets zeros. ``B = 0`` gives tensors of shape ``(0, *shape)``.
     Does not touch ``p.grad``. Refuses models that mix examples (BatchNorm using batch statistics).
@@ -41,7 +43,7 @@ def naive_per_example_grads(
 
 
 def _naive_loop(
-    model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, engine: str
+    model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any, engine: str
 ) -> tuple[dict[str, Tensor], Tensor]:
     batch = check_batch(inputs, targets, engine)
     check_per_example_model(model, engine)
@@ -50,7 +52,8 @@ def _naive_loop(
     losses: list[Tensor] = []
     with torch.enable_grad():
         for i in range(batch):
-            loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
+            loss = loss_fn(call_model(model, slice_batch(inputs, i, i + 1)),
+                           slice_batch(targets, i, i + 1))
             if loss.ndim == 0 or loss.shape[0] != 1:
                 raise ValueError(
                     "loss_fn must return per-example losses with a leading batch dimension "
@@ -67,7 +70,8 @@ def _naive_loop(
         n: torch.stack(rows[n]) if batch else p.detach().new_zeros((0, *p.shape))
         for n, p in params.items()
     }
-    loss_t = torch.stack(losses) if losses else inputs.new_zeros(0, dtype=torch.float64)
+    loss_t = torch.stack(losses) if losses else first_tensor(inputs).new_zeros(
+        0, dtype=torch.float64)
     return grads, loss_t
 
 
@@ -91,8 +95,8 @@ class NaiveEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
@@ -105,7 +109,8 @@ class NaiveEngine:
         for start in range(0, batch, self.max_physical_batch):
             stop = min(start + self.max_physical_batch, batch)
             grads, losses = _naive_loop(
-                model, loss_fn, inputs[start:stop], targets[start:stop], self.name
+                model, loss_fn, slice_batch(inputs, start, stop), slice_batch(targets, start, stop),
+                self.name
             )
             reducer.add_chunk(grads, losses)
         grads, norms, weights, loss_sum = reducer.result()

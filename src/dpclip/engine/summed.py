@@ -8,12 +8,13 @@ clips the gradient of a whole mini-set unit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from dpclip.engine._common import check_batch, check_chunk_size, trainable_params
+from dpclip.engine.batch import call_model, slice_batch
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
 
 __all__ = ["SummedEngine"]
@@ -47,8 +48,8 @@ class SummedEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
@@ -68,7 +69,8 @@ class SummedEngine:
         with torch.enable_grad():
             for start in range(0, batch, chunk):
                 stop = min(start + chunk, batch)
-                losses = loss_fn(model(inputs[start:stop]), targets[start:stop])
+                losses = loss_fn(call_model(model, slice_batch(inputs, start, stop)),
+                                 slice_batch(targets, start, stop))
                 if losses.ndim == 0 or losses.shape[0] != stop - start:
                     raise ValueError(
                         "summed engine: loss_fn must return per-example losses of shape (B,) "

@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
+from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
     ChunkReducer,
@@ -25,6 +26,7 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import call_model, map_batch, slice_batch
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
 
@@ -67,8 +69,8 @@ class VmapEngine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Any,
+        targets: Any,
         weight_fn: WeightFn | None,
         groups: ParamGroups,
     ) -> EngineResult:
@@ -82,14 +84,16 @@ class VmapEngine:
             per_example_grads = _per_example_grad_fn(model, loss_fn)
             for start in range(0, batch, self.max_physical_batch):
                 stop = min(start + self.max_physical_batch, batch)
-                grads, losses = per_example_grads(params, inputs[start:stop], targets[start:stop])
+                grads, losses = per_example_grads(params, slice_batch(inputs, start, stop),
+                                                  slice_batch(targets, start, stop))
                 reducer.add_chunk(grads, losses)
         elif batch:  # nothing trainable: norms are zero, only the losses are needed
             with torch.no_grad():
                 for start in range(0, batch, self.max_physical_batch):
                     stop = min(start + self.max_physical_batch, batch)
-                    losses = _per_example_losses(model, loss_fn, inputs[start:stop],
-                                                 targets[start:stop])
+                    losses = _per_example_losses(model, loss_fn,
+                                                 slice_batch(inputs, start, stop),
+                                                 slice_batch(targets, start, stop), stop - start)
                     reducer.add_chunk({}, losses)
         grads, norms, weights, loss_sum = reducer.result()
         return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
@@ -98,8 +102,8 @@ class VmapEngine:
 def vmap_per_example_grads(
     model: nn.Module,
     loss_fn: LossFn,
-    inputs: Tensor,
-    targets: Tensor,
+    inputs: Any,
+    targets: Any,
     *,
     max_physical_batch: int = 256,
 ) -> dict[str, Tensor]:
@@ -118,7 +122,8 @@ def vmap_per_example_grads(
         return {n: p.new_zeros((batch, *p.shape)) for n, p in params.items()}
     fn = _per_example_grad_fn(model, loss_fn)
     chunks = [
-        fn(params, inputs[s : s + max_physical_batch], targets[s : s + max_physical_batch])[0]
+        fn(params, slice_batch(inputs, s, s + max_physical_batch),
+           slice_batch(targets, s, s + max_physical_batch))[0]
         for s in range(0, batch, max_physical_batch)
     ]
     return {n: torch.cat([c[n] for c in chunks]) for n in params}
@@ -133,7 +138,7 @@ def _check_example_loss(loss: Tensor) -> Tensor:
     return loss.sum()
 
 
-_GradFn = Callable[[dict[str, Tensor], Tensor, Tensor], tuple[dict[str, Tensor], Tensor]]
+_GradFn = Callable[[dict[str, Tensor], Any, Any], tuple[dict[str, Tensor], Tensor]]
 
 
 def _slots(model: nn.Module) -> list[tuple[dict[str, Any], str, str]]:
@@ -174,20 +179,37 @@ def _parameters_replaced(model: nn.Module, params: dict[str, Tensor]) -> Iterato
 def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
     """``(params, xs, ys) -> ({name: (b, *shape)}, losses (b,))`` for one chunk."""
 
-    def example_loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def example_loss(params: dict[str, Tensor], x: Any, y: Any) -> tuple[Tensor, Tensor]:
         with _parameters_replaced(model, params):
-            out = model(x.unsqueeze(0))
-        loss = _check_example_loss(loss_fn(out, y.unsqueeze(0)))
+            out = call_model(model, map_batch(_one, x))
+        loss = _check_example_loss(loss_fn(out, map_batch(_one, y)))
         return loss, loss.detach()
 
-    return vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    fn = grad(example_loss, has_aux=True)
+
+    def run(params: dict[str, Tensor], xs: Any, ys: Any) -> tuple[dict[str, Tensor], Tensor]:
+        # batch dimension 0 of every tensor leaf; None leaves (no data) are passed as they are
+        return vmap(fn, in_dims=(None, _in_dims(xs), _in_dims(ys)),
+                    randomness="different")(params, xs, ys)
+
+    return run
 
 
-def _per_example_losses(model: nn.Module, loss_fn: LossFn, xs: Tensor, ys: Tensor) -> Tensor:
-    losses = loss_fn(model(xs), ys)
-    if losses.ndim == 0 or losses.shape[0] != xs.shape[0]:
+def _in_dims(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return 0
+    return pytree.tree_map(lambda v: None if v is None else 0, tree, is_leaf=lambda v: v is None)
+
+
+def _one(t: Tensor) -> Tensor:
+    return t.unsqueeze(0)
+
+
+def _per_example_losses(model: nn.Module, loss_fn: LossFn, xs: Any, ys: Any, b: int) -> Tensor:
+    losses = loss_fn(call_model(model, xs), ys)
+    if losses.ndim == 0 or losses.shape[0] != b:
         raise ValueError(
             "loss_fn must return per-example losses of shape (B,) (reduction 'none'), got shape "
-            f"{tuple(losses.shape)} for a batch of {xs.shape[0]}"
+            f"{tuple(losses.shape)} for a batch of {b}"
         )
-    return losses.reshape(xs.shape[0], -1).sum(1)
+    return losses.reshape(b, -1).sum(1)
