@@ -185,6 +185,32 @@ _gradient_edge = torch.autograd.graph.get_gradient_edge
 _TEMP_MAX_NUMEL = 1 << 22
 
 
+#: book-keeping reductions (the weighted sums formed from ``a`` and ``b`` over positions) run over
+#: blocks of at most this many examples, whose results are then added: the rounding bound of one
+#: example's part, ``bookkeeping(_BK_BLOCK * T)`` relative to ``A_i``, is then a function of that
+#: example alone (a public constant, not the batch size). A bound that grew with the batch made every
+#: example's norm, hence its weight, depend on how many OTHER examples were in the batch: where
+#: terms cancel the bound IS the norm, and removing one example from a batch of 6 changed the
+#: others' Auto-V weights by ~17% (the neighbouring sums then differed by more than C)
+_BK_BLOCK = 64
+
+
+def _bk_blocks(batch: int) -> list[slice]:
+    """Slices of ``range(batch)`` of at most ``_BK_BLOCK`` examples (one when it fits)."""
+    if batch <= _BK_BLOCK:
+        return [slice(0, batch)]
+    return [slice(i, min(i + _BK_BLOCK, batch)) for i in range(0, batch, _BK_BLOCK)]
+
+
+def _bk_sum(batch: int, part: Any) -> Tensor:
+    """``sum`` over the book-keeping blocks of ``part(slice)`` (see ``_BK_BLOCK``)."""
+    out = None
+    for sl in _bk_blocks(batch):
+        r = part(sl)
+        out = r if out is None else out.add_(r)
+    return out  # type: ignore[return-value]
+
+
 def _example_slices(batch: int, per_example: int) -> list[slice]:
     """Slices of ``range(batch)`` with at most ``_TEMP_MAX_NUMEL`` floats of temporaries each
     (one slice when everything fits; at least one example per slice)."""
@@ -394,7 +420,7 @@ class _LinearRule(_Rule):
         gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
             + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
         return _position_bound_sq(
-            sq, abs_sum, c.choice, d * p, t, gram, batch * t, rnd,
+            sq, abs_sum, c.choice, d * p, t, gram, _BK_BLOCK * t, rnd,
             lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])))
 
     def prepare(self, c: _Call) -> None:
@@ -471,9 +497,10 @@ class _LinearRule(_Rule):
             if g_b is not None:
                 out["bias"] = w.col(g_b) @ b
             return out
-        if g_w is not None:  # (w*b)^T a over all (example, position) rows
+        if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
             bw = b * w.col2(g_w).unsqueeze(2)
-            out["weight"] = torch.mm(bw.reshape(-1, b.shape[-1]).t(), a.reshape(-1, a.shape[-1]))
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
+                bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
         if g_b is not None:
             out["bias"] = w.col(g_b) @ b.sum(1)
         return out
@@ -644,16 +671,17 @@ class _ConvRule(_Rule):
         gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
             + _gam64(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
         return _position_bound_sq(
-            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, batch * positions, rnd,
+            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, _BK_BLOCK * positions, rnd,
             lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         b = c.b
-        if "weight" in groups:  # one convolution weight-gradient with the weighted b
+        if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
             wc = w.col(groups["weight"])
             bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
-            out["weight"] = self._weight_grad(c, c.a, bw, c.mod.weight.shape, c.mod.groups)
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
+                c, c.a[sl], bw[sl], c.mod.weight.shape, c.mod.groups))
         if "bias" in groups:
             out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
         return out
@@ -716,14 +744,15 @@ class _EmbeddingRule(_Rule):
         gram = rnd.gp(p) + _gam64(t * t + 1) * (1 + rnd.gp(p))
         # segment sums: at most t rows per (example, token), then their squared norms summed
         return _position_bound_sq(sq, abs_sum, "ghost" if c.choice == "ghost" else "direct",
-                                  p + t, t, gram, batch * t, rnd,
+                                  p + t, t, gram, _BK_BLOCK * t, rnd,
                                   lambda rows: _sq(self.per_example(_Sub(c, rows), "weight")))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         x, b = c.a, c.b
-        bw = (b * w.col2(groups["weight"]).unsqueeze(2)).reshape(-1, b.shape[2])
-        out = b.new_zeros(c.mod.num_embeddings, b.shape[2]).index_add_(0, x.flatten(), bw)
-        return {"weight": out}
+        bw = b * w.col2(groups["weight"]).unsqueeze(2)
+        return {"weight": _bk_sum(b.shape[0], lambda sl: b.new_zeros(
+            c.mod.num_embeddings, b.shape[2]).index_add_(0, x[sl].flatten(),
+                                                         bw[sl].reshape(-1, b.shape[2])))}
 
     def mask(self, c: _Call, finite: Tensor) -> None:
         c.b = _rows(finite, c.b)
@@ -1240,9 +1269,12 @@ class GhostEngine:
         # the norms used for the weights are upper bounds of the norms of the vectors actually
         # summed, rounding included (module docstring, "Rounding"): the relative factor covers the
         # norms' own reductions (k_rel), the weighted reduction over the batch (its products
-        # rounded: u_p), the sums over layers and groups, the square root and the strategy's few
-        # operations on the norm (32)
-        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + k_rel + 2 * len(live) + n_groups + 32)) - 1
+        # rounded: u_p), the sum of the book-keeping blocks (_BK_BLOCK: at most one per example),
+        # the sums over layers and groups, the square root and the strategy's few operations on
+        # the norm (32)
+        n_blocks = len(_bk_blocks(batch))
+        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 2 * len(live) + n_groups
+                                            + 32)) - 1
         norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
