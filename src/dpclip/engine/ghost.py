@@ -124,7 +124,7 @@ class _Call:
     in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
-                 "kept", "layouts")
+                 "kept", "layouts", "formed")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -149,6 +149,9 @@ class _Call:
         self.b: Tensor | None = None
         self.choice = "ghost"
         self.kept: dict[str, Tensor] = {}
+        #: ``(rows, gradients)``: examples whose weight gradient is formed and summed directly,
+        #: not by book-keeping (terms that cancel: ``_position_bound_sq``)
+        self.formed: tuple[Tensor, Tensor] | None = None
 
 
 class _Weights:
@@ -193,6 +196,16 @@ _TEMP_MAX_NUMEL = 1 << 22
 #: terms cancel the bound IS the norm, and removing one example from a batch of 6 changed the
 #: others' Auto-V weights by ~17% (the neighbouring sums then differed by more than C)
 _BK_BLOCK = 64
+
+#: an example whose terms' norms sum to more than this many times its gradient's norm bound
+#: (``A_i > _FORM_RATIO * g_i``: the terms cancel) has its weight gradient formed and summed
+#: directly (kept) instead of by book-keeping: book-keeping rounds relative to ``w_i A_i``, which
+#: the weight only caps at ``~C / bk``; a formed vector is summed with rounding relative to its own
+#: entries (``<= C``). Without it, where terms cancel heavily, the OTHER examples' book-keeping
+#: rounding, which changes with the batch's composition, moved neighbouring sums by more than C.
+#: Random terms give ``A_i / ||G_i|| ~ sqrt(T)``: the default leaves them to book-keeping for up to
+#: ~4096 positions
+_FORM_RATIO = 64.0
 
 
 def _bk_blocks(batch: int) -> list[slice]:
@@ -365,7 +378,7 @@ def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
 
 def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red_len: int,
                        gram_err: float, bk_len: int, rnd: _Rounding,
-                       direct: Any = None) -> Tensor:
+                       direct: Any = None, form: Any = None) -> Tensor:
     """The squared bound on ``||V_i|| / w_i`` of a layer whose per-example gradient is a sum over
     positions, ``G_i = sum_t b_t a_t^T``, and whose weighted sum is formed by book-keeping.
 
@@ -384,6 +397,12 @@ def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red
     The ghost bound's error term is ``sqrt(gram_err) A``; where it dominates (cancellation:
     ``gram_err A^2 > sq / 64``), the examples' gradients are formed directly (``direct(rows)``:
     their squared norms), whose error term is ``gp(red_len) A``, much smaller.
+
+    Where the terms cancel heavily (``A > _FORM_RATIO g``, ``g`` the bound above before
+    book-keeping), ``form(rows)`` forms those examples' gradients, stores them for the sum (they are
+    then summed directly, not by book-keeping) and returns them: the bound of such an example is
+    the norm of its formed gradient, ``sqrt(sq) (1 + gam(numel + 2))`` (the weighted sum of the
+    formed gradients is covered by the chunk's relative factor, as for kept gradients).
     """
     bk = rnd.bookkeeping(bk_len)
     if choice == "ghost":
@@ -398,7 +417,33 @@ def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red
     else:
         g = sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum
     bound = torch.minimum(g + bk * abs_sum, (1 + bk) * abs_sum)
+    if form is not None:
+        rows = ((abs_sum > _FORM_RATIO * g) & torch.isfinite(abs_sum)).nonzero().flatten()
+        if rows.numel():
+            rows, f_sq = form(rows)
+            if rows.numel():
+                bound = bound.index_put((rows,),
+                                        f_sq.to(sq.dtype).sqrt() * (1 + rnd.gam(numel + 2)))
     return bound.square()
+
+
+def _store_formed(c: _Call, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the formed weight gradients ``grads`` of the examples ``rows`` (the finite ones) for the
+    sum (``c.formed``); returns those rows and their squared norms."""
+    ok = torch.isfinite(grads.flatten(1)).all(1)
+    if not bool(ok.all()):
+        rows, grads = rows[ok], grads[ok]
+    c.formed = (rows, grads) if rows.numel() else None
+    return rows, _sq(grads)
+
+
+def _split_formed(c: _Call, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(B,)`` for book-keeping (0 on the formed rows) and the weighted sum of the
+    formed gradients (None when there are none)."""
+    if c.formed is None:
+        return w, None
+    rows, grads = c.formed
+    return w.index_fill(0, rows, 0), _kept_sum(grads, w[rows])
 
 
 class _LinearRule(_Rule):
@@ -421,7 +466,8 @@ class _LinearRule(_Rule):
             + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
         return _position_bound_sq(
             sq, abs_sum, c.choice, d * p, t, gram, _BK_BLOCK * t, rnd,
-            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])))
+            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])),
+            lambda rows: _store_formed(c, rows, torch.bmm(b[rows].transpose(1, 2), a[rows])))
 
     def prepare(self, c: _Call) -> None:
         if c.a.ndim != 2:
@@ -498,9 +544,12 @@ class _LinearRule(_Rule):
                 out["bias"] = w.col(g_b) @ b
             return out
         if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
-            bw = b * w.col2(g_w).unsqueeze(2)
+            wb, formed = _split_formed(c, w.col(g_w))
+            bw = b * wb.view(-1, 1, 1)
             out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
                 bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
+            if formed is not None:
+                out["weight"].add_(formed)
         if g_b is not None:
             out["bias"] = w.col(g_b) @ b.sum(1)
         return out
@@ -672,16 +721,19 @@ class _ConvRule(_Rule):
             + _gam64(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
         return _position_bound_sq(
             sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, _BK_BLOCK * positions, rnd,
-            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])))
+            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])),
+            lambda rows: _store_formed(c, rows, self._per_example_weight(c, a[rows], b[rows])))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         b = c.b
         if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
-            wc = w.col(groups["weight"])
+            wc, formed = _split_formed(c, w.col(groups["weight"]))
             bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
                 c, c.a[sl], bw[sl], c.mod.weight.shape, c.mod.groups))
+            if formed is not None:
+                out["weight"].add_(formed.view(c.mod.weight.shape))
         if "bias" in groups:
             out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
         return out
@@ -1270,10 +1322,11 @@ class GhostEngine:
         # summed, rounding included (module docstring, "Rounding"): the relative factor covers the
         # norms' own reductions (k_rel), the weighted reduction over the batch (its products
         # rounded: u_p), the sum of the book-keeping blocks (_BK_BLOCK: at most one per example),
+        # the addition of the directly formed gradients (_FORM_RATIO: one per layer),
         # the sums over layers and groups, the square root and the strategy's few operations on
         # the norm (32)
         n_blocks = len(_bk_blocks(batch))
-        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 2 * len(live) + n_groups
+        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * len(live) + n_groups
                                             + 32)) - 1
         norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
