@@ -108,6 +108,14 @@ def test_removing_one_example_moves_the_sum_by_at_most_c(case: str, mode: str) -
 
 
 @pytest.mark.parametrize("mode", NORM_MODES)
+@pytest.mark.parametrize("case,batch,seed", [("seq_ln_1e4", 6, 1), ("seq_ln_1e4", 9, 0),
+                                             ("conv2d_gn_1e5", 9, 0), ("seq_ln_1e4", 3, 1)])
+def test_other_batch_sizes_and_seeds(case: str, batch: int, seed: int, mode: str) -> None:
+    """Variants the old bounds failed (fixed clipping, then PSAC, at huge scales)."""
+    _neighbours(case, mode, batch, seed)
+
+
+@pytest.mark.parametrize("mode", NORM_MODES)
 def test_neighbours_with_several_book_keeping_blocks(mode: str, monkeypatch) -> None:
     """Blocks of 2 examples: removing one example regroups the others' blocks."""
     monkeypatch.setattr(ghost_mod, "_BK_BLOCK", 2)
