@@ -181,7 +181,18 @@ def test_matches_naive_oracle_and_vmap(case, batch):
                 res = _check(GhostEngine(norm_mode=mode), model, x, y, loss_fn, groups, wfn,
                              per_ex)
                 assert_close(res.norms, ref.norms)
-                assert_grads_close(res.grads, ref.grads)
+                # the ghost norms are upper bounds (rounding included) above vmap's by a relative
+                # delta (<= 1e-10, checked by _check); min(1, C/N) and C/(N + g) then differ by
+                # at most delta relative, so the sums differ by at most delta * sum_i ||w_i g_i||
+                # <= delta * B * sum(C) on top of the engines' own 1e-10 agreement
+                fin = torch.isfinite(ref.norms) & (ref.norms > 0)
+                delta = float((res.norms[fin] / ref.norms[fin] - 1).clamp(min=0).max()) \
+                    if fin.any() else 0.0
+                extra = delta * batch * float(c.sum())
+                for n in ref.grads:
+                    scale = float(ref.grads[n].abs().max()) if ref.grads[n].numel() else 1.0
+                    torch.testing.assert_close(res.grads[n], ref.grads[n], rtol=1e-10,
+                                               atol=1e-12 * max(scale, 1e-3) + extra)
                 assert res.loss_sum == pytest.approx(ref.loss_sum, rel=1e-10, abs=1e-12)
                 assert res.engine_info == {"engine": "ghost", "requested": "ghost",
                                            "fallback": None}, (case, gname, mode)

@@ -131,7 +131,7 @@ class _Call:
     in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
-                 "kept", "layouts")
+                 "kept", "layouts", "formed")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -156,6 +156,9 @@ class _Call:
         self.b: Tensor | None = None
         self.choice = "ghost"
         self.kept: dict[str, Tensor] = {}
+        #: ``(rows, gradients)``: examples whose weight gradient is formed and summed directly,
+        #: not by book-keeping (terms that cancel: ``_position_bound_sq``)
+        self.formed: tuple[Tensor, Tensor] | None = None
 
 
 class _Weights:
@@ -190,6 +193,42 @@ _gradient_edge = torch.autograd.graph.get_gradient_edge
 #: gradients that are not kept) are formed for at most this many floats at a time, in slices of
 #: examples: the peak memory of the norms stays near the tensors the engine holds anyway
 _TEMP_MAX_NUMEL = 1 << 22
+
+
+#: book-keeping reductions (the weighted sums formed from ``a`` and ``b`` over positions) run over
+#: blocks of at most this many examples, whose results are then added: the rounding bound of one
+#: example's part, ``bookkeeping(_BK_BLOCK * T)`` relative to ``A_i``, is then a function of that
+#: example alone (a public constant, not the batch size). A bound that grew with the batch made every
+#: example's norm, hence its weight, depend on how many OTHER examples were in the batch: where
+#: terms cancel the bound IS the norm, and removing one example from a batch of 6 changed the
+#: others' Auto-V weights by ~17% (the neighbouring sums then differed by more than C)
+_BK_BLOCK = 64
+
+#: an example whose terms' norms sum to more than this many times its gradient's norm bound
+#: (``A_i > _FORM_RATIO * g_i``: the terms cancel) has its weight gradient formed and summed
+#: directly (kept) instead of by book-keeping: book-keeping rounds relative to ``w_i A_i``, which
+#: the weight only caps at ``~C / bk``; a formed vector is summed with rounding relative to its own
+#: entries (``<= C``). Without it, where terms cancel heavily, the OTHER examples' book-keeping
+#: rounding, which changes with the batch's composition, moved neighbouring sums by more than C.
+#: Random terms give ``A_i / ||G_i|| ~ sqrt(T)``: the default leaves them to book-keeping for up to
+#: ~4096 positions
+_FORM_RATIO = 64.0
+
+
+def _bk_blocks(batch: int) -> list[slice]:
+    """Slices of ``range(batch)`` of at most ``_BK_BLOCK`` examples (one when it fits)."""
+    if batch <= _BK_BLOCK:
+        return [slice(0, batch)]
+    return [slice(i, min(i + _BK_BLOCK, batch)) for i in range(0, batch, _BK_BLOCK)]
+
+
+def _bk_sum(batch: int, part: Any) -> Tensor:
+    """``sum`` over the book-keeping blocks of ``part(slice)`` (see ``_BK_BLOCK``)."""
+    out = None
+    for sl in _bk_blocks(batch):
+        r = part(sl)
+        out = r if out is None else out.add_(r)
+    return out  # type: ignore[return-value]
 
 
 def _example_slices(batch: int, per_example: int) -> list[slice]:
@@ -346,7 +385,7 @@ def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
 
 def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red_len: int,
                        gram_err: float, bk_len: int, rnd: _Rounding,
-                       direct: Any = None) -> Tensor:
+                       direct: Any = None, form: Any = None) -> Tensor:
     """The squared bound on ``||V_i|| / w_i`` of a layer whose per-example gradient is a sum over
     positions, ``G_i = sum_t b_t a_t^T``, and whose weighted sum is formed by book-keeping.
 
@@ -365,6 +404,12 @@ def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red
     The ghost bound's error term is ``sqrt(gram_err) A``; where it dominates (cancellation:
     ``gram_err A^2 > sq / 64``), the examples' gradients are formed directly (``direct(rows)``:
     their squared norms), whose error term is ``gp(red_len) A``, much smaller.
+
+    Where the terms cancel heavily (``A > _FORM_RATIO g``, ``g`` the bound above before
+    book-keeping), ``form(rows)`` forms those examples' gradients, stores them for the sum (they are
+    then summed directly, not by book-keeping) and returns them: the bound of such an example is
+    the norm of its formed gradient, ``sqrt(sq) (1 + gam(numel + 2))`` (the weighted sum of the
+    formed gradients is covered by the chunk's relative factor, as for kept gradients).
     """
     bk = rnd.bookkeeping(bk_len)
     if choice == "ghost":
@@ -379,7 +424,33 @@ def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red
     else:
         g = sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum
     bound = torch.minimum(g + bk * abs_sum, (1 + bk) * abs_sum)
+    if form is not None:
+        rows = ((abs_sum > _FORM_RATIO * g) & torch.isfinite(abs_sum)).nonzero().flatten()
+        if rows.numel():
+            rows, f_sq = form(rows)
+            if rows.numel():
+                bound = bound.index_put((rows,),
+                                        f_sq.to(sq.dtype).sqrt() * (1 + rnd.gam(numel + 2)))
     return bound.square()
+
+
+def _store_formed(c: _Call, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the formed weight gradients ``grads`` of the examples ``rows`` (the finite ones) for the
+    sum (``c.formed``); returns those rows and their squared norms."""
+    ok = torch.isfinite(grads.flatten(1)).all(1)
+    if not bool(ok.all()):
+        rows, grads = rows[ok], grads[ok]
+    c.formed = (rows, grads) if rows.numel() else None
+    return rows, _sq(grads)
+
+
+def _split_formed(c: _Call, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(B,)`` for book-keeping (0 on the formed rows) and the weighted sum of the
+    formed gradients (None when there are none)."""
+    if c.formed is None:
+        return w, None
+    rows, grads = c.formed
+    return w.index_fill(0, rows, 0), _kept_sum(grads, w[rows])
 
 
 class _LinearRule(_Rule):
@@ -401,8 +472,9 @@ class _LinearRule(_Rule):
         gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
             + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
         return _position_bound_sq(
-            sq, abs_sum, c.choice, d * p, t, gram, batch * t, rnd,
-            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])))
+            sq, abs_sum, c.choice, d * p, t, gram, _BK_BLOCK * t, rnd,
+            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])),
+            lambda rows: _store_formed(c, rows, torch.bmm(b[rows].transpose(1, 2), a[rows])))
 
     def prepare(self, c: _Call) -> None:
         if c.a.ndim != 2:
@@ -478,9 +550,13 @@ class _LinearRule(_Rule):
             if g_b is not None:
                 out["bias"] = w.col(g_b) @ b
             return out
-        if g_w is not None:  # (w*b)^T a over all (example, position) rows
-            bw = b * w.col2(g_w).unsqueeze(2)
-            out["weight"] = torch.mm(bw.reshape(-1, b.shape[-1]).t(), a.reshape(-1, a.shape[-1]))
+        if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
+            wb, formed = _split_formed(c, w.col(g_w))
+            bw = b * wb.view(-1, 1, 1)
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
+                bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
+            if formed is not None:
+                out["weight"].add_(formed)
         if g_b is not None:
             out["bias"] = w.col(g_b) @ b.sum(1)
         return out
@@ -651,16 +727,20 @@ class _ConvRule(_Rule):
         gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
             + _gam64(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
         return _position_bound_sq(
-            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, batch * positions, rnd,
-            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])))
+            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, _BK_BLOCK * positions, rnd,
+            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])),
+            lambda rows: _store_formed(c, rows, self._per_example_weight(c, a[rows], b[rows])))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         b = c.b
-        if "weight" in groups:  # one convolution weight-gradient with the weighted b
-            wc = w.col(groups["weight"])
+        if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
+            wc, formed = _split_formed(c, w.col(groups["weight"]))
             bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
-            out["weight"] = self._weight_grad(c, c.a, bw, c.mod.weight.shape, c.mod.groups)
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
+                c, c.a[sl], bw[sl], c.mod.weight.shape, c.mod.groups))
+            if formed is not None:
+                out["weight"].add_(formed.view(c.mod.weight.shape))
         if "bias" in groups:
             out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
         return out
@@ -723,14 +803,15 @@ class _EmbeddingRule(_Rule):
         gram = rnd.gp(p) + _gam64(t * t + 1) * (1 + rnd.gp(p))
         # segment sums: at most t rows per (example, token), then their squared norms summed
         return _position_bound_sq(sq, abs_sum, "ghost" if c.choice == "ghost" else "direct",
-                                  p + t, t, gram, batch * t, rnd,
+                                  p + t, t, gram, _BK_BLOCK * t, rnd,
                                   lambda rows: _sq(self.per_example(_Sub(c, rows), "weight")))
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         x, b = c.a, c.b
-        bw = (b * w.col2(groups["weight"]).unsqueeze(2)).reshape(-1, b.shape[2])
-        out = b.new_zeros(c.mod.num_embeddings, b.shape[2]).index_add_(0, x.flatten(), bw)
-        return {"weight": out}
+        bw = b * w.col2(groups["weight"]).unsqueeze(2)
+        return {"weight": _bk_sum(b.shape[0], lambda sl: b.new_zeros(
+            c.mod.num_embeddings, b.shape[2]).index_add_(0, x[sl].flatten(),
+                                                         bw[sl].reshape(-1, b.shape[2])))}
 
     def mask(self, c: _Call, finite: Tensor) -> None:
         c.b = _rows(finite, c.b)
@@ -1256,9 +1337,13 @@ class GhostEngine:
         # the norms used for the weights are upper bounds of the norms of the vectors actually
         # summed, rounding included (module docstring, "Rounding"): the relative factor covers the
         # norms' own reductions (k_rel), the weighted reduction over the batch (its products
-        # rounded: u_p), the sums over layers and groups, the square root and the strategy's few
-        # operations on the norm (32)
-        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + k_rel + 2 * len(live) + n_groups + 32)) - 1
+        # rounded: u_p), the sum of the book-keeping blocks (_BK_BLOCK: at most one per example),
+        # the addition of the directly formed gradients (_FORM_RATIO: one per layer),
+        # the sums over layers and groups, the square root and the strategy's few operations on
+        # the norm (32)
+        n_blocks = len(_bk_blocks(batch))
+        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * len(live) + n_groups
+                                            + 32)) - 1
         norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
