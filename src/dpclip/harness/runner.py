@@ -128,13 +128,15 @@ def run_experiment(
     workers: int = 1,
     progress: bool = True,
     checkpoint_interval_s: float = 60.0,
+    threads: int | None = None,
 ) -> RunnerReport:
     """Execute every run of ``spec`` that is not finished in ``db``.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) each run is one private run across the ranks: rank 0
     plans the grid (the lock, the store, resolved schedules) and sends the list of runs to the
     other ranks; every rank then trains each run together, and only rank 0 writes results and
-    checkpoints. ``workers`` must be 1 there."""
+    checkpoints. ``workers`` must be 1 there. ``threads``: torch threads per worker (default: the
+    CPU count divided by ``workers``)."""
     from dpclip.distributed import init_from_env
 
     if workers < 1:
@@ -183,7 +185,10 @@ def run_experiment(
 
             bar = tqdm(total=len(runs), initial=report.skipped, desc=f"{spec.name} runs",
                        unit="run", position=0, dynamic_ncols=True)
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 1) // workers)
+        elif threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         args = dict(db=str(db), ck_root=str(ck_root), threads=threads,
                     checkpoint_interval_s=checkpoint_interval_s)
         results: list[tuple[str, str | None]] = []
