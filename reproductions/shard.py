@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -74,6 +75,10 @@ def _one_cell(args: argparse.Namespace) -> int:
     from dpclip.harness.runner import run_experiment
     from dpclip.harness.spec import load_spec
 
+    import torch
+
+    if args.threads:  # the trials and searches run in this process too
+        torch.set_num_threads(args.threads)
     spec = load_spec(args.spec, args.set)
     st = [s for s in spec.strategies if s.label == args.label]
     level = {"epsilons": (), "noise_multipliers": ()}
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     while pending or running:
         while pending and len(running) < args.jobs:
             i, (label, key, value) = pending.pop(0)
-            cdir = work / f"cell{i:02d}"
+            cdir = work / ("cell-" + re.sub(r"[^A-Za-z0-9.]+", "_", f"{label}-{key}-{value}"))
             cdir.mkdir(exist_ok=True)
             cdb = cdir / "cell.db"
             if not cdb.exists() and Path(args.db).exists():
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             log = open(cdir / "log.txt", "a")
             print(f"[{time.monotonic() - t0:6.0f}s] start {label} {key}={value} (cell{i:02d})",
                   flush=True)
-            running[i] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), cdir)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            running[i] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                          cdir)
         for i, (proc, cdir) in list(running.items()):
             if proc.poll() is not None:
                 done.append((cdir.name, proc.returncode))
@@ -146,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s:
             for proc, cdir in running.values():
                 proc.send_signal(signal.SIGINT)
+            grace = time.monotonic() + 15
             for proc, cdir in running.values():
                 try:
-                    proc.wait(timeout=30)
+                    proc.wait(timeout=max(0.1, grace - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
                 print(f"deadline: stopped {cdir.name}", flush=True)
             running.clear()
             break

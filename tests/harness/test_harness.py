@@ -187,7 +187,8 @@ def test_reproductions_regenerated_from_store(tmp_path):
         assert {"dataset", "model", "strategy", "params", "epsilon", "delta", "seed", "epochs",
                 "test_accuracy"} <= set(r)
     text = doc.read_text()
-    assert "a paper" in text and "| big | 90.0 | Table 9 |" in text and "not run" not in text
+    assert "a paper" in text and "| big | eps=4 | 90.0 | Table 9 |" in text
+    assert "not run" not in text
 
 
 def test_published_must_name_a_label(tmp_path):
@@ -209,3 +210,59 @@ def test_compare_runs_a_spec_and_writes_its_report(tmp_path, capsys):
     assert rc == 0
     assert (tmp_path / "mini.md").exists() and (tmp_path / "mini.html").exists()
     assert "report:" in capsys.readouterr().out
+
+
+def _fake_runs(label_accs, epsilon=2.7):
+    return [{"label": lab, "config": {"strategy": "fixed", "epsilon": epsilon,
+                                      "noise_multiplier": None},
+             "summary": {"test_accuracy": a / 100}} for lab, accs in label_accs.items()
+            for a in accs]
+
+
+@pytest.mark.parametrize("better, than, expect", [
+    ([85.0, 85.2, 84.9], [83.0, 83.1, 83.3], "holds"),
+    ([83.0, 83.1, 83.3], [85.0, 85.2, 84.9], "does not hold (the opposite is measured)"),
+    ([84.0, 85.0, 83.0], [84.2, 84.6, 83.6], "does not hold (difference within 2 standard errors)"),
+    ([85.0], [83.0, 83.1], "not measurable yet (1 and 2 runs; 2 each needed)"),
+])
+def test_claim_verdicts_use_two_standard_errors(better, than, expect):
+    from dpclip.harness.reproduce import verdict
+
+    runs = _fake_runs({"A": better, "B": than}) + _fake_runs({"A": [10.0, 10.0]}, epsilon=8.0)
+    v, measured = verdict({"text": "A beats B", "better": "A", "than": "B", "epsilon": 2.7},
+                          runs, ("eps", 2.7), n_levels=2)
+    assert v == expect
+    assert f"(n={len(better)})" in measured  # the epsilon-8 runs are not counted
+
+
+def test_level_claim_and_published_per_level(tmp_path):
+    from dpclip.harness.reproduce import _published_at, verdict
+
+    runs = _fake_runs({"A": [75.5, 74.9]})
+    assert verdict({"text": "A reaches 75", "label": "A", "at_least": 75}, runs,
+                   ("eps", 2.7))[0] == "holds"
+    assert verdict({"text": "A reaches 76", "label": "A", "at_least": 76}, runs,
+                   ("eps", 2.7))[0] == "does not hold"
+    pub = {"value": 85.2, "at": {"1.5": 82.7, "2.7": 85.2}}
+    assert _published_at(pub, ("eps", 1.5), 2) == 82.7
+    assert _published_at(pub, ("eps", 4.5), 2) is None  # not published at that level
+    assert _published_at({"value": 90.0}, ("eps", 4.0), 1) == 90.0
+
+
+@pytest.mark.parametrize("claims, match", [
+    ('[[claims]]\ntext = "x"\nbetter = "big"\nthan = "nope"\nepsilon = 1.0',
+     "not a strategy label"),
+    ('[[claims]]\ntext = "x"\nbetter = "big"\nthan = "small"', "several privacy levels"),
+    ('[[claims]]\ntext = "x"\nbetter = "big"\nlabel = "small"\nepsilon = 1.0',
+     "either better = LABEL and than = LABEL"),
+    ('[[claims]]\ntext = "x"\nbeter = "big"\nthan = "small"\nepsilon = 1.0',
+     "did you mean 'better'"),
+    ('[[claims]]\ntext = "x"\nlabel = "big"\nat_least = "high"\nepsilon = 1.0',
+     "at_least must be an accuracy"),
+    ('[published]\n"big" = { value = 1.0, at = { "low" = 2.0 } }', "map privacy levels"),
+])
+def test_bad_claims_name_the_fix(tmp_path, claims, match):
+    p = tmp_path / "x.toml"
+    p.write_text(SPEC + "\n" + claims + "\n")
+    with pytest.raises(SpecError, match=match):
+        load_spec(p)

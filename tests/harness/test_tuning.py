@@ -185,3 +185,45 @@ def test_seed_dependent_split_is_refused_for_validation(tmp_path):
     with pytest.raises(ValueError, match="overlaps another seed's test split"):
         run_experiment(parse_spec(raw), db=tmp_path / "r.db", out_dir=tmp_path / "o",
                        progress=False)
+
+
+@pytest.mark.parametrize("rel, retrained", [(1e-10, 0), (1e-6, 3)])
+def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, retrained):
+    """A trial stored with a noise multiplier that differs by calibration round-off (another
+    machine's libraries: 1e-10 relative was seen) is the same trial; a real difference is not."""
+    import json
+
+    raw = raw_spec()
+    raw["strategies"] = raw["strategies"][:1]
+    spec = parse_spec(raw)
+    db, out = tmp_path / "r.db", tmp_path / "out"
+    run_experiment(spec, db=db, out_dir=out, progress=False)
+    with ResultsStore(db) as store:  # as if computed elsewhere: other digits, other fingerprint
+        rows = store._conn.execute("SELECT id, config FROM runs WHERE experiment = "
+                                   "'tune-tiny:tuning'").fetchall()
+        assert len(rows) == 3
+        for rid, cfg in rows:
+            c = json.loads(cfg)
+            c["noise_multiplier"] *= 1 + rel
+            c["device"] = "cuda"
+            store._conn.execute("UPDATE runs SET config = ?, fingerprint = 'x' || fingerprint "
+                                "WHERE id = ?", (json.dumps(c), rid))
+        store._conn.execute("DELETE FROM runs WHERE experiment = 'tune-tiny'")
+        store._conn.commit()
+    rec = Recorder(monkeypatch)
+    run_experiment(spec, db=db, out_dir=out, progress=False)
+    trained = [c for c in rec.calls if c[2] is None]
+    assert len(trained) == retrained + 1  # the trials not matched, and the final run
+
+
+def test_a_killed_trial_is_marked_interrupted(tmp_path):
+    raw = raw_spec()
+    raw["strategies"] = raw["strategies"][:1]
+    spec = parse_spec(raw)
+    db, out = tmp_path / "r.db", tmp_path / "out"
+    with ResultsStore(db) as store:  # a trial whose process was killed
+        store.start_run("tdead", {"x": 1}, experiment="tune-tiny:tuning", label="dead trial")
+    run_experiment(spec, db=db, out_dir=out, progress=False)
+    with ResultsStore(db) as store:
+        st = store._conn.execute("SELECT status FROM runs WHERE fingerprint = 'tdead'").fetchone()
+    assert st == ("interrupted",)

@@ -27,7 +27,7 @@ from dpclip.harness.report import (
 from dpclip.harness.spec import load_spec
 from dpclip.harness.store import ResultsStore
 
-__all__ = ["regenerate"]
+__all__ = ["regenerate", "verdict"]
 
 
 def _row(run: dict[str, Any]) -> dict[str, Any]:
@@ -69,26 +69,45 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
             lines += [f"## {spec.name}{scope}", "",
                       f"Spec: `{path.as_posix()}` — {spec.description}",
                       "", f"Paper: {spec.paper or '-'}", "",
-                      "| strategy | published | source | ours | n | epsilon | noise | difference |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| strategy | level | published | source | ours | n | epsilon | noise | "
+                      "difference |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            levels = _levels(spec)
             for st in spec.strategies:
-                mine = [r for r in runs if (r["label"] or r["config"]["strategy"]) == st.label]
-                pub = spec.published.get(st.label)
-                accs = [100 * r["summary"]["test_accuracy"] for r in mine]
-                if accs:
-                    m = statistics.fmean(accs)
-                    sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-                    ours = f"{m:.2f} +- {sd:.2f}"
-                    eps = f"{max(r['summary']['epsilon'] for r in mine):.3f}"
-                    diff = f"{m - pub['value']:+.2f}" if pub else "-"
-                else:
-                    ours, eps, diff = "not run", "-", "-"
-                n_seeded = len(seeded_runs(mine))
-                noise = "-" if not mine else ("secure" if not n_seeded else (
-                    "seeded" if n_seeded == len(mine) else f"seeded ({n_seeded} of {len(mine)})"))
-                lines.append(f"| {st.label} | {pub['value'] if pub else '-'} | "
-                             f"{pub.get('source', '') if pub else ''} | {ours} | {len(accs)} | "
-                             f"{eps} | {noise} | {diff} |")
+                for level in levels:
+                    mine = [r for r in runs if _label(r) == st.label
+                            and (len(levels) == 1 or _at(r, level))]
+                    pub = spec.published.get(st.label)
+                    value = _published_at(pub, level, len(levels))
+                    accs = [100 * r["summary"]["test_accuracy"] for r in mine]
+                    if accs:
+                        m = statistics.fmean(accs)
+                        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+                        ours = f"{m:.2f} +- {sd:.2f}"
+                        eps = f"{max(r['summary']['epsilon'] for r in mine):.3f}"
+                        diff = f"{m - value:+.2f}" if value is not None else "-"
+                    else:
+                        ours, eps, diff = "not run", "-", "-"
+                    n_seeded = len(seeded_runs(mine))
+                    noise = "-" if not mine else ("secure" if not n_seeded else (
+                        "seeded" if n_seeded == len(mine)
+                        else f"seeded ({n_seeded} of {len(mine)})"))
+                    lines.append(
+                        f"| {st.label} | {level[0]}={level[1]:g} | "
+                        f"{value if value is not None else '-'} | "
+                        f"{pub.get('source', '') if pub else ''} | {ours} | {len(accs)} | "
+                        f"{eps} | {noise} | {diff} |")
+            if spec.claims:
+                lines += ["", f"### {spec.name}: claims", "",
+                          "Each verdict is computed from the runs above (a comparison holds when "
+                          "the difference of the means exceeds two standard errors).", "",
+                          "| claim | level | verdict | measured | note |", "|---|---|---|---|---|"]
+                for c in spec.claims:
+                    lev = (("eps", float(c["epsilon"])) if "epsilon" in c else levels[0])
+                    v, measured = verdict(c, runs, lev, len(levels))
+                    lines.append(f"| {c['text']} | {lev[0]}={lev[1]:g} | {v} | {measured} | "
+                                 f"{c.get('note', '')} |")
+                lines.append("")
             from dpclip.harness.tuning import tuning_table
 
             lines += [x.replace("## Tuning", f"### {spec.name}: tuning") for x in
@@ -98,6 +117,75 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines) + "\n")
     return out_counts
+
+
+def _label(run: dict[str, Any]) -> str:
+    return run["label"] or run["config"]["strategy"]
+
+
+def _levels(spec: Any) -> list[tuple[str, float]]:
+    return ([("eps", float(e)) for e in spec.epsilons]
+            + [("sigma", float(z)) for z in spec.noise_multipliers]) or [("eps", float("nan"))]
+
+
+def _at(run: dict[str, Any], level: tuple[str, float]) -> bool:
+    cfg = run["config"]
+    if level[0] == "eps":
+        return cfg.get("epsilon") is not None and abs(float(cfg["epsilon"]) - level[1]) < 1e-9
+    return (cfg.get("epsilon") is None and cfg.get("noise_multiplier") is not None
+            and abs(float(cfg["noise_multiplier"]) - level[1]) < 1e-9)
+
+
+def _published_at(pub: dict[str, Any] | None, level: tuple[str, float],
+                  n_levels: int) -> float | None:
+    """The published number at ``level``: ``at[level]`` when the entry has it; ``value`` when
+    the entry has no ``at`` (one number for every level of the grid)."""
+    if pub is None:
+        return None
+    at = {float(k): float(v) for k, v in pub.get("at", {}).items()}
+    if at:
+        return at.get(level[1])
+    return float(pub["value"])
+
+
+def verdict(claim: dict[str, Any], runs: list[dict[str, Any]], level: tuple[str, float],
+            n_levels: int = 1) -> tuple[str, str]:
+    """``(verdict, measured)`` for one ``[[claims]]`` entry of a spec, from the finished runs.
+
+    A comparison (``better`` beats ``than``) *holds* when the difference of the mean test
+    accuracies exceeds two standard errors (``sqrt(s_b^2/n_b + s_t^2/n_t)``), *does not hold*
+    otherwise (reversed beyond two standard errors, or within them), and is *not measurable*
+    with fewer than 2 runs on either side. A level claim (``label`` reaches ``at_least`` %)
+    holds when the mean does."""
+
+    def accs(label: str) -> list[float]:
+        return [100 * r["summary"]["test_accuracy"] for r in runs
+                if _label(r) == label and (n_levels == 1 or _at(r, level))]
+
+    def show(label: str, xs: list[float]) -> str:
+        if not xs:
+            return f"{label}: no run"
+        sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        return f"{label} {statistics.fmean(xs):.2f} +- {sd:.2f} (n={len(xs)})"
+
+    if "at_least" in claim:
+        xs = accs(claim["label"])
+        if not xs:
+            return "not measurable yet (no run)", show(claim["label"], xs)
+        ok = statistics.fmean(xs) >= float(claim["at_least"])
+        return ("holds" if ok else "does not hold"), show(claim["label"], xs)
+    b, t = accs(claim["better"]), accs(claim["than"])
+    measured = f"{show(claim['better'], b)} vs {show(claim['than'], t)}"
+    if len(b) < 2 or len(t) < 2:
+        return f"not measurable yet ({len(b)} and {len(t)} runs; 2 each needed)", measured
+    diff = statistics.fmean(b) - statistics.fmean(t)
+    se = (statistics.variance(b) / len(b) + statistics.variance(t) / len(t)) ** 0.5
+    measured += f"; difference {diff:+.2f}, 2 SE {2 * se:.2f}"
+    if diff > 2 * se:
+        return "holds", measured
+    if diff < -2 * se:
+        return "does not hold (the opposite is measured)", measured
+    return "does not hold (difference within 2 standard errors)", measured
 
 
 def _round_plot(runs: list[dict[str, Any]], name: str, path: Path) -> None:

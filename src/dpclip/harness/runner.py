@@ -164,6 +164,8 @@ def run_experiment(
                 if spec.tuning is not None:  # the tuning protocol: trials, then the choices
                     from dpclip.harness.tuning import tune_runs
 
+                    store.mark_interrupted(f"{spec.name}:tuning")  # trials of a killed run
+
                     runs = tune_runs(spec, runs, store, out, progress=progress)
             except Exception:
                 store.close()

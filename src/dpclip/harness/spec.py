@@ -96,7 +96,8 @@ from dpclip.trainer import TrainConfig
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
 _TOP = {"name", "description", "paper", "published", "train", "federated", "grid", "strategies",
-        "tuning"}
+        "tuning", "claims"}
+_CLAIM = {"text", "better", "than", "label", "at_least", "epsilon", "note"}
 _TUNING = {"source", "trials", "epochs", "seed", "validation_fraction", "proxy"}
 _GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
 _STRAT = {"name", "label", "params", "train", "tune"}
@@ -185,6 +186,8 @@ class ExperimentSpec:
     tuning: Any = None  #: a ``dpclip.harness.tuning.TuningSpec`` or None
     #: "train" (example-level DP-SGD, [train]) or "federated" (user-level DP-FedAvg, [federated])
     kind: str = "train"
+    #: the paper's claims, each judged from the stored runs (``dpclip.harness.reproduce.verdict``)
+    claims: tuple[dict[str, Any], ...] = ()
 
     def runs(self) -> list[RunSpec]:
         """Every run of the grid, in a stable order (strategy-major, then privacy, then seed)."""
@@ -350,16 +353,70 @@ def parse_spec(raw: dict[str, Any], overrides: Iterable[str] = (), *,
                             f"labels: {sorted(labels)}")
         if not (isinstance(entry, dict) and isinstance(entry.get("value"), (int, float))):
             raise SpecError(f"[published].{lab} must be {{ value = <accuracy %>, source = ... }}")
+        at = entry.get("at", {})
+        if not isinstance(at, dict) or not all(
+                isinstance(v, (int, float)) and _is_number(k) for k, v in at.items()):
+            raise SpecError(f"[published].{lab}.at must map privacy levels to published "
+                            f"accuracies, e.g. at = {{ \"1.5\" = 82.7, \"2.7\" = 85.2 }}; got {at!r}")
+    claims = _parse_claims(raw.get("claims", []), labels)
+    if len(epsilons) + len(noises) > 1:
+        for i, c in enumerate(claims):
+            if "epsilon" not in c:
+                raise SpecError(f"claims[{i}]: the grid has several privacy levels; say at which "
+                                f"one the claim is judged, e.g. epsilon = {(epsilons or noises)[0]}")
     if kind == "federated" and ("tuning" in raw or any(st.tune for st in strategies)):
         raise SpecError("[tuning] and `tune` are for example-level [train] grids; a [federated] "
                         "grid has no tuning protocol yet: remove them, or tune by hand with a grid")
     tuning = _parse_tuning(raw.get("tuning"), strategies)
     spec = ExperimentSpec(name, str(raw.get("description", "")), train, datasets, models,
                           epsilons, noises, seeds, tuple(strategies), str(raw.get("paper", "")),
-                          dict(published), tuning, kind)
+                          dict(published), tuning, kind, tuple(claims))
     if validate_names:
         _validate_names(spec)
     return spec
+
+
+def _is_number(x: Any) -> bool:
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _parse_claims(raw: Any, labels: set[str]) -> list[dict[str, Any]]:
+    """``[[claims]]``: a paper claim the stored runs decide. Either a comparison
+    (``better`` beats ``than``) or a level (``label`` reaches ``at_least`` %), optionally at one
+    ``epsilon`` (or noise multiplier) of the grid; ``text`` states it, ``note`` adds context."""
+    if not isinstance(raw, list):
+        raise SpecError("[[claims]] must be an array of tables: [[claims]] text = ..., "
+                        "better = LABEL, than = LABEL (or label = LABEL, at_least = %)")
+    out = []
+    for i, c in enumerate(raw):
+        where = f"claims[{i}]"
+        if not isinstance(c, dict):
+            raise SpecError(f"{where} must be a table")
+        bad = [k for k in c if k not in _CLAIM]
+        if bad:
+            raise _unknown_keys(where, bad, _CLAIM)
+        if not isinstance(c.get("text"), str) or not c["text"]:
+            raise SpecError(f"{where}.text: state the claim, e.g. text = \"Decay beats Abadi\"")
+        compare = "better" in c or "than" in c
+        level = "label" in c or "at_least" in c
+        if compare == level:
+            raise SpecError(f"{where}: give either better = LABEL and than = LABEL (a comparison) "
+                            "or label = LABEL and at_least = <accuracy %> (a level)")
+        need = ("better", "than") if compare else ("label",)
+        for k in need:
+            if c.get(k) not in labels:
+                raise SpecError(f"{where}.{k} = {c.get(k)!r} is not a strategy label of this "
+                                f"spec; labels: {sorted(labels)}")
+        if level and not isinstance(c.get("at_least"), (int, float)):
+            raise SpecError(f"{where}.at_least must be an accuracy in %, got {c.get('at_least')!r}")
+        if "epsilon" in c and not isinstance(c["epsilon"], (int, float)):
+            raise SpecError(f"{where}.epsilon must be a number, got {c['epsilon']!r}")
+        out.append(dict(c))
+    return out
 
 
 def _parse_tuning(raw: Any, strategies: list[StrategySpec]) -> TuningSpec | None:
