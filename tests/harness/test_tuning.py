@@ -227,3 +227,38 @@ def test_a_killed_trial_is_marked_interrupted(tmp_path):
     with ResultsStore(db) as store:
         st = store._conn.execute("SELECT status FROM runs WHERE fingerprint = 'tdead'").fetchone()
     assert st == ("interrupted",)
+
+
+def test_tan_horizon_keeps_the_run_s_steps_and_sigma_over_b(tmp_path, monkeypatch):
+    """horizon = "tan": a trial of E_t epochs for a run of E epochs trains at batch B E_t / E with
+    noise multiplier sigma E_t / E, so it takes the run's number of steps (on the same data)
+    with the same sigma / B, at the cost of E_t epochs."""
+    raw = raw_spec(horizon="tan")
+    raw["train"]["epochs"] = 4
+    raw["strategies"] = raw["strategies"][:1]
+    spec = parse_spec(raw)
+    rec = Recorder(monkeypatch)
+    db = tmp_path / "r.db"
+    run_experiment(spec, db=db, out_dir=tmp_path / "out", progress=False)
+    trials = [c for c in rec.calls if c[2] is None and c[0].epochs == 1]
+    assert len(trials) == 3
+    with ResultsStore(db) as store:
+        final = next(store.runs("finished", "tune-tiny"))
+    z = final["summary"]["noise_multiplier"]
+    for cfg, data, _ in trials:
+        assert cfg.batch_size == 16  # 64 x 1 / 4
+        assert cfg.noise_multiplier == pytest.approx(z / 4, rel=1e-12)
+        assert cfg.noise_multiplier / cfg.batch_size == pytest.approx(z / 64, rel=1e-12)
+    t = final["summary"]["tuning"]
+    assert "TAN" in t["horizon"] and t["budget"] == {"trials": 3, "epochs_per_trial": 1}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(horizon="long"), "horizon must be one of"),
+    (dict(horizon="tan", source="public-proxy", validation_fraction=None),
+     "needs source = \"validation\""),
+    (dict(horizon="tan", epochs=2), "needs tuning.epochs \\(2\\) < the run's epochs \\(2\\)"),
+])
+def test_bad_horizons_name_the_fix(change, match):
+    with pytest.raises(SpecError, match=match):
+        parse_spec(raw_spec(**change))

@@ -73,6 +73,25 @@ label = "adaptive-median"
 params = { initial_clip_norm = 0.1, target_quantile = 0.5 }
 ```
 
+**Papers and claims** (``dpclip reproductions`` turns them into ``docs/reproductions.md``):
+``paper`` names the table, ``[published]`` gives its number per strategy label (``at`` per
+privacy level when the grid has several), and each ``[[claims]]`` entry is a claim of the paper
+that the stored runs decide (``dpclip.harness.reproduce.verdict``): a comparison ``better`` vs
+``than`` (holds when the means differ by more than two standard errors, with at least 2 runs
+each) or a level ``label`` / ``at_least``, at one ``epsilon`` of the grid:
+
+```toml
+paper = "Lin et al. 2022 Table 2 (FMNIST)"
+[published]
+"Decay" = { value = 87.7, source = "Lin Table 2", at = { "1.5" = 84.7, "2.7" = 87.7 } }
+[[claims]]
+text = "Decay beats fixed clipping"
+better = "Decay"
+than = "Papernot"
+epsilon = 2.7
+note = "optional context shown beside the verdict"
+```
+
 Strategy parameters that name stored or computed data, ``transfer``'s ``schedule = "NAME"`` and
 ``lin-decay``'s ``c0_from = "greedy"``, are resolved by the runner against the results store
 (``dpclip.search.resolve_strategy_params``) before the grid runs; the resolved numbers are part
@@ -89,8 +108,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dpclip.errors import did_you_mean, unknown_name
-from dpclip.harness.tuning import (SOURCES, TUNABLE_TRAIN_FIELDS, TuningSpec, apply_point,
-                                   search_points)
+from dpclip.harness.tuning import (HORIZONS, SOURCES, TUNABLE_TRAIN_FIELDS, TuningSpec,
+                                   apply_point, search_points)
 from dpclip.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
@@ -98,7 +117,7 @@ __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec
 _TOP = {"name", "description", "paper", "published", "train", "federated", "grid", "strategies",
         "tuning", "claims"}
 _CLAIM = {"text", "better", "than", "label", "at_least", "epsilon", "note"}
-_TUNING = {"source", "trials", "epochs", "seed", "validation_fraction", "proxy"}
+_TUNING = {"source", "trials", "epochs", "seed", "validation_fraction", "proxy", "horizon"}
 _GRID = {"datasets", "models", "epsilons", "noise_multipliers", "seeds"}
 _STRAT = {"name", "label", "params", "train", "tune"}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -452,13 +471,19 @@ def _parse_tuning(raw: Any, strategies: list[StrategySpec]) -> TuningSpec | None
     proxy = t.get("proxy")
     if proxy is not None and not isinstance(proxy, str):
         raise SpecError(f"[tuning] proxy must be a dataset name, got {proxy!r}")
+    horizon = t.get("horizon", "truncated")
+    if horizon not in HORIZONS:
+        raise SpecError(f"[tuning] horizon must be one of {sorted(HORIZONS)}, got {horizon!r}")
+    if horizon == "tan" and source != "validation":
+        raise SpecError("[tuning] horizon = \"tan\" needs source = \"validation\" (a public "
+                        "proxy has its own size and steps); use horizon = \"truncated\"")
     missing = [st.label for st in strategies if not st.tune]
     if missing:
         raise SpecError(
             f"[tuning]: every strategy gets the same budget over its own search space; "
             f"{missing} have no `tune` table (e.g. tune = {{ lr = [0.5, 1.0] }})")
     tuning = TuningSpec(str(source), int(t["trials"]), int(t["epochs"]), int(seed),
-                        float(frac), proxy)
+                        float(frac), proxy, str(horizon))
     for st in strategies:  # the same number of trials for everyone (or a clear error now)
         try:
             search_points(st.tune, tuning.trials, tuning.seed, f"strategy {st.label!r} tune")
@@ -530,6 +555,12 @@ def _validate_names(spec: ExperimentSpec) -> None:
             unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
             check_unit_sampling(unit, cfg.sampling)
             make_strategy(st.name, own)
+            if spec.tuning is not None and spec.tuning.horizon == "tan" \
+                    and spec.tuning.epochs >= cfg.epochs:
+                raise ValueError(
+                    f"[tuning] horizon = \"tan\" scales the batch by tuning.epochs / epochs, "
+                    f"which needs tuning.epochs ({spec.tuning.epochs}) < the run's epochs "
+                    f"({cfg.epochs}); lower tuning.epochs or use horizon = \"truncated\"")
             if spec.tuning is not None:  # every setting of the search space is a valid config
                 for point in search_points(st.tune, spec.tuning.trials, spec.tuning.seed):
                     tuned = apply_point(cfg, point)

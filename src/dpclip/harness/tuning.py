@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOURCES", "TUNABLE_TRAIN_FIELDS", "TuningSpec", "apply_point", "search_points",
+__all__ = ["HORIZONS", "SOURCES", "TUNABLE_TRAIN_FIELDS", "TuningSpec", "apply_point", "search_points",
            "tune_runs", "tuning_table"]
 
 #: selection sources and what they mean for privacy (stored with every tuned result)
@@ -52,6 +52,14 @@ SOURCES: dict[str, str] = {
                    "privacy-accounted (as in the papers); the test split is never used"),
     "public-proxy": ("selected on a public proxy dataset: accounted nowhere because the data is "
                      "public; the private data and its test split are never used"),
+}
+
+#: how a trial relates to its final run
+HORIZONS: dict[str, str] = {
+    "truncated": "the final run's batch and noise multiplier, cut to the trial's epochs",
+    "tan": ("the final run's number of steps and sigma / B at a batch (trial epochs / final "
+            "epochs) times smaller, noise multiplier scaled alike (TAN, Sander et al. 2023): the "
+            "noise of the whole run at the cost of the trial's epochs"),
 }
 
 #: TrainConfig fields a search space may contain (post-processing of the noisy gradient: no
@@ -70,11 +78,16 @@ class TuningSpec:
     seed: int = 0
     validation_fraction: float = 0.1
     proxy: str | None = None
+    #: "truncated" (the final run cut to ``epochs``) or "tan" (the final run's number of steps
+    #: at a batch ``epochs / final epochs`` times smaller, with the noise multiplier scaled alike)
+    horizon: str = "truncated"
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"source": self.source, "privacy": SOURCES[self.source],
                              "budget": {"trials": self.trials, "epochs_per_trial": self.epochs},
                              "seed": self.seed, "metric": "selection accuracy (last epoch)"}
+        if self.horizon != "truncated":
+            d["horizon"] = HORIZONS[self.horizon]
         if self.source == "validation":
             d["validation_fraction"] = self.validation_fraction
         else:
@@ -247,7 +260,14 @@ class _Tuner:
         base = dict(epsilon=None, noise_multiplier=float(facts["noise_multiplier"]),
                     seed=self.tuning.seed, diagnostics=False)
         if self.tuning.source == "validation":
-            cfg = dataclasses.replace(final, epochs=self.tuning.epochs, **base)
+            if self.tuning.horizon == "tan":
+                k = final.epochs / self.tuning.epochs
+                batch = max(1, round(final.batch_size / k))
+                base["noise_multiplier"] *= batch / final.batch_size
+                cfg = dataclasses.replace(final, epochs=self.tuning.epochs, batch_size=batch,
+                                          **base)
+            else:
+                cfg = dataclasses.replace(final, epochs=self.tuning.epochs, **base)
             return cfg, self._validation_bundle(final), facts
         from dpclip.data import load_dataset, public_proxy
         from dpclip.sampling import make_sampler
