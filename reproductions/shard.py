@@ -77,6 +77,9 @@ def _one_cell(args: argparse.Namespace) -> int:
 
     import torch
 
+    # a cell started from a background job inherits SIGINT ignored; the deadline stops it with
+    # SIGINT (KeyboardInterrupt: the run is marked interrupted and resumes from its checkpoint)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.threads:  # the trials and searches run in this process too
         torch.set_num_threads(args.threads)
     spec = load_spec(args.spec, args.set)
