@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import os
 import re
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -60,6 +59,16 @@ def merge(src: str | os.PathLike, dst: str | os.PathLike, experiments: list[str]
                       f"({','.join('?' * len(scols))})", row)
         d.commit()
         return n
+    finally:
+        s.close()
+        d.close()
+
+
+def _copy_db(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A consistent copy of a (possibly WAL-mode, possibly open) SQLite database."""
+    s, d = sqlite3.connect(src), sqlite3.connect(dst)
+    try:
+        s.backup(d)
     finally:
         s.close()
         d.close()
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             cdir.mkdir(exist_ok=True)
             cdb = cdir / "cell.db"
             if not cdb.exists() and Path(args.db).exists():
-                shutil.copy(args.db, cdb)  # finished runs / trials / schedules are skipped
+                _copy_db(args.db, cdb)  # finished runs / trials / schedules are skipped
             level = "epsilons" if key == "epsilon" else "noise_multipliers"
             cmd = [sys.executable, __file__, args.spec, "--db", str(cdb), "--work", str(cdir),
                    "--workers", str(args.workers), "--threads", str(threads),
