@@ -348,7 +348,7 @@ def test_spec_is_valid_as_written(tmp_path):
 def test_spec_unknown_top_level_key(tmp_path):
     msg = spec_error(tmp_path, SPEC.replace("[[strategies]]", "[[strategy]]"))
     assert msg.startswith("top level: unknown key(s) ['strategy'] (did you mean 'strategies'?); "
-                          "valid: ['description', 'federated', 'grid', 'name', 'paper', "
+                          "valid: ['claims', 'description', 'federated', 'grid', 'name', 'paper', "
                           "'published', 'strategies', 'train', 'tuning']")
 
 
