@@ -244,9 +244,9 @@ def test_level_claim_and_published_per_level(tmp_path):
     assert verdict({"text": "A reaches 76", "label": "A", "at_least": 76}, runs,
                    ("eps", 2.7))[0] == "does not hold"
     pub = {"value": 85.2, "at": {"1.5": 82.7, "2.7": 85.2}}
-    assert _published_at(pub, ("eps", 1.5), 2) == 82.7
-    assert _published_at(pub, ("eps", 4.5), 2) is None  # not published at that level
-    assert _published_at({"value": 90.0}, ("eps", 4.0), 1) == 90.0
+    assert _published_at(pub, ("eps", 1.5)) == 82.7
+    assert _published_at(pub, ("eps", 4.5)) is None  # not published at that level
+    assert _published_at({"value": 90.0}, ("eps", 4.0)) == 90.0
 
 
 @pytest.mark.parametrize("claims, match", [

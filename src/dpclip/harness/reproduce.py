@@ -80,7 +80,7 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
                     mine = [r for r in runs if _label(r) == st.label
                             and (len(levels) == 1 or _at(r, level))]
                     pub = spec.published.get(st.label)
-                    value = _published_at(pub, level, len(levels))
+                    value = _published_at(pub, level)
                     accs = [100 * r["summary"]["test_accuracy"] for r in mine]
                     if accs:
                         m = statistics.fmean(accs)
@@ -138,8 +138,7 @@ def _at(run: dict[str, Any], level: tuple[str, float]) -> bool:
             and abs(float(cfg["noise_multiplier"]) - level[1]) < 1e-9)
 
 
-def _published_at(pub: dict[str, Any] | None, level: tuple[str, float],
-                  n_levels: int) -> float | None:
+def _published_at(pub: dict[str, Any] | None, level: tuple[str, float]) -> float | None:
     """The published number at ``level``: ``at[level]`` when the entry has it; ``value`` when
     the entry has no ``at`` (one number for every level of the grid)."""
     if pub is None:
