@@ -187,10 +187,13 @@ def test_seed_dependent_split_is_refused_for_validation(tmp_path):
                        progress=False)
 
 
-@pytest.mark.parametrize("rel, retrained", [(1e-10, 0), (1e-6, 3)])
-def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, retrained):
+@pytest.mark.parametrize("rel, fraction, retrained", [(1e-10, 0.25, 0), (1e-6, 0.25, 3),
+                                                       (1e-10, 0.3, 3)])
+def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, fraction,
+                                                   retrained):
     """A trial stored with a noise multiplier that differs by calibration round-off (another
-    machine's libraries: 1e-10 relative was seen) is the same trial; a real difference is not."""
+    machine's libraries: 1e-10 relative was seen) is the same trial; a real difference is not,
+    nor is a trial scored on another validation split (which the config does not show)."""
     import json
 
     raw = raw_spec()
@@ -211,7 +214,8 @@ def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, r
         store._conn.execute("DELETE FROM runs WHERE experiment = 'tune-tiny'")
         store._conn.commit()
     rec = Recorder(monkeypatch)
-    run_experiment(spec, db=db, out_dir=out, progress=False)
+    run_experiment(parse_spec(raw_spec(validation_fraction=fraction) | {
+        "strategies": raw["strategies"]}), db=db, out_dir=out, progress=False)
     trained = [c for c in rec.calls if c[2] is None]
     assert len(trained) == retrained + 1  # the trials not matched, and the final run
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HORIZONS", "SOURCES", "TUNABLE_TRAIN_FIELDS", "TuningSpec", "apply_point", "search_points",
-           "tune_runs", "tuning_table"]
+__all__ = ["HORIZONS", "SOURCES", "TUNABLE_TRAIN_FIELDS", "TuningSpec", "apply_point",
+           "search_points", "tune_runs", "tuning_table"]
 
 #: selection sources and what they mean for privacy (stored with every tuned result)
 SOURCES: dict[str, str] = {
@@ -135,8 +135,9 @@ def cell_key(config: Any, label: str) -> tuple:
 NOISE_MATCH_RTOL = 1e-9
 
 
-def _same_trial(stored: Any, cfg: Any, label: str) -> dict[str, Any] | None:
-    """A finished trial of the same cell and setting whose noise multiplier differs from
+def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, Any] | None:
+    """A finished trial of the same cell, setting and selection data (``scored_on``: the source
+    and validation fraction, which the config does not hold) whose noise multiplier differs from
     ``cfg``'s only by calibration round-off, or None.
 
     A trial runs at the noise multiplier its final run calibrates, and the calibration's last
@@ -149,7 +150,8 @@ def _same_trial(stored: Any, cfg: Any, label: str) -> dict[str, Any] | None:
     for k in ("device", "data_dir"):
         want.pop(k, None)
     for row in stored:
-        if row.get("label") != label:
+        trial = (row.get("summary") or {}).get("tuning_trial") or {}
+        if row.get("label") != label or trial.get("scored_on") != scored_on:
             continue
         have = dict(row.get("config") or {})
         zh = have.pop("noise_multiplier", None)
@@ -302,7 +304,8 @@ class _Tuner:
             fp = _trial_fingerprint(cfg, t)
             label = (f"{first.label} | {first.config.dataset}/{first.config.model} | "
                      f"{level[0]}={level[1]:g} | trial {i}")
-            match = done.get(fp) or _same_trial(done.values(), cfg, label)
+            match = done.get(fp) or _same_trial(done.values(), cfg, label,
+                                                self._scored_on(cfg))
             if match is not None:
                 summary = match["summary"]
             else:
