@@ -12,7 +12,9 @@ dataset x model x privacy level), before the grid runs:
    fewer points than ``trials`` is refused);
 2. each trial is a shortened copy of the final run with that setting: the same noise multiplier
    (the one the final run calibrates for its epsilon and epochs), batch size, sampling and
-   optimizer, for ``epochs`` epochs, on the selection data of ``source``:
+   optimizer, for ``epochs`` epochs (with ``horizon = "tan"``: the final run's number of steps
+   and sigma / B, at batch ``B epochs / E`` and noise multiplier ``sigma epochs / E``), on the
+   selection data of ``source``:
 
    * ``validation``: a stratified ``validation_fraction`` of the PRIVATE training split is held
      out; the trial trains on the rest and is scored on it. This selection is NOT privacy-accounted
