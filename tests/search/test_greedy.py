@@ -165,3 +165,43 @@ def test_sigkilled_search_resumes(tmp_path):
     with ResultsStore(db) as store:
         _, resumed, _ = run_or_reuse(cfg, store, name="k", checkpoint_root=ck, progress=False)
     assert resumed == greedy_search(cfg, progress=False).thresholds
+
+
+@pytest.mark.parametrize("rel, reused", [(1e-10, True), (-1e-10, True), (1e-6, False)])
+def test_run_or_reuse_matches_a_stored_search_across_noise_round_off(tmp_path, monkeypatch,
+                                                                      rel, reused):
+    """A finished search stored from another machine, whose calibrated sigma differs only in its
+    last digits (1e-10 relative, seen between the CPU and GPU images), is reused; a sigma that
+    really differs (1e-6) runs a new search."""
+    from dpclip.harness.store import ResultsStore
+    from dpclip.search import default_schedule_name, run_or_reuse
+    from dpclip.search import greedy as greedy_mod
+    from dpclip.search import resolve as resolve_mod
+
+    base = dict(dataset="digits", model="logreg", batch_size=128, lr=0.5, epochs=1,
+                c_start=0.05, step=0.25, tolerance=0.03)
+    stored_cfg = GreedyConfig(noise_multiplier=1.4692802216793703, **base)
+    calls = []
+
+    def fake_search(config, **kw):
+        calls.append(config.noise_multiplier)
+        return greedy_mod.GreedyResult(
+            thresholds=[0.3 if config is stored_cfg else 0.55], accuracies=[0.9], candidates=[],
+            metadata={"kind": "lin-greedy", "config": config.to_dict(),
+                      "fingerprint": config.fingerprint()})
+
+    monkeypatch.setattr(resolve_mod, "greedy_search", fake_search)
+    with ResultsStore(tmp_path / "r.db") as store:
+        name0, th0, _ = run_or_reuse(stored_cfg, store, progress=False)
+        assert calls == [stored_cfg.noise_multiplier] and th0 == [0.3]
+        other = GreedyConfig(noise_multiplier=stored_cfg.noise_multiplier * (1 + rel), **base)
+        assert default_schedule_name(other) != name0  # the exact fingerprint misses it
+        name, th, _ = run_or_reuse(other, store, progress=False)
+        if reused:
+            assert (name, th, len(calls)) == (name0, [0.3], 1)
+        else:
+            assert name == default_schedule_name(other) and th == [0.55] and len(calls) == 2
+        # any other field differing is another search, round-off or not
+        other_lr = GreedyConfig(noise_multiplier=stored_cfg.noise_multiplier * (1 + rel),
+                                **{**base, "lr": 0.25})
+        assert run_or_reuse(other_lr, store, progress=False)[0] == default_schedule_name(other_lr)

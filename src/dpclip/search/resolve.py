@@ -29,6 +29,7 @@ here, before a run starts, into plain numbers recorded in the run's config and p
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import warnings
@@ -49,6 +50,7 @@ __all__ = [
     "private_noise_multiplier",
     "resolve_strategy_params",
     "run_or_reuse",
+    "same_search",
     "save_search",
 ]
 
@@ -79,9 +81,16 @@ def run_or_reuse(
     """The stored schedule ``name`` of this search config, running (and storing) it if absent.
 
     A stored schedule of the same name from another config is an error (choose another name).
+    Without ``name``, a stored search that differs from ``config`` only by the noise multiplier's
+    calibration round-off is reused (``same_search``).
     The search checkpoints into ``<checkpoint_root>/<name>`` and resumes from there.
     """
-    name = name or default_schedule_name(config)
+    if name is None:
+        name = default_schedule_name(config)
+        if not store.has_schedule(name):
+            same = same_search(store.schedules(), config)
+            if same is not None:
+                return same["name"], same["thresholds"], same["metadata"]
     if store.has_schedule(name):
         thresholds, meta = store.schedule(name)
         if meta.get("fingerprint") != config.fingerprint():
@@ -96,6 +105,40 @@ def run_or_reuse(
     save_search(store, name, result)
     thresholds, meta = store.schedule(name)
     return name, thresholds, meta
+
+
+#: relative tolerance on the noise multiplier when matching a stored search (see same_search);
+#: the same rule as the tuning trials' (dpclip.harness.tuning.NOISE_MATCH_RTOL)
+NOISE_MATCH_RTOL = 1e-9
+
+
+def same_search(stored: list[dict[str, Any]], config: GreedyConfig) -> dict[str, Any] | None:
+    """A stored greedy search (a row of ``ResultsStore.schedules()``) of ``config`` whose noise
+    multiplier differs from ``config``'s only by calibration round-off, or None.
+
+    A search runs at the noise multiplier its private run calibrates, whose last digits depend on
+    the numerical libraries (seen: 1.4692802216793703 on a GPU image against 1.46928022153966 on
+    this CPU image, 1e-10 relative). The exact fingerprint would then miss a finished search and
+    rerun it (about 2,000 steps per epoch searched). The search reads public data only and is not
+    accounted, so a search within ``NOISE_MATCH_RTOL`` is the same search; every other field of
+    the config must be equal."""
+    def key(d: dict[str, Any]) -> tuple[float | None, str]:
+        d = dict(d)
+        z = d.pop("noise_multiplier", None)
+        for k in ("data_dir", "device", "allow_private_data"):
+            d.pop(k, None)
+        return (None if z is None else float(z)), json.dumps(d, sort_keys=True, default=str)
+
+    z, want = key(config.to_dict())
+    for row in stored:
+        meta = row.get("metadata") or {}
+        if meta.get("kind") != "lin-greedy" or not isinstance(meta.get("config"), dict):
+            continue
+        zh, have = key(meta["config"])
+        if zh is not None and z is not None and abs(zh - z) <= NOISE_MATCH_RTOL * max(z, 1e-300) \
+                and have == want:
+            return row
+    return None
 
 
 def _safe(name: str) -> str:
