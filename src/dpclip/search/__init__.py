@@ -4,7 +4,8 @@
   a private dataset unless explicitly allowed; never reported with an epsilon), checkpointed after
   every candidate and resumable.
 * :func:`run_or_reuse`, :func:`save_search`: schedules stored by name in the results store
-  (``ResultsStore.save_schedule``; ``dpclip schedules`` lists them).
+  (``ResultsStore.save_schedule``; ``dpclip schedules`` lists them); :func:`same_search` matches a
+  stored search across the noise multiplier's calibration round-off.
 * :func:`resolve_strategy_params`: the CLI/harness boundary that turns ``transfer``'s
   ``schedule=NAME`` into ``thresholds`` and ``lin-decay``'s ``c0_from="greedy"`` into ``C0``.
 * :func:`search_noise_multiplier`: the private run's sigma from its epsilon, delta, batch size,
@@ -28,6 +29,7 @@ from dpclip.search.resolve import (
     private_noise_multiplier,
     resolve_strategy_params,
     run_or_reuse,
+    same_search,
     save_search,
 )
 
@@ -44,6 +46,7 @@ __all__ = [
     "private_noise_multiplier",
     "resolve_strategy_params",
     "run_or_reuse",
+    "same_search",
     "save_search",
     "search_noise_multiplier",
 ]
