@@ -266,3 +266,47 @@ def test_bad_claims_name_the_fix(tmp_path, claims, match):
     p.write_text(SPEC + "\n" + claims + "\n")
     with pytest.raises(SpecError, match=match):
         load_spec(p)
+
+
+def test_reproductions_count_one_run_per_seed(tmp_path):
+    """A seed rerun under a newer config (e.g. a changed default engine) supersedes the earlier
+    run of the same strategy, level and seed: the mean and n count it once, and the page says so;
+    other seeds and levels are all kept."""
+    from dpclip.harness.reproduce import latest_per_seed
+
+    def run(i, seed, acc, eps=4.0, engine="auto"):
+        return {"id": i, "label": "big", "config": {"strategy": "fixed", "epsilon": eps,
+                                                     "noise_multiplier": None, "seed": seed,
+                                                     "engine": engine},
+                "summary": {"test_accuracy": acc}}
+
+    runs = [run(1, 0, 0.36, engine="vmap"), run(2, 1, 0.50), run(3, 0, 0.40), run(4, 0, 0.7, 8.0)]
+    kept, old = latest_per_seed(runs)
+    assert [r["id"] for r in kept] == [2, 3, 4] and [r["id"] for r in old] == [1]
+    assert latest_per_seed(runs[1:]) == (runs[1:], [])
+
+    # end to end: a stored run of seed 0 whose config differs (another engine) is rerun by the
+    # grid, and the page counts seed 0 once
+    spec_dir = tmp_path / "repro"
+    spec_dir.mkdir()
+    text = SPEC.replace('name = "tiny"', 'name = "tiny-repro"').replace(
+        "epsilons = [1.0, 4.0]", "epsilons = [4.0]").replace(
+        "seeds = [0, 1]", "seeds = [0]").replace("epochs = 2", "epochs = 1")
+    (spec_dir / "tiny.toml").write_text(text)
+    db = tmp_path / "r.db"
+    args = ["run", str(spec_dir / "tiny.toml"), "--db", str(db), "--out", str(tmp_path / "o"),
+            "--no-progress"]
+    assert main(args) == 0
+    with sqlite3.connect(db) as c:  # as if made before a default changed
+        for rid, cfg in c.execute("SELECT id, config FROM runs").fetchall():
+            c.execute("UPDATE runs SET config=?, fingerprint='old' || id WHERE id=?",
+                      (json.dumps(dict(json.loads(cfg), engine="vmap-old")), rid))
+    assert main(args) == 0  # reruns both strategies' seed 0
+    doc = tmp_path / "doc.md"
+    assert main(["reproductions", "--db", str(db), "--dir", str(spec_dir),
+                 "--doc", str(doc)]) == 0
+    rows = json.loads((spec_dir / "results" / "tiny-repro.json").read_text())
+    assert len(rows) == 2  # 4 finished runs in the store: 2 strategies x seed 0, twice
+    text = doc.read_text()
+    assert "2 earlier run(s) of the same strategy, level and seed" in text
+    assert "| 1 | 4.000 |" in text and "| 2 | 4.000 |" not in text

@@ -5,7 +5,9 @@ spec ``reproductions/*.toml``, the finished runs of that experiment are written 
 ``reproductions/results/<name>.json`` (with a generated ``.md`` table), and ``docs/reproductions.md``
 maps paper -> spec -> published number -> our number (mean +- std over seeds). Federated specs
 (``[federated]``, user-level DP-FedAvg) are handled the same way and also get
-``<name>.png``: test accuracy and clip norm per round (means over seeds).
+``<name>.png``: test accuracy and clip norm per round (means over seeds). A seed counts once per
+strategy and level: where a grid reran a seed because its config changed (a new default), the
+latest run is used and the earlier one is named as superseded (``latest_per_seed``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dpclip.harness.report import (
 from dpclip.harness.spec import load_spec
 from dpclip.harness.store import ResultsStore
 
-__all__ = ["regenerate", "verdict"]
+__all__ = ["latest_per_seed", "regenerate", "verdict"]
 
 
 def _row(run: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
     with ResultsStore(db) as store:
         for path in sorted(spec_dir.glob("*.toml")):
             spec = load_spec(path)
-            runs = collect_runs(store, spec.name)
+            runs, superseded = latest_per_seed(collect_runs(store, spec.name))
             rows = [_row(r) for r in runs]
             out_counts[spec.name] = len(rows)
             if rows:
@@ -70,8 +72,13 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
             scope = " (user-level DP-FedAvg)" if spec.kind == "federated" else ""
             lines += [f"## {spec.name}{scope}", "",
                       f"Spec: `{path.as_posix()}` — {spec.description}",
-                      "", f"Paper: {spec.paper or '-'}", "",
-                      "| strategy | level | published | source | ours | n | epsilon | noise | "
+                      "", f"Paper: {spec.paper or '-'}", ""]
+            if superseded:
+                lines += [f"{len(superseded)} earlier run(s) of the same strategy, level and seed "
+                          "under an older config (run ids "
+                          f"{', '.join(str(r['id']) for r in superseded)}) are superseded by a "
+                          "rerun: kept in the store, not counted here.", ""]
+            lines += ["| strategy | level | published | source | ours | n | epsilon | noise | "
                       "difference |",
                       "|---|---|---|---|---|---|---|---|---|"]
             levels = _levels(spec)
@@ -119,6 +126,28 @@ def regenerate(db: str | Path, spec_dir: str | Path = "reproductions",
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines) + "\n")
     return out_counts
+
+
+def latest_per_seed(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                         list[dict[str, Any]]]:
+    """One run per strategy label, privacy level and seed: the latest finished (highest id).
+
+    A spec's run is identified by its config fingerprint, so a run made before a default changed
+    (an engine, a new config field) is not recognised and the grid runs that seed again; both
+    are kept in the store. Counting both would put one seed twice into a mean and its standard
+    error. Returns ``(kept, superseded)``, each in store order."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        cfg = r.get("config") or {}
+        return (_label(r), cfg.get("epsilon"), cfg.get("noise_multiplier")
+                if cfg.get("epsilon") is None else None, cfg.get("seed"))
+
+    latest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in runs:
+        k = key(r)
+        if k not in latest or r.get("id", 0) > latest[k].get("id", 0):
+            latest[k] = r
+    keep = {id(r) for r in latest.values()}
+    return [r for r in runs if id(r) in keep], [r for r in runs if id(r) not in keep]
 
 
 def _label(run: dict[str, Any]) -> str:
