@@ -74,6 +74,30 @@ def _copy_db(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         d.close()
 
 
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stop_cells(running: dict) -> None:
+    """SIGINT to every running cell's process group (the cell and its final-run workers: each run
+    is marked interrupted and resumes from its checkpoint), SIGKILL after 15 s of grace."""
+    for proc, cdir in running.values():
+        _signal_group(proc, signal.SIGINT)
+    grace = time.monotonic() + 15
+    for proc, cdir in running.values():
+        try:
+            proc.wait(timeout=max(0.1, grace - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc, signal.SIGKILL)  # workers the cell left behind
+        print(f"deadline: stopped {cdir.name}", flush=True)
+    running.clear()
+
+
 def _cells(spec) -> list[tuple[str, str, float]]:
     levels = [("epsilon", e) for e in spec.epsilons] + [
         ("noise_multiplier", z) for z in spec.noise_multipliers]
@@ -154,28 +178,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.monotonic() - t0:6.0f}s] start {label} {key}={value} (cell{i:02d})",
                   flush=True)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-            running[i] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
-                          cdir)
+            # its own process group: the deadline's SIGINT reaches the cell's final-run workers
+            running[i] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True), cdir)
         for i, (proc, cdir) in list(running.items()):
             if proc.poll() is not None:
                 done.append((cdir.name, proc.returncode))
                 print(f"[{time.monotonic() - t0:6.0f}s] end {cdir.name} rc={proc.returncode}",
                       flush=True)
                 del running[i]
-        if args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s:
-            for proc, cdir in running.values():
-                proc.send_signal(signal.SIGINT)
-            grace = time.monotonic() + 15
-            for proc, cdir in running.values():
-                try:
-                    proc.wait(timeout=max(0.1, grace - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                print(f"deadline: stopped {cdir.name}", flush=True)
-            running.clear()
+        stop = args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s
+        if not stop:
+            try:
+                time.sleep(1.0)
+            except KeyboardInterrupt:  # Ctrl-C: stop the cells as at the deadline, then merge
+                stop = True
+        if stop:
+            _stop_cells(running)
             break
-        time.sleep(1.0)
     n = 0
     for cdb in sorted(work.glob("cell*/cell.db")):
         n += merge(cdb, args.db, exps)

@@ -9,7 +9,10 @@ resolved from the store (``dpclip.search.resolve_strategy_params``; the greedy s
 checkpoint into ``<out>/search`` and are stored, so they run once). A spec with ``[tuning]`` then
 runs its trials (``dpclip.harness.tuning``: stored under ``<name>:tuning``, checkpointed under
 ``<out>/tuning``, never repeated) and its runs use each cell's chosen setting.
-checkpoint into ``<out>/search`` and are stored, so they run once).
+
+With ``workers > 1`` the runs go to a pool of processes: forked, or spawned when this process has
+already initialised CUDA (the trials or searches ran on the GPU here), since a forked child cannot
+use a CUDA context it inherited.
 
 Federated grids (``[federated]`` specs, user-level DP-FedAvg) go through the same loop, store and
 resume; their runs are short and keep no checkpoint: an interrupted federated run starts again
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 import fcntl
+import multiprocessing
 import os
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -104,6 +108,15 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
         return run.fingerprint, msg
     finally:
         store.close()
+
+
+def _pool_context() -> Any:
+    """``None`` (the platform's default start method), or ``spawn`` once this process holds a CUDA
+    context: CUDA cannot be re-initialised in a forked child ("Cannot re-initialize CUDA in forked
+    subprocess"), and the trials and searches before the final runs put one here on a GPU."""
+    import torch
+
+    return multiprocessing.get_context("spawn") if torch.cuda.is_initialized() else None
 
 
 def _resolve_runs(runs: list[RunSpec], store: ResultsStore, search_root: Path,
@@ -204,7 +217,7 @@ def run_experiment(
                 if bar is not None:
                     bar.update(1)
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
                 futures = [pool.submit(_run_one, r, progress=False, **args) for r in todo]
                 for fut in as_completed(futures):
                     results.append(fut.result())
