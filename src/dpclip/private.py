@@ -597,11 +597,22 @@ class PrivateTraining:
         if "randomness" not in ck:
             raise ValueError("checkpoint has no private randomness state (written by an older "
                              "dpclip?); it cannot be resumed")
-        if float(ck["noise_multiplier"]) != self.noise_multiplier:
-            raise ValueError(
-                f"checkpoint noise multiplier {ck['noise_multiplier']} differs from this run's "
-                f"{self.noise_multiplier}: the privacy settings changed; resume with the same "
-                "settings")
+        ck_z = float(ck["noise_multiplier"])
+        if ck_z != self.noise_multiplier:
+            from dpclip.search.resolve import NOISE_MATCH_RTOL
+
+            if abs(ck_z - self.noise_multiplier) > NOISE_MATCH_RTOL * self.noise_multiplier:
+                raise ValueError(
+                    f"checkpoint noise multiplier {ck['noise_multiplier']} differs from this "
+                    f"run's {self.noise_multiplier}: the privacy settings changed; resume with "
+                    "the same settings")
+            # The same calibration made by other numerical libraries (a checkpoint written on a
+            # GPU image, resumed here: the last digits differ, 1e-10 relative was seen). Every
+            # step keeps the checkpoint's multiplier, the one its ledger holds, and the epsilon
+            # cap is re-planned with it: where it is the smaller by round-off and the plan would
+            # overspend the cap, the run stops by budget before the step that would.
+            self.noise_multiplier = ck_z
+            self.max_steps = self._budget_steps()
         ledger = Ledger.from_dict(ck["ledger"])
         if ledger.steps != ck["step"]:
             raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, "

@@ -187,3 +187,34 @@ def test_the_api_ledger_equals_dpclip_train_for_the_same_settings():
             dp.step(xb, yb)
     assert dp.noise_multiplier == res.summary["noise_multiplier"]
     assert dp.ledger == res.ledger and dp.epsilon() == res.summary["epsilon"]
+
+
+@pytest.mark.parametrize("rel", [1e-10, -1e-10])
+def test_resume_accepts_calibration_round_off_and_keeps_the_cap(rel):
+    """A checkpoint written where the calibration's last digits differ (a GPU image: 1e-10
+    relative) resumes with the checkpoint's noise multiplier for every step, and the run's epsilon
+    stays within the cap either way round; a real change of the privacy settings is refused."""
+    x, y = _data()
+
+    def fresh():
+        model = _model()
+        return P.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              epsilon=2.0, epochs=2, batch_size=32, delta=1e-5,
+                              accountant="rdp")
+
+    a = fresh()
+    for _ in range(3):
+        a.step(*a.sample())
+    ck = copy.deepcopy(a.state_dict())
+    z = a.noise_multiplier * (1 + rel)
+    ck["noise_multiplier"] = z
+    b = fresh()
+    b.load_state_dict(ck)
+    assert b.noise_multiplier == z and b.steps == 3
+    while not b.exhausted:
+        b.step(*b.sample())
+    assert b.steps == b.max_steps and b.max_steps >= b.total_steps - 1
+    assert ledger_epsilon(b.ledger, 1e-5, accountant="rdp") <= 2.0
+    far = dict(ck, noise_multiplier=a.noise_multiplier * (1 + 1e-6))
+    with pytest.raises(ValueError, match="privacy settings changed"):
+        fresh().load_state_dict(far)
