@@ -70,6 +70,13 @@ class Plan:
         return led
 
 
+#: relative tolerance within which two calibrated noise multipliers are the same calibration: the
+#: last digits of a calibration depend on the numerical libraries (1e-10 relative was seen between
+#: the CPU image and a GPU image). Used to reuse stored trials and searches and to resume
+#: checkpoints across machines; a deliberate change of the privacy settings is far outside it.
+NOISE_MATCH_RTOL = 1e-9
+
+
 def resolve_noise(plan: Plan, *, epsilon: float | None, noise_multiplier: float | None,
                   delta: float, accountant: str, flags: Mapping[str, str] = API_FLAGS) -> float:
     """The given noise multiplier, or the one calibrated so that the whole plan meets

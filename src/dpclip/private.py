@@ -64,7 +64,7 @@ from dpclip.distributed import (
 )
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
-from dpclip.planning import API_FLAGS, Plan as _Plan, budget_steps, resolve_noise
+from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
 from dpclip.step import StepOutput, dp_step, private_buffer_guard
@@ -599,8 +599,6 @@ class PrivateTraining:
                              "dpclip?); it cannot be resumed")
         ck_z = float(ck["noise_multiplier"])
         if ck_z != self.noise_multiplier:
-            from dpclip.search.resolve import NOISE_MATCH_RTOL
-
             if abs(ck_z - self.noise_multiplier) > NOISE_MATCH_RTOL * self.noise_multiplier:
                 raise ValueError(
                     f"checkpoint noise multiplier {ck['noise_multiplier']} differs from this "

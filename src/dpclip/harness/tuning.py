@@ -133,8 +133,7 @@ def cell_key(config: Any, label: str) -> tuple:
     return (label, config.dataset, config.model, level)
 
 
-#: relative tolerance on the noise multiplier when matching a stored trial (see _same_trial)
-NOISE_MATCH_RTOL = 1e-9
+from dpclip.planning import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
 
 
 def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, Any] | None:

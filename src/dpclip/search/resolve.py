@@ -107,9 +107,7 @@ def run_or_reuse(
     return name, thresholds, meta
 
 
-#: relative tolerance on the noise multiplier when matching a stored search (see same_search);
-#: the same rule as the tuning trials' (dpclip.harness.tuning.NOISE_MATCH_RTOL)
-NOISE_MATCH_RTOL = 1e-9
+from dpclip.planning import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
 
 
 def same_search(stored: list[dict[str, Any]], config: GreedyConfig) -> dict[str, Any] | None:
