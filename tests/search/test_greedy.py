@@ -205,3 +205,40 @@ def test_run_or_reuse_matches_a_stored_search_across_noise_round_off(tmp_path, m
         other_lr = GreedyConfig(noise_multiplier=stored_cfg.noise_multiplier * (1 + rel),
                                 **{**base, "lr": 0.25})
         assert run_or_reuse(other_lr, store, progress=False)[0] == default_schedule_name(other_lr)
+
+
+@pytest.mark.parametrize("rel, adopted", [(1e-10, True), (1e-6, False)])
+def test_run_or_reuse_resumes_an_unfinished_search_across_noise_round_off(tmp_path, rel, adopted):
+    """An unfinished search checkpointed on another machine's image (its calibrated sigma differs
+    in the last digits, so its folder name differs) resumes under its own name and sigma instead of
+    restarting; a sigma that really differs starts its own search."""
+    from dpclip.harness.store import ResultsStore
+    from dpclip.search import default_schedule_name, run_or_reuse, same_checkpoint
+    from dpclip.search.resolve import _safe
+
+    there = digits_config(epochs=2, c_start=0.5, step=0.5, tolerance=0.05,
+                          noise_multiplier=1.0717701355348621, device="cpu")
+    root = tmp_path / "ck"
+    ck_dir = root / _safe(default_schedule_name(there))
+    part = greedy_search(there, checkpoint_dir=ck_dir, progress=False, stop_after_candidates=2)
+    assert part.interrupted
+    done_before = len(torch.load(ck_dir / "greedy.pt", weights_only=False)["candidates"])
+    here = digits_config(epochs=2, c_start=0.5, step=0.5, tolerance=0.05,
+                         noise_multiplier=there.noise_multiplier * (1 + rel))
+    assert default_schedule_name(here) != default_schedule_name(there)
+    found = same_checkpoint(root, here)
+    assert (found == there) is adopted and (found is None) is not adopted
+    with ResultsStore(tmp_path / "r.db") as store:
+        name, th, meta = run_or_reuse(here, store, checkpoint_root=root, progress=False)
+    if adopted:
+        assert name == default_schedule_name(there)
+        assert meta["config"]["noise_multiplier"] == there.noise_multiplier
+        assert th == greedy_search(there, progress=False).thresholds
+        assert done_before > 0 and len(meta["candidates"]) > done_before
+    else:
+        assert name == default_schedule_name(here)
+        assert th == greedy_search(here, progress=False).thresholds
+    # any other field differing is another search
+    assert same_checkpoint(root, digits_config(epochs=2, c_start=0.5, step=0.5, tolerance=0.05,
+                                               noise_multiplier=there.noise_multiplier,
+                                               lr=0.25)) is None

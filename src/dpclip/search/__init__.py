@@ -29,6 +29,7 @@ from dpclip.search.resolve import (
     private_noise_multiplier,
     resolve_strategy_params,
     run_or_reuse,
+    same_checkpoint,
     same_search,
     save_search,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "private_noise_multiplier",
     "resolve_strategy_params",
     "run_or_reuse",
+    "same_checkpoint",
     "same_search",
     "save_search",
     "search_noise_multiplier",

@@ -50,6 +50,7 @@ __all__ = [
     "private_noise_multiplier",
     "resolve_strategy_params",
     "run_or_reuse",
+    "same_checkpoint",
     "same_search",
     "save_search",
 ]
@@ -82,7 +83,9 @@ def run_or_reuse(
 
     A stored schedule of the same name from another config is an error (choose another name).
     Without ``name``, a stored search that differs from ``config`` only by the noise multiplier's
-    calibration round-off is reused (``same_search``).
+    calibration round-off is reused (``same_search``), and so is an unfinished one: a checkpoint
+    under ``checkpoint_root`` of such a search (from another machine's image) is resumed under its
+    own name and noise multiplier (``same_checkpoint``) rather than restarted.
     The search checkpoints into ``<checkpoint_root>/<name>`` and resumes from there.
     """
     if name is None:
@@ -91,6 +94,10 @@ def run_or_reuse(
             same = same_search(store.schedules(), config)
             if same is not None:
                 return same["name"], same["thresholds"], same["metadata"]
+            if checkpoint_root is not None and not (Path(checkpoint_root) / _safe(name)).exists():
+                adopted = same_checkpoint(Path(checkpoint_root), config)
+                if adopted is not None:
+                    config, name = adopted, default_schedule_name(adopted)
     if store.has_schedule(name):
         thresholds, meta = store.schedule(name)
         if meta.get("fingerprint") != config.fingerprint():
@@ -120,22 +127,58 @@ def same_search(stored: list[dict[str, Any]], config: GreedyConfig) -> dict[str,
     rerun it (about 2,000 steps per epoch searched). The search reads public data only and is not
     accounted, so a search within ``NOISE_MATCH_RTOL`` is the same search; every other field of
     the config must be equal."""
-    def key(d: dict[str, Any]) -> tuple[float | None, str]:
-        d = dict(d)
-        z = d.pop("noise_multiplier", None)
-        for k in ("data_dir", "device", "allow_private_data"):
-            d.pop(k, None)
-        return (None if z is None else float(z)), json.dumps(d, sort_keys=True, default=str)
-
-    z, want = key(config.to_dict())
+    z, want = _search_key(config.to_dict())
     for row in stored:
         meta = row.get("metadata") or {}
         if meta.get("kind") != "lin-greedy" or not isinstance(meta.get("config"), dict):
             continue
-        zh, have = key(meta["config"])
-        if zh is not None and z is not None and abs(zh - z) <= NOISE_MATCH_RTOL * max(z, 1e-300) \
-                and have == want:
+        zh, have = _search_key(meta["config"])
+        if have == want and _same_noise(zh, z):
             return row
+    return None
+
+
+def _search_key(d: dict[str, Any]) -> tuple[float | None, str]:
+    """(noise multiplier, every other field that determines the thresholds) of a search config."""
+    d = dict(d)
+    z = d.pop("noise_multiplier", None)
+    for k in ("data_dir", "device", "allow_private_data"):
+        d.pop(k, None)
+    return (None if z is None else float(z)), json.dumps(d, sort_keys=True, default=str)
+
+
+def _same_noise(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and abs(a - b) <= NOISE_MATCH_RTOL * max(b, 1e-300)
+
+
+def same_checkpoint(checkpoint_root: Path, config: GreedyConfig) -> GreedyConfig | None:
+    """The config of an unfinished search checkpointed under ``checkpoint_root`` (a folder per
+    search, ``greedy.pt`` inside) that is ``config`` up to the noise multiplier's calibration
+    round-off, with ``config``'s machine fields (device, data_dir, the override flag); or None.
+
+    Such a checkpoint (seen: a search started on a GPU image and resumed on the CPU) has another
+    fingerprint, so its folder name differs and the search would restart from its first epoch.
+    Resuming it under its own noise multiplier keeps one search with one sigma (the search reads
+    public data only and is not accounted)."""
+    import torch
+
+    z, want = _search_key(config.to_dict())
+    for ck_path in sorted(checkpoint_root.glob("*/greedy.pt")):
+        try:
+            ck = torch.load(ck_path, weights_only=False, map_location="cpu")
+        except Exception:  # noqa: BLE001 - a torn or foreign file is not this search
+            continue
+        cfg = ck.get("config") if isinstance(ck, dict) else None
+        if not isinstance(cfg, dict):
+            continue
+        zh, have = _search_key(cfg)
+        if have != want or not _same_noise(zh, z):
+            continue
+        mine = config.to_dict()
+        adopted = GreedyConfig.from_dict(
+            {**cfg, **{k: mine[k] for k in ("data_dir", "device", "allow_private_data")}})
+        if ck_path.parent.name == _safe(default_schedule_name(adopted)):
+            return adopted
     return None
 
 
