@@ -78,6 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         lr_step_epochs=args.lr_step_epochs,
         lr_min=args.lr_min,
         lr_warmup_epochs=args.lr_warmup_epochs,
+        augment=args.augment,
         optimizer=args.optimizer,
         momentum=args.momentum,
         seed=args.seed,
@@ -435,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--lr-warmup-epochs", type=float, default=0.0,
                     help="linear warm-up over this many epochs (fractions allowed), then the "
                          "schedule; default 0")
+    t.add_argument("--augment", default="none", metavar="OPS",
+                   help="per-example image augmentation after the secret sampling, e.g. "
+                        "crop:4,flip (random crop with padding 4, random horizontal flip; "
+                        "crop:P:reflect pads with the mirrored border); default none. The "
+                        "sensitivity is unchanged; test data is never augmented "
+                        "(docs/privacy.md)")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
     t.add_argument("--seed", type=int, default=0,

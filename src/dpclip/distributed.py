@@ -353,6 +353,8 @@ class ShardedSampler:
         #: NON-PRIVATE diagnostics of the last draw (sizes of the global batch and of this shard)
         self.last_global_batch_size: int | None = None
         self.last_shard_size: int | None = None
+        #: ``[start, stop)`` of this rank's slice of the last global batch (positions in it)
+        self.last_shard_bounds: tuple[int, int] = (0, 0)
 
     @property
     def expected_batch_size(self) -> float:
@@ -376,6 +378,7 @@ class ShardedSampler:
         idx = self.inner.sample(generator)
         start, stop = shard_bounds(int(idx.numel()), self.ctx.world_size, self.ctx.rank)
         self.last_global_batch_size, self.last_shard_size = int(idx.numel()), stop - start
+        self.last_shard_bounds = (start, stop)
         return idx[start:stop]
 
     def step_event(self, inner: DpEvent) -> DpEvent:

@@ -26,9 +26,9 @@ NOISE_WARNING_THRESHOLD = 50.0
 
 #: how arguments are named in messages
 CLI_FLAGS: Mapping[str, str] = {"epsilon": "--epsilon", "noise_multiplier": "--noise-multiplier",
-                                "batch_size": "--batch-size"}
+                                "batch_size": "--batch-size", "augment": "--augment"}
 API_FLAGS: Mapping[str, str] = {"epsilon": "epsilon", "noise_multiplier": "noise_multiplier",
-                                "batch_size": "batch_size"}
+                                "batch_size": "batch_size", "augment": "augment="}
 
 
 class Plan:

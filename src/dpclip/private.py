@@ -62,6 +62,7 @@ from dpclip.distributed import (
     resolve_distributed,
     shared_randomness,
 )
+from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
@@ -184,6 +185,11 @@ class PrivateTraining:
     ``sampler`` is a :class:`~dpclip.distributed.ShardedSampler` (its public properties are the
     global ones), and the ledger on every rank equals the one-process ledger. Only rank 0 should
     write results and checkpoints (``is_main_process``); every rank loads the same checkpoint.
+
+    ``augment`` (``"crop:4,flip"``, an :class:`~dpclip.data.augment.Augmentation`, or ``None``)
+    augments every sampled image on its own, after the secret subsampling, with parameters drawn
+    from the secret sampling generator (:mod:`dpclip.data.augment`: the sensitivity is unchanged);
+    ``sample`` and ``loader`` yield the augmented batch.
     """
 
     def __init__(
@@ -213,6 +219,7 @@ class PrivateTraining:
         verbose: bool = True,
         flags: Mapping[str, str] = API_FLAGS,
         distributed: Any = None,
+        augment: Any = None,
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -232,6 +239,17 @@ class PrivateTraining:
         self._x, self._y, n = _as_tensors(data)
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
+        #: per-example augmentation after sampling (dpclip.data.augment), or None
+        self.augment = parse_augment(augment, flags.get("augment", "augment="))
+        if self.augment is not None:
+            if isinstance(self._x, Tensor):
+                self.augment.check_example_shape(self._x.shape[1:],
+                                                 flags.get("augment", "augment="))
+            elif self._y is not None:
+                raise ValueError(
+                    f"{flags.get('augment', 'augment=')}: augmentation needs the inputs to be one "
+                    f"tensor of images, got {type(self._x).__name__}; augment inside your model "
+                    "or use augment=None")
         self.device = torch.device(device) if device is not None else None
         self.delta = float(delta) if delta is not None else default_delta(n)
         if delta is None and verbose:
@@ -417,11 +435,26 @@ class PrivateTraining:
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
         idx = self.sampler.sample(self.rng.sampling)
+        params = self._draw_augmentation(idx) if self.augment is not None else None
         if self.unit.unit == "bc":  # the whole batch is one unit
             idx = idx.unsqueeze(0)
         batch = self._gather(idx)
+        if params is not None:
+            batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
         self._pending = batch
         return batch
+
+    def _draw_augmentation(self, idx: Tensor) -> Tensor:
+        """The augmentation parameters of the drawn examples, from the SECRET sampling generator.
+        Distributed: those of the whole global batch are drawn (the same draws on every rank, so
+        the shared generator stays in step) and this rank keeps the rows of its shard."""
+        assert self.augment is not None
+        if self.distributed is None:
+            return self.augment.draw(int(idx.numel()), self.rng.sampling)
+        params = self.augment.draw(int(self.sampler.last_global_batch_size or 0),
+                                   self.rng.sampling)
+        start, stop = self.sampler.last_shard_bounds
+        return params[start:stop]
 
     @property
     def loader(self) -> Iterator[tuple[Any, Any]]:
@@ -567,6 +600,7 @@ class PrivateTraining:
             "engine_fallback": self.engine_info["fallback"],
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
+            "augment": self.augment.spec if self.augment is not None else "none",
         }
 
     @property

@@ -80,6 +80,9 @@ class TrainConfig:
     lr_step_epochs: int | None = None  #: step: epochs between two multiplications by lr_gamma
     lr_min: float | None = None  #: cosine: the final learning rate (default 0)
     lr_warmup_epochs: float = 0.0  #: linear warm-up over this many epochs (any schedule)
+    #: per-example image augmentation after the secret sampling (``dpclip.data.augment``):
+    #: "none" or e.g. "crop:4,flip"; the sensitivity is unchanged, test data is never augmented
+    augment: str = "none"
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -129,7 +132,7 @@ class TrainConfig:
             "seed": integer, "max_physical_batch": integer, "eval_batch_size": integer,
             "dataset": str, "model": str, "strategy": str, "optimizer": str, "sampling": str,
             "accountant": str, "engine": str, "strategy_params": dict, "model_options": dict,
-            "dataset_options": dict}
+            "dataset_options": dict, "augment": str}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if value is None and name in ("epsilon", "noise_multiplier", "delta"):
@@ -184,7 +187,11 @@ class TrainConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"TrainConfig: {unknown_name(name, getattr(self, name), valid)}")
 
+        from dpclip.data.augment import parse_augment
         from dpclip.lr_schedules import check_lr_schedule
+
+        aug = parse_augment(self.augment, f"TrainConfig: {flag('augment')}")
+        object.__setattr__(self, "augment", aug.spec if aug is not None else "none")  # canonical
 
         check_lr_schedule(self.lr_schedule, self.lr_gamma, self.lr_step_epochs, self.lr_min,
                           self.lr_warmup_epochs, self.lr)
@@ -227,6 +234,8 @@ class TrainConfig:
                 d.pop(key)
         if d.get("reproducible_noise"):
             d.pop("reproducible_noise")
+        if d.get("augment") == "none":  # hashes as before the field existed
+            d.pop("augment")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -490,7 +499,7 @@ def train(
         reproducible_noise=config.reproducible_noise, seed=config.seed,
         public_data=(x_pub, y_pub) if x_pub is not None else None,
         input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
-        distributed=dist_ctx if dist_ctx is not None else False,
+        distributed=dist_ctx if dist_ctx is not None else False, augment=config.augment,
     )
     total_steps, spe = dp.total_steps, dp.steps_per_epoch
     # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
@@ -679,6 +688,7 @@ def train(
         "device": str(device),
         "distributed": facts.get("distributed"),
         "model_options": config.model_options,
+        "augment": facts["augment"],
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
     }
     return RunResult(summary, history, dp.ledger, model)

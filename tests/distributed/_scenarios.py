@@ -24,23 +24,29 @@ def data(n: int, d: int = 5, k: int = 3, seed: int = 0) -> tuple[torch.Tensor, t
     return x, y
 
 
-def model(ctx: DistributedContext | None, d: int = 5, k: int = 3) -> nn.Module:
+def model(ctx: DistributedContext | None, d: int = 5, k: int = 3,
+          image: bool = False) -> nn.Module:
     """The same float64 MLP on rank 0 and in one process; a DIFFERENT initialisation on the other
-    ranks, so the tests see that make_private copies rank 0's model to every rank."""
+    ranks, so the tests see that make_private copies rank 0's model to every rank. ``image``: the
+    inputs are ``(1, 4, 4)`` images (flattened first)."""
     torch.manual_seed(0 if ctx is None or ctx.rank == 0 else 1000 + ctx.rank)
-    return nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, k)).double()
+    head = [nn.Flatten(), nn.Linear(16, 8)] if image else [nn.Linear(d, 8)]
+    return nn.Sequential(*head, nn.Tanh(), nn.Linear(8, k)).double()
 
 
 def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
           strategy_params: dict[str, Any] | None = None, n: int = 48, batch_size: float = 12,
           steps: int = 6, engine: str = "ghost", sampling: str = "poisson",
           accountant: str = "pld", resume_dir: str | None = None, resume_at: int = 0,
-          noise_multiplier: float = 1.1, **extra: Any) -> dict[str, Any]:
+          noise_multiplier: float = 1.1, image: bool = False, **extra: Any) -> dict[str, Any]:
     """``steps`` SGD steps of make_private on ``data(n)`` with reproducible noise (seed 7).
+    ``image``: 16 features seen as ``(1, 4, 4)`` images (for ``augment=``).
 
     With ``resume_dir``: stop after ``resume_at`` steps, rank 0 saves the state dict, every rank
     builds a fresh model and run, loads the same file and finishes."""
-    x, y = data(n)
+    x, y = data(n, d=16) if image else data(n)
+    if image:
+        x = x.view(n, 1, 4, 4)
     params = strategy_params if strategy_params is not None else {"clip_norm": 0.7}
 
     def build(m: nn.Module):
@@ -51,7 +57,7 @@ def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
             engine=engine, sampling=sampling, accountant=accountant, reproducible_noise=True,
             seed=7, verbose=False, distributed=ctx if ctx is not None else False, **extra)
 
-    m = model(ctx)
+    m = model(ctx, image=image)
     dp = build(m)
     clips, global_sizes, shard_sizes, losses = [], [], [], []
     while not dp.exhausted:
@@ -60,7 +66,7 @@ def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
             if dp.is_main_process:
                 torch.save(dp.state_dict(), path)
             barrier(ctx)
-            m = model(ctx)
+            m = model(ctx, image=image)
             dp = build(m)
             dp.load_state_dict(torch.load(path, weights_only=False))
             resume_dir = None

@@ -57,6 +57,8 @@ def _scenarios(world: int, workdir: str) -> dict[str, dict]:
             # bound-based (certified sensitivity, plain batched backward: no per-example norms)
             "lip-dp-sgd": dict(strategy="lip-dp-sgd", strategy_params={}, steps=4,
                                input_shape=(5,), engine="auto"),
+            # per-example augmentation: the GLOBAL batch's parameters from the shared generator
+            "augment": dict(image=True, augment="crop:1,flip"),
         })
     return {k: v for k, v in out.items() if v is not None}
 

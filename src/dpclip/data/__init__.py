@@ -7,9 +7,11 @@ proxy for fashion-mnist but never for mnist, see :func:`check_proxy_pair`), ``di
 ``breast-cancer`` (bundled with scikit-learn), ``cifar10`` and ``cifar100`` (python-version files
 or archives found on disk), the UCI tabular sets of Lip-DP-SGD, and ``synthetic`` (seeded Gaussian
 mixture).
-:func:`public_private_split` carves a public part out of a split.
+:func:`public_private_split` carves a public part out of a split. :func:`parse_augment` /
+:class:`Augmentation`: per-example image augmentation after private sampling (``augment=``).
 """
 
+from dpclip.data.augment import Augmentation, parse_augment
 from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
 from dpclip.data.idx import (
     FASHION_MNIST_MEAN,
@@ -41,6 +43,7 @@ __all__ = [
     "MNIST_MEAN",
     "MNIST_STD",
     "PUBLIC_PROXIES",
+    "Augmentation",
     "DatasetBundle",
     "DatasetEntry",
     "DatasetNotFoundError",
@@ -51,6 +54,7 @@ __all__ = [
     "is_public_proxy",
     "list_datasets",
     "load_dataset",
+    "parse_augment",
     "provenance",
     "public_private_split",
     "public_proxy",

@@ -36,9 +36,12 @@ def append_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _model(r: dict[str, Any]) -> str:
-    """The model name, with its options when any (runs differing only there are distinct)."""
+    """The model name, with its options and the training augmentation when any (runs differing
+    only there are distinct)."""
     opts = r.get("model_options") or {}
-    return r["model"] + (f" {json.dumps(opts, sort_keys=True)}" if opts else "")
+    aug = r.get("augment") or "none"
+    return r["model"] + (f" {json.dumps(opts, sort_keys=True)}" if opts else "") + (
+        f" augment {aug}" if aug != "none" else "")
 
 
 def _setting(r: dict[str, Any]) -> tuple:

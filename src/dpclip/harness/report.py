@@ -142,6 +142,8 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
         target = cfg.get("epsilon")
         params = {k: v for k, v in (s0.get("params") or cfg["strategy_params"]).items()
                   if not isinstance(v, (list, dict))}
+        if (s0.get("augment") or "none") != "none":  # training augmentation (dpclip.data.augment)
+            params["augment"] = s0["augment"]
         m, sd = _mean_std([100 * x["summary"]["test_accuracy"] for x in rs])
         secs = statistics.fmean(x["summary"].get("wall_seconds", float("nan")) for x in rs)
         out.append(
