@@ -455,3 +455,18 @@ def test_numpy_integers_are_refused_with_the_fix():
     with pytest.raises(ValueError,
                        match=r"epochs \(--epochs\) must be an integer, got int64 np.int64\(2\)"):
         TrainConfig(**dict(FAST, epochs=np.int64(2)), noise_multiplier=1.0)
+
+
+# -- augmentation ----------------------------------------------------------------------------------
+
+def test_cli_augment_without_padding(capsys):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--augment", "crop"])
+    assert ("TrainConfig: augment (--augment): 'crop' must be 'crop:P' with an integer padding "
+            "P >= 1 (or 'crop:P:reflect'), e.g. 'crop:4'") in err
+
+
+def test_cli_augment_of_non_images(capsys, tmp_path):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--augment", "flip",
+                                   "--db", str(tmp_path / "r.db")])
+    assert ("--augment: augmentation 'flip' needs image inputs of shape (C, H, W) per example, "
+            "got per-example shape (20,). Set it to 'none' for non-image data") in err

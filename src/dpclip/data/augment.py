@@ -94,7 +94,7 @@ class Augmentation:
         if len(shape) != 3:
             raise ValueError(
                 f"{where}: augmentation {self.spec!r} needs image inputs of shape (C, H, W) per "
-                f"example, got per-example shape {shape}. Use augment='none' for non-image data")
+                f"example, got per-example shape {shape}. Set it to 'none' for non-image data")
         if self.pad_mode == "reflect" and self.crop_pad >= min(shape[1:]):
             raise ValueError(
                 f"{where}: 'crop:{self.crop_pad}:reflect' needs images larger than the padding, "
@@ -117,7 +117,7 @@ class Augmentation:
         if not isinstance(x, Tensor):
             raise ValueError(
                 f"augment: augmentation {self.spec!r} needs the inputs to be one tensor of images, "
-                f"got {type(x).__name__}; use augment='none' and augment in your own model code")
+                f"got {type(x).__name__}; set it to 'none' and augment in your own model code")
         if x.ndim < 3:
             self.check_example_shape(tuple(x.shape[1:]))
         lead, (c, h, w) = tuple(x.shape[:-3]), tuple(x.shape[-3:])
