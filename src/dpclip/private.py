@@ -240,16 +240,16 @@ class PrivateTraining:
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
         #: per-example augmentation after sampling (dpclip.data.augment), or None
-        self.augment = parse_augment(augment, flags.get("augment", "augment="))
+        aug_flag = flags.get("augment", "augment=")
+        self.augment = parse_augment(augment, aug_flag)
         if self.augment is not None:
             if isinstance(self._x, Tensor):
-                self.augment.check_example_shape(self._x.shape[1:],
-                                                 flags.get("augment", "augment="))
-            elif self._y is not None:
+                self.augment.check_example_shape(self._x.shape[1:], aug_flag)
+            elif self._y is not None:  # tuples / dicts of tensors (a Dataset is checked per batch)
                 raise ValueError(
-                    f"{flags.get('augment', 'augment=')}: augmentation needs the inputs to be one "
-                    f"tensor of images, got {type(self._x).__name__}; augment inside your model "
-                    "or use augment=None")
+                    f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
+                    f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
+                    "inside your model")
         self.device = torch.device(device) if device is not None else None
         self.delta = float(delta) if delta is not None else default_delta(n)
         if delta is None and verbose:

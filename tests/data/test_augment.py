@@ -228,6 +228,11 @@ def test_make_private_refuses_augmenting_non_images():
     with pytest.raises(ValueError, match=r"augment=: augmentation 'flip' needs image inputs"):
         make_private(m, None, (x, y), noise_multiplier=1.0, steps=2, batch_size=5.0,
                      delta=1e-5, augment="flip", verbose=False)
+    imgs = x.view(30, 1, 5, 1)
+    with pytest.raises(ValueError, match="augment=: augmentation 'flip' needs the inputs to be "
+                                         "one tensor of images, got tuple"):
+        make_private(m, None, ((imgs, imgs), y), noise_multiplier=1.0, steps=2, batch_size=5.0,
+                     delta=1e-5, augment="flip", verbose=False)
     with pytest.raises(ValueError, match="unknown augmentation"):
         make_private(m, None, (x.view(30, 1, 5, 1), y), noise_multiplier=1.0, steps=2,
                      batch_size=5.0, delta=1e-5, augment="mixup", verbose=False)

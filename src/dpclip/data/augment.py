@@ -42,7 +42,7 @@ before clipping). It needs a K-copy clipping unit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -141,10 +141,6 @@ class Augmentation:
         if self.flip:
             out = torch.where(params[:, 2].bool()[:, None, None, None], out.flip(-1), out)
         return out.reshape(*lead, c, h, w)
-
-    def describe(self) -> dict[str, Any]:
-        """Public facts for run summaries."""
-        return {"augment": self.spec}
 
 
 def parse_augment(spec: "str | Augmentation | None", where: str = "augment") -> Augmentation | None:
