@@ -104,6 +104,14 @@ from dpclip.engine._common import (
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.per_layer import (
+    PerLayerUnsupported,
+    check_module_windows,
+    join_layouts,
+    module_grads,
+    output_tensors,
+    seq_now,
+)
 from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
@@ -131,10 +139,13 @@ class _Call:
     in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
-                 "kept", "layouts", "formed")
+                 "kept", "layouts", "formed", "outs", "bs", "window")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
+        if owner.rule.kind == "module":  # the per-layer path (dpclip.engine.per_layer)
+            _init_module_call(self, owner, a, out, tracer)
+            return
         #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
         #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
         #: The output is then marked ``(0, 1)`` whatever it was: its row ``i`` carries example
@@ -159,6 +170,36 @@ class _Call:
         #: ``(rows, gradients)``: examples whose weight gradient is formed and summed directly,
         #: not by book-keeping (terms that cancel: ``_position_bound_sq``)
         self.formed: tuple[Tensor, Tensor] | None = None
+        self.outs: list[Tensor] | None = None
+
+
+def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
+                      tracer: SeparabilityTracer | None) -> None:
+    """A call of a module on the per-layer path (no rule for its type): its output tensors are
+    kept (their autograd graph is retained until the module's per-example gradients are formed,
+    :func:`dpclip.engine.per_layer.module_grads`) with the autograd sequence-number window of the
+    call. Separability: the outputs must be proved row separable by the trace (the module's own
+    operations are traced like any other); they are then marked ``(0, 1)`` like a layer's output."""
+    outs = [t for t in output_tensors(out) if t.requires_grad]
+    c.owner, c.mod, c.rule = owner, owner.module, owner.rule
+    c.a = a if isinstance(a, Tensor) else None
+    c.a_version = c.a._version if c.a is not None else 0
+    c.outs = outs
+    c.bs = None
+    c.out_shape = tuple(outs[0].shape) if outs else ()
+    c.edge = outs[0] if outs else None  # "live": the outputs themselves are the grad inputs
+    c.b = None
+    c.choice = "keep"
+    c.kept = {}
+    c.formed = None
+    c.window = (owner.starts.pop() if owner.starts else None, seq_now())
+    if tracer is None:
+        c.layouts = None
+    else:
+        lay = join_layouts([tracer.layout(t) for t in outs])
+        for t in outs:
+            tracer.mark(t, (0, 1))
+        c.layouts = (lay, lay)
 
 
 class _Weights:
@@ -869,6 +910,49 @@ class _EvalBatchNormRule(_ChannelNormRule):
         return F.batch_norm(a, mod.running_mean, mod.running_var, None, None, False, 0.0, mod.eps)
 
 
+class _Conv1DRule(_LinearRule):
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): ``y = x @ W + b`` with the
+    weight stored ``(in, out)``, the transpose of ``nn.Linear``'s. Every norm and bound is the
+    Linear rule's (a transpose keeps norms and entries); per-example and summed weight gradients
+    are transposed back to the ``(in, out)`` layout."""
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        out = super().norms(c, roles)
+        kept = c.kept.get("weight")
+        if kept is not None:
+            c.kept["weight"] = kept.transpose(1, 2)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        g = super().per_example(c, role)
+        return g.transpose(1, 2) if role == "weight" else g
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        out = super().weighted(c, groups, w)
+        if "weight" in out:
+            out["weight"] = out["weight"].t()
+        return out
+
+
+class _ModuleRule(_Rule):
+    """The per-layer path (:mod:`dpclip.engine.per_layer`): a module with no rule for its type.
+    Its per-example gradients are formed from its own call by the engine pass (``c.kept``) and
+    kept; the weighted sum is their weighted reduction (relative rounding bound, as ``keep``)."""
+
+    roles = ()
+    kind = "module"
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        return c.kept[role]
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        """Nothing to do: the kept gradients are masked by the engine."""
+
+
+_MODULE = _ModuleRule()
+_CONV1D = _Conv1DRule()
+
+
 #: per-example patch-matrix size (fan-in x positions) up to which per-example conv gradients copy
 #: the patches and use one batched matmul; beyond it, or with one input channel per group (slow
 #: strided copies), a grouped convolution weight-gradient (no patch copy) is faster on CPU
@@ -904,10 +988,22 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
     rule = _RULES.get(type(mod))
     if rule is not None:
         return rule
+    if _is_hf_conv1d(mod):
+        return _CONV1D
     for base, rule in _RULES.items():
         if isinstance(mod, base) and type(mod).forward is base.forward:
             return rule
     return None
+
+
+def _is_hf_conv1d(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a ``transformers`` ``Conv1D`` (or a subclass keeping its forward), without
+    importing ``transformers`` (a model holding one has imported it already)."""
+    import sys
+
+    pu = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(pu, "Conv1D", None) if pu is not None else None
+    return cls is not None and isinstance(mod, cls) and type(mod).forward is cls.forward
 
 
 # ------------------------------------------------------------------------------ model scan
@@ -916,7 +1012,7 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
 class _Owner:
     """A module that owns trainable parameters directly, with the rule for its type."""
 
-    __slots__ = ("name", "module", "rule", "roles", "pnames")
+    __slots__ = ("name", "module", "rule", "roles", "pnames", "starts")
 
     def __init__(self, name: str, module: nn.Module, rule: _Rule, roles: tuple[str, ...],
                  pnames: tuple[str, ...]) -> None:
@@ -925,6 +1021,12 @@ class _Owner:
         self.rule = rule
         self.roles = roles  #: attribute names of its trainable parameters
         self.pnames = pnames  #: their canonical names (as in ``model.named_parameters()``)
+        #: per-layer path: autograd sequence numbers at the entry of the calls in progress
+        self.starts: list[int] = []
+
+    def enter(self, mod: nn.Module, args: Any) -> None:
+        """Forward pre-hook of a per-layer module: where its call's autograd window starts."""
+        self.starts.append(seq_now())
 
 
 @dataclass(frozen=True)
@@ -935,6 +1037,7 @@ class _Scan:
     batchnorm: bool  #: the model has a BatchNorm layer
     by_module: dict[int, _Owner]  #: the owners by ``id(module)``
     by_param: dict[int, str]  #: canonical names of the trainable parameters by ``id(param)``
+    per_layer: tuple[str, ...] = ()  #: modules on the per-layer path (no rule for their type)
 
 
 def _scan(model: nn.Module) -> _Scan:
@@ -980,15 +1083,9 @@ def _scan(model: nn.Module) -> _Scan:
             continue
         where = qual or "<root>"
         rule = _rule_for(mod)
-        if rule is None:
-            kind = "a container module" if mod._modules else "an unsupported layer"
-            reasons.append(f"{where!r} ({type(mod).__name__}, {kind} owning trainable "
-                           f"parameter(s) {', '.join(roles)})")
-            continue
-        extra = [attr for attr in roles if attr not in rule.roles]
-        if extra:
-            reasons.append(f"{where!r} ({type(mod).__name__} with extra trainable parameter(s) "
-                           f"{', '.join(extra)})")
+        if rule is None or any(attr not in rule.roles for attr in roles):
+            # no rule for the type (or parameters its rule does not know): the per-layer path
+            owners.append(_Owner(where, mod, _MODULE, tuple(roles), tuple(pnames)))
             continue
         why = rule.unsupported(mod)
         if why:
@@ -996,7 +1093,8 @@ def _scan(model: nn.Module) -> _Scan:
             continue
         owners.append(_Owner(where, mod, rule, tuple(roles), tuple(pnames)))
     return _Scan(params, tuple(owners), tuple(reasons), batchnorm,
-                 {id(o.module): o for o in owners}, by_param)
+                 {id(o.module): o for o in owners}, by_param,
+                 tuple(o.name for o in owners if o.rule is _MODULE))
 
 
 def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
@@ -1160,13 +1258,17 @@ class GhostEngine:
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
-        return EngineResult(sums, norms, weights, loss_sum, self._info(None), params)
+        return EngineResult(sums, norms, weights, loss_sum, self._info(None, scan.per_layer),
+                            params)
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _info(self, fallback: str | None) -> dict[str, Any]:
-        return {"engine": "vmap" if fallback else "ghost", "requested": self.name,
+    def _info(self, fallback: str | None, per_layer: tuple[str, ...] = ()) -> dict[str, Any]:
+        info = {"engine": "vmap" if fallback else "ghost", "requested": self.name,
                 "fallback": fallback}
+        if per_layer and not fallback:  # the modules that took the per-layer path (public names)
+            info["per_layer"] = per_layer
+        return info
 
     def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                      weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
@@ -1211,6 +1313,14 @@ class GhostEngine:
         calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
         for c in calls:
             o = c.owner
+            if c.outs is not None:  # per-layer path: every output batch-first
+                bad = [tuple(t.shape) for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
+                if bad:
+                    raise _RuntimeUnsupported(
+                        f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "
+                        f"tensor of shape {bad[0]} whose first dimension is not the batch "
+                        f"({batch}); per-example gradients need batch-first outputs")
+                continue
             if c.a_version != c.a._version:
                 raise _RuntimeUnsupported(
                     f"the input of layer {o.name!r} ({type(c.mod).__name__}) was modified in "
@@ -1230,27 +1340,63 @@ class GhostEngine:
                     f"not the batch ({batch}); per-layer rules need batch-first inputs (e.g. "
                     "expand position indices to (B, T) before an Embedding)")
         live = [c for c in calls if c.edge is not None]
-        if total.requires_grad and live:
-            uses = _graph_param_uses(total.grad_fn, scan.by_param)
-            bs = torch.autograd.grad(total, [c.edge for c in live], allow_unused=True)
+        modular = [c for c in live if c.outs is not None]
+        try:
+            if total.requires_grad and live:
+                uses = _graph_param_uses(total.grad_fn, scan.by_param)
+                inputs: list[Any] = []
+                for c in live:
+                    inputs.extend(c.outs if c.outs is not None else [c.edge])
+                # per-layer calls: the graph is retained for their own products (below)
+                bs = torch.autograd.grad(total, inputs, allow_unused=True,
+                                         retain_graph=bool(modular))
+                k = 0
+                for c in live:
+                    c.edge = None  # the graph is freed: no node references left behind
+                    if c.outs is not None:
+                        c.bs = list(bs[k:k + len(c.outs)])
+                        c.b = next((b for b in c.bs if b is not None), None)
+                        k += len(c.outs)
+                    else:
+                        c.b = bs[k]
+                        k += 1
+                live = [c for c in live if c.b is not None]
+            else:
+                uses, live = {}, []
+            # every parameter must be used exactly by the hooked calls that reach the loss (the
+            # per-layer path: by the nodes inside its calls, dpclip.engine.per_layer)
+            modular = [c for c in live if c.outs is not None]
+            count: dict[str, int] = {}
             for c in live:
-                c.edge = None  # the graph is freed: no node references left behind
-            for c, b in zip(live, bs):
-                c.b = b
-            live = [c for c in live if c.b is not None]
-        else:
-            uses, live = {}, []
-        # every parameter must be used exactly by the hooked calls that reach the loss
-        count: dict[str, int] = {}
-        for c in live:
-            for pn in c.owner.pnames:
-                count[pn] = count.get(pn, 0) + 1
-        if uses != count:
-            bad = sorted(pn for pn in params if uses.get(pn, 0) != count.get(pn, 0))
-            raise _RuntimeUnsupported(
-                f"parameter(s) {', '.join(bad)} are used more often in the autograd graph than "
-                "by the calls of the layers that own them: they are used outside their layer's "
-                "forward (e.g. F.linear(x, self.fc.weight)), which the per-layer rules cannot see")
+                if c.outs is None:
+                    for pn in c.owner.pnames:
+                        count[pn] = count.get(pn, 0) + 1
+            if modular:
+                mod_names = {pn for c in modular for pn in c.owner.pnames}
+                check_module_windows(modular, {pn: uses.get(pn, 0) for pn in mod_names},
+                                     {pn: n for pn, n in count.items() if pn in mod_names},
+                                     scan.by_param)
+                uses = {pn: n for pn, n in uses.items() if pn not in mod_names}
+                count_ruled = {pn: n for pn, n in count.items() if pn not in mod_names}
+            else:
+                count_ruled = count
+            if uses != count_ruled:
+                bad = sorted(pn for pn in params if uses.get(pn, 0) != count_ruled.get(pn, 0))
+                raise _RuntimeUnsupported(
+                    f"parameter(s) {', '.join(bad)} are used more often in the autograd graph "
+                    "than by the calls of the layers that own them: they are used outside their "
+                    "layer's forward (e.g. F.linear(x, self.fc.weight)), which the per-layer "
+                    "rules cannot see")
+            for c in modular:  # per-example gradients of the per-layer modules' own parameters
+                c.kept = module_grads(c, batch)
+                for pn in c.owner.pnames:
+                    count[pn] = count.get(pn, 0) + 1
+        except PerLayerUnsupported as exc:
+            raise _RuntimeUnsupported(str(exc)) from None
+        finally:
+            for c in calls:  # release the retained graph
+                c.outs = None if c.outs is None else []
+                c.bs = None if c.outs is None else []
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 
@@ -1405,8 +1551,10 @@ class GhostEngine:
         candidates = []
         budget = 0  # the tensors the engine holds anyway: every call's input and output gradient
         for c in calls:
-            budget += c.b.numel() + c.a.numel()
             kind = c.rule.kind
+            if kind == "module":  # per-layer path: per-example gradients formed and kept
+                continue
+            budget += c.b.numel() + c.a.numel()
             if kind == "embedding":
                 c.choice = "ghost" if c.a.shape[1] <= _EMBED_GRAM_MAX_LEN else "direct"
                 continue
@@ -1491,7 +1639,7 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
             stack.append(iter(mod._modules.values()))
         elif mod._modules:  # a container of another kind: its calls are its own business
             return None
-        elif id(mod) in by_module and not _no_hooks(mod):
+        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE):
             return None
         else:
             chain.append(mod)
@@ -1559,6 +1707,8 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     try:
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
+            if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
+                handles.append(o.module.register_forward_pre_hook(o.enter))
         with torch.enable_grad(), (tracer or contextlib.nullcontext()):
             losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
     finally:
