@@ -106,6 +106,8 @@ from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
+    arg_batch_dims,
+    capture_args,
     check_module_windows,
     join_layouts,
     module_grads,
@@ -139,7 +141,8 @@ class _Call:
     in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
-                 "kept", "layouts", "formed", "outs", "bs", "window")
+                 "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
+                 "live_idx")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -175,12 +178,15 @@ class _Call:
 
 def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
                       tracer: SeparabilityTracer | None) -> None:
-    """A call of a module on the per-layer path (no rule for its type): its output tensors are
-    kept (their autograd graph is retained until the module's per-example gradients are formed,
-    :func:`dpclip.engine.per_layer.module_grads`) with the autograd sequence-number window of the
-    call. Separability: the outputs must be proved row separable by the trace (the module's own
-    operations are traced like any other); they are then marked ``(0, 1)`` like a layer's output."""
-    outs = [t for t in output_tensors(out) if t.requires_grad]
+    """A call of a module on the per-layer path (no rule for its type, :mod:`dpclip.engine.per_layer`):
+    its output tensors (the backward's inputs for their ``b``), its arguments (from the pre-hook,
+    ``_Owner.enter``) and the autograd sequence-number window of the call are kept until the
+    module's per-example gradients are formed. Separability: the outputs must be proved row
+    separable by the trace (the module's own operations are traced like any other); they are then
+    marked ``(0, 1)`` like a layer's output."""
+    all_outs = output_tensors(out)
+    c.live_idx = [k for k, t in enumerate(all_outs) if t.requires_grad]
+    outs = [all_outs[k] for k in c.live_idx]
     c.owner, c.mod, c.rule = owner, owner.module, owner.rule
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
@@ -192,7 +198,13 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.choice = "keep"
     c.kept = {}
     c.formed = None
-    c.window = (owner.starts.pop() if owner.starts else None, seq_now())
+    start, c.args = owner.starts.pop() if owner.starts else (None, None)
+    c.window = (start, seq_now())
+    # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
+    # per-example gradient is formed): example data by the trace, else the batch-first shape
+    c.arg_dims = None if c.args is None else arg_batch_dims(
+        c.args[0], c.args[1], None if tracer is None else tracer.layout,
+        outs[0].shape[0] if outs and outs[0].ndim else -1)
     if tracer is None:
         c.layouts = None
     else:
@@ -953,6 +965,11 @@ _MODULE = _ModuleRule()
 _CONV1D = _Conv1DRule()
 
 
+#: a parameter used by several calls (tied weights) has its per-example gradient formed, exactly,
+#: while ``batch * numel`` is at most this many floats; beyond it (GPT-2's 38M-entry ``wte`` tied to
+#: ``lm_head``), the norm is bounded by the sum of the uses' norm bounds (triangle inequality)
+_TIED_FORM_MAX_NUMEL = 1 << 24
+
 #: per-example patch-matrix size (fan-in x positions) up to which per-example conv gradients copy
 #: the patches and use one batched matmul; beyond it, or with one input channel per group (slow
 #: strided copies), a grouped convolution weight-gradient (no patch copy) is faster on CPU
@@ -1024,9 +1041,10 @@ class _Owner:
         #: per-layer path: autograd sequence numbers at the entry of the calls in progress
         self.starts: list[int] = []
 
-    def enter(self, mod: nn.Module, args: Any) -> None:
-        """Forward pre-hook of a per-layer module: where its call's autograd window starts."""
-        self.starts.append(seq_now())
+    def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a per-layer module: where its call's autograd window starts, and
+        its arguments (with their tensors' versions, checked after the forward)."""
+        self.starts.append((seq_now(), capture_args(args, kwargs)))
 
 
 @dataclass(frozen=True)
@@ -1347,9 +1365,7 @@ class GhostEngine:
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.outs if c.outs is not None else [c.edge])
-                # per-layer calls: the graph is retained for their own products (below)
-                bs = torch.autograd.grad(total, inputs, allow_unused=True,
-                                         retain_graph=bool(modular))
+                bs = torch.autograd.grad(total, inputs, allow_unused=True)
                 k = 0
                 for c in live:
                     c.edge = None  # the graph is freed: no node references left behind
@@ -1394,9 +1410,9 @@ class GhostEngine:
         except PerLayerUnsupported as exc:
             raise _RuntimeUnsupported(str(exc)) from None
         finally:
-            for c in calls:  # release the retained graph
-                c.outs = None if c.outs is None else []
-                c.bs = None if c.outs is None else []
+            for c in calls:  # no references to the graph or the arguments left behind
+                if c.outs is not None:
+                    c.outs, c.bs, c.args = [], [], None
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 
@@ -1435,10 +1451,14 @@ class GhostEngine:
             k_rel = max(k_rel, c.rule.rel_len(c, rel))
             return parts
 
-        # ---- squared norms summed per group (a parameter used by several calls: its per-example
-        # gradient is formed for every use and summed first)
+        # ---- squared norms summed per group (a parameter used by several calls, tied weights:
+        # its per-example gradient is formed for every use and summed first, exact, when that
+        # fits in _TIED_FORM_MAX_NUMEL floats; else each use's norm bound is taken by its rule and
+        # the bounds are added, an upper bound of the norm of the sum by the triangle inequality)
         acc: list[Tensor | None] = [None] * n_groups
         multi: dict[str, Tensor] = {}
+        tied: dict[str, Tensor] = {}  # the triangle bound: the sum of the uses' norm bounds
+        tied_uses: dict[str, list[tuple[_Call, str]]] = {}
 
         def add(g: int, s: Tensor) -> None:
             acc[g] = s if acc[g] is None else acc[g] + s
@@ -1464,12 +1484,20 @@ class GhostEngine:
                 for r in roles:
                     add(gs[o.roles.index(r)], parts[r])
             for r, pn, one in zip(o.roles, o.pnames, single):
-                if not one:
-                    g = c.rule.per_example(c, r)
-                    multi[pn] = g if pn not in multi else multi[pn] + g
+                if one:
+                    continue
+                if batch * params[pn].numel() > _TIED_FORM_MAX_NUMEL:
+                    n_u = part_norms(c, [r])[r].clamp(min=0).sqrt()
+                    tied[pn] = n_u if pn not in tied else tied[pn] + n_u
+                    tied_uses.setdefault(pn, []).append((c, r))
+                    continue
+                g = c.rule.per_example(c, r)
+                multi[pn] = g if pn not in multi else multi[pn] + g
         for pn, g in multi.items():
             add(group_of[pn], _sq(g))
             k_rel = max(k_rel, g[0].numel() + 4)
+        for pn, n_sum in tied.items():
+            add(group_of[pn], n_sum.square())
         zero = None
         for g in range(n_groups):
             if acc[g] is None:
@@ -1530,6 +1558,14 @@ class GhostEngine:
                         sums[pn] = got[r]
         for pn, g in multi.items():
             sums[pn] = _kept_sum(g, wts.col(group_of[pn]))
+        for pn, uses_ in tied_uses.items():  # each use's weighted sum, as its rule forms it
+            grp = group_of[pn]
+            for c, r in uses_:
+                kept = c.kept.get(r)
+                got = _kept_sum(kept, wts.col(grp)) if kept is not None else \
+                    c.rule.weighted(c, {r: grp}, wts)[r]
+                got = got.reshape(params[pn].shape)
+                sums[pn] = got if pn not in sums else sums[pn] + got
         out = {}
         for pn, p in params.items():
             g = sums.get(pn)
@@ -1708,7 +1744,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
-                handles.append(o.module.register_forward_pre_hook(o.enter))
+                handles.append(o.module.register_forward_pre_hook(o.enter, with_kwargs=True))
         with torch.enable_grad(), (tracer or contextlib.nullcontext()):
             losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
     finally:

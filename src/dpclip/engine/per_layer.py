@@ -1,41 +1,45 @@
 """The ghost engine's per-layer path: per-example gradients of ONE module's own parameters.
 
 A module that owns trainable parameters but has no ghost rule (a custom layer, an RMSNorm-like norm
-of a model zoo, a container that reads its parameters directly such as ViT's ``cls_token`` and
-``position_embeddings``) does not send the whole model to ``vmap``. Its calls are hooked like the
-ruled layers'; their output tensors (and so the autograd graph of the module's own forward) are
-kept through the ONE backward pass of the ghost engine, which also delivers ``b``, the gradient of
-the summed per-example loss with respect to each output. Then the per-example gradient of the
-module's parameters is the vector-Jacobian product of example ``i``'s row of ``b`` through the
-module's own graph,
+of a model zoo such as ``LlamaRMSNorm`` or ``T5LayerNorm``, a container that reads its parameters
+directly such as ViT's ``cls_token`` and ``position_embeddings``) does not send the whole model to
+``vmap``. Its calls are hooked like the ruled layers' (a forward pre-hook records the arguments and
+where the call's autograd nodes start, the forward hook its outputs); the ONE backward pass of the
+ghost engine delivers ``b``, the gradient of the summed per-example loss with respect to each
+output. The per-example gradient of the module's own parameters is then the vector-Jacobian
+product of the module's forward at example ``i``'s arguments with example ``i``'s row of ``b``,
 
-    ``g_i = (d out / d theta)^T (b masked to example i)``,
+    ``g_i = (d f(theta; args_i) / d theta)^T b_i``,
 
-computed for a block of examples at once with ``torch.autograd.grad(..., is_grads_batched=True)``
-(a loop over examples if a backward formula cannot be batched). For a parameter read directly
-(``cls_token.expand(B, -1, -1)``, ``x + position_embeddings``) this is the gradient flowing into its
-broadcast use, summed over the broadcast dimensions of one example. The per-example gradients are
-kept and the weighted sum is their weighted reduction, so the norm that sets an example's weight is
-the norm of the very vector summed (the rounding of the product ``g_i`` does not matter: whatever is
-formed is what is bounded and summed).
+evaluated for all examples by ``torch.func.vmap`` over ``torch.func.vjp`` of
+``functional_call(module, own parameters, args_i)`` (:func:`module_grads`): the module's inputs,
+frozen parameters, buffers and children are held fixed, so this is the call's LOCAL derivative and
+a module called several times (its own output as input included) gets one vector per call, summed
+like any parameter used by several calls. For a parameter read directly (``cls_token.expand(B, -1,
+-1)``, ``x + position_embeddings``) this is the gradient flowing into its broadcast use, summed over
+the broadcast dimensions of one example. The vectors are kept and the weighted sum is their
+weighted reduction, so the norm that sets an example's weight is the norm of the very vector summed.
 
-Why it is exact and where it is refused (:func:`check_module_windows`):
+Soundness (privacy): example ``i``'s vector is computed from example ``i``'s arguments and ``b_i``
+alone (vmap evaluates each example separately: a non-finite value of another example cannot reach
+it, as it would through ``0 * nan`` in a product contracted over the batch). ``b_i`` is example
+``i``'s own loss gradient because the trace proves the module's outputs row separable (its
+operations run under the separability tracer like every other operation) and marks them
+``(0, 1)``; an argument whose trace layout is neither constant nor batch-first is refused.
 
-* the module's outputs must be proved row separable by the separability trace (its operations run
-  under the tracer like every other operation of the forward), so ``out_j`` depends on example
-  ``j`` and constants only and row ``i`` of the product above is example ``i``'s gradient;
-* every use of the module's parameters must lie inside one of its calls: each autograd node has a
-  sequence number, and the nodes created during a call lie in the window between the call's forward
-  pre-hook and its forward hook. The edges into a parameter's ``AccumulateGrad`` node from nodes in
-  those windows that are reachable from the call's live outputs must be ALL its edges in the graph
-  (a use outside the module, e.g. ``F.linear(x, block.weight)`` elsewhere, or a tensor derived from
-  the parameter kept for later, is refused);
-* the product must be the call's LOCAL derivative: no path from a call's outputs may leave the call's
-  window and come back to the module's parameters (the module applied to its own output, weight
-  sharing across calls in sequence): refused.
+Exactness (the sum is the gradient), checked by :func:`check_module_windows`: every use of the
+module's parameters must lie inside one of its calls and reach that call's outputs. Autograd nodes
+carry sequence numbers; the nodes created during a call lie in the window between the call's
+pre-hook and its forward hook. The edges into a parameter's ``AccumulateGrad`` node from the nodes
+of those windows that are reachable from the calls' live outputs must be ALL its edges in the graph
+(a use outside the module, e.g. ``x * block.scale`` elsewhere, or a tensor derived from the
+parameter and kept for later, is refused). What the recomputation cannot reproduce is refused too:
+an argument modified in place after the call; a forward that ``vmap`` cannot run one example at a
+time (data-dependent Python control flow). Dropout inside such a module draws fresh masks in the
+recomputation (``randomness="different"``): the vector is still a function of its example alone.
 
-A refusal raises :class:`PerLayerUnsupported` (the ghost engine turns it into its run-time refusal,
-then ``auto`` falls back to ``vmap`` and says why).
+A refusal raises :class:`PerLayerUnsupported` (the ghost engine turns it into its run-time refusal;
+``auto`` then falls back to ``vmap`` and says why).
 """
 
 from __future__ import annotations
@@ -93,28 +97,6 @@ def _accumulate_var(fn: Any) -> Any:
     return getattr(fn, "variable", None)
 
 
-def _reaches(roots: Iterable[Any], targets: set[int], memo: dict[Any, bool]) -> bool:
-    """Whether any of ``roots`` (autograd nodes) reaches an ``AccumulateGrad`` node of a tensor
-    whose id is in ``targets`` (iterative, memoised over calls)."""
-    stack = [(r, False) for r in roots if r is not None]
-    while stack:
-        node, done = stack.pop()
-        if node in memo and not done:
-            continue
-        if done:
-            memo[node] = any(memo.get(n, False) for n, _ in node.next_functions if n is not None)
-            continue
-        var = _accumulate_var(node)
-        if var is not None:
-            memo[node] = id(var) in targets
-            continue
-        stack.append((node, True))
-        for n, _ in node.next_functions:
-            if n is not None and n not in memo:
-                stack.append((n, False))
-    return any(memo.get(r, False) for r in roots if r is not None)
-
-
 def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                          ruled: dict[str, int], by_param: dict[int, str]) -> None:
     """Check that the per-layer calls' vector-Jacobian products give the per-example gradients of
@@ -124,7 +106,6 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
     ruled layer); ``by_param``: canonical names by ``id(param)``. Raises
     :class:`PerLayerUnsupported`."""
     counted: dict[str, int] = dict(ruled)
-    memo: dict[Any, bool] = {}
     for c in calls:
         name = c.owner.name
         start, end = c.window
@@ -135,7 +116,6 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
         own = {id(getattr(c.mod, r)) for r in c.owner.roles}
         roots = [t.grad_fn for t, b in zip(c.outs, c.bs) if b is not None and t.grad_fn is not None]
         seen: set[Any] = set()
-        outside: list[Any] = []
         stack = list(roots)
         while stack:
             node = stack.pop()
@@ -152,16 +132,8 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                         if pn is not None:
                             counted[pn] = counted.get(pn, 0) + 1
                     continue
-                if start < n._sequence_nr() < end:
+                if start < n._sequence_nr() < end:  # created by this call
                     stack.append(n)
-                else:
-                    outside.append(n)
-        if outside and _reaches(outside, own, memo):
-            raise PerLayerUnsupported(
-                f"module {name!r} ({type(c.mod).__name__}, per-layer path) receives an input that "
-                "depends on its own parameters (e.g. the module applied to its own output, or "
-                "weights shared by calls in sequence): its per-example gradient cannot be read "
-                "from one call; use engine 'vmap'")
     names = {by_param[id(getattr(c.mod, r))] for c in calls for r in c.owner.roles
              if id(getattr(c.mod, r)) in by_param}
     bad = sorted(pn for pn in names if counted.get(pn, 0) != uses.get(pn, 0))
@@ -173,41 +145,109 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             "calls; use the parameter only inside its module's forward, or engine 'vmap'")
 
 
+def capture_args(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[Tensor, int]]]:
+    """The arguments of a per-layer call, with every tensor's version (an in-place change after
+    the call would make the recomputation differ from the call: refused)."""
+    vers = [(t, t._version) for t in _leaves((args, kwargs))]
+    return args, dict(kwargs), vers
+
+
+def _leaves(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _leaves(v)]
+    return []
+
+
+def arg_batch_dims(args: tuple, kwargs: dict, layout: Any, batch: int) -> list[Any]:
+    """For every tensor of the call's arguments (in :func:`_leaves` order): ``0`` when it is sliced
+    per example (batch-first: example data, or a constant with ``batch`` rows, which the batched
+    call combined row-wise with the examples), ``None`` when it is passed whole (a constant without
+    the batch dimension), ``"bad"`` when the trace saw the batch in another dimension or mixed."""
+    out: list[Any] = []
+    for t in _leaves((args, kwargs)):
+        lay = layout(t) if layout is not None else None
+        if lay is not None and lay != (0, 1):
+            out.append("bad")
+        elif t.ndim and t.shape[0] == batch:
+            out.append(0)
+        else:
+            out.append(None)
+    return out
+
+
+def _rebuild(x: Any, it: Any) -> Any:
+    """``x`` with its tensors replaced, in :func:`_leaves` order, by the values of ``it``."""
+    if isinstance(x, Tensor):
+        return next(it)
+    if isinstance(x, dict):
+        return {k: _rebuild(v, it) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rebuild(v, it) for v in x) if not hasattr(x, "_fields") else \
+            type(x)(*(_rebuild(v, it) for v in x))
+    return x
+
+
 def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     """Per-example gradients ``(B, *param.shape)`` of the module's own trainable parameters from
-    one call (``c.outs``, their output gradients ``c.bs``), by role. The autograd graph of the call
-    must still be alive (the engine's backward retained it)."""
-    roles = c.owner.roles
-    params = [getattr(c.mod, r) for r in roles]
-    pairs = [(t, b) for t, b in zip(c.outs, c.bs) if b is not None]
-    outs = [t for t, _ in pairs]
-    bs = [b for _, b in pairs]
-    per_ex = sum(b.numel() for b in bs)
-    k = max(1, min(batch, _VJP_MAX_NUMEL // max(per_ex, 1)))
-    parts: list[list[Tensor]] = [[] for _ in params]
+    one call: ``torch.func.vmap`` over the examples of the vector-Jacobian product of the module's
+    forward (its own parameters only; its inputs, frozen parameters, buffers and children held
+    fixed) at example ``i``'s arguments, with example ``i``'s row of the output gradients ``c.bs``.
+
+    Each example's product is evaluated on that example alone, so a non-finite value of one
+    example cannot reach another's gradient (a batched product through the retained graph would
+    contract ``0 * nan`` over the batch). Dropout inside the module draws fresh masks
+    (``randomness="different"``): the vector is still a function of the example alone and is the
+    very vector whose norm is taken and summed."""
+    from torch.func import functional_call, vjp, vmap
+
+    mod = c.mod
+    if c.args is None:
+        raise PerLayerUnsupported(
+            f"the call of module {c.owner.name!r} ({type(mod).__name__}) was not seen entering "
+            "(its forward pre-hook did not run); call it through its module")
+    args, kwargs, vers = c.args
+    for t, v in vers:
+        if t._version != v:
+            raise PerLayerUnsupported(
+                f"an argument of module {c.owner.name!r} ({type(mod).__name__}, per-layer path) "
+                "was modified in place after the call (e.g. x.mul_(2) on a tensor the module "
+                "consumed); use out-of-place operations")
+    dims = c.arg_dims
+    if any(d == "bad" for d in dims):
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
+            "tensor with the batch in a dimension other than 0; give it batch-first inputs")
+    leaves = [t for t, _ in vers]
+    batched = [t for t, d in zip(leaves, dims) if d == 0]
+    fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d != 0}
+    own = {r: getattr(mod, r) for r in c.owner.roles}
+    live_idx = c.live_idx
+    bs = [b if b is not None else torch.zeros_like(t) for t, b in zip(c.outs, c.bs)]
+
+    def one(rows: list[Tensor], b_rows: list[Tensor]) -> dict[str, Tensor]:
+        rit = iter(rows)
+        vals = iter([fixed[k] if k in fixed else next(rit).unsqueeze(0)
+                     for k in range(len(leaves))])
+        a_i, kw_i = _rebuild(args, vals), _rebuild(kwargs, vals)
+
+        def f(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            outs = output_tensors(functional_call(mod, p, a_i, kw_i, strict=False))
+            return tuple(outs[k] for k in live_idx)
+
+        _, back = vjp(f, own)
+        return back(tuple(b.unsqueeze(0) for b in b_rows))[0]
+
     try:
-        for start in range(0, batch, k):
-            stop = min(start + k, batch)
-            n = stop - start
-            rows = torch.arange(n)
-            gos = []
-            for b in bs:
-                go = b.new_zeros((n, *b.shape))
-                go[rows, rows + start] = b[start:stop]
-                gos.append(go)
-            got = torch.autograd.grad(outs, params, gos, retain_graph=True, allow_unused=True,
-                                      is_grads_batched=True)
-            for j, (g, p) in enumerate(zip(got, params)):
-                parts[j].append(g if g is not None else p.new_zeros((n, *p.shape)))
-    except RuntimeError:  # a backward formula that cannot be batched: one example at a time
-        parts = [[] for _ in params]
-        for i in range(batch):
-            gos = []
-            for b in bs:
-                go = torch.zeros_like(b)
-                go[i] = b[i]
-                gos.append(go)
-            got = torch.autograd.grad(outs, params, gos, retain_graph=True, allow_unused=True)
-            for j, (g, p) in enumerate(zip(got, params)):
-                parts[j].append((g if g is not None else torch.zeros_like(p)).unsqueeze(0))
-    return {r: (ps[0] if len(ps) == 1 else torch.cat(ps)) for r, ps in zip(roles, parts)}
+        with torch.enable_grad():
+            got = vmap(one, randomness="different")(batched, bs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) cannot be evaluated "
+            f"one example at a time by torch.func.vmap ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); make its forward free of "
+            "data-dependent Python control flow, or use engine 'vmap'") from None
+    return {r: got[r].detach() for r in c.owner.roles}

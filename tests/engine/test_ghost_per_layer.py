@@ -1,0 +1,313 @@
+"""The ghost engine's per-layer path, tied parameters and frozen parameters (issue 31, items 4-6).
+
+Oracle: the float64 per-example loop of :func:`tests.engine.helpers.naive_per_example_grads`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import dpclip.engine.ghost as ghost_mod
+from dpclip.engine import (
+    AutoEngine,
+    GhostEngine,
+    ParamGroups,
+    UnsupportedModelError,
+    naive_per_example_grads,
+)
+from dpclip.engine.ghost import _scan
+from tests.engine.helpers import (
+    DT,
+    TiedNet,
+    assert_grads_close,
+    ce,
+    clip_weights,
+    oracle_norms,
+    oracle_sum,
+)
+
+
+def check_against_oracle(engine, model, x, y, loss_fn, groups, wfn, bound=False):
+    """Norms: upper bounds of the float64 per-example loop's (equal within rounding unless
+    ``bound``); the sum: exactly the weighted sum of the oracle's per-example gradients."""
+    per_ex = naive_per_example_grads(model, loss_fn, x, y)
+    expected = oracle_norms(per_ex, groups, x.shape[0])
+    res = engine.compute(model, loss_fn, x, y, wfn, groups)
+    assert bool((res.norms >= expected * (1 - 1e-12)).all())
+    if not bound:
+        torch.testing.assert_close(res.norms, expected, rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, x.shape[0]))
+    return res, expected
+
+
+class LearnedLeak(nn.Module):
+    """A PReLU written out (the separability tracer has no rule for ``aten._prelu_kernel``)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.1, 0.3, d))
+
+    def forward(self, x):
+        return F.relu(x) - self.weight * F.relu(-x)
+
+
+class PReLUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.act = LearnedLeak(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(x)))
+
+
+class OwnParam(nn.Module):
+    """The root module owns a learned scale read directly in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+class Gate(nn.Module):
+    """A custom layer owning a matrix and a vector, returning a tuple (the second output also
+    carries gradient)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d)
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        g = torch.sigmoid(x @ self.w + self.b)
+        return x * g, g.sum(-1)
+
+
+class Tokens(nn.Module):
+    """ViT-like: a cls token and a (1, T, d) position embedding read directly, then a custom
+    layer with a tuple output (both: no ghost rule, per-layer path)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.proj = nn.Linear(3, d)
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, 3, d))
+        self.attn = Gate(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):  # x: (B, 2, 3)
+        h = self.proj(x)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1) + self.pos
+        h, aux = self.attn(h)
+        return self.head(h[:, 0]) + aux[:, 1:2]
+
+
+class Scaled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _data(shape, batch=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, *shape, generator=g, dtype=DT), torch.randint(0, 3, (batch,),
+                                                                           generator=g)
+
+
+CASES = [
+    (PReLUNet, (4,), ("act",)),
+    (OwnParam, (4,), ("<root>",)),
+    (Tokens, (2, 3), ("<root>", "attn")),
+    (lambda: nn.Sequential(Scaled(4, 5), nn.Tanh(), nn.Linear(5, 3)), (4,), ("0",)),
+]
+
+
+@pytest.mark.parametrize("build, shape, names", CASES)
+def test_layers_without_rule_take_the_per_layer_path(build, shape, names):
+    """A module with no rule gets per-example gradients of its own parameters inside the ghost
+    pass: equal to the float64 loop, the run stays on ghost and names the per-layer modules."""
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = _data(shape)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        for engine in (GhostEngine(), AutoEngine(), GhostEngine(norm_mode="ghost")):
+            res, _ = check_against_oracle(engine, model, x, y, ce, groups, clip_weights(0.3))
+            assert res.engine_info["engine"] == "ghost"
+            assert res.engine_info["fallback"] is None
+            assert res.engine_info["per_layer"] == names
+    for mod in model.modules():  # nothing left behind
+        assert not mod._forward_hooks and not mod._forward_pre_hooks
+
+
+def test_per_layer_module_called_on_its_own_output():
+    torch.manual_seed(0)
+    model = Twice().to(DT)
+    x, y = _data((3,))
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res, _ = check_against_oracle(GhostEngine(), model, x, y, ce, groups, clip_weights(0.3))
+        assert res.engine_info["per_layer"] == ("act",)
+
+
+def test_per_layer_with_chunks_and_non_finite_example():
+    torch.manual_seed(0)
+    model = Tokens().to(DT)
+    x, y = _data((2, 3), batch=6)
+    x[2, 0, 0] = float("nan")
+    groups = ParamGroups.flat(model)
+    res = GhostEngine(max_physical_batch=4).compute(model, ce, x, y, clip_weights(0.3), groups)
+    assert torch.isinf(res.norms[2]) and res.weights[2] == 0
+    keep = [0, 1, 3, 4, 5]
+    ref = GhostEngine().compute(model, ce, x[keep], y[keep], clip_weights(0.3), groups)
+    torch.testing.assert_close(res.norms[keep], ref.norms, rtol=1e-12, atol=0)
+    assert_grads_close(res.grads, ref.grads)
+
+
+class UsedOutside(nn.Module):
+    """The per-layer module's parameter is also read outside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = LearnedLeak(3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.act(x)) + x * self.act.weight
+
+
+class Twice(nn.Module):
+    """The per-layer module applied to its own output: one local product per call, summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = LearnedLeak(3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.act(x)))
+
+
+class Cache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.kept = None
+
+    def forward(self, x):
+        self.kept = self.scale * 2  # derived from the parameter, used after the call
+        return x * self.scale
+
+
+class KeepsDerived(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = Cache()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.c(x)
+        return self.head(h + self.c.kept)
+
+
+@pytest.mark.parametrize("build, needle", [
+    (UsedOutside, "used outside the calls"),
+    (KeepsDerived, "used outside the calls"),
+])
+def test_per_layer_refuses_what_one_call_cannot_show(build, needle):
+    """Attacks on the per-layer path: a parameter also used outside its module, a module applied
+    to its own output (the product would count the first call twice), a derived tensor kept for
+    later. Refused by ghost, run on vmap by auto (equal to the loop)."""
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = _data((3,))
+    groups = ParamGroups.flat(model)
+    with pytest.raises(UnsupportedModelError, match=needle):
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+    res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, groups, clip_weights(0.3))
+    assert res.engine_info["engine"] == "vmap" and needle in res.engine_info["fallback"]
+
+
+def test_per_layer_module_output_that_mixes_is_refused():
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return (x - x.mean(0)) * self.scale
+
+    model = nn.Sequential(nn.Linear(3, 3), Mix(), nn.Linear(3, 3)).to(DT)
+    x, y = _data((3,))
+    with pytest.raises(UnsupportedModelError, match="per-example separable|mixes"):
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+
+
+# --------------------------------------------------------------------------- tied parameters
+
+
+@pytest.mark.parametrize("mode", ["mixed", "ghost", "direct"])
+def test_tied_parameters_exact_and_triangle_bound(mode, monkeypatch):
+    """A weight used by an Embedding and a Linear: exact (per-example gradients of the uses summed)
+    when it fits, else the sum of the uses' norm bounds, which is >= the true norm (and > it
+    somewhere: the bound is not the norm) and whose clipped sum is still exactly the weighted sum
+    of the true per-example gradients."""
+    torch.manual_seed(0)
+    model = TiedNet().to(DT)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 7, (6, 5), generator=g)
+    y = torch.randint(0, 7, (6,), generator=g)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        check_against_oracle(GhostEngine(norm_mode=mode), model, x, y, ce, groups,
+                             clip_weights(0.05))
+        monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 0)
+        res, expected = check_against_oracle(GhostEngine(norm_mode=mode), model, x, y, ce,
+                                             groups, clip_weights(0.05), bound=True)
+        assert bool((res.norms > expected * (1 + 1e-6)).any())
+        monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 1 << 24)
+
+
+# -------------------------------------------------------------------------- frozen parameters
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 5)
+        self.norm = nn.LayerNorm(5)
+        self.act = LearnedLeak(5)  # no rule: would take the per-layer path if trainable
+        self.adapter = nn.Linear(5, 5, bias=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.act(self.norm(self.base(x)))
+        return self.head(h + self.adapter(h))
+
+
+def test_frozen_parameters_are_not_hooked_and_get_nothing(monkeypatch):
+    """requires_grad=False: the frozen layers are not hooked, no per-example work is formed for
+    them and they are absent from the result (no gradient, so no noise downstream)."""
+    torch.manual_seed(0)
+    model = Frozen().to(DT)
+    for m in (model.base, model.norm, model.act):
+        m.requires_grad_(False)
+    seen = []
+    real = ghost_mod._Call.__init__
+
+    def spy(self, owner, a, out, tracer=None):
+        seen.append(owner.name)
+        real(self, owner, a, out, tracer)
+
+    monkeypatch.setattr(ghost_mod._Call, "__init__", spy)
+    x, y = _data((4,))
+    groups = ParamGroups.flat(model)
+    res, _ = check_against_oracle(GhostEngine(), model, x, y, ce, groups, clip_weights(0.3))
+    assert sorted(set(seen)) == ["adapter", "head"]
+    assert sorted(res.grads) == ["adapter.weight", "head.bias", "head.weight"]
+    assert "per_layer" not in res.engine_info
+    assert _scan(model).per_layer == ()
