@@ -364,6 +364,8 @@ class PrivateTraining:
         self.steps = 0
         self.engines_ran: set[str] = set()
         self.fallbacks: set[str] = set()
+        #: modules that took the ghost engine's per-layer path (public: module names)
+        self.per_layer: set[str] = set()
         self.noise_multiplier = self._resolve_noise(noise_multiplier)
         # the strategy must accept the noise, the accountant the events (clear errors, up front)
         ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
@@ -526,6 +528,7 @@ class PrivateTraining:
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
                 self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
+            self.per_layer.update(out.engine_info.get("per_layer") or ())
         params = out.params  # the parameters the engine differentiated, found during this call
         if params is None:
             params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -598,6 +601,7 @@ class PrivateTraining:
             "engine": self.engine_info["engine"] or self.engine.name,
             "engine_requested": self.engine.name,
             "engine_fallback": self.engine_info["fallback"],
+            "engine_per_layer": sorted(self.per_layer) or None,
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
