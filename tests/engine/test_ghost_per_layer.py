@@ -311,3 +311,75 @@ def test_frozen_parameters_are_not_hooked_and_get_nothing(monkeypatch):
     assert sorted(res.grads) == ["adapter.weight", "head.bias", "head.weight"]
     assert "per_layer" not in res.engine_info
     assert _scan(model).per_layer == ()
+
+
+# ------------------------------------------------------------ docs/errors.md, entries 91-93
+
+
+def _refusal(model, batch=5):
+    x, y = _data((3,), batch=batch)
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    return str(info.value)
+
+
+def test_error_91_parameter_used_outside():
+    torch.manual_seed(0)
+    msg = _refusal(UsedOutside().to(DT))
+    assert msg.startswith(
+        "ghost engine: parameter(s) act.weight of per-layer module(s) are used outside the calls "
+        "of the modules that own them (e.g. read by another module, or a tensor derived from them "
+        "kept for later): their per-example gradient cannot be read from the module's calls; use "
+        "the parameter only inside its module's forward, or engine 'vmap'. The ghost engine has "
+        "rules for Linear, ")
+
+
+class _Np(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.w + torch.from_numpy(x.detach().numpy() * 0)
+
+
+def test_error_92_not_vmappable():
+    model = nn.Sequential(_Np(), nn.Linear(3, 3)).to(DT)
+    msg = _refusal(model)
+    assert ("ghost engine: module '0' (_Np, per-layer path) cannot be evaluated one example at a "
+            "time by torch.func.vmap (" in msg and "make its forward free of data-dependent "
+            "Python control flow, or use engine 'vmap'" in msg) or \
+        "not per-example separable" in msg  # once the separability check sees .numpy()
+
+
+class _Pos(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 3))
+
+    def forward(self, x):
+        return self.pos
+
+
+class _UsesPos(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = _Pos()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x + self.p(x))
+
+
+def test_error_93_output_not_batch_first():
+    torch.manual_seed(0)
+    model = _UsesPos().to(DT)
+    msg = _refusal(model)
+    assert msg.startswith(
+        "ghost engine: module 'p' (_Pos, per-layer path) returned a tensor of shape (1, 3) whose "
+        "first dimension is not the batch (5); per-example gradients need batch-first outputs. "
+        "The ghost engine has rules for Linear, ")
+    x, y = _data((3,))
+    res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, ParamGroups.flat(model),
+                                  clip_weights(0.3))
+    assert res.engine_info["engine"] == "vmap"

@@ -42,10 +42,19 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
 * LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode (running statistics): per-example gradients
   are cheap sums over positions (``dgamma_i = sum_t b_t * xhat_t``, ``dbeta_i = sum_t b_t``, the
   shape of the affine parameters) and are kept.
+* ``transformers`` Conv1D (GPT-2): the Linear rule on the transposed weight.
+* Any other module owning trainable parameters (no rule for its type: ``LlamaRMSNorm``, ViT's
+  embeddings with ``cls_token`` / ``position_embeddings``, custom layers): the per-layer path
+  (:mod:`dpclip.engine.per_layer`): per-example gradients of its own parameters by ``torch.func``
+  on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
-  gradient formed for every use and summed (memory ``B * numel``); then the same as ``keep``.
+  gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
+  ``B * numel <= _TIED_FORM_MAX_NUMEL``; above it, its norm is bounded by the sum of the uses' norm
+  bounds (triangle inequality) and each use's weighted sum is formed by its own rule.
+* Frozen parameters (``requires_grad=False``) are not scanned: their modules are not hooked and get
+  no norm, no per-example work and no entry in the result (so no noise).
 
-Soundness checks (per call): every trainable parameter must be owned by a supported layer; after the
+Soundness checks (per call): every trainable parameter must be owned by a module; after the
 forward, the autograd graph is walked and each parameter must be used by exactly the hooked layer
 calls (a parameter also used functionally elsewhere, e.g. ``F.linear(x, self.fc.weight)``, would
 otherwise get part of its gradient silently dropped); and a captured input must not have been
@@ -209,8 +218,9 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         c.layouts = None
     else:
         lay = join_layouts([tracer.layout(t) for t in outs])
-        for t in outs:
-            tracer.mark(t, (0, 1))
+        for t in outs:  # (an output without the batch first is refused by the engine pass)
+            if t.ndim and t.shape[0] == tracer.batch:
+                tracer.mark(t, (0, 1))
         c.layouts = (lay, lay)
 
 
@@ -1308,9 +1318,10 @@ class GhostEngine:
             res.engine_info = self._info(reason)
             return res
         raise UnsupportedModelError(
-            f"{self.name} engine: {reason}. The ghost engine supports "
-            f"{', '.join(t.__name__ for t in SUPPORTED_LAYERS)} (BatchNorm in eval mode only), "
-            "with parameters used only inside their own layer's forward. Use engine 'auto' or "
+            f"{self.name} engine: {reason}. The ghost engine has rules for "
+            f"{', '.join(t.__name__ for t in SUPPORTED_LAYERS)}, transformers Conv1D (BatchNorm "
+            "in eval mode only); other modules with parameters take its per-layer path; every "
+            "parameter must be used only inside its own module's forward. Use engine 'auto' or "
             "GhostEngine(fallback='vmap') to fall back to the vmap engine for such models (the "
             "fallback is recorded in engine_info), or engine 'vmap'."
         )
