@@ -383,3 +383,92 @@ def test_error_93_output_not_batch_first():
     res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, ParamGroups.flat(model),
                                   clip_weights(0.3))
     assert res.engine_info["engine"] == "vmap"
+
+
+# ------------------------------------------------ RMSNorm-like scales, recognised from the graph
+
+
+class LlamaLike(nn.Module):
+    """``weight * normalised`` (LlamaRMSNorm, Qwen/Mistral norms), written without the class."""
+
+    def __init__(self, d, gemma=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-0.5, 1.5, d))
+        self.gemma = gemma
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.gemma:  # Gemma: (1 + weight) (in float32 there, a cast chain: also recognised)
+            out = h * (1.0 + self.weight)
+        else:
+            out = self.weight * h
+        return out
+
+
+class NotElementwise(nn.Module):
+    """Same parameter shape, but the scale mixes the features (cumsum) or the parameter also
+    enters the other operand: not an elementwise scale, the general per-layer path."""
+
+    def __init__(self, d, kind):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "cumsum":
+            return x * self.weight.cumsum(0)
+        return self.weight * (x * self.weight)
+
+
+class NormNet(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.norm = norm
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (B, T, 3)
+        return self.head(self.norm(self.fc(x)).mean(1))
+
+
+def _norms():
+    out = [LlamaLike(4), LlamaLike(4, gemma=True),
+           NotElementwise(4, "cumsum"), NotElementwise(4, "twice")]
+    try:
+        from transformers.models.t5.modeling_t5 import T5LayerNorm
+        out.append(T5LayerNorm(4))
+    except ImportError:  # pragma: no cover - optional extra
+        pass
+    return out
+
+
+@pytest.mark.parametrize("norm", _norms(), ids=lambda m: type(m).__name__ + (
+    "-" + getattr(m, "kind", "") if hasattr(m, "kind") else "") + (
+    "-gemma" if getattr(m, "gemma", False) else ""))
+def test_rmsnorm_like_scales_recognised_by_what_they_compute(norm, monkeypatch):
+    """Elementwise scales are read from the call's graph (no recomputation); what does not fit
+    (a scale that mixes features, the parameter on both operands) takes the general path; both
+    equal the float64 loop."""
+    import dpclip.engine.per_layer as pl
+
+    calls = {"scale": 0, "module": 0}
+    real_scale, real_module = pl.scale_grads, pl.module_grads
+
+    def spy_scale(c, batch):
+        calls["scale"] += 1
+        return real_scale(c, batch)
+
+    def spy_module(c, batch):
+        calls["module"] += 1
+        return real_module(c, batch)
+
+    monkeypatch.setattr(ghost_mod, "scale_grads", spy_scale)
+    monkeypatch.setattr(ghost_mod, "module_grads", spy_module)
+    torch.manual_seed(0)
+    model = NormNet(norm).to(DT)
+    x, y = _data((5, 3), batch=4)
+    res, _ = check_against_oracle(GhostEngine(), model, x, y, ce, ParamGroups.per_layer(model),
+                                  clip_weights(0.2))
+    assert res.engine_info["per_layer"] == ("norm",)
+    fits = not isinstance(norm, NotElementwise)
+    assert calls == ({"scale": 1, "module": 0} if fits else {"scale": 0, "module": 1})

@@ -189,3 +189,18 @@ def test_bert_as_the_tokenizer_gives_it_runs_on_ghost():
     per_ex = naive_per_example_grads(model, cls_loss, x, y)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+def test_llama_rmsnorm_is_recognised_as_an_elementwise_scale(zoo, monkeypatch):
+    """LlamaRMSNorm takes the graph-read elementwise-scale rule, no recomputation by vmap."""
+    import dpclip.engine.ghost as ghost_mod
+
+    def refuse(c, batch):
+        raise AssertionError(f"{c.owner.name} was recomputed")
+
+    monkeypatch.setattr(ghost_mod, "module_grads", refuse)
+    model, x, y, loss_fn, _, per_ex = zoo["llama"]
+    groups = ParamGroups.per_layer(model)
+    res = GhostEngine().compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0), groups)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))

@@ -119,8 +119,10 @@ from dpclip.engine.per_layer import (
     capture_args,
     check_module_windows,
     join_layouts,
+    elementwise_scale,
     module_grads,
     output_tensors,
+    scale_grads,
     seq_now,
 )
 from dpclip.engine.separable import SeparabilityTracer
@@ -151,7 +153,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx")
+                 "live_idx", "fast")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -209,6 +211,10 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.formed = None
     start, c.args = owner.starts.pop() if owner.starts else (None, None)
     c.window = (start, seq_now())
+    # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
+    c.fast = None
+    if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
+        c.fast = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(
@@ -1415,7 +1421,7 @@ class GhostEngine:
                     "layer's forward (e.g. F.linear(x, self.fc.weight)), which the per-layer "
                     "rules cannot see")
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
-                c.kept = module_grads(c, batch)
+                c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
                 for pn in c.owner.pnames:
                     count[pn] = count.get(pn, 0) + 1
         except PerLayerUnsupported as exc:
@@ -1423,7 +1429,7 @@ class GhostEngine:
         finally:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
-                    c.outs, c.bs, c.args = [], [], None
+                    c.outs, c.bs, c.args, c.fast = [], [], None, None
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 

@@ -251,3 +251,92 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
             f"{str(exc).splitlines()[0] if str(exc) else ''}); make its forward free of "
             "data-dependent Python control flow, or use engine 'vmap'") from None
     return {r: got[r].detach() for r in c.owner.roles}
+
+
+# ------------------------------------------------- elementwise scales (RMSNorm-like modules)
+
+
+def _derivative_one_chain(node: Any, param: Tensor) -> bool:
+    """Whether the autograd chain from ``node`` down to ``param`` is made only of operations whose
+    derivative with respect to their one non-constant input is the identity: dtype casts
+    (``param.float()``) and additions of a constant (``1.0 + param``, Gemma's norms)."""
+    while node is not None:
+        var = _accumulate_var(node)
+        if var is not None:
+            return var is param
+        name = type(node).__name__
+        edges = [e for e in node.next_functions]
+        if name == "ToCopyBackward0" or name == "AddBackward1":
+            node = edges[0][0]
+        elif name == "AddBackward0" and len(edges) == 2:
+            live = [k for k, (n, _) in enumerate(edges) if n is not None]
+            if len(live) != 1 or (live[0] == 1 and getattr(node, "_saved_alpha", 1) != 1):
+                return False
+            node = edges[live[0]][0]
+        else:
+            return False
+    return False
+
+
+def _uses_param(root: Any, param: Tensor, start: int | None, end: int) -> bool:
+    """Whether ``param`` is reached from ``root`` through nodes created in the window."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = _accumulate_var(node)
+        if var is not None:
+            if var is param:
+                return True
+            continue
+        if start is not None and not start < node._sequence_nr() < end:
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]) -> Tensor | None:
+    """Recognise an RMSNorm-like call by what it computes: ``out = y * h(param)`` with ``param`` a
+    vector of the output's last width acting elementwise on the last dimension, ``h`` a chain of
+    casts and constant additions (derivative 1: LlamaRMSNorm, T5LayerNorm, Qwen/Mistral norms
+    ``weight * y``, Gemma's ``y * (1 + weight.float())``), ``y`` of the output's shape and free of
+    ``param``, possibly followed by a cast of the product. Read from the call's autograd graph
+    (the ``MulBackward0`` node and its saved operands), not from the class name. Returns ``y`` (the
+    per-example gradient is then ``sum over positions of b * y``), or None when the call does not
+    fit (it then takes the general per-layer path)."""
+    if param.ndim != 1 or out.ndim < 2 or out.shape[-1] != param.shape[0]:
+        return None
+    node = out.grad_fn
+    while node is not None and type(node).__name__ == "ToCopyBackward0":
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    edges = node.next_functions
+    try:
+        saved = (node._saved_self, node._saved_other)
+    except (AttributeError, RuntimeError):
+        return None
+    sides = [k for k in (0, 1) if _derivative_one_chain(edges[k][0], param)]
+    if len(sides) != 1:
+        return None
+    k = sides[0]
+    y, hw = saved[1 - k], saved[k]
+    if hw is None or y is None or tuple(hw.shape) != tuple(param.shape) \
+            or tuple(y.shape) != tuple(out.shape):
+        return None
+    if _uses_param(edges[1 - k][0], param, window[0], window[1]):
+        return None
+    return y
+
+
+def scale_grads(c: Any, batch: int) -> dict[str, Tensor]:
+    """Per-example gradients of a recognised elementwise scale: ``sum_t b_t * y_t`` per example
+    (each example's own rows only)."""
+    (b,) = [b for b in c.bs if b is not None] or [torch.zeros_like(c.outs[0])]
+    y = c.fast
+    p = getattr(c.mod, c.owner.roles[0])
+    d = p.shape[0]
+    g = (b.to(y.dtype) * y).reshape(batch, -1, d).sum(1)
+    return {c.owner.roles[0]: g.to(p.dtype)}
