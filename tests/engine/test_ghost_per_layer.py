@@ -472,3 +472,29 @@ def test_rmsnorm_like_scales_recognised_by_what_they_compute(norm, monkeypatch):
     assert res.engine_info["per_layer"] == ("norm",)
     fits = not isinstance(norm, NotElementwise)
     assert calls == ({"scale": 1, "module": 0} if fits else {"scale": 0, "module": 1})
+
+
+class OutputChangedInPlace(nn.Module):
+    """A per-layer module's output changed in place afterwards: ``b`` is still the gradient with
+    respect to the module's own output (taken at its autograd edge, as for ruled layers)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.norm = norm
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.norm(self.fc(x))
+        h.mul_(3.0)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("norm", [LlamaLike(4), NotElementwise(4, "cumsum")],
+                         ids=["scale", "general"])
+def test_per_layer_output_changed_in_place(norm):
+    torch.manual_seed(0)
+    model = OutputChangedInPlace(norm).to(DT)
+    x, y = _data((5, 3), batch=4)
+    check_against_oracle(GhostEngine(), model, x, y, ce, ParamGroups.flat(model),
+                         clip_weights(0.2))

@@ -153,7 +153,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast")
+                 "live_idx", "fast", "oedges")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -202,6 +202,9 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
     c.outs = outs
+    # the outputs' gradient edges as the module produced them (a later in-place change of an
+    # output moves the tensor's own edge; b is the gradient w.r.t. the module's output)
+    c.oedges = [_gradient_edge(t) for t in outs]
     c.bs = None
     c.out_shape = tuple(outs[0].shape) if outs else ()
     c.edge = outs[0] if outs else None  # "live": the outputs themselves are the grad inputs
@@ -1381,7 +1384,7 @@ class GhostEngine:
                 uses = _graph_param_uses(total.grad_fn, scan.by_param)
                 inputs: list[Any] = []
                 for c in live:
-                    inputs.extend(c.outs if c.outs is not None else [c.edge])
+                    inputs.extend(c.oedges if c.outs is not None else [c.edge])
                 bs = torch.autograd.grad(total, inputs, allow_unused=True)
                 k = 0
                 for c in live:
@@ -1429,7 +1432,7 @@ class GhostEngine:
         finally:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
-                    c.outs, c.bs, c.args, c.fast = [], [], None, None
+                    c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 

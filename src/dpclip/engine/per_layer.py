@@ -114,7 +114,7 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                 f"the call of module {name!r} ({type(c.mod).__name__}) was not seen entering "
                 "(its forward pre-hook did not run); call it through its module")
         own = {id(getattr(c.mod, r)) for r in c.owner.roles}
-        roots = [t.grad_fn for t, b in zip(c.outs, c.bs) if b is not None and t.grad_fn is not None]
+        roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None]
         seen: set[Any] = set()
         stack = list(roots)
         while stack:
@@ -308,7 +308,7 @@ def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]
     fit (it then takes the general per-layer path)."""
     if param.ndim != 1 or out.ndim < 2 or out.shape[-1] != param.shape[0]:
         return None
-    node = out.grad_fn
+    node = out.grad_fn  # (called from the forward hook: the module's own output node)
     while node is not None and type(node).__name__ == "ToCopyBackward0":
         node = node.next_functions[0][0]
     if node is None or type(node).__name__ != "MulBackward0":
