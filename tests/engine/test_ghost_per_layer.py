@@ -498,3 +498,81 @@ def test_per_layer_output_changed_in_place(norm):
     x, y = _data((5, 3), batch=4)
     check_against_oracle(GhostEngine(), model, x, y, ce, ParamGroups.flat(model),
                          clip_weights(0.2))
+
+
+# ------------------------------- state read after the forward (the per-layer recomputation)
+
+
+class Rescale(nn.Module):
+    """Uses a buffer, then overwrites it with the batch mean (in place or by a new attribute):
+    a recomputation after the forward would read the batch mean into every example's vector."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+        self.register_buffer("running", torch.ones(3))
+        self.attr = torch.ones(3)
+        self.how = how
+
+    def forward(self, x):
+        out = x * self.weight.cumsum(0) * (self.running if self.how == "buffer" else self.attr)
+        if self.how == "buffer":
+            self.running.copy_(x.detach().mean(0))
+        else:
+            self.attr = x.detach().mean(0)
+        return out
+
+
+@pytest.mark.parametrize("how", ["buffer", "attribute"])
+def test_per_layer_state_changed_by_the_forward_is_refused(how):
+    model = nn.Sequential(Rescale(how), nn.Linear(3, 3)).to(DT)  # first: autograd never sees it
+    x, y = _data((3,))
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    assert str(info.value).startswith(
+        "ghost engine: module '0' (Rescale, per-layer path) changed its own state during the "
+        "forward (a parameter, buffer or tensor attribute updated or replaced): its per-example "
+        "gradient is recomputed from that state after the forward, which could then carry other "
+        "examples' data; keep the forward free of state updates, or use engine 'vmap'. The ghost "
+        "engine has rules for Linear, ")
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class SavedOperandMixed(nn.Module):
+    """The scale's input requires grad (from the input, no trainable layer before it, so the
+    backward never runs the scale's own node and autograd's version check never fires) and is
+    centred over the batch in place after the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = _Scale()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = x * 1.0
+        s = self.scale(h)
+        h.sub_(h.mean(0))
+        return self.head(s)
+
+
+def test_per_layer_saved_operand_changed_in_place_is_refused():
+    """The elementwise-scale rule reads the saved operand after the forward: refused when it
+    changed (else example i's vector would hold the batch mean)."""
+    torch.manual_seed(0)
+    model = SavedOperandMixed().to(DT)
+    x, y = _data((3,))
+    x.requires_grad_(True)
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    assert str(info.value).startswith(
+        "ghost engine: the saved operand of module 'scale' (_Scale, per-layer path) was modified "
+        "in place after the call; use out-of-place operations. The ghost engine has rules for "
+        "Linear, ")

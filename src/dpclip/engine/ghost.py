@@ -217,7 +217,8 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
     c.fast = None
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
-        c.fast = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        y = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        c.fast = None if y is None else (y, y._version)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(
@@ -1063,7 +1064,7 @@ class _Owner:
     def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of a per-layer module: where its call's autograd window starts, and
         its arguments (with their tensors' versions, checked after the forward)."""
-        self.starts.append((seq_now(), capture_args(args, kwargs)))
+        self.starts.append((seq_now(), capture_args(args, kwargs, mod)))
 
 
 @dataclass(frozen=True)

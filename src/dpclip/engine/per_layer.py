@@ -145,11 +145,49 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             "calls; use the parameter only inside its module's forward, or engine 'vmap'")
 
 
-def capture_args(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[Tensor, int]]]:
+def capture_args(args: tuple, kwargs: dict, mod: Any = None) -> tuple[tuple, dict, list[tuple[Tensor, int]], Any]:
     """The arguments of a per-layer call, with every tensor's version (an in-place change after
-    the call would make the recomputation differ from the call: refused)."""
+    the call would make the recomputation differ from the call: refused), and a snapshot of the
+    module's own state (:func:`module_state`)."""
     vers = [(t, t._version) for t in _leaves((args, kwargs))]
-    return args, dict(kwargs), vers
+    return args, dict(kwargs), vers, None if mod is None else module_state(mod)
+
+
+def module_state(mod: Any) -> list[tuple[Any, str, int, list[tuple[Tensor, int]]]]:
+    """Every tensor a module (and its submodules) holds: parameters, buffers and tensor attributes
+    (also inside lists, tuples and dicts), as ``(object, attribute, id of the value, [(tensor,
+    version)])``. The recomputation of a per-layer call reads this state AFTER the forward: a
+    forward that changes it (a buffer updated in place from the batch, a tensor attribute
+    replaced, e.g. ``self.scale = x.mean()``) would let other examples' data into an example's
+    vector, so any change is refused (:func:`check_state`)."""
+    out = []
+    for m in mod.modules():
+        for key, val in m.__dict__.items():
+            if key == "_modules":
+                continue
+            if key in ("_parameters", "_buffers"):
+                for k, v in val.items():
+                    out.append((val, k, id(v), [(v, v._version)] if isinstance(v, Tensor) else []))
+                continue
+            leaves = _leaves(val)
+            if leaves:
+                out.append((m.__dict__, key, id(val), [(t, t._version) for t in leaves]))
+    return out
+
+
+def check_state(snapshot: Any, mod: Any, name: str) -> None:
+    """Raise :class:`PerLayerUnsupported` when the module's state changed since ``snapshot``."""
+    now = {(id(obj), key): (vid, vers) for obj, key, vid, vers in module_state(mod)}
+    then = {(id(obj), key): (vid, vers) for obj, key, vid, vers in snapshot}
+    changed = now.keys() != then.keys() or any(
+        now[k][0] != then[k][0] or any(t._version != v for t, v in then[k][1]) for k in then)
+    if changed:
+        raise PerLayerUnsupported(
+            f"module {name!r} ({type(mod).__name__}, per-layer path) changed its own state "
+            "during the forward (a parameter, buffer or tensor attribute updated or replaced): "
+            "its per-example gradient is recomputed from that state after the forward, which "
+            "could then carry other examples' data; keep the forward free of state updates, or "
+            "use engine 'vmap'")
 
 
 def _leaves(x: Any) -> list[Tensor]:
@@ -209,7 +247,9 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
         raise PerLayerUnsupported(
             f"the call of module {c.owner.name!r} ({type(mod).__name__}) was not seen entering "
             "(its forward pre-hook did not run); call it through its module")
-    args, kwargs, vers = c.args
+    args, kwargs, vers, state = c.args
+    if state is not None:
+        check_state(state, mod, c.owner.name)
     for t, v in vers:
         if t._version != v:
             raise PerLayerUnsupported(
@@ -335,7 +375,11 @@ def scale_grads(c: Any, batch: int) -> dict[str, Tensor]:
     """Per-example gradients of a recognised elementwise scale: ``sum_t b_t * y_t`` per example
     (each example's own rows only)."""
     (b,) = [b for b in c.bs if b is not None] or [torch.zeros_like(c.outs[0])]
-    y = c.fast
+    y, version = c.fast
+    if y._version != version:  # changed in place after the call (it may then mix examples)
+        raise PerLayerUnsupported(
+            f"the saved operand of module {c.owner.name!r} ({type(c.mod).__name__}, per-layer "
+            "path) was modified in place after the call; use out-of-place operations")
     p = getattr(c.mod, c.owner.roles[0])
     d = p.shape[0]
     g = (b.to(y.dtype) * y).reshape(batch, -1, d).sum(1)
