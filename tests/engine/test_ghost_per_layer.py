@@ -269,7 +269,7 @@ def test_tied_parameters_exact_and_triangle_bound(mode, monkeypatch):
         res, expected = check_against_oracle(GhostEngine(norm_mode=mode), model, x, y, ce,
                                              groups, clip_weights(0.05), bound=True)
         assert bool((res.norms > expected * (1 + 1e-6)).any())
-        monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 1 << 24)
+        monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 1 << 16)
 
 
 # -------------------------------------------------------------------------- frozen parameters
@@ -576,3 +576,20 @@ def test_per_layer_saved_operand_changed_in_place_is_refused():
         "ghost engine: the saved operand of module 'scale' (_Scale, per-layer path) was modified "
         "in place after the call; use out-of-place operations. The ghost engine has rules for "
         "Linear, ")
+
+
+def test_tied_mode_does_not_depend_on_the_batch_size(monkeypatch):
+    """Exact or triangle bound is decided by the parameter alone: an example's norm is the same in
+    a batch of 2 and in a batch of 6 (the realised batch size is private; a switch by B * numel
+    would change every example's weight when one example is added or removed)."""
+    torch.manual_seed(0)
+    model = TiedNet().to(DT)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 7, (6, 5), generator=g)
+    y = torch.randint(0, 7, (6,), generator=g)
+    numel = model.emb.weight.numel()
+    monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 3 * numel)
+    groups = ParamGroups.flat(model)
+    small = GhostEngine().compute(model, ce, x[:2], y[:2], clip_weights(0.05), groups)
+    big = GhostEngine().compute(model, ce, x, y, clip_weights(0.05), groups)
+    torch.testing.assert_close(big.norms[:2], small.norms, rtol=1e-12, atol=0)

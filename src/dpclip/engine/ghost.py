@@ -49,7 +49,7 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
   on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
   gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
-  ``B * numel <= _TIED_FORM_MAX_NUMEL``; above it, its norm is bounded by the sum of the uses' norm
+  ``numel <= _TIED_FORM_MAX_NUMEL``; above it, its norm is bounded by the sum of the uses' norm
   bounds (triangle inequality) and each use's weighted sum is formed by its own rule.
 * Frozen parameters (``requires_grad=False``) are not scanned: their modules are not hooked and get
   no norm, no per-example work and no entry in the result (so no noise).
@@ -986,9 +986,12 @@ _CONV1D = _Conv1DRule()
 
 
 #: a parameter used by several calls (tied weights) has its per-example gradient formed, exactly,
-#: while ``batch * numel`` is at most this many floats; beyond it (GPT-2's 38M-entry ``wte`` tied to
-#: ``lm_head``), the norm is bounded by the sum of the uses' norm bounds (triangle inequality)
-_TIED_FORM_MAX_NUMEL = 1 << 24
+#: while its ``numel`` is at most this many floats (memory ``B * numel``); beyond it (GPT-2's
+#: 38M-entry ``wte`` tied to ``lm_head``), the norm is bounded by the sum of the uses' norm bounds
+#: (triangle inequality). The choice depends on the parameter alone, never on the batch size: a
+#: choice by ``B * numel`` would change every example's norm, hence weight, when one example is
+#: added or removed (the realised batch size is private)
+_TIED_FORM_MAX_NUMEL = 1 << 16
 
 #: per-example patch-matrix size (fan-in x positions) up to which per-example conv gradients copy
 #: the patches and use one batched matmul; beyond it, or with one input channel per group (slow
@@ -1474,7 +1477,7 @@ class GhostEngine:
 
         # ---- squared norms summed per group (a parameter used by several calls, tied weights:
         # its per-example gradient is formed for every use and summed first, exact, when that
-        # fits in _TIED_FORM_MAX_NUMEL floats; else each use's norm bound is taken by its rule and
+        # numel is at most _TIED_FORM_MAX_NUMEL; else each use's norm bound is taken by its rule and
         # the bounds are added, an upper bound of the norm of the sum by the triangle inequality)
         acc: list[Tensor | None] = [None] * n_groups
         multi: dict[str, Tensor] = {}
@@ -1507,7 +1510,7 @@ class GhostEngine:
             for r, pn, one in zip(o.roles, o.pnames, single):
                 if one:
                     continue
-                if batch * params[pn].numel() > _TIED_FORM_MAX_NUMEL:
+                if params[pn].numel() > _TIED_FORM_MAX_NUMEL:  # never by the batch size
                     n_u = part_norms(c, [r])[r].clamp(min=0).sqrt()
                     tied[pn] = n_u if pn not in tied else tied[pn] + n_u
                     tied_uses.setdefault(pn, []).append((c, r))

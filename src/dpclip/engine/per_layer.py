@@ -52,10 +52,6 @@ from torch import Tensor
 __all__ = ["PerLayerUnsupported", "check_module_windows", "join_layouts", "module_grads",
            "output_tensors", "seq_now"]
 
-#: per-example temporaries of the batched vector-Jacobian product (the masked output gradients,
-#: ``k x`` the outputs' size for ``k`` examples at a time) are kept below this many floats
-_VJP_MAX_NUMEL = 1 << 24
-
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
 
