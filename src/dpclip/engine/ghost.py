@@ -189,8 +189,8 @@ class _Call:
 
 def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
                       tracer: SeparabilityTracer | None) -> None:
-    """A call of a module on the per-layer path (no rule for its type, :mod:`dpclip.engine.per_layer`):
-    its output tensors (the backward's inputs for their ``b``), its arguments (from the pre-hook,
+    """A call of a module on the per-layer path (no rule for its type,
+    :mod:`dpclip.engine.per_layer`): its output tensors (the backward's inputs for their ``b``), its arguments (from the pre-hook,
     ``_Owner.enter``) and the autograd sequence-number window of the call are kept until the
     module's per-example gradients are formed. Separability: the outputs must be proved row
     separable by the trace (the module's own operations are traced like any other); they are then
@@ -1139,9 +1139,10 @@ def _scan(model: nn.Module) -> _Scan:
 
 
 def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
-    """``(supported, reasons)``: whether every trainable parameter of ``model`` is owned by a layer
-    the ghost engine supports (``SUPPORTED_LAYERS``, in a supported configuration), and the layers
-    that are not. Run-time conditions (a parameter used outside its layer, an in-place change of a
+    """``(supported, reasons)``: whether no module of ``model`` is refused by the static checks
+    (a ruled layer in an unsupported configuration, e.g. an Embedding with ``max_norm``), and the
+    refusals. Modules without a rule are not refusals: they take the per-layer path
+    (:mod:`dpclip.engine.per_layer`; their names: ``engine_info["per_layer"]`` of a result). Run-time conditions (a parameter used outside its layer, an in-place change of a
     layer's input after the layer used it, a layer applied to a tensor without the batch dimension first) are
     only detected during :meth:`GhostEngine.compute`."""
     scan = _scan(model)

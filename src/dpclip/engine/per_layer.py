@@ -141,7 +141,8 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             "calls; use the parameter only inside its module's forward, or engine 'vmap'")
 
 
-def capture_args(args: tuple, kwargs: dict, mod: Any = None) -> tuple[tuple, dict, list[tuple[Tensor, int]], Any]:
+def capture_args(args: tuple, kwargs: dict,
+                 mod: Any = None) -> tuple[tuple, dict, list[tuple[Tensor, int]], Any]:
     """The arguments of a per-layer call, with every tensor's version (an in-place change after
     the call would make the recomputation differ from the call: refused), and a snapshot of the
     module's own state (:func:`module_state`)."""
