@@ -593,3 +593,38 @@ def test_tied_mode_does_not_depend_on_the_batch_size(monkeypatch):
     small = GhostEngine().compute(model, ce, x[:2], y[:2], clip_weights(0.05), groups)
     big = GhostEngine().compute(model, ce, x, y, clip_weights(0.05), groups)
     torch.testing.assert_close(big.norms[:2], small.norms, rtol=1e-12, atol=0)
+
+
+class PassThrough(nn.Module):
+    """Returns its input as is plus a scaled copy; the input was computed OUTSIDE the module from
+    the module's own parameter: that use is outside the module's call (refused, not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, h):
+        return h, h * self.scale
+
+
+class UsesPassThrough(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = PassThrough()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = x * self.p.scale  # outside the module's call
+        a, b = self.p(h)
+        return self.head(a + b)
+
+
+def test_per_layer_output_created_outside_is_no_use():
+    torch.manual_seed(0)
+    model = UsesPassThrough().to(DT)
+    x, y = _data((3,))
+    with pytest.raises(UnsupportedModelError, match="used outside the calls"):
+        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, ParamGroups.flat(model),
+                                  clip_weights(0.3))
+    assert res.engine_info["engine"] == "vmap"

@@ -110,7 +110,10 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                 f"the call of module {name!r} ({type(c.mod).__name__}) was not seen entering "
                 "(its forward pre-hook did not run); call it through its module")
         own = {id(getattr(c.mod, r)) for r in c.owner.roles}
-        roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None]
+        # (an output created outside the call, e.g. an input returned as is, is no use of the
+        # module's parameters: its node is not a root)
+        roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None
+                 and start < e.node._sequence_nr() < end]
         seen: set[Any] = set()
         stack = list(roots)
         while stack:
