@@ -118,8 +118,8 @@ from dpclip.engine.per_layer import (
     arg_batch_dims,
     capture_args,
     check_module_windows,
-    join_layouts,
     elementwise_scale,
+    join_layouts,
     module_grads,
     output_tensors,
     scale_grads,
@@ -1061,8 +1061,9 @@ class _Owner:
         self.rule = rule
         self.roles = roles  #: attribute names of its trainable parameters
         self.pnames = pnames  #: their canonical names (as in ``model.named_parameters()``)
-        #: per-layer path: autograd sequence numbers at the entry of the calls in progress
-        self.starts: list[int] = []
+        #: per-layer path: ``(autograd sequence number, captured arguments)`` at the entry of each
+        #: call in progress (``enter``), taken by the call's ``_Call``
+        self.starts: list[tuple[int, Any]] = []
 
     def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of a per-layer module: where its call's autograd window starts, and
@@ -1142,7 +1143,8 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
     """``(supported, reasons)``: whether no module of ``model`` is refused by the static checks
     (a ruled layer in an unsupported configuration, e.g. an Embedding with ``max_norm``), and the
     refusals. Modules without a rule are not refusals: they take the per-layer path
-    (:mod:`dpclip.engine.per_layer`; their names: ``engine_info["per_layer"]`` of a result). Run-time conditions (a parameter used outside its layer, an in-place change of a
+    (:mod:`dpclip.engine.per_layer`; their names: ``engine_info["per_layer"]`` of a result).
+    Run-time conditions (a parameter used outside its layer, an in-place change of a
     layer's input after the layer used it, a layer applied to a tensor without the batch dimension first) are
     only detected during :meth:`GhostEngine.compute`."""
     scan = _scan(model)
