@@ -190,9 +190,10 @@ class _Call:
 def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
                       tracer: SeparabilityTracer | None) -> None:
     """A call of a module on the per-layer path (no rule for its type,
-    :mod:`dpclip.engine.per_layer`): its output tensors (the backward's inputs for their ``b``), its arguments (from the pre-hook,
-    ``_Owner.enter``) and the autograd sequence-number window of the call are kept until the
-    module's per-example gradients are formed. Separability: the outputs must be proved row
+    :mod:`dpclip.engine.per_layer`): its output tensors and their gradient edges (the backward's
+    inputs for their ``b``), its arguments (from the pre-hook, ``_Owner.enter``) and the autograd
+    sequence-number window of the call are kept until the module's per-example gradients are
+    formed. Separability: the outputs must be proved row
     separable by the trace (the module's own operations are traced like any other); they are then
     marked ``(0, 1)`` like a layer's output."""
     all_outs = output_tensors(out)
@@ -223,7 +224,8 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(
         c.args[0], c.args[1], None if tracer is None else tracer.layout,
-        outs[0].shape[0] if outs and outs[0].ndim else -1)
+        tracer.batch if tracer is not None
+        else (outs[0].shape[0] if outs and outs[0].ndim else -1))
     if tracer is None:
         c.layouts = None
     else:
