@@ -218,8 +218,8 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
     c.fast = None
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
-        y = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
-        c.fast = None if y is None else (y, y._version)
+        got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        c.fast = None if got is None else (got[0], got[1], got[0]._version)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(

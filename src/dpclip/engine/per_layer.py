@@ -337,15 +337,17 @@ def _uses_param(root: Any, param: Tensor, start: int | None, end: int) -> bool:
     return False
 
 
-def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]) -> Tensor | None:
+def elementwise_scale(out: Tensor, param: Tensor,
+                      window: tuple[int | None, int]) -> tuple[Tensor, torch.dtype] | None:
     """Recognise an RMSNorm-like call by what it computes: ``out = y * h(param)`` with ``param`` a
     vector of the output's last width acting elementwise on the last dimension, ``h`` a chain of
     casts and constant additions (derivative 1: LlamaRMSNorm, T5LayerNorm, Qwen/Mistral norms
     ``weight * y``, Gemma's ``y * (1 + weight.float())``), ``y`` of the output's shape and free of
     ``param``, possibly followed by a cast of the product. Read from the call's autograd graph
-    (the ``MulBackward0`` node and its saved operands), not from the class name. Returns ``y`` (the
-    per-example gradient is then ``sum over positions of b * y``), or None when the call does not
-    fit (it then takes the general per-layer path)."""
+    (the ``MulBackward0`` node and its saved operands), not from the class name. Returns ``y`` and
+    the product's dtype (the per-example gradient is then ``sum over positions of b * y`` in that
+    dtype, as autograd forms it), or None when the call does not fit (it then takes the general
+    per-layer path)."""
     if param.ndim != 1 or out.ndim < 2 or out.shape[-1] != param.shape[0]:
         return None
     node = out.grad_fn  # (called from the forward hook: the module's own output node)
@@ -368,19 +370,19 @@ def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]
         return None
     if _uses_param(edges[1 - k][0], param, window[0], window[1]):
         return None
-    return y
+    return y, torch.promote_types(y.dtype, hw.dtype)
 
 
 def scale_grads(c: Any, batch: int) -> dict[str, Tensor]:
     """Per-example gradients of a recognised elementwise scale: ``sum_t b_t * y_t`` per example
     (each example's own rows only)."""
     (b,) = [b for b in c.bs if b is not None] or [torch.zeros_like(c.outs[0])]
-    y, version = c.fast
+    y, dt, version = c.fast
     if y._version != version:  # changed in place after the call (it may then mix examples)
         raise PerLayerUnsupported(
             f"the saved operand of module {c.owner.name!r} ({type(c.mod).__name__}, per-layer "
             "path) was modified in place after the call; use out-of-place operations")
     p = getattr(c.mod, c.owner.roles[0])
     d = p.shape[0]
-    g = (b.to(y.dtype) * y).reshape(batch, -1, d).sum(1)
+    g = (b.to(dt) * y.to(dt)).reshape(batch, -1, d).sum(1)
     return {c.owner.roles[0]: g.to(p.dtype)}
