@@ -1987,8 +1987,9 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
 
 @dataclass(frozen=True)
 class AutoEngine:
-    """``engine="auto"``: the ghost engine when every parametrized layer of the model is supported,
-    otherwise the vmap engine; ``EngineResult.engine_info`` records which one ran and why.
+    """``engine="auto"``: the ghost engine (modules without a rule on its per-layer path, named in
+    ``engine_info["per_layer"]``), or the vmap engine where the ghost engine refuses the model;
+    ``EngineResult.engine_info`` records which one ran and why.
 
     It is :class:`GhostEngine` with ``fallback="vmap"``: models that are supported by their layer
     types but fail a run-time check (a parameter used outside its layer, an in-place change of a
