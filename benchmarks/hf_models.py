@@ -15,8 +15,9 @@ recorded (on the CPU there is no per-method allocator statistic: ``peak_mem_mb``
 Sizes: ``--size small`` (CPU default: hidden 64, 2 layers, sequences of 32, images 32x32) or
 ``--size base`` (CUDA default: ~100M-parameter models, sequences of 128, images 224x224, as the GPU
 kit's table in issue 31). Text inputs spell out ``position_ids`` (and BERT's ``token_type_ids``)
-with a batch dimension and use eager attention on the CPU (the separability check of this release
-refuses the broadcast ``(1, T)`` positions and the CPU SDPA kernel's views; issue 31 items 1-2).
+with a batch dimension, and every model uses eager attention by default (``--attn``): the
+separability check of this release refuses the broadcast ``(1, T)`` positions and the SDPA kernels'
+views (issue 31 items 1-2). All methods get the same model, so the comparison is like for like.
 
     .venv/bin/python benchmarks/hf_models.py [--size small] [--rounds 10] [--models bert,gpt2]
     .venv/bin/python benchmarks/hf_models.py --table   # regenerate the .md from the .json
@@ -290,8 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="bert,gpt2,llama,vit")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warm", type=int, default=2)
-    ap.add_argument("--attn", default=None, help="attn_implementation (default: eager on the "
-                    "CPU, sdpa on CUDA)")
+    ap.add_argument("--attn", default="eager", help="attn_implementation of every model (every "
+                    "method gets the same model; 'sdpa' once the separability check knows it)")
     ap.add_argument("--out", default=None, help="JSON path (default results/hf_models_<dev>.json)")
     ap.add_argument("--table", action="store_true", help="only regenerate the .md from the .json")
     args = ap.parse_args(argv)
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         path.with_suffix(".md").write_text(table(json.loads(path.read_text()), title))
         return
     size = args.size or ("base" if dev.type == "cuda" else "small")
-    attn = args.attn or ("sdpa" if dev.type == "cuda" else "eager")
+    attn = args.attn
     s = sizes(size)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
