@@ -237,8 +237,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         with ResultsStore(db) as store:
             r = build_report(store, spec.name, out)
         result.update(markdown=str(r.markdown_path), html=str(r.html_path))
-        print(r.markdown_path.read_text().split("\n\n![")[0])
-        print(f"\nreport: {r.html_path} (and {r.markdown_path})")
+        if not args.json:  # the tables are in the files; stdout says where
+            print(f"report: {r.html_path} (and {r.markdown_path}, {len(r.plots)} plots)")
     if args.json:
         print(json.dumps(result))
     return 1 if rep.failed else 0

@@ -71,6 +71,15 @@ def _level(run: dict[str, Any]) -> str:
     return f"sigma={cfg['noise_multiplier']:g}"
 
 
+def deltas_text(runs: list[dict[str, Any]]) -> str:
+    """The delta(s) the runs used: the summary's (what the accountant used; chosen from N when the
+    spec left ``delta`` out), else the config's; ``"-"`` when neither recorded one."""
+    vals = sorted({float(d) for r in runs
+                   if (d := (r.get("summary") or {}).get("delta", r["config"].get("delta")))
+                   is not None})
+    return ", ".join(f"{d:g}" for d in vals) or "-"
+
+
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -327,7 +336,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     scope = ("user-level DP-FedAvg (privacy unit: user; epoch = round); " if federated else "")
     header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; {scope}dataset(s) "
               f"{sorted({r['config']['dataset'] for r in runs})}, model(s) "
-              f"{sorted({r['config']['model'] for r in runs})}, delta {first['delta']:g}, "
+              f"{sorted({r['config']['model'] for r in runs})}, delta {deltas_text(runs)}, "
               f"accountant {first['accountant']}, sampling {first['sampling']}.\n\n"
               "Test accuracy (%), mean +- std over seeds; best mean per column in bold; "
               "eps = largest epsilon spent in the cell.\n\n")
