@@ -54,6 +54,7 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.interrupts import TrainingInterrupted
     from dpclip.trainer import TrainConfig, train
 
     _check_dataset_name(args.dataset)
@@ -92,22 +93,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
                                    not args.no_progress)
+    # without --checkpoint-dir the run still checkpoints (under $DPCLIP_OUT/checkpoints, removed
+    # when it finishes), so that Ctrl-C and the same command again lose nothing
+    ck_dir = args.checkpoint_dir or _default_checkpoint_dir(config)
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 stores and prints
-        train(config, checkpoint_dir=args.checkpoint_dir, progress=False)
+        train(config, checkpoint_dir=ck_dir, progress=False)
         return 0
     store = ResultsStore(args.db or default_db_path())
-    run_id = store.start_run(config.fingerprint(), config.to_dict())
+    run_ids: list[int] = []  # the row is made once every input is checked: a refusal leaves none
+
+    def start() -> None:
+        run_ids.append(store.start_run(config.fingerprint(), config.to_dict()))
+
     try:
         result = train(
             config,
-            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_dir=ck_dir,
             progress=not args.no_progress,
-            on_epoch=lambda row: store.log_epoch(run_id, row["epoch"], row),
+            on_epoch=lambda row: store.log_epoch(run_ids[0], row["epoch"], row),
+            on_start=start,
         )
-    except BaseException as exc:
-        store.fail_run(run_id, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    except TrainingInterrupted as exc:  # main() prints how to resume
+        if run_ids:
+            store.interrupt_run(run_ids[0], exc.message("run the same command"))
         store.close()
         raise
+    except BaseException as exc:
+        if run_ids:
+            store.fail_run(run_ids[0],
+                           "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        store.close()
+        raise
+    run_id = run_ids[0]
+    if args.checkpoint_dir is None:  # the default checkpoint of a finished run is not needed
+        import shutil
+
+        shutil.rmtree(ck_dir, ignore_errors=True)
     summary = dict(result.summary, run_id=run_id, db=str(store.path))
     if summary.get("randomness_warning"):
         print(f"warning: {summary['randomness_warning']} (--reproducible-noise)", file=sys.stderr)
@@ -127,6 +148,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{summary['wall_seconds']:.1f} s; stored as run {run_id} in {summary['db']}",
     )
     return 0
+
+
+def _default_checkpoint_dir(config: Any) -> str:
+    """Where ``dpclip train`` checkpoints without ``--checkpoint-dir``: one directory per config
+    fingerprint under ``$DPCLIP_OUT/checkpoints`` (the same place ``dpclip run`` uses)."""
+    return os.path.join(_default_out(), "checkpoints", config.fingerprint())
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
@@ -861,6 +888,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, RuntimeError) as exc:
             print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as exc:  # Ctrl-C: no traceback; say how to resume
+            from dpclip.interrupts import TrainingInterrupted
+
+            text = (exc.message("run the same command") if isinstance(exc, TrainingInterrupted)
+                    else "interrupted (Ctrl-C)")
+            print(f"dpclip {args.command}: {text}", file=sys.stderr)
+            return 130
 
 
 #: subcommands that keep the allocator they were started with (``bench`` measures it as given)
