@@ -65,6 +65,7 @@ from dpclip.distributed import (
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
+from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -91,6 +92,16 @@ def public_reason(reason: str) -> str:
     reason = re.sub(r"\[\s*(?:\(\.\.\.\)|None)(?:\s*,\s*(?:\(\.\.\.\)|None))*\s*\]", "[...]",
                     reason)
     return re.sub(r"\b(batch|chunk) of \d+", r"\1 of B", reason)
+
+
+def _warn_fallback(requested: str, ran: str, reason: str) -> None:
+    import warnings
+
+    from dpclip.errors import EngineFallbackWarning
+
+    warnings.warn(EngineFallbackWarning(
+        f"engine {requested!r} ran on {ran!r}: {reason} (recorded in engine_info; "
+        "dpclip.check_model(model) lists such layers and what they cost)"), stacklevel=3)
 
 
 class BudgetExhausted(RuntimeError):
@@ -236,7 +247,7 @@ class PrivateTraining:
                              f"{', '.join(ENGINE_NAMES)}")
         self.model, self.optimizer = model, optimizer
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
-        self._x, self._y, n = _as_tensors(data)
+        self._x, self._y, n = _as_tensors(convert_arrays(data, model, verbose))
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
         #: per-example augmentation after sampling (dpclip.data.augment), or None
@@ -277,6 +288,8 @@ class PrivateTraining:
                              "configure a strategy instance directly")
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
+        if loss_fn is None and getattr(strategy, "kind", "norm") != "bound":
+            check_class_targets(model, self._x, self._y, self.device)  # before the first step
         self.bound_based = getattr(strategy, "kind", "norm") == "bound"
         # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
         # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
@@ -529,7 +542,10 @@ class PrivateTraining:
             # every shape (a shape's first dimension is the private realised batch size)
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
-                self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
+                reason = public_reason(str(out.engine_info["fallback"]))
+                if reason not in self.fallbacks:  # said once per reason, naming the layers
+                    _warn_fallback(self.engine.name, str(out.engine_info.get("engine")), reason)
+                self.fallbacks.add(reason)
         params = out.params  # the parameters the engine differentiated, found during this call
         if params is None:
             params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}

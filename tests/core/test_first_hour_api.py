@@ -61,3 +61,121 @@ def test_batch_size_missing_is_an_error_not_256():
     loader = DataLoader(TensorDataset(x, y), batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="uses a batch_sampler"):
         make_private(_model(), None, loader, **BASE)
+
+
+# -- labels and arrays, checked before the first step --------------------------------------------
+
+def test_float_labels_are_refused_before_the_first_step():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"make_private: targets have dtype float32; the default "
+                                         r"loss \(cross-entropy\) needs integer class indices "
+                                         r"0..C-1: convert them with targets.long\(\)"):
+        make_private(_model(), None, (x, y.float()), batch_size=32, **BASE)
+    with pytest.raises(ValueError, match="for regression pass loss_fn="):
+        make_private(_model(), None, (x, torch.rand(len(x))), batch_size=32, **BASE)
+
+
+def test_out_of_range_labels_are_refused_before_the_first_step():
+    x, y = _data()
+    y = y.clone()
+    y[:5] = 3  # the model has 3 outputs: 0..2
+    with pytest.raises(ValueError, match=r"make_private: 5 of the 128 targets are outside 0..2 "
+                                         r"\(the model has 3 outputs\); map the labels"):
+        make_private(_model(), None, (x, y), batch_size=32, **BASE)
+    y[:5] = -1
+    with pytest.raises(ValueError, match="5 of the 128 targets are outside 0..2"):
+        make_private(_model(), None, (x, y), batch_size=32, **BASE)
+
+
+def test_numpy_arrays_are_converted_and_said_once(capsys):
+    np = pytest.importorskip("numpy")
+    x, y = _data()
+    dp = make_private(_model(), None, (x.double().numpy(), y.numpy()), batch_size=32, **BASE)
+    err = capsys.readouterr().err
+    assert err.count("converted numpy arrays") == 1
+    assert "inputs float64 -> float32; targets int64 -> int64" in err
+    xb, yb = dp.sample()
+    assert xb.dtype == torch.float32 and yb.dtype == torch.int64
+    dp.backward(xb, yb)
+    assert dp.steps == 1
+
+
+def test_string_labels_get_a_relevant_message():
+    np = pytest.importorskip("numpy")
+    x, _ = _data()
+    for labels, what in ((np.array(["cat", "dog"] * 64), "numpy dtype <U3"),
+                         (["cat", "dog"] * 64, "a list of str")):
+        with pytest.raises(ValueError) as info:
+            make_private(_model(), None, (x, labels), batch_size=32, **BASE)
+        msg = str(info.value)
+        assert msg.startswith(f"make_private: targets are strings ({what}); the default loss")
+        assert "numpy.unique(labels, return_inverse=True)" in msg
+        assert "public configuration" not in msg
+
+
+def test_strategy_names_get_did_you_mean_in_the_api():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"unknown strategy 'quantil' \(did you mean "
+                                         r"'quantile'\?\); valid strategies: "):
+        make_private(_model(), None, (x, y), batch_size=32, strategy="quantil", **BASE)
+
+
+# -- check_model / fix_model ---------------------------------------------------------------------
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 48, 3)
+        self.bn = nn.BatchNorm2d(48)
+        self.act = nn.PReLU()
+        self.register_buffer("scale", torch.ones(1))
+        self.head = nn.Linear(48, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.bn(self.conv(x))).mean((2, 3)) * self.scale)
+
+
+def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
+    model = _Net()
+    report = dpclip.check_model(model, strategy="fixed")
+    kinds = {(p.layer, p.kind) for p in report.problems}
+    assert kinds == {("bn", "batchnorm"), ("scale", "buffer"), ("act", "ghost")}
+    assert not report.ok and "training refuses this model" in str(report)
+    ghost = next(p for p in report.problems if p.kind == "ghost")
+    assert "per-example gradients for it (vmap): 1 parameters" in ghost.message
+    assert not ghost.blocking
+    # batch clipping allows BatchNorm
+    assert "batchnorm" not in {p.kind for p in dpclip.check_model(
+        model, strategy_params={"unit": "bc"}).problems}
+    # a materialising strategy says what it costs
+    ada = dpclip.check_model(nn.Linear(4, 2), strategy="adaclip")
+    assert [p.kind for p in ada.problems] == ["strategy"] and "all 10 trainable" in str(ada)
+    with pytest.raises(ValueError, match="did you mean 'quantile'"):
+        dpclip.check_model(model, strategy="quantil")
+
+    fixed = dpclip.fix_model(model)
+    assert fixed is model and isinstance(model.bn, nn.GroupNorm)
+    assert (model.bn.num_groups, model.bn.num_channels) == (16, 48)  # gcd(32, 48)
+    assert "bn (BatchNorm2d -> GroupNorm(16, 48))" in capsys.readouterr().err
+    assert "batchnorm" not in {p.kind for p in dpclip.check_model(model).problems}
+    assert dpclip.check_model(nn.Sequential(nn.Linear(4, 2))).ok
+
+
+def test_auto_fallback_is_said_once_naming_the_layer():
+    from dpclip.errors import EngineFallbackWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 3))
+    x, y = _data()
+    dp = make_private(model, None, (x, y), batch_size=32, engine="auto", **BASE)
+    with pytest.warns(EngineFallbackWarning, match=r"engine 'auto' ran on 'vmap': unsupported "
+                                                   r"layer\(s\): '1' \(PReLU"):
+        for _ in range(2):
+            xb, yb = dp.sample()
+            dp.backward(xb, yb)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)  # not again for the same reason
+        xb, yb = dp.sample()
+        dp.backward(xb, yb)
