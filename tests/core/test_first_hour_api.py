@@ -179,3 +179,15 @@ def test_auto_fallback_is_said_once_naming_the_layer():
         warnings.simplefilter("error", EngineFallbackWarning)  # not again for the same reason
         xb, yb = dp.sample()
         dp.backward(xb, yb)
+
+
+def test_api_messages_name_the_python_argument():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"lower batch_size \(CLI --batch-size\)"):
+        make_private(_model(), None, (x, y), batch_size=1000, **BASE)
+    with pytest.raises(ValueError, match=r"unit=gbc needs sampling='fixed-size' \(CLI"):
+        make_private(_model(), None, (x, y), batch_size=32,
+                     strategy_params={"unit": "gbc", "miniset_size": 4}, **BASE)
+    with pytest.raises(ValueError, match=r"strategy_params=\{'miniset_size': S\}"):
+        make_private(_model(), None, (x, y), batch_size=32, strategy_params={"unit": "gbc"},
+                     sampling="fixed-size", **BASE)
