@@ -65,6 +65,7 @@ from dpclip.distributed import (
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
+from dpclip.engine.errors import UnsupportedModelError
 from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
@@ -525,11 +526,20 @@ class PrivateTraining:
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
         ctx = self._plan.ctx(step, z)
-        out = dp_step(
-            self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
-            state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
-            base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise, unit=self.unit,
-        )
+        try:
+            out = dp_step(
+                self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
+                state=self.state, engine=self._step_engine, groups=self.groups,
+                sampler=self.sampler, base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise,
+                unit=self.unit,
+            )
+        except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300 chars
+            from dpclip.hf import with_hf_recipe
+
+            short = with_hf_recipe(exc, self.model)
+            if short is None:
+                raise
+            raise short from exc
         planned = self._plan.event_at(ctx, z)
         if out.event != planned:
             raise RuntimeError(
