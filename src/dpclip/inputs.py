@@ -108,10 +108,10 @@ def check_class_targets(model: nn.Module, x: Any, y: Any,
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         whole = bool(y.dtype != torch.bool and torch.all(y == torch.round(y)))
         fix = ("convert them with targets.long()" if whole else
-               "the default loss is cross-entropy over classes; for regression pass loss_fn= "
-               "returning one loss per example (e.g. lambda out, y: ((out.squeeze(-1) - y) ** 2))")
+               "for regression pass loss_fn= returning one loss per example (e.g. lambda out, y: "
+               "(out.squeeze(-1) - y) ** 2)")
         raise ValueError(f"make_private: targets have dtype {str(y.dtype).removeprefix('torch.')}"
-                         f"; the default loss (cross-entropy) needs integer class indices 0..C-1:"
+                         f"; the default loss (cross-entropy) needs integer class indices 0..C-1;"
                          f" {fix}")
     if y.numel() == 0:
         return

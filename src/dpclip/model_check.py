@@ -38,7 +38,8 @@ class ModelProblem:
     blocking: bool = True  #: training refuses it (False: it runs, at a cost)
 
     def __str__(self) -> str:
-        tag = "error" if self.blocking else "cost"
+        tag = "error" if self.blocking else "cost" if self.kind in ("ghost", "strategy") \
+            else "check"
         return f"[{tag}] {self.layer}: {self.message}; fix: {self.fix}"
 
 

@@ -69,7 +69,7 @@ def test_float_labels_are_refused_before_the_first_step():
     x, y = _data()
     with pytest.raises(ValueError, match=r"make_private: targets have dtype float32; the default "
                                          r"loss \(cross-entropy\) needs integer class indices "
-                                         r"0..C-1: convert them with targets.long\(\)"):
+                                         r"0..C-1; convert them with targets.long\(\)"):
         make_private(_model(), None, (x, y.float()), batch_size=32, **BASE)
     with pytest.raises(ValueError, match="for regression pass loss_fn="):
         make_private(_model(), None, (x, torch.rand(len(x))), batch_size=32, **BASE)
