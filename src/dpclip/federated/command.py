@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-cap", type=int, help="declared capped weights min(n_u / CAP, 1) "
                    "from the users' example counts (declared public); default equal weights")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    t.add_argument("--db", help="results database (default $DPCLIP_DB or ./dpclip_results.db)")
     for role in ("server", "client"):
         f = sub.add_parser(f"flower-{role}", help=f"Flower {role} process (needs dpclip[flower])")
         f.add_argument("--address", required=True)
@@ -113,17 +114,54 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def _run_one(spec: dict[str, Any]) -> Any:
+def _run_one(spec: dict[str, Any], callback: Any = None) -> Any:
     from dpclip.federated.simulation import run_fedavg
     from dpclip.federated.spec import build_run
 
     data, model, strategy, config = build_run(spec)
-    return run_fedavg(data, model, strategy, config), strategy
+    return run_fedavg(data, model, strategy, config, callback=callback), strategy
+
+
+def _round_line(row: dict[str, Any], rounds: int) -> str:
+    return (f"round {row['round']:>4}/{rounds}  test_acc {row['test_accuracy']:.4f}  "
+            f"clip {row['clip_norm']:.4g}  eps {row['epsilon']:.4g}")
+
+
+def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
+    """``dpclip fl train``: the run, printed per evaluated round (stderr with --json), stored in
+    the results store like every run (``kind = "federated"``; config checked first, so a refused
+    spec leaves no row)."""
+    import sys
+
+    from dpclip.federated.spec import FederatedRunConfig
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    run = FederatedRunConfig(spec)  # validates the plan before anything is stored
+    store = ResultsStore(getattr(args, "db", None) or default_db_path())
+    rid = store.start_run(run.fingerprint(), run.to_dict(), label=f"fl:{run.spec['strategy']}")
+    out = sys.stderr if args.json else sys.stdout
+
+    def on_round(row: dict[str, Any]) -> None:
+        store.log_epoch(rid, row["round"], {**row, "epoch": row["round"],
+                                            "clip_threshold": row["clip_norm"]})
+        print(_round_line(row, int(run.spec["rounds"])), file=out, flush=True)
+
+    try:
+        res, strategy = _run_one(dict(run.spec), callback=on_round)
+    except BaseException as exc:
+        store.fail_run(rid, f"{type(exc).__name__}: {exc}")
+        store.close()
+        raise
+    store.finish_run(rid, {**res.summary, "strategy": strategy.name,
+                           "params": strategy.describe()}, res.ledger.to_dict())
+    store.close()
+    res.summary["run_id"], res.summary["db"] = rid, str(store.path)
+    return res
 
 
 def run_command(args: argparse.Namespace) -> int:
     if args.fl_command == "train":
-        res, _ = _run_one(_train_spec(args))
+        res = _train_stored(_train_spec(args), args)
         s = {**res.summary, "history": res.history}
         if args.json:
             print(json.dumps(s, default=str))
@@ -132,7 +170,8 @@ def run_command(args: argparse.Namespace) -> int:
                   f"({s['num_users']} users, m={s['expected_clients']:g}, {s['rounds']} rounds): "
                   f"test accuracy {100 * s['test_accuracy']:.2f} %, epsilon {s['epsilon']:.3f} "
                   f"at delta {s['delta']:g} ({s['accountant']}), final clip "
-                  f"{res.clip_history[-1]:.4g}; randomness {s['randomness']}")
+                  f"{res.clip_history[-1]:.4g}; randomness {s['randomness']}; stored as run "
+                  f"{s['run_id']} in {s['db']}")
         return 0
     from dpclip.federated import flower  # the optional extra: a clear ImportError without it
 
