@@ -356,8 +356,8 @@ def run_client(spec: dict[str, Any], address: str, user: int) -> None:
     """Connect user ``user``'s client to the Flower server at ``address`` (insecure, localhost)."""
     from flwr.client import start_client
 
-    check_spec(spec)  # the server's checks: a refused spec ends the client, not a wait
-    data = build_data(spec)
+    # the server's checks (a refused spec ends the client, not a wait), and the users' data
+    data = _server_for(spec, 0.0)[0].eval_data
     if not 0 <= user < data.num_users:
         raise ValueError(f"--user {user}: the run has users 0..{data.num_users - 1}")
     model = build_model_for(spec, data)
