@@ -32,3 +32,13 @@ def test_fl_train_refused_spec_leaves_no_row(tmp_path, capsys):
     assert "delta=0.5 is >= 1/N = 1/20 (20 users, the privacy unit)" in capsys.readouterr().err
     assert not db.exists() or sqlite3.connect(db).execute(
         "SELECT count(*) FROM runs").fetchone()[0] == 0
+
+
+def test_fl_train_runs_report_per_round(tmp_path, capsys):
+    """`dpclip fl train` runs are the experiment `fl-train`: `dpclip report fl-train` plots them
+    per round (accuracy, clip, epsilon), embedded in the self-contained HTML."""
+    db = tmp_path / "r.db"
+    assert main([*ARGS, "--db", str(db)]) == 0
+    assert main(["report", "fl-train", "--db", str(db), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "fl-train.html").read_text()
+    assert "test accuracy per round" in page and "data:image/png;base64," in page

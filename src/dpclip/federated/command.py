@@ -150,7 +150,8 @@ def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
 
     run = FederatedRunConfig(spec)  # validates the plan before anything is stored
     store = ResultsStore(getattr(args, "db", None) or default_db_path())
-    rid = store.start_run(run.fingerprint(), run.to_dict(), label=f"fl:{run.spec['strategy']}")
+    rid = store.start_run(run.fingerprint(), run.to_dict(), experiment="fl-train",
+                          label=f"fl:{run.spec['strategy']}")
     out = sys.stderr if args.json else sys.stdout
 
     def on_round(row: dict[str, Any]) -> None:
@@ -164,8 +165,12 @@ def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
         store.fail_run(rid, f"{type(exc).__name__}: {exc}")
         store.close()
         raise
-    store.finish_run(rid, {**res.summary, "strategy": strategy.name,
-                           "params": strategy.describe()}, res.ledger.to_dict())
+    sm = res.summary  # the keys a federated grid's run has (dpclip.federated.spec.run_from_config)
+    store.finish_run(rid, {**sm, "model": run.spec["model"], "strategy": strategy.name,
+                           "params": strategy.describe(), "epochs": sm["rounds"],
+                           "privacy_unit": "user", "expected_batch_size": sm["expected_clients"],
+                           "lr": sm["server_lr"], "optimizer": sm["server_optimizer"]},
+                     res.ledger.to_dict())
     store.close()
     res.summary["run_id"], res.summary["db"] = rid, str(store.path)
     return res
