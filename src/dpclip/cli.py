@@ -231,6 +231,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"{r['allocator']:<8} {r['ms_per_step']:9.2f} ms  x{r['ratio_to_nonprivate']:.2f}"
                   f"  peak {r['peak_mem_mb']:.0f} MB, step +{r['extra_mem_mb']:.1f} MB"
                   + (f" (x{ratio:.2f})" if ratio is not None else ""))
+    if args.plot:
+        from dpclip.bench_plot import bench_report
+
+        page, png = bench_report(rows, args.plot)
+        print(f"plot: {page} (and {png})", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -579,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="methods to time (default: nonprivate and every dpclip engine)")
     b.add_argument("--steps", type=int, default=20, help="timed steps per method")
     b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--plot", metavar="FILE.html", help="also write the step times as a bar chart "
+                   "(FILE.png) embedded in a self-contained HTML page")
     b.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: model and batch on the GPU, peak memory from "
                         "torch.cuda.max_memory_allocated")

@@ -100,3 +100,15 @@ def test_markdown_from_rows(rows, run_all):
     assert len([ln for ln in md.splitlines() if ln.startswith("| mlp |")]) == 5
     assert run_all.header("gpu_engines", gpu).startswith("# Step time and peak memory, "
                                                          "`gpu_engines`")
+
+
+def test_bench_plot_is_a_self_contained_page(tmp_path, capsys):
+    """issue 35: `dpclip bench --plot FILE.html` draws the step times (a PNG embedded as base64)."""
+    rc = main(["bench", "--model", "mlp", "--batch-size", "8", "--steps", "2", "--warmup", "1",
+               "--method", "nonprivate", "--method", "dpclip-vmap", "--plot",
+               str(tmp_path / "bench.html")])
+    assert rc == 0
+    page = (tmp_path / "bench.html").read_text()
+    assert "data:image/png;base64," in page and "<table>" in page
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"plot: {tmp_path / 'bench.html'}" in capsys.readouterr().out
