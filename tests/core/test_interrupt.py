@@ -96,3 +96,57 @@ def test_refused_input_leaves_no_row(tmp_path, capsys):
                "n_train=128", "--epsilon", "0.1", "--noise-multiplier", "1", "--db", str(db)])
     assert rc == 2 and "allows 0 of the 4 planned steps" in capsys.readouterr().err
     assert sqlite3.connect(db).execute("SELECT count(*) FROM runs").fetchone()[0] == 0
+
+
+SPEC = """
+name = "ctrlc"
+[train]
+dataset = "synthetic"
+model = "logreg"
+epochs = 4
+batch_size = 16
+lr = 0.5
+delta = 1e-5
+dataset_options = { n_train = 1024 }
+[grid]
+epsilons = [2.0]
+seeds = [0]
+[[strategies]]
+name = "fixed"
+params = { clip_norm = 1.0 }
+"""
+
+
+@pytest.mark.slow
+def test_dpclip_run_ctrl_c_marks_the_run_interrupted_and_resumes(tmp_path, capsys):
+    spec, db, out = tmp_path / "ctrlc.toml", tmp_path / "r.db", tmp_path / "out"
+    spec.write_text(SPEC)
+    args = ["run", str(spec), "--db", str(db), "--out", str(out), "--no-progress"]
+
+    def press_ctrl_c() -> None:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            time.sleep(0.05)
+            try:
+                if sqlite3.connect(db).execute("SELECT count(*) FROM runs").fetchone()[0]:
+                    break
+            except sqlite3.OperationalError:
+                continue
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c)
+    presser.start()
+    rc = main(args)
+    presser.join()
+    err = capsys.readouterr().err
+    assert rc == 130 and "Traceback" not in err, err
+    m = re.search(r"dpclip run: interrupted at step (\d+)/256; run the same command to resume",
+                  err)
+    assert m, err
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+    assert main(args) == 0
+    assert f"resumed from step {m.group(1)}" in capsys.readouterr().err
+    assert con.execute("SELECT status FROM runs ORDER BY id").fetchall() == [
+        ("interrupted",), ("finished",)]
