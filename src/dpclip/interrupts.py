@@ -12,8 +12,9 @@ state (store it like the data, docs/privacy.md); the message quotes the step cou
 epsilon spent so far, both functions of the public plan.
 
 Edge cases: under ``torchrun`` (``WORLD_SIZE`` > 1) nothing is deferred, since the ranks could
-stop at different steps and wait for each other forever; outside the main thread (signals cannot be handled there), or when the program has
-installed its own SIGINT handler, nothing is deferred and Ctrl-C behaves as the program decides.
+stop at different steps and wait for each other forever; outside the main thread (signals cannot
+be handled there), or when the program has installed its own SIGINT handler, nothing is deferred
+and Ctrl-C behaves as the program decides.
 """
 
 from __future__ import annotations

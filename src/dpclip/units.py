@@ -104,7 +104,8 @@ class UnitConfig:
             if not (isinstance(self.miniset_size, int) and self.miniset_size >= 1):
                 raise ValueError(f"miniset_size must be an int >= 1, got {self.miniset_size!r}")
         elif self.unit == "gbc":
-            raise ValueError("unit=gbc needs miniset_size=S, the examples per mini-set (strategy_params={'miniset_size': S}; CLI --param miniset_size=S)")
+            raise ValueError("unit=gbc needs miniset_size=S, the examples per mini-set "
+                             "(strategy_params={'miniset_size': S}; CLI --param miniset_size=S)")
         if self.bn_stats not in BN_STATS:
             raise ValueError(f"bn_stats={self.bn_stats!r}; valid: {', '.join(BN_STATS)}")
         if self.public_fraction is not None and not (0.0 <= self.public_fraction < 1.0):

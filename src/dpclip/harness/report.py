@@ -525,7 +525,8 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     if audits:
         md += "\n" + _audit_markdown(audits)
         if audit_fig is not None:
-            md += f"\n**{audit_fig[1]}**\n\n![claimed epsilon vs lower bound]({audit_fig[0].name})\n"
+            md += (f"\n**{audit_fig[1]}**\n\n![claimed epsilon vs lower bound]"
+                   f"({audit_fig[0].name})\n")
     md_path = out / f"{experiment}.md"
     md_path.write_text(md)
 
