@@ -62,3 +62,14 @@ def test_documented_command_runs_6_clients_3_rounds_first_time(tmp_path, capsys)
     assert result["rounds"] == 3 and result["failures"] == []
     assert 0 <= result["test_accuracy"] <= 1 and result["epsilon"] > 0
     assert sqlite3.connect(db).execute("SELECT status FROM runs").fetchall() == [("finished",)]
+
+
+def test_server_wait_scales_with_the_number_of_clients():
+    from dpclip.federated.flower import _server_for
+
+    spec = documented_spec()
+    fl, _ = _server_for(spec, None)
+    assert fl.wait_timeout == 30.0 + 10.0 * 6  # the old fixed 60 s was too short for 6 on 2 cores
+    fl, _ = _server_for(dict(spec, num_users=20, dataset_options={"n_train": 400}), None)
+    assert fl.wait_timeout == 230.0
+    assert _server_for(spec, 15.0)[0].wait_timeout == 15.0  # --wait-timeout still wins
