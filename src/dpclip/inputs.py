@@ -10,8 +10,8 @@
 
 Privacy: the checks read the labels of the private data only to refuse them before training;
 messages name counts and the valid range, never an example's value. The model's number of outputs
-comes from one forward pass of one example without gradients, in eval mode (no BatchNorm
-statistics are updated), and nothing of it is kept.
+comes from one forward pass of an all-zero input of one example's shape (no private value enters
+the model), without gradients and in eval mode, and nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def _num_outputs(model: nn.Module, x: Any, device: torch.device | None) -> int |
     or None when one forward pass cannot tell (the first step then reports any problem)."""
     from dpclip.engine.batch import map_batch
 
-    one = map_batch(lambda t: t[:1].to(device) if device is not None else t[:1], x)
+    # zeros of one example's shape and dtype: the number of outputs without touching private data
+    one = map_batch(lambda t: torch.zeros_like(t[:1], device=device), x)
     was = model.training
     try:
         model.eval()

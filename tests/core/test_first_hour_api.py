@@ -191,3 +191,22 @@ def test_api_messages_name_the_python_argument():
     with pytest.raises(ValueError, match=r"strategy_params=\{'miniset_size': S\}"):
         make_private(_model(), None, (x, y), batch_size=32, strategy_params={"unit": "gbc"},
                      sampling="fixed-size", **BASE)
+
+
+def test_the_label_check_never_feeds_private_data_to_the_model():
+    """The number of outputs comes from an all-zero input: no private value reaches the model
+    (or a buffer it might update) before the first accounted step."""
+    seen = []
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x):
+            seen.append(x.detach().clone())
+            return self.lin(x)
+
+    x, y = _data()
+    make_private(Spy(), None, (x + 5.0, y), batch_size=32, **BASE)
+    assert len(seen) == 1 and torch.count_nonzero(seen[0]) == 0
