@@ -107,7 +107,7 @@ def check_class_targets(model: nn.Module, x: Any, y: Any,
     if not isinstance(y, Tensor) or y.ndim != 1:
         return  # tuples/dicts of targets or per-token labels: the user's loss_fn decides
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        whole = bool(y.dtype != torch.bool and torch.all(y == torch.round(y)))
+        whole = bool(y.dtype == torch.bool or torch.all(y == torch.round(y)))
         fix = ("convert them with targets.long()" if whole else
                "for regression pass loss_fn= returning one loss per example (e.g. lambda out, y: "
                "(out.squeeze(-1) - y) ** 2)")
