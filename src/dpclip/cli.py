@@ -54,6 +54,7 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.interrupts import TrainingInterrupted
     from dpclip.trainer import TrainConfig, train
 
     _check_dataset_name(args.dataset)
@@ -92,22 +93,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
                                    not args.no_progress)
+    # without --checkpoint-dir the run still checkpoints (under $DPCLIP_OUT/checkpoints, removed
+    # when it finishes), so that Ctrl-C and the same command again lose nothing
+    ck_dir = args.checkpoint_dir or _default_checkpoint_dir(config)
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 stores and prints
-        train(config, checkpoint_dir=args.checkpoint_dir, progress=False)
+        train(config, checkpoint_dir=ck_dir, progress=False)
         return 0
     store = ResultsStore(args.db or default_db_path())
-    run_id = store.start_run(config.fingerprint(), config.to_dict())
+    run_ids: list[int] = []  # the row is made once every input is checked: a refusal leaves none
+
+    def start() -> None:
+        run_ids.append(store.start_run(config.fingerprint(), config.to_dict()))
+
     try:
         result = train(
             config,
-            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_dir=ck_dir,
             progress=not args.no_progress,
-            on_epoch=lambda row: store.log_epoch(run_id, row["epoch"], row),
+            on_epoch=lambda row: store.log_epoch(run_ids[0], row["epoch"], row),
+            on_start=start,
         )
-    except BaseException as exc:
-        store.fail_run(run_id, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    except TrainingInterrupted as exc:  # main() prints how to resume
+        if run_ids:
+            store.interrupt_run(run_ids[0], exc.message("run the same command"))
         store.close()
         raise
+    except BaseException as exc:
+        if run_ids:
+            store.fail_run(run_ids[0],
+                           "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        store.close()
+        raise
+    run_id = run_ids[0]
+    if args.checkpoint_dir is None:  # the default checkpoint of a finished run is not needed
+        import shutil
+
+        shutil.rmtree(ck_dir, ignore_errors=True)
     summary = dict(result.summary, run_id=run_id, db=str(store.path))
     if summary.get("randomness_warning"):
         print(f"warning: {summary['randomness_warning']} (--reproducible-noise)", file=sys.stderr)
@@ -127,6 +148,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{summary['wall_seconds']:.1f} s; stored as run {run_id} in {summary['db']}",
     )
     return 0
+
+
+def _default_checkpoint_dir(config: Any) -> str:
+    """Where ``dpclip train`` checkpoints without ``--checkpoint-dir``: one directory per config
+    fingerprint under ``$DPCLIP_OUT/checkpoints`` (the same place ``dpclip run`` uses)."""
+    return os.path.join(_default_out(), "checkpoints", config.fingerprint())
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
@@ -204,6 +231,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"{r['allocator']:<8} {r['ms_per_step']:9.2f} ms  x{r['ratio_to_nonprivate']:.2f}"
                   f"  peak {r['peak_mem_mb']:.0f} MB, step +{r['extra_mem_mb']:.1f} MB"
                   + (f" (x{ratio:.2f})" if ratio is not None else ""))
+    if args.plot:
+        from dpclip.bench_plot import bench_report
+
+        page, png = bench_report(rows, args.plot)
+        print(f"plot: {page} (and {png})", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -237,8 +269,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         with ResultsStore(db) as store:
             r = build_report(store, spec.name, out)
         result.update(markdown=str(r.markdown_path), html=str(r.html_path))
-        print(r.markdown_path.read_text().split("\n\n![")[0])
-        print(f"\nreport: {r.html_path} (and {r.markdown_path})")
+        if not args.json:  # the tables are in the files; stdout says where
+            print(f"report: {r.html_path} (and {r.markdown_path}, {len(r.plots)} plots)")
     if args.json:
         print(json.dumps(result))
     return 1 if rep.failed else 0
@@ -344,17 +376,44 @@ def cmd_audit(args: argparse.Namespace) -> int:
                              experiment="audit", label=f"{args.mode}:{args.strategy}")
     store.finish_run(run_id, dict(summary, run_id=run_id), {})
     store.close()
-    verdict = ("VIOLATION: the mechanism leaks more than claimed" if summary["violates_claim"]
-               else "no violation found (an audit refutes claims, it cannot prove one)")
-    extra = (f", gaussian {summary['gaussian_epsilon']:.4g}, ratio {summary['ratio']:.2f}"
-             if "gaussian_epsilon" in summary else "")
-    _emit(dict(summary, run_id=run_id), args.json,
-          f"{args.mode} audit of {args.strategy}: claimed epsilon "
-          f"{summary['claimed_epsilon']:.4g} ({summary['claim_scope']}); lower bound "
-          f"{summary['lower_bound']:.4g} at confidence {1 - args.significance:g} (one-run "
-          f"{summary['one_run_epsilon']:.4g}, f-DP {summary['one_run_fdp_epsilon']:.4g}{extra}), "
-          f"delta {args.delta:g}; {verdict}; stored as run {run_id}")
+    _emit(dict(summary, run_id=run_id), args.json, audit_text(dict(summary, run_id=run_id), args))
     return 1 if summary["violates_claim"] else 0
+
+
+def audit_text(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """The audit's numbers, each named: the claim it tested (for white-box, ONE step's epsilon
+    without sampling amplification, which can exceed the run's epsilon), the run's epsilon when
+    known, each estimator, and which one is THE lower bound compared with the claim."""
+    white = summary.get("mode") == "whitebox"
+    claim = summary["claimed_epsilon"]
+    lines = [f"{summary.get('mode')} audit of {summary.get('strategy')} (delta {args.delta:g}, "
+             f"{summary.get('canaries')} canaries):"]
+    if white:
+        lines.append(f"  one-step claim:          epsilon {claim:.4g}  (what this audit tests: the "
+                     "audited step alone, without the amplification of sampling)")
+        if getattr(args, "epsilon", None) is not None:
+            lines.append(f"  the run's epsilon:       {args.epsilon:g}  (all steps, with sampling "
+                         "amplification; smaller than the one-step claim can be, and not tested "
+                         "here)")
+    else:
+        lines.append(f"  claimed epsilon:         {claim:.4g}  (the whole training run; "
+                     f"{summary.get('claim_source', 'run')})")
+    est = [("one-run", summary.get("one_run_epsilon")),
+           ("one-run f-DP", summary.get("one_run_fdp_epsilon"))]
+    if white and summary.get("gaussian_epsilon") is not None:
+        est.append(("gaussian fit", summary["gaussian_epsilon"]))
+    lines.append(f"  empirical lower bound:   epsilon {summary['lower_bound']:.4g} at confidence "
+                 f"{1 - args.significance:g}  <- THE bound compared with the claim (the largest "
+                 "of: " + ", ".join(f"{n} {v:.4g}" for n, v in est if v is not None) + ")")
+    if summary["violates_claim"]:
+        lines.append(f"  verdict: FAIL (VIOLATION): the lower bound {summary['lower_bound']:.4g} "
+                     f"exceeds the claim {claim:.4g}: the mechanism leaks more than claimed")
+    else:
+        lines.append(f"  verdict: PASS (no violation found): the lower bound "
+                     f"{summary['lower_bound']:.4g} <= the claim {claim:.4g} (an audit refutes "
+                     "claims, it cannot prove one)")
+    lines.append(f"  stored as run {summary.get('run_id')}; plot: dpclip report audit")
+    return "\n".join(lines)
 
 
 def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
@@ -525,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="methods to time (default: nonprivate and every dpclip engine)")
     b.add_argument("--steps", type=int, default=20, help="timed steps per method")
     b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--plot", metavar="FILE.html", help="also write the step times as a bar chart "
+                   "(FILE.png) embedded in a self-contained HTML page")
     b.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: model and batch on the GPU, peak memory from "
                         "torch.cuda.max_memory_allocated")
@@ -540,8 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
     fl.set_defaults(func=cmd_fl)
 
     au = sub.add_parser("audit", help="empirical epsilon lower bound vs the claimed epsilon "
-                        "(white-box: Dirac canaries in one step; black-box: mislabelled input "
-                        "canaries in a training run); see docs/audit.md")
+                        "(white-box: Dirac canaries in one step; black-box: canary examples "
+                        "in a training run); see docs/audit.md")
     au.add_argument("--mode", default="whitebox", choices=["whitebox", "blackbox"])
     au.add_argument("--strategy", default="fixed", help="see `dpclip strategies`")
     au.add_argument("--param", action="append", metavar="K=V",
@@ -861,6 +922,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, RuntimeError) as exc:
             print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as exc:  # Ctrl-C: no traceback; say how to resume
+            from dpclip.interrupts import TrainingInterrupted
+
+            text = (exc.message("run the same command") if isinstance(exc, TrainingInterrupted)
+                    else "interrupted (Ctrl-C)")
+            print(f"dpclip {args.command}: {text}", file=sys.stderr)
+            return 130
 
 
 #: subcommands that keep the allocator they were started with (``bench`` measures it as given)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 __all__ = [
     "BudgetWarning",
     "DpclipWarning",
+    "EngineFallbackWarning",
     "NoiseWarning",
     "did_you_mean",
     "unknown_name",
@@ -29,6 +30,11 @@ class DpclipWarning(UserWarning):
 
 class BudgetWarning(DpclipWarning):
     """The epsilon cap stops training before the planned number of steps."""
+
+
+class EngineFallbackWarning(DpclipWarning):
+    """``engine="auto"`` ran a step on a slower engine (vmap) than asked for; said once per
+    reason, naming the layers (no privacy issue: the same clipping, slower and with more memory)."""
 
 
 class NoiseWarning(DpclipWarning):

@@ -65,6 +65,8 @@ from dpclip.distributed import (
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
+from dpclip.engine.errors import UnsupportedModelError
+from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -91,6 +93,16 @@ def public_reason(reason: str) -> str:
     reason = re.sub(r"\[\s*(?:\(\.\.\.\)|None)(?:\s*,\s*(?:\(\.\.\.\)|None))*\s*\]", "[...]",
                     reason)
     return re.sub(r"\b(batch|chunk) of \d+", r"\1 of B", reason)
+
+
+def _warn_fallback(requested: str, ran: str, reason: str) -> None:
+    import warnings
+
+    from dpclip.errors import EngineFallbackWarning
+
+    warnings.warn(EngineFallbackWarning(
+        f"engine {requested!r} ran on {ran!r}: {reason} (recorded in engine_info; "
+        "dpclip.check_model(model) lists such layers and what they cost)"), stacklevel=3)
 
 
 class BudgetExhausted(RuntimeError):
@@ -206,7 +218,7 @@ class PrivateTraining:
         delta: float | None = None,
         epochs: int | None = None,
         steps: int | None = None,
-        batch_size: float = 256,
+        batch_size: float | None = 256,
         sampling: str = "poisson",
         accountant: str = "pld",
         engine: str = "auto",
@@ -236,7 +248,7 @@ class PrivateTraining:
                              f"{', '.join(ENGINE_NAMES)}")
         self.model, self.optimizer = model, optimizer
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
-        self._x, self._y, n = _as_tensors(data)
+        self._x, self._y, n = _as_tensors(convert_arrays(data, model, verbose))
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
         #: per-example augmentation after sampling (dpclip.data.augment), or None
@@ -277,6 +289,8 @@ class PrivateTraining:
                              "configure a strategy instance directly")
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
+        if loss_fn is None and getattr(strategy, "kind", "norm") != "bound":
+            check_class_targets(model, self._x, self._y, self.device)  # before the first step
         self.bound_based = getattr(strategy, "kind", "norm") == "bound"
         # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
         # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
@@ -317,6 +331,10 @@ class PrivateTraining:
         if getattr(strategy, "needs_public_norms", False) and public_data is None:
             raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} estimates its "
                              "thresholds on public data: pass public_data=(inputs, targets)")
+        if batch_size is None:  # make_private without batch_size=: the DataLoader's, or an error
+            batch_size = _loader_batch_size(data, verbose)
+        elif verbose:
+            _say_loader_batch_size_unused(data, batch_size)
         if unit.unit == "gbc":
             s_size = int(unit.miniset_size or 1)
             if float(batch_size) != int(batch_size) or int(batch_size) % s_size:
@@ -510,11 +528,20 @@ class PrivateTraining:
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
         ctx = self._plan.ctx(step, z)
-        out = dp_step(
-            self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
-            state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
-            base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise, unit=self.unit,
-        )
+        try:
+            out = dp_step(
+                self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
+                state=self.state, engine=self._step_engine, groups=self.groups,
+                sampler=self.sampler, base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise,
+                unit=self.unit,
+            )
+        except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300 chars
+            from dpclip.hf import with_hf_recipe
+
+            short = with_hf_recipe(exc, self.model)
+            if short is None:
+                raise
+            raise short from exc
         planned = self._plan.event_at(ctx, z)
         if out.event != planned:
             raise RuntimeError(
@@ -527,7 +554,10 @@ class PrivateTraining:
             # every shape (a shape's first dimension is the private realised batch size)
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
-                self.fallbacks.add(public_reason(str(out.engine_info["fallback"])))
+                reason = public_reason(str(out.engine_info["fallback"]))
+                if reason not in self.fallbacks:  # said once per reason, naming the layers
+                    _warn_fallback(self.engine.name, str(out.engine_info.get("engine")), reason)
+                self.fallbacks.add(reason)
             self.per_layer.update(out.engine_info.get("per_layer") or ())
         params = out.params  # the parameters the engine differentiated, found during this call
         if params is None:
@@ -672,7 +702,118 @@ class PrivateTraining:
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any,
-                 **kwargs: Any) -> PrivateTraining:
-    """DP-SGD around your own model, optimizer and data: see :class:`PrivateTraining`."""
-    return PrivateTraining(model, optimizer, data, **kwargs)
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    data: Any,
+    *,
+    epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    delta: float | None = None,
+    epochs: int | None = None,
+    steps: int | None = None,
+    batch_size: float | None = None,
+    strategy: str | ClippingStrategy = "fixed",
+    strategy_params: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    sampling: str = "poisson",
+    accountant: str = "pld",
+    engine: str = "auto",
+    max_physical_batch: int | None = None,
+    device: str | torch.device | None = None,
+    augment: Any = None,
+    public_data: tuple[Tensor, Tensor] | None = None,
+    input_shape: Sequence[int] | None = None,
+    reproducible_noise: bool = False,
+    seed: int = 0,
+    distributed: Any = None,
+    verbose: bool = True,
+) -> PrivateTraining:
+    """DP-SGD around your own model, optimizer and data.
+
+    Returns a :class:`PrivateTraining`: draw batches from ``dp.loader``, call ``dp.backward(x, y)``
+    (or ``dp.step(x, y)``) instead of ``loss.backward()``, read ``dp.epsilon()`` and
+    ``dp.describe()``. See the module docstring for the privacy contract.
+
+    Args:
+        model: the network; called as ``model(x)``, ``model(*x)`` (tuple) or ``model(**x)``
+            (dict). It must be per-example separable: no BatchNorm with per-example clipping
+            (``dpclip.check_model`` lists the problems, ``dpclip.fix_model`` fixes BatchNorm).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters, or ``None`` when
+            you step your own after ``backward``.
+        data: ``(inputs, targets)`` (tensors, numpy arrays, or tuples/dicts of tensors, one row
+            per example), a ``TensorDataset``, a map-style ``Dataset`` of ``(input, target)``
+            pairs, or a ``DataLoader`` (only its dataset and batch size are used: dpclip draws
+            its own Poisson batches with secret randomness).
+        epsilon: the target epsilon; the noise multiplier is calibrated so that the whole plan
+            (``epochs``/``steps``) meets it, and training stops before exceeding it.
+        noise_multiplier: sigma, instead of ``epsilon`` (give one of the two).
+        delta: the delta of (epsilon, delta)-DP; default: 1e-5, or a power of ten below 1/(10 N)
+            (said on stderr when ``verbose``). Must be below 1/N.
+        epochs: the planned number of epochs (give exactly one of ``epochs`` and ``steps``).
+        steps: the planned number of steps.
+        batch_size: the EXPECTED batch size (sample rate ``batch_size / N``; a public constant
+            that also divides the noisy sum). When left out it is taken from a ``DataLoader``'s
+            ``batch_size`` (said on stderr when ``verbose``); for any other ``data`` it is
+            required.
+        strategy: a clipping strategy name (``dpclip strategies`` lists them) or an instance.
+        strategy_params: the named strategy's parameters, e.g. ``{"clip_norm": 1.0}``; also the
+            clipping unit (``{"unit": "bc"}``: batch clipping).
+        loss_fn: ``loss_fn(outputs, targets)`` returning one loss per example, shape ``(B,)``;
+            default cross-entropy with ``reduction="none"``.
+        sampling: ``"poisson"`` (add/remove adjacency) or ``"fixed-size"`` (replace-one,
+            sensitivity doubled).
+        accountant: ``"pld"`` or ``"rdp"`` (dp-accounting).
+        engine: per-example gradient engine: ``"auto"`` (ghost where it proves separability,
+            else vmap, said once), ``"ghost"``, ``"vmap"``, ``"naive"``, ``"summed"``.
+        max_physical_batch: examples per forward/backward chunk (memory; not privacy).
+        device: where batches are moved (``"cpu"``, ``"cuda"``, a ``torch.device``).
+        augment: per-example augmentation after sampling, e.g. ``"crop:4,flip"``.
+        public_data: ``(inputs, targets)`` of PUBLIC data for strategies that estimate thresholds
+            on it.
+        input_shape: one example's shape, for bound-based strategies (Lipschitz certificates).
+        reproducible_noise: derive the noise and sampling from ``seed``: NOT private, for tests.
+        seed: seeds the public choices (and, only with ``reproducible_noise``, the noise).
+        distributed: ``True`` or a ``DistributedContext``: one private run across the ranks of
+            a ``torch.distributed`` group (docs/distributed.md).
+        verbose: print the defaults dpclip chose (delta, batch size) on stderr.
+
+    Raises:
+        ValueError: an argument is missing, out of range or inconsistent; the message names the
+            argument and the fix (docs/errors.md).
+    """
+    return PrivateTraining(
+        model, optimizer, data, loss_fn=loss_fn, strategy=strategy,
+        strategy_params=strategy_params, epsilon=epsilon, noise_multiplier=noise_multiplier,
+        delta=delta, epochs=epochs, steps=steps, batch_size=batch_size, sampling=sampling,
+        accountant=accountant, engine=engine, max_physical_batch=max_physical_batch,
+        reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
+        input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
+        augment=augment)
+
+
+def _loader_batch_size(data: Any, verbose: bool) -> float:
+    """The expected batch size when ``make_private`` was not given one: a DataLoader's own
+    ``batch_size`` (said once on stderr), else a ValueError naming ``batch_size=``."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(data, DataLoader) and data.batch_size is not None:
+        if verbose:
+            print(f"dpclip: batch_size = {data.batch_size} (the DataLoader's, as the expected "
+                  "size of dpclip's Poisson batches; pass batch_size= to choose)",
+                  file=sys.stderr)
+        return float(data.batch_size)
+    where = ("this DataLoader has no batch_size (it uses a batch_sampler)"
+             if isinstance(data, DataLoader) else f"data is {type(data).__name__}")
+    raise ValueError(
+        f"make_private: batch_size is required ({where}): pass batch_size=, the expected number "
+        "of examples per step (the sample rate is batch_size / N), e.g. batch_size=256")
+
+
+def _say_loader_batch_size_unused(data: Any, batch_size: float) -> None:
+    from torch.utils.data import DataLoader
+
+    if isinstance(data, DataLoader) and data.batch_size is not None \
+            and float(data.batch_size) != float(batch_size):
+        print(f"dpclip: batch_size = {batch_size:g} (given); the DataLoader's batch_size "
+              f"{data.batch_size} is not used", file=sys.stderr)

@@ -62,7 +62,7 @@ def _check_sizes(owner: str, dataset_size: int, batch_size: float) -> None:
     if not (math.isfinite(batch_size) and 0 < batch_size <= dataset_size):
         raise ValueError(
             f"{owner}: batch_size must be in (0, dataset_size={dataset_size}], got {batch_size!r}; "
-            "lower --batch-size"
+            "lower batch_size (CLI --batch-size)"
         )
 
 

@@ -32,6 +32,7 @@ from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
 from dpclip.distributed import init_from_env
+from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
 from dpclip.models import build_model
 from dpclip.planning import CLI_FLAGS
 from dpclip.private import PrivateTraining, default_delta
@@ -407,6 +408,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
         ) from exc
 
 
+@defer_sigint  # Ctrl-C stops between two steps, checkpoints, raises TrainingInterrupted
 def train(
     config: TrainConfig,
     *,
@@ -416,6 +418,7 @@ def train(
     progress: bool = True,
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
     stop_after_steps: int | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> RunResult:
     """Run DP-SGD as ``config`` describes (see the module docstring).
 
@@ -426,6 +429,12 @@ def train(
 
     ``stop_after_steps`` ends the process-local run early (for tests of resume); the checkpoint
     written then lets a later call continue.
+
+    Ctrl-C (SIGINT) stops between two steps: the checkpoint is written (with ``checkpoint_dir``)
+    and :class:`dpclip.interrupts.TrainingInterrupted` is raised; calling ``train`` again with the
+    same config and directory resumes, saying ``resumed from step N (epsilon so far X)`` on
+    stderr. ``on_start`` is called once every input has been checked, just before the first step
+    (``dpclip train`` stores its run only then: a refused input leaves no row).
     """
     t_start = time.perf_counter()
     # torchrun: one private run across the ranks (dpclip.distributed); None in one process
@@ -540,6 +549,9 @@ def train(
         history = ck["history"]
         torch.set_rng_state(ck["torch_rng"])
         elapsed_before = ck["elapsed"]
+        if is_main:
+            print(f"dpclip: resumed from step {dp.steps} (epsilon so far {dp.epsilon():.4g})",
+                  file=sys.stderr)
 
     def save() -> None:
         if ckpt_path is None or not is_main:  # rank 0 writes; every rank resumes from its file
@@ -580,7 +592,15 @@ def train(
         return evaluate(model, x_test, y_test, config.eval_batch_size,
                         bn_batch_stats=bool(bn_layers) and bn_mode == "batch")
 
+    if on_start is not None and is_main:
+        on_start()
     while not dp.exhausted:
+        if interrupt_requested():  # Ctrl-C: between two steps, so the checkpoint is one step's
+            save()
+            if bar is not None:
+                bar.close()
+            raise TrainingInterrupted(dp.steps, total_steps, dp.epsilon(),
+                                      ckpt_path if ckpt_path is not None and is_main else None)
         if stop_after_steps is not None and steps_this_call >= stop_after_steps:
             save()
             if bar is not None:

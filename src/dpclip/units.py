@@ -99,12 +99,13 @@ class UnitConfig:
             if self.unit != "gbc":
                 raise ValueError(
                     f"miniset_size is a parameter of unit=gbc, not unit={self.unit}; drop it or "
-                    "use --param unit=gbc"
+                    "use unit=gbc (strategy_params={'unit': 'gbc'}; CLI --param unit=gbc)"
                 )
             if not (isinstance(self.miniset_size, int) and self.miniset_size >= 1):
                 raise ValueError(f"miniset_size must be an int >= 1, got {self.miniset_size!r}")
         elif self.unit == "gbc":
-            raise ValueError("unit=gbc needs --param miniset_size=S (examples per mini-set)")
+            raise ValueError("unit=gbc needs miniset_size=S, the examples per mini-set "
+                             "(strategy_params={'miniset_size': S}; CLI --param miniset_size=S)")
         if self.bn_stats not in BN_STATS:
             raise ValueError(f"bn_stats={self.bn_stats!r}; valid: {', '.join(BN_STATS)}")
         if self.public_fraction is not None and not (0.0 <= self.public_fraction < 1.0):
@@ -176,7 +177,7 @@ class MiniSetSampler:
         if n // s < k:
             raise ValueError(
                 f"MiniSetSampler: {n} examples make {n // s} mini-sets of {s}, fewer than the {k} "
-                "drawn per step; lower --batch-size or miniset_size"
+                "drawn per step; lower batch_size (CLI --batch-size) or miniset_size"
             )
         g = torch.Generator().manual_seed(int(self.partition_seed))
         perm = torch.randperm(n, generator=g)[: self.num_minisets * s]
@@ -332,9 +333,9 @@ def check_unit_sampling(unit: UnitConfig, sampling: str) -> None:
     """Refuse the unit/sampling pairs whose accounting dpclip cannot certify (module docstring)."""
     if unit.unit == "gbc" and sampling != "fixed-size":
         raise ValueError(
-            "unit=gbc needs --sampling fixed-size: a Poisson draw of whole mini-sets changes a "
+            "unit=gbc needs sampling='fixed-size' (CLI --sampling fixed-size): a Poisson draw of whole mini-sets changes a "
             "sampled mini-set's content when one example changes (a substitution), which the "
-            "Poisson accountants (add/remove-one) do not cover. Use --sampling fixed-size "
+            "Poisson accountants (add/remove-one) do not cover. Use sampling='fixed-size' "
             "(Nguyen's argument), or unit=bc with Poisson sampling."
         )
 

@@ -100,3 +100,23 @@ def test_markdown_from_rows(rows, run_all):
     assert len([ln for ln in md.splitlines() if ln.startswith("| mlp |")]) == 5
     assert run_all.header("gpu_engines", gpu).startswith("# Step time and peak memory, "
                                                          "`gpu_engines`")
+
+
+def test_bench_plot_is_a_self_contained_page(tmp_path):
+    """issue 35: `dpclip bench --plot FILE.html` draws the step times (a PNG embedded as base64;
+    rows as run_bench returns them, made up here to keep the test fast)."""
+    from dpclip.bench_plot import bench_report
+    from dpclip.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--model", "mlp", "--batch-size", "8", "--plot",
+                                      str(tmp_path / "b.html")])
+    assert args.plot == str(tmp_path / "b.html")
+    rows = [{"model": "mlp", "batch_size": 8, "method": m, "device": "cpu", "ms_per_step": t,
+             "ratio_to_nonprivate": t / 1.0, "peak_mem_mb": 100.0}
+            for m, t in (("nonprivate", 1.0), ("dpclip-vmap", 2.5), ("dpclip-ghost", 1.4))]
+    page, png = bench_report(rows, tmp_path / "b.html")
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "<table>" in text and "dpclip-ghost" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="give an .html file"):
+        bench_report(rows, tmp_path / "b.png")

@@ -162,7 +162,7 @@ def test_bad_arguments_name_the_fix(capsys):
     with pytest.raises(ValueError, match="GroupNorm"):
         P.make_private(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)), None, (x, y),
                        noise_multiplier=1.0, epochs=1)
-    dp = P.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1)
+    dp = P.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1, batch_size=32)
     assert dp.delta == 1e-5 and "delta = 1e-05" in capsys.readouterr().err
 
 

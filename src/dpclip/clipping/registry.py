@@ -97,9 +97,9 @@ def make_strategy(name: str, params: Mapping[str, Any] | None = None) -> Clippin
     """
     params = dict(params or {})
     if name not in STRATEGIES:
-        raise ValueError(
-            f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}"
-        )
+        from dpclip.errors import unknown_name
+
+        raise ValueError(unknown_name("strategy", name, STRATEGIES))
     entry = STRATEGIES[name]
     if hasattr(entry.cls, "from_params"):  # wrappers (schedules) parse their own parameters
         return entry.cls.from_params(params)

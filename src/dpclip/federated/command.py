@@ -70,13 +70,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-cap", type=int, help="declared capped weights min(n_u / CAP, 1) "
                    "from the users' example counts (declared public); default equal weights")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    t.add_argument("--db", help="results database (default $DPCLIP_DB or ./dpclip_results.db)")
+    fw = sub.add_parser("flower", help="one run on Flower's deployment engine on this machine: "
+                        "a SuperLink, one SuperNode per user and `flwr run` (docs/federated.md)")
+    fw.add_argument("--spec", required=True, help="JSON spec of the run (docs/federated.md)")
+    fw.add_argument("--out", help="write the result JSON here")
+    fw.add_argument("--timeout", type=float, help="seconds for the whole run (default 120 + 20 "
+                    "per user and round); every process is stopped when it expires")
+    fw.add_argument("--workdir", help="where the app, Flower's state and the logs go "
+                    "(default a new temporary directory)")
+    fw.add_argument("--db", help="results database (default $DPCLIP_DB or ./dpclip_results.db)")
+    fw.add_argument("--json", action="store_true", help="print the result summary as JSON")
     for role in ("server", "client"):
         f = sub.add_parser(f"flower-{role}", help=f"Flower {role} process (needs dpclip[flower])")
         f.add_argument("--address", required=True)
         f.add_argument("--spec", required=True, help="JSON spec")
         if role == "server":
             f.add_argument("--out")
-            f.add_argument("--wait-timeout", type=float, default=60.0)
+            f.add_argument("--wait-timeout", type=float, default=None,
+                           help="seconds to wait for every user's client (default 30 + 10 per "
+                           "user)")
         else:
             f.add_argument("--user", type=int, required=True)
 
@@ -113,17 +126,94 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def _run_one(spec: dict[str, Any]) -> Any:
+def _run_one(spec: dict[str, Any], callback: Any = None) -> Any:
     from dpclip.federated.simulation import run_fedavg
     from dpclip.federated.spec import build_run
 
     data, model, strategy, config = build_run(spec)
-    return run_fedavg(data, model, strategy, config), strategy
+    return run_fedavg(data, model, strategy, config, callback=callback), strategy
+
+
+def _round_line(row: dict[str, Any], rounds: int) -> str:
+    return (f"round {row['round']:>4}/{rounds}  test_acc {row['test_accuracy']:.4f}  "
+            f"clip {row['clip_norm']:.4g}  eps {row['epsilon']:.4g}")
+
+
+def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
+    """``dpclip fl train``: the run, printed per evaluated round (stderr with --json), stored in
+    the results store like every run (``kind = "federated"``; config checked first, so a refused
+    spec leaves no row)."""
+    import sys
+
+    from dpclip.federated.spec import FederatedRunConfig
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    run = FederatedRunConfig(spec)  # validates the plan before anything is stored
+    store = ResultsStore(getattr(args, "db", None) or default_db_path())
+    rid = store.start_run(run.fingerprint(), run.to_dict(), experiment="fl-train",
+                          label=f"fl:{run.spec['strategy']}")
+    out = sys.stderr if args.json else sys.stdout
+
+    def on_round(row: dict[str, Any]) -> None:
+        store.log_epoch(rid, row["round"], {**row, "epoch": row["round"],
+                                            "clip_threshold": row["clip_norm"]})
+        print(_round_line(row, int(run.spec["rounds"])), file=out, flush=True)
+
+    try:
+        res, strategy = _run_one(dict(run.spec), callback=on_round)
+    except BaseException as exc:
+        store.fail_run(rid, f"{type(exc).__name__}: {exc}")
+        store.close()
+        raise
+    sm = res.summary  # the keys a federated grid's run has (dpclip.federated.spec.run_from_config)
+    store.finish_run(rid, {**sm, "model": run.spec["model"], "strategy": strategy.name,
+                           "params": strategy.describe(), "epochs": sm["rounds"],
+                           "privacy_unit": "user", "expected_batch_size": sm["expected_clients"],
+                           "lr": sm["server_lr"], "optimizer": sm["server_optimizer"]},
+                     res.ledger.to_dict())
+    store.close()
+    res.summary["run_id"], res.summary["db"] = rid, str(store.path)
+    return res
+
+
+def _flower_deployment(args: argparse.Namespace) -> int:
+    """``dpclip fl flower``: dpclip.federated.launch, then the run in the results store."""
+    import sys
+
+    from dpclip.federated.launch import run_local_deployment
+    from dpclip.federated.spec import FederatedRunConfig
+    from dpclip.harness.store import ResultsStore, default_db_path
+
+    spec = _load_spec(args.spec)
+    run = FederatedRunConfig(spec)  # the plan checked before anything starts
+    out = sys.stderr if args.json else sys.stdout
+    result = run_local_deployment(args.spec, out=args.out, timeout=args.timeout,
+                                  workdir=args.workdir,
+                                  echo=lambda line: print(line, file=out, flush=True))
+    from dpclip.accounting import Ledger
+
+    summary = {k: v for k, v in result.items() if k not in ("ledger", "theta")}
+    summary.update(strategy=run.spec["strategy"], dataset=run.spec["dataset"],
+                   runtime="flower-deployment")
+    with ResultsStore(args.db or default_db_path()) as store:
+        rid = store.start_run(run.fingerprint(), run.to_dict(),
+                              label=f"fl-flower:{run.spec['strategy']}")
+        store.finish_run(rid, summary, Ledger.from_dict(result["ledger"]).to_dict())
+    summary["run_id"] = rid
+    if args.json:
+        print(json.dumps(summary, default=str))
+    else:
+        acc = summary.get("test_accuracy")
+        print(f"user-level DP-FedAvg on Flower: {summary['rounds']} rounds, test accuracy "
+              f"{'-' if acc is None else f'{100 * acc:.2f} %'}, epsilon {summary['epsilon']:.3f} "
+              f"at delta {run.spec['delta']:g}; {len(summary.get('failures') or [])} client "
+              f"failures; stored as run {rid}")
+    return 0
 
 
 def run_command(args: argparse.Namespace) -> int:
     if args.fl_command == "train":
-        res, _ = _run_one(_train_spec(args))
+        res = _train_stored(_train_spec(args), args)
         s = {**res.summary, "history": res.history}
         if args.json:
             print(json.dumps(s, default=str))
@@ -132,13 +222,18 @@ def run_command(args: argparse.Namespace) -> int:
                   f"({s['num_users']} users, m={s['expected_clients']:g}, {s['rounds']} rounds): "
                   f"test accuracy {100 * s['test_accuracy']:.2f} %, epsilon {s['epsilon']:.3f} "
                   f"at delta {s['delta']:g} ({s['accountant']}), final clip "
-                  f"{res.clip_history[-1]:.4g}; randomness {s['randomness']}")
+                  f"{res.clip_history[-1]:.4g}; randomness {s['randomness']}; stored as run "
+                  f"{s['run_id']} in {s['db']}")
         return 0
     from dpclip.federated import flower  # the optional extra: a clear ImportError without it
 
+    if args.fl_command == "flower":
+        return _flower_deployment(args)
+
     argv = [args.fl_command.split("-")[1], "--address", args.address, "--spec", args.spec]
     if args.fl_command == "flower-server":
-        argv += ["--wait-timeout", str(args.wait_timeout)] + (["--out", args.out] if args.out else [])
+        argv += (["--wait-timeout", str(args.wait_timeout)] if args.wait_timeout else []) \
+            + (["--out", args.out] if args.out else [])
     else:
         argv += ["--user", str(args.user)]
     return flower.main(argv)

@@ -34,10 +34,11 @@ Command line (what the test and ``dpclip fl flower-*`` launch)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -144,6 +145,8 @@ class DPFedAvgStrategy(Strategy):
                                for _, a in got]) if got else torch.zeros(0, d))
         out = self.server.finish_round(deltas, [u for u, _ in got])
         self.round_clips.append(out.clip_norm)
+        print(f"dpclip fl: round {self.server.round_index}/{self.config.rounds} done, clip "
+              f"{out.clip_norm:.4g}, {len(failures)} client failure(s)", flush=True)
         return self._parameters(), {"clip_norm": out.clip_norm}
 
     # -- no federated evaluation (centralised evaluation is done by the caller) ----------------
@@ -185,33 +188,62 @@ class UserClient(flwr.client.NumPyClient):
         return [delta.numpy()], 1, {USER_KEY: self.user_id}
 
 
-def _server_for(spec: dict[str, Any], wait_timeout: float
-                 ) -> tuple[DPFedAvgStrategy, FedAvgConfig]:
+def default_wait_timeout(num_users: int) -> float:
+    """Seconds the server waits for every user's client: 30 s plus 10 s per client (each client
+    process imports torch and builds its data; 6 clients starting on 2 cores took over 60 s)."""
+    return 30.0 + 10.0 * max(int(num_users), 1)
+
+
+def _server_for(spec: dict[str, Any], wait_timeout: float | None
+                ) -> tuple[DPFedAvgStrategy, FedAvgConfig]:
+    """The server's strategy for ``spec``: every check of the configuration (the plan, the
+    strategy and its parameters, the noise, the users' data) happens here, before any client is
+    needed; clients run the same checks (:func:`check_spec`) and exit on a refusal."""
     data, model, strategy, config = build_run(spec)
     randomness = PrivateRandomness.for_run(config.reproducible_noise, config.seed)
     server = build_server(model, strategy, config, data.num_users, randomness=randomness,
                           user_weights=declared_weights(config, data))
-    return DPFedAvgStrategy(server, config, wait_timeout=wait_timeout), config
+    wait = default_wait_timeout(data.num_users) if wait_timeout is None else wait_timeout
+    fl = DPFedAvgStrategy(server, config, wait_timeout=wait)
+    fl.eval_data = data  # the test split: the result's accuracy (the final model, public)
+    return fl, config
+
+
+def check_spec(spec: dict[str, Any]) -> None:
+    """Refuse a configuration the server would refuse, without a server: a client calls it
+    before connecting, so a bad spec ends every process with the same message instead of
+    leaving clients waiting."""
+    _server_for(spec, 0.0)
 
 
 def _result(fl_strategy: DPFedAvgStrategy, config: FedAvgConfig) -> dict[str, Any]:
     """The public result of a Flower run: ledger, user-level epsilon, clips, final parameters."""
+    from dpclip.federated.server import evaluate
+
     server = fl_strategy.server
     eps = compute_epsilon(server.aggregator.ledger, config.delta, config.accountant).epsilon
+    acc = loss = None
+    data = getattr(fl_strategy, "eval_data", None)
+    if data is not None:  # the released final model on the public test split
+        server.load_into(server.model)
+        acc, loss = evaluate(server.model, data.test.inputs, data.test.targets,
+                             loss_fn=data.loss_fn(), ignore_index=data.ignore_index)
     return {"ledger": server.aggregator.ledger.to_dict(), "epsilon": eps,
+            "test_accuracy": acc, "test_loss": loss,
             "clip_history": server.clip_history, "rounds": server.round_index,
             "theta": server.theta.tolist(), "failures": fl_strategy.failures,
             **server.describe()}
 
 
-def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float = 60.0
+def run_server(spec: dict[str, Any], address: str, *, wait_timeout: float | None = None
                ) -> dict[str, Any]:
     """Run the Flower server for ``spec`` (legacy gRPC API); return the public result."""
     from flwr.server import ServerConfig, start_server
 
     fl_strategy, config = _server_for(spec, wait_timeout)
-    start_server(server_address=address, config=ServerConfig(num_rounds=config.rounds),
-                 strategy=fl_strategy)
+    with _quiet_flower():
+        start_server(server_address=address, config=ServerConfig(num_rounds=config.rounds),
+                     strategy=fl_strategy)
     return _result(fl_strategy, config)
 
 
@@ -257,7 +289,8 @@ def flower_apps(spec: str | Path | None = None, out: str | Path | None = None
 
         torch.set_num_threads(1)
         run = _app_spec(context, None if spec is None else str(spec))
-        fl_strategy, config = _server_for(run, float(context.run_config.get("wait-timeout", 60)))
+        wait = float(context.run_config.get("wait-timeout", 0)) or None  # 0: scaled default
+        fl_strategy, config = _server_for(run, wait)
         start_grid(grid=grid, strategy=fl_strategy,
                    config=ServerConfig(num_rounds=config.rounds))
         target = out if out is not None else context.run_config.get("out")
@@ -301,9 +334,10 @@ wait-timeout = {wait}
 
 
 def write_flower_app(directory: str | Path, spec_path: str | Path, out_path: str | Path = "",
-                     wait_timeout: float = 60.0) -> Path:
+                     wait_timeout: float = 0.0) -> Path:
     """Write a Flower App (``pyproject.toml`` + a module re-exporting :data:`server_app` and
-    :data:`client_app`) for ``flwr run``; its run config names the JSON spec and the result file.
+    :data:`client_app`) for ``flwr run``; its run config names the JSON spec and the result file
+    (``wait_timeout`` 0: the server waits 30 s plus 10 s per user for the clients).
     dpclip must be importable where the SuperLink and SuperNodes run the app."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -322,12 +356,30 @@ def run_client(spec: dict[str, Any], address: str, user: int) -> None:
     """Connect user ``user``'s client to the Flower server at ``address`` (insecure, localhost)."""
     from flwr.client import start_client
 
-    data = build_data(spec)
+    # the server's checks (a refused spec ends the client, not a wait), and the users' data
+    data = _server_for(spec, 0.0)[0].eval_data
+    if not 0 <= user < data.num_users:
+        raise ValueError(f"--user {user}: the run has users 0..{data.num_users - 1}")
     model = build_model_for(spec, data)
-    config_from_spec(spec)  # validate the plan on the client too
-    start_client(server_address=address,
-                 client=UserClient(user, data.users[user], model, data.loss_fn()).to_client(),
-                 insecure=True)
+    with _quiet_flower():
+        start_client(server_address=address,
+                     client=UserClient(user, data.users[user], model, data.loss_fn()).to_client(),
+                     insecure=True, max_retries=3, max_wait_time=30.0)
+
+
+@contextlib.contextmanager
+def _quiet_flower() -> Iterator[None]:
+    """Flower's own log lines (its deprecation banners for start_server/start_client, per-round
+    INFO) are not shown: dpclip prints its own line per round."""
+    import logging
+
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,18 +389,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--spec", required=True, help="JSON file of the run (dpclip.federated.spec)")
     p.add_argument("--user", type=int, help="client: the user id this process hosts")
     p.add_argument("--out", help="server: write the result JSON here")
-    p.add_argument("--wait-timeout", type=float, default=60.0)
+    p.add_argument("--wait-timeout", type=float, default=None,
+                   help="server: seconds to wait for every client (default 30 + 10 per user)")
     args = p.parse_args(argv)
     with open(args.spec) as f:
         spec = json.load(f)
     torch.set_num_threads(1)
+    try:
+        return _main(args, spec, p)
+    except (ValueError, OSError, RuntimeError) as exc:  # one line, no gRPC traceback
+        print(f"dpclip fl {args.role}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace, spec: dict[str, Any], p: argparse.ArgumentParser) -> int:
     if args.role == "server":
         result = run_server(spec, args.address, wait_timeout=args.wait_timeout)
         text = json.dumps(result)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
-        print(json.dumps({k: result[k] for k in ("epsilon", "rounds", "clip_history")}))
+        print(json.dumps({k: result[k] for k in ("epsilon", "rounds", "clip_history",
+                                                  "test_accuracy")}))
         return 0
     if args.user is None:
         p.error("client needs --user")

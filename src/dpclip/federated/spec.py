@@ -119,8 +119,23 @@ def build_strategy(spec: Mapping[str, Any]) -> ClippingStrategy:
     return make_strategy(s["strategy"], dict(s["params"]))
 
 
+def check_user_delta(delta: float, num_users: int) -> None:
+    """User-level DP: ``delta < 1/N``, N the number of users (the privacy unit); with
+    ``delta >= 1/N`` publishing one random user's data in the clear meets the guarantee."""
+    if num_users >= 1 and float(delta) >= 1.0 / num_users:
+        from dpclip.private import default_delta
+
+        raise ValueError(
+            f"delta={float(delta):g} is >= 1/N = 1/{num_users} ({num_users} users, the privacy "
+            "unit): a mechanism that publishes one random user's data in the clear meets this "
+            f"delta, so the guarantee would mean nothing; use delta < 1/N, e.g. "
+            f"{default_delta(num_users):g}")
+
+
 def config_from_spec(spec: Mapping[str, Any]) -> FedAvgConfig:
     s = _full(spec)
+    if isinstance(s.get("num_users"), int):  # refused before any data, model or client
+        check_user_delta(float(s["delta"]), int(s["num_users"]))
     return FedAvgConfig(
         rounds=int(s["rounds"]), clients_per_round=float(s["clients_per_round"]),
         delta=float(s["delta"]),
@@ -142,6 +157,7 @@ def build_run(spec: Mapping[str, Any]) -> tuple[FederatedData, nn.Module, Clippi
     """``(data, model, strategy, config)`` of the run described by ``spec``."""
     config = config_from_spec(spec)
     data = build_data(spec)
+    check_user_delta(config.delta, data.num_users)  # natural partitions: N known from the data
     return data, build_model_for(spec, data), build_strategy(spec), config
 
 

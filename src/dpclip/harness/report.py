@@ -71,6 +71,15 @@ def _level(run: dict[str, Any]) -> str:
     return f"sigma={cfg['noise_multiplier']:g}"
 
 
+def deltas_text(runs: list[dict[str, Any]]) -> str:
+    """The delta(s) the runs used: the summary's (what the accountant used; chosen from N when the
+    spec left ``delta`` out), else the config's; ``"-"`` when neither recorded one."""
+    vals = sorted({float(d) for r in runs
+                   if (d := (r.get("summary") or {}).get("delta", r["config"].get("delta")))
+                   is not None})
+    return ", ".join(f"{d:g}" for d in vals) or "-"
+
+
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -95,9 +104,39 @@ def accuracy_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[dict[str
                 accs = [100 * x["summary"]["test_accuracy"] for x in rs]
                 eps = [x["summary"]["epsilon"] for x in rs]
                 m, s = _mean_std(accs)
-                row[lev] = {"mean": m, "std": s, "n": len(rs), "epsilon": max(eps)}
+                row[lev] = {"mean": m, "std": s, "n": len(rs), "epsilon": max(eps),
+                            "epsilon_mean": statistics.fmean(eps),
+                            "diverged": sum(diverged(x) is not None for x in rs)}
         rows.append(row)
     return levels, rows
+
+
+def _pm(mean: float, std: float, n: int, sep: str = "+-") -> str:
+    """``mean +- std`` over seeds; the mean alone for one seed (no std to show)."""
+    return f"{mean:.2f}" if n < 2 else f"{mean:.2f} {sep} {std:.2f}"
+
+
+def diverged(run: dict[str, Any]) -> str | None:
+    """Why a finished run looks diverged (or None): a non-finite test loss, a final accuracy more
+    than 20 points below the run's best epoch, or a clip threshold that grew more than tenfold
+    (an adaptive strategy running away). Computed from the stored (private-as-released) history;
+    a flag for the reader, not a verdict."""
+    hist = [h for h in run.get("history") or [] if isinstance(h.get("test_accuracy"), (int, float))]
+    if not hist:
+        return None
+    last = hist[-1]
+    loss = last.get("test_loss")
+    if isinstance(loss, (int, float)) and not math.isfinite(loss):
+        return "the test loss is not finite"
+    best = max(h["test_accuracy"] for h in hist)
+    if best - last["test_accuracy"] > 0.20:
+        return (f"test accuracy fell from {100 * best:.1f} % (best epoch) to "
+                f"{100 * last['test_accuracy']:.1f} %")
+    clips = [h.get("clip_threshold") for h in hist]
+    clips = [c for c in clips if isinstance(c, (int, float)) and math.isfinite(c) and c > 0]
+    if len(clips) >= 2 and clips[-1] > 10 * clips[0]:
+        return f"the clip threshold grew from {clips[0]:.3g} to {clips[-1]:.3g}"
+    return None
 
 
 def _best(levels: list[str], rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -119,8 +158,9 @@ def _markdown_table(levels: list[str], rows: list[dict[str, Any]]) -> str:
                 cells.append("-")
                 continue
             c = r[lev]
-            text = f"{c['mean']:.2f} +- {c['std']:.2f} (n={c['n']}, eps {c['epsilon']:.2f})"
-            cells.append(f"**{text}**" if best.get(lev) == r["strategy"] else text)
+            text = f"{_pm(c['mean'], c['std'], c['n'])} (n={c['n']}, eps {c['epsilon']:.2f})"
+            text = f"**{text}**" if best.get(lev) == r["strategy"] else text
+            cells.append(text + (" (diverged)" if c.get("diverged") else ""))
         out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -152,7 +192,7 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
             f"{s0.get('noise_multiplier', float('nan')):.3f} | "
             f"{json.dumps(params, sort_keys=True)} | {lr_text(s0)} | "
             f"{s0.get('epochs_completed', cfg.get('epochs', s0.get('epochs'))):g} | {secs:.0f} | {len(rs)} | "
-            f"{m:.2f} +- {sd:.2f} |")
+            f"{_pm(m, sd, len(rs))} |")
     return "\n".join(out)
 
 
@@ -200,11 +240,129 @@ def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel
     if logy:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, len(series))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _legend(ax: Any, n: int) -> None:
+    """A legend that stays readable with many series: inside for a few, else to the right of the
+    axes, one entry per line."""
+    if n <= 3:
+        ax.legend(fontsize=8)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def privacy_utility_series(levels: list[str], rows: list[dict[str, Any]]
+                           ) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """strategy -> (epsilon spent, mean test accuracy %, std) per privacy level, by epsilon."""
+    out = {}
+    for r in rows:
+        pts = sorted((r[lev]["epsilon_mean"], r[lev]["mean"], r[lev]["std"]) for lev in levels
+                     if lev in r and math.isfinite(r[lev].get("epsilon_mean", math.nan)))
+        if pts:
+            out[r["strategy"]] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
+    return out
+
+
+def privacy_utility_plot(levels: list[str], rows: list[dict[str, Any]], path: Path,
+                         title: str = "privacy-utility: test accuracy vs epsilon spent"
+                         ) -> Path | None:
+    """Test accuracy (mean over seeds, +- std bars) against the epsilon spent, one line per
+    strategy: the privacy-utility curve."""
+    series = privacy_utility_series(levels, rows)
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    for lab, (xs, ys, sds) in sorted(series.items()):
+        ax.errorbar(xs, ys, yerr=sds, marker="o", markersize=4, capsize=3, label=lab)
+    ax.set_xlabel("epsilon spent")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(ax, len(series))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def audit_plot(rows: list[dict[str, Any]], path: Path) -> tuple[Path, str] | None:
+    """Claimed epsilon (x) against the empirical lower bound (y) of each audit, with the y = x
+    line: a point above it refutes its claim. Returns the path and ``PASS``/``FAIL``."""
+    pts = [(float(r["claimed_epsilon"]), float(r["lower_bound"]), bool(r.get("violates_claim")),
+            f"{r.get('mode') or ''} {r.get('strategy') or ''}".strip())
+           for r in rows if isinstance(r.get("claimed_epsilon"), (int, float))
+           and isinstance(r.get("lower_bound"), (int, float))]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    verdict = "FAIL" if any(v for _, _, v, _ in pts) else "PASS"
+    top = max(max(c, b) for c, b, _, _ in pts) * 1.15 or 1.0
+    fig, ax = plt.subplots(figsize=(5.5, 4.5), dpi=110)
+    ax.plot([0, top], [0, top], color="grey", linestyle="--", label="y = x (bound = claim)")
+    for c, b, v, lab in pts:
+        ax.scatter([c], [b], color="red" if v else "tab:blue", zorder=3)
+        ax.annotate(lab, (c, b), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("claimed epsilon (what the audit tested)")
+    ax.set_ylabel("empirical lower bound on epsilon")
+    ax.set_title(f"{verdict}: " + ("a lower bound above its claim refutes it" if verdict == "FAIL"
+                                   else "every lower bound is at or below its claim"),
+                 fontsize=10, color="red" if verdict == "FAIL" else "green")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path, verdict
+
+
+def md_table_html(md: str) -> str:
+    """A Markdown pipe table (header, separator, rows) as an HTML table, cells escaped; lines
+    that are not table rows become paragraphs."""
+    out, rows = [], []
+
+    def flush() -> None:
+        if rows:
+            head, *body = rows
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head)
+                       + "</tr>" + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>"
+                                                             for c in r) + "</tr>" for r in body)
+                       + "</table>")
+            rows.clear()
+
+    for line in md.splitlines():
+        t = line.strip()
+        if t.startswith("|") and t.endswith("|"):
+            cells = [c.strip() for c in t[1:-1].split("|")]
+            if not all(set(c) <= set("-: ") for c in cells):
+                rows.append(cells)
+            continue
+        flush()
+        if t:
+            out.append(f"<p>{html.escape(t.lstrip('#').strip())}</p>")
+    flush()
+    return "".join(out)
+
+
+def script_json(obj: Any) -> str:
+    """JSON for a ``<script type="application/json">`` element: not HTML-escaped (a script's
+    content is raw text), only ``</`` written as ``<\\/`` so that no ``</script>`` can end it."""
+    return json.dumps(obj, default=str).replace("</", "<\\/")
 
 
 AUDIT_COLUMNS = ("mode", "strategy", "unit", "sampling", "engine", "dataset", "model",
@@ -252,29 +410,44 @@ def _audit_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _audit_html(rows: list[dict[str, Any]]) -> str:
+def _audit_html(rows: list[dict[str, Any]], plot: tuple[Path, str] | None = None) -> str:
     if not rows:
         return ""
     cols = list(rows[0])
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols)
                    + "</tr>" for r in rows)
-    return (f"<h2>Audits: claimed epsilon vs empirical lower bound</h2><table><tr>{head}</tr>"
+    fig = ""
+    if plot is not None:
+        path, verdict = plot
+        cap = f"{verdict}: claimed epsilon vs empirical lower bound (y = x dashed)"
+        fig = (f'<figure><img alt="{html.escape(cap)}" src="data:image/png;base64,'
+               f'{base64.b64encode(path.read_bytes()).decode()}"/>'
+               f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+    return (f"<h2>Audits: claimed epsilon vs empirical lower bound</h2>{fig}<table><tr>{head}</tr>"
             f"{body}</table>")
 
 
 def _audit_only_report(out: Path, experiment: str, rows: list[dict[str, Any]]) -> Report:
     md_path = out / f"{experiment}.md"
-    md_path.write_text(f"# Experiment `{experiment}`\n\n{len(rows)} audits.\n\n"
-                       + _audit_markdown(rows))
+    plot = audit_plot(rows, out / f"{experiment}_audit.png")
+    md = f"# Experiment `{experiment}`\n\n{len(rows)} audits.\n\n" + _audit_markdown(rows)
+    if plot is not None:
+        md += f"\n**{plot[1]}**\n\n![claimed epsilon vs lower bound]({plot[0].name})\n"
+    md_path.write_text(md)
     html_path = out / f"{experiment}.html"
     html_path.write_text(
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"/>"
-        f"<title>dpclip report: {html.escape(experiment)}</title></head><body>"
-        f"<h1>Experiment {html.escape(experiment)}</h1>{_audit_html(rows)}"
-        f"<script type=\"application/json\" id=\"audits\">{html.escape(json.dumps(rows))}"
+        f"<title>dpclip report: {html.escape(experiment)}</title>{_STYLE}</head><body>"
+        f"<h1>Experiment {html.escape(experiment)}</h1>{_audit_html(rows, plot)}"
+        f"<script type=\"application/json\" id=\"audits\">{script_json(rows)}"
         "</script></body></html>\n")
-    return Report(md_path, html_path, [], rows)
+    return Report(md_path, html_path, [plot[0]] if plot else [], rows)
+
+
+_STYLE = ("<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
+          "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
+          "padding:4px 8px}figure{display:inline-block;margin:8px}.warn{color:#b00}</style>")
 
 
 def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> Report:
@@ -296,6 +469,9 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     plots: list[tuple[str, Path]] = []
     federated = is_federated(runs)
     unit = "round" if federated else "epoch"
+    pu = privacy_utility_plot(levels, rows, out / f"{experiment}_privacy_utility.png")
+    if pu:
+        plots.append(("privacy-utility: test accuracy vs epsilon spent, per strategy", pu))
     for key, title, ylabel, logy in accuracy_plots(unit):
         p = _plot(_series(runs, key), title, ylabel, out / f"{experiment}_{key}.png", logy,
                   xlabel=unit)
@@ -327,7 +503,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     scope = ("user-level DP-FedAvg (privacy unit: user; epoch = round); " if federated else "")
     header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; {scope}dataset(s) "
               f"{sorted({r['config']['dataset'] for r in runs})}, model(s) "
-              f"{sorted({r['config']['model'] for r in runs})}, delta {first['delta']:g}, "
+              f"{sorted({r['config']['model'] for r in runs})}, delta {deltas_text(runs)}, "
               f"accountant {first['accountant']}, sampling {first['sampling']}.\n\n"
               "Test accuracy (%), mean +- std over seeds; best mean per column in bold; "
               "eps = largest epsilon spent in the cell.\n\n")
@@ -337,11 +513,20 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     from dpclip.harness.tuning import tuning_table
 
     tuned = tuning_table([dict(r["summary"], label=r["label"]) for r in runs])
-    md = (header + _markdown_table(levels, rows) + "\n\n## Settings and cost per strategy\n\n"
+    div = [(f"{r['label'] or r['config']['strategy']} {_level(r)} seed "
+            f"{r['config'].get('seed')}", why) for r in runs if (why := diverged(r))]
+    div_md = ("**Diverged runs** (flagged `(diverged)` in the table):\n\n"
+              + "\n".join(f"- {who}: {why}" for who, why in div) + "\n\n") if div else ""
+    md = (header + _markdown_table(levels, rows) + "\n\n" + div_md
+          + "## Settings and cost per strategy\n\n"
           + settings_table(runs) + "\n" + "\n".join(tuned) + "\n\n")
     md += "\n".join(f"![{t}]({p.name})" for t, p in plots) + "\n"
+    audit_fig = audit_plot(audits, out / f"{experiment}_audit.png") if audits else None
     if audits:
         md += "\n" + _audit_markdown(audits)
+        if audit_fig is not None:
+            md += (f"\n**{audit_fig[1]}**\n\n![claimed epsilon vs lower bound]"
+                   f"({audit_fig[0].name})\n")
     md_path = out / f"{experiment}.md"
     md_path.write_text(md)
 
@@ -357,10 +542,11 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
                 tds.append("<td>-</td>")
                 continue
             c = r[lev]
-            text = html.escape(f"{c['mean']:.2f} ± {c['std']:.2f} (n={c['n']}, "
+            text = html.escape(f"{_pm(c['mean'], c['std'], c['n'], '±')} (n={c['n']}, "
                                f"ε {c['epsilon']:.2f})")
-            tds.append(f"<td><b>{text}</b></td>" if best.get(lev) == r["strategy"]
-                       else f"<td>{text}</td>")
+            flag = ' <span class="warn">(diverged)</span>' if c.get("diverged") else ""
+            tds.append(f"<td><b>{text}</b>{flag}</td>" if best.get(lev) == r["strategy"]
+                       else f"<td>{text}{flag}</td>")
         trs.append("<tr>" + "".join(tds) + "</tr>")
     ths = "".join(f"<th>{html.escape(lev)}</th>" for lev in levels)
     figs = "\n".join(
@@ -368,20 +554,21 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
         f"<figcaption>{html.escape(t)}</figcaption></figure>" for t, p in plots)
     page = (
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"/>"
-        f"<title>dpclip report: {html.escape(experiment)}</title>"
-        "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
-        "figure{display:inline-block;margin:8px}</style></head><body>"
+        f"<title>dpclip report: {html.escape(experiment)}</title>{_STYLE}</head><body>"
         f"<h1>Experiment {html.escape(experiment)}</h1>"
         f"<p>{html.escape(header.splitlines()[2])}</p>"
         + (f"<p><b>Warning: {len(seeded)} of {len(runs)} runs used "
            f"{html.escape(SEEDED_NOTE)}.</b></p>" if seeded else "") +
         f"<table><tr><th>strategy</th>{ths}</tr>{''.join(trs)}</table>"
-        + f"<h2>Settings and cost per strategy</h2><pre>{html.escape(settings_table(runs))}</pre>"
-        + (f"<pre>{html.escape(chr(10).join(tuned))}</pre>" if tuned else "") +
-        f"{figs}{_audit_html(audits)}<script type=\"application/json\" id=\"table\">"
-        f"{html.escape(json.dumps(rows))}</script></body></html>\n"
+        + ("<p class=\"warn\">Diverged runs:</p><ul>" + "".join(
+            f"<li>{html.escape(who)}: {html.escape(why)}</li>" for who, why in div) + "</ul>"
+           if div else "")
+        + f"<h2>Settings and cost per strategy</h2>{md_table_html(settings_table(runs))}"
+        + (md_table_html(chr(10).join(tuned)) if tuned else "") +
+        f"{figs}{_audit_html(audits, audit_fig)}<script type=\"application/json\" "
+        f"id=\"table\">{script_json(rows)}</script></body></html>\n"
     )
     html_path = out / f"{experiment}.html"
     html_path.write_text(page)
-    return Report(md_path, html_path, [p for _, p in plots], rows)
+    return Report(md_path, html_path, [p for _, p in plots]
+                  + ([audit_fig[0]] if audit_fig is not None else []), rows)

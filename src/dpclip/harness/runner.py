@@ -102,6 +102,12 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
             summary["tuning"] = run.tuning
         store.finish_run(rid, summary, ledger.to_dict())
         return run.fingerprint, None
+    except KeyboardInterrupt as exc:  # Ctrl-C: 'interrupted', resumed by the same command
+        from dpclip.interrupts import TrainingInterrupted
+
+        store.interrupt_run(rid, exc.message("run the same command")
+                            if isinstance(exc, TrainingInterrupted) else "interrupted (Ctrl-C)")
+        raise
     except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
         msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         store.fail_run(rid, msg)

@@ -203,6 +203,14 @@ class ResultsStore:
                 (time.time(), json.dumps(summary), json.dumps(ledger), run_id),
             )
 
+    def interrupt_run(self, run_id: int, message: str) -> None:
+        """Ctrl-C: the run stopped at a checkpoint; running the same command resumes it."""
+        with self._conn:
+            self._conn.execute(
+                "UPDATE runs SET status='interrupted', finished_at=?, error=? WHERE id=?",
+                (time.time(), message, run_id),
+            )
+
     def fail_run(self, run_id: int, error: str) -> None:
         with self._conn:
             self._conn.execute(
