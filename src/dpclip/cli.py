@@ -453,8 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--engine", default="auto",
                    help="per-example engine: auto (default: ghost where the model is proven "
                         "per-example separable, else vmap; recorded), ghost, vmap, naive")
-    t.add_argument("--device", default="cpu",
-                   help="cpu (default), cuda, cuda:N or auto; the ledger is the same on every device")
+    t.add_argument("--device", default="auto",
+                   help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N; the "
+                        "ledger is the same on every device (recorded in the summary)")
     t.add_argument("--max-physical-batch", type=int, default=256,
                    help="memory knob: examples per vectorized chunk (results do not change)")
     t.add_argument("--data-dir", help="directory with the dataset files; when given it is the "

@@ -63,6 +63,7 @@ from dpclip.distributed import (
     shared_randomness,
 )
 from dpclip.data.augment import parse_augment
+from dpclip.devices import resolve_device
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
@@ -220,6 +221,7 @@ class PrivateTraining:
         flags: Mapping[str, str] = API_FLAGS,
         distributed: Any = None,
         augment: Any = None,
+        data_on_device: bool | str = "auto",
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -250,7 +252,10 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
-        self.device = torch.device(device) if device is not None else None
+        # None: the data stay where they are and the generators go to the model's device
+        self.device = resolve_device(device, flags.get("device", "device")) \
+            if device is not None else None
+        self._x, self._y = _place_data(self._x, self._y, self.device, data_on_device)
         self.delta = float(delta) if delta is not None else default_delta(n)
         if delta is None and verbose:
             print(f"dpclip: delta = {self.delta:g} (below 1/N = 1/{n}; pass delta= to choose)",
@@ -347,7 +352,9 @@ class PrivateTraining:
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self._plan = _Plan(strategy, self.sampler, self.total_steps,
                            expected_units(unit, self.sampler))
-        self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed)
+        # the secret generators draw on the gradient's device (CUDA: Philox keyed from os.urandom)
+        self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed,
+                                             device=self.device or _model_device(model))
         #: the engine dp_step runs: ``engine``, or its all-reducing wrapper when distributed
         self._step_engine: Any = self.engine
         if self.distributed is not None:  # one secret, one model, one plan on every rank
@@ -407,10 +414,13 @@ class PrivateTraining:
 
     def _gather(self, idx: Tensor) -> tuple[Any, Any]:
         if self._y is not None:
+            # the indices live on the generator's device; data kept elsewhere (on the host when
+            # it does not fit the GPU) is indexed there and the batch copied below
             if isinstance(self._x, Tensor) and isinstance(self._y, Tensor):
-                x, y = self._x[idx], self._y[idx]
+                x, y = self._x[idx.to(self._x.device)], self._y[idx.to(self._y.device)]
             else:  # tuples / dicts of tensors: the same rows of every leaf
-                x, y = map_batch(lambda t: t[idx], self._x), map_batch(lambda t: t[idx], self._y)
+                x, y = (map_batch(lambda t: t[idx.to(t.device)], self._x),
+                        map_batch(lambda t: t[idx.to(t.device)], self._y))
         else:  # a map-style Dataset: collate the examples (the shapes of one example are public)
             from torch.utils.data import default_collate
 
@@ -424,9 +434,9 @@ class PrivateTraining:
                 x = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), x)
                 y = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), y)
             check_batch(x, y, "make_private")  # every leaf a tensor (collate keeps strings)
-        if self.device is not None:
-            x, y = map_batch(lambda t: t.to(self.device), x), map_batch(
-                lambda t: t.to(self.device), y)
+        if self.device is not None:  # no-op for data already on the device (data_on_device)
+            x, y = map_batch(lambda t: t.to(self.device, non_blocking=True), x), map_batch(
+                lambda t: t.to(self.device, non_blocking=True), y)
         return x, y
 
     def sample(self) -> tuple[Any, Any]:
@@ -434,6 +444,7 @@ class PrivateTraining:
         are ``(units, examples per unit, ...)``."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
+        self.rng.before_release()  # CUDA: re-key before a Philox offset could wrap
         idx = self.sampler.sample(self.rng.sampling)
         params = self._draw_augmentation(idx) if self.augment is not None else None
         if self.unit.unit == "bc":  # the whole batch is one unit
@@ -666,6 +677,31 @@ class PrivateTraining:
         return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
                 f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (the CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _place_data(x: Any, y: Any, device: torch.device | None, data_on_device: bool | str
+                ) -> tuple[Any, Any]:
+    """The training tensors, copied once to ``device`` when ``data_on_device`` is True, or
+    ``"auto"`` and they take at most half of the device's free memory (then no step moves a batch
+    across PCIe); otherwise as given (each drawn batch is copied). Map-style datasets stay where
+    they are."""
+    if data_on_device not in (True, False, "auto"):
+        raise ValueError(f"make_private: data_on_device must be True, False or 'auto', got "
+                         f"{data_on_device!r}")
+    if device is None or y is None or data_on_device is False:
+        return x, y
+    from dpclip.devices import data_fits_on_device
+
+    if data_on_device == "auto" and not data_fits_on_device((x, y), device):
+        return x, y
+    return map_batch(lambda t: t.to(device), x), map_batch(lambda t: t.to(device), y)
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any,

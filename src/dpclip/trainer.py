@@ -98,10 +98,11 @@ class TrainConfig:
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     data_dir: str | None = None
-    #: where the model, the data and the clipped sums live: "cpu", "cuda", "cuda:N" or "auto"
-    #: (cuda when available). An execution setting: not part of the fingerprint (the sampling and
-    #: noise generators stay on the CPU, so the privacy ledger is identical on every device).
-    device: str = "cpu"
+    #: where the model, the data, the clipped sums and the secret generators live: "auto" (the
+    #: default: cuda when available), "cpu", "cuda" or "cuda:N". An execution setting: not part of
+    #: the fingerprint (the mechanism and the ledger are identical on every device; each device
+    #: draws from its own secret generator, dpclip.randomness).
+    device: str = "auto"
     #: clipping diagnostics each epoch (``dpclip.diagnostics``): False / "off" (default);
     #: "test": on a fixed batch of the TEST split (data never trained on; keys ``heldout/...``);
     #: True / "train": on private TRAINING examples, NON-PRIVATE (keys ``nonprivate/...``;
@@ -336,21 +337,11 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
 
 
 def resolve_device(name: str) -> torch.device:
-    """``torch.device`` for a ``TrainConfig.device`` value; a clear error if CUDA is missing."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r}: this torch build or machine has no CUDA device; use "
-                "--device cpu (or auto)"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-    return dev
+    """``torch.device`` for a ``TrainConfig.device`` value (``dpclip.devices.resolve_device``);
+    a clear error naming ``--device`` if CUDA is missing."""
+    from dpclip.devices import resolve_device as _resolve
+
+    return _resolve(name, "--device")
 
 
 def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
