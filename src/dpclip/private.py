@@ -367,6 +367,7 @@ class PrivateTraining:
             broadcast_module(model, self.distributed)
             self._step_engine = DistributedEngine(self.engine, self.distributed)
         self.ledger = Ledger()
+        self._epsilon_memo: tuple[Any, float] | None = None
         self.state = strategy.init_state()
         self.steps = 0
         self.engines_ran: set[str] = set()
@@ -570,9 +571,17 @@ class PrivateTraining:
     # --------------------------------------------------------------------------- reporting
 
     def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far (the ledger, through dp-accounting)."""
-        return ledger_epsilon(self.ledger, self.delta if delta is None else delta,
-                              accountant=self.accountant)
+        """Epsilon spent so far (the ledger, through dp-accounting). Remembered for the current
+        ledger, so asking twice between two steps (history row, summary) accounts once."""
+        delta = self.delta if delta is None else delta
+        # the ledger only grows (record) or is replaced (load_state_dict, which clears the memo)
+        key = (self.ledger.steps, delta, self.accountant)
+        memo = self._epsilon_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        value = ledger_epsilon(self.ledger, delta, accountant=self.accountant)
+        self._epsilon_memo = (key, value)
+        return value
 
     @property
     def clip_threshold(self) -> float:
@@ -664,6 +673,7 @@ class PrivateTraining:
         if self.optimizer is not None and ck.get("optimizer") is not None:
             self.optimizer.load_state_dict(ck["optimizer"])
         self.state, self.steps, self.ledger = ck["strategy_state"], int(ck["step"]), ledger
+        self._epsilon_memo = None
         self.rng.load_state_dict(ck["randomness"])
         if self.distributed is not None:  # every rank must have loaded the same checkpoint
             check_randomness(self.rng, self.distributed)
