@@ -42,15 +42,17 @@ def tail_bound(uniform_bits: int) -> float:
 TAIL_BOUND = tail_bound(53)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU ``torch.Generator`` seeded with ``seed`` (public), or with its whole state from OS
-    entropy when ``seed`` is None (``torch.Generator.manual_seed`` keeps only 32 bits of a seed, so
-    an OS seed passed through it would allow only 2**32 streams)."""
+def make_generator(seed: int | None, device: "torch.device | str" = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` (default the CPU) seeded with ``seed`` (public), or with
+    its whole state from OS entropy when ``seed`` is None (``torch.Generator.manual_seed`` keeps
+    only 32 bits of a seed on the CPU, so an OS seed passed through it would allow only 2**32
+    streams; on CUDA the Philox key and offset come from ``os.urandom``: dpclip.randomness)."""
+    dev = torch.device(device)
     if seed is None:
-        from dpclip.randomness import secure_generator
+        from dpclip.randomness import secure_cuda_generator, secure_generator
 
-        return secure_generator()
-    g = torch.Generator()
+        return secure_cuda_generator(dev) if dev.type == "cuda" else secure_generator()
+    g = torch.Generator(device=dev)
     g.manual_seed(int(seed))
     return g
 
