@@ -278,6 +278,16 @@ class PrivateRandomness:
                 f"checkpoint randomness was drawn by the {saved} generator but this run's "
                 f"generators are on {self.device.type}: the secret stream cannot continue on "
                 f"another kind of device; resume with device={saved!r} (--device {saved})")
+        if self.device.type == "cuda":
+            # torch also accepts an 8-byte state (seed only) and silently restarts the offset at
+            # 0: a resume must continue the stream exactly, so only the full 16 bytes are taken
+            for name in ("sampling", "noise"):
+                want = read_philox_state(state[name])
+                getattr(self, name).set_state(state[name])
+                if read_philox_state(getattr(self, name).get_state()) != want:
+                    raise RuntimeError("dpclip: torch did not restore the CUDA generator state "
+                                       "of the checkpoint")
+            return
         self.sampling.set_state(state["sampling"])
         self.noise.set_state(state["noise"])
 

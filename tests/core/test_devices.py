@@ -154,6 +154,17 @@ def test_resume_continues_the_stream_on_cuda():
 
 
 @cuda
+def test_a_truncated_cuda_state_is_refused_not_restarted_at_offset_zero():
+    """torch takes an 8-byte CUDA state (the seed alone) and resets the offset to 0: a resume from
+    such a state would not continue the stream, so it is refused."""
+    rng = PrivateRandomness.secure("cuda")
+    state = rng.state_dict()
+    state["noise"] = state["noise"][:8].clone()
+    with pytest.raises(RuntimeError, match="expected 16 bytes"):
+        rng.load_state_dict(state)
+
+
+@cuda
 def test_cuda_generator_is_rekeyed_before_its_offset_could_wrap():
     rng = PrivateRandomness.secure("cuda")
     key, _ = read_philox_state(rng.noise.get_state())
