@@ -37,8 +37,8 @@ for seed in $SEEDS; do
   python3 - "$OUT/dpclip_fmnist_$seed.json" <<'EOF'
 import json, sys
 try:
-    s = json.load(open(sys.argv[1]))
-    s = s.get("summary", s)
+    lines = [ln for ln in open(sys.argv[1]).read().splitlines() if ln.strip()]
+    s = json.loads(lines[-1])  # --json: the last stdout line is the summary
     print({k: s.get(k) for k in ("test_accuracy", "epsilon", "train_seconds", "wall_seconds",
                                  "device", "generator", "engine")})
 except Exception as exc:  # noqa: BLE001
