@@ -705,6 +705,9 @@ def _place_data(x: Any, y: Any, device: torch.device | None, data_on_device: boo
     if data_on_device not in (True, False, "auto"):
         raise ValueError(f"make_private: data_on_device must be True, False or 'auto', got "
                          f"{data_on_device!r}")
+    if device is None and data_on_device is True:
+        raise ValueError("make_private: data_on_device=True needs device= (the device to keep "
+                         "the data on), e.g. device='cuda'")
     if device is None or y is None or data_on_device is False:
         return x, y
     from dpclip.devices import data_fits_on_device

@@ -68,6 +68,9 @@ def test_data_on_device_is_validated_and_the_default_trains_on_the_models_device
     with pytest.raises(ValueError, match="data_on_device must be True, False or 'auto'"):
         dpclip.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1,
                             batch_size=20, device="cpu", data_on_device="yes", verbose=False)
+    with pytest.raises(ValueError, match=r"data_on_device=True needs device="):
+        dpclip.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1,
+                            batch_size=20, data_on_device=True, verbose=False)
     dp = dpclip.make_private(_model(), None, (x, y), noise_multiplier=1.0, epochs=1,
                              batch_size=20, device="auto", verbose=False)
     assert dp.rng.device.type == dp.device.type
