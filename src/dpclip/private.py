@@ -191,6 +191,14 @@ class PrivateTraining:
     augments every sampled image on its own, after the secret subsampling, with parameters drawn
     from the secret sampling generator (:mod:`dpclip.data.augment`: the sensitivity is unchanged);
     ``sample`` and ``loader`` yield the augmented batch.
+
+    ``device`` (``None``, ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``; :mod:`dpclip.devices`)
+    is where batches are delivered; ``None`` leaves the data where it is. The secret generators
+    live on ``device``, or on the model's device when it is ``None`` (CUDA: Philox keyed from
+    ``os.urandom``, :mod:`dpclip.randomness`), so masks, augmentation parameters and noise are
+    drawn where the gradient is. ``data_on_device`` (``"auto"``, True, False): copy the training
+    tensors to ``device`` once (``"auto"``: when they take at most half of its free memory), so
+    no step moves a batch across PCIe; otherwise each drawn batch is copied.
     """
 
     def __init__(
