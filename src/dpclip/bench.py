@@ -181,7 +181,7 @@ def _dpclip_step(engine_name: str, model: nn.Module, opt: torch.optim.Optimizer,
     strategy = FixedClip(CLIP_NORM)
     sampler = PoissonSampler(60_000, float(batch_size))
     groups = ParamGroups.flat(model)
-    gen = make_generator(seed)
+    gen = make_generator(seed, device=x.device)  # noise drawn where the gradient is
     ctx = StepContext(0, 0, sampler.steps_per_epoch, 1, float(batch_size), NOISE_MULTIPLIER)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 

@@ -90,6 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_physical_batch=args.max_physical_batch,
         data_dir=args.data_dir,
         device=args.device,
+        eval_every=args.eval_every,
     )
     config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
                                    not args.no_progress)
@@ -512,8 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--engine", default="auto",
                    help="per-example engine: auto (default: ghost where the model is proven "
                         "per-example separable, else vmap; recorded), ghost, vmap, naive")
-    t.add_argument("--device", default="cpu",
-                   help="cpu (default), cuda, cuda:N or auto; the ledger is the same on every device")
+    t.add_argument("--device", default="auto",
+                   help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N; the "
+                        "ledger is the same on every device (recorded in the summary)")
+    t.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="evaluate on the test split every N epochs (default 1); 0: only at the "
+                        "end (an execution setting: the model does not change)")
     t.add_argument("--max-physical-batch", type=int, default=256,
                    help="memory knob: examples per vectorized chunk (results do not change)")
     t.add_argument("--data-dir", help="directory with the dataset files; when given it is the "

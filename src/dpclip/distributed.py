@@ -258,8 +258,9 @@ def check_same(ctx: DistributedContext | None, value: str, what: str) -> None:
 def shared_randomness(rng: PrivateRandomness, ctx: DistributedContext | None) -> None:
     """Give every rank rank 0's sampling and noise generators (in place; the secret is agreed once).
 
-    The full generator states (``torch.Generator.get_state()``, 5056 bytes each: the 19,968-bit
-    Mersenne Twister state drawn from OS entropy in secure mode) are broadcast from rank 0, so
+    The full generator states (``torch.Generator.get_state()``: on the CPU 5056 bytes, the
+    19,968-bit Mersenne Twister state; on CUDA 16 bytes, the Philox key and offset; drawn from OS
+    entropy in secure mode) are broadcast from rank 0, so
     every rank draws the same global batch mask and the same noise: one logical draw per
     coordinate. The states travel only inside the process group and are never printed or logged.
     All ranks must use the same mode (secure or reproducible): checked first."""

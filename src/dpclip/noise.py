@@ -5,6 +5,16 @@ Random generators are always explicit (design rule 9). ``make_generator(seed)`` 
 operating system's CSPRNG (``dpclip.randomness.secure_generator``), which is what private training
 uses (through ``dpclip.randomness.PrivateRandomness``). What that does and does not cover
 (Mersenne Twister, floating-point attacks): ``dpclip.randomness`` and docs/privacy.md.
+
+No tail cap. Every standard normal is drawn in float64 (:func:`standard_normal`), on the
+generator's device, and only then cast to the gradient's dtype. torch's samplers are Box-Muller
+transforms of uniforms: a float32 draw uses 24-bit uniforms (CPU; 32-bit on CUDA), so its radius
+``sqrt(-2 ln u)`` never exceeds ``sqrt(2 * 24 ln 2) = 5.77`` (6.66 on CUDA), and an output beyond
+that can only come from the neighbour dataset that holds a worst-case example: about 9e-7 of delta
+per sampled step at noise multiplier 1. Float64 draws use 53-bit uniforms: the cap moves to
+``sqrt(2 * 53 ln 2) = 8.57`` sigma (:data:`TAIL_BOUND`), where the leak is about 1e-14 per step.
+The cost: about 3-4x a float32 draw on the CPU (benchmarks/results/noise_cpu.md); on a GPU the draw
+is memory-bound and small either way.
 """
 
 from __future__ import annotations
@@ -15,18 +25,34 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["add_gaussian_noise", "add_gaussian_noise_all", "make_generator", "noise_std"]
+__all__ = ["TAIL_BOUND", "add_gaussian_noise", "add_gaussian_noise_all", "make_generator",
+           "noise_std", "standard_normal", "tail_bound"]
+
+#: float64 draws: the uniforms have 53 bits, so Box-Muller's radius is at most sqrt(2*53 ln 2)
+_DRAW_DTYPE = torch.float64
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU ``torch.Generator`` seeded with ``seed`` (public), or with its whole state from OS
-    entropy when ``seed`` is None (``torch.Generator.manual_seed`` keeps only 32 bits of a seed, so
-    an OS seed passed through it would allow only 2**32 streams)."""
+def tail_bound(uniform_bits: int) -> float:
+    """The largest |z| a Box-Muller sampler on ``uniform_bits``-bit uniforms can output:
+    ``sqrt(-2 ln 2**-bits)`` (the smallest nonzero ``1 - u`` is ``2**-bits``)."""
+    return math.sqrt(2.0 * uniform_bits * math.log(2.0))
+
+
+#: support bound of dpclip's noise draws (float64, 53-bit uniforms): about 8.57 sigma
+TAIL_BOUND = tail_bound(53)
+
+
+def make_generator(seed: int | None, device: "torch.device | str" = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` (default the CPU) seeded with ``seed`` (public), or with
+    its whole state from OS entropy when ``seed`` is None (``torch.Generator.manual_seed`` keeps
+    only 32 bits of a seed on the CPU, so an OS seed passed through it would allow only 2**32
+    streams; on CUDA the Philox key and offset come from ``os.urandom``: dpclip.randomness)."""
+    dev = torch.device(device)
     if seed is None:
-        from dpclip.randomness import secure_generator
+        from dpclip.randomness import secure_cuda_generator, secure_generator
 
-        return secure_generator()
-    g = torch.Generator()
+        return secure_cuda_generator(dev) if dev.type == "cuda" else secure_generator()
+    g = torch.Generator(device=dev)
     g.manual_seed(int(seed))
     return g
 
@@ -40,12 +66,24 @@ def noise_std(noise_multiplier: float, sensitivity: float) -> float:
     return float(noise_multiplier) * float(sensitivity)
 
 
+def standard_normal(n: int, generator: torch.Generator, dtype: torch.dtype,
+                    device: "torch.device | str") -> Tensor:
+    """``n`` i.i.d. standard normals from ``generator``: drawn in float64 on the generator's own
+    device (no host round trip when it is the gradient's device), then cast to ``dtype`` on
+    ``device``. The float64 draw is what removes the float32 tail cap (module docstring).
+    A generator on another device than ``device`` (e.g. a CPU generator for CUDA gradients)
+    draws where it lives and the result is copied."""
+    z = torch.randn(int(n), generator=generator, dtype=_DRAW_DTYPE, device=generator.device)
+    return z.to(device=device, dtype=dtype)
+
+
 def add_gaussian_noise(value: Tensor, std: float, generator: torch.Generator) -> Tensor:
-    """``value + N(0, std^2 I)`` drawn from ``generator`` (a new tensor; ``value`` is unchanged)."""
+    """``value + N(0, std^2 I)`` drawn from ``generator`` (a new tensor; ``value`` is unchanged).
+    The normals are drawn in float64, then cast (:func:`standard_normal`)."""
     if std == 0.0:
         return value.clone()
-    z = torch.randn(value.shape, generator=generator, dtype=value.dtype, device="cpu")
-    return value + std * z.to(value.device)
+    z = standard_normal(value.numel(), generator, value.dtype, value.device)
+    return value + std * z.view(value.shape)
 
 
 def add_gaussian_noise_all(
@@ -59,8 +97,8 @@ def add_gaussian_noise_all(
 
     ``std`` is one float, or a mapping ``{name: std}`` (per-layer noise: block ``h`` gets its own).
 
-    One draw of ``sum(numel)`` standard normals from ``generator`` (on the CPU, so a seeded run
-    gives the same noise on every device), split in the mapping's order; the additions and the
+    One draw of ``sum(numel)`` standard normals from ``generator`` (float64 on the generator's
+    device, then cast: :func:`standard_normal`), split in the mapping's order; the additions and the
     division are made on one flat buffer, and the results are views of it (contiguous, shaped as
     the inputs; they share one storage without overlapping). The same distribution as calling
     :func:`add_gaussian_noise` per tensor, with 4 tensor operations per step instead of 4 per
@@ -78,7 +116,7 @@ def add_gaussian_noise_all(
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"noise std must be finite and >= 0, got {v!r}")
         total = sum(t.numel() for t in tensors)
-        z = torch.randn(total, generator=generator, dtype=tensors[0].dtype, device="cpu")
+        z = torch.randn(total, generator=generator, dtype=_DRAW_DTYPE, device=generator.device)
         out = []
         for c, t, sd in zip(z.split([t.numel() for t in tensors]), tensors, stds):
             out.append(t + sd * c.to(device=t.device, dtype=t.dtype).view_as(t))
@@ -99,8 +137,7 @@ def add_gaussian_noise_all(
     # models), then hand out views of it, shaped as the inputs (the same values as per tensor)
     sizes = [t.numel() for t in tensors]
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    z = torch.randn(flat.numel(), generator=generator, dtype=dtype, device="cpu")
-    flat = flat.add_(z.to(device), alpha=std)
+    flat = flat.add_(standard_normal(flat.numel(), generator, dtype, device), alpha=std)
     if divide_by != 1.0:
         flat.div_(divide_by)
     return {n: c.view(tuple(t.shape))

@@ -63,6 +63,7 @@ from dpclip.distributed import (
     shared_randomness,
 )
 from dpclip.data.augment import parse_augment
+from dpclip.devices import resolve_device
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
@@ -202,6 +203,14 @@ class PrivateTraining:
     augments every sampled image on its own, after the secret subsampling, with parameters drawn
     from the secret sampling generator (:mod:`dpclip.data.augment`: the sensitivity is unchanged);
     ``sample`` and ``loader`` yield the augmented batch.
+
+    ``device`` (``None``, ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``; :mod:`dpclip.devices`)
+    is where batches are delivered; ``None`` leaves the data where it is. The secret generators
+    live on ``device``, or on the model's device when it is ``None`` (CUDA: Philox keyed from
+    ``os.urandom``, :mod:`dpclip.randomness`), so masks, augmentation parameters and noise are
+    drawn where the gradient is. ``data_on_device`` (``"auto"``, True, False): copy the training
+    tensors to ``device`` once (``"auto"``: when they take at most half of its free memory), so
+    no step moves a batch across PCIe; otherwise each drawn batch is copied.
     """
 
     def __init__(
@@ -232,6 +241,7 @@ class PrivateTraining:
         flags: Mapping[str, str] = API_FLAGS,
         distributed: Any = None,
         augment: Any = None,
+        data_on_device: bool | str = "auto",
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -262,7 +272,10 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
-        self.device = torch.device(device) if device is not None else None
+        # None: the data stay where they are and the generators go to the model's device
+        self.device = resolve_device(device, flags.get("device", "device")) \
+            if device is not None else None
+        self._x, self._y = _place_data(self._x, self._y, self.device, data_on_device)
         self.delta = float(delta) if delta is not None else default_delta(n)
         if delta is None and verbose:
             print(f"dpclip: delta = {self.delta:g} (below 1/N = 1/{n}; pass delta= to choose)",
@@ -365,7 +378,9 @@ class PrivateTraining:
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self._plan = _Plan(strategy, self.sampler, self.total_steps,
                            expected_units(unit, self.sampler))
-        self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed)
+        # the secret generators draw on the gradient's device (CUDA: Philox keyed from os.urandom)
+        self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed,
+                                             device=self.device or _model_device(model))
         #: the engine dp_step runs: ``engine``, or its all-reducing wrapper when distributed
         self._step_engine: Any = self.engine
         if self.distributed is not None:  # one secret, one model, one plan on every rank
@@ -378,6 +393,7 @@ class PrivateTraining:
             broadcast_module(model, self.distributed)
             self._step_engine = DistributedEngine(self.engine, self.distributed)
         self.ledger = Ledger()
+        self._epsilon_memo: tuple[Any, float] | None = None
         self.state = strategy.init_state()
         self.steps = 0
         self.engines_ran: set[str] = set()
@@ -427,10 +443,13 @@ class PrivateTraining:
 
     def _gather(self, idx: Tensor) -> tuple[Any, Any]:
         if self._y is not None:
+            # the indices live on the generator's device; data kept elsewhere (on the host when
+            # it does not fit the GPU) is indexed there and the batch copied below
             if isinstance(self._x, Tensor) and isinstance(self._y, Tensor):
-                x, y = self._x[idx], self._y[idx]
+                x, y = self._x[idx.to(self._x.device)], self._y[idx.to(self._y.device)]
             else:  # tuples / dicts of tensors: the same rows of every leaf
-                x, y = map_batch(lambda t: t[idx], self._x), map_batch(lambda t: t[idx], self._y)
+                x, y = (map_batch(lambda t: t[idx.to(t.device)], self._x),
+                        map_batch(lambda t: t[idx.to(t.device)], self._y))
         else:  # a map-style Dataset: collate the examples (the shapes of one example are public)
             from torch.utils.data import default_collate
 
@@ -444,9 +463,9 @@ class PrivateTraining:
                 x = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), x)
                 y = map_batch(lambda t: t.reshape(*idx.shape, *t.shape[1:]), y)
             check_batch(x, y, "make_private")  # every leaf a tensor (collate keeps strings)
-        if self.device is not None:
-            x, y = map_batch(lambda t: t.to(self.device), x), map_batch(
-                lambda t: t.to(self.device), y)
+        if self.device is not None:  # no-op for data already on the device (data_on_device)
+            x, y = map_batch(lambda t: t.to(self.device, non_blocking=True), x), map_batch(
+                lambda t: t.to(self.device, non_blocking=True), y)
         return x, y
 
     def sample(self) -> tuple[Any, Any]:
@@ -454,6 +473,7 @@ class PrivateTraining:
         are ``(units, examples per unit, ...)``."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
+        self.rng.before_release()  # CUDA: re-key before a Philox offset could wrap
         idx = self.sampler.sample(self.rng.sampling)
         params = self._draw_augmentation(idx) if self.augment is not None else None
         if self.unit.unit == "bc":  # the whole batch is one unit
@@ -592,9 +612,17 @@ class PrivateTraining:
     # --------------------------------------------------------------------------- reporting
 
     def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far (the ledger, through dp-accounting)."""
-        return ledger_epsilon(self.ledger, self.delta if delta is None else delta,
-                              accountant=self.accountant)
+        """Epsilon spent so far (the ledger, through dp-accounting). Remembered for the current
+        ledger, so asking twice between two steps (history row, summary) accounts once."""
+        delta = self.delta if delta is None else delta
+        # the ledger only grows (record) or is replaced (load_state_dict, which clears the memo)
+        key = (self.ledger.steps, delta, self.accountant)
+        memo = self._epsilon_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        value = ledger_epsilon(self.ledger, delta, accountant=self.accountant)
+        self._epsilon_memo = (key, value)
+        return value
 
     @property
     def clip_threshold(self) -> float:
@@ -687,6 +715,7 @@ class PrivateTraining:
         if self.optimizer is not None and ck.get("optimizer") is not None:
             self.optimizer.load_state_dict(ck["optimizer"])
         self.state, self.steps, self.ledger = ck["strategy_state"], int(ck["step"]), ledger
+        self._epsilon_memo = None
         self.rng.load_state_dict(ck["randomness"])
         if self.distributed is not None:  # every rank must have loaded the same checkpoint
             check_randomness(self.rng, self.distributed)
@@ -700,6 +729,34 @@ class PrivateTraining:
         return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
                 f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (the CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _place_data(x: Any, y: Any, device: torch.device | None, data_on_device: bool | str
+                ) -> tuple[Any, Any]:
+    """The training tensors, copied once to ``device`` when ``data_on_device`` is True, or
+    ``"auto"`` and they take at most half of the device's free memory (then no step moves a batch
+    across PCIe); otherwise as given (each drawn batch is copied). Map-style datasets stay where
+    they are."""
+    if data_on_device not in (True, False, "auto"):
+        raise ValueError(f"make_private: data_on_device must be True, False or 'auto', got "
+                         f"{data_on_device!r}")
+    if device is None and data_on_device is True:
+        raise ValueError("make_private: data_on_device=True needs device= (the device to keep "
+                         "the data on), e.g. device='cuda'")
+    if device is None or y is None or data_on_device is False:
+        return x, y
+    from dpclip.devices import data_fits_on_device
+
+    if data_on_device == "auto" and not data_fits_on_device((x, y), device):
+        return x, y
+    return map_batch(lambda t: t.to(device), x), map_batch(lambda t: t.to(device), y)
 
 
 def make_private(
@@ -728,6 +785,7 @@ def make_private(
     seed: int = 0,
     distributed: Any = None,
     verbose: bool = True,
+    data_on_device: bool | str = "auto",
 ) -> PrivateTraining:
     """DP-SGD around your own model, optimizer and data.
 
@@ -767,7 +825,8 @@ def make_private(
         engine: per-example gradient engine: ``"auto"`` (ghost where it proves separability,
             else vmap, said once), ``"ghost"``, ``"vmap"``, ``"naive"``, ``"summed"``.
         max_physical_batch: examples per forward/backward chunk (memory; not privacy).
-        device: where batches are moved (``"cpu"``, ``"cuda"``, a ``torch.device``).
+        device: where the model's batches, the clipped sums and the secret generators live
+            (``"auto"``: CUDA when present; ``"cpu"``, ``"cuda"``, a ``torch.device``).
         augment: per-example augmentation after sampling, e.g. ``"crop:4,flip"``.
         public_data: ``(inputs, targets)`` of PUBLIC data for strategies that estimate thresholds
             on it.
@@ -777,6 +836,8 @@ def make_private(
         distributed: ``True`` or a ``DistributedContext``: one private run across the ranks of
             a ``torch.distributed`` group (docs/distributed.md).
         verbose: print the defaults dpclip chose (delta, batch size) on stderr.
+        data_on_device: copy the training tensors once to ``device`` (``True``), never
+            (``False``), or when they take at most half its free memory (``"auto"``).
 
     Raises:
         ValueError: an argument is missing, out of range or inconsistent; the message names the
@@ -789,7 +850,7 @@ def make_private(
         accountant=accountant, engine=engine, max_physical_batch=max_physical_batch,
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
         input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
-        augment=augment)
+        augment=augment, data_on_device=data_on_device)
 
 
 def _loader_batch_size(data: Any, verbose: bool) -> float:

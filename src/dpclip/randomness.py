@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-__all__ = ["MODES", "PrivateRandomness", "secure_generator", "seeded_generator"]
+__all__ = ["MODES", "PrivateRandomness", "philox_state", "read_philox_state",
+           "secure_cuda_generator", "secure_generator", "seeded_generator"]
 
 #: ``secure``: OS entropy (the default); ``reproducible``: derived from the public seed (NOT private)
 MODES = ("secure", "reproducible")
@@ -86,11 +88,95 @@ def secure_generator() -> torch.Generator:
     return g
 
 
-def seeded_generator(seed: int) -> torch.Generator:
-    """A CPU ``torch.Generator`` from a (public) seed: reproducible, NOT secret."""
-    g = torch.Generator()
+def seeded_generator(seed: int, device: "torch.device | str" = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` from a (public) seed: reproducible, NOT secret."""
+    g = torch.Generator(device=torch.device(device))
     g.manual_seed(int(seed))
     return g
+
+
+# ------------------------------------------------------------------------------------ CUDA: Philox
+
+#: bytes of torch's CUDA generator state: the 64-bit seed (the Philox key), then the 64-bit
+#: Philox offset (``CUDAGeneratorImpl::get_state``: ``seed_size + offset_size``, little-endian)
+PHILOX_STATE_BYTES = 16
+#: the offset is where a generator's counter starts; torch requires a multiple of 4
+#: (``set_philox_offset_per_thread``). A fresh secure generator starts below 2**62, so at least
+#: 2**62 further offsets remain; :meth:`PrivateRandomness.before_release` re-keys from OS entropy
+#: long before the 64-bit offset could wrap (REKEY_OFFSET).
+_OFFSET_RANGE = 2**62
+REKEY_OFFSET = 2**63 - 2**48
+
+
+def philox_state(seed: int, offset: int) -> Tensor:
+    """The 16-byte CUDA generator state ``(seed, offset)`` as a CPU uint8 tensor."""
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**63 and offset % 4 == 0):
+        raise ValueError(f"philox_state: seed must be a 64-bit unsigned integer and offset a "
+                         f"multiple of 4 below 2**63, got offset {offset}")
+    raw = int(seed).to_bytes(8, "little") + int(offset).to_bytes(8, "little")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+
+def read_philox_state(state: Tensor) -> tuple[int, int]:
+    """``(seed, offset)`` of a 16-byte CUDA generator state; raises on any other layout."""
+    if state.dtype != torch.uint8 or state.numel() != PHILOX_STATE_BYTES:
+        raise RuntimeError(
+            f"dpclip cannot read torch {torch.__version__}'s CUDA generator state (expected "
+            f"{PHILOX_STATE_BYTES} bytes: 64-bit seed and 64-bit Philox offset, got "
+            f"{state.numel()} {state.dtype}); use the torch version pinned in constraints.txt")
+    raw = state.cpu().numpy().tobytes()
+    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_cuda_layout(device: str) -> None:
+    """Verify on this torch build that a CUDA generator's state is ``(seed, offset)`` as
+    :func:`philox_state` writes it, and that ``set_state`` takes the whole of it (a torch
+    upgrade must not silently drop the secret key or offset). Raises otherwise."""
+    g = torch.Generator(device=device)
+    seed, offset = 0x0123456789ABCDEF, 4 * 0x0102030405
+    g.set_state(philox_state(seed, offset))
+    got = read_philox_state(g.get_state())
+    if got != (seed, offset) or g.initial_seed() != seed or g.get_offset() != offset:
+        raise RuntimeError(
+            f"dpclip cannot seed torch {torch.__version__}'s CUDA generator from OS entropy "
+            f"(unknown generator state layout: wrote seed/offset {seed:#x}/{offset:#x}, read "
+            f"{got[0]:#x}/{got[1]:#x}); use the torch version pinned in constraints.txt")
+
+
+def _urandom_philox() -> tuple[int, int]:
+    """A 64-bit key and an offset (multiple of 4, below 2**62) from ``os.urandom``."""
+    raw = os.urandom(16)
+    key = int.from_bytes(raw[:8], "little")
+    offset = (int.from_bytes(raw[8:], "little") % _OFFSET_RANGE) & ~3
+    return key, offset
+
+
+def secure_cuda_generator(device: "torch.device | str" = "cuda") -> torch.Generator:
+    """A CUDA ``torch.Generator`` (Philox4x32-10) whose whole state, the 64-bit key and the
+    starting offset, comes from ``os.urandom`` (``manual_seed`` would do the key too, but not the
+    offset, and would not let us verify the layout)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"secure_cuda_generator: device must be a CUDA device, got {dev}")
+    _check_cuda_layout(str(dev))
+    g = torch.Generator(device=dev)
+    key, offset = _urandom_philox()
+    g.set_state(philox_state(key, offset))
+    if read_philox_state(g.get_state()) != (key, offset):
+        raise RuntimeError("dpclip: torch rejected the OS-entropy CUDA generator state")
+    return g
+
+
+def _secure_on(device: torch.device) -> torch.Generator:
+    return secure_cuda_generator(device) if device.type == "cuda" else secure_generator()
+
+
+def _device_of(device: "torch.device | str | None") -> torch.device:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"PrivateRandomness: device must be cpu or cuda, got {dev}")
+    return dev
 
 
 class PrivateRandomness:
@@ -107,25 +193,55 @@ class PrivateRandomness:
                  seed: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"PrivateRandomness: mode must be one of {MODES}, got {mode!r}")
+        if sampling.device != noise.device:
+            raise ValueError(f"PrivateRandomness: the sampling and noise generators must be on "
+                             f"one device, got {sampling.device} and {noise.device}")
         self.mode, self.sampling, self.noise, self.seed = mode, sampling, noise, seed
 
-    @classmethod
-    def secure(cls) -> "PrivateRandomness":
-        """Both generators from OS entropy (the default)."""
-        return cls("secure", secure_generator(), secure_generator())
+    @property
+    def device(self) -> torch.device:
+        """Where both generators draw (the device of the gradient: no host round trip)."""
+        return self.noise.device
+
+    @property
+    def generator_kind(self) -> str:
+        """Public: ``"mt19937"`` (CPU) or ``"philox4x32-10"`` (CUDA)."""
+        return "philox4x32-10" if self.device.type == "cuda" else "mt19937"
 
     @classmethod
-    def reproducible(cls, seed: int) -> "PrivateRandomness":
+    def secure(cls, device: "torch.device | str | None" = None) -> "PrivateRandomness":
+        """Both generators from OS entropy (the default), on ``device`` (default the CPU): the
+        CPU's Mersenne Twister with all 624 words from ``os.urandom``, or CUDA's Philox with its
+        64-bit key and its offset from ``os.urandom``."""
+        dev = _device_of(device)
+        return cls("secure", _secure_on(dev), _secure_on(dev))
+
+    @classmethod
+    def reproducible(cls, seed: int, device: "torch.device | str | None" = None
+                     ) -> "PrivateRandomness":
         """Both generators from the public ``seed`` (research only; NOT private against anyone who
         knows the seed). The seeds are derived as dpclip derived them before 0.2 (when every run
-        was seeded), so a run is replayed exactly by the same dpclip version."""
-        seed = int(seed)
-        return cls("reproducible", seeded_generator(2 * seed + 1), seeded_generator(2 * seed + 2),
-                   seed)
+        was seeded), so a run is replayed exactly by the same dpclip version on the same kind of
+        device (CPU and CUDA generators give different streams from one seed)."""
+        seed, dev = int(seed), _device_of(device)
+        return cls("reproducible", seeded_generator(2 * seed + 1, dev),
+                   seeded_generator(2 * seed + 2, dev), seed)
 
     @classmethod
-    def for_run(cls, reproducible_noise: bool, seed: int) -> "PrivateRandomness":
-        return cls.reproducible(seed) if reproducible_noise else cls.secure()
+    def for_run(cls, reproducible_noise: bool, seed: int,
+                device: "torch.device | str | None" = None) -> "PrivateRandomness":
+        return cls.reproducible(seed, device) if reproducible_noise else cls.secure(device)
+
+    def before_release(self) -> None:
+        """Re-key a CUDA generator from OS entropy before its 64-bit Philox offset could wrap
+        (a wrapped counter would repeat noise). The offset lives on the host: no synchronisation.
+        No-op on the CPU and in reproducible mode (which must stay a function of the seed)."""
+        if not self.is_private or self.device.type != "cuda":
+            return
+        for name in ("sampling", "noise"):
+            g = getattr(self, name)
+            if g.get_offset() >= REKEY_OFFSET:
+                setattr(self, name, secure_cuda_generator(g.device))
 
     @property
     def is_private(self) -> bool:
@@ -135,18 +251,20 @@ class PrivateRandomness:
     def describe(self) -> dict[str, Any]:
         """Public facts for run summaries (never the seed material or state)."""
         if self.is_private:
-            return {"randomness": "secure", "private_against_seed": True}
+            return {"randomness": "secure", "private_against_seed": True,
+                    "generator": self.generator_kind}
         return {
             "randomness": "reproducible",
             "private_against_seed": False,
+            "generator": self.generator_kind,
             "randomness_warning": "noise and batch sampling were derived from the published seed: "
                                   "NOT private against anyone who knows the seed",
         }
 
     def state_dict(self) -> dict[str, Any]:
         """PRIVATE: the generators' full state, for the run's checkpoint only."""
-        return {"mode": self.mode, "sampling": self.sampling.get_state(),
-                "noise": self.noise.get_state()}
+        return {"mode": self.mode, "device": self.device.type,
+                "sampling": self.sampling.get_state(), "noise": self.noise.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mode") != self.mode:
@@ -154,6 +272,22 @@ class PrivateRandomness:
                 f"checkpoint randomness mode {state.get('mode')!r} does not match this run's "
                 f"{self.mode!r}"
             )
+        saved = state.get("device", "cpu")  # checkpoints before 0.4 hold CPU generators
+        if saved != self.device.type:
+            raise ValueError(
+                f"checkpoint randomness was drawn by the {saved} generator but this run's "
+                f"generators are on {self.device.type}: the secret stream cannot continue on "
+                f"another kind of device; resume with device={saved!r} (--device {saved})")
+        if self.device.type == "cuda":
+            # torch also accepts an 8-byte state (seed only) and silently restarts the offset at
+            # 0: a resume must continue the stream exactly, so only the full 16 bytes are taken
+            for name in ("sampling", "noise"):
+                want = read_philox_state(state[name])
+                getattr(self, name).set_state(state[name])
+                if read_philox_state(getattr(self, name).get_state()) != want:
+                    raise RuntimeError("dpclip: torch did not restore the CUDA generator state "
+                                       "of the checkpoint")
+            return
         self.sampling.set_state(state["sampling"])
         self.noise.set_state(state["noise"])
 

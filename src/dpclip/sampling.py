@@ -111,7 +111,12 @@ class PoissonSampler:
         ``floor(q 2**53)``: inclusion probability exactly :attr:`inclusion_probability` <= q.
         (A float32 uniform lies on a 2**-24 grid, which rounds the inclusion probability UP by up
         to 6e-8: that would sample more often than accounted.)"""
-        u = torch.randint(0, _TWO53, (self.dataset_size,), generator=generator, dtype=torch.int64)
+        u = torch.randint(0, _TWO53, (self.dataset_size,), generator=generator, dtype=torch.int64,
+                          device=generator.device)
+        # drawn on the generator's device (the GPU's own generator in a CUDA run: no mask crosses
+        # PCIe). nonzero() synchronises with the host on CUDA: the batch's rows must be gathered
+        # into tensors whose shape is the realised (private) batch size; that size stays inside
+        # the process, is never logged and never divides (the step divides by the expected size)
         return (u < self.inclusion_threshold).nonzero(as_tuple=True)[0]
 
     def step_event(self, inner: DpEvent) -> DpEvent:
@@ -149,7 +154,8 @@ class FixedSizeSampler:
         return max(1, round(self.dataset_size / self.batch_size))
 
     def sample(self, generator: torch.Generator) -> Tensor:
-        idx = torch.randperm(self.dataset_size, generator=generator)[: self.batch_size]
+        idx = torch.randperm(self.dataset_size, generator=generator,
+                             device=generator.device)[: self.batch_size]
         return idx.sort().values
 
     def step_event(self, inner: DpEvent) -> DpEvent:

@@ -99,15 +99,19 @@ class TrainConfig:
     max_physical_batch: int = 256
     eval_batch_size: int = 2048
     data_dir: str | None = None
-    #: where the model, the data and the clipped sums live: "cpu", "cuda", "cuda:N" or "auto"
-    #: (cuda when available). An execution setting: not part of the fingerprint (the sampling and
-    #: noise generators stay on the CPU, so the privacy ledger is identical on every device).
-    device: str = "cpu"
+    #: where the model, the data, the clipped sums and the secret generators live: "auto" (the
+    #: default: cuda when available), "cpu", "cuda" or "cuda:N". An execution setting: not part of
+    #: the fingerprint (the mechanism and the ledger are identical on every device; each device
+    #: draws from its own secret generator, dpclip.randomness).
+    device: str = "auto"
     #: clipping diagnostics each epoch (``dpclip.diagnostics``): False / "off" (default);
     #: "test": on a fixed batch of the TEST split (data never trained on; keys ``heldout/...``);
     #: True / "train": on private TRAINING examples, NON-PRIVATE (keys ``nonprivate/...``;
     #: research only: these numbers are not noised and not accounted)
     diagnostics: bool | str = False
+    #: evaluate on the test split (and add a history row) every N epochs; 0: only at the end.
+    #: An execution setting (not in the fingerprint): the trained model does not depend on it
+    eval_every: int = 1
 
     def __post_init__(self) -> None:
         from dpclip.accounting import ACCOUNTANTS
@@ -131,6 +135,7 @@ class TrainConfig:
             "epsilon": real, "noise_multiplier": real, "delta": real, "batch_size": real,
             "lr": real, "momentum": real, "weight_decay": real, "epochs": integer,
             "seed": integer, "max_physical_batch": integer, "eval_batch_size": integer,
+            "eval_every": integer,
             "dataset": str, "model": str, "strategy": str, "optimizer": str, "sampling": str,
             "accountant": str, "engine": str, "strategy_params": dict, "model_options": dict,
             "dataset_options": dict, "augment": str}
@@ -172,6 +177,9 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig: device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}"
             )
+        if self.eval_every < 0:
+            raise ValueError(f"TrainConfig: {flag('eval_every')} must be >= 0 (0: evaluate only "
+                             f"at the end), got {self.eval_every}")
         for name in ("max_physical_batch", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -228,6 +236,7 @@ class TrainConfig:
         d = self.to_dict()
         d.pop("data_dir", None)
         d.pop("device", None)
+        d.pop("eval_every", None)  # execution setting: when the test split is evaluated
         # the schedule fields at their defaults hash as before they existed (a constant rate),
         # so stored runs and checkpoints keep their identity
         for key, default in _LR_DEFAULTS.items():
@@ -259,7 +268,7 @@ def describe_config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     """The fields of two ``TrainConfig.to_dict()`` dicts that differ, for error messages:
     ``"lr: 0.5 -> 0.1; epochs: 3 -> 4"`` (``data_dir`` and ``device`` are execution settings and
     never listed). Nested dicts (strategy_params, ...) are compared key by key."""
-    ignore = {"data_dir", "device"}
+    ignore = {"data_dir", "device", "eval_every"}
     parts: list[str] = []
     for key in sorted((set(old) | set(new)) - ignore):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
@@ -337,21 +346,11 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
 
 
 def resolve_device(name: str) -> torch.device:
-    """``torch.device`` for a ``TrainConfig.device`` value; a clear error if CUDA is missing."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r}: this torch build or machine has no CUDA device; use "
-                "--device cpu (or auto)"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-    return dev
+    """``torch.device`` for a ``TrainConfig.device`` value (``dpclip.devices.resolve_device``);
+    a clear error naming ``--device`` if CUDA is missing."""
+    from dpclip.devices import resolve_device as _resolve
+
+    return _resolve(name, "--device")
 
 
 def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -581,6 +580,7 @@ def train(
                    dynamic_ncols=True, leave=False)
     last_save = time.perf_counter()
     step_seconds = 0.0
+    train_seconds = 0.0  # time inside steps (sampling + step), summed over the run
     steps_in_epoch_timed = 0
     diag_idx = torch.arange(min(256, n_train), device=device)
     diag_test_idx = torch.arange(min(256, int(x_test.shape[0])), device=device)
@@ -618,11 +618,18 @@ def train(
             scheduler.step()
         step = dp.steps
         step_seconds += time.perf_counter() - t_step
+        train_seconds += time.perf_counter() - t_step
         steps_in_epoch_timed += 1
         steps_this_call += 1
         if bar is not None:
             bar.update(1)
-        if step % spe == 0 or step == total_steps:  # end of an epoch
+        epoch_end = step % spe == 0 or step == total_steps
+        eval_due = step == total_steps or (config.eval_every > 0 and
+                                           ((step - 1) // spe + 1) % config.eval_every == 0)
+        if epoch_end and not eval_due:  # --eval-every: no evaluation this epoch
+            save()
+            last_save = time.perf_counter()
+        elif epoch_end:  # end of an epoch with an evaluation
             ev = evaluate_now()
             eps_now = dp.epsilon()
             row = {
@@ -710,5 +717,8 @@ def train(
         "model_options": config.model_options,
         "augment": facts["augment"],
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
+        # seconds inside the steps of this call (sampling and step; no evaluation, calibration
+        # or start-up): the figure to compare with another library's training loop
+        "train_seconds": train_seconds,
     }
     return RunResult(summary, history, dp.ledger, model)

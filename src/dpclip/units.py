@@ -210,8 +210,16 @@ class MiniSetSampler:
         return max(1, round(self.num_minisets / self.minisets_per_step))
 
     def sample(self, generator: torch.Generator) -> Tensor:
-        chosen = torch.randperm(self.num_minisets, generator=generator)[: self.minisets_per_step]
-        return self.partition[chosen.sort().values]
+        chosen = torch.randperm(self.num_minisets, generator=generator,
+                                device=generator.device)[: self.minisets_per_step]
+        return self._partition_on(chosen.device)[chosen.sort().values]
+
+    def _partition_on(self, device: torch.device) -> Tensor:
+        """The (public) partition on ``device``, copied there once (no per-step host copy)."""
+        cache = self.__dict__.setdefault("_partition_by_device", {})
+        if device not in cache:
+            cache[device] = self.partition.to(device)
+        return cache[device]
 
     def step_event(self, inner: DpEvent) -> DpEvent:
         return SampledWithoutReplacementEvent(self.num_minisets, self.minisets_per_step, inner)

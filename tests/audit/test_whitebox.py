@@ -83,8 +83,10 @@ def test_engines_agree():
                            seed=7, engine="vmap")
     b = dirac_canary_audit(FixedClip(0.5), n_canaries=200, noise_multiplier=1.0, delta=DELTA,
                            seed=7, engine="ghost")
-    np.testing.assert_allclose(a.in_scores, b.in_scores, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(a.out_scores, b.out_scores, rtol=1e-5, atol=1e-7)
+    # the engines' float32 sums differ by ~1.02e-7 in every score (the same before and after the
+    # float64 noise draw of issue 32); atol 1e-7 passed only while no score came close to 0
+    np.testing.assert_allclose(a.in_scores, b.in_scores, rtol=1e-5, atol=2e-7)
+    np.testing.assert_allclose(a.out_scores, b.out_scores, rtol=1e-5, atol=2e-7)
 
 
 def test_ideal_bounds_grow_with_mu():

@@ -470,3 +470,18 @@ def test_cli_augment_of_non_images(capsys, tmp_path):
                                    "--db", str(tmp_path / "r.db")])
     assert ("--augment: augmentation 'flip' needs image inputs of shape (C, H, W) per example, "
             "got per-example shape (20,). Set it to 'none' for non-image data") in err
+
+
+# ------------------------------------------------------------------ devices (issue 32, 101-107)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cli_device_cuda_without_cuda(capsys, tmp_path):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--device", "cuda",
+                                   "--db", str(tmp_path / "r.db")])
+    assert ("--device cuda: this torch build or machine has no CUDA device; use --device cpu, "
+            "or --device auto to take CUDA only where it is present") in err
+
+
+def test_cli_eval_every_negative(capsys):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--eval-every", "-1"])
+    assert ("TrainConfig: eval_every (--eval-every) must be >= 0 (0: evaluate only at the end), "
+            "got -1") in err

@@ -182,3 +182,24 @@ def test_cuda_without_a_gpu_is_a_clear_error_and_auto_runs_on_cpu():
     assert auto.summary["device"] == "cpu"
     assert auto.ledger.to_dict() == cpu.ledger.to_dict()
     assert auto.summary["test_accuracy"] == cpu.summary["test_accuracy"]
+
+
+# ------------------------------------------------------------------- evaluation where asked
+def test_eval_every_evaluates_where_asked_and_is_not_part_of_the_fingerprint():
+    cfg = dict(BASE, epochs=3, reproducible_noise=True)
+    every = train(TrainConfig(**cfg, noise_multiplier=1.0), progress=False)
+    end = train(TrainConfig(**cfg, noise_multiplier=1.0, eval_every=0), progress=False)
+    two = train(TrainConfig(**cfg, noise_multiplier=1.0, eval_every=2), progress=False)
+    assert [r["epoch"] for r in every.history] == [1, 2, 3]
+    assert [r["epoch"] for r in end.history] == [3]
+    assert [r["epoch"] for r in two.history] == [2, 3]
+    # the same model and ledger: evaluation is an execution setting
+    assert end.ledger.to_dict() == every.ledger.to_dict()
+    assert end.summary["test_accuracy"] == every.summary["test_accuracy"]
+    assert end.history[-1]["epsilon"] == every.history[-1]["epsilon"]
+    assert TrainConfig(**cfg, noise_multiplier=1.0, eval_every=0).fingerprint() == \
+        TrainConfig(**cfg, noise_multiplier=1.0).fingerprint()
+    s = end.summary
+    assert 0 < s["train_seconds"] <= s["wall_seconds"]
+    with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) must be >= 0"):
+        TrainConfig(**cfg, noise_multiplier=1.0, eval_every=-1)

@@ -147,3 +147,27 @@ def mismatches(ctx: DistributedContext) -> dict[str, str]:
     except RuntimeError as err:
         out["resume"] = str(err)
     return out
+
+
+def wide_zero_grad_noise(ctx: DistributedContext | None, steps: int, z: float, clip: float,
+                         batch_size: float, width: int) -> torch.Tensor:
+    """As :func:`zero_grad_noise` on ``4 * width`` coordinates (a wide layer: many noise draws
+    per step, so few steps estimate the std well)."""
+    x = torch.randn(40, 3)
+    y = torch.zeros(40, dtype=torch.long)
+    torch.manual_seed(0)
+    m = nn.Linear(3, width)
+
+    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return (out * 0.0).sum(1)
+
+    dp = make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
+                      strategy_params={"clip_norm": clip}, noise_multiplier=z,
+                      steps=steps, batch_size=batch_size, delta=1e-5, engine="ghost",
+                      verbose=False, distributed=ctx if ctx is not None else False)
+    out = torch.empty(steps, 4 * width, dtype=torch.float64)
+    for t in range(steps):
+        xb, yb = dp.sample()
+        dp.backward(xb, yb)
+        out[t] = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).double()
+    return out

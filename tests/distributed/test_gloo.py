@@ -265,3 +265,20 @@ def test_torchrun_dpclip_run_grid_is_stored_once_with_the_one_process_ledger(tmp
         assert x["distributed"] == {"world_size": 2, "backend": "gloo"}
         assert x["epsilon"] == y["epsilon"] and x["noise_multiplier"] == y["noise_multiplier"]
         assert x["steps"] == y["steps"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_noise_std_is_z_c_over_b_at_every_world_size(tmp_path, world):
+    """Zero gradients, SECURE shared randomness, 1, 2 and 4 gloo ranks: the release is pure noise
+    with std exactly ``z C / B`` (one float64-drawn Gaussian per coordinate in total: W ranks
+    each adding their own noise would give sqrt(W) times it), identical on every rank."""
+    z, clip, b, width, steps = 1.3, 1.0, 10.0, 500, 40
+    out = launch(S.wide_zero_grad_noise, world, tmp_path, steps, z, clip, b, width,
+                 timeout=55.0)
+    for other in out[1:]:
+        assert torch.equal(out[0], other)  # one draw, the same on every rank
+    noise, target = out[0], z * clip / b
+    assert noise.numel() == steps * 4 * width
+    assert abs(noise.std().item() / target - 1) < 0.02  # sampling error ~0.25 %
+    assert abs(noise.mean().item()) < 5 * target / math.sqrt(noise.numel())
+    assert noise.abs().max().item() < 8.6 * target  # within the float64 sampler's support

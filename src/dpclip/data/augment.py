@@ -101,14 +101,17 @@ class Augmentation:
                 f"got {shape[1]}x{shape[2]}; use a smaller P or the zeros padding")
 
     def draw(self, n: int, generator: torch.Generator) -> Tensor:
-        """The parameters of ``n`` examples, ``(n, 3)`` int64 on the CPU: row offset, column offset
-        (in ``0..2P``) and flip (0/1). Drawn from ``generator`` (the run's secret sampling
-        generator), the same number of draws for every ``n`` per example."""
-        params = torch.zeros(n, 3, dtype=torch.int64)
+        """The parameters of ``n`` examples, ``(n, 3)`` int64 on the generator's device (the GPU
+        in a CUDA run: no host round trip): row offset, column offset (in ``0..2P``) and flip
+        (0/1). Drawn from ``generator`` (the run's secret sampling generator), the same number of
+        draws for every ``n`` per example."""
+        dev = generator.device
+        params = torch.zeros(n, 3, dtype=torch.int64, device=dev)
         if n and self.crop_pad:
-            params[:, :2] = torch.randint(0, 2 * self.crop_pad + 1, (n, 2), generator=generator)
+            params[:, :2] = torch.randint(0, 2 * self.crop_pad + 1, (n, 2), generator=generator,
+                                          device=dev)
         if n and self.flip:
-            params[:, 2] = torch.randint(0, 2, (n,), generator=generator)
+            params[:, 2] = torch.randint(0, 2, (n,), generator=generator, device=dev)
         return params
 
     def apply(self, x: Tensor, params: Tensor) -> Tensor:
