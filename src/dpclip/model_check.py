@@ -4,8 +4,8 @@
 touched (Opacus' ``ModuleValidator.validate`` answers the same question): BatchNorm layers (they
 mix the examples of a batch, so per-example clipping cannot bound one example's influence),
 buffers a forward pass may update from the data (released with the model, unnoised), and layers
-the ghost engine has no rule for (``engine="auto"`` computes per-example gradients for them, which
-costs memory in proportion to the batch size times their parameters). :func:`fix_model` fixes the
+the ghost engine has no rule for (they take the per-layer path: per-example gradients of their own
+parameters, which costs memory in proportion to the batch size times their parameters). :func:`fix_model` fixes the
 mechanical ones: BatchNorm becomes GroupNorm, as Opacus' ``ModuleValidator.fix`` does.
 
 Privacy: the checks read the model's structure only, never data. A clean report is not a proof of
@@ -120,6 +120,8 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                  "keep it constant during training (compute it from public data, or make it a "
                  "parameter)"), blocking=tracked))
     if getattr(strat, "kind", "norm") != "bound" and unit.is_individual:
+        from dpclip.engine.ghost import _scan
+
         _, reasons = ghost_support(model)
         mods = dict(model.named_modules())
         for reason in reasons:
@@ -127,11 +129,20 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
             p = _n_params(mods[layer]) if layer in mods else 0
             add(ModelProblem(
                 layer, "ghost",
-                f"the ghost engine has no rule for it ({reason}); engine='auto' computes "
-                f"per-example gradients for it (vmap): {p:,} parameters, memory grows as batch "
-                f"size x {p:,} floats",
-                "none needed (it trains, slower); a supported layer (Linear, Conv, Embedding, "
-                "LayerNorm, GroupNorm) keeps the one-backward ghost path", blocking=False))
+                f"the ghost engine refuses it ({reason}); engine='auto' runs the whole model on "
+                f"vmap (per-example gradients of every parameter)",
+                "change the layer's configuration as the reason says, or accept vmap's cost",
+                blocking=False))
+        for layer in _scan(model).per_layer:
+            p = _n_params(mods[layer]) if layer in mods else 0
+            add(ModelProblem(
+                layer, "ghost",
+                f"the ghost engine has no rule for {type(mods[layer]).__name__}; it takes the "
+                f"per-layer path (per-example gradients of its own {p:,} parameters by torch.func "
+                f"in the same backward; memory grows as batch size x {p:,} floats)",
+                "none needed (it trains, a little slower); a supported layer (Linear, Conv, "
+                "Embedding, LayerNorm, RMSNorm, GroupNorm) keeps the pure ghost path",
+                blocking=False))
         if getattr(strat, "needs_per_example_grads", False):
             total = sum(p.numel() for p in model.parameters() if p.requires_grad)
             add(ModelProblem(

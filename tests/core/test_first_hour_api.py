@@ -142,7 +142,7 @@ def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
     assert kinds == {("bn", "batchnorm"), ("scale", "buffer"), ("act", "ghost")}
     assert not report.ok and "training refuses this model" in str(report)
     ghost = next(p for p in report.problems if p.kind == "ghost")
-    assert "per-example gradients for it (vmap): 1 parameters" in ghost.message
+    assert "per-layer path (per-example gradients of its own 1 parameters" in ghost.message
     assert not ghost.blocking
     # batch clipping allows BatchNorm
     assert "batchnorm" not in {p.kind for p in dpclip.check_model(
@@ -165,11 +165,16 @@ def test_auto_fallback_is_said_once_naming_the_layer():
     from dpclip.errors import EngineFallbackWarning
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 3))
-    x, y = _data()
+    # an Embedding with scale_grad_by_freq (its gradient depends on the batch's token counts) is
+    # refused by the ghost engine's static checks, so auto runs the model on vmap
+    model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(12, 3))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 10, (128, 3), generator=g)
+    y = torch.randint(0, 3, (128,), generator=g)
     dp = make_private(model, None, (x, y), batch_size=32, engine="auto", **BASE)
     with pytest.warns(EngineFallbackWarning, match=r"engine 'auto' ran on 'vmap': unsupported "
-                                                   r"layer\(s\): '1' \(PReLU"):
+                                                   r"layer\(s\): '0' \(Embedding"):
         for _ in range(2):
             xb, yb = dp.sample()
             dp.backward(xb, yb)
