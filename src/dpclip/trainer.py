@@ -613,9 +613,12 @@ def train(
                 "noise_multiplier": dp.last_output.noise_multiplier if dp.last_output
                 else dp.noise_multiplier,
                 "lr": lr_used,  # the learning rate of the epoch's last step
-                "ms_per_step": 1000.0 * step_seconds / max(steps_in_epoch_timed, 1),
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
+            if config.diagnostics_split == "train":  # NON-PRIVATE opt-in: a step's time
+                # depends on the realised (private) batch size (docs/privacy.md, "Timing")
+                row["nonprivate/ms_per_step"] = (1000.0 * step_seconds
+                                                 / max(steps_in_epoch_timed, 1))
             step_seconds, steps_in_epoch_timed = 0.0, 0
             if config.diagnostics_split and unit.is_individual \
                     and not getattr(dp.strategy, "needs_per_example_grads", False):
