@@ -296,6 +296,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise ValueError("dpclip audit: --claim is for --mode blackbox (a white-box audit's "
                              "claim is the audited step's own epsilon); drop it")
         z = args.noise_multiplier
+        if z is not None and args.epsilon is not None:
+            raise ValueError(
+                "dpclip audit --mode whitebox: --epsilon is not used with --noise-multiplier (the "
+                "claim audited is the step's own epsilon at that multiplier, not yours); drop "
+                "--epsilon, or drop --noise-multiplier to audit the multiplier dpclip train "
+                "calibrates for --epsilon (with --dataset, --epochs and --batch-size)")
         if z is None:
             if args.epsilon is None or not args.dataset:
                 raise ValueError("dpclip audit --mode whitebox needs --noise-multiplier (the "

@@ -59,6 +59,7 @@ from dpclip.distributed import (
     broadcast_tensor_,
     check_randomness,
     check_same,
+    data_digest,
     resolve_distributed,
     shared_randomness,
 )
@@ -357,6 +358,8 @@ class PrivateTraining:
                 self.unit.describe(), self.sampler.name, n, float(batch_size), self.total_steps,
                 epsilon, noise_multiplier, self.delta, accountant, engine, self.seed)),
                 "the run's configuration")
+            # the data each rank holds (docs/distributed.md): a digest, compared across ranks
+            check_same(self.distributed, data_digest(self._x, self._y), "the training data")
             shared_randomness(self.rng, self.distributed)
             broadcast_module(model, self.distributed)
             self._step_engine = DistributedEngine(self.engine, self.distributed)

@@ -78,6 +78,8 @@ def test_mnist_port_runs_with_opacus_settings(tmp_path, capsys, monkeypatch):
     (_, eps1), (_, eps2) = epochs_printed(out)
     assert 0.0 < eps1 < eps2 == pytest.approx(s["epsilon"], abs=1e-3)
     assert "Test set: Average loss" in out and "(ε = " in out
+    # the training loss is computed from raw batches: not printed beside epsilon (issue 33)
+    assert "Loss:" not in out and "train loss" not in out
 
 
 def _image_folder(root, per_class=24, size=12):
