@@ -57,6 +57,10 @@ TRAIN_SUMMARY: dict[str, str] = {
     "engine_fallback": "public",  # reasons with every shape removed (private.public_reason)
     "device": "public", "distributed": "public", "model_options": "public", "augment": "public",
     "wall_seconds": "timing",
+    # added by `dpclip run` when it stores the summary
+    "label": "public", "experiment": "public",
+    "tuning": "nonprivate",  # only with [tuning]: trial scores on a validation part of the
+    # private training split, NOT privacy-accounted (docs/tuning.md), opt-in
 }
 
 #: one row per epoch of a ``dpclip train`` run (``RunResult.history``; the store's history)
@@ -83,6 +87,7 @@ FL_SUMMARY: dict[str, str] = {
     "local_batch_size": "public", "client_lr": "public", "seed": "public",
     "test_accuracy": "heldout", "wall_seconds": "timing",
     "nonprivate/*": "nonprivate",  # user sizes, only with log_nonprivate (off by default)
+    "label": "public", "experiment": "public",  # added by `dpclip run`
 }
 
 #: one row per evaluation of a federated run
@@ -97,9 +102,9 @@ FL_HISTORY: dict[str, str] = {
 DATASET_SIZE_FIELDS = frozenset({"private_examples", "num_users", "sample_rate", "planned_steps",
                                  "steps", "epochs_completed", "stopped_by_budget"})
 
-TABLES = {"dpclip train --json (summary)": TRAIN_SUMMARY,
-          "dpclip train history rows (results store, report)": TRAIN_HISTORY,
-          "dpclip fl train --json (summary)": FL_SUMMARY,
+TABLES = {"dpclip train --json and dpclip run (summary; the store's runs.summary)": TRAIN_SUMMARY,
+          "dpclip train history rows (the store's epochs, the report)": TRAIN_HISTORY,
+          "dpclip fl train --json and federated dpclip run (summary)": FL_SUMMARY,
           "dpclip fl train history rows": FL_HISTORY}
 
 

@@ -101,3 +101,30 @@ def test_the_doc_lists_every_field_as_generated():
 @pytest.mark.parametrize("table", list(P.TABLES.values()))
 def test_every_class_is_known(table):
     assert set(table.values()) <= set(P.CLASSES)
+
+
+def test_every_field_dpclip_run_stores_is_classified(tmp_path):
+    """The results store (runs.summary and epochs.metrics) of a `dpclip run` grid."""
+    import json
+    import sqlite3
+
+    from dpclip.harness.runner import run_experiment
+    from dpclip.harness.spec import parse_spec
+
+    train_fields = {k: v for k, v in BASE.items()
+                    if k not in ("strategy", "strategy_params", "noise_multiplier", "seed")}
+    spec = parse_spec({"name": "pubfields", "train": train_fields,
+                       "grid": {"noise_multipliers": [1.0]},
+                       "strategies": [{"name": "quantile"}]})
+    run_experiment(spec, db=tmp_path / "r.db", out_dir=tmp_path / "runs", progress=False)
+    con = sqlite3.connect(tmp_path / "r.db")
+    try:
+        summaries = [json.loads(s) for (s,) in con.execute("SELECT summary FROM runs")]
+        rows = [json.loads(m) for (m,) in con.execute("SELECT metrics FROM epochs")]
+    finally:
+        con.close()
+    assert summaries and rows
+    for s in summaries:
+        assert _unclassified(s, P.TRAIN_SUMMARY) == []
+    for r in rows:
+        assert _unclassified(r, P.TRAIN_HISTORY) == []
