@@ -152,3 +152,10 @@ def test_committed_reproductions_store_has_no_nonprivate_metrics_or_step_timings
     finally:
         con.close()
     assert bad == [], bad[:5]
+
+
+def test_flower_failures_keep_no_message():
+    strategy = _fl_strategy()
+    strategy._sampled = frozenset()
+    strategy.aggregate_fit(1, [], [RuntimeError("user 3 has 17 examples of shape (17, 20)")])
+    assert strategy.failures == ["RuntimeError"]

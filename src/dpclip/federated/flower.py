@@ -138,7 +138,8 @@ class DPFedAvgStrategy(Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[Any, Any]],
                       failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
-        self.failures += [repr(f) for f in failures]
+        # the kind of each failure only: a client's exception text may quote its data's shapes
+        self.failures += [_failure_kind(f) for f in failures]
         d = self.server.theta.numel()
         # validate every result before anything is privatized or recorded in the ledger
         got = sorted(_checked_results(results, self._sampled, d, server_round),
@@ -161,6 +162,17 @@ class DPFedAvgStrategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters
                  ) -> tuple[float, dict[str, Any]] | None:
         return None
+
+
+def _failure_kind(failure: Any) -> str:
+    """A client failure as the run's public result keeps it: the exception's type, or the fit
+    result's status code, never a message (a client's message can quote its data's shapes)."""
+    if isinstance(failure, BaseException):
+        return type(failure).__name__
+    try:
+        return f"status {failure[1].status.code.name}"
+    except (AttributeError, IndexError, TypeError):
+        return type(failure).__name__
 
 
 def _checked_results(results: list[tuple[Any, Any]], sampled: frozenset[int], d: int,
