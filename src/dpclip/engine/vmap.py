@@ -81,8 +81,8 @@ class VmapEngine:
         groups.validate(model)
         params = {n: p.detach() for n, p in trainable_params(model).items()}
         # norms (given to weight_fn and reported): upper bounds of the norms of the vectors
-        # actually summed, rounding included, as on the ghost engine (_BoundedReducer)
-        reducer = _BoundedReducer(params, groups, weight_fn, self.name, inputs,
+        # actually summed, rounding included, as on the ghost engine (BoundedChunkReducer)
+        reducer = BoundedChunkReducer(params, groups, weight_fn, self.name, inputs,
                                   chunk=self.max_physical_batch)
         if batch and params:
             per_example_grads = _per_example_grad_fn(model, loss_fn)
@@ -103,7 +103,7 @@ class VmapEngine:
         return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
 
 
-class _BoundedReducer(ChunkReducer):
+class BoundedChunkReducer(ChunkReducer):
     """A :class:`ChunkReducer` whose per-example norms are UPPER BOUNDS of the norms of the
     vectors ``fl(w_i g_i)`` that the weighted sum adds, rounding included, so that a strategy's
     weight ``w_i`` with ``w_i * norm_i <= C`` bounds what is summed (the worst case seen without
