@@ -56,11 +56,9 @@ def train(args, model, dp, optimizer, epoch):
         losses.append(loss)
 
     epsilon = dp.epsilon()
-    print(
-        f"Train Epoch: {epoch} \t"
-        f"Loss: {np.mean(losses):.6f} "
-        f"(ε = {epsilon:.2f}, δ = {args.delta})"
-    )
+    print(f"Train Epoch: {epoch} \t(ε = {epsilon:.2f}, δ = {args.delta})")
+    if args.nonprivate_train_loss:  # computed from the raw batches, without noise
+        print(f"NON-PRIVATE (not covered by ε; do not publish) train loss: {np.mean(losses):.6f}")
 
 
 def test(model, device, test_loader):
@@ -90,6 +88,9 @@ def main(argv=None):
     parser.add_argument("-c", "--max-per-sample-grad_norm", type=float, default=1.0,
                         help="clip per-sample gradients to this norm")
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--nonprivate-train-loss", action="store_true",
+                        help="also print the mean training loss of each epoch: NON-PRIVATE "
+                             "(from the raw batches, without noise); off by default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data-dir", default=None, help="directory with the MNIST IDX files")
     parser.add_argument("--dataset", choices=["mnist", "mnist-5k"], default="mnist",

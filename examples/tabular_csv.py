@@ -69,7 +69,16 @@ def read_csv(path, target, classes, range_items):
         y[i] = index[label]
         for j, c in enumerate(features):
             v = row[c].strip()
-            x[i, j] = (lo[j] + hi[j]) / 2 if v.lower() in MISSING else float(v)
+            try:
+                x[i, j] = (lo[j] + hi[j]) / 2 if v.lower() in MISSING else float(v)
+            except ValueError:  # the value itself is private: not quoted
+                raise SystemExit(
+                    f"{path} row {i + 2}: column {c!r} is not numeric. This example reads "
+                    "numeric features with declared ranges only; a categorical column needs a "
+                    "DECLARED category list (one-hot columns read off the file let one record "
+                    "with a unique value add a column): encode it beforehand with the public "
+                    "list of its values plus an 'other' column (as dpclip.data.tabular."
+                    "CategoryList does), or drop the column") from None
     x = 2 * (np.clip(x, lo, hi) - lo) / (hi - lo) - 1
     return torch.tensor(x, dtype=torch.float32), torch.from_numpy(y), features
 

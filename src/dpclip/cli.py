@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     config = _resolve_train_config(config, args.db or default_db_path(), args.checkpoint_dir,
                                    not args.no_progress)
-    # without --checkpoint-dir the run still checkpoints (under $DPCLIP_OUT/checkpoints, removed
+    # without --checkpoint-dir the run still checkpoints (under the private directory beside $DPCLIP_OUT, removed
     # when it finishes), so that Ctrl-C and the same command again lose nothing
     ck_dir = args.checkpoint_dir or _default_checkpoint_dir(config)
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 stores and prints
@@ -153,8 +153,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _default_checkpoint_dir(config: Any) -> str:
     """Where ``dpclip train`` checkpoints without ``--checkpoint-dir``: one directory per config
-    fingerprint under ``$DPCLIP_OUT/checkpoints`` (the same place ``dpclip run`` uses)."""
-    return os.path.join(_default_out(), "checkpoints", config.fingerprint())
+    fingerprint under the private directory beside ``$DPCLIP_OUT`` (``./runs-private/checkpoints``,
+    or ``$DPCLIP_PRIVATE``; the same place ``dpclip run`` uses, never inside the published
+    reports)."""
+    from dpclip.checkpoints import private_root
+
+    return os.path.join(private_root(_default_out()), "checkpoints", config.fingerprint())
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
@@ -329,6 +333,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise ValueError("dpclip audit: --claim is for --mode blackbox (a white-box audit's "
                              "claim is the audited step's own epsilon); drop it")
         z = args.noise_multiplier
+        if z is not None and args.epsilon is not None:
+            raise ValueError(
+                "dpclip audit --mode whitebox: --epsilon is not used with --noise-multiplier (the "
+                "claim audited is the step's own epsilon at that multiplier, not yours); drop "
+                "--epsilon, or drop --noise-multiplier to audit the multiplier dpclip train "
+                "calibrates for --epsilon (with --dataset, --epochs and --batch-size)")
         if z is None:
             if args.epsilon is None or not args.dataset:
                 raise ValueError("dpclip audit --mode whitebox needs --noise-multiplier (the "

@@ -68,6 +68,7 @@ __all__ = [
     "assert_synchronized",
     "barrier",
     "broadcast_module",
+    "data_digest",
     "broadcast_tensor_",
     "check_randomness",
     "check_same",
@@ -253,6 +254,39 @@ def check_same(ctx: DistributedContext | None, value: str, what: str) -> None:
         raise RuntimeError(
             f"distributed: ranks {differ} disagree with rank 0 on {what}; every rank must run the "
             "same configuration (same arguments, data and checkpoint)")
+
+
+def data_digest(*data: Any) -> str:
+    """SHA-256 (hex) of training data: every tensor leaf of ``data`` (tensors, tuples / dicts of
+    tensors), with its dtype and shape, or every example of a map-style ``Dataset`` (one pass
+    over it). For :func:`check_same` only: the digest never leaves the process group."""
+    from torch.utils import _pytree as pytree
+    from torch.utils.data import Dataset, TensorDataset
+
+    h = hashlib.sha256()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(t).encode())
+
+    for item in data:
+        if item is None:
+            continue
+        if isinstance(item, Dataset) and not isinstance(item, TensorDataset):
+            for i in range(len(item)):  # type: ignore[arg-type]
+                for leaf in pytree.tree_leaves(item[i]):
+                    add(leaf)
+        elif isinstance(item, TensorDataset):
+            for leaf in item.tensors:
+                add(leaf)
+        else:
+            for leaf in pytree.tree_leaves(item):
+                add(leaf)
+    return h.hexdigest()
 
 
 def shared_randomness(rng: PrivateRandomness, ctx: DistributedContext | None) -> None:

@@ -59,6 +59,7 @@ from dpclip.distributed import (
     broadcast_tensor_,
     check_randomness,
     check_same,
+    data_digest,
     resolve_distributed,
     shared_randomness,
 )
@@ -68,6 +69,7 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.inputs import check_class_targets, convert_arrays
+from dpclip.loop_guard import LoopGuard
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -389,6 +391,8 @@ class PrivateTraining:
                 self.unit.describe(), self.sampler.name, n, float(batch_size), self.total_steps,
                 epsilon, noise_multiplier, self.delta, accountant, engine, self.seed)),
                 "the run's configuration")
+            # the data each rank holds (docs/distributed.md): a digest, compared across ranks
+            check_same(self.distributed, data_digest(self._x, self._y), "the training data")
             shared_randomness(self.rng, self.distributed)
             broadcast_module(model, self.distributed)
             self._step_engine = DistributedEngine(self.engine, self.distributed)
@@ -406,6 +410,9 @@ class PrivateTraining:
                        accountant=self.accountant)
         self.max_steps = self._budget_steps()
         self._pending: tuple[Any, Any] | None = None
+        #: the loop rules (dpclip.loop_guard): every draw released once, unchanged, and only
+        #: released gradients applied by the optimizer
+        self.loop_guard = LoopGuard(optimizer)
         self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
         self.last_output: StepOutput | None = None
 
@@ -473,6 +480,7 @@ class PrivateTraining:
         are ``(units, examples per unit, ...)``."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
+        self.loop_guard.on_draw()
         self.rng.before_release()  # CUDA: re-key before a Philox offset could wrap
         idx = self.sampler.sample(self.rng.sampling)
         params = self._draw_augmentation(idx) if self.augment is not None else None
@@ -482,6 +490,7 @@ class PrivateTraining:
         if params is not None:
             batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
         self._pending = batch
+        self.loop_guard.record_draw(batch)
         return batch
 
     def _draw_augmentation(self, idx: Tensor) -> Tensor:
@@ -527,7 +536,17 @@ class PrivateTraining:
                 "passed as drawn and used once: the privacy accounting assumes the sampler's "
                 "secret subsampling. Move data to a device with make_private(device=...)"
             )
+        self.loop_guard.check_batch()
         self._pending = None
+        try:
+            loss = self._release(inputs, targets)
+        except BaseException:
+            self.loop_guard.on_failed_release()
+            raise
+        return loss
+
+    def _release(self, inputs: Any, targets: Any) -> float:
+        """The body of :meth:`backward`, once the batch is checked."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
         step = self.steps
@@ -584,6 +603,7 @@ class PrivateTraining:
             params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         for name, p in params.items():
             p.grad = out.grads[name]
+        self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
         self.ledger.record(out.event)
         self.state = out.state
         self.steps += 1
@@ -690,7 +710,8 @@ class PrivateTraining:
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
-        if "randomness" not in ck:
+        finished = bool(ck.get("finished"))  # dpclip.checkpoints: no secret state left
+        if "randomness" not in ck and not finished:
             raise ValueError("checkpoint has no private randomness state (written by an older "
                              "dpclip?); it cannot be resumed")
         ck_z = float(ck["noise_multiplier"])
@@ -716,7 +737,11 @@ class PrivateTraining:
             self.optimizer.load_state_dict(ck["optimizer"])
         self.state, self.steps, self.ledger = ck["strategy_state"], int(ck["step"]), ledger
         self._epsilon_memo = None
-        self.rng.load_state_dict(ck["randomness"])
+        if not finished:
+            self.rng.load_state_dict(ck["randomness"])
+        elif not self.exhausted:
+            raise ValueError("checkpoint of a finished run (its secret randomness state was "
+                             "removed): it cannot be resumed into more steps; start a new run")
         if self.distributed is not None:  # every rank must have loaded the same checkpoint
             check_randomness(self.rng, self.distributed)
             assert_synchronized(self.model, self.distributed)
@@ -724,6 +749,7 @@ class PrivateTraining:
         self.fallbacks = set(ck.get("engine_fallbacks", ()))
         self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))
         self._pending = None
+        self.loop_guard = LoopGuard(self.optimizer)
 
     def __repr__(self) -> str:
         return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "

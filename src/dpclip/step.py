@@ -27,11 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
-from dpclip.engine._common import ChunkReducer, check_per_example_model, trainable_params
+from dpclip.engine._common import check_per_example_model, trainable_params
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
-from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
+from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
 from dpclip.sampling import Sampler
@@ -376,8 +376,9 @@ def transformed_sum(
     Per-example gradients come from the engine's materializing function (``vmap``:
     ``vmap_per_example_grads``; ``naive``: its loop), one physical chunk of
     ``engine.max_physical_batch`` at a time; norms, non-finite handling (weight 0, zero vector) and
-    the weighted sum are the engines' own (``ChunkReducer``). ``loss_sum`` is NaN (not computed on
-    this path; a non-private diagnostic only). Raises ``ValueError`` for an engine that
+    the weighted sum are the vmap engine's (``BoundedChunkReducer``: the norms bound the vectors
+    actually summed, rounding included). ``loss_sum`` is NaN (not computed on this path; a
+    non-private diagnostic only). Raises ``ValueError`` for an engine that
     materializes no per-example gradients (``summed``).
     """
     per_example: Callable[..., dict[str, Tensor]]
@@ -399,11 +400,12 @@ def transformed_sum(
     check_per_example_model(model, engine.name)
     groups.validate(model)
     params = {n: p.detach() for n, p in trainable_params(model).items()}
-    reducer = ChunkReducer(
-        params, groups, lambda norms: strategy.weights(norms, state), engine.name, inputs
-    )
-    batch = check_batch(inputs, targets, engine.name)
     chunk = getattr(engine, "max_physical_batch", None) or VmapEngine.max_physical_batch
+    # norms: upper bounds of the norms of the vectors actually summed, rounding included
+    reducer = BoundedChunkReducer(
+        params, groups, lambda norms: strategy.weights(norms, state), engine.name, inputs,
+        chunk=chunk)
+    batch = check_batch(inputs, targets, engine.name)
     device = first_tensor(inputs).device
     for start in range(0, batch, chunk):
         stop = min(start + chunk, batch)

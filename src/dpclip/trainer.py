@@ -390,14 +390,11 @@ def evaluate(
 def _atomic_save(obj: Any, path: Path) -> None:
     """Write ``path`` atomically (a ``.tmp`` then ``os.replace``): a failed write (full disk)
     leaves the previous checkpoint intact and says so."""
-    tmp = path.with_suffix(".tmp")
+    from dpclip.checkpoints import atomic_private_save
+
     try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_private_save(obj, path)  # owner-only (0600): the checkpoint is private
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         kept = (f"the previous checkpoint {path} is intact" if path.exists()
                 else "no checkpoint was written")
         raise OSError(
@@ -530,7 +527,7 @@ def train(
                 f"{describe_config_diff(ck.get('config', {}), config.to_dict())}); use another "
                 "--checkpoint-dir or delete it"
             )
-        if ck.get("data_fingerprint") != data_fp:
+        if not ck.get("finished") and ck.get("data_fingerprint") != data_fp:
             raise ValueError(
                 f"checkpoint {ckpt_path} was written for different data than dataset "
                 f"{config.dataset!r} loaded now (from {bundle.source!r}): resuming would mix two "
@@ -552,12 +549,13 @@ def train(
             print(f"dpclip: resumed from step {dp.steps} (epsilon so far {dp.epsilon():.4g})",
                   file=sys.stderr)
 
-    def save() -> None:
+    def save(finished: bool = False) -> None:
         if ckpt_path is None or not is_main:  # rank 0 writes; every rank resumes from its file
             return
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save(
-            {
+        from dpclip.checkpoints import finished_checkpoint, make_private_dir
+
+        make_private_dir(ckpt_path.parent)  # owner-only
+        ck = {
                 "fingerprint": config.fingerprint(),
                 "data_fingerprint": data_fp,  # PRIVATE (a hash of the data)
                 "config": config.to_dict(),
@@ -568,9 +566,9 @@ def train(
                 "history": history,
                 "torch_rng": torch.get_rng_state(),
                 "elapsed": elapsed_before + time.perf_counter() - t_start,
-            },
-            ckpt_path,
-        )
+            }
+        # a finished run keeps no secret generator state and no data fingerprint
+        _atomic_save(finished_checkpoint(ck) if finished else ck, ckpt_path)
 
     bar = None
     if progress and is_main:
@@ -642,9 +640,12 @@ def train(
                 "noise_multiplier": dp.last_output.noise_multiplier if dp.last_output
                 else dp.noise_multiplier,
                 "lr": lr_used,  # the learning rate of the epoch's last step
-                "ms_per_step": 1000.0 * step_seconds / max(steps_in_epoch_timed, 1),
                 "wall_seconds": elapsed_before + time.perf_counter() - t_start,
             }
+            if config.diagnostics_split == "train":  # NON-PRIVATE opt-in: a step's time
+                # depends on the realised (private) batch size (docs/privacy.md, "Timing")
+                row["nonprivate/ms_per_step"] = (1000.0 * step_seconds
+                                                 / max(steps_in_epoch_timed, 1))
             step_seconds, steps_in_epoch_timed = 0.0, 0
             if config.diagnostics_split and unit.is_individual \
                     and not getattr(dp.strategy, "needs_per_example_grads", False):
@@ -681,6 +682,11 @@ def train(
             "wall_seconds": elapsed_before + time.perf_counter() - t_start,
         })
         save()
+    if ckpt_path is not None and is_main:  # finished (dpclip.checkpoints): drop the secrets
+        from dpclip.checkpoints import FINISHED_NOTE
+
+        save(finished=True)
+        print(f"dpclip: {ckpt_path}: {FINISHED_NOTE}", file=sys.stderr)
     facts = dp.describe()
     summary = {
         "dataset": config.dataset,

@@ -92,9 +92,9 @@ def test_loader_reads_standard_file(name, tmp_path):
 def test_encodings(tmp_path):
     _adult(tmp_path)
     b = load_dataset("adult", tmp_path)
-    # 6 numeric + workclass {State-gov, ?} + education + marital + occupation + relationship
-    # + race + sex {Male, Female} + country: 6 + 2 + 1 + 1 + 1 + 1 + 1 + 2 + 1
-    assert b.input_shape == (16,)
+    # 6 numeric + the declared categories of adult.names, each + "other" ("?" goes there):
+    # workclass 8, education 16, marital 7, occupation 14, relationship 6, race 5, sex 2, country 41
+    assert b.input_shape == (6 + 8 * 1 + 8 + 16 + 7 + 14 + 6 + 5 + 2 + 41,)
     assert b.test.targets.tolist() == [1, 0, 0, 1]  # trailing '.' stripped
     _german(tmp_path)
     g = load_dataset("german-credit", tmp_path)
@@ -178,3 +178,46 @@ def test_declared_values_are_clipped_and_a_missing_range_is_refused(tmp_path, mo
         load_dataset("german-credit", tmp_path, seed=0)
     with pytest.raises(ValueError, match="scaling must be one of"):
         load_dataset("nursery", tmp_path, scaling="zscore")
+
+
+@pytest.mark.parametrize("name", ["nursery", "adult"])
+def test_a_record_with_a_unique_category_changes_no_shape_and_no_other_record(name, tmp_path):
+    """Categories come from the declaration, not from the private file (issue 33): one record
+    with a value no other record has (Adult's single "Holand-Netherlands" row) used to add a
+    one-hot column and shift every other record's columns."""
+    from pathlib import Path
+
+    from dpclip.data import tabular
+
+    CASES[name](tmp_path)
+    spec = tabular.TABULAR_SPECS[name]
+    path = next(p for p in tmp_path.rglob(spec.files[0]))
+    header, rows = tabular._read_rows(Path(path), spec)
+    x0, y0, _, _ = tabular._encode(spec, Path(path), header, rows)
+    odd = list(rows[0])
+    col = 0 if name == "nursery" else 13  # parents / native-country
+    odd[col] = "a-value-seen-once"
+    x1, y1, _, _ = tabular._encode(spec, Path(path), header, rows + [odd])
+    assert x1.shape[1] == x0.shape[1]
+    assert (x1[:-1] == x0).all()  # every other record encoded exactly as before
+    # the odd value lands in the column's "other" slot, as a "?" does
+    numeric_before = 0 if name == "nursery" else 6  # adult: columns 0, 2, 4, 10, 11, 12
+    start = sum(c.width for j, c in spec.categories if j < col) + numeric_before
+    block = x1[-1, start:start + dict(spec.categories)[col].width]
+    assert block.tolist() == [0.0] * (len(block) - 1) + [1.0]
+    b = load_dataset(name, tmp_path, seed=0)
+    assert b.input_shape == (x0.shape[1],)
+
+
+def test_a_categorical_column_without_a_declared_list_is_refused(tmp_path, monkeypatch):
+    import dataclasses
+
+    from dpclip.data import tabular
+
+    _nursery(tmp_path)
+    spec = tabular.TABULAR_SPECS["nursery"]
+    monkeypatch.setitem(tabular.TABULAR_SPECS, "nursery",
+                        dataclasses.replace(spec, categories=spec.categories[1:]))
+    with pytest.raises(ValueError, match=r"categorical column 0 of 'nursery' has no declared "
+                                         r"category list; add it to TABULAR_SPECS"):
+        load_dataset("nursery", tmp_path, seed=0)

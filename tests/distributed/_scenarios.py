@@ -171,3 +171,17 @@ def wide_zero_grad_noise(ctx: DistributedContext | None, steps: int, z: float, c
         dp.backward(xb, yb)
         out[t] = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).double()
     return out
+def data_mismatch(ctx: DistributedContext) -> dict[str, str]:
+    """Ranks holding different data of the same size are refused on every rank (issue 33: only
+    the configuration used to be compared)."""
+    x, y = data(32)
+    if ctx.rank == 1:
+        x = x.clone()
+        x[3, 0] += 1.0  # one feature of one example differs
+    try:
+        make_private(model(ctx), None, (x, y), noise_multiplier=1.0, steps=4, batch_size=8.0,
+                     delta=1e-5, reproducible_noise=True, seed=1, verbose=False,
+                     distributed=ctx)
+    except RuntimeError as err:
+        return {"data": str(err)}
+    return {"data": ""}

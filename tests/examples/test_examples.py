@@ -57,6 +57,19 @@ def test_every_example_has_help(name, capsys, monkeypatch):
     assert ("--sigma" if name.startswith("mnist") else "--epsilon") in out
 
 
+def test_tabular_csv_refuses_a_categorical_column_naming_it(tmp_path):
+    mod = runpy.run_path(str(EXAMPLES / "tabular_csv.py"))
+    _csv(tmp_path / "a.csv", n=5)
+    lines = (tmp_path / "a.csv").read_text().splitlines()
+    lines[0] = lines[0].replace("hours", "job")
+    lines[2] = ",".join(["33", "Holand-Netherlands", *lines[2].split(",")[2:]])
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match="column 'job' is not numeric") as info:
+        mod["read_csv"](tmp_path / "a.csv", "label", ["no", "yes"],
+                        ["age=17:90", "job=1:99", "score=-4:4"])
+    assert "Holand" not in str(info.value)  # the private value is not quoted
+
+
 @pytest.mark.slow
 def test_mnist_port_runs_with_opacus_settings(tmp_path, capsys, monkeypatch):
     from dpclip.data import DatasetNotFoundError, load_dataset
@@ -78,6 +91,8 @@ def test_mnist_port_runs_with_opacus_settings(tmp_path, capsys, monkeypatch):
     (_, eps1), (_, eps2) = epochs_printed(out)
     assert 0.0 < eps1 < eps2 == pytest.approx(s["epsilon"], abs=1e-3)
     assert "Test set: Average loss" in out and "(ε = " in out
+    # the training loss is computed from raw batches: not printed beside epsilon (issue 33)
+    assert "Loss:" not in out and "train loss" not in out
 
 
 def _image_folder(root, per_class=24, size=12):

@@ -8,6 +8,8 @@ whether it is public, i.e. usable without privacy accounting).
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +88,42 @@ class TensorSplit:
     def subset(self, indices: Tensor) -> TensorSplit:
         """The examples at ``indices`` (an int64 index tensor), as a new split."""
         indices = torch.as_tensor(indices, dtype=torch.int64)
-        return TensorSplit(self.inputs[indices], self.targets[indices])
+        out = TensorSplit(self.inputs[indices], self.targets[indices])
+        if _holds_private_data(self.inputs):  # a subset of private data is private
+            _mark_private(out.inputs)
+        return out
+
+
+#: id -> weak reference of the input tensors of every split of a bundle built with
+#: ``is_public=False`` (and of their subsets): a public bundle may not hold them. Tensors first
+#: declared public (in a bundle built with ``is_public=True``) stay public when a private bundle
+#: also holds them (a private training set beside a public test split).
+_PRIVATE_INPUTS: dict[int, weakref.ref] = {}
+_PUBLIC_INPUTS: dict[int, weakref.ref] = {}
+
+
+def _known(registry: dict[int, weakref.ref], t: Tensor) -> bool:
+    r = registry.get(id(t))
+    return r is not None and r() is t
+
+
+def _mark(registry: dict[int, weakref.ref], t: Tensor) -> None:
+    key = id(t)
+    registry[key] = weakref.ref(t, lambda _r, key=key: registry.pop(key, None))
+
+
+def _mark_private(t: Tensor) -> None:
+    if not _known(_PUBLIC_INPUTS, t):
+        _mark(_PRIVATE_INPUTS, t)
+
+
+def _holds_private_data(t: Tensor | None) -> bool:
+    """Whether ``t`` (or a tensor it is a view of) is the input tensor of a private split."""
+    while t is not None:
+        if _known(_PRIVATE_INPUTS, t):
+            return True
+        t = t._base
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,3 +198,16 @@ class DatasetBundle:
                     "remove or impute them before training (NaN or inf would reach the noisy "
                     "gradient sum)"
                 )
+        for split_name in ("train", "test"):  # is_public follows the data, not the copy
+            inputs = getattr(self, split_name).inputs
+            if not self.is_public:
+                _mark_private(inputs)
+            elif not _holds_private_data(inputs):
+                _mark(_PUBLIC_INPUTS, inputs)
+            else:
+                raise ValueError(
+                    f"dataset {self.name!r}: is_public=True, but the {split_name} split holds "
+                    "the data of a bundle declared private (is_public=False), e.g. after "
+                    "dataclasses.replace(public_bundle, train=private_split), which keeps "
+                    "is_public. Pass is_public=False, or build the public bundle from public "
+                    "data only")

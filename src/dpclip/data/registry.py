@@ -271,13 +271,13 @@ register_dataset(
 
 _LIP_TABLE1 = "used in Barczewski & Ramon, DP-SGD with weight clipping (S2 Table 1)"
 for _name, _loader, _classes, _features, _desc, _ref in (
-    ("adult", load_adult, 2, 108, "UCI Adult adult.data/adult.test, 32,561/16,281, one-hot",
+    ("adult", load_adult, 2, 113, "UCI Adult adult.data/adult.test, 32,561/16,281, one-hot",
      "Becker & Kohavi, UCI Adult, 1996"),
-    ("german-credit", load_german_credit, 2, 61, "UCI Statlog german.data, 1,000 x 20, one-hot",
+    ("german-credit", load_german_credit, 2, 76, "UCI Statlog german.data, 1,000 x 20, one-hot",
      "Hofmann, UCI Statlog (German Credit Data), 1994"),
-    ("default-credit", load_default_credit, 2, 33,
+    ("default-credit", load_default_credit, 2, 32,
      "UCI default of credit card clients (CSV), 30,000 x 23", "Yeh & Lien, Expert Syst. Appl. 2009"),
-    ("nursery", load_nursery, 5, 27, "UCI nursery.data, 12,960 x 8 categorical, 5 classes",
+    ("nursery", load_nursery, 5, 35, "UCI nursery.data, 12,960 x 8 categorical, 5 classes",
      "Olave, Rajkovic & Bohanec, UCI Nursery, 1989"),
     ("android-permissions", load_android_permissions, 2, 86,
      "UCI NATICUSdroid data.csv, 29,333 x 86 permissions", "Mathur et al., UCI NATICUSdroid, 2022"),

@@ -12,8 +12,9 @@ states every range and its provenance: the UCI codebook where it documents the d
 a generous bound declared by us, values outside clipped), a per-record map that uses no statistic
 of the data. ``scaling="train-statistics"`` is the old NON-PRIVATE pipeline (noiseless mean and
 population std of the TRAIN split), recorded as such in ``DatasetBundle.preprocessing``.
-Categorical columns are one-hot encoded over the categories present in the file (a missing value
-``?`` is its own category). Splits: the official train/test files for Adult, a stratified
+Categorical columns are one-hot encoded over DECLARED category lists (:class:`CategoryList`, from
+each dataset's codebook, with provenance), plus one ``other`` column for every undeclared value
+(a missing ``?``, an undocumented code): never over the values present in the private file. Splits: the official train/test files for Adult, a stratified
 ``1 - test_fraction`` / ``test_fraction`` split from ``seed`` otherwise.
 """
 
@@ -41,6 +42,7 @@ from dpclip.data.splits import stratified_split_indices
 
 __all__ = [
     "TABULAR_SPECS",
+    "CategoryList",
     "TabularSpec",
     "load_adult",
     "load_android_permissions",
@@ -61,7 +63,9 @@ class TabularSpec:
     columns ignored (ids); ``classes``: label values in class-index order (``None``: sorted values
     found); ``url``: the download page; ``ranges``: the declared range of each numeric column
     (index or name -> :class:`FeatureRange`); ``default_range``: the range of numeric columns not
-    listed (``None``: every numeric column must be listed, else loading fails naming it).
+    listed (``None``: every numeric column must be listed, else loading fails naming it);
+    ``categories``: the declared values of each categorical column (index or name ->
+    :class:`CategoryList`; every categorical column must be listed, else loading fails naming it).
     """
 
     name: str
@@ -76,6 +80,29 @@ class TabularSpec:
     skip_rows: int = 0
     ranges: tuple[tuple[int | str, FeatureRange], ...] = ()
     default_range: FeatureRange | None = None
+    categories: tuple[tuple[int | str, "CategoryList"], ...] = ()
+
+
+@dataclass(frozen=True)
+class CategoryList:
+    """The DECLARED values of one categorical column, in one-hot order, and where they come from
+    (the dataset's codebook). The one-hot block is ``values`` plus one last ``other`` column, for
+    every value not declared (missing ``?``, undocumented codes): the encoding of a record depends
+    on that record alone, and the input width on the declaration alone, never on which values
+    the private file happens to hold (one record with a unique value would otherwise add a
+    column and shift every other record's columns)."""
+
+    values: tuple[str, ...]
+    provenance: str
+
+    def __post_init__(self) -> None:
+        if not self.values or len(set(self.values)) != len(self.values):
+            raise ValueError(f"CategoryList: values must be non-empty and distinct, got "
+                             f"{self.values!r}")
+
+    @property
+    def width(self) -> int:
+        return len(self.values) + 1  # + "other"
 
 
 _UCI = "https://archive.ics.uci.edu/dataset"
@@ -136,17 +163,75 @@ _DROPOUT_RANGES = tuple(enumerate((
     _r(-10, 10),  # GDP growth (%)
 )))
 
+
+def _c(values: str, provenance: str) -> CategoryList:
+    return CategoryList(tuple(values.split()), provenance)
+
+
+_ADULT_NAMES = "codebook: adult.names (UCI Adult)"
+_ADULT_CATEGORIES = (
+    (1, _c("Private Self-emp-not-inc Self-emp-inc Federal-gov Local-gov State-gov Without-pay "
+           "Never-worked", _ADULT_NAMES)),  # workclass
+    (3, _c("Bachelors Some-college 11th HS-grad Prof-school Assoc-acdm Assoc-voc 9th 7th-8th 12th "
+           "Masters 1st-4th 10th Doctorate 5th-6th Preschool", _ADULT_NAMES)),  # education
+    (5, _c("Married-civ-spouse Divorced Never-married Separated Widowed Married-spouse-absent "
+           "Married-AF-spouse", _ADULT_NAMES)),  # marital-status
+    (6, _c("Tech-support Craft-repair Other-service Sales Exec-managerial Prof-specialty "
+           "Handlers-cleaners Machine-op-inspct Adm-clerical Farming-fishing Transport-moving "
+           "Priv-house-serv Protective-serv Armed-Forces", _ADULT_NAMES)),  # occupation
+    (7, _c("Wife Own-child Husband Not-in-family Other-relative Unmarried",
+           _ADULT_NAMES)),  # relationship
+    (8, _c("White Asian-Pac-Islander Amer-Indian-Eskimo Other Black", _ADULT_NAMES)),  # race
+    (9, _c("Female Male", _ADULT_NAMES)),  # sex
+    (13, _c("United-States Cambodia England Puerto-Rico Canada Germany Outlying-US(Guam-USVI-etc) "
+            "India Japan Greece South China Cuba Iran Honduras Philippines Italy Poland Jamaica "
+            "Vietnam Mexico Portugal Ireland France Dominican-Republic Laos Ecuador Taiwan Haiti "
+            "Columbia Hungary Guatemala Nicaragua Scotland Thailand Yugoslavia El-Salvador "
+            "Trinadad&Tobago Peru Hong Holand-Netherlands", _ADULT_NAMES)),  # native-country
+)
+_GERMAN_DOC = "codebook: german.doc (UCI Statlog German Credit), attribute "
+_GERMAN_CATEGORIES = tuple(
+    (col, _c(" ".join(f"A{attr}{k}" for k in codes), f"{_GERMAN_DOC}{attr}"))
+    for col, attr, codes in (
+        (0, 1, range(1, 5)), (2, 3, range(0, 5)), (3, 4, range(0, 11)), (5, 6, range(1, 6)),
+        (6, 7, range(1, 6)), (8, 9, range(1, 6)), (9, 10, range(1, 4)), (11, 12, range(1, 5)),
+        (13, 14, range(1, 4)), (14, 15, range(1, 4)), (16, 17, range(1, 5)),
+        (18, 19, range(1, 3)), (19, 20, range(1, 3)),
+    )
+)
+_YEH = "codebook: Yeh & Lien 2009 / the UCI variable table"
+_DEFAULT_CATEGORIES = (
+    ("SEX", _c("1 2", f"{_YEH} (1 male, 2 female)")),
+    ("EDUCATION", _c("1 2 3 4", f"{_YEH} (1 graduate school, 2 university, 3 high school, "
+                                "4 others; the undocumented 0, 5, 6 go to 'other')")),
+    ("MARRIAGE", _c("1 2 3", f"{_YEH} (1 married, 2 single, 3 others; the undocumented 0 goes "
+                             "to 'other')")),
+)
+_NURSERY_NAMES = "codebook: nursery.names (UCI Nursery)"
+_NURSERY_CATEGORIES = tuple(enumerate(_c(v, _NURSERY_NAMES) for v in (
+    "usual pretentious great_pret",  # parents
+    "proper less_proper improper critical very_crit",  # has_nurs
+    "complete completed incomplete foster",  # form
+    "1 2 3 more",  # children
+    "convenient less_conv critical",  # housing
+    "convenient inconv",  # finance
+    "nonprob slightly_prob problematic",  # social
+    "recommended priority not_recom",  # health
+)))
+
 TABULAR_SPECS: dict[str, TabularSpec] = {
     "adult": TabularSpec(
         "adult", ("adult.data",), ",", False, 14, (1, 3, 5, 6, 7, 8, 9, 13),
         f"{_UCI}/2/adult (files adult.data and adult.test)", classes=("<=50K", ">50K"),
         ranges=_ADULT_RANGES,
+        categories=_ADULT_CATEGORIES,
     ),
     "german-credit": TabularSpec(
         "german-credit", ("german.data",), " ", False, 20,
         (0, 2, 3, 5, 6, 8, 9, 11, 13, 14, 16, 18, 19),
         f"{_UCI}/144/statlog+german+credit+data (file german.data)", classes=("1", "2"),
         ranges=_GERMAN_RANGES,
+        categories=_GERMAN_CATEGORIES,
     ),
     "default-credit": TabularSpec(
         "default-credit",
@@ -156,11 +241,13 @@ TABULAR_SPECS: dict[str, TabularSpec] = {
         f"{_UCI}/350/default+of+credit+card+clients (the .xls saved as CSV, "
         "default_of_credit_card_clients.csv)", drop=("ID",), classes=("0", "1"),
         ranges=_DEFAULT_RANGES,
+        categories=_DEFAULT_CATEGORIES,
     ),
     "nursery": TabularSpec(
         "nursery", ("nursery.data",), ",", False, 8, (0, 1, 2, 3, 4, 5, 6, 7),
         f"{_UCI}/76/nursery (file nursery.data)",
         classes=("not_recom", "recommend", "very_recom", "priority", "spec_prior"),
+        categories=_NURSERY_CATEGORIES,
     ),
     "android-permissions": TabularSpec(
         "android-permissions", ("NATICUSdroid.csv", "android_permissions.csv", "data.csv"),
@@ -263,6 +350,7 @@ def _encode(
         raise ValueError(f"{path}: unknown label value(s) {unknown[:5]}; expected {list(classes)}")
     y = np.array([lookup[v] for v in raw_labels], dtype=np.int64)
     declared = {_index(c, header, path): r for c, r in spec.ranges}
+    categories = {_index(c, header, path): v for c, v in spec.categories}
     blocks: list[np.ndarray] = []
     numeric: list[bool] = []
     ranges: list[FeatureRange | None] = []
@@ -271,13 +359,21 @@ def _encode(
             continue
         col = [r[j] for r in rows]
         if j in cats:
-            values = sorted(set(col))
-            onehot = np.zeros((len(rows), len(values)))
-            pos = {v: k for k, v in enumerate(values)}
-            onehot[np.arange(len(rows)), [pos[v] for v in col]] = 1.0
+            declared_cats = categories.get(j)
+            if declared_cats is None:
+                name = header[j] if header is not None else j
+                raise ValueError(
+                    f"{path}: categorical column {name!r} of {spec.name!r} has no declared "
+                    "category list; add it to TABULAR_SPECS[...].categories (a CategoryList "
+                    "from the codebook: one-hot columns must not be read off the private file, "
+                    "where one record with a unique value adds a column)")
+            pos = {v: k for k, v in enumerate(declared_cats.values)}
+            other = len(declared_cats.values)  # every undeclared value (and "?")
+            onehot = np.zeros((len(rows), declared_cats.width))
+            onehot[np.arange(len(rows)), [pos.get(v, other) for v in col]] = 1.0
             blocks.append(onehot)
-            numeric += [False] * len(values)
-            ranges += [None] * len(values)
+            numeric += [False] * declared_cats.width
+            ranges += [None] * declared_cats.width
         else:
             try:
                 blocks.append(np.array([float(v) for v in col])[:, None])
@@ -305,11 +401,11 @@ def _bundle(
         scaled = declared_range_scale(x, ranges)
         detail = (f"{int(numeric.sum())} numeric column(s) clipped into their declared ranges "
                   f"(dpclip.data.tabular.TABULAR_SPECS[{name!r}]) and mapped to [-1, 1]; "
-                  "categorical columns one-hot over the categories present in the file")
+                  "categorical columns one-hot over declared category lists (+ 'other')")
     else:
         scaled = train_statistics_scale(x, numeric, train_idx)
         detail = (f"{int(numeric.sum())} numeric column(s); categorical columns one-hot over "
-                  "the categories present in the file")
+                  "declared category lists (+ 'other')")
     xs = torch.from_numpy(scaled.astype(np.float32))
     yt = torch.from_numpy(y)
     tr, te = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
@@ -345,7 +441,8 @@ def load_adult(
 ) -> DatasetBundle:
     """UCI Adult (census income): ``adult.data`` (32,561) and ``adult.test`` (16,281; its first
     line ``|1x3 Cross validator`` and the labels' trailing ``.`` are handled), 14 attributes
-    (6 numeric, 8 categorical one-hot, ``?`` a category) -> 108 features in the full files;
+    (6 numeric, 8 categorical one-hot over the categories of adult.names, each + ``other``, where
+    ``?`` goes) -> 113 features;
     label ``>50K``. The official split (``seed`` unused)."""
     del seed
     check_scaling(scaling, "adult")
@@ -385,7 +482,8 @@ def load_nursery(
     data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
     scaling: str = "declared-ranges",
 ) -> DatasetBundle:
-    """UCI Nursery ``nursery.data`` (12,960 x 8 categorical, one-hot -> 27 features), 5 classes
+    """UCI Nursery ``nursery.data`` (12,960 x 8 categorical, one-hot over the
+    values of nursery.names, each + ``other`` -> 35 features), 5 classes
     (not_recom, recommend, very_recom, priority, spec_prior). Stratified split (``recommend``
     has 2 examples)."""
     return _load("nursery", data_dir, seed, test_fraction, scaling)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedModelError"]
+__all__ = ["UnsupportedModelError", "loss_shape_error"]
 
 
 class UnsupportedModelError(ValueError):
     """The model cannot be run by the requested engine (for example a training-mode BatchNorm under a
     per-example engine). The message names the offending layer and the fix."""
+
+
+def loss_shape_error(ndim: int, prefix: str = "") -> ValueError:
+    """The error for a loss that is not one value per example. It quotes the number of
+    dimensions only: a shape's dimensions may hold the realised (private) batch size, and the
+    message can reach a log or a results store."""
+    if ndim == 0:
+        got = "a 0-d (scalar) loss: reduced over the batch"
+    else:
+        got = (f"a {ndim}-d tensor whose first dimension is not the batch (its shape is not "
+               "quoted: it may hold the realised batch size, which is private)")
+    return ValueError(f"{prefix}loss_fn must return per-example losses of shape (B,) (reduction "
+                      f"'none'), got {got}; e.g. nn.CrossEntropyLoss(reduction='none')")

@@ -1662,10 +1662,9 @@ def _partitions(groups: ParamGroups, params: dict[str, Tensor]) -> bool:
 
 def _check_losses(losses: Tensor, batch: int) -> Tensor:
     if losses.ndim == 0 or losses.shape[0] != batch:
-        raise ValueError(
-            "loss_fn must return per-example losses of shape (B,) (reduction 'none'), got shape "
-            f"{tuple(losses.shape)} for a batch of {batch}"
-        )
+        from dpclip.engine.errors import loss_shape_error
+
+        raise loss_shape_error(losses.ndim)
     return losses.reshape(batch, -1).sum(1) if losses.ndim > 1 else losses
 
 

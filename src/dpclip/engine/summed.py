@@ -72,11 +72,9 @@ class SummedEngine:
                 losses = loss_fn(call_model(model, slice_batch(inputs, start, stop)),
                                  slice_batch(targets, start, stop))
                 if losses.ndim == 0 or losses.shape[0] != stop - start:
-                    raise ValueError(
-                        "summed engine: loss_fn must return per-example losses of shape (B,) "
-                        f"(reduction 'none'), got shape {tuple(losses.shape)} for a batch of "
-                        f"{stop - start}"
-                    )
+                    from dpclip.engine.errors import loss_shape_error
+
+                    raise loss_shape_error(losses.ndim, "summed engine: ")
                 total = losses.sum()
                 loss_sum += float(total.detach())
                 if not params or not total.requires_grad:

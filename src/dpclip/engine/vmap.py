@@ -9,6 +9,7 @@ reduces them at once to norms and the weighted sum, and moves to the next chunk.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -79,7 +80,10 @@ class VmapEngine:
         check_per_example_model(model, self.name)
         groups.validate(model)
         params = {n: p.detach() for n, p in trainable_params(model).items()}
-        reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
+        # norms (given to weight_fn and reported): upper bounds of the norms of the vectors
+        # actually summed, rounding included, as on the ghost engine (BoundedChunkReducer)
+        reducer = BoundedChunkReducer(params, groups, weight_fn, self.name, inputs,
+                                  chunk=self.max_physical_batch)
         if batch and params:
             per_example_grads = _per_example_grad_fn(model, loss_fn)
             for start in range(0, batch, self.max_physical_batch):
@@ -97,6 +101,60 @@ class VmapEngine:
                     reducer.add_chunk({}, losses)
         grads, norms, weights, loss_sum = reducer.result()
         return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
+
+
+class BoundedChunkReducer(ChunkReducer):
+    """A :class:`ChunkReducer` whose per-example norms are UPPER BOUNDS of the norms of the
+    vectors ``fl(w_i g_i)`` that the weighted sum adds, rounding included, so that a strategy's
+    weight ``w_i`` with ``w_i * norm_i <= C`` bounds what is summed (the worst case seen without
+    it was 1.00000014 C).
+
+    The squared norms are accumulated in float64 from the gradients' own values (a product of two
+    float32 or bfloat16 numbers is exact in float64), so their rounding is
+    ``gam64(numel + groups + 8)``; the norm is then rounded to the parameters' dtype (``u``), and
+    the factor also covers the product ``w_i g_ij`` inside the weighted reduction over a chunk
+    (its factors possibly rounded by the backend: ``u_p``, TF32 on CUDA) and its accumulation,
+    bounded relative to each term with the PUBLIC chunk size ``max_physical_batch`` (never the
+    realised batch size: an example's weight depends on that example alone), and the strategy's
+    few operations on the norm (32). Constants: Higham 2002, ch. 3, as the ghost engine's
+    ``_Rounding``. A float64 model gets the same treatment (its norms are exact to ``gam64``)."""
+
+    def __init__(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
+                 engine: str, inputs: Any, *, chunk: int) -> None:
+        super().__init__(params, groups, weight_fn, engine, inputs)
+        from dpclip.engine.ghost import _Rounding
+
+        lay = self.layout
+        rnd = _Rounding((lay.dtype,), lay.device, chunk)
+        u64 = torch.finfo(torch.float64).eps / 2
+        longest = max((p.numel() for p in params.values()), default=1)
+        n64 = longest + len(params) + lay.n_groups + 8
+        g64 = n64 * u64 / (1 - n64 * u64)
+        self.inflate = ((1 + rnd.u_p) * (1 + rnd.gam(chunk + 32)) * (1 + 2 * g64)
+                        / (1 - rnd.u))
+
+    def add_chunk(self, per_example: Any, losses: Tensor) -> None:
+        lay = self.layout
+        b = int(losses.shape[0])
+        flat_grads = [per_example[n].reshape(b, -1) for n in lay.names]
+        sq = torch.zeros(b, lay.n_groups, dtype=torch.float64, device=lay.device)
+        for gi, gf in zip(lay.group_of, flat_grads):
+            sq[:, gi] += torch.linalg.vector_norm(gf, dim=1, dtype=torch.float64).square()
+        finite = torch.isfinite(sq).all(dim=1)
+        all_finite = bool(finite.all())
+        norms = (sq.sqrt() * self.inflate).to(lay.dtype)  # inf when the bound overflows
+        if not all_finite:
+            norms = torch.where(finite[:, None], norms, math.inf)
+        norms = norms.reshape(self._shape(b))
+        weights = self._apply_weight_fn(norms)
+        w2 = weights.reshape(b, lay.n_groups)
+        for name, gi, gf in zip(lay.names, lay.group_of, flat_grads):
+            if not all_finite:
+                gf = torch.where(finite[:, None], gf, 0.0)
+            self.sums[name].view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)
+        self._norms.append(norms)
+        self._weights.append(weights)
+        self.loss_sum += float(losses.detach().sum())
 
 
 def vmap_per_example_grads(
@@ -208,8 +266,7 @@ def _one(t: Tensor) -> Tensor:
 def _per_example_losses(model: nn.Module, loss_fn: LossFn, xs: Any, ys: Any, b: int) -> Tensor:
     losses = loss_fn(call_model(model, xs), ys)
     if losses.ndim == 0 or losses.shape[0] != b:
-        raise ValueError(
-            "loss_fn must return per-example losses of shape (B,) (reduction 'none'), got shape "
-            f"{tuple(losses.shape)} for a batch of {b}"
-        )
+        from dpclip.engine.errors import loss_shape_error
+
+        raise loss_shape_error(losses.ndim)
     return losses.reshape(b, -1).sum(1)

@@ -82,11 +82,19 @@ class FederatedData:
         return functools.partial(torch.nn.functional.cross_entropy,
                                  ignore_index=self.ignore_index)
 
-    def describe(self) -> dict[str, Any]:
-        sizes = self.user_sizes()
-        return {"dataset": self.name, "num_users": self.num_users, **self.partition,
-                "user_size_min": min(sizes), "user_size_max": max(sizes),
-                "user_size_mean": sum(sizes) / len(sizes)}
+    def describe(self, nonprivate: bool = False) -> dict[str, Any]:
+        """Public facts of the federation: the dataset, the number of users (public, as the
+        dataset size of DP-SGD: the user sampling rate is ``clients_per_round / num_users``) and
+        the partition's configuration. The user sizes are PRIVATE (removing the largest user
+        changes their maximum): they are added only with ``nonprivate=True``, under the
+        ``nonprivate/`` prefix (``FedAvgConfig.log_nonprivate``, off by default)."""
+        out = {"dataset": self.name, "num_users": self.num_users, **self.partition}
+        if nonprivate:
+            sizes = self.user_sizes()
+            out.update({"nonprivate/user_size_min": min(sizes),
+                        "nonprivate/user_size_max": max(sizes),
+                        "nonprivate/user_size_mean": sum(sizes) / len(sizes)})
+        return out
 
 
 def _check_users(num_users: int, n: int) -> None:

@@ -91,6 +91,7 @@ class DPFedAvgStrategy(Strategy):
         self.wait_timeout = wait_timeout
         self.rpc_timeout = rpc_timeout
         self._proxies: dict[int, Any] = {}
+        self._sampled: frozenset[int] = frozenset()  # the users of the current round
         self.failures: list[str] = []
         self.round_clips: list[float] = []
 
@@ -125,6 +126,7 @@ class DPFedAvgStrategy(Strategy):
                       client_manager: Any) -> list[tuple[Any, FitIns]]:
         self._map_users(client_manager)
         users = self.server.sample_users()
+        self._sampled = frozenset(int(u) for u in users)
         if not users:  # Flower would skip the round: privatize it here (noise + ledger)
             out = self.server.finish_round([], [])
             self.round_clips.append(out.clip_norm)
@@ -137,10 +139,12 @@ class DPFedAvgStrategy(Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[Any, Any]],
                       failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
-        self.failures += [repr(f) for f in failures]
-        got = sorted((int(res.metrics[USER_KEY]), parameters_to_ndarrays(res.parameters)[0])
-                     for _, res in results)
+        # the kind of each failure only: a client's exception text may quote its data's shapes
+        self.failures += [_failure_kind(f) for f in failures]
         d = self.server.theta.numel()
+        # validate every result before anything is privatized or recorded in the ledger
+        got = sorted(_checked_results(results, self._sampled, d, server_round),
+                     key=lambda item: item[0])
         deltas = (torch.stack([torch.from_numpy(np.asarray(a, dtype=np.float32)).reshape(-1)
                                for _, a in got]) if got else torch.zeros(0, d))
         out = self.server.finish_round(deltas, [u for u, _ in got])
@@ -161,6 +165,52 @@ class DPFedAvgStrategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters
                  ) -> tuple[float, dict[str, Any]] | None:
         return None
+
+
+def _failure_kind(failure: Any) -> str:
+    """A client failure as the run's public result keeps it: the exception's type, or the fit
+    result's status code, never a message (a client's message can quote its data's shapes)."""
+    if isinstance(failure, BaseException):
+        return type(failure).__name__
+    try:
+        return f"status {failure[1].status.code.name}"
+    except (AttributeError, IndexError, TypeError):
+        return type(failure).__name__
+
+
+def _checked_results(results: list[tuple[Any, Any]], sampled: frozenset[int], d: int,
+                     server_round: int) -> list[tuple[int, Any]]:
+    """``(user, delta)`` of each fit result, after checking that every result names a user
+    sampled this round, once, with one delta of the model's size ``d``. Raises ``ValueError``
+    (naming the user, never a value) before anything is privatized or recorded: a user counted
+    twice would double its influence on the clipped sum, past the sensitivity the ledger
+    accounts."""
+    seen: set[int] = set()
+    out: list[tuple[int, Any]] = []
+    for _, res in results:
+        try:
+            user = int(res.metrics[USER_KEY])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"aggregate_fit (round {server_round}): a fit result carries no "
+                             f"integer {USER_KEY!r} metric; nothing was recorded") from None
+        if user in seen:
+            raise ValueError(
+                f"aggregate_fit (round {server_round}): two results claim user {user}; each "
+                "sampled user contributes one delta (a second would double its influence past "
+                "the accounted sensitivity). Nothing was recorded: check the clients' user ids")
+        if user not in sampled:
+            raise ValueError(
+                f"aggregate_fit (round {server_round}): a result claims user {user}, which was "
+                "not sampled this round; nothing was recorded")
+        seen.add(user)
+        arrays = parameters_to_ndarrays(res.parameters)
+        if len(arrays) != 1 or int(np.asarray(arrays[0]).size) != d:
+            raise ValueError(
+                f"aggregate_fit (round {server_round}): the delta of user {user} is not one "
+                f"array of the model's {d} parameters; nothing was recorded (is the client "
+                "running the same model?)")
+        out.append((user, arrays[0]))
+    return out
 
 
 class UserClient(flwr.client.NumPyClient):

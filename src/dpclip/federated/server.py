@@ -80,6 +80,7 @@ class FedAvgServer:
         """Privatize the round's deltas (one per sampled user, or ``(0, d)`` for none) and step."""
         if isinstance(deltas, list) and not deltas:
             deltas = torch.zeros(0, self.theta.numel())
+        _check_round(deltas, users, self.theta.numel())  # before anything is recorded
         out = self.aggregator.aggregate(deltas, users)
         self.apply_update(out.update)
         self.clip_history.append(out.clip_norm)
@@ -131,3 +132,18 @@ def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int 
             n += int(keep.sum())
     model.train()
     return correct / max(n, 1), loss / max(n, 1)
+
+
+def _check_round(deltas: Tensor | list[Tensor], users: list[int] | None, d: int) -> None:
+    """Refuse a round the aggregator must not privatize, before it records anything: a delta
+    that is not of the model's size, or a user listed twice (its influence would be doubled)."""
+    sizes = [int(t.shape[-1]) if t.ndim else 1 for t in deltas] if isinstance(deltas, list) \
+        else ([int(deltas.shape[1])] if deltas.ndim == 2 and deltas.shape[0] else [])
+    if isinstance(deltas, Tensor) and deltas.ndim != 2:
+        raise ValueError(f"finish_round: deltas must be a (clients, {d}) tensor")
+    if any(s != d for s in sizes):
+        raise ValueError(f"finish_round: every delta must have the model's {d} parameters; "
+                         "nothing was recorded")
+    if users is not None and len(set(users)) != len(users):
+        raise ValueError("finish_round: a user is listed twice; each sampled user contributes "
+                         "one delta (nothing was recorded)")

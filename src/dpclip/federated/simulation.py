@@ -200,7 +200,7 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
     # the last evaluation is at the last round: its epsilon is the run's (one accountant call)
     eps = history[-1]["epsilon"]
     summary = {
-        **server.describe(), **data.describe(),
+        **server.describe(), **data.describe(nonprivate=config.log_nonprivate),
         "rounds": config.rounds, "delta": config.delta, "accountant": config.accountant,
         "epsilon": eps, "target_epsilon": config.target_epsilon,
         "local_epochs": config.local.epochs, "local_batch_size": config.local.batch_size,

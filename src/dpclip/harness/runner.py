@@ -1,6 +1,7 @@
 """Run an experiment grid: skip finished runs, resume interrupted ones, optionally in parallel.
 
-Each run checkpoints into ``<out>/checkpoints/<fingerprint>``; a finished run is recognised by its
+Each run checkpoints into ``<out>-private/checkpoints/<fingerprint>`` (private files, beside the
+published ``<out>``: ``dpclip.checkpoints.private_root``); a finished run is recognised by its
 config fingerprint in the SQLite store. Killing the runner and starting it again therefore loses
 nothing: finished runs are skipped, the interrupted ones resume from their last checkpoint (same
 ledger, same result as an uninterrupted run), the rest start. Before that, strategy parameters
@@ -8,7 +9,7 @@ that name stored data (``transfer``'s ``schedule``, ``lin-decay``'s ``c0_from = 
 resolved from the store (``dpclip.search.resolve_strategy_params``; the greedy searches for ``C0``
 checkpoint into ``<out>/search`` and are stored, so they run once). A spec with ``[tuning]`` then
 runs its trials (``dpclip.harness.tuning``: stored under ``<name>:tuning``, checkpointed under
-``<out>/tuning``, never repeated) and its runs use each cell's chosen setting.
+``<out>-private/tuning``, never repeated) and its runs use each cell's chosen setting.
 
 With ``workers > 1`` the runs go to a pool of processes: forked, or spawned when this process has
 already initialised CUDA (the trials or searches ran on the GPU here), since a forked child cannot
@@ -172,7 +173,9 @@ def run_experiment(
         raise ValueError(f"spec {spec.name!r} has a [tuning] section: run it once without "
                          "torchrun first (the trials and choices are stored), or remove [tuning]")
     out = Path(out_dir)
-    ck_root = out / "checkpoints"
+    from dpclip.checkpoints import private_root
+
+    ck_root = private_root(out) / "checkpoints"  # private: beside the reports, not inside
     runs = spec.runs()
     todo: list[RunSpec] = []
     with _exclusive(out / f".{spec.name}.lock") if is_main else contextlib.nullcontext():

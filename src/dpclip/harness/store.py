@@ -8,13 +8,21 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sqlite3
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["ResultsStore", "default_db_path", "environment_info"]
+__all__ = ["ResultsStore", "default_db_path", "environment_info", "public_error"]
+
+
+def public_error(error: str) -> str:
+    """A failed run's error text as the store keeps it: the exception type and words, with every
+    number replaced by ``#`` (shapes, sizes, counts: a shape's first dimension can be the
+    realised, private batch size; a value may be a private datum)."""
+    return re.sub(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", str(error))
 
 SCHEMA_VERSION = 2
 
@@ -212,6 +220,10 @@ class ResultsStore:
             )
 
     def fail_run(self, run_id: int, error: str) -> None:
+        """Mark a run failed. The stored text is :func:`public_error` of ``error``: exception
+        messages quote shapes and sizes (a shape's first dimension can be the realised, private
+        batch size), so every number is removed before the text enters the store."""
+        error = public_error(error)
         with self._conn:
             self._conn.execute(
                 "UPDATE runs SET status='failed', finished_at=?, error=? WHERE id=?",

@@ -313,7 +313,10 @@ class _Tuner:
                 rid = self.store.start_run(fp, cfg.to_dict(), experiment=self.experiment,
                                            label=label)
                 try:
-                    res = train(cfg, data=data, checkpoint_dir=self.out / "tuning" / fp,
+                    from dpclip.checkpoints import private_root
+
+                    res = train(cfg, data=data,
+                                checkpoint_dir=private_root(self.out) / "tuning" / fp,
                                 progress=self.progress)
                 except Exception as exc:
                     self.store.fail_run(rid, f"{type(exc).__name__}: {exc}")

@@ -190,8 +190,8 @@ def tabular_mlp(
     """The 2-layer tabular MLP of Lip-DP-SGD (S2 Table 4: "2 layers", 140-2,120 parameters):
     ``Flatten -> Dense hidden -> act -> Dense num_classes``. With the default ``hidden = 16`` every
     tabular dataset of S2 Table 1 lands in that range (parameters with our encodings: breast-cancer 530,
-    adult 1,778, android-permissions 1,426, default-credit 578, dropout 643, german-credit 1,026,
-    nursery 533). Activations as
+    adult 1,858, android-permissions 1,426, default-credit 562, dropout 643, german-credit 1,266,
+    nursery 661; declared category lists, each + "other"). Activations as
     :func:`lip_mnist_convnet`, all supported by the Lipschitz analysis."""
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise ValueError(f"tabular_mlp: hidden must be a positive integer, got {hidden!r}")

@@ -322,6 +322,12 @@ def _check_schedule_use(config: Any, name: str, thresholds: list[float],
             f"schedule {name!r} was searched on {config.dataset!r} itself; Transfer replays a "
             "schedule found on a PUBLIC proxy dataset on the private one"
         )
+    if private_run and meta.get("dataset") is None:
+        raise ValueError(
+            f"schedule {name!r} was stored without the dataset it was searched on (no "
+            "'dataset' key): whether it came from public data cannot be checked, so it is "
+            "not replayed on private data. Search it again on a public proxy (`dpclip search "
+            "--dataset mnist-5k ...`), which records the dataset")
     if private_run and meta.get("dataset") is not None:
         from dpclip.data import ProxyOverlapError, check_proxy_pair, provenance
 

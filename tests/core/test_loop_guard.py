@@ -1,0 +1,166 @@
+"""The loop rules of make_private (dpclip.loop_guard), each attacked the way a user's loop breaks
+it (issue 33): the Opacus habit, a leftover backward, rejection sampling, an in-place edit."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dpclip import make_private
+from dpclip.loop_guard import LoopRuleError
+
+
+def _setup(steps=10, optimizer=True, **kw):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer else None
+    dp = make_private(model, opt, (x, y), noise_multiplier=1.0, steps=steps, batch_size=10,
+                      verbose=False, **kw)
+    return model, opt, dp
+
+
+def test_the_opacus_habit_fails_on_the_second_batch():
+    """loss.backward(); opt.step() over dp.loader, never dp.backward: used to train every batch
+    with raw gradients (200 batches for a 10-step plan, epsilon 0)."""
+    model, opt, dp = _setup()
+    drawn = 0
+    with pytest.raises(LoopRuleError, match="never released by dp.backward"):
+        for x, y in dp.loader:
+            drawn += 1
+            if drawn > 3:  # the old loader never stopped (steps never advanced)
+                break
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                opt.step()
+            except LoopRuleError:
+                pass  # the step is refused too; the loader must stop on its own
+    assert drawn == 1 and dp.steps == 0
+
+
+def test_optimizer_step_without_a_private_backward_is_refused():
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(LoopRuleError, match="no private gradient was released"):
+        opt.step()
+
+
+def test_a_second_step_on_one_release_is_refused():
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    dp.backward(x, y)
+    opt.step()
+    with pytest.raises(LoopRuleError, match="no private gradient was released"):
+        opt.step()
+
+
+def test_a_leftover_backward_after_dp_backward_is_refused():
+    """F.cross_entropy(m(x), y).backward() after dp.backward adds a raw gradient to p.grad."""
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    opt.zero_grad()
+    dp.backward(x, y)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(LoopRuleError, match="not the gradient dp.backward released"):
+        opt.step()
+
+
+def test_an_in_place_edit_of_a_released_gradient_is_refused():
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    dp.backward(x, y)
+    next(model.parameters()).grad.add_(1.0)
+    with pytest.raises(LoopRuleError, match="not the gradient dp.backward released"):
+        opt.step()
+
+
+def test_a_skipped_batch_is_refused_on_the_next_draw():
+    """`if len(x) == 0: continue` is rejection sampling: the inclusion rate per released step
+    is no longer the accounted sample rate."""
+    model, opt, dp = _setup()
+    with pytest.raises(LoopRuleError, match="never released"):
+        for i, (x, y) in enumerate(dp.loader):
+            if i > 3:
+                break
+            if i == 0:
+                continue  # skip the first batch (as `if len(x) == 0: continue` would)
+            dp.step(x, y)
+    assert dp.steps == 0
+
+
+def test_a_failed_backward_leaves_the_batch_unreleased():
+    model, opt, dp = _setup(loss_fn=lambda out, y: F.cross_entropy(out, y))  # a mean: refused
+    x, y = dp.sample()
+    with pytest.raises(ValueError):
+        dp.backward(x, y)
+    with pytest.raises(LoopRuleError, match="or its backward failed"):
+        dp.sample()
+
+
+def test_an_in_place_edit_of_the_drawn_batch_is_refused():
+    """x.sub_(x.mean(0)) keeps the tensor's identity but mixes the examples."""
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    x.sub_(x.mean(0))
+    with pytest.raises(LoopRuleError, match="changed in place"):
+        dp.backward(x, y)
+
+
+def test_an_in_place_edit_of_a_dict_leaf_is_refused():
+    g = torch.Generator().manual_seed(0)
+    inputs = {"a": torch.randn(100, 3, generator=g), "b": torch.randn(100, 2, generator=g)}
+    y = torch.randint(0, 2, (100,), generator=g)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 2)
+
+        def forward(self, a, b):
+            return self.fc(torch.cat([a, b], 1))
+
+    dp = make_private(Two(), None, (inputs, y), noise_multiplier=1.0, steps=3, batch_size=10,
+                      verbose=False, engine="vmap")
+    xb, yb = dp.sample()
+    xb["b"].mul_(2.0)
+    with pytest.raises(LoopRuleError, match="changed in place"):
+        dp.backward(xb, yb)
+
+
+def test_the_documented_loop_runs_every_planned_step_and_stops():
+    model, opt, dp = _setup(steps=7)
+    n = 0
+    for _ in range(dp.epochs):
+        for x, y in dp.loader:
+            opt.zero_grad()
+            dp.backward(x, y)
+            opt.step()
+            n += 1
+    assert n == 7 == dp.steps and dp.exhausted
+
+
+def test_dp_step_and_a_resumed_run_on_the_same_optimizer():
+    """The most recent PrivateTraining on an optimizer is the one that checks its steps."""
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    dp.step(x, y)
+    ck = dp.state_dict()
+    dp2 = make_private(model, opt, (torch.randn(200, 5), torch.zeros(200).long()),
+                       noise_multiplier=1.0, steps=10, batch_size=10, verbose=False)
+    dp2.load_state_dict(ck)
+    x, y = dp2.sample()
+    dp2.step(x, y)
+    assert dp2.steps == 2
+
+
+def test_detach_frees_the_optimizer_for_public_fine_tuning():
+    model, opt, dp = _setup(steps=1)
+    x, y = dp.sample()
+    dp.step(x, y)
+    dp.loop_guard.detach()
+    F.cross_entropy(model(x[:0].new_zeros(4, 5)), torch.zeros(4).long()).backward()
+    opt.step()  # no longer checked
