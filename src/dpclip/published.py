@@ -56,6 +56,7 @@ TRAIN_SUMMARY: dict[str, str] = {
     "engine": "public", "engine_requested": "public",
     "engine_fallback": "public",  # reasons with every shape removed (private.public_reason)
     "device": "public", "distributed": "public", "model_options": "public", "augment": "public",
+    "generator": "public", "train_seconds": "timing",
     "wall_seconds": "timing",
     # added by `dpclip run` when it stores the summary
     "label": "public", "experiment": "public",
@@ -78,6 +79,7 @@ FL_SUMMARY: dict[str, str] = {
     "num_users": "public",  # the number of users: the dataset size of user-level DP
     "expected_clients": "public", "sample_rate": "public", "noise_multiplier": "accounted",
     "weighting": "public", "weight_cap": "public", "privacy_unit": "public",
+    "generator": "public",
     "randomness": "public", "private_against_seed": "public", "randomness_warning": "public",
     "server_optimizer": "public", "server_lr": "public", "server_momentum": "public",
     "dataset": "public", "partition": "public", "partition_seed": "public",

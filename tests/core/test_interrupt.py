@@ -80,13 +80,14 @@ def test_cli_ctrl_c_marks_interrupted_and_the_same_command_resumes(tmp_path, cap
     assert m, err
     con = sqlite3.connect(db)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
-    assert len(list((tmp_path / "out" / "checkpoints").glob("*/checkpoint.pt"))) == 1
+    assert len(list((tmp_path / "out-private" / "checkpoints").glob("*/checkpoint.pt"))) == 1
+    assert not (tmp_path / "out" / "checkpoints").exists()  # never beside the published reports
     # the same command resumes from the checkpoint
     assert main([*CLI, "--db", str(db)]) == 0
     assert f"resumed from step {m.group(1)} (epsilon so far" in capsys.readouterr().err
     assert con.execute("SELECT status FROM runs ORDER BY id").fetchall() == [
         ("interrupted",), ("finished",)]
-    assert not list((tmp_path / "out" / "checkpoints").glob("*/checkpoint.pt"))  # cleaned up
+    assert not list((tmp_path / "out-private" / "checkpoints").glob("*/checkpoint.pt"))  # cleaned up
 
 
 def test_refused_input_leaves_no_row(tmp_path, capsys):
