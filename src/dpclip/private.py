@@ -62,9 +62,12 @@ from dpclip.distributed import (
     resolve_distributed,
     shared_randomness,
 )
+from dpclip.averaging import WeightAverager, parse_averaging
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
+from dpclip.multiplicity import KCopyModel, check_multiplicity, expand_copies, k_copy_loss, \
+    parse_multiplicity
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -220,6 +223,8 @@ class PrivateTraining:
         flags: Mapping[str, str] = API_FLAGS,
         distributed: Any = None,
         augment: Any = None,
+        averaging: Any = None,
+        augment_multiplicity: int = 1,
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -250,6 +255,10 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
+        #: augmentation multiplicity K and weight averaging (dpclip.multiplicity, dpclip.averaging)
+        self.multiplicity = parse_multiplicity(
+            augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity="))
+        self.averaging = parse_averaging(averaging, flags.get("averaging", "averaging="))
         self.device = torch.device(device) if device is not None else None
         self.delta = float(delta) if delta is not None else default_delta(n)
         if delta is None and verbose:
@@ -364,6 +373,7 @@ class PrivateTraining:
         self.steps = 0
         self.engines_ran: set[str] = set()
         self.fallbacks: set[str] = set()
+        self._setup_multiplicity_and_averaging(engine, chunk_kw)
         self.noise_multiplier = self._resolve_noise(noise_multiplier)
         # the strategy must accept the noise, the accountant the events (clear errors, up front)
         ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
@@ -439,6 +449,8 @@ class PrivateTraining:
         if self.unit.unit == "bc":  # the whole batch is one unit
             idx = idx.unsqueeze(0)
         batch = self._gather(idx)
+        if self.multiplicity > 1:  # K copies of every example, (B, K, ...)
+            batch = (expand_copies(batch[0], self.multiplicity), batch[1])
         if params is not None:
             batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
         self._pending = batch
@@ -449,8 +461,8 @@ class PrivateTraining:
         Distributed: those of the whole global batch are drawn (the same draws on every rank, so
         the shared generator stays in step) and this rank keeps the rows of its shard."""
         assert self.augment is not None
-        if self.distributed is None:
-            return self.augment.draw(int(idx.numel()), self.rng.sampling)
+        if self.distributed is None:  # K copies: K independent draws per example
+            return self.augment.draw(int(idx.numel()) * self.multiplicity, self.rng.sampling)
         params = self.augment.draw(int(self.sampler.last_global_batch_size or 0),
                                    self.rng.sampling)
         start, stop = self.sampler.last_shard_bounds
@@ -490,6 +502,10 @@ class PrivateTraining:
         self._pending = None
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
+        if self._average_due:
+            raise ValueError(
+                "backward: averaging is on and the last step was not folded into the average; "
+                "call dp.update_average() after each optimizer.step() (dp.step() does both)")
         step = self.steps
         if self._post_step_due:  # weight clipping of the released weights (bound-based)
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
@@ -509,7 +525,7 @@ class PrivateTraining:
         z = self.noise_multiplier
         ctx = self._plan.ctx(step, z)
         out = dp_step(
-            self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
+            self._step_model(), inputs, targets, loss_fn=self._step_loss, strategy=self.strategy,
             state=self.state, engine=self._step_engine, groups=self.groups, sampler=self.sampler,
             base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise, unit=self.unit,
         )
@@ -537,6 +553,7 @@ class PrivateTraining:
         self.last_output = out
         if self.bound_based:
             self._post_step_due = True
+        self._average_due = self.averager is not None
         n = max(int(out.batch_size), 1)
         if self.distributed is not None:  # loss_sum is global: divide by the global batch size
             n = max(int(self.sampler.last_global_batch_size or 0), 1)
@@ -553,6 +570,8 @@ class PrivateTraining:
         if self.bound_based:
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
             self._post_step_due = False
+        if self.averager is not None:
+            self.update_average()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
@@ -601,6 +620,8 @@ class PrivateTraining:
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
+            "augment_multiplicity": self.multiplicity,
+            "averaging": self.averaging.spec if self.averaging is not None else "none",
         }
 
     @property
@@ -625,6 +646,7 @@ class PrivateTraining:
             "engines_ran": sorted(self.engines_ran),
             "engine_fallbacks": sorted(self.fallbacks),
             "post_step_due": self._post_step_due,
+            **({"averaging": self.averager.state_dict()} if self.averager is not None else {}),
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
@@ -661,6 +683,70 @@ class PrivateTraining:
         self.fallbacks = set(ck.get("engine_fallbacks", ()))
         self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))
         self._pending = None
+        if self.averager is not None:
+            if "averaging" not in ck:
+                raise ValueError("checkpoint was written without weight averaging; resume with "
+                                 "the averaging it was written with (none)")
+            self.averager.load_state_dict(ck["averaging"])
+            self._average_due = False
+        elif "averaging" in ck:
+            raise ValueError(f"checkpoint was written with averaging "
+                             f"{ck['averaging'].get('spec')!r}; resume with the same averaging")
+
+    # --------------------------------------- augmentation multiplicity and weight averaging
+
+    def _setup_multiplicity_and_averaging(self, engine: str, chunk_kw: dict[str, Any]) -> None:
+        """Checks and engine choice for augmentation multiplicity (``dpclip.multiplicity``) and
+        the weight averager (``dpclip.averaging``); called once from ``__init__``."""
+        check_multiplicity(self.multiplicity, augment=self.augment,
+                           unit_is_individual=self.unit.is_individual,
+                           bound_based=self.bound_based, engine=engine,
+                           distributed=self.distributed is not None,
+                           where=self._flags.get("augment_multiplicity", "augment_multiplicity="))
+        k = self.multiplicity
+        self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
+        if k > 1 and engine == "auto" \
+                and not getattr(self.strategy, "needs_per_example_grads", False):
+            from dpclip.engine.vmap import VmapEngine
+
+            self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
+            self.fallbacks.add("augmentation multiplicity: K copies per example run on vmap")
+        self.averager = WeightAverager(self.model, self.averaging) \
+            if self.averaging is not None else None
+        self._average_due = False
+
+    def _step_model(self) -> nn.Module:
+        """The model the step differentiates: ``model``, or its K-copy view."""
+        return KCopyModel(self.model, self.multiplicity) if self.multiplicity > 1 else self.model
+
+    def update_average(self) -> None:
+        """Fold the parameters after ``optimizer.step()`` into the weight average (``dp.step``
+        calls it; call it yourself after your own ``optimizer.step()``). Post-processing: no
+        privacy cost."""
+        if self.averager is None:
+            raise ValueError("update_average: averaging is off; pass averaging='ema:0.999' (or "
+                             "'polyak:S') to make_private")
+        if self._post_step_due:  # the weight projection of the step just taken (bound-based)
+            self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
+            self._post_step_due = False
+        self.averager.update()
+        self._average_due = False
+
+    def averaged_weights(self) -> Any:
+        """A context in which the model holds the averaged parameters (evaluation, export);
+        without averaging, the model as it is."""
+        import contextlib
+
+        return self.averager.swapped() if self.averager is not None \
+            else contextlib.nullcontext(self.model)
+
+    def averaged_model(self) -> nn.Module:
+        """A copy of the model holding the averaged parameters (post-processing; see
+        ``dpclip.averaging``). Raises when averaging is off."""
+        if self.averager is None:
+            raise ValueError("averaged_model: averaging is off; pass averaging='ema:0.999' (or "
+                             "'polyak:S') to make_private")
+        return self.averager.averaged_model()
 
     def __repr__(self) -> str:
         return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
