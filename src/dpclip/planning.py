@@ -31,7 +31,7 @@ CLI_FLAGS: Mapping[str, str] = {"epsilon": "--epsilon", "noise_multiplier": "--n
                                 "averaging": "--averaging"}
 API_FLAGS: Mapping[str, str] = {"epsilon": "epsilon", "noise_multiplier": "noise_multiplier",
                                 "batch_size": "batch_size", "augment": "augment=",
-                                "augment_multiplicity": "augment_multiplicity=",
+                                "augment_multiplicity": "augment_multiplicity",
                                 "averaging": "averaging="}
 
 

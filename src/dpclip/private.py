@@ -257,7 +257,7 @@ class PrivateTraining:
                     "inside your model")
         #: augmentation multiplicity K and weight averaging (dpclip.multiplicity, dpclip.averaging)
         self.multiplicity = parse_multiplicity(
-            augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity="))
+            augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity"))
         self.averaging = parse_averaging(averaging, flags.get("averaging", "averaging="))
         self.device = torch.device(device) if device is not None else None
         self.delta = float(delta) if delta is not None else default_delta(n)
@@ -702,7 +702,7 @@ class PrivateTraining:
                            unit_is_individual=self.unit.is_individual,
                            bound_based=self.bound_based, engine=engine,
                            distributed=self.distributed is not None,
-                           where=self._flags.get("augment_multiplicity", "augment_multiplicity="))
+                           where=self._flags.get("augment_multiplicity", "augment_multiplicity"))
         k = self.multiplicity
         self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
         if k > 1 and engine == "auto" \
