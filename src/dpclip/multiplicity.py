@@ -35,7 +35,7 @@ Where it does not hold or is not built, it is refused (``check_multiplicity``):
 * the ``ghost`` engine: its layer rules read example ``i``'s gradient from ROW ``i`` of each
   layer's input; with K copies a layer sees ``B K`` rows and example ``i`` owns rows
   ``[i K, (i+1) K)`` (layout ``(0, K)`` in :mod:`dpclip.engine.separable`), which the rules do not
-  handle. ``engine="auto"`` runs ``vmap`` (recorded as a fallback); an explicit ``ghost`` is refused;
+  handle. ``engine="auto"`` runs ``vmap`` (recorded as a fallback); explicit ``ghost`` is refused;
 * distributed runs (not built: the shared augmentation draws would have to be sharded by copy).
 """
 

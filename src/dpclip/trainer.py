@@ -203,7 +203,8 @@ class TrainConfig:
         from dpclip.averaging import parse_averaging
         from dpclip.multiplicity import parse_multiplicity
 
-        parse_multiplicity(self.augment_multiplicity, f"TrainConfig: {flag('augment_multiplicity')}")
+        parse_multiplicity(self.augment_multiplicity,
+                           f"TrainConfig: {flag('augment_multiplicity')}")
         if self.augment_multiplicity > 1 and aug is None:
             raise ValueError(
                 f"TrainConfig: {flag('augment_multiplicity')} = {self.augment_multiplicity} "
