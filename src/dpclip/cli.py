@@ -80,6 +80,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         lr_min=args.lr_min,
         lr_warmup_epochs=args.lr_warmup_epochs,
         augment=args.augment,
+        augment_multiplicity=args.augment_multiplicity,
+        averaging=args.averaging,
         optimizer=args.optimizer,
         momentum=args.momentum,
         seed=args.seed,
@@ -512,6 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "crop:P:reflect pads with the mirrored border); default none. The "
                         "sensitivity is unchanged; test data is never augmented "
                         "(docs/privacy.md)")
+    t.add_argument("--augment-multiplicity", type=int, default=1, metavar="K",
+                   help="augmentation multiplicity (De et al. 2022): each sampled example is "
+                        "augmented K times and its K gradients averaged before clipping; needs "
+                        "--augment; sensitivity unchanged; default 1")
+    t.add_argument("--averaging", default="none", metavar="SPEC",
+                   help="weight averaging, evaluated and returned instead of the last iterate: "
+                        "ema:D (decay D, (1+t)/(10+t) warm-up), ema:D:S (from step S) or polyak:S "
+                        "(uniform mean after step S); default none; post-processing, no privacy "
+                        "cost")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
     t.add_argument("--seed", type=int, default=0,

@@ -26,9 +26,13 @@ NOISE_WARNING_THRESHOLD = 50.0
 
 #: how arguments are named in messages
 CLI_FLAGS: Mapping[str, str] = {"epsilon": "--epsilon", "noise_multiplier": "--noise-multiplier",
-                                "batch_size": "--batch-size", "augment": "--augment"}
+                                "batch_size": "--batch-size", "augment": "--augment",
+                                "augment_multiplicity": "--augment-multiplicity",
+                                "averaging": "--averaging"}
 API_FLAGS: Mapping[str, str] = {"epsilon": "epsilon", "noise_multiplier": "noise_multiplier",
-                                "batch_size": "batch_size", "augment": "augment="}
+                                "batch_size": "batch_size", "augment": "augment=",
+                                "augment_multiplicity": "augment_multiplicity",
+                                "averaging": "averaging="}
 
 
 class Plan:

@@ -63,6 +63,7 @@ from dpclip.distributed import (
     resolve_distributed,
     shared_randomness,
 )
+from dpclip.averaging import WeightAverager, parse_averaging
 from dpclip.data.augment import parse_augment
 from dpclip.devices import resolve_device
 from dpclip.engine import ParamGroups, get_engine
@@ -70,6 +71,8 @@ from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.loop_guard import LoopGuard
+from dpclip.multiplicity import KCopyModel, check_multiplicity, expand_copies, k_copy_loss, \
+    parse_multiplicity
 from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.sampling import make_sampler
@@ -244,6 +247,8 @@ class PrivateTraining:
         distributed: Any = None,
         augment: Any = None,
         data_on_device: bool | str = "auto",
+        averaging: Any = None,
+        augment_multiplicity: int = 1,
     ) -> None:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
@@ -274,6 +279,10 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
+        #: augmentation multiplicity K and weight averaging (dpclip.multiplicity, dpclip.averaging)
+        self.multiplicity = parse_multiplicity(
+            augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity"))
+        self.averaging = parse_averaging(averaging, flags.get("averaging", "averaging="))
         # None: the data stay where they are and the generators go to the model's device
         self.device = resolve_device(device, flags.get("device", "device")) \
             if device is not None else None
@@ -404,6 +413,7 @@ class PrivateTraining:
         self.fallbacks: set[str] = set()
         #: modules that took the ghost engine's per-layer path (public: module names)
         self.per_layer: set[str] = set()
+        self._setup_multiplicity_and_averaging(engine, chunk_kw)
         self.noise_multiplier = self._resolve_noise(noise_multiplier)
         # the strategy must accept the noise, the accountant the events (clear errors, up front)
         ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
@@ -487,6 +497,8 @@ class PrivateTraining:
         if self.unit.unit == "bc":  # the whole batch is one unit
             idx = idx.unsqueeze(0)
         batch = self._gather(idx)
+        if self.multiplicity > 1:  # K copies of every example, (B, K, ...)
+            batch = (expand_copies(batch[0], self.multiplicity), batch[1])
         if params is not None:
             batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
         self._pending = batch
@@ -498,8 +510,8 @@ class PrivateTraining:
         Distributed: those of the whole global batch are drawn (the same draws on every rank, so
         the shared generator stays in step) and this rank keeps the rows of its shard."""
         assert self.augment is not None
-        if self.distributed is None:
-            return self.augment.draw(int(idx.numel()), self.rng.sampling)
+        if self.distributed is None:  # K copies: K independent draws per example
+            return self.augment.draw(int(idx.numel()) * self.multiplicity, self.rng.sampling)
         params = self.augment.draw(int(self.sampler.last_global_batch_size or 0),
                                    self.rng.sampling)
         start, stop = self.sampler.last_shard_bounds
@@ -549,6 +561,10 @@ class PrivateTraining:
         """The body of :meth:`backward`, once the batch is checked."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
+        if self._average_due:
+            raise ValueError(
+                "backward: averaging is on and the last step was not folded into the average; "
+                "call dp.update_average() after each optimizer.step() (dp.step() does both)")
         step = self.steps
         if self._post_step_due:  # weight clipping of the released weights (bound-based)
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
@@ -569,8 +585,8 @@ class PrivateTraining:
         ctx = self._plan.ctx(step, z)
         try:
             out = dp_step(
-                self.model, inputs, targets, loss_fn=self.loss_fn, strategy=self.strategy,
-                state=self.state, engine=self._step_engine, groups=self.groups,
+                self._step_model(), inputs, targets, loss_fn=self._step_loss,
+                strategy=self.strategy, state=self.state, engine=self._step_engine, groups=self.groups,
                 sampler=self.sampler, base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise,
                 unit=self.unit,
             )
@@ -610,6 +626,7 @@ class PrivateTraining:
         self.last_output = out
         if self.bound_based:
             self._post_step_due = True
+        self._average_due = self.averager is not None
         n = max(int(out.batch_size), 1)
         if self.distributed is not None:  # loss_sum is global: divide by the global batch size
             n = max(int(self.sampler.last_global_batch_size or 0), 1)
@@ -626,6 +643,8 @@ class PrivateTraining:
         if self.bound_based:
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
             self._post_step_due = False
+        if self.averager is not None:
+            self.update_average()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
@@ -683,6 +702,8 @@ class PrivateTraining:
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
+            "augment_multiplicity": self.multiplicity,
+            "averaging": self.averaging.spec if self.averaging is not None else "none",
         }
 
     @property
@@ -707,6 +728,7 @@ class PrivateTraining:
             "engines_ran": sorted(self.engines_ran),
             "engine_fallbacks": sorted(self.fallbacks),
             "post_step_due": self._post_step_due,
+            **({"averaging": self.averager.state_dict()} if self.averager is not None else {}),
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
@@ -750,6 +772,70 @@ class PrivateTraining:
         self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))
         self._pending = None
         self.loop_guard = LoopGuard(self.optimizer)
+        if self.averager is not None:
+            if "averaging" not in ck:
+                raise ValueError("checkpoint was written without weight averaging; resume with "
+                                 "the averaging it was written with (none)")
+            self.averager.load_state_dict(ck["averaging"])
+            self._average_due = False
+        elif "averaging" in ck:
+            raise ValueError(f"checkpoint was written with averaging "
+                             f"{ck['averaging'].get('spec')!r}; resume with the same averaging")
+
+    # --------------------------------------- augmentation multiplicity and weight averaging
+
+    def _setup_multiplicity_and_averaging(self, engine: str, chunk_kw: dict[str, Any]) -> None:
+        """Checks and engine choice for augmentation multiplicity (``dpclip.multiplicity``) and
+        the weight averager (``dpclip.averaging``); called once from ``__init__``."""
+        check_multiplicity(self.multiplicity, augment=self.augment,
+                           unit_is_individual=self.unit.is_individual,
+                           bound_based=self.bound_based, engine=engine,
+                           distributed=self.distributed is not None,
+                           where=self._flags.get("augment_multiplicity", "augment_multiplicity"))
+        k = self.multiplicity
+        self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
+        if k > 1 and engine == "auto" \
+                and not getattr(self.strategy, "needs_per_example_grads", False):
+            from dpclip.engine.vmap import VmapEngine
+
+            self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
+            self.fallbacks.add("augmentation multiplicity: K copies per example run on vmap")
+        self.averager = WeightAverager(self.model, self.averaging) \
+            if self.averaging is not None else None
+        self._average_due = False
+
+    def _step_model(self) -> nn.Module:
+        """The model the step differentiates: ``model``, or its K-copy view."""
+        return KCopyModel(self.model, self.multiplicity) if self.multiplicity > 1 else self.model
+
+    def update_average(self) -> None:
+        """Fold the parameters after ``optimizer.step()`` into the weight average (``dp.step``
+        calls it; call it yourself after your own ``optimizer.step()``). Post-processing: no
+        privacy cost."""
+        if self.averager is None:
+            raise ValueError("update_average: averaging is off; pass averaging='ema:0.999' (or "
+                             "'polyak:S') to make_private")
+        if self._post_step_due:  # the weight projection of the step just taken (bound-based)
+            self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
+            self._post_step_due = False
+        self.averager.update()
+        self._average_due = False
+
+    def averaged_weights(self) -> Any:
+        """A context in which the model holds the averaged parameters (evaluation, export);
+        without averaging, the model as it is."""
+        import contextlib
+
+        return self.averager.swapped() if self.averager is not None \
+            else contextlib.nullcontext(self.model)
+
+    def averaged_model(self) -> nn.Module:
+        """A copy of the model holding the averaged parameters (post-processing; see
+        ``dpclip.averaging``). Raises when averaging is off."""
+        if self.averager is None:
+            raise ValueError("averaged_model: averaging is off; pass averaging='ema:0.999' (or "
+                             "'polyak:S') to make_private")
+        return self.averager.averaged_model()
 
     def __repr__(self) -> str:
         return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
@@ -812,6 +898,8 @@ def make_private(
     distributed: Any = None,
     verbose: bool = True,
     data_on_device: bool | str = "auto",
+    averaging: Any = None,
+    augment_multiplicity: int = 1,
 ) -> PrivateTraining:
     """DP-SGD around your own model, optimizer and data.
 
@@ -864,6 +952,13 @@ def make_private(
         verbose: print the defaults dpclip chose (delta, batch size) on stderr.
         data_on_device: copy the training tensors once to ``device`` (``True``), never
             (``False``), or when they take at most half its free memory (``"auto"``).
+        averaging: weight averaging of the iterates, ``"ema:D"`` (with warm-up), ``"ema:D:S"``
+            or ``"polyak:S"`` (from step S); post-processing, no privacy cost. ``dp.step()``
+            updates it (or call ``dp.update_average()`` after your ``optimizer.step()``);
+            evaluate with ``dp.averaged_weights()`` or ``dp.averaged_model()``.
+        augment_multiplicity: K augmented copies of each sampled example, their gradients
+            averaged before clipping (De et al. 2022; needs ``augment``); the sensitivity is
+            unchanged.
 
     Raises:
         ValueError: an argument is missing, out of range or inconsistent; the message names the
@@ -876,7 +971,8 @@ def make_private(
         accountant=accountant, engine=engine, max_physical_batch=max_physical_batch,
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
         input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
-        augment=augment, data_on_device=data_on_device)
+        augment=augment, data_on_device=data_on_device, averaging=averaging,
+        augment_multiplicity=augment_multiplicity)
 
 
 def _loader_batch_size(data: Any, verbose: bool) -> float:

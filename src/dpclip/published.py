@@ -57,6 +57,7 @@ TRAIN_SUMMARY: dict[str, str] = {
     "engine_fallback": "public",  # reasons with every shape removed (private.public_reason)
     "device": "public", "distributed": "public", "model_options": "public", "augment": "public",
     "generator": "public", "train_seconds": "timing",
+    "augment_multiplicity": "public", "averaging": "public",
     "wall_seconds": "timing",
     # added by `dpclip run` when it stores the summary
     "label": "public", "experiment": "public",

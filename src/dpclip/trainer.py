@@ -84,6 +84,13 @@ class TrainConfig:
     #: per-example image augmentation after the secret sampling (``dpclip.data.augment``):
     #: "none" or e.g. "crop:4,flip"; the sensitivity is unchanged, test data is never augmented
     augment: str = "none"
+    #: augmentation multiplicity K (``dpclip.multiplicity``, De et al. 2022): each sampled example
+    #: augmented K times, the K gradients averaged before clipping; needs ``augment``; sensitivity
+    #: unchanged
+    augment_multiplicity: int = 1
+    #: weight averaging (``dpclip.averaging``): "none", "ema:D[:S]" or "polyak:S"; evaluation and
+    #: the returned model use the averaged weights; post-processing (no privacy cost)
+    averaging: str = "none"
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -138,7 +145,8 @@ class TrainConfig:
             "eval_every": integer,
             "dataset": str, "model": str, "strategy": str, "optimizer": str, "sampling": str,
             "accountant": str, "engine": str, "strategy_params": dict, "model_options": dict,
-            "dataset_options": dict, "augment": str}
+            "dataset_options": dict, "augment": str, "augment_multiplicity": integer,
+            "averaging": str}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if value is None and name in ("epsilon", "noise_multiplier", "delta"):
@@ -201,6 +209,18 @@ class TrainConfig:
 
         aug = parse_augment(self.augment, f"TrainConfig: {flag('augment')}")
         object.__setattr__(self, "augment", aug.spec if aug is not None else "none")  # canonical
+        from dpclip.averaging import parse_averaging
+        from dpclip.multiplicity import parse_multiplicity
+
+        parse_multiplicity(self.augment_multiplicity,
+                           f"TrainConfig: {flag('augment_multiplicity')}")
+        if self.augment_multiplicity > 1 and aug is None:
+            raise ValueError(
+                f"TrainConfig: {flag('augment_multiplicity')} = {self.augment_multiplicity} "
+                "averages the gradients of K AUGMENTED copies of each example, but augment is "
+                "'none'; set --augment (e.g. crop:4,flip) or use K = 1")
+        avg = parse_averaging(self.averaging, f"TrainConfig: {flag('averaging')}")
+        object.__setattr__(self, "averaging", avg.spec if avg is not None else "none")
 
         check_lr_schedule(self.lr_schedule, self.lr_gamma, self.lr_step_epochs, self.lr_min,
                           self.lr_warmup_epochs, self.lr)
@@ -246,6 +266,10 @@ class TrainConfig:
             d.pop("reproducible_noise")
         if d.get("augment") == "none":  # hashes as before the field existed
             d.pop("augment")
+        if d.get("augment_multiplicity") == 1:  # hashes as before the field existed
+            d.pop("augment_multiplicity")
+        if d.get("averaging") == "none":  # hashes as before the field existed
+            d.pop("averaging")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -505,6 +529,7 @@ def train(
         public_data=(x_pub, y_pub) if x_pub is not None else None,
         input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
         distributed=dist_ctx if dist_ctx is not None else False, augment=config.augment,
+        augment_multiplicity=config.augment_multiplicity, averaging=config.averaging,
     )
     total_steps, spe = dp.total_steps, dp.steps_per_epoch
     # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
@@ -585,10 +610,11 @@ def train(
     steps_this_call = 0
 
     def evaluate_now() -> dict:
-        if bn_layers and bn_mode == "public" and x_pub is not None:
-            recompute_bn_stats(model, x_pub)  # public statistics only
-        return evaluate(model, x_test, y_test, config.eval_batch_size,
-                        bn_batch_stats=bool(bn_layers) and bn_mode == "batch")
+        with dp.averaged_weights():  # the averaged weights, when averaging is on
+            if bn_layers and bn_mode == "public" and x_pub is not None:
+                recompute_bn_stats(model, x_pub)  # public statistics only
+            return evaluate(model, x_test, y_test, config.eval_batch_size,
+                            bn_batch_stats=bool(bn_layers) and bn_mode == "batch")
 
     if on_start is not None and is_main:
         on_start()
@@ -722,9 +748,13 @@ def train(
         "distributed": facts.get("distributed"),
         "model_options": config.model_options,
         "augment": facts["augment"],
+        "augment_multiplicity": facts["augment_multiplicity"],
+        "averaging": facts["averaging"],
         "wall_seconds": elapsed_before + time.perf_counter() - t_start,
         # seconds inside the steps of this call (sampling and step; no evaluation, calibration
         # or start-up): the figure to compare with another library's training loop
         "train_seconds": train_seconds,
     }
-    return RunResult(summary, history, dp.ledger, model)
+    # the released model: the averaged weights when averaging is on (what was evaluated)
+    return RunResult(summary, history, dp.ledger,
+                     dp.averaged_model() if dp.averager is not None else model)

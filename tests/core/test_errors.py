@@ -485,3 +485,26 @@ def test_cli_eval_every_negative(capsys):
     err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--eval-every", "-1"])
     assert ("TrainConfig: eval_every (--eval-every) must be >= 0 (0: evaluate only at the end), "
             "got -1") in err
+def test_cli_augment_multiplicity_without_augmentation(capsys):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--augment-multiplicity", "4"])
+    assert ("TrainConfig: augment_multiplicity (--augment-multiplicity) = 4 averages the gradients "
+            "of K AUGMENTED copies of each example, but augment is 'none'; set --augment (e.g. "
+            "crop:4,flip) or use K = 1") in err
+
+
+def test_cli_augment_multiplicity_on_the_ghost_engine(capsys, tmp_path):
+    argv = ["train", "--dataset", "synthetic", "--model", "mlp", "--delta", "1e-5", "--epochs",
+            "1", "--batch-size", "32", "--no-progress", "--noise-multiplier", "1",
+            "--dataset-option", "n_train=128", "--dataset-option", "image_shape=1,6,6",
+            "--augment", "flip", "--augment-multiplicity", "2", "--engine", "ghost",
+            "--db", str(tmp_path / "r.db")]
+    err = cli_error(capsys, argv)
+    assert ("--augment-multiplicity=2: the ghost engine reads example i's gradient from row i of "
+            "every layer's input, but with 2 copies example i owns 2 consecutive rows; use engine "
+            "'auto' (runs vmap, recorded) or 'vmap'") in err
+
+
+def test_cli_bad_averaging(capsys):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--averaging", "ema:1.5"])
+    assert ("TrainConfig: averaging (--averaging): 'ema:1.5': the EMA decay must be in (0, 1), "
+            "e.g. 'ema:0.999'") in err

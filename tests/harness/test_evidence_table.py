@@ -19,3 +19,12 @@ def test_model_options_are_shown_and_separate_the_settings() -> None:
     lines = [ln for ln in summary.splitlines() if ln.startswith("| fashion-mnist")]
     assert len(lines) == 2  # two settings, not one mean over all three runs
     assert "| 2 | 76.00 % |" in lines[0] and "| 1 | 79.00 % |" in lines[1]
+
+
+def test_multiplicity_and_averaging_are_distinct_settings():
+    from dpclip.harness.evidence import _model
+
+    base = {"model": "cnn", "augment": "crop:4,flip"}
+    assert _model(base) == "cnn augment crop:4,flip"
+    assert _model(dict(base, augment_multiplicity=8, averaging="ema:0.999")) == \
+        "cnn augment crop:4,flip x8 averaging ema:0.999"

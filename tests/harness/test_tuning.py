@@ -187,10 +187,11 @@ def test_seed_dependent_split_is_refused_for_validation(tmp_path):
                        progress=False)
 
 
-@pytest.mark.parametrize("rel, fraction, retrained", [(1e-10, 0.25, 0), (1e-6, 0.25, 3),
-                                                       (1e-10, 0.3, 3)])
+@pytest.mark.parametrize("rel, fraction, retrained, old_row", [
+    (1e-10, 0.25, 0, False), (1e-6, 0.25, 3, False), (1e-10, 0.3, 3, False),
+    (1e-10, 0.25, 0, True)])
 def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, fraction,
-                                                   retrained):
+                                                   retrained, old_row):
     """A trial stored with a noise multiplier that differs by calibration round-off (another
     machine's libraries: 1e-10 relative was seen) is the same trial; a real difference is not,
     nor is a trial scored on another validation split (which the config does not show)."""
@@ -209,6 +210,9 @@ def test_trials_match_across_calibration_round_off(tmp_path, monkeypatch, rel, f
             c = json.loads(cfg)
             c["noise_multiplier"] *= 1 + rel
             c["device"] = "cuda"
+            if old_row:  # stored before these fields existed: absent means the default
+                for k in ("augment", "augment_multiplicity", "averaging"):
+                    del c[k]
             store._conn.execute("UPDATE runs SET config = ?, fingerprint = 'x' || fingerprint "
                                 "WHERE id = ?", (json.dumps(c), rid))
         store._conn.execute("DELETE FROM runs WHERE experiment = 'tune-tiny'")

@@ -35,8 +35,9 @@ comma-separated list of
 The crop is applied before the flip. Inputs are images ``(C, H, W)`` per example (any leading
 batch or unit dimensions).
 
-Not offered: augmentation multiplicity (De et al. 2022: K augmented copies of an example averaged
-before clipping). It needs a K-copy clipping unit.
+Augmentation multiplicity (De et al. 2022: K augmented copies of an example, their gradients
+averaged before clipping) is :mod:`dpclip.multiplicity`; it draws ``K`` rows of parameters per
+example from the same generator.
 """
 
 from __future__ import annotations

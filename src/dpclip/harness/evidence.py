@@ -36,12 +36,14 @@ def append_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _model(r: dict[str, Any]) -> str:
-    """The model name, with its options and the training augmentation when any (runs differing
-    only there are distinct)."""
+    """The model name, with its options, augmentation (multiplicity) and averaging when any (runs
+    differing only there are distinct)."""
     opts = r.get("model_options") or {}
     aug = r.get("augment") or "none"
+    k, avg = int(r.get("augment_multiplicity") or 1), r.get("averaging") or "none"
     return r["model"] + (f" {json.dumps(opts, sort_keys=True)}" if opts else "") + (
-        f" augment {aug}" if aug != "none" else "")
+        f" augment {aug}" if aug != "none" else "") + (f" x{k}" if k > 1 else "") + (
+        f" averaging {avg}" if avg != "none" else "")
 
 
 def _setting(r: dict[str, Any]) -> tuple:

@@ -67,7 +67,7 @@ HORIZONS: dict[str, str] = {
 #: TrainConfig fields a search space may contain (post-processing of the noisy gradient: no
 #: effect on the privacy plan). Everything else a space names is a strategy parameter.
 TUNABLE_TRAIN_FIELDS = ("lr", "momentum", "weight_decay", "optimizer", "lr_schedule", "lr_gamma",
-                        "lr_step_epochs", "lr_min", "lr_warmup_epochs")
+                        "lr_step_epochs", "lr_min", "lr_warmup_epochs", "averaging")
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, 
     retrain every trial on resume elsewhere. Selection is not privacy-accounted, so a trial
     within ``NOISE_MATCH_RTOL`` is the same trial; everything else must be equal."""
     want = cfg.to_dict()
+    defaults = _field_defaults()
     z = float(want.pop("noise_multiplier"))
     for k in ("device", "data_dir"):
         want.pop(k, None)
@@ -158,11 +159,22 @@ def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, 
         zh = have.pop("noise_multiplier", None)
         for k in ("device", "data_dir"):
             have.pop(k, None)
+        # a field added to TrainConfig after the row was stored is absent from it: at its
+        # default it is the same trial (as config.fingerprint() treats it)
+        want_row = {k: v for k, v in want.items()
+                    if k in have or k not in defaults or v != defaults[k]}
         if (zh is not None and abs(float(zh) - z) <= NOISE_MATCH_RTOL * z
                 and json.dumps(have, sort_keys=True, default=str)
-                == json.dumps(want, sort_keys=True, default=str)):
+                == json.dumps(want_row, sort_keys=True, default=str)):
             return row
     return None
+
+
+def _field_defaults() -> dict[str, Any]:
+    from dpclip.trainer import TrainConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)
+            if f.default is not dataclasses.MISSING}
 
 
 def _trial_fingerprint(config: Any, tuning: TuningSpec) -> str:
