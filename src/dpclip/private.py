@@ -541,6 +541,11 @@ class PrivateTraining:
         expected batch size (the optimizer's ``zero_grad`` is not needed: grads are assigned).
         Records the step's event in the ledger. Returns the NON-PRIVATE mean loss of the batch
         (a diagnostic: do not publish it)."""
+        # checked before the batch is taken, so the same batch can be released after the fix
+        if self._average_due:
+            raise ValueError(
+                "backward: averaging is on and the last step was not folded into the average; "
+                "call dp.update_average() after each optimizer.step() (dp.step() does both)")
         if self._pending is None or not _same_batch(inputs, self._pending[0]) \
                 or not _same_batch(targets, self._pending[1]):
             raise ValueError(
@@ -561,10 +566,6 @@ class PrivateTraining:
         """The body of :meth:`backward`, once the batch is checked."""
         if self.exhausted:
             raise BudgetExhausted(self._exhausted_message())
-        if self._average_due:
-            raise ValueError(
-                "backward: averaging is on and the last step was not folded into the average; "
-                "call dp.update_average() after each optimizer.step() (dp.step() does both)")
         step = self.steps
         if self._post_step_due:  # weight clipping of the released weights (bound-based)
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
