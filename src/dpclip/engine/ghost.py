@@ -104,6 +104,7 @@ from dpclip.engine._common import (
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
 from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
@@ -1501,14 +1502,43 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
 _END = object()
 
 
+def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
+                 tracer: SeparabilityTracer | None) -> _Call:
+    """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
+    ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
+    if tracer is None:
+        return _Call(owner, a, out, None)
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return _Call(owner, a, out, tracer)
+    finally:
+        tracer.quiet = quiet
+
+
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
     ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
+    # a batch of one example cannot mix examples; otherwise every operation is traced, and the
+    # batch size, private, must be used only as the leading dimension (proved once per signature
+    # with a symbolic batch size; the real forward then takes the same data-independent paths)
+    if batch > 1:
+        why = batch_size_uses(model, loss_fn, xs, ys)
+        if why is not None:
+            raise _RuntimeUnsupported(
+                f"the forward pass and loss are not proved per-example separable: {why}. The "
+                "realised batch size is private: normalise by a public constant (the expected "
+                "batch size) outside loss_fn, or use engine 'vmap'")
+        with data_independent_paths():
+            return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+    return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+
+
+def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+                    ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     calls: list[_Call] = []
     by_module = scan.by_module
     chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
-    # a batch of one example cannot mix examples; otherwise every operation is traced
     tracer = SeparabilityTracer(batch) if batch > 1 else None
     if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
         for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
@@ -1535,7 +1565,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                         h = mod(h)
                     else:
                         out = mod(h)
-                        calls.append(_Call(owner, h, out, chain_tracer))
+                        calls.append(_engine_call(owner, h, out, chain_tracer))
                         h = out
             if tracer is not None:
                 if cached is not None:
@@ -1553,7 +1583,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_Call(by_module[id(mod)], a, out, tracer))
+        calls.append(_engine_call(by_module[id(mod)], a, out, tracer))
 
     handles = []
     try:

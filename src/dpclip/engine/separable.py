@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,17 +70,23 @@ def _name(func: Any) -> str:
 class _Meta:
     """What the tracer needs to know about one ATen overload, read from its schema once."""
 
-    __slots__ = ("mutable", "data_dep", "rule", "args", "writes")
+    __slots__ = ("mutable", "data_dep", "rule", "args", "writes", "random", "keeps_iid")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         tags = func.tags
         self.mutable = schema.is_mutable
-        self.data_dep = any(t in tags for t in _DATA_DEP)
+        # ops whose rule judges their data-dependence itself (integer indexing is not)
+        self.data_dep = any(t in tags for t in _DATA_DEP) and \
+            func.overloadpacket not in _SELF_JUDGED
         rule = _RULES.get(func.overloadpacket)
         if rule is None:
             rule = _pointwise if _POINTWISE in tags else _reduction if _REDUCTION in tags else None
         self.rule = rule
+        #: draws i.i.d. random elements (scalar parameters only: see _IID_RANDOM)
+        self.random = str(func) in _IID_RANDOM
+        #: elementwise with scalars, or a view / copy: keeps a tensor's elements i.i.d.
+        self.keeps_iid = (_POINTWISE in tags) or func.overloadpacket in _IID_KEEPERS
         self.args: dict[str, tuple[int, bool, Any]] = {}
         self.writes: list[tuple[int, str]] = []
         for i, a in enumerate(schema.arguments):
@@ -112,6 +119,51 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
     return dflt if has else default
 
 
+_T = torch.Tensor
+#: Tensor methods that take values (or raw memory) of a tensor out of the trace into Python or
+#: NumPy: on batch data, whatever is computed from the result is invisible to the layout rules
+_ESCAPES = {_T.numpy, _T.tolist, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage,
+            _T.__reduce_ex__, _T.__deepcopy__}
+#: Tensor methods that attach user code to the backward pass (the trace sees only the forward)
+_HOOKS = {_T.register_hook, _T.register_post_accumulate_grad_hook}
+
+
+class _EscapeMode(TorchFunctionMode):
+    """The Python-level half of the tracer: ``.numpy()``, ``.tolist()``, raw storage reads of a
+    tensor that depends on the batch, gradient hooks on any tensor, and reading ``grad_fn`` (the
+    door to ``grad_fn.register_hook``) make the proof "not proven". These calls never reach the
+    ATen dispatcher, so the dispatch mode alone cannot see them."""
+
+    def __init__(self, tracer: "SeparabilityTracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        tr = self.tracer
+        if not tr.quiet:
+            why = None
+            if func in _HOOKS:
+                why = (f"a gradient hook ({getattr(func, '__name__', func)}) is registered in the "
+                       "forward pass: user code in the backward pass is not traced and could mix "
+                       "the examples' gradients")
+            elif func in _ESCAPES or _is_grad_fn_get(func):
+                t = args[0] if args else None
+                if isinstance(t, Tensor) and (tr.layout(t) is not None or _is_grad_fn_get(func)):
+                    why = (f"{getattr(func, '__name__', func)} takes the values of a tensor that "
+                           "depends on the batch out of the trace (to NumPy, Python or raw "
+                           "memory), or reaches its autograd node: what is computed from them "
+                           "cannot be checked")
+            if why is not None and tr.violation is None:
+                tr.violation = why
+        return func(*args, **(kwargs or {}))
+
+
+def _is_grad_fn_get(func: Any) -> bool:
+    return getattr(func, "__name__", "") == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", "") == "grad_fn"
+
+
 class SeparabilityTracer(TorchDispatchMode):
     """Tracks the layout of every tensor of a forward pass over a batch of ``batch`` examples.
 
@@ -128,6 +180,20 @@ class SeparabilityTracer(TorchDispatchMode):
         #: the operations that first turned row-separable inputs into a MIXED result (for the
         #: error message), in order, at most a few
         self.mixers: list[str] = []
+        #: True while the engine's own code runs inside the traced block (its hooks): the Python
+        #: escape checks are paused there
+        self.quiet = False
+        self._escape = _EscapeMode(self)
+        self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __enter__(self) -> "SeparabilityTracer":
+        super().__enter__()
+        self._escape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._escape.__exit__(*exc)
+        super().__exit__(*exc)
 
     # ------------------------------------------------------------------------------ layouts
 
@@ -162,6 +228,13 @@ class SeparabilityTracer(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        quiet, self.quiet = self.quiet, True
+        try:
+            return self._dispatch(func, args, kwargs, out)
+        finally:
+            self.quiet = quiet
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         layouts = self._layouts
         any_data = False
         for a in args:
@@ -184,8 +257,10 @@ class SeparabilityTracer(TorchDispatchMode):
                     break
         meta = _meta(func)
         mutable = meta.mutable
-        if not any_data and not mutable:
-            return out  # constants in, constants out
+        if not any_data:
+            self._note_random(func, meta, args, kwargs, out)
+            if not mutable:
+                return out  # constants in, constants out
         if any_data and meta.data_dep:
             if self.violation is None:
                 self.violation = (f"the operation {_name(func)} reads values of a tensor that "
@@ -224,6 +299,39 @@ class SeparabilityTracer(TorchDispatchMode):
                     self.violation = (f"the operation {_name(func)} returns a Python value "
                                       "computed from batch data")
         return out
+
+    def _note_random(self, func: Any, meta: "_Meta", args: tuple, kwargs: dict,
+                     out: Any) -> None:
+        """Record fresh i.i.d. random draws (a dropout mask: ``empty_like(x).bernoulli_(p)``,
+        ``rand``, ``randn``) and elementwise functions of them with scalars: every element is drawn
+        independently with the same distribution, whatever its position, so pairing row ``i`` of
+        such a tensor with example ``i`` is not a position dependence (each example gets its own
+        independent draw, as under vmap). Anything else made from them is an ordinary constant."""
+        if meta.random:
+            targets = self._written(func, args, kwargs) if meta.mutable else []
+            if not targets:
+                targets = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                           if isinstance(o, Tensor)]
+            for t in targets:
+                self._random[t] = True
+        elif meta.keeps_iid:
+            ts = _tensors(args, kwargs)
+            if ts and all(t in self._random for t in ts):
+                if meta.mutable:
+                    return  # in place, e.g. mask.div_(1 - p): still the same i.i.d. tensor
+                for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(o, Tensor):
+                        self._random[o] = True
+            elif meta.mutable:
+                for t in self._written(func, args, kwargs):
+                    self._random.pop(t, None)
+        elif meta.mutable:
+            for t in self._written(func, args, kwargs):
+                self._random.pop(t, None)
+
+    def iid_random(self, t: Tensor) -> bool:
+        """Whether ``t`` is a fresh i.i.d. random draw (see :meth:`_note_random`)."""
+        return t in self._random
 
     def _written(self, func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
         got = []
@@ -275,12 +383,21 @@ def _first_out(out: Any) -> Tensor:
 
 
 def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[int, ...]) -> Layout:
-    """Layout of a broadcasting elementwise result of ``shape`` from ``tensors``."""
+    """Layout of a broadcasting elementwise result of ``shape`` from ``tensors``.
+
+    A constant operand that spans the batch dimension of the result (size ``B k`` there, not 1)
+    pairs row ``i`` of the examples with its own row ``i``: that is a function of the example's
+    POSITION in the batch (``x + pe[:x.size(0)]``, ``h * arange(B)``), and positions shift when one
+    example is added or removed. It is accepted only when its values are the same in every block
+    along that dimension (an ``expand`` of one row, ``ones``): checked on the values, which are
+    public (they do not depend on the examples)."""
     res: Layout = None
     nd = len(shape)
+    consts = []
     for t in tensors:
         lay = tr.layout(t)
         if lay is None:
+            consts.append(t)
             continue
         if lay is MIXED:
             return MIXED
@@ -292,7 +409,31 @@ def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[
             res = (dd, k)
         elif res != (dd, k):
             return MIXED
+    if res is not None:
+        for t in consts:
+            if not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+                if len(tr.mixers) < 3:
+                    tr.mixers.append(f"a constant of shape {tuple(t.shape)} that differs from one "
+                                     "example's position in the batch to the next, combined "
+                                     "with the examples row by row")
+                return MIXED
     return res
+
+
+def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: int) -> bool:
+    """Whether constant ``t``, broadcast so that its dimension ``d`` meets a batch dimension of
+    ``batch`` blocks of ``k``, is the same in every block (``d < 0`` or size 1: broadcast, yes),
+    or a fresh i.i.d. random draw (a dropout mask: every example gets its own independent draw)."""
+    if d < 0 or t.shape[d] == 1:
+        return True
+    if tr.iid_random(t):
+        return True
+    if t.shape[d] != batch * k:
+        return False
+    if t.stride(d) == 0:  # an expand: one row seen B times
+        return True
+    blocks = t.unflatten(d, (batch, k))
+    return bool(torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)))
 
 
 def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -469,7 +610,9 @@ def _split(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: An
 
 
 def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    tensors = [t for t in args[0] if isinstance(t, Tensor)]
+    # legacy: cat skips 1-D empty tensors (a KV cache that starts empty, shape (0,))
+    tensors = [t for t in args[0] if isinstance(t, Tensor) and not (t.ndim == 1 and
+                                                                      t.numel() == 0)]
     o = _first_out(out)
     dim = _arg(func, args, kwargs, "dim", 0) % o.ndim
     res: Layout = None
@@ -483,6 +626,10 @@ def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any)
             res = lay
         elif res != lay:
             return MIXED
+    if res is not None:  # constant pieces are read row by row: they must not vary with the position
+        for t in tensors:
+            if tr.layout(t) is None and not _uniform_along(tr, t, res[0], res[1], tr.batch):
+                return MIXED
     return res
 
 
@@ -502,8 +649,12 @@ def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
             res = la if (la == lb and la[0] == 0) else MIXED
         elif la is not None:
             res = la if la[0] in (0, 1) else MIXED
+            if la[0] == 0 and not _uniform_along(tr, b, 0, la[1], tr.batch):
+                res = MIXED  # matrix i of the constant meets example i: position-dependent
         elif lb is not None:
             res = lb if lb[0] in (0, 2) else MIXED
+            if lb[0] == 0 and not _uniform_along(tr, a, 0, lb[1], tr.batch):
+                res = MIXED
         else:
             res = None
     elif name in ("mv", "addmv"):
@@ -620,6 +771,10 @@ def _gather(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
         return MIXED
     if lx is not None and x.shape[lay[0]] != idx.shape[lay[0]]:
         return MIXED
+    # a constant operand is read at row i for example i: it must not vary with the position
+    const = x if lx is None else idx if li is None else None
+    if const is not None and not _uniform_along(tr, const, lay[0], lay[1], tr.batch):
+        return MIXED
     return lay
 
 
@@ -646,23 +801,135 @@ def _loss(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any
 
 
 def _sdpa(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    """Scaled dot-product attention on ``(..., T, d)``: independent over the leading dims."""
-    q, k, v = args[0], args[1], args[2]
-    lays = [tr.layout(t) for t in (q, k, v)]
-    for t in _tensors(args[3:], kwargs):
+    """Scaled dot-product attention on ``(..., T, d)`` (every ATen form: math, flash, efficient,
+    cuDNN): independent over the leading dims. Query, key and value must carry the batch in the
+    same leading dimension; a mask or bias (``(B, 1, T, T)``, ``(B, 1, 1, T)``: example data, or a
+    broadcast ``(1, 1, T, T)`` constant) must meet that dimension in its own right-aligned position
+    (a ``(B, T, T)`` mask broadcasts B against the heads: refused). A constant operand spanning the
+    batch dimension must be the same for every example (``_uniform_along``). Attention across the
+    batch (the batch moved into the sequence dimension) has the batch in dimension ``ndim - 2``:
+    refused."""
+    q = args[0]
+    nd = q.ndim
+    res: Layout = None
+    ts = _tensors(args, kwargs)
+    for t in ts:
         lt = tr.layout(t)
-        if lt is not None:
-            lays.append(lt)
-    non = [x for x in lays if x is not None]
-    if not non:
+        if lt is None:
+            continue
+        if lt is MIXED:
+            return MIXED
+        got = (lt[0] + nd - t.ndim, lt[1])
+        if res is None:
+            res = got
+        elif got != res:
+            return MIXED
+    if res is None:
         return None
-    if any(x is MIXED for x in non) or any(x != non[0] for x in non):
+    if res[0] < 0 or res[0] >= nd - 2:
         return MIXED
-    return non[0] if non[0][0] < q.ndim - 2 else MIXED
+    for t in ts:
+        if tr.layout(t) is None and not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+            return MIXED
+    return res
 
+
+def _is_identity(t: Tensor, e: int, batch: int) -> bool:
+    """Whether integer constant ``t`` (right-aligned in a broadcast of rank ``e``'s frame) holds
+    ``i`` at position ``i`` of its dimension ``e`` and the same along every other dimension."""
+    if e < 0 or e >= t.ndim or t.shape[e] != batch or t.dtype.is_floating_point \
+            or t.dtype == torch.bool:
+        return False
+    shape = [1] * t.ndim
+    shape[e] = batch
+    iota = torch.arange(batch, device=t.device).view(shape).expand_as(t)
+    return bool(torch.equal(t.to(torch.long), iota))
+
+
+def _index(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``x[i0, i1, ...]`` with integer index tensors (``aten.index.Tensor``).
+
+    Per example when (a) the batch dimension of ``x`` is not indexed and every index tensor is a
+    constant; or (b) it is indexed by ``arange(B)`` (checked on the values: the identity, not a
+    permutation, ``arange(B).flip(0)`` is refused) and every other index is example data with the
+    batch at the same broadcast position, or a constant that is the same for every example
+    (``o.log_softmax(1)[arange(B), y]``, the mask lookup ``mask[batch_idx, kv_idx]`` of
+    ``transformers``); or (c) ``x`` is a constant table read at example data (an embedding).
+    Boolean masks are refused when data is involved (the output's shape would depend on it)."""
+    x, idx = args[0], list(args[1])
+    lx = tr.layout(x)
+    if lx is MIXED:
+        return MIXED
+    pos = [i for i, t in enumerate(idx) if t is not None]
+    its = [idx[i] for i in pos]
+    if any(t.dtype in (torch.bool, torch.uint8) for t in its):
+        if lx is not None or any(tr.layout(t) is not None for t in its):
+            if tr.violation is None:
+                tr.violation = ("a boolean mask index on batch data: the shape of the result "
+                                "depends on the values")
+            return MIXED
+        return None
+    bshape = torch.broadcast_shapes(*[t.shape for t in its])
+    nb = len(bshape)
+    contiguous = pos == list(range(pos[0], pos[-1] + 1))
+    base = pos[0] if contiguous else 0
+    lays = [tr.layout(t) for t in its]
+    if any(lt is MIXED for lt in lays):
+        return MIXED
+    # the broadcast position of each data index, right-aligned in the broadcast shape
+    data = [(lt[0] + nb - t.ndim, lt[1]) for t, lt in zip(its, lays) if lt is not None]
+    if lx is not None and lx[0] not in pos:  # (a) the batch dimension is not indexed
+        if data:
+            return MIXED
+        d = lx[0]
+        if contiguous:
+            dd = d if d < pos[0] else d - len(pos) + nb
+        else:
+            dd = nb + sum(1 for j in range(d) if j not in pos)
+        return (dd, lx[1])
+    if lx is not None:  # (b) the batch dimension is indexed: by arange(B), paired
+        if lx[1] != 1:
+            return MIXED
+        ib = its[pos.index(lx[0])]
+        if tr.layout(ib) is not None:
+            return MIXED
+        cands = [e for e in range(nb) if _is_identity(ib, e - (nb - ib.ndim), tr.batch)]
+        if data:
+            cands = [e for e in cands if all(dl == (e, 1) for dl in data)]
+        if len(cands) != 1:
+            return MIXED
+        e = cands[0]
+        for t, lt in zip(its, lays):
+            if lt is None and t is not ib and not _uniform_along(tr, t, e - (nb - t.ndim), 1,
+                                                                 tr.batch):
+                return MIXED
+        return (base + e, 1)
+    # (c) a constant table read at example data
+    if not data:
+        return None
+    if any(dl != data[0] for dl in data):
+        return MIXED
+    e, k = data[0]
+    for t, lt in zip(its, lays):
+        if lt is None and not _uniform_along(tr, t, e - (nb - t.ndim), k, tr.batch):
+            return MIXED
+    return (base + e, k)
+
+
+#: random factories whose elements are i.i.d. given scalar parameters (by overload: the tensor-p
+#: forms of bernoulli are not here, their elements may differ in distribution)
+_IID_RANDOM = {"aten.bernoulli_.float", "aten.bernoulli.p", "aten.rand.default",
+               "aten.randn.default", "aten.rand_like.default", "aten.randn_like.default",
+               "aten.uniform_.default", "aten.normal_.default", "aten.randint.default",
+               "aten.randint.low", "aten.randint_like.default", "aten.randint_like.low_dtype",
+               "aten.exponential_.default"}
+_IID_KEEPERS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.expand, _aten.clone,
+                _aten._to_copy, _aten.detach, _aten.alias, _aten.t, _aten.transpose,
+                _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.contiguous}
 
 _P = _aten
 _RULES: dict[Any, Rule] = {}
+_SELF_JUDGED = {_aten.index, _aten._unsafe_index}
 
 
 def _add(rule: Rule, *names: str) -> None:
@@ -691,6 +958,7 @@ def _repeat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
     return (d, lay[1]) if reps[d] == 1 else MIXED
 
 
+_add(_pointwise, "masked_fill", "masked_fill_", "where")  # elementwise with broadcasting
 _add(_copy, "copy_", "copy")
 _add(_repeat, "repeat")
 _add(_const, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "empty_like",
@@ -724,12 +992,13 @@ _add(_leading(_n(2)), "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_poo
 _add(_leading(_n(3)), "max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d",
      "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d")
 _add(_leading(_pad_dims), "constant_pad_nd")
-_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "cumsum", "cumprod",
+_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "cumsum", "cumprod",
      "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
 _add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
      "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
 _add(_embedding, "embedding")
 _add(_index_select, "index_select")
+_add(_index, "index", "_unsafe_index")
 _add(_gather, "gather")
 _add(_loss, "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss",
      "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
