@@ -1769,6 +1769,7 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
     row a function of its own example; :mod:`dpclip.engine.separable`)."""
     if tracer is None:
         return
+    tracer.retire()
     fix = ("; per-example clipping needs every example's loss to depend on that example alone, "
            "with the batch as the first dimension of every layer's input and output. Keep the "
            "model batch-first and free of operations across the batch, or use engine 'vmap', "

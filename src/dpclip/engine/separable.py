@@ -119,6 +119,14 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
     return dflt if has else default
 
 
+#: tensors that depended on the batch in an earlier traced call and are still alive (weakly held)
+_STALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
+_METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
+             "sym_storage_offset", "is_same_size", "is_floating_point", "is_complex", "dim",
+             "size", "stride", "numel", "storage_offset", "is_contiguous", "is_non_overlapping_and_dense"}
+
 _T = torch.Tensor
 #: Tensor methods that take values (or raw memory) of a tensor out of the trace into Python or
 #: NumPy: on batch data, whatever is computed from the result is invisible to the layout rules
@@ -147,9 +155,10 @@ class _EscapeMode(TorchFunctionMode):
                 why = (f"a gradient hook ({getattr(func, '__name__', func)}) is registered in the "
                        "forward pass: user code in the backward pass is not traced and could mix "
                        "the examples' gradients")
-            elif func in _ESCAPES or _is_grad_fn_get(func):
+            elif func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data"):
                 t = args[0] if args else None
-                if isinstance(t, Tensor) and (tr.layout(t) is not None or _is_grad_fn_get(func)):
+                if isinstance(t, Tensor) and (tr.layout(t) is not None or
+                                              _is_get(func, "grad_fn")):
                     why = (f"{getattr(func, '__name__', func)} takes the values of a tensor that "
                            "depends on the batch out of the trace (to NumPy, Python or raw "
                            "memory), or reaches its autograd node: what is computed from them "
@@ -159,9 +168,10 @@ class _EscapeMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _is_grad_fn_get(func: Any) -> bool:
+def _is_get(func: Any, attr: str) -> bool:
+    """Whether ``func`` is the getter of the Tensor property ``attr`` (``t.grad_fn``, ``t.data``)."""
     return getattr(func, "__name__", "") == "__get__" and \
-        getattr(getattr(func, "__self__", None), "__name__", "") == "grad_fn"
+        getattr(getattr(func, "__self__", None), "__name__", "") == attr
 
 
 class SeparabilityTracer(TorchDispatchMode):
@@ -185,6 +195,9 @@ class SeparabilityTracer(TorchDispatchMode):
         self.quiet = False
         self._escape = _EscapeMode(self)
         self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: storages allocated during the trace (data pointers): batch data written in place into
+        #: any other storage (a parameter, buffer, attribute, global) would outlive the step
+        self._born: set[int] = set()
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -199,10 +212,30 @@ class SeparabilityTracer(TorchDispatchMode):
 
     def mark(self, t: Tensor, layout: Layout) -> None:
         self._layouts[t] = layout
+        self._born_storage(t)
+
+    def _born_storage(self, t: Tensor) -> None:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage: nothing can be written into it
+            return
+        if ptr:
+            self._born.add(ptr)
+
+    def retire(self) -> None:
+        """End of the traced call: every tensor that depends on the batch and is still alive is
+        remembered (weakly) as data of a past batch, MIXED in every later trace."""
+        for t, lay in list(self._layouts.items()):
+            if lay is not None:
+                _STALE[t] = True
 
     def layout(self, t: Tensor) -> Layout:
-        """The layout of ``t`` (``None``: constant)."""
+        """The layout of ``t`` (``None``: constant). A tensor that depended on the batch in an
+        EARLIER traced call (kept in a closure, a global or a module attribute) reads as MIXED: it
+        carries other examples into this batch."""
         lay = self._layouts.get(t)
+        if lay is None and t in _STALE:
+            return MIXED
         if self._taint:
             try:
                 ptr = t.untyped_storage().data_ptr()
@@ -239,7 +272,7 @@ class SeparabilityTracer(TorchDispatchMode):
         any_data = False
         for a in args:
             if isinstance(a, Tensor):
-                if a in layouts or self._taint:
+                if a in layouts or self._taint or a in _STALE:
                     if self.layout(a) is not None:
                         any_data = True
                         break
@@ -257,6 +290,10 @@ class SeparabilityTracer(TorchDispatchMode):
                     break
         meta = _meta(func)
         mutable = meta.mutable
+        if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, Tensor):
+                    self._born_storage(o)
         if not any_data:
             self._note_random(func, meta, args, kwargs, out)
             if not mutable:
@@ -294,7 +331,8 @@ class SeparabilityTracer(TorchDispatchMode):
                         del layouts[o]
                 else:
                     layouts[o] = new
-            elif any_data and o is not None and not isinstance(o, (tuple, list)):
+            elif any_data and o is not None and not isinstance(o, (tuple, list)) \
+                    and _name(func) not in _METADATA:
                 if self.violation is None:
                     self.violation = (f"the operation {_name(func)} returns a Python value "
                                       "computed from batch data")
@@ -350,6 +388,17 @@ class SeparabilityTracer(TorchDispatchMode):
         for t in self._written(func, args, kwargs):
             old = self.layout(t)
             new = self._fit(lay, t)
+            if new is not None and self.violation is None:
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except Exception:  # noqa: BLE001
+                    ptr = -1
+                if ptr and ptr not in self._born:
+                    self.violation = (
+                        f"the in-place operation {_name(func)} writes batch data into a tensor "
+                        "that existed before the forward pass (a parameter, buffer, module "
+                        "attribute or global): it would carry private data out of the step, or "
+                        "into the next one")
             if new == old:
                 continue
             if new is None:
