@@ -179,6 +179,10 @@ def _check_graph(ep: Any) -> str | None:
             others = [a for a in ins if a.name not in shaped]
             ok = (packet in _MOVES or packet in _SHAPE_ONLY or packet in _RANDOM
                   or target is operator.getitem
+                  # a B-free table read at each position of a B-shaped index (BERT's expanded
+                  # token type ids): out[i] = W[idx[i]], still a function of the position
+                  or (packet is _aten.embedding and len(node.args) > 1
+                      and node.args[1] in from_shaped and node.args[0] not in from_shaped)
                   or (isinstance(target, torch._ops.OpOverload)
                       and torch.Tag.pointwise in target.tags
                       and not any(_has_sym_shape(a.meta.get("val")) for a in others)

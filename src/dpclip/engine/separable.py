@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MIXED", "SeparabilityTracer"]
+__all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
 #: the layout of a tensor that may mix examples
 MIXED = "mixed"
@@ -1055,3 +1055,41 @@ _add(_loss, "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "sm
 _add(_sdpa, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
      "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention")
+
+
+def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], inputs: Any,
+                    targets: Any) -> str | None:
+    """The verdict of the whole proof on ``loss_fn(model(inputs), targets)``: ``None`` when it is
+    proved per-example separable (each loss row a function of its own example and public
+    constants), else the reason. The same two checks as the ghost engine, without its layer rules:
+    the batch size used only as a size (:func:`dpclip.engine.batch_symbol.batch_size_uses`, with a
+    symbolic batch) and the op-by-op trace of the real forward (this module), run under
+    :func:`~dpclip.engine.batch_symbol.data_independent_paths` as the engine runs it.
+
+    Privacy: reads no values of the data except through the traced operations themselves.
+    Edge cases: a batch of one example is trivially separable; inputs and targets are tensors or
+    tuples / lists / dicts of tensors with the batch first."""
+    from dpclip.engine.batch import batch_leaves, call_model
+    from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+
+    leaves = batch_leaves(inputs, "inputs") + batch_leaves(targets, "targets")
+    batch = leaves[0].shape[0]
+    if batch <= 1:
+        return None
+    if isinstance(model, torch.nn.Module):
+        why = batch_size_uses(model, loss_fn, inputs, targets)
+        if why is not None:
+            return why
+    tracer = SeparabilityTracer(batch)
+    for t in leaves:
+        tracer.mark(t, (0, 1))
+    with data_independent_paths(), torch.enable_grad(), tracer:
+        losses = loss_fn(call_model(model, inputs), targets)
+    tracer.retire()
+    if tracer.violation is not None:
+        return tracer.violation
+    lay = tracer.layout(losses)
+    if lay is not None and lay != (0, 1):
+        first = f" (first mixing operation: {tracer.mixers[0]})" if tracer.mixers else ""
+        return f"the per-example losses have layout {lay!r}, not (0, 1){first}"
+    return None
