@@ -1524,13 +1524,14 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
         why = batch_size_uses(model, loss_fn, xs, ys)
+        with data_independent_paths():  # first: an error of the user's own code surfaces as is
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
         if why is not None:
             raise _RuntimeUnsupported(
                 f"the forward pass and loss are not proved per-example separable: {why}. The "
                 "realised batch size is private: normalise by a public constant (the expected "
                 "batch size) outside loss_fn, or use engine 'vmap'")
-        with data_independent_paths():
-            return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+        return got
     return _forward_traced(model, scan, loss_fn, xs, ys, batch)
 
 
