@@ -61,7 +61,7 @@ def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
     ``nn.Parameter(requires_grad=False)`` updated in forward, a write through ``p.data`` or NumPy,
     which no version counter sees) and every tensor kept in a module attribute (a tensor stored in
     ``self.cache`` and read by the next call), compared by value and restored
-    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md E81)."""
+    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 81)."""
     from dpclip.engine.state_guard import state_guard
 
     with state_guard(model, where), _buffer_guard(model, where):

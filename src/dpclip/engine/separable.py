@@ -30,13 +30,25 @@ of a tensor: ops tagged ``data_dependent_output`` / ``dynamic_output_shape``) fr
 tensor is a violation (the value could steer anything). The engine then requires the per-example
 losses and every hooked layer's input and output to have layout ``(0, 1)``.
 
+Position: a constant operand that spans the batch dimension of example data pairs row ``i`` with
+example ``i``'s POSITION (``x + pe[:x.size(0)]``, ``h * arange(B)``); it is accepted only when it is
+the same in every block (checked on its public values) or a fresh i.i.d. random draw (a dropout
+mask), and ``arange(B)`` indexes the batch only as the verified identity (issue 31).
+
+Python: a :class:`~torch.overrides.TorchFunctionMode` beside the dispatch mode sees what never
+reaches ATen: ``.numpy()``, ``.tolist()``, ``.data``, raw storage of batch data, gradient hooks and
+``grad_fn`` reads are violations. In-place writes of batch data into storage that existed before
+the call (parameters, buffers, attributes, globals) are violations; tensors that depended on the
+batch in an earlier traced call read as MIXED (:meth:`SeparabilityTracer.retire`).
+
 Soundness: the rules only ever claim ``(d, k)`` when each output block is a function of the same
 example's input blocks and of constants, so a ``(0, 1)`` loss row is a function of its own example
-(no false "separable"); unknown operations are refused, never guessed. What the tracer cannot see:
-tensors reached outside the call's arguments (a model reading a global copy of the data) and
-user-written backward code (custom ``autograd.Function`` backward, tensor hooks), which the engine
-checks separately (custom Functions in the autograd graph are refused). A batch of one example is
-trivially separable and is not traced.
+(no false "separable"); unknown operations are refused, never guessed. The batch size as a Python
+number (``o / len(y)``) is invisible here: :mod:`dpclip.engine.batch_symbol` proves it is used only
+as a size, with a symbolic batch; :func:`prove_separable` runs both. What the tracer cannot see:
+tensors reached outside the call's arguments that never held batch data in a traced call (a
+global copy of the dataset). Custom ``autograd.Function`` backward code is refused by the engine
+(its graph walk). A batch of one example is trivially separable and is not traced.
 """
 
 from __future__ import annotations
@@ -159,7 +171,10 @@ class _EscapeMode(TorchFunctionMode):
                 t = args[0] if args else None
                 if isinstance(t, Tensor) and (tr.layout(t) is not None or
                                               _is_get(func, "grad_fn")):
-                    why = (f"{getattr(func, '__name__', func)} takes the values of a tensor that "
+                    what = ("Tensor.grad_fn" if _is_get(func, "grad_fn") else "Tensor.data"
+                            if _is_get(func, "data") else
+                            f"Tensor.{getattr(func, '__name__', func)}()")
+                    why = (f"{what} takes the values of a tensor that "
                            "depends on the batch out of the trace (to NumPy, Python or raw "
                            "memory), or reaches its autograd node: what is computed from them "
                            "cannot be checked")

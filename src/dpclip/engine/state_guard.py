@@ -40,7 +40,7 @@ def _attr_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
 @contextlib.contextmanager
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     """Refuse and undo any change of parameter data or module tensor attributes in the block
-    (see the module docstring). Raises :class:`~dpclip.step.PrivateBufferError` (E81)."""
+    (see the module docstring). Raises :class:`~dpclip.step.PrivateBufferError` (docs/errors.md, entry 81)."""
     with torch.no_grad():
         params = [(n, p, p.detach().clone()) for n, p in model.named_parameters(
             remove_duplicate=True)]
@@ -82,7 +82,7 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
 
         raise PrivateBufferError(
             f"{where}: the model changed parameter data or tensor attribute(s) "
-            f"{', '.join(repr(c) for c in changed)} while computing private gradients (E81); "
+            f"{', '.join(repr(c) for c in changed)} while computing private gradients; "
             "state written from private data (a non-trainable parameter updated in forward, "
             "a write through p.data, a tensor kept in self.<attr> for the next call) would leave "
             "the run without noise. They were restored. Fix: keep such statistics out of the "
