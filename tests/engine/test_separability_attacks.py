@@ -320,3 +320,74 @@ def test_the_guard_passes_a_model_that_changes_nothing():
     x, _ = data()
     with private_buffer_guard(model):
         model(x)
+
+
+# ------------------------------------------------------------- found while attacking the proof
+
+class Counter(nn.Module):
+    """Divides by the batch size only from its third call on (a Python counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        h = self.fc1(x)
+        if self.calls > 2:
+            h = h / x.shape[0]
+        return self.fc2(torch.tanh(h))
+
+
+def test_a_model_that_uses_the_batch_size_after_some_calls_is_caught():
+    """The symbolic-batch proof is cached per signature; the key holds the modules' plain Python
+    state, so a counter that changes the computation gets a new proof."""
+    torch.manual_seed(0)
+    model = Counter().to(DT)
+    refused = 0
+    for seed in range(5):
+        x, y = data(seed=seed)
+        try:
+            clipped_sum(GhostEngine(), model, ce, x, y)
+        except UnsupportedModelError:
+            refused += 1
+    assert refused >= 2
+
+
+MORE = {
+    "empty_like-read": lambda m, h: h + 0 * torch.empty_like(h),
+    "empty-partly-written": lambda m, h: h + _half_written(h),
+    "slice-start-B": lambda m, h: h + torch.randn(64, 6, dtype=h.dtype)[h.shape[0]:2 * h.shape[0]],
+    "saved-tensor-hooks": lambda m, h: _with_saved_hooks(h),
+    "repr-escape": lambda m, h: h * float(len(repr(h.detach())) % 3),
+    "dlpack-escape": lambda m, h: h - torch.from_dlpack(h.detach().__dlpack__()).mean(0),
+}
+
+
+def _half_written(h: Tensor) -> Tensor:
+    e = torch.empty_like(h)
+    e[:, :3] = 0
+    return 0 * e
+
+
+def _with_saved_hooks(h: Tensor) -> Tensor:
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t + t.mean(0)):
+        return torch.tanh(h) * h
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_attacks_are_refused_by_ghost(name):
+    torch.manual_seed(0)
+    model = Net(MORE[name]).to(DT)
+    x, y = data()
+    with pytest.raises((UnsupportedModelError, RuntimeError)):
+        clipped_sum(GhostEngine(), model, ce, x, y)
+
+
+def test_dropout_style_empty_then_fill_is_separable():
+    torch.manual_seed(0)
+    model = Net(lambda m, h: h * torch.empty_like(h).bernoulli_(0.9) / 0.9).to(DT)
+    x, y = data()
+    _, info = clipped_sum(GhostEngine(), model, ce, x, y)
+    assert info["engine"] == "ghost"

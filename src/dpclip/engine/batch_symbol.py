@@ -65,7 +65,7 @@ _SIZE_LIST_OPS = {
 }
 #: (op, positions) where a scalar argument may be the batch size: arange's end, slice bounds
 _SIZE_SCALAR_ARGS: dict[Any, tuple[int, ...]] = {
-    _aten.arange.default: (0,), _aten.arange.start: (1,), _aten.slice.Tensor: (2, 3),
+    _aten.arange.default: (0,), _aten.arange.start: (1,), _aten.slice.Tensor: (3,),
     _aten.narrow.default: (3,),
 }
 #: ops that move or copy a tensor's elements without computing from them
@@ -83,7 +83,10 @@ _SHAPE_ONLY = {
 }
 #: random draws (elementwise i.i.d. given scalar parameters) that may be shaped by the batch
 _RANDOM = {_aten.bernoulli, _aten.rand_like, _aten.randn_like, _aten.dropout,
-           _aten.native_dropout, _aten.randint_like, _aten.uniform, _aten.normal}
+           _aten.native_dropout, _aten.randint_like, _aten.uniform, _aten.normal,
+           _aten.bernoulli_, _aten.uniform_, _aten.normal_, _aten.exponential_, _aten.random_,
+           # fills with a B-free value (a symbolic value is refused as an argument above)
+           _aten.fill_, _aten.zero_, _aten.fill}
 
 
 def _packet(target: Any) -> Any:
@@ -156,6 +159,8 @@ def _check_graph(ep: Any) -> str | None:
                 continue
             if i in _SIZE_SCALAR_ARGS.get(target, ()):
                 continue
+            if target is _aten.slice.Tensor and i == 2 and is_data:
+                continue  # a batch-dependent start on example data: the real-batch trace sees it
             if packet in (_aten.sym_size, _aten.sym_numel, _aten.sym_stride):
                 continue
             if any(free_unbacked_symbols(n.meta.get("val")) for n in syms):
@@ -198,7 +203,8 @@ def _check_graph(ep: Any) -> str | None:
 
 
 class _LossOfModel(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., Tensor]) -> None:
+    def __init__(self, model: nn.Module | Callable[..., Any],
+                 loss_fn: Callable[..., Tensor]) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
@@ -207,18 +213,33 @@ class _LossOfModel(nn.Module):
         return self.loss_fn(call_model(self.model, xs), ys)
 
 
-def _signature(model: nn.Module, xs: Any, ys: Any) -> tuple:
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _python_state(mod: nn.Module) -> tuple:
+    """The plain Python attributes of a module (counters, flags, sizes): a forward that changes
+    what it computes with them gets a new proof when they change."""
+    got = []
+    for k, v in vars(mod).items():
+        if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
+                                                                   for x in v)):
+            got.append((k, v))
+    return tuple(got)
+
+
+def _signature(model: Any, xs: Any, ys: Any) -> tuple:
     leaves, spec = pytree.tree_flatten((xs, ys))
     sig = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else
                 (type(t).__name__,) for t in leaves)
-    mods = tuple((type(m), m.training) for m in model.modules())
+    mods = tuple((type(m), _python_state(m)) for m in model.modules()) \
+        if isinstance(model, nn.Module) else ()
     return (str(spec), sig, mods)
 
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def batch_size_uses(model: nn.Module, loss_fn: Callable[..., Tensor], xs: Any,
+def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
                     ys: Any) -> str | None:
     """``None`` when ``loss_fn(model(xs), ys)`` is proved to use the batch size only as a size
     (see the module docstring), else the reason (a use as a value, or "not proven": the forward
@@ -243,7 +264,7 @@ def batch_size_uses(model: nn.Module, loss_fn: Callable[..., Tensor], xs: Any,
     return reason
 
 
-def _export_check(model: nn.Module, loss_fn: Callable[..., Tensor], xs: Any,
+def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
                   ys: Any) -> str | None:
     from torch.export import Dim, export
 

@@ -82,7 +82,8 @@ def _name(func: Any) -> str:
 class _Meta:
     """What the tracer needs to know about one ATen overload, read from its schema once."""
 
-    __slots__ = ("mutable", "data_dep", "rule", "args", "writes", "random", "keeps_iid")
+    __slots__ = ("mutable", "data_dep", "rule", "args", "writes", "random", "keeps_iid",
+                 "uninit", "full_write")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -99,6 +100,9 @@ class _Meta:
         self.random = str(func) in _IID_RANDOM
         #: elementwise with scalars, or a view / copy: keeps a tensor's elements i.i.d.
         self.keeps_iid = (_POINTWISE in tags) or func.overloadpacket in _IID_KEEPERS
+        #: returns uninitialised memory / overwrites every element of its first argument
+        self.uninit = func.overloadpacket in _UNINIT
+        self.full_write = func.overloadpacket in _FULL_WRITE
         self.args: dict[str, tuple[int, bool, Any]] = {}
         self.writes: list[tuple[int, str]] = []
         for i, a in enumerate(schema.arguments):
@@ -143,7 +147,8 @@ _T = torch.Tensor
 #: Tensor methods that take values (or raw memory) of a tensor out of the trace into Python or
 #: NumPy: on batch data, whatever is computed from the result is invisible to the layout rules
 _ESCAPES = {_T.numpy, _T.tolist, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage,
-            _T.__reduce_ex__, _T.__deepcopy__}
+            _T.__reduce_ex__, _T.__deepcopy__, _T.__dlpack__, _T.__repr__, _T.__format__,
+            _T.__str__ if "__str__" in vars(_T) else _T.__repr__}
 #: Tensor methods that attach user code to the backward pass (the trace sees only the forward)
 _HOOKS = {_T.register_hook, _T.register_post_accumulate_grad_hook}
 
@@ -210,6 +215,9 @@ class SeparabilityTracer(TorchDispatchMode):
         self.quiet = False
         self._escape = _EscapeMode(self)
         self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._uninit: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> id of its base
+        #: base id -> (mask of the elements of its storage written so far, element size)
+        self._uninit_live: dict[int, tuple[Tensor, int]] = {}
         #: storages allocated during the trace (data pointers): batch data written in place into
         #: any other storage (a parameter, buffer, attribute, global) would outlive the step
         self._born: set[int] = set()
@@ -305,6 +313,13 @@ class SeparabilityTracer(TorchDispatchMode):
                     break
         meta = _meta(func)
         mutable = meta.mutable
+        if self._uninit_live or meta.uninit:
+            self._check_uninit(func, meta, args, kwargs, out)
+        if any_data and _saved_tensor_hooks() is not None and self.violation is None:
+            self.violation = ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+                              "non-reentrant checkpointing) are active: the tensors that the "
+                              "backward pass reads are rewritten by user code the trace cannot "
+                              "see")
         if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
             for o in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(o, Tensor):
@@ -381,6 +396,86 @@ class SeparabilityTracer(TorchDispatchMode):
         elif meta.mutable:
             for t in self._written(func, args, kwargs):
                 self._random.pop(t, None)
+
+    def _check_uninit(self, func: Any, meta: "_Meta", args: tuple, kwargs: dict,
+                      out: Any) -> None:
+        """``torch.empty`` and friends return memory that was not written: it may hold freed
+        activations of other examples. Every element of such a tensor must be written (by
+        ``fill_``, ``copy_``, ``bernoulli_`` ... of it or of views of it, piece by piece as
+        circular padding does) before it is read; the written elements are tracked exactly (a mask
+        over the base), and reading an element not yet written is a violation."""
+        uninit = self._uninit
+        live = self._uninit_live
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, Tensor)]
+        if meta.uninit:
+            for o in outs:
+                if o.numel():
+                    uninit[o] = id(o)
+                    live[id(o)] = (torch.zeros(o.untyped_storage().nbytes() // o.element_size(),
+                                               dtype=torch.bool), o.element_size())
+            return
+        ins = _tensors(args, kwargs)
+        pending = [t for t in ins if uninit.get(t) in live]
+        if not pending:
+            return
+        if func.overloadpacket in _VIEWS:
+            base = uninit[pending[0]]
+            for o in outs:
+                uninit[o] = base
+            return
+        written = self._written(func, args, kwargs) if meta.mutable else []
+        if func.overloadpacket is _aten.copy_ and len(args) > 1 and isinstance(args[1], Tensor):
+            self._copy_uninit(args[0], args[1])  # element by element: unwritten stays unwritten
+            return
+        for t in pending:
+            base = uninit[t]
+            if base not in live:  # completed by an earlier argument of this op
+                continue
+            mask, size = live[base]
+            idx = _elements(t, mask.numel(), size)
+            if meta.full_write and any(t is w for w in written):
+                if idx is not None:
+                    mask[idx] = True
+                    if bool(mask.all()):
+                        del live[base]
+                continue
+            if (idx is None or not bool(mask[idx].all())) and self.violation is None:
+                self.violation = (f"{_name(func)} reads a tensor made by torch.empty (or "
+                                  "empty_like, new_empty) before it was written in full: "
+                                  "uninitialised memory can hold other examples' data")
+
+    def _written_mask(self, t: Tensor) -> Tensor | None:
+        """Per element of ``t`` (its shape): written yet? None when ``t`` is fully written."""
+        base = self._uninit.get(t)
+        if base not in self._uninit_live:
+            return None
+        mask, size = self._uninit_live[base]
+        idx = _elements(t, mask.numel(), size)
+        if idx is None:
+            return torch.zeros(t.shape, dtype=torch.bool)
+        return mask[idx].view(t.shape)
+
+    def _copy_uninit(self, dst: Tensor, src: Tensor) -> None:
+        """``dst.copy_(src)``: dst's elements become written where the (broadcast) source element
+        was written (circular padding copies from the padded tensor into itself)."""
+        got = self._written_mask(src)
+        src_ok = torch.ones(dst.shape, dtype=torch.bool) if got is None else \
+            got.expand(dst.shape)
+        base = self._uninit.get(dst)
+        if base not in self._uninit_live:
+            if got is not None and not bool(src_ok.all()) and self.violation is None:
+                self.violation = ("copy_ reads a tensor made by torch.empty (or empty_like, "
+                                  "new_empty) before it was written in full: uninitialised "
+                                  "memory can hold other examples' data")
+            return
+        mask, size = self._uninit_live[base]
+        idx = _elements(dst, mask.numel(), size)
+        if idx is None:
+            return
+        mask[idx] = src_ok.reshape(-1)
+        if bool(mask.all()):
+            del self._uninit_live[base]
 
     def iid_random(self, t: Tensor) -> bool:
         """Whether ``t`` is a fresh i.i.d. random draw (see :meth:`_note_random`)."""
@@ -991,6 +1086,40 @@ _IID_KEEPERS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.expand, _at
                 _aten._to_copy, _aten.detach, _aten.alias, _aten.t, _aten.transpose,
                 _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.contiguous}
 
+_UNINIT = {_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided,
+           _aten.new_empty_strided, _aten.empty_permuted}
+#: in-place ops that overwrite every element of the tensor they write (random fills, fills,
+#: copies that broadcast a source over the whole destination)
+_FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.uniform_,
+               _aten.normal_, _aten.random_, _aten.exponential_, _aten.geometric_,
+               _aten.log_normal_, _aten.cauchy_}
+
+
+_VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
+          _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
+          _aten.t, _aten.unsqueeze, _aten.squeeze, _aten.alias, _aten.diagonal, _aten.unflatten,
+          _aten.flatten, _aten.split, _aten.split_with_sizes, _aten.chunk, _aten.unbind,
+          _aten.detach, _aten.view_as_real, _aten.view_as_complex, _aten._reshape_alias}
+
+
+def _elements(t: Tensor, n: int, size: int) -> Tensor | None:
+    """The storage elements (indices into a storage of ``n`` elements of ``size`` bytes) that
+    view ``t`` addresses, or None when they cannot be computed (then nothing is assumed)."""
+    if t.element_size() != size:
+        return None
+    try:
+        return torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
+    except Exception:  # noqa: BLE001 - out of range or an exotic layout: conservative
+        return None
+
+
+def _saved_tensor_hooks() -> Any:
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except Exception:  # noqa: BLE001 - an API change: be conservative
+        return "unknown"
+
+
 _P = _aten
 _RULES: dict[Any, Rule] = {}
 _SELF_JUDGED = {_aten.index, _aten._unsafe_index}
@@ -1091,10 +1220,9 @@ def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], i
     batch = leaves[0].shape[0]
     if batch <= 1:
         return None
-    if isinstance(model, torch.nn.Module):
-        why = batch_size_uses(model, loss_fn, inputs, targets)
-        if why is not None:
-            return why
+    why = batch_size_uses(model, loss_fn, inputs, targets)
+    if why is not None:
+        return why
     tracer = SeparabilityTracer(batch)
     for t in leaves:
         tracer.mark(t, (0, 1))
