@@ -362,7 +362,13 @@ MORE = {
     "saved-tensor-hooks": lambda m, h: _with_saved_hooks(h),
     "repr-escape": lambda m, h: h * float(len(repr(h.detach())) % 3),
     "dlpack-escape": lambda m, h: h - torch.from_dlpack(h.detach().__dlpack__()).mean(0),
+    "dispatch-switched-off": lambda m, h: h - _undispatched_mean(h),
 }
+
+
+def _undispatched_mean(h: Tensor) -> Tensor:
+    with torch._C._DisableTorchDispatch():
+        return h.mean(0)
 
 
 def _half_written(h: Tensor) -> Tensor:

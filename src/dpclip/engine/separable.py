@@ -185,7 +185,18 @@ class _EscapeMode(TorchFunctionMode):
                            "cannot be checked")
             if why is not None and tr.violation is None:
                 tr.violation = why
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
+                and out not in tr._seen and not any(out is a for a in args):
+            # a new tensor that no ATen operation under the dispatch mode produced, from batch
+            # data: computed with Python dispatch switched off (torch._C._DisableTorchDispatch)
+            if any(isinstance(a, Tensor) and tr.layout(a) is not None for a in args) or \
+                    any(isinstance(v, Tensor) and tr.layout(v) is not None
+                        for v in (kwargs or {}).values()):
+                tr.violation = (f"{getattr(func, '__name__', func)} returned a tensor computed "
+                                "from batch data outside the dispatch trace (Python dispatch "
+                                "switched off?): it cannot be checked")
+        return out
 
 
 def _is_get(func: Any, attr: str) -> bool:
@@ -215,6 +226,7 @@ class SeparabilityTracer(TorchDispatchMode):
         self.quiet = False
         self._escape = _EscapeMode(self)
         self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # outputs of traced ops
         self._uninit: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> id of its base
         #: base id -> (mask of the elements of its storage written so far, element size)
         self._uninit_live: dict[int, tuple[Tensor, int]] = {}
@@ -320,9 +332,11 @@ class SeparabilityTracer(TorchDispatchMode):
                               "non-reentrant checkpointing) are active: the tensors that the "
                               "backward pass reads are rewritten by user code the trace cannot "
                               "see")
-        if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
-            for o in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(o, Tensor):
+        seen = self._seen
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, Tensor):
+                seen[o] = True
+                if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
                     self._born_storage(o)
         if not any_data:
             self._note_random(func, meta, args, kwargs, out)
