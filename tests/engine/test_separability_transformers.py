@@ -318,3 +318,13 @@ def test_hf_mask_that_mixes_is_refused():
     model_fn = lambda input_ids, attention_mask: model(  # noqa: E731
         input_ids=input_ids, attention_mask=attention_mask.roll(1, 0))
     assert prove_separable(model_fn, loss, xs, ys) is not None
+
+
+def test_stack_keeps_the_batch_and_refuses_position_constants():
+    x, y = tokens()
+    emb = nn.Embedding(50, D)
+    ok = lambda z: torch.stack([emb(z), 2 * emb(z)], dim=1).flatten(1)[:, :3]  # noqa: E731
+    assert prove_separable(ok, ce, x, y) is None
+    rows = torch.randn(B, T, D)
+    bad = lambda z: torch.stack([emb(z), rows], dim=1).flatten(1)[:, :3]  # noqa: E731
+    assert prove_separable(bad, ce, x, y) is not None

@@ -806,6 +806,28 @@ def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any)
     return res
 
 
+def _stack(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``stack(tensors, dim)``: every data piece with the same layout, a new dimension inserted
+    at ``dim``; constant pieces must be the same for every example."""
+    tensors = [t for t in args[0] if isinstance(t, Tensor)]
+    o = _first_out(out)
+    dim = _arg(func, args, kwargs, "dim", 0) % o.ndim
+    res: Layout = None
+    for t in tensors:
+        lay = tr.layout(t)
+        if lay is None:
+            continue
+        if lay is MIXED or (res is not None and lay != res):
+            return MIXED
+        res = lay
+    if res is None:
+        return None
+    for t in tensors:
+        if tr.layout(t) is None and not _uniform_along(tr, t, res[0], res[1], tr.batch):
+            return MIXED
+    return (res[0] + (1 if dim <= res[0] else 0), res[1])
+
+
 def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     """mm / addmm / bmm / baddbmm / mv: the batch along a free (not contracted) dimension of one
     factor, the other constant (or, for bmm, both batched along the shared dimension 0)."""
@@ -1184,6 +1206,7 @@ _add(_select, "select", "select_copy")
 _add(_slice, "slice", "slice_copy", "narrow")
 _add(_split, "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split")
 _add(_cat, "cat")
+_add(_stack, "stack")
 _add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation")
 _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
