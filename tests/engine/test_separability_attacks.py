@@ -397,3 +397,21 @@ def test_dropout_style_empty_then_fill_is_separable():
     x, y = data()
     _, info = clipped_sum(GhostEngine(), model, ce, x, y)
     assert info["engine"] == "ghost"
+
+
+def test_refusal_reasons_do_not_show_the_batch_size():
+    """The reason lands in engine_info (a public fact of the run): it must not quote the realised
+    batch size (no shapes, numbers of error texts masked)."""
+    torch.manual_seed(0)
+    b = 13
+    x, y = data(b)
+    for name in ("tutorial-PositionalEncoding", "h*arange(B)", "x+x[:1]", "loss/len(y)",
+                 "numpy-escape"):
+        build, loss = ATTACKS[name]
+        model = build().to(DT)
+        try:
+            _, info = clipped_sum(AutoEngine(), model, loss, x, y)
+            text = str(info)
+        except (UnsupportedModelError, RuntimeError) as exc:
+            text = str(exc)
+        assert "13" not in text, (name, text)

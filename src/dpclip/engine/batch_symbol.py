@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
@@ -277,7 +278,9 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
             ep = export(_LossOfModel(model, loss_fn), (xs, ys), dynamic_shapes=dynamic,
                         strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure to trace is "not proven"
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        # numbers masked: an error text can quote a size, and the batch size is private
+        first = re.sub(r"\d+", "#", (str(exc).strip().splitlines() or
+                                     [type(exc).__name__])[0][:300])
         if "Constraints violated" in str(exc) or "specializ" in str(exc):
             return ("the batch size is used as a Python value (len(), int(), range(), a "
                     "condition on x.shape[0], ...): the trace with a symbolic batch size "

@@ -359,8 +359,9 @@ class SeparabilityTracer(TorchDispatchMode):
         if lay is MIXED and len(self.mixers) < 3:
             ins = [self.layout(t) for t in _tensors(args, kwargs)]
             if not any(x is MIXED for x in ins):
-                self.mixers.append(f"{_name(func)} on inputs of shapes "
-                                   f"{[tuple(t.shape) for t in _tensors(args, kwargs)]} with "
+                # ranks, not shapes: a shape would show the realised batch size (private)
+                self.mixers.append(f"{_name(func)} on inputs of ranks "
+                                   f"{[t.ndim for t in _tensors(args, kwargs)]} with "
                                    f"batch layouts {ins}")
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if mutable:
@@ -586,7 +587,7 @@ def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[
         for t in consts:
             if not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
                 if len(tr.mixers) < 3:
-                    tr.mixers.append(f"a constant of shape {tuple(t.shape)} that differs from one "
+                    tr.mixers.append(f"a constant of rank {t.ndim} that differs from one "
                                      "example's position in the batch to the next, combined "
                                      "with the examples row by row")
                 return MIXED
