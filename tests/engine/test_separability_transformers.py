@@ -328,3 +328,19 @@ def test_stack_keeps_the_batch_and_refuses_position_constants():
     rows = torch.randn(B, T, D)
     bad = lambda z: torch.stack([emb(z), rows], dim=1).flatten(1)[:, :3]  # noqa: E731
     assert prove_separable(bad, ce, x, y) is not None
+
+
+def test_auto_runs_bert_called_as_the_tokenizer_gives_its_batch():
+    """``input_ids`` and a 2-D ``attention_mask`` with padding: under ``auto`` the step runs (ghost
+    or its vmap fallback, both with transformers' data-independent mask path) and equals the
+    per-example loop; before, ``attention_mask.all()`` failed the ghost proof and the vmap
+    fallback alike."""
+    from dpclip.engine import AutoEngine, NaiveEngine, ParamGroups
+    from tests.engine.helpers import assert_grads_close, clip_weights
+
+    model = _hf("bert").to(torch.float64).eval()  # eval: no dropout, so the two runs compare
+    xs, ys, loss = _hf_batch("bert")
+    groups = ParamGroups.flat(model)
+    res = AutoEngine().compute(model, loss, xs, ys, clip_weights(1.0), groups)
+    ref = NaiveEngine().compute(model, loss, xs, ys, clip_weights(1.0), groups)
+    assert_grads_close(res.grads, ref.grads)

@@ -1174,9 +1174,10 @@ class GhostEngine:
         if self.fallback == "vmap":
             from dpclip.engine.vmap import VmapEngine
 
-            try:
-                res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
-                    model, loss_fn, inputs, targets, weight_fn, groups)
+            try:  # the same data-independent library paths as the proof (transformers masks)
+                with data_independent_paths():
+                    res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
+                        model, loss_fn, inputs, targets, weight_fn, groups)
             except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
                 raise UnsupportedModelError(
                     f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
