@@ -56,6 +56,20 @@ class PrivateBufferError(RuntimeError):
 
 @contextlib.contextmanager
 def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
+    """Refuse any change of the model's state made while private data flows through ``model``:
+    buffers (below), and also every parameter's data (trainable or not: a
+    ``nn.Parameter(requires_grad=False)`` updated in forward, a write through ``p.data`` or NumPy,
+    which no version counter sees) and every tensor kept in a module attribute (a tensor stored in
+    ``self.cache`` and read by the next call), compared by value and restored
+    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 81)."""
+    from dpclip.engine.state_guard import state_guard
+
+    with state_guard(model, where), _buffer_guard(model, where):
+        yield
+
+
+@contextlib.contextmanager
+def _buffer_guard(model: nn.Module, where: str = "dp_step"):
     """Refuse any buffer change made while private data flows through ``model``.
 
     Every buffer of ``model`` (running statistics of InstanceNorm / BatchNorm with

@@ -125,6 +125,7 @@ from dpclip.engine.per_layer import (
     scale_grads,
     seq_now,
 )
+from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
 from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
@@ -1321,9 +1322,10 @@ class GhostEngine:
         if self.fallback == "vmap":
             from dpclip.engine.vmap import VmapEngine
 
-            try:
-                res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
-                    model, loss_fn, inputs, targets, weight_fn, groups)
+            try:  # the same data-independent library paths as the proof (transformers masks)
+                with data_independent_paths():
+                    res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
+                        model, loss_fn, inputs, targets, weight_fn, groups)
             except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
                 raise UnsupportedModelError(
                     f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
@@ -1713,14 +1715,44 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
 _END = object()
 
 
+def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
+                 tracer: SeparabilityTracer | None) -> _Call:
+    """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
+    ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
+    if tracer is None:
+        return _Call(owner, a, out, None)
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return _Call(owner, a, out, tracer)
+    finally:
+        tracer.quiet = quiet
+
+
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
     ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
+    # a batch of one example cannot mix examples; otherwise every operation is traced, and the
+    # batch size, private, must be used only as the leading dimension (proved once per signature
+    # with a symbolic batch size; the real forward then takes the same data-independent paths)
+    if batch > 1:
+        why = batch_size_uses(model, loss_fn, xs, ys)
+        with data_independent_paths():  # first: an error of the user's own code surfaces as is
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
+        if why is not None:
+            raise _RuntimeUnsupported(
+                f"the forward pass and loss are not proved per-example separable: {why}. The "
+                "realised batch size is private: normalise by a public constant (the expected "
+                "batch size) outside loss_fn, or use engine 'vmap'")
+        return got
+    return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+
+
+def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+                    ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     calls: list[_Call] = []
     by_module = scan.by_module
     chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
-    # a batch of one example cannot mix examples; otherwise every operation is traced
     tracer = SeparabilityTracer(batch) if batch > 1 else None
     if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
         for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
@@ -1747,7 +1779,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                         h = mod(h)
                     else:
                         out = mod(h)
-                        calls.append(_Call(owner, h, out, chain_tracer))
+                        calls.append(_engine_call(owner, h, out, chain_tracer))
                         h = out
             if tracer is not None:
                 if cached is not None:
@@ -1765,7 +1797,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_Call(by_module[id(mod)], a, out, tracer))
+        calls.append(_engine_call(by_module[id(mod)], a, out, tracer))
 
     handles = []
     try:
@@ -1953,6 +1985,7 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
     row a function of its own example; :mod:`dpclip.engine.separable`)."""
     if tracer is None:
         return
+    tracer.retire()
     fix = ("; per-example clipping needs every example's loss to depend on that example alone, "
            "with the batch as the first dimension of every layer's input and output. Keep the "
            "model batch-first and free of operations across the batch, or use engine 'vmap', "

@@ -30,13 +30,25 @@ of a tensor: ops tagged ``data_dependent_output`` / ``dynamic_output_shape``) fr
 tensor is a violation (the value could steer anything). The engine then requires the per-example
 losses and every hooked layer's input and output to have layout ``(0, 1)``.
 
+Position: a constant operand that spans the batch dimension of example data pairs row ``i`` with
+example ``i``'s POSITION (``x + pe[:x.size(0)]``, ``h * arange(B)``); it is accepted only when it is
+the same in every block (checked on its public values) or a fresh i.i.d. random draw (a dropout
+mask), and ``arange(B)`` indexes the batch only as the verified identity (issue 31).
+
+Python: a :class:`~torch.overrides.TorchFunctionMode` beside the dispatch mode sees what never
+reaches ATen: ``.numpy()``, ``.tolist()``, ``.data``, raw storage of batch data, gradient hooks and
+``grad_fn`` reads are violations. In-place writes of batch data into storage that existed before
+the call (parameters, buffers, attributes, globals) are violations; tensors that depended on the
+batch in an earlier traced call read as MIXED (:meth:`SeparabilityTracer.retire`).
+
 Soundness: the rules only ever claim ``(d, k)`` when each output block is a function of the same
 example's input blocks and of constants, so a ``(0, 1)`` loss row is a function of its own example
-(no false "separable"); unknown operations are refused, never guessed. What the tracer cannot see:
-tensors reached outside the call's arguments (a model reading a global copy of the data) and
-user-written backward code (custom ``autograd.Function`` backward, tensor hooks), which the engine
-checks separately (custom Functions in the autograd graph are refused). A batch of one example is
-trivially separable and is not traced.
+(no false "separable"); unknown operations are refused, never guessed. The batch size as a Python
+number (``o / len(y)``) is invisible here: :mod:`dpclip.engine.batch_symbol` proves it is used only
+as a size, with a symbolic batch; :func:`prove_separable` runs both. What the tracer cannot see:
+tensors reached outside the call's arguments that never held batch data in a traced call (a
+global copy of the dataset). Custom ``autograd.Function`` backward code is refused by the engine
+(its graph walk). A batch of one example is trivially separable and is not traced.
 """
 
 from __future__ import annotations
@@ -46,10 +58,11 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MIXED", "SeparabilityTracer"]
+__all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
 #: the layout of a tensor that may mix examples
 MIXED = "mixed"
@@ -69,17 +82,27 @@ def _name(func: Any) -> str:
 class _Meta:
     """What the tracer needs to know about one ATen overload, read from its schema once."""
 
-    __slots__ = ("mutable", "data_dep", "rule", "args", "writes")
+    __slots__ = ("mutable", "data_dep", "rule", "args", "writes", "random", "keeps_iid",
+                 "uninit", "full_write")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         tags = func.tags
         self.mutable = schema.is_mutable
-        self.data_dep = any(t in tags for t in _DATA_DEP)
+        # ops whose rule judges their data-dependence itself (integer indexing is not)
+        self.data_dep = any(t in tags for t in _DATA_DEP) and \
+            func.overloadpacket not in _SELF_JUDGED
         rule = _RULES.get(func.overloadpacket)
         if rule is None:
             rule = _pointwise if _POINTWISE in tags else _reduction if _REDUCTION in tags else None
         self.rule = rule
+        #: draws i.i.d. random elements (scalar parameters only: see _IID_RANDOM)
+        self.random = str(func) in _IID_RANDOM
+        #: elementwise with scalars, or a view / copy: keeps a tensor's elements i.i.d.
+        self.keeps_iid = (_POINTWISE in tags) or func.overloadpacket in _IID_KEEPERS
+        #: returns uninitialised memory / overwrites every element of its first argument
+        self.uninit = func.overloadpacket in _UNINIT
+        self.full_write = func.overloadpacket in _FULL_WRITE
         self.args: dict[str, tuple[int, bool, Any]] = {}
         self.writes: list[tuple[int, str]] = []
         for i, a in enumerate(schema.arguments):
@@ -112,6 +135,76 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
     return dflt if has else default
 
 
+#: tensors that depended on the batch in an earlier traced call and are still alive (weakly held)
+_STALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
+_METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
+             "sym_storage_offset", "is_same_size", "is_floating_point", "is_complex", "dim",
+             "size", "stride", "numel", "storage_offset", "is_contiguous", "is_non_overlapping_and_dense"}
+
+_T = torch.Tensor
+#: Tensor methods that take values (or raw memory) of a tensor out of the trace into Python or
+#: NumPy: on batch data, whatever is computed from the result is invisible to the layout rules
+_ESCAPES = {_T.numpy, _T.tolist, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage,
+            _T.__reduce_ex__, _T.__deepcopy__, _T.__dlpack__, _T.__repr__, _T.__format__,
+            _T.__str__ if "__str__" in vars(_T) else _T.__repr__}
+#: Tensor methods that attach user code to the backward pass (the trace sees only the forward)
+_HOOKS = {_T.register_hook, _T.register_post_accumulate_grad_hook}
+
+
+class _EscapeMode(TorchFunctionMode):
+    """The Python-level half of the tracer: ``.numpy()``, ``.tolist()``, raw storage reads of a
+    tensor that depends on the batch, gradient hooks on any tensor, and reading ``grad_fn`` (the
+    door to ``grad_fn.register_hook``) make the proof "not proven". These calls never reach the
+    ATen dispatcher, so the dispatch mode alone cannot see them."""
+
+    def __init__(self, tracer: "SeparabilityTracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        tr = self.tracer
+        if not tr.quiet:
+            why = None
+            if func in _HOOKS:
+                why = (f"a gradient hook ({getattr(func, '__name__', func)}) is registered in the "
+                       "forward pass: user code in the backward pass is not traced and could mix "
+                       "the examples' gradients")
+            elif func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data"):
+                t = args[0] if args else None
+                if isinstance(t, Tensor) and (tr.layout(t) is not None or
+                                              _is_get(func, "grad_fn")):
+                    what = ("Tensor.grad_fn" if _is_get(func, "grad_fn") else "Tensor.data"
+                            if _is_get(func, "data") else
+                            f"Tensor.{getattr(func, '__name__', func)}()")
+                    why = (f"{what} takes the values of a tensor that "
+                           "depends on the batch out of the trace (to NumPy, Python or raw "
+                           "memory), or reaches its autograd node: what is computed from them "
+                           "cannot be checked")
+            if why is not None and tr.violation is None:
+                tr.violation = why
+        out = func(*args, **(kwargs or {}))
+        if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
+                and out not in tr._seen and not any(out is a for a in args):
+            # a new tensor that no ATen operation under the dispatch mode produced, from batch
+            # data: computed with Python dispatch switched off (torch._C._DisableTorchDispatch)
+            if any(isinstance(a, Tensor) and tr.layout(a) is not None for a in args) or \
+                    any(isinstance(v, Tensor) and tr.layout(v) is not None
+                        for v in (kwargs or {}).values()):
+                tr.violation = (f"{getattr(func, '__name__', func)} returned a tensor computed "
+                                "from batch data outside the dispatch trace (Python dispatch "
+                                "switched off?): it cannot be checked")
+        return out
+
+
+def _is_get(func: Any, attr: str) -> bool:
+    """Whether ``func`` is the getter of the Tensor property ``attr`` (``t.grad_fn``, ``t.data``)."""
+    return getattr(func, "__name__", "") == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", "") == attr
+
+
 class SeparabilityTracer(TorchDispatchMode):
     """Tracks the layout of every tensor of a forward pass over a batch of ``batch`` examples.
 
@@ -128,15 +221,56 @@ class SeparabilityTracer(TorchDispatchMode):
         #: the operations that first turned row-separable inputs into a MIXED result (for the
         #: error message), in order, at most a few
         self.mixers: list[str] = []
+        #: True while the engine's own code runs inside the traced block (its hooks): the Python
+        #: escape checks are paused there
+        self.quiet = False
+        self._escape = _EscapeMode(self)
+        self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # outputs of traced ops
+        self._uninit: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> id of its base
+        #: base id -> (mask of the elements of its storage written so far, element size)
+        self._uninit_live: dict[int, tuple[Tensor, int]] = {}
+        #: storages allocated during the trace (data pointers): batch data written in place into
+        #: any other storage (a parameter, buffer, attribute, global) would outlive the step
+        self._born: set[int] = set()
+
+    def __enter__(self) -> "SeparabilityTracer":
+        super().__enter__()
+        self._escape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._escape.__exit__(*exc)
+        super().__exit__(*exc)
 
     # ------------------------------------------------------------------------------ layouts
 
     def mark(self, t: Tensor, layout: Layout) -> None:
         self._layouts[t] = layout
+        self._born_storage(t)
+
+    def _born_storage(self, t: Tensor) -> None:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage: nothing can be written into it
+            return
+        if ptr:
+            self._born.add(ptr)
+
+    def retire(self) -> None:
+        """End of the traced call: every tensor that depends on the batch and is still alive is
+        remembered (weakly) as data of a past batch, MIXED in every later trace."""
+        for t, lay in list(self._layouts.items()):
+            if lay is not None:
+                _STALE[t] = True
 
     def layout(self, t: Tensor) -> Layout:
-        """The layout of ``t`` (``None``: constant)."""
+        """The layout of ``t`` (``None``: constant). A tensor that depended on the batch in an
+        EARLIER traced call (kept in a closure, a global or a module attribute) reads as MIXED: it
+        carries other examples into this batch."""
         lay = self._layouts.get(t)
+        if lay is None and t in _STALE:
+            return MIXED
         if self._taint:
             try:
                 ptr = t.untyped_storage().data_ptr()
@@ -162,11 +296,18 @@ class SeparabilityTracer(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        quiet, self.quiet = self.quiet, True
+        try:
+            return self._dispatch(func, args, kwargs, out)
+        finally:
+            self.quiet = quiet
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         layouts = self._layouts
         any_data = False
         for a in args:
             if isinstance(a, Tensor):
-                if a in layouts or self._taint:
+                if a in layouts or self._taint or a in _STALE:
                     if self.layout(a) is not None:
                         any_data = True
                         break
@@ -184,8 +325,23 @@ class SeparabilityTracer(TorchDispatchMode):
                     break
         meta = _meta(func)
         mutable = meta.mutable
-        if not any_data and not mutable:
-            return out  # constants in, constants out
+        if self._uninit_live or meta.uninit:
+            self._check_uninit(func, meta, args, kwargs, out)
+        if any_data and _saved_tensor_hooks() is not None and self.violation is None:
+            self.violation = ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+                              "non-reentrant checkpointing) are active: the tensors that the "
+                              "backward pass reads are rewritten by user code the trace cannot "
+                              "see")
+        seen = self._seen
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, Tensor):
+                seen[o] = True
+                if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
+                    self._born_storage(o)
+        if not any_data:
+            self._note_random(func, meta, args, kwargs, out)
+            if not mutable:
+                return out  # constants in, constants out
         if any_data and meta.data_dep:
             if self.violation is None:
                 self.violation = (f"the operation {_name(func)} reads values of a tensor that "
@@ -203,8 +359,9 @@ class SeparabilityTracer(TorchDispatchMode):
         if lay is MIXED and len(self.mixers) < 3:
             ins = [self.layout(t) for t in _tensors(args, kwargs)]
             if not any(x is MIXED for x in ins):
-                self.mixers.append(f"{_name(func)} on inputs of shapes "
-                                   f"{[tuple(t.shape) for t in _tensors(args, kwargs)]} with "
+                # ranks, not shapes: a shape would show the realised batch size (private)
+                self.mixers.append(f"{_name(func)} on inputs of ranks "
+                                   f"{[t.ndim for t in _tensors(args, kwargs)]} with "
                                    f"batch layouts {ins}")
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if mutable:
@@ -219,11 +376,125 @@ class SeparabilityTracer(TorchDispatchMode):
                         del layouts[o]
                 else:
                     layouts[o] = new
-            elif any_data and o is not None and not isinstance(o, (tuple, list)):
+            elif any_data and o is not None and not isinstance(o, (tuple, list)) \
+                    and _name(func) not in _METADATA:
                 if self.violation is None:
                     self.violation = (f"the operation {_name(func)} returns a Python value "
                                       "computed from batch data")
         return out
+
+    def _note_random(self, func: Any, meta: "_Meta", args: tuple, kwargs: dict,
+                     out: Any) -> None:
+        """Record fresh i.i.d. random draws (a dropout mask: ``empty_like(x).bernoulli_(p)``,
+        ``rand``, ``randn``) and elementwise functions of them with scalars: every element is drawn
+        independently with the same distribution, whatever its position, so pairing row ``i`` of
+        such a tensor with example ``i`` is not a position dependence (each example gets its own
+        independent draw, as under vmap). Anything else made from them is an ordinary constant."""
+        if meta.random:
+            targets = self._written(func, args, kwargs) if meta.mutable else []
+            if not targets:
+                targets = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                           if isinstance(o, Tensor)]
+            for t in targets:
+                self._random[t] = True
+        elif meta.keeps_iid:
+            ts = _tensors(args, kwargs)
+            if ts and all(t in self._random for t in ts):
+                if meta.mutable:
+                    return  # in place, e.g. mask.div_(1 - p): still the same i.i.d. tensor
+                for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(o, Tensor):
+                        self._random[o] = True
+            elif meta.mutable:
+                for t in self._written(func, args, kwargs):
+                    self._random.pop(t, None)
+        elif meta.mutable:
+            for t in self._written(func, args, kwargs):
+                self._random.pop(t, None)
+
+    def _check_uninit(self, func: Any, meta: "_Meta", args: tuple, kwargs: dict,
+                      out: Any) -> None:
+        """``torch.empty`` and friends return memory that was not written: it may hold freed
+        activations of other examples. Every element of such a tensor must be written (by
+        ``fill_``, ``copy_``, ``bernoulli_`` ... of it or of views of it, piece by piece as
+        circular padding does) before it is read; the written elements are tracked exactly (a mask
+        over the base), and reading an element not yet written is a violation."""
+        uninit = self._uninit
+        live = self._uninit_live
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, Tensor)]
+        if meta.uninit:
+            for o in outs:
+                if o.numel():
+                    uninit[o] = id(o)
+                    live[id(o)] = (torch.zeros(o.untyped_storage().nbytes() // o.element_size(),
+                                               dtype=torch.bool), o.element_size())
+            return
+        ins = _tensors(args, kwargs)
+        pending = [t for t in ins if uninit.get(t) in live]
+        if not pending:
+            return
+        if func.overloadpacket in _VIEWS:
+            base = uninit[pending[0]]
+            for o in outs:
+                uninit[o] = base
+            return
+        written = self._written(func, args, kwargs) if meta.mutable else []
+        if func.overloadpacket is _aten.copy_ and len(args) > 1 and isinstance(args[1], Tensor):
+            self._copy_uninit(args[0], args[1])  # element by element: unwritten stays unwritten
+            return
+        for t in pending:
+            base = uninit[t]
+            if base not in live:  # completed by an earlier argument of this op
+                continue
+            mask, size = live[base]
+            idx = _elements(t, mask.numel(), size)
+            if meta.full_write and any(t is w for w in written):
+                if idx is not None:
+                    mask[idx] = True
+                    if bool(mask.all()):
+                        del live[base]
+                continue
+            if (idx is None or not bool(mask[idx].all())) and self.violation is None:
+                self.violation = (f"{_name(func)} reads a tensor made by torch.empty (or "
+                                  "empty_like, new_empty) before it was written in full: "
+                                  "uninitialised memory can hold other examples' data")
+
+    def _written_mask(self, t: Tensor) -> Tensor | None:
+        """Per element of ``t`` (its shape): written yet? None when ``t`` is fully written."""
+        base = self._uninit.get(t)
+        if base not in self._uninit_live:
+            return None
+        mask, size = self._uninit_live[base]
+        idx = _elements(t, mask.numel(), size)
+        if idx is None:
+            return torch.zeros(t.shape, dtype=torch.bool)
+        return mask[idx].view(t.shape)
+
+    def _copy_uninit(self, dst: Tensor, src: Tensor) -> None:
+        """``dst.copy_(src)``: dst's elements become written where the (broadcast) source element
+        was written (circular padding copies from the padded tensor into itself)."""
+        got = self._written_mask(src)
+        src_ok = torch.ones(dst.shape, dtype=torch.bool) if got is None else \
+            got.expand(dst.shape)
+        base = self._uninit.get(dst)
+        if base not in self._uninit_live:
+            if got is not None and not bool(src_ok.all()) and self.violation is None:
+                self.violation = ("copy_ reads a tensor made by torch.empty (or empty_like, "
+                                  "new_empty) before it was written in full: uninitialised "
+                                  "memory can hold other examples' data")
+            return
+        mask, size = self._uninit_live[base]
+        idx = _elements(dst, mask.numel(), size)
+        if idx is None:
+            return
+        mask[idx] = src_ok.reshape(-1)
+        if bool(mask.all()):
+            del self._uninit_live[base]
+
+    def iid_random(self, t: Tensor) -> bool:
+        """Whether ``t`` is a fresh i.i.d. random draw (see :meth:`_note_random`)."""
+        return t in self._random
 
     def _written(self, func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
         got = []
@@ -242,6 +513,17 @@ class SeparabilityTracer(TorchDispatchMode):
         for t in self._written(func, args, kwargs):
             old = self.layout(t)
             new = self._fit(lay, t)
+            if new is not None and self.violation is None:
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except Exception:  # noqa: BLE001
+                    ptr = -1
+                if ptr and ptr not in self._born:
+                    self.violation = (
+                        f"the in-place operation {_name(func)} writes batch data into a tensor "
+                        "that existed before the forward pass (a parameter, buffer, module "
+                        "attribute or global): it would carry private data out of the step, or "
+                        "into the next one")
             if new == old:
                 continue
             if new is None:
@@ -275,12 +557,21 @@ def _first_out(out: Any) -> Tensor:
 
 
 def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[int, ...]) -> Layout:
-    """Layout of a broadcasting elementwise result of ``shape`` from ``tensors``."""
+    """Layout of a broadcasting elementwise result of ``shape`` from ``tensors``.
+
+    A constant operand that spans the batch dimension of the result (size ``B k`` there, not 1)
+    pairs row ``i`` of the examples with its own row ``i``: that is a function of the example's
+    POSITION in the batch (``x + pe[:x.size(0)]``, ``h * arange(B)``), and positions shift when one
+    example is added or removed. It is accepted only when its values are the same in every block
+    along that dimension (an ``expand`` of one row, ``ones``): checked on the values, which are
+    public (they do not depend on the examples)."""
     res: Layout = None
     nd = len(shape)
+    consts = []
     for t in tensors:
         lay = tr.layout(t)
         if lay is None:
+            consts.append(t)
             continue
         if lay is MIXED:
             return MIXED
@@ -292,7 +583,31 @@ def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[
             res = (dd, k)
         elif res != (dd, k):
             return MIXED
+    if res is not None:
+        for t in consts:
+            if not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+                if len(tr.mixers) < 3:
+                    tr.mixers.append(f"a constant of rank {t.ndim} that differs from one "
+                                     "example's position in the batch to the next, combined "
+                                     "with the examples row by row")
+                return MIXED
     return res
+
+
+def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: int) -> bool:
+    """Whether constant ``t``, broadcast so that its dimension ``d`` meets a batch dimension of
+    ``batch`` blocks of ``k``, is the same in every block (``d < 0`` or size 1: broadcast, yes),
+    or a fresh i.i.d. random draw (a dropout mask: every example gets its own independent draw)."""
+    if d < 0 or t.shape[d] == 1:
+        return True
+    if tr.iid_random(t):
+        return True
+    if t.shape[d] != batch * k:
+        return False
+    if t.stride(d) == 0:  # an expand: one row seen B times
+        return True
+    blocks = t.unflatten(d, (batch, k))
+    return bool(torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)))
 
 
 def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -469,7 +784,9 @@ def _split(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: An
 
 
 def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    tensors = [t for t in args[0] if isinstance(t, Tensor)]
+    # legacy: cat skips 1-D empty tensors (a KV cache that starts empty, shape (0,))
+    tensors = [t for t in args[0] if isinstance(t, Tensor) and not (t.ndim == 1 and
+                                                                      t.numel() == 0)]
     o = _first_out(out)
     dim = _arg(func, args, kwargs, "dim", 0) % o.ndim
     res: Layout = None
@@ -483,7 +800,33 @@ def _cat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any)
             res = lay
         elif res != lay:
             return MIXED
+    if res is not None:  # constant pieces are read row by row: they must not vary with the position
+        for t in tensors:
+            if tr.layout(t) is None and not _uniform_along(tr, t, res[0], res[1], tr.batch):
+                return MIXED
     return res
+
+
+def _stack(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``stack(tensors, dim)``: every data piece with the same layout, a new dimension inserted
+    at ``dim``; constant pieces must be the same for every example."""
+    tensors = [t for t in args[0] if isinstance(t, Tensor)]
+    o = _first_out(out)
+    dim = _arg(func, args, kwargs, "dim", 0) % o.ndim
+    res: Layout = None
+    for t in tensors:
+        lay = tr.layout(t)
+        if lay is None:
+            continue
+        if lay is MIXED or (res is not None and lay != res):
+            return MIXED
+        res = lay
+    if res is None:
+        return None
+    for t in tensors:
+        if tr.layout(t) is None and not _uniform_along(tr, t, res[0], res[1], tr.batch):
+            return MIXED
+    return (res[0] + (1 if dim <= res[0] else 0), res[1])
 
 
 def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -502,8 +845,12 @@ def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
             res = la if (la == lb and la[0] == 0) else MIXED
         elif la is not None:
             res = la if la[0] in (0, 1) else MIXED
+            if la[0] == 0 and not _uniform_along(tr, b, 0, la[1], tr.batch):
+                res = MIXED  # matrix i of the constant meets example i: position-dependent
         elif lb is not None:
             res = lb if lb[0] in (0, 2) else MIXED
+            if lb[0] == 0 and not _uniform_along(tr, a, 0, lb[1], tr.batch):
+                res = MIXED
         else:
             res = None
     elif name in ("mv", "addmv"):
@@ -620,6 +967,10 @@ def _gather(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
         return MIXED
     if lx is not None and x.shape[lay[0]] != idx.shape[lay[0]]:
         return MIXED
+    # a constant operand is read at row i for example i: it must not vary with the position
+    const = x if lx is None else idx if li is None else None
+    if const is not None and not _uniform_along(tr, const, lay[0], lay[1], tr.batch):
+        return MIXED
     return lay
 
 
@@ -646,23 +997,169 @@ def _loss(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any
 
 
 def _sdpa(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    """Scaled dot-product attention on ``(..., T, d)``: independent over the leading dims."""
-    q, k, v = args[0], args[1], args[2]
-    lays = [tr.layout(t) for t in (q, k, v)]
-    for t in _tensors(args[3:], kwargs):
+    """Scaled dot-product attention on ``(..., T, d)`` (every ATen form: math, flash, efficient,
+    cuDNN): independent over the leading dims. Query, key and value must carry the batch in the
+    same leading dimension; a mask or bias (``(B, 1, T, T)``, ``(B, 1, 1, T)``: example data, or a
+    broadcast ``(1, 1, T, T)`` constant) must meet that dimension in its own right-aligned position
+    (a ``(B, T, T)`` mask broadcasts B against the heads: refused). A constant operand spanning the
+    batch dimension must be the same for every example (``_uniform_along``). Attention across the
+    batch (the batch moved into the sequence dimension) has the batch in dimension ``ndim - 2``:
+    refused."""
+    q = args[0]
+    nd = q.ndim
+    res: Layout = None
+    ts = _tensors(args, kwargs)
+    for t in ts:
         lt = tr.layout(t)
-        if lt is not None:
-            lays.append(lt)
-    non = [x for x in lays if x is not None]
-    if not non:
+        if lt is None:
+            continue
+        if lt is MIXED:
+            return MIXED
+        got = (lt[0] + nd - t.ndim, lt[1])
+        if res is None:
+            res = got
+        elif got != res:
+            return MIXED
+    if res is None:
         return None
-    if any(x is MIXED for x in non) or any(x != non[0] for x in non):
+    if res[0] < 0 or res[0] >= nd - 2:
         return MIXED
-    return non[0] if non[0][0] < q.ndim - 2 else MIXED
+    for t in ts:
+        if tr.layout(t) is None and not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+            return MIXED
+    return res
+
+
+def _is_identity(t: Tensor, e: int, batch: int) -> bool:
+    """Whether integer constant ``t`` (right-aligned in a broadcast of rank ``e``'s frame) holds
+    ``i`` at position ``i`` of its dimension ``e`` and the same along every other dimension."""
+    if e < 0 or e >= t.ndim or t.shape[e] != batch or t.dtype.is_floating_point \
+            or t.dtype == torch.bool:
+        return False
+    shape = [1] * t.ndim
+    shape[e] = batch
+    iota = torch.arange(batch, device=t.device).view(shape).expand_as(t)
+    return bool(torch.equal(t.to(torch.long), iota))
+
+
+def _index(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``x[i0, i1, ...]`` with integer index tensors (``aten.index.Tensor``).
+
+    Per example when (a) the batch dimension of ``x`` is not indexed and every index tensor is a
+    constant; or (b) it is indexed by ``arange(B)`` (checked on the values: the identity, not a
+    permutation, ``arange(B).flip(0)`` is refused) and every other index is example data with the
+    batch at the same broadcast position, or a constant that is the same for every example
+    (``o.log_softmax(1)[arange(B), y]``, the mask lookup ``mask[batch_idx, kv_idx]`` of
+    ``transformers``); or (c) ``x`` is a constant table read at example data (an embedding).
+    Boolean masks are refused when data is involved (the output's shape would depend on it)."""
+    x, idx = args[0], list(args[1])
+    lx = tr.layout(x)
+    if lx is MIXED:
+        return MIXED
+    pos = [i for i, t in enumerate(idx) if t is not None]
+    its = [idx[i] for i in pos]
+    if any(t.dtype in (torch.bool, torch.uint8) for t in its):
+        if lx is not None or any(tr.layout(t) is not None for t in its):
+            if tr.violation is None:
+                tr.violation = ("a boolean mask index on batch data: the shape of the result "
+                                "depends on the values")
+            return MIXED
+        return None
+    bshape = torch.broadcast_shapes(*[t.shape for t in its])
+    nb = len(bshape)
+    contiguous = pos == list(range(pos[0], pos[-1] + 1))
+    base = pos[0] if contiguous else 0
+    lays = [tr.layout(t) for t in its]
+    if any(lt is MIXED for lt in lays):
+        return MIXED
+    # the broadcast position of each data index, right-aligned in the broadcast shape
+    data = [(lt[0] + nb - t.ndim, lt[1]) for t, lt in zip(its, lays) if lt is not None]
+    if lx is not None and lx[0] not in pos:  # (a) the batch dimension is not indexed
+        if data:
+            return MIXED
+        d = lx[0]
+        if contiguous:
+            dd = d if d < pos[0] else d - len(pos) + nb
+        else:
+            dd = nb + sum(1 for j in range(d) if j not in pos)
+        return (dd, lx[1])
+    if lx is not None:  # (b) the batch dimension is indexed: by arange(B), paired
+        if lx[1] != 1:
+            return MIXED
+        ib = its[pos.index(lx[0])]
+        if tr.layout(ib) is not None:
+            return MIXED
+        cands = [e for e in range(nb) if _is_identity(ib, e - (nb - ib.ndim), tr.batch)]
+        if data:
+            cands = [e for e in cands if all(dl == (e, 1) for dl in data)]
+        if len(cands) != 1:
+            return MIXED
+        e = cands[0]
+        for t, lt in zip(its, lays):
+            if lt is None and t is not ib and not _uniform_along(tr, t, e - (nb - t.ndim), 1,
+                                                                 tr.batch):
+                return MIXED
+        return (base + e, 1)
+    # (c) a constant table read at example data
+    if not data:
+        return None
+    if any(dl != data[0] for dl in data):
+        return MIXED
+    e, k = data[0]
+    for t, lt in zip(its, lays):
+        if lt is None and not _uniform_along(tr, t, e - (nb - t.ndim), k, tr.batch):
+            return MIXED
+    return (base + e, k)
+
+
+#: random factories whose elements are i.i.d. given scalar parameters (by overload: the tensor-p
+#: forms of bernoulli are not here, their elements may differ in distribution)
+_IID_RANDOM = {"aten.bernoulli_.float", "aten.bernoulli.p", "aten.rand.default",
+               "aten.randn.default", "aten.rand_like.default", "aten.randn_like.default",
+               "aten.uniform_.default", "aten.normal_.default", "aten.randint.default",
+               "aten.randint.low", "aten.randint_like.default", "aten.randint_like.low_dtype",
+               "aten.exponential_.default"}
+_IID_KEEPERS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.expand, _aten.clone,
+                _aten._to_copy, _aten.detach, _aten.alias, _aten.t, _aten.transpose,
+                _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.contiguous}
+
+_UNINIT = {_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided,
+           _aten.new_empty_strided, _aten.empty_permuted}
+#: in-place ops that overwrite every element of the tensor they write (random fills, fills,
+#: copies that broadcast a source over the whole destination)
+_FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.uniform_,
+               _aten.normal_, _aten.random_, _aten.exponential_, _aten.geometric_,
+               _aten.log_normal_, _aten.cauchy_}
+
+
+_VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
+          _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
+          _aten.t, _aten.unsqueeze, _aten.squeeze, _aten.alias, _aten.diagonal, _aten.unflatten,
+          _aten.flatten, _aten.split, _aten.split_with_sizes, _aten.chunk, _aten.unbind,
+          _aten.detach, _aten.view_as_real, _aten.view_as_complex, _aten._reshape_alias}
+
+
+def _elements(t: Tensor, n: int, size: int) -> Tensor | None:
+    """The storage elements (indices into a storage of ``n`` elements of ``size`` bytes) that
+    view ``t`` addresses, or None when they cannot be computed (then nothing is assumed)."""
+    if t.element_size() != size:
+        return None
+    try:
+        return torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
+    except Exception:  # noqa: BLE001 - out of range or an exotic layout: conservative
+        return None
+
+
+def _saved_tensor_hooks() -> Any:
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except Exception:  # noqa: BLE001 - an API change: be conservative
+        return "unknown"
 
 
 _P = _aten
 _RULES: dict[Any, Rule] = {}
+_SELF_JUDGED = {_aten.index, _aten._unsafe_index}
 
 
 def _add(rule: Rule, *names: str) -> None:
@@ -691,6 +1188,7 @@ def _repeat(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
     return (d, lay[1]) if reps[d] == 1 else MIXED
 
 
+_add(_pointwise, "masked_fill", "masked_fill_", "where")  # elementwise with broadcasting
 _add(_copy, "copy_", "copy")
 _add(_repeat, "repeat")
 _add(_const, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "empty_like",
@@ -709,6 +1207,7 @@ _add(_select, "select", "select_copy")
 _add(_slice, "slice", "slice_copy", "narrow")
 _add(_split, "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split")
 _add(_cat, "cat")
+_add(_stack, "stack")
 _add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation")
 _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
@@ -724,12 +1223,13 @@ _add(_leading(_n(2)), "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_poo
 _add(_leading(_n(3)), "max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d",
      "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d")
 _add(_leading(_pad_dims), "constant_pad_nd")
-_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "cumsum", "cumprod",
+_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "cumsum", "cumprod",
      "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
 _add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
      "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
 _add(_embedding, "embedding")
 _add(_index_select, "index_select")
+_add(_index, "index", "_unsafe_index")
 _add(_gather, "gather")
 _add(_loss, "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss",
      "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
@@ -737,3 +1237,40 @@ _add(_loss, "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "sm
 _add(_sdpa, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
      "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention")
+
+
+def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], inputs: Any,
+                    targets: Any) -> str | None:
+    """The verdict of the whole proof on ``loss_fn(model(inputs), targets)``: ``None`` when it is
+    proved per-example separable (each loss row a function of its own example and public
+    constants), else the reason. The same two checks as the ghost engine, without its layer rules:
+    the batch size used only as a size (:func:`dpclip.engine.batch_symbol.batch_size_uses`, with a
+    symbolic batch) and the op-by-op trace of the real forward (this module), run under
+    :func:`~dpclip.engine.batch_symbol.data_independent_paths` as the engine runs it.
+
+    Privacy: reads no values of the data except through the traced operations themselves.
+    Edge cases: a batch of one example is trivially separable; inputs and targets are tensors or
+    tuples / lists / dicts of tensors with the batch first."""
+    from dpclip.engine.batch import batch_leaves, call_model
+    from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+
+    leaves = batch_leaves(inputs, "inputs") + batch_leaves(targets, "targets")
+    batch = leaves[0].shape[0]
+    if batch <= 1:
+        return None
+    why = batch_size_uses(model, loss_fn, inputs, targets)
+    if why is not None:
+        return why
+    tracer = SeparabilityTracer(batch)
+    for t in leaves:
+        tracer.mark(t, (0, 1))
+    with data_independent_paths(), torch.enable_grad(), tracer:
+        losses = loss_fn(call_model(model, inputs), targets)
+    tracer.retire()
+    if tracer.violation is not None:
+        return tracer.violation
+    lay = tracer.layout(losses)
+    if lay is not None and lay != (0, 1):
+        first = f" (first mixing operation: {tracer.mixers[0]})" if tracer.mixers else ""
+        return f"the per-example losses have layout {lay!r}, not (0, 1){first}"
+    return None

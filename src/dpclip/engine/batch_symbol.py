@@ -1,0 +1,317 @@
+"""The batch size is private data: a proof, with a symbolic batch dimension, that a forward pass and
+its loss use the batch size only as the leading dimension of example data.
+
+The realised batch size of Poisson sampling is a private quantity (it changes by one when one
+example is added or removed). :class:`~dpclip.engine.separable.SeparabilityTracer` runs on the real
+batch and sees every ATen operation, but a Python ``int`` taken from ``len(y)``, ``x.size(0)`` or
+``x.shape[0]`` reaches those operations as a plain number (``o / 16``) and cannot be told from a
+public constant. This module traces ``loss_fn(model(xs), ys)`` once more with
+:func:`torch.export.export` (non-strict, the ``make_fx`` machinery) on fake tensors whose first
+dimension is ONE symbol ``B``, every other dimension static; every use of ``B`` is then visible:
+
+* a use that turns ``B`` into a Python value (``len(y)``, ``int(x.shape[0])``, ``range(B)``, a branch
+  ``if x.shape[0] > k``, a ``% 2``) makes the symbol specialise or adds a guard: export fails with a
+  constraint violation, and the verdict is "uses the batch size as a value";
+* ``B`` as a symbolic value in the graph (``o / x.shape[0]``, ``full((d,), B)``, ``x[B - 1]``) is
+  allowed only as a size: in the size list of a view, reshape, expand or factory, as the end of
+  ``arange`` or the bounds of a ``slice``; any other use is refused;
+* a constant whose shape involves ``B`` (``arange(B)``, ``ones(B)``, ``pe[:B]``) may only be reshaped,
+  combined elementwise with ``B``-free constants, drawn from at random, or combined with example data
+  (the real-batch tracer then requires it to be the same for every example, a fresh i.i.d. draw, or
+  ``arange(B)`` used as the identity index); a reduction or any other operation on it
+  (``ones(B).sum()`` is ``B``) is refused;
+* whatever cannot be traced on fake tensors (``.numpy()``, ``.tolist()``, ``.item()`` on data,
+  data-dependent Python control flow) is "not proven".
+
+Soundness argument: after this check, ``B`` reaches the computation only through the shapes of
+tensors; the values of constants shaped by ``B`` are functions of the position alone (``arange``,
+slices of ``B``-free tensors, fills with ``B``-free values), never of ``B`` itself; the real-batch
+tracer refuses position-dependent constants met with example data. So each example's loss depends
+on its own example and public constants only.
+
+Cost and cache: one export per (model, loss function, input signature without the batch size,
+module types and training flags), about 0.2 s for a small network and 1-2 s for a tiny Hugging Face
+model on a CPU; the verdict holds for every batch size (the symbol stands for all of them), so the
+cache key does not contain the batch size. What the cache cannot see: a model whose Python code
+changes what it computes between calls with the same signature (a counter in a Python attribute);
+the real-batch tracer still checks every call's operations, and Python escapes on every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+import warnings
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
+
+from dpclip.engine.batch import call_model
+
+__all__ = ["batch_size_uses", "data_independent_paths"]
+
+_aten = torch.ops.aten
+
+#: ops that take the batch size in a size list (``view(x, [B, -1])``, ``zeros([B, d])``)
+_SIZE_LIST_OPS = {
+    _aten.view, _aten.reshape, _aten._unsafe_view, _aten.expand, _aten.zeros, _aten.ones,
+    _aten.empty, _aten.full, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full,
+    _aten.rand, _aten.randn, _aten.randint, _aten.repeat, _aten.unflatten, _aten.split_with_sizes,
+    _aten.split, _aten.empty_strided, _aten.new_empty_strided, _aten.view_copy, _aten.expand_copy,
+}
+#: (op, positions) where a scalar argument may be the batch size: arange's end, slice bounds
+_SIZE_SCALAR_ARGS: dict[Any, tuple[int, ...]] = {
+    _aten.arange.default: (0,), _aten.arange.start: (1,), _aten.slice.Tensor: (3,),
+    _aten.narrow.default: (3,),
+}
+#: ops that move or copy a tensor's elements without computing from them
+_MOVES = {
+    _aten.view, _aten.reshape, _aten._unsafe_view, _aten.expand, _aten.unsqueeze, _aten.squeeze,
+    _aten.permute, _aten.transpose, _aten.t, _aten.clone, _aten.contiguous, _aten._to_copy,
+    _aten.to, _aten.detach, _aten.alias, _aten.slice, _aten.lift_fresh_copy, _aten.flatten,
+    _aten.unflatten, _aten.type_as, _aten.view_copy, _aten.expand_copy,
+}
+#: ops that read only the shape, dtype and device of their tensor argument
+_SHAPE_ONLY = {
+    _aten.sym_size, _aten.sym_numel, _aten.sym_stride, _aten.empty_like, _aten.zeros_like,
+    _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like, _aten.randint_like,
+    _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full, _aten.new_empty_strided,
+}
+#: random draws (elementwise i.i.d. given scalar parameters) that may be shaped by the batch
+_RANDOM = {_aten.bernoulli, _aten.rand_like, _aten.randn_like, _aten.dropout,
+           _aten.native_dropout, _aten.randint_like, _aten.uniform, _aten.normal,
+           _aten.bernoulli_, _aten.uniform_, _aten.normal_, _aten.exponential_, _aten.random_,
+           # fills with a B-free value (a symbolic value is refused as an argument above)
+           _aten.fill_, _aten.zero_, _aten.fill}
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", target)
+
+
+def _is_sym(v: Any) -> bool:
+    return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
+        bool(v.node.expr.free_symbols)
+
+
+def _has_sym_shape(v: Any) -> bool:
+    return isinstance(v, Tensor) and any(isinstance(s, torch.SymInt) and
+                                         bool(s.node.expr.free_symbols) for s in v.shape)
+
+
+def _sym_arith(target: Any) -> bool:
+    """Python / SymPy arithmetic on symbolic sizes (``B * T``, ``B // 2``): its result is another
+    symbolic node, whose own uses are checked."""
+    mod = getattr(target, "__module__", "") or ""
+    return mod in ("_operator", "operator", "math") or \
+        getattr(target, "__name__", "").startswith("sym_") and not isinstance(
+            target, torch._ops.OpOverload)
+
+
+def _flat_nodes(a: Any) -> Iterator[Any]:
+    if isinstance(a, torch.fx.Node):
+        yield a
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _flat_nodes(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _flat_nodes(x)
+
+
+def _check_graph(ep: Any) -> str | None:
+    """The first use of the batch symbol other than as a size, or None."""
+    graph = ep.graph_module.graph
+    user_inputs = set(ep.graph_signature.user_inputs)
+    data: set[str] = set()
+    shaped: set[str] = set()  # constants whose shape involves the batch symbol
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if node.name in user_inputs:
+                data.add(node.name)
+            continue
+        if node.op == "output":
+            for a in _flat_nodes(node.args):
+                if _is_sym(a.meta.get("val")):
+                    return "the batch size is an output of the loss"
+            continue
+        if node.op != "call_function":
+            continue
+        target = node.target
+        packet = _packet(target)
+        name = getattr(target, "__name__", str(target))
+        ins = list(_flat_nodes((node.args, node.kwargs)))
+        is_data = packet not in _SHAPE_ONLY and any(a.name in data for a in ins)
+        # 1. symbolic sizes as arguments
+        for i, a in enumerate(node.args):
+            nodes_here = list(_flat_nodes(a))
+            syms = [n for n in nodes_here if _is_sym(n.meta.get("val"))]
+            if not syms:
+                continue
+            if _sym_arith(target) or target is operator.getitem:
+                continue
+            if packet in _SIZE_LIST_OPS and isinstance(a, (list, tuple)):
+                continue
+            if i in _SIZE_SCALAR_ARGS.get(target, ()):
+                continue
+            if target is _aten.slice.Tensor and i == 2 and is_data:
+                continue  # a batch-dependent start on example data: the real-batch trace sees it
+            if packet in (_aten.sym_size, _aten.sym_numel, _aten.sym_stride):
+                continue
+            if any(free_unbacked_symbols(n.meta.get("val")) for n in syms):
+                return (f"a value read from batch data into Python (.item(), a data-dependent "
+                        f"size) is used by {name}: it can carry one example into every other's "
+                        "computation")
+            return (f"the batch size is used as a value by {name} (e.g. a loss divided by "
+                    "len(y) or x.shape[0], a constant filled with it, an index computed from it)")
+        for k, a in node.kwargs.items():
+            if any(_is_sym(n.meta.get("val")) for n in _flat_nodes(a)):
+                if not (packet in _SIZE_LIST_OPS and isinstance(a, (list, tuple))):
+                    return f"the batch size is used as a value by {name} (argument {k})"
+        # 2. constants shaped by the batch size
+        from_shaped = [a for a in ins if a.name in shaped]
+        if is_data:
+            data.add(node.name)
+            continue
+        if _is_sym(val) or isinstance(val, (int, float, bool)) and not from_shaped:
+            continue
+        if from_shaped:
+            others = [a for a in ins if a.name not in shaped]
+            ok = (packet in _MOVES or packet in _SHAPE_ONLY or packet in _RANDOM
+                  or target is operator.getitem
+                  # a B-free table read at each position of a B-shaped index (BERT's expanded
+                  # token type ids): out[i] = W[idx[i]], still a function of the position
+                  or (packet is _aten.embedding and len(node.args) > 1
+                      and node.args[1] in from_shaped and node.args[0] not in from_shaped)
+                  or (isinstance(target, torch._ops.OpOverload)
+                      and torch.Tag.pointwise in target.tags
+                      and not any(_has_sym_shape(a.meta.get("val")) for a in others)
+                      and len(from_shaped) == 1))
+            if not ok:
+                return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
+                        f"used by {name}: its values can carry the batch size (e.g. "
+                        "ones(B).sum(), arange(B).max())")
+        if _has_sym_shape(val) or (isinstance(val, (tuple, list)) and
+                                   any(_has_sym_shape(v) for v in val)):
+            shaped.add(node.name)
+    return None
+
+
+class _LossOfModel(nn.Module):
+    def __init__(self, model: nn.Module | Callable[..., Any],
+                 loss_fn: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, xs: Any, ys: Any) -> Tensor:
+        return self.loss_fn(call_model(self.model, xs), ys)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _python_state(mod: nn.Module) -> tuple:
+    """The plain Python attributes of a module (counters, flags, sizes): a forward that changes
+    what it computes with them gets a new proof when they change."""
+    got = []
+    for k, v in vars(mod).items():
+        if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
+                                                                   for x in v)):
+            got.append((k, v))
+    return tuple(got)
+
+
+def _signature(model: Any, xs: Any, ys: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten((xs, ys))
+    sig = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else
+                (type(t).__name__,) for t in leaves)
+    mods = tuple((type(m), _python_state(m)) for m in model.modules()) \
+        if isinstance(model, nn.Module) else ()
+    return (str(spec), sig, mods)
+
+
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
+                    ys: Any) -> str | None:
+    """``None`` when ``loss_fn(model(xs), ys)`` is proved to use the batch size only as a size
+    (see the module docstring), else the reason (a use as a value, or "not proven": the forward
+    could not be traced with a symbolic batch size). Cached per model, loss function and input
+    signature without the batch size.
+
+    Privacy: runs the model on fake tensors only (no values of ``xs``/``ys`` are read); the verdict
+    holds for every batch size >= 2. Edge cases: inputs must have the batch as dimension 0 of every
+    tensor leaf (as the engines require); a batch of one example is not checked by the caller."""
+    per_model = _CACHE.setdefault(model, {})
+    key = (loss_fn, _signature(model, xs, ys))
+    try:
+        if key in per_model:
+            return per_model[key]
+    except TypeError:  # an unhashable loss function: not cached
+        key = None
+    reason = _export_check(model, loss_fn, xs, ys)
+    if key is not None:
+        if len(per_model) >= 64:
+            per_model.clear()
+        per_model[key] = reason
+    return reason
+
+
+def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
+                  ys: Any) -> str | None:
+    from torch.export import Dim, export
+
+    batch_dim = Dim("batch", min=2)
+    dynamic = pytree.tree_map(lambda t: {0: batch_dim} if isinstance(t, Tensor) else None,
+                              (xs, ys))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = export(_LossOfModel(model, loss_fn), (xs, ys), dynamic_shapes=dynamic,
+                        strict=False)
+    except Exception as exc:  # noqa: BLE001 - any failure to trace is "not proven"
+        # numbers masked: an error text can quote a size, and the batch size is private
+        first = re.sub(r"\d+", "#", (str(exc).strip().splitlines() or
+                                     [type(exc).__name__])[0][:300])
+        if "Constraints violated" in str(exc) or "specializ" in str(exc):
+            return ("the batch size is used as a Python value (len(), int(), range(), a "
+                    "condition on x.shape[0], ...): the trace with a symbolic batch size "
+                    f"specialised it ({first})")
+        return ("not proven: the forward and loss could not be traced with a symbolic batch "
+                f"size ({type(exc).__name__}: {first}); Python escapes such as .numpy(), "
+                ".tolist(), .item() or control flow on data values cannot be checked")
+    return _check_graph(ep)
+
+
+@contextlib.contextmanager
+def data_independent_paths() -> Iterator[None]:
+    """Make libraries that check ``torch.compiler.is_exporting()`` take their data-independent
+    path, as they do in the proof (which runs under ``torch.export``).
+
+    ``transformers`` skips building the attention mask when ``attention_mask.all()`` is true (a
+    Python bool read from the WHOLE batch: one example's padding would change every other example's
+    attention kernel). Under export it never reads the mask's values and always applies it. Running
+    the real forward under the same flag makes the computation the proof saw the computation that
+    runs: per example, with the mask applied (numerically equal to the fast path for unpadded rows
+    up to the kernel's rounding). Not a whitelist: any other read of batch values is still refused
+    by the tracer. The flag is torch's own (``torch.compiler._is_exporting_flag``), restored after
+    the block."""
+    import torch.compiler as tc
+
+    if not hasattr(tc, "_is_exporting_flag"):
+        yield
+        return
+    old = tc._is_exporting_flag
+    tc._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        tc._is_exporting_flag = old
