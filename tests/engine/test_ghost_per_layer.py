@@ -529,6 +529,10 @@ def test_per_layer_state_changed_by_the_forward_is_refused(how):
     x, y = _data((3,))
     with pytest.raises(UnsupportedModelError) as info:
         GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    # the separability proof may refuse the write of batch data into the buffer first (issue 31
+    # items 1-2); otherwise the per-layer path's own state check refuses it
+    if "writes batch data into a tensor" in str(info.value):
+        return
     assert str(info.value).startswith(
         "ghost engine: module '0' (Rescale, per-layer path) changed its own state during the "
         "forward (a parameter, buffer or tensor attribute updated or replaced): its per-example "

@@ -142,6 +142,10 @@ ATTACKS = {
     "module-backward-hook": (BackHook, ce),
     "custom-function": (lambda: Net(lambda m, h: MixGrad.apply(h)), ce),
     "ones(B).sum()": (lambda: Net(), lambda o, y: ce(o, y) / torch.ones(o.shape[0]).sum()),
+    # where() on a constant shaped by B is elementwise (allowed, for transformers' eager masks),
+    # but its values must not be reduced into a number that carries B
+    "where(ones(B)).sum()": (lambda: Net(), lambda o, y: ce(o, y) / torch.where(
+        torch.ones(o.shape[0], dtype=torch.bool), 1.0, 0.0).sum()),
     "x+x[:1]": (lambda: Net(lambda m, h: h + h[:1]), ce),
     "x[0]-with-all-rows": (lambda: Net(lambda m, h: h * h[0]), ce),
 }

@@ -64,6 +64,10 @@ _SIZE_LIST_OPS = {
     _aten.rand, _aten.randn, _aten.randint, _aten.repeat, _aten.unflatten, _aten.split_with_sizes,
     _aten.split, _aten.empty_strided, _aten.new_empty_strided, _aten.view_copy, _aten.expand_copy,
 }
+#: the elementwise overloads of ``where`` (only ``where.self`` is tagged pointwise)
+_WHERE = frozenset({_aten.where.self, _aten.where.ScalarOther, _aten.where.ScalarSelf,
+                    _aten.where.Scalar})
+
 #: (op, positions) where a scalar argument may be the batch size: arange's end, slice bounds
 _SIZE_SCALAR_ARGS: dict[Any, tuple[int, ...]] = {
     _aten.arange.default: (0,), _aten.arange.start: (1,), _aten.slice.Tensor: (3,),
@@ -192,7 +196,12 @@ def _check_graph(ep: Any) -> str | None:
                   or (isinstance(target, torch._ops.OpOverload)
                       and torch.Tag.pointwise in target.tags
                       and not any(_has_sym_shape(a.meta.get("val")) for a in others)
-                      and len(from_shaped) == 1))
+                      and len(from_shaped) == 1)
+                  # where(cond, a, b) is elementwise (out[i] from cond[i], a[i], b[i]) but only
+                  # its Tensor-Tensor overload carries the pointwise tag; transformers' eager
+                  # attention builds its (B, 1, T, T) mask this way from an expanded constant
+                  or (target in _WHERE
+                      and not any(_has_sym_shape(a.meta.get("val")) for a in others)))
             if not ok:
                 return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
                         f"used by {name}: its values can carry the batch size (e.g. "

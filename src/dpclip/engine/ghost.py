@@ -1799,12 +1799,23 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         a = args[0] if args else next(iter(kwargs.values()))
         calls.append(_engine_call(by_module[id(mod)], a, out, tracer))
 
+    def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        # the engine's own code (it reads the autograd sequence number), not user code: the
+        # tracer's Python checks pause, as in _engine_call
+        if tracer is None:
+            return by_module[id(mod)].enter(mod, args, kwargs)
+        quiet, tracer.quiet = tracer.quiet, True
+        try:
+            by_module[id(mod)].enter(mod, args, kwargs)
+        finally:
+            tracer.quiet = quiet
+
     handles = []
     try:
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
-                handles.append(o.module.register_forward_pre_hook(o.enter, with_kwargs=True))
+                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
         with torch.enable_grad(), (tracer or contextlib.nullcontext()):
             losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
     finally:
