@@ -195,22 +195,11 @@ def test_hf_transformers_classifier_on_the_ghost_engine(capsys, monkeypatch):
 
 def test_hf_bert_called_as_the_tokenizer_gives_its_batch(capsys, monkeypatch):
     """issue 35: BERT on the tokenizer's own batch (2-D attention_mask, default attention) with
-    engine="auto". Until the engine proves such models (the fast-engine work), the refusal must
-    be the short message with the Hugging Face recipe, not the engines' long one."""
+    engine="auto" trains (it failed outright in 0.2.0: transformers reads attention_mask.all(),
+    which the separability proof now keeps on transformers' data-independent path)."""
     pytest.importorskip("transformers", reason="optional extra: pip install transformers")
-    from dpclip.engine.errors import UnsupportedModelError
-
-    try:
-        out, s = run_example("hf_bert_tokenizer.py", ["--n", "200", "--epochs", "1",
-                                                      "--batch-size", "32"], capsys, monkeypatch)
-    except UnsupportedModelError as exc:
-        msg = str(exc)
-        assert msg.startswith("BertForSequenceClassification (Hugging Face transformers) cannot "
-                              "be run per example as it was called")
-        assert "Recipe: load the model with attn_implementation=\"eager\"" in msg
-        assert len(msg) < 1000
-        pytest.xfail("engine='auto' refuses BERT on the tokenizer's 2-D attention_mask today "
-                     "(the ghost work of this session lifts it); the message gives the recipe")
+    out, s = run_example("hf_bert_tokenizer.py", ["--n", "200", "--epochs", "1",
+                                                  "--batch-size", "32"], capsys, monkeypatch)
     assert s["steps"] == s["planned_steps"] > 0 and s["randomness"] == "secure"
     assert s["engine_requested"] == "auto" and len(epochs_printed(out)) == 1
 
