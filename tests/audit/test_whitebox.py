@@ -24,7 +24,11 @@ def test_noise_free_scores_are_the_clipped_canary_over_the_expected_batch():
     r = dirac_canary_audit(FixedClip(c), n_canaries=m, noise_multiplier=0.0, delta=DELTA,
                            canary_norm=a, seed=3)
     want = c * a / (a + 1e-6) / (m / 2)
-    np.testing.assert_allclose(r.in_scores, want, rtol=1e-6)
+    # the engines bound the norm of what they sum, rounding included (vmap's float64 reducer of
+    # issue 33), so a canary's contribution sits at C minus at most a few float32 rounding units
+    # per coordinate summed: never above the claim, within 1e-4 below it
+    assert np.all(r.in_scores <= want * (1 + 1e-12))
+    np.testing.assert_allclose(r.in_scores, want, rtol=1e-4)
     np.testing.assert_array_equal(r.out_scores, 0.0)
     assert r.in_scores.size + r.out_scores.size == m and 0 < r.in_scores.size < m
     assert r.claimed_epsilon == math.inf and r.mu_claimed == math.inf
