@@ -125,6 +125,11 @@ class ChunkReducer:
     its squared group norms is NaN/Inf: a NaN/Inf coordinate, or a norm that overflows the dtype.
     """
 
+    #: dtype the squared norms are accumulated in (None: the parameters' dtype)
+    sq_dtype: torch.dtype | None = None
+    #: factor applied to every norm (1: none; > 1: a rounding upper bound, see vmap.py)
+    inflate: float = 1.0
+
     def __init__(
         self,
         params: Mapping[str, Tensor],
@@ -166,12 +171,16 @@ class ChunkReducer:
         lay = self.layout
         b = int(losses.shape[0])
         flat_grads = [per_example[n].reshape(b, -1) for n in lay.names]
-        sq = torch.zeros(b, lay.n_groups, dtype=lay.dtype, device=lay.device)
+        sq_dtype = self.sq_dtype or lay.dtype
+        sq = torch.zeros(b, lay.n_groups, dtype=sq_dtype, device=lay.device)
         for gi, gf in zip(lay.group_of, flat_grads):
-            sq[:, gi] += torch.linalg.vector_norm(gf, dim=1).to(lay.dtype).square()
+            sq[:, gi] += torch.linalg.vector_norm(gf, dim=1, dtype=self.sq_dtype).to(
+                sq_dtype).square()
         finite = torch.isfinite(sq).all(dim=1)
         all_finite = bool(finite.all())
         norms = sq.sqrt()
+        if self.inflate != 1.0:  # a rounding bound (BoundedChunkReducer): inf when it overflows
+            norms = (norms * self.inflate).to(lay.dtype)
         if not all_finite:
             norms = torch.where(finite[:, None], norms, math.inf)
         norms = norms.reshape(self._shape(b))

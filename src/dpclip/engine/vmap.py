@@ -9,7 +9,6 @@ reduces them at once to norms and the weighted sum, and moves to the next chunk.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -130,31 +129,9 @@ class BoundedChunkReducer(ChunkReducer):
         longest = max((p.numel() for p in params.values()), default=1)
         n64 = longest + len(params) + lay.n_groups + 8
         g64 = n64 * u64 / (1 - n64 * u64)
+        self.sq_dtype = torch.float64  # exact products of float32/bfloat16 values
         self.inflate = ((1 + rnd.u_p) * (1 + rnd.gam(chunk + 32)) * (1 + 2 * g64)
                         / (1 - rnd.u))
-
-    def add_chunk(self, per_example: Any, losses: Tensor) -> None:
-        lay = self.layout
-        b = int(losses.shape[0])
-        flat_grads = [per_example[n].reshape(b, -1) for n in lay.names]
-        sq = torch.zeros(b, lay.n_groups, dtype=torch.float64, device=lay.device)
-        for gi, gf in zip(lay.group_of, flat_grads):
-            sq[:, gi] += torch.linalg.vector_norm(gf, dim=1, dtype=torch.float64).square()
-        finite = torch.isfinite(sq).all(dim=1)
-        all_finite = bool(finite.all())
-        norms = (sq.sqrt() * self.inflate).to(lay.dtype)  # inf when the bound overflows
-        if not all_finite:
-            norms = torch.where(finite[:, None], norms, math.inf)
-        norms = norms.reshape(self._shape(b))
-        weights = self._apply_weight_fn(norms)
-        w2 = weights.reshape(b, lay.n_groups)
-        for name, gi, gf in zip(lay.names, lay.group_of, flat_grads):
-            if not all_finite:
-                gf = torch.where(finite[:, None], gf, 0.0)
-            self.sums[name].view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)
-        self._norms.append(norms)
-        self._weights.append(weights)
-        self.loss_sum += float(losses.detach().sum())
 
 
 def vmap_per_example_grads(
