@@ -41,7 +41,7 @@ import torch
 
 from dpclip.bench import BENCH_MODELS, CLIP_NORM, NOISE_MULTIPLIER, _dpclip_step, _loss_fn
 from dpclip.models import build_model
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 OUT = Path(__file__).resolve().parent / "results"
 

@@ -7,7 +7,7 @@ bench``, timed as the user's loop runs it: ``dp.sample()`` then ``dp.step(x, y)`
 * ``dpclip-ghost-1proc``: one process, no ``torch.distributed``, ``--threads`` intra-op threads;
 * ``dpclip-ghost-2proc``: two ranks on one machine (gloo over loopback, forked processes), each
   with ``--threads`` threads and half of the global batch; every step all-gathers the shard sizes,
-  all-reduces the clipped sums and the per-example norms (``dpclip.distributed``).
+  all-reduces the clipped sums and the per-example norms (``dpclip.training.distributed``).
 
 The 2-process run uses twice the cores of the 1-process run (2 x threads); on a machine with only
 ``2 x threads`` cores that others are using too, the ratio says how much a second process buys
@@ -42,7 +42,7 @@ from torch import nn
 
 from dpclip.bench import BENCH_MODELS, CLIP_NORM, NOISE_MULTIPLIER, _allocator
 from dpclip.models import build_model
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 OUT = Path(__file__).parent / "results" / "distributed_cpu.json"
 DATASET = 8192
@@ -66,7 +66,7 @@ def _timed_run(ctx: Any, model_name: str, batch: int, steps: int, warmup: int) -
         xb, yb = dp.sample()
         dp.step(xb, yb)
     if ctx is not None:
-        from dpclip.distributed import barrier
+        from dpclip.training.distributed import barrier
 
         barrier(ctx)
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def _rank_main(rank: int, world: int, store: str, threads: int, args: tuple, out
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    from dpclip.distributed import DistributedContext
+    from dpclip.training.distributed import DistributedContext
 
     try:
         res = _timed_run(DistributedContext.current(), *args)

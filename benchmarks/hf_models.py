@@ -141,8 +141,8 @@ def stepper(method: str, base: nn.Module, x: Any, y: torch.Tensor, loss_fn: Call
         from dpclip.clipping import FixedClip, StepContext
         from dpclip.engine import ParamGroups, get_engine
         from dpclip.noise import make_generator
-        from dpclip.sampling import PoissonSampler
-        from dpclip.step import dp_step
+        from dpclip.training.sampling import PoissonSampler
+        from dpclip.training.step import dp_step
 
         engine = get_engine(method.split("-", 1)[1])
         strategy, sampler = FixedClip(1.0), PoissonSampler(60_000, float(batch))

@@ -27,8 +27,8 @@ from torch import nn
 from dpclip.clipping import StepContext, make_strategy
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.models import build_model
-from dpclip.sampling import make_sampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import make_sampler
+from dpclip.training.step import dp_step
 
 OUT = Path(__file__).parent / "results" / "lipdp_steptime.json"
 

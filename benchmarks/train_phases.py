@@ -28,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from dpclip.trainer import TrainConfig, train
+    from dpclip.training.trainer import TrainConfig, train
 
     rows = []
     for eval_every in (1, 0):

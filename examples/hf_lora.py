@@ -26,7 +26,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 try:
     from peft import LoraConfig, get_peft_model

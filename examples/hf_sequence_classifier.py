@@ -25,7 +25,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 try:
     from transformers import BertConfig, BertForSequenceClassification

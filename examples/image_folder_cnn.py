@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif"}
 

@@ -24,7 +24,7 @@ import torch.optim as optim
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpclip.data import DatasetNotFoundError, load_dataset
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 
 class SampleConvNet(nn.Module):

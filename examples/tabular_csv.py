@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 
 MISSING = {"", "na", "nan", "null", "?"}
 

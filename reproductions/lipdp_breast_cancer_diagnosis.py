@@ -35,7 +35,7 @@ import torch
 
 from dpclip.data import load_dataset
 from dpclip.data.base import TensorSplit
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 SEEDS = (0, 1, 2, 3, 4)
 OUT = Path(__file__).resolve().parent / "results" / "lipdp_breast_cancer_diagnosis"

@@ -3,7 +3,7 @@
 The public API (see README.md): ``make_private`` wraps your own model, optimizer and data for your
 own loop; ``train`` / ``TrainConfig`` run a private training job from the registries (through the
 same loop); ``dp_step`` is one step; strategies live in ``dpclip.clipping``, engines in ``dpclip.engine``, accounting in
-``dpclip.accounting``, samplers in ``dpclip.sampling``.
+``dpclip.accounting``, samplers in ``dpclip.training.sampling``.
 """
 
 __version__ = "0.2.0"
@@ -19,11 +19,11 @@ from dpclip.events import (
     SelfComposedEvent,
 )
 from dpclip.model_check import ModelReport, check_model, fix_model
-from dpclip.private import BudgetExhausted, PrivateTraining, make_private
+from dpclip.training.private import BudgetExhausted, PrivateTraining, make_private
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import dp_step
-from dpclip.trainer import RunResult, TrainConfig, train
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import dp_step
+from dpclip.training.trainer import RunResult, TrainConfig, train
 
 __all__ = [
     "BudgetExhausted",

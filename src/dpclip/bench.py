@@ -3,7 +3,7 @@
 Methods (one optimizer step each, on one fixed batch):
 
 * ``nonprivate``   - mean loss, ``backward()``, SGD step;
-* ``dpclip-vmap``, ``dpclip-ghost``, ``dpclip-auto`` - :func:`dpclip.step.dp_step` with that engine,
+* ``dpclip-vmap``, ``dpclip-ghost``, ``dpclip-auto`` - :func:`dpclip.training.step.dp_step` with that engine,
   fixed flat clipping (C = 1), noise multiplier 1, then the SGD step;
 * ``opacus-hooks``, ``opacus-ghost`` - Opacus ``PrivacyEngine.make_private(...,
   grad_sample_mode="hooks" | "ghost", poisson_sampling=False)``, noise multiplier 1, C = 1 (Opacus
@@ -174,8 +174,8 @@ def _dpclip_step(engine_name: str, model: nn.Module, opt: torch.optim.Optimizer,
     from dpclip.clipping import FixedClip, StepContext
     from dpclip.engine import ParamGroups, get_engine
     from dpclip.noise import make_generator
-    from dpclip.sampling import PoissonSampler
-    from dpclip.step import dp_step
+    from dpclip.training.sampling import PoissonSampler
+    from dpclip.training.step import dp_step
 
     engine = get_engine(engine_name)
     strategy = FixedClip(CLIP_NORM)

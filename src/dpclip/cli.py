@@ -55,7 +55,7 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from dpclip.harness.store import ResultsStore, default_db_path
     from dpclip.interrupts import TrainingInterrupted
-    from dpclip.trainer import TrainConfig, train
+    from dpclip.training.trainer import TrainConfig, train
 
     _check_dataset_name(args.dataset)
     _check_data_dir(args)
@@ -158,7 +158,7 @@ def _default_checkpoint_dir(config: Any) -> str:
     fingerprint under the private directory beside ``$DPCLIP_OUT`` (``./runs-private/checkpoints``,
     or ``$DPCLIP_PRIVATE``; the same place ``dpclip run`` uses, never inside the published
     reports)."""
-    from dpclip.checkpoints import private_root
+    from dpclip.training.checkpoint import private_root
 
     return os.path.join(private_root(_default_out()), "checkpoints", config.fingerprint())
 
@@ -318,7 +318,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     black-box audit of a training run (dpclip.audit.blackbox); stored in the results store under
     experiment "audit". Exit status 1 when a lower bound exceeds the claim."""
     from dpclip.harness.store import ResultsStore, default_db_path
-    from dpclip.units import UnitConfig
+    from dpclip.training.units import UnitConfig
 
     unit, strategy_params = UnitConfig.pop_from(_parse_params(args.param))
     record: dict[str, Any] = {"mode": args.mode, "strategy": args.strategy,
@@ -361,7 +361,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         summary = {**record, **r.to_dict(), "claim_scope": "one step, no sampling amplification"}
     else:
         from dpclip.audit.blackbox import blackbox_audit
-        from dpclip.trainer import TrainConfig
+        from dpclip.training.trainer import TrainConfig
 
         if not (args.dataset and args.model):
             raise ValueError("dpclip audit --mode blackbox needs --dataset and --model")
@@ -432,12 +432,12 @@ def audit_text(summary: dict[str, Any], args: argparse.Namespace) -> str:
 def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
                            strategy_params: dict[str, Any]) -> float:
     """The noise multiplier ``dpclip train`` would calibrate for ``--epsilon`` (public: the
-    dataset's size, the sampler, the steps and the strategy's planned events; dpclip.planning)."""
+    dataset's size, the sampler, the steps and the strategy's planned events; dpclip.training.plan)."""
     from dpclip.clipping import make_strategy
     from dpclip.data import load_dataset
-    from dpclip.planning import CLI_FLAGS, Plan, resolve_noise
-    from dpclip.sampling import make_sampler
-    from dpclip.units import MiniSetSampler, expected_units
+    from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
+    from dpclip.training.sampling import make_sampler
+    from dpclip.training.units import MiniSetSampler, expected_units
 
     _check_dataset_name(args.dataset)
     _check_data_dir(args)
@@ -738,7 +738,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.match_private_epoch:
         if size is None:
             raise SystemExit("error: --match-private-epoch needs --proxy-for or --private-size")
-        from dpclip.sampling import make_sampler
+        from dpclip.training.sampling import make_sampler
 
         spe = make_sampler(args.sampling, size, args.batch_size).steps_per_epoch
     config = GreedyConfig(

@@ -1,7 +1,7 @@
 """Typed differential-privacy events: the vocabulary shared by samplers, strategies and the ledger.
 
 Every private release in dpclip is described by one of these small frozen dataclasses. They carry
-no torch and no accounting code, so samplers (``dpclip.sampling``), strategies
+no torch and no accounting code, so samplers (``dpclip.training.sampling``), strategies
 (``dpclip.clipping``) and the accountant (``dpclip.accounting``) can all speak about privacy
 without importing each other. ``dpclip.accounting`` maps them onto ``dp_accounting`` events.
 

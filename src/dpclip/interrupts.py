@@ -1,6 +1,6 @@
 """Ctrl-C during training: stop between two steps, checkpoint, say how to resume.
 
-:func:`defer_sigint` wraps :func:`dpclip.trainer.train`: while it runs, the first SIGINT (Ctrl-C,
+:func:`defer_sigint` wraps :func:`dpclip.training.trainer.train`: while it runs, the first SIGINT (Ctrl-C,
 or Jupyter's "interrupt") only sets a flag, which the loop reads between two steps
 (:func:`interrupt_requested`). The loop then writes its checkpoint and raises
 :class:`TrainingInterrupted` (a ``KeyboardInterrupt``), so no step is ever cut in half: the

@@ -85,7 +85,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
     BatchNorm is allowed. Unknown strategy names fail with did-you-mean."""
     from dpclip.clipping import make_strategy
     from dpclip.engine.ghost import ghost_support
-    from dpclip.units import UnitConfig
+    from dpclip.training.units import UnitConfig
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"check_model: model must be a torch.nn.Module, got {type(model).__name__}")

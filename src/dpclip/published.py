@@ -1,6 +1,6 @@
 """What each output of dpclip publishes, field by field, and under which rule.
 
-Every field of the ``dpclip train --json`` summary (``dpclip.trainer.train``), of its per-epoch
+Every field of the ``dpclip train --json`` summary (``dpclip.training.trainer.train``), of its per-epoch
 history rows (stored in the results store by ``dpclip run`` and plotted by the report), and of the
 ``dpclip fl train --json`` summary and history is listed here with its class:
 

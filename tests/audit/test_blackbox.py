@@ -12,7 +12,7 @@ import pytest
 from dpclip.audit.blackbox import blackbox_audit, make_canaries
 from dpclip.cli import main as cli_main
 from dpclip.data import load_dataset
-from dpclip.trainer import TrainConfig
+from dpclip.training.trainer import TrainConfig
 
 BASE = dict(dataset="synthetic", model="mlp", epochs=20, batch_size=64, lr=4.0, delta=1e-4,
             seed=0, reproducible_noise=True, strategy="fixed",
@@ -93,7 +93,7 @@ def test_cli_stores_the_audit_and_report_shows_it(tmp_path, capsys):
 def test_cli_whitebox_with_epsilon_audits_the_runs_calibrated_multiplier(tmp_path, capsys):
     # white-box from a `dpclip train` configuration given by its target epsilon: the step is
     # audited at the multiplier train calibrates for that run
-    from dpclip.trainer import train
+    from dpclip.training.trainer import train
 
     run = train(TrainConfig(dataset="synthetic", model="mlp", epsilon=2.0, epochs=5,
                             batch_size=64, delta=1e-4, seed=0), progress=False)

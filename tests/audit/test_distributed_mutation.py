@@ -1,8 +1,8 @@
 """Mutation test on the REAL multi-process step (issue 16, item 4): 2 gloo ranks on localhost.
 
 Every rank runs the white-box Dirac audit (``audit_step``, same seed: the same canaries, coins
-and shared noise generator on every rank, as ``dpclip.distributed.shared_randomness`` arranges in
-training); its step is ``dp_step`` with :class:`dpclip.distributed.DistributedEngine`: each rank
+and shared noise generator on every rank, as ``dpclip.training.distributed.shared_randomness`` arranges in
+training); its step is ``dp_step`` with :class:`dpclip.training.distributed.DistributedEngine`: each rank
 clips its contiguous shard of the batch and the clipped sums are all-reduced over gloo.
 
 * Control: the library's placement. ``dp_step`` adds ``N(0, (z S)^2)`` once, after the
@@ -40,9 +40,9 @@ def _audit_on_rank(ctx, mutated: bool) -> dict:
     """Runs on every rank: the Dirac audit of one distributed step (see the module docstring)."""
     from dpclip.audit.step_audit import audit_step
     from dpclip.clipping import FixedClip
-    from dpclip.distributed import DistributedEngine, shard_bounds
+    from dpclip.training.distributed import DistributedEngine, shard_bounds
     from dpclip.events import GaussianEvent
-    from dpclip.step import dp_step
+    from dpclip.training.step import dp_step
 
     class RankNoiseEngine(DistributedEngine):
         """The mutation: every rank adds N(0, share^2) to its LOCAL clipped sum (own generator)

@@ -22,8 +22,8 @@ from dpclip.clipping.quantile import QuantileClip
 from dpclip.clipping.base import StepContext, finite_or_inf
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-from dpclip.sampling import PoissonSampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import dp_step
 
 DELTA = 1e-5
 Z = 2.0  # claimed: one step of Gaussian(2), epsilon 1.99 at delta 1e-5

@@ -16,9 +16,9 @@ from torch import nn
 from dpclip.audit.step_audit import ObservedStrategy
 from dpclip.clipping import STRATEGIES, StepContext
 from dpclip.engine import ENGINES, ParamGroups, get_engine
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import dp_step
-from dpclip.units import UnitConfig
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import dp_step
+from dpclip.training.units import UnitConfig
 from tests.clipping.contract import contract_strategy
 
 PER_EXAMPLE = sorted(n for n, c in ENGINES.items() if getattr(c, "per_example", False))
@@ -60,7 +60,7 @@ def run(model, strategy, groups, state, engine, sampler, x, y, seed, noiseless, 
     out = dp_step(model, x, y, loss_fn=ce, strategy=obs, state=state, engine=engine,
                   groups=groups, sampler=sampler, base_noise_multiplier=0.0 if noiseless else 0.2,
                   ctx=ctx, generator=torch.Generator().manual_seed(seed), unit=unit)
-    from dpclip.units import expected_units
+    from dpclip.training.units import expected_units
 
     denom = sampler.expected_batch_size if unit is None else expected_units(unit, sampler)
     flat = torch.cat([g.reshape(-1) for g in out.grads.values()]) * denom  # undo the division
@@ -133,7 +133,7 @@ def test_replay_batch_units(name):
     check_pair(model, strategy, groups, state, engine, PoissonSampler(20, 6.0), x[None], y[None],
                x[None, :5], y[None, :5], unit=bc)
     gbc = UnitConfig(unit="gbc", miniset_size=2)
-    from dpclip.units import MiniSetSampler
+    from dpclip.training.units import MiniSetSampler
 
     check_pair(model, strategy, groups, state, engine, MiniSetSampler(20, 2, 3),
                x.reshape(3, 2, 6), y.reshape(3, 2), xb.reshape(3, 2, 6), y.reshape(3, 2), unit=gbc)

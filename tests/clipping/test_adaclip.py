@@ -12,9 +12,9 @@ from dpclip.clipping.adaclip import AdaClip
 from dpclip.engine import ParamGroups, get_engine, naive_per_example_grads
 from dpclip.events import GaussianEvent
 from dpclip.noise import make_generator
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import GradientTransform, dp_step, transformed_sum
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import GradientTransform, dp_step, transformed_sum
+from dpclip.training.trainer import TrainConfig, train
 
 
 def ce(out, y):

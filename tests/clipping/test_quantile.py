@@ -11,7 +11,7 @@ from dpclip.accounting import epsilon
 from dpclip.clipping import StepContext, make_strategy
 from dpclip.clipping.quantile import QuantileClip, split_noise_multiplier
 from dpclip.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 
 def ctx(b: float = 100.0, step: int = 0) -> StepContext:

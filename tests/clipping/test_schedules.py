@@ -20,7 +20,7 @@ from dpclip.clipping.schedules import (
     yu_reciprocal_scale,
 )
 from dpclip.events import GaussianEvent, PoissonSampledEvent
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 from tests.clipping.contract import FakeRelease, check_weight_bound
 
 F64 = torch.float64

@@ -10,7 +10,7 @@ from dpclip.accounting import epsilon
 from dpclip.clipping import StepContext, make_strategy
 from dpclip.clipping.vdv import MeanNormClip
 from dpclip.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 
 def ctx(b: float = 100.0) -> StepContext:

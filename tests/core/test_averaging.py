@@ -1,4 +1,4 @@
-"""Weight averaging (dpclip.averaging): EMA and Polyak against a float64 hand-written oracle,
+"""Weight averaging (dpclip.training.averaging): EMA and Polyak against a float64 hand-written oracle,
 post-processing only (the ledger and the trained iterates are unchanged), in the fingerprint, in
 the checkpoint (resume identical), evaluated on the averaged weights."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpclip.averaging import Averaging, WeightAverager, parse_averaging
+from dpclip.training.averaging import Averaging, WeightAverager, parse_averaging
 from dpclip.data import load_dataset
-from dpclip.private import make_private
-from dpclip.trainer import TrainConfig, evaluate, train
+from dpclip.training.private import make_private
+from dpclip.training.trainer import TrainConfig, evaluate, train
 
 
 @pytest.mark.parametrize("text,want", [

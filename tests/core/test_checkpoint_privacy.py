@@ -1,4 +1,4 @@
-"""What a checkpoint keeps (dpclip.checkpoints, issue 33): a finished run drops the secret
+"""What a checkpoint keeps (dpclip.training.checkpoint, issue 33): a finished run drops the secret
 generator state and the data fingerprint; checkpoints are owner-only; the harness keeps them
 outside the directory of its reports."""
 
@@ -8,8 +8,8 @@ import stat
 import pytest
 import torch
 
-from dpclip.checkpoints import FINISHED_NOTE, private_root
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.checkpoint import FINISHED_NOTE, private_root
+from dpclip.training.trainer import TrainConfig, train
 
 BASE = dict(dataset="synthetic", model="mlp", strategy="fixed",
             strategy_params={"clip_norm": 1.0}, delta=1e-5, epochs=1, batch_size=64, lr=0.5,
@@ -35,7 +35,7 @@ def test_a_finished_run_drops_the_generator_state_and_says_so(tmp_path, capsys):
 
 def test_a_finished_checkpoint_cannot_be_resumed_into_more_steps(tmp_path):
     from dpclip import make_private
-    from dpclip.checkpoints import finished_checkpoint
+    from dpclip.training.checkpoint import finished_checkpoint
     from torch import nn
 
     x, y = torch.randn(100, 4), torch.randint(0, 2, (100,))

@@ -16,7 +16,7 @@ from dpclip.randomness import (
     philox_state,
     read_philox_state,
 )
-from dpclip.sampling import PoissonSampler
+from dpclip.training.sampling import PoissonSampler
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")

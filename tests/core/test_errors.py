@@ -24,7 +24,7 @@ from dpclip.data.cifar import CifarFormatError
 from dpclip.data.idx import IDX_FILES, IdxFormatError
 from dpclip.errors import BudgetWarning, NoiseWarning, did_you_mean
 from dpclip.harness.spec import SpecError, load_spec
-from dpclip.trainer import TrainConfig, describe_config_diff, train
+from dpclip.training.trainer import TrainConfig, describe_config_diff, train
 from tests.data.test_idx import make_idx_dir
 
 #: 128 examples, 32 per batch: 4 steps an epoch, a logistic regression (each run well under 2 s)

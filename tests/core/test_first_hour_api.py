@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
-from dpclip.private import PrivateTraining, make_private
+from dpclip.training.private import PrivateTraining, make_private
 
 
 def _data(n=128, d=6, k=3, seed=0):

@@ -15,7 +15,7 @@ import pytest
 
 from dpclip.cli import main
 from dpclip.interrupts import TrainingInterrupted
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 FAST = dict(dataset="synthetic", model="logreg", strategy="fixed",
             strategy_params={"clip_norm": 1.0}, dataset_options={"n_train": 128, "n_test": 32},

@@ -1,4 +1,4 @@
-"""The loop rules of make_private (dpclip.loop_guard), each attacked the way a user's loop breaks
+"""The loop rules of make_private (dpclip.training.loop_guard), each attacked the way a user's loop breaks
 it (issue 33): the Opacus habit, a leftover backward, rejection sampling, an in-place edit."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dpclip import make_private
-from dpclip.loop_guard import LoopRuleError
+from dpclip.training.loop_guard import LoopRuleError
 
 
 def _setup(steps=10, optimizer=True, **kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dpclip.lr_schedules import build_lr_scheduler
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 BASE = dict(dataset="synthetic", model="mlp", strategy="fixed",
             strategy_params={"clip_norm": 1.0}, delta=1e-5, epochs=3, batch_size=64, lr=0.5,

@@ -1,4 +1,4 @@
-"""Augmentation multiplicity K (dpclip.multiplicity): the release equals a float64 per-example
+"""Augmentation multiplicity K (dpclip.training.multiplicity): the release equals a float64 per-example
 oracle (mean of the K augmented copies' gradients, clipped), one example moves the noise-free
 release by at most C on every per-example engine, the draws come from the secret generator, the
 ledger is that of K = 1, and every setting where it cannot hold is refused."""
@@ -13,11 +13,11 @@ from torch import nn
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.multiplicity import KCopyModel, expand_copies, k_copy_loss
-from dpclip.private import make_private
+from dpclip.training.multiplicity import KCopyModel, expand_copies, k_copy_loss
+from dpclip.training.private import make_private
 from dpclip.randomness import seeded_generator
-from dpclip.sampling import make_sampler
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.sampling import make_sampler
+from dpclip.training.trainer import TrainConfig, train
 
 K = 3
 CLIP = 0.5

@@ -16,9 +16,9 @@ from dpclip.clipping import StepContext, make_strategy
 from dpclip.data import load_dataset
 from dpclip.engine import ParamGroups, UnsupportedModelError, get_engine
 from dpclip.randomness import PrivateRandomness, secure_generator, seeded_generator
-from dpclip.sampling import PoissonSampler
-from dpclip.step import PrivateBufferError, dp_step
-from dpclip.trainer import TrainConfig, cross_entropy_per_example, train
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import PrivateBufferError, dp_step
+from dpclip.training.trainer import TrainConfig, cross_entropy_per_example, train
 
 BASE = dict(dataset="synthetic", model="mlp", strategy="fixed",
             strategy_params={"clip_norm": 1.0}, delta=1e-5, epochs=1, batch_size=64, lr=0.5,
@@ -204,7 +204,7 @@ def test_instancenorm_running_stats_are_refused_and_restored(engine):
 
 def test_the_buffer_guard_restores_whatever_the_engine_did():
     """The guard itself, on an engine that runs the forward as a plain batch (naive oracle)."""
-    from dpclip.step import private_buffer_guard
+    from dpclip.training.step import private_buffer_guard
 
     model = _in_model(affine=True)
     before = {k: v.clone() for k, v in model.named_buffers()}

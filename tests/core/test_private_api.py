@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from dpclip import private as P
+from dpclip.training import private as P
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.clipping import make_strategy
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import PoissonSampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import dp_step
 
 
 def _data(n=256, d=6, k=3, seed=0):
@@ -171,7 +171,7 @@ def test_the_api_ledger_equals_dpclip_train_for_the_same_settings():
     noise multiplier and ledger from the CLI's trainer and from a user's own loop."""
     from dpclip.data import load_dataset
     from dpclip.models import build_model
-    from dpclip.trainer import TrainConfig, train
+    from dpclip.training.trainer import TrainConfig, train
 
     cfg = TrainConfig(dataset="synthetic", model="mlp", strategy="quantile", epsilon=2.0,
                       delta=1e-5, epochs=2, batch_size=64, lr=0.5)

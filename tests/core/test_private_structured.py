@@ -9,12 +9,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from dpclip import private as P
+from dpclip.training import private as P
 from dpclip.clipping import make_strategy
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import PoissonSampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import dp_step
 
 VOCAB, T = 17, 5
 

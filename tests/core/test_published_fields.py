@@ -15,7 +15,7 @@ from dpclip.clipping.fixed import FixedClip
 from dpclip.data import load_dataset
 from dpclip.federated import FedAvgConfig, LocalTraining, federate, run_fedavg
 from dpclip.models import build_model
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 MAY_DIFFER = {"accounted", "heldout", "timing", "nonprivate"}
 DATASET_SIZE = P.DATASET_SIZE_FIELDS

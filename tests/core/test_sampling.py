@@ -11,7 +11,7 @@ from dpclip.events import (
     PoissonSampledEvent,
     SampledWithoutReplacementEvent,
 )
-from dpclip.sampling import FixedSizeSampler, PoissonSampler, make_sampler
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler, make_sampler
 
 
 def test_poisson_batch_size_is_binomial_and_inclusion_uniform():

@@ -11,8 +11,8 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.base import EngineResult
 from dpclip.events import GaussianEvent, PoissonSampledEvent, SampledWithoutReplacementEvent
 from dpclip.noise import make_generator
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import dp_step
 
 
 def ce(out, y):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpclip.accounting import epsilon as ledger_epsilon
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 BASE = dict(dataset="synthetic", model="mlp", strategy="fixed",
             strategy_params={"clip_norm": 1.0}, delta=1e-5, epochs=3, batch_size=64, lr=0.5,
@@ -76,8 +76,8 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
 
 KILLER = textwrap.dedent("""
     import json, os, signal, sys
-    import dpclip.private as P
-    import dpclip.trainer as T
+    import dpclip.training.private as P
+    import dpclip.training.trainer as T
     cfg = T.TrainConfig.from_dict(json.loads(sys.argv[1]))
     kill_at = int(sys.argv[3])
     orig, calls = P.dp_step, [0]

@@ -69,7 +69,7 @@ def test_replacing_the_split_of_a_public_bundle_with_private_data_is_refused():
 def test_a_stored_schedule_without_a_dataset_key_is_refused_for_transfer(tmp_path):
     from dpclip.harness.store import ResultsStore
     from dpclip.search import resolve_strategy_params
-    from dpclip.trainer import TrainConfig
+    from dpclip.training.trainer import TrainConfig
 
     cfg = TrainConfig(dataset="synthetic", model="mlp", strategy="transfer",
                       strategy_params={"schedule": "nods"}, delta=1e-5, epochs=1,

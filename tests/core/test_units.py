@@ -14,10 +14,10 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import GaussianEvent, PoissonSampledEvent, SampledWithoutReplacementEvent
 from dpclip.models import build_model
 from dpclip.noise import make_generator
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import dp_step
-from dpclip.trainer import TrainConfig, train
-from dpclip.units import (
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import dp_step
+from dpclip.training.trainer import TrainConfig, train
+from dpclip.training.units import (
     MiniSetSampler,
     UnitConfig,
     frozen_bn_buffers,

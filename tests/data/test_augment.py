@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpclip.data.augment import Augmentation, parse_augment
-from dpclip.private import make_private
+from dpclip.training.private import make_private
 from dpclip.randomness import seeded_generator
-from dpclip.sampling import make_sampler
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.sampling import make_sampler
+from dpclip.training.trainer import TrainConfig, train
 
 
 def naive(x: torch.Tensor, params: torch.Tensor, aug: Augmentation) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 ``launch(fn, world, workdir, *args)`` forks ``world`` processes; each initialises a gloo process
 group through a file store in ``workdir`` (no port to race for; gloo talks over the loopback
-interface), runs ``fn(ctx, *args)`` with its :class:`~dpclip.distributed.DistributedContext` and
+interface), runs ``fn(ctx, *args)`` with its :class:`~dpclip.training.distributed.DistributedContext` and
 returns the results in rank order. A rank that raises fails the launch with its traceback; a
 launch still running at the deadline (a hang) is killed and fails with ``TimeoutError``.
 """
@@ -31,7 +31,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, workdir: str, tag: st
     try:
         dist.init_process_group("gloo", init_method=f"file://{workdir}/{tag}.store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=40))
-        from dpclip.distributed import DistributedContext
+        from dpclip.training.distributed import DistributedContext
 
         result = fn(DistributedContext.current(), *args)
         Path(f"{out}.pkl").write_bytes(pickle.dumps(result))

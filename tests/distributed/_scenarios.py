@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpclip.private import make_private
-from dpclip.distributed import DistributedContext, assert_synchronized, barrier
+from dpclip.training.private import make_private
+from dpclip.training.distributed import DistributedContext, assert_synchronized, barrier
 
 
 def data(n: int, d: int = 5, k: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from dpclip.distributed import init_from_env
+from dpclip.training.distributed import init_from_env
 from tests.distributed import _scenarios as S
 
 if __name__ == "__main__":

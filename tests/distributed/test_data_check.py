@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpclip.distributed import data_digest
+from dpclip.training.distributed import data_digest
 from tests.distributed import _scenarios as S
 from tests.distributed._launch import launch
 

@@ -154,7 +154,7 @@ def test_zero_gradients_give_noise_std_z_c_over_b(tmp_path):
 @pytest.mark.slow
 def test_torchrun_launch_gives_the_single_process_epsilon(tmp_path):
     """``torchrun --standalone --nproc_per_node 2``: the group comes from torchrun's environment
-    (dpclip.distributed.init_from_env), and the run has the one-process ledger and epsilon."""
+    (dpclip.training.distributed.init_from_env), and the run has the one-process ledger and epsilon."""
     out = tmp_path / "out.json"
     script = Path(__file__).with_name("_torchrun_script.py")
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",

@@ -1,13 +1,13 @@
-"""dpclip.distributed without processes: shard arithmetic, the sharded sampler, the refusals."""
+"""dpclip.training.distributed without processes: shard arithmetic, the sharded sampler, the refusals."""
 
 import pytest
 import torch
 from torch import nn
 
-from dpclip.distributed import DistributedContext, ShardedSampler, resolve_distributed, shard_bounds
-from dpclip.private import make_private
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.units import MiniSetSampler
+from dpclip.training.distributed import DistributedContext, ShardedSampler, resolve_distributed, shard_bounds
+from dpclip.training.private import make_private
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.units import MiniSetSampler
 
 
 def _ctx(rank: int, world: int) -> DistributedContext:

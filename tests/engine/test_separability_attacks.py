@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, VmapEngine
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.step import PrivateBufferError, private_buffer_guard
+from dpclip.training.step import PrivateBufferError, private_buffer_guard
 from tests.engine.helpers import DT, clip_weights
 
 C = 0.5

@@ -38,7 +38,7 @@ def test_the_p_grad_path_bounds_the_transformed_vector_actually_summed():
     """AdaClip (P-GRAD: materialised, transformed per-example gradients) summed up to
     1.00000016 times its sensitivity 1 before the bound."""
     from dpclip.clipping import make_strategy
-    from dpclip.step import transformed_sum
+    from dpclip.training.step import transformed_sum
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 5))

@@ -27,8 +27,8 @@ def test_lora_example_runs_on_ghost(capsys, monkeypatch):
 def test_lora_frozen_base_gets_nothing(monkeypatch):
     """Only the adapters are hooked, noised and updated; the frozen base is untouched."""
     import dpclip.engine.ghost as ghost_mod
-    import dpclip.step as step_mod
-    from dpclip.private import make_private
+    import dpclip.training.step as step_mod
+    from dpclip.training.private import make_private
 
     ex = runpy.run_path(str(EXAMPLES / "hf_lora.py"))
     model = ex["build"](32, 16, 1, 2, 2, 0)

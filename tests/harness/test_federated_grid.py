@@ -160,7 +160,7 @@ def test_federated_grid_store_resume_report_and_evidence(spec_file, tmp_path):
 def test_federated_grid_refuses_torchrun(spec_file, tmp_path, monkeypatch):
     from dpclip.harness import runner
 
-    monkeypatch.setattr("dpclip.distributed.init_from_env", lambda: object())
+    monkeypatch.setattr("dpclip.training.distributed.init_from_env", lambda: object())
     with pytest.raises(ValueError, match="federated grid"):
         runner.run_experiment(load_spec(spec_file), db=tmp_path / "x.db", out_dir=tmp_path)
 

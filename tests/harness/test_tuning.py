@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-import dpclip.trainer as trainer_mod
+import dpclip.training.trainer as trainer_mod
 from dpclip.data import load_dataset
 from dpclip.harness.runner import run_experiment
 from dpclip.harness.spec import SpecError, parse_spec

@@ -26,9 +26,9 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import ComposedEvent, GaussianEvent, PoissonSampledEvent
 from dpclip.lipschitz import UnsupportedLayerError, tabular_mlp
 from dpclip.lipschitz.strategy import FixLipDpSgd, LipDpSgd, clip_inputs
-from dpclip.sampling import make_sampler
-from dpclip.step import dp_step
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.sampling import make_sampler
+from dpclip.training.step import dp_step
+from dpclip.training.trainer import TrainConfig, train
 
 DT = torch.float64
 TOL = 1 + 1e-9

@@ -85,8 +85,8 @@ def test_r1_per_example_scaled_gradients_within_the_certificate():
 def test_r1_refuses_per_example_engines():
     from dpclip.clipping import StepContext
     from dpclip.noise import make_generator
-    from dpclip.sampling import PoissonSampler
-    from dpclip.step import dp_step
+    from dpclip.training.sampling import PoissonSampler
+    from dpclip.training.step import dp_step
 
     m = model()
     s = make_strategy("lip-dp-sgd", {"input_norm": 2.0, "scaling": "r1"}).bind(m, (1, 6, 6))

@@ -120,7 +120,7 @@ def test_config_validation():
 
 
 def test_noise_helper_matches_the_trainer():
-    from dpclip.trainer import TrainConfig, train
+    from dpclip.training.trainer import TrainConfig, train
 
     z = search_noise_multiplier(3.0, 1e-5, batch_size=64, epochs=2, dataset_size=512,
                                 accountant="rdp")

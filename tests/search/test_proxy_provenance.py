@@ -28,7 +28,7 @@ from dpclip.data import (
 from dpclip.harness.store import ResultsStore
 from dpclip.search import GreedyConfig, PrivateDataError, check_public, greedy_search
 from dpclip.search.resolve import resolve_strategy_params
-from dpclip.trainer import TrainConfig
+from dpclip.training.trainer import TrainConfig
 
 CFG = dict(model="logreg", noise_multiplier=1.0, batch_size=64, lr=0.5, epochs=1,
            c_start=0.5, step=0.5, tolerance=0.05)

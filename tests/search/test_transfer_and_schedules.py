@@ -12,7 +12,7 @@ from dpclip.clipping.schedules import LinDecay, Transfer
 from dpclip.data import PUBLIC_PROXIES, public_proxy
 from dpclip.harness.store import ResultsStore
 from dpclip.search import GreedyConfig, greedy_c0, resolve_strategy_params, run_or_reuse
-from dpclip.trainer import TrainConfig
+from dpclip.training.trainer import TrainConfig
 
 
 def ctx(epoch, spe=5):

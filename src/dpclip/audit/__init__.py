@@ -5,7 +5,7 @@
   :func:`clopper_pearson_epsilon` (repeated runs), their count-level forms and helpers.
 
 * ``whitebox`` (torch; not imported here): :func:`dpclip.audit.whitebox.dirac_canary_audit`,
-  a white-box one-run audit of ``dpclip.step.dp_step`` with Dirac gradient canaries.
+  a white-box one-run audit of ``dpclip.training.step.dp_step`` with Dirac gradient canaries.
 
 An audit refutes privacy claims; it never proves one. ``estimators`` itself imports only numpy
 and scipy (``dpclip``'s top-level package imports torch, as for every subpackage).

@@ -1,8 +1,8 @@
 """Black-box one-run audit of a whole training run (input canaries, final model only).
 
-:func:`blackbox_audit` takes any ``dpclip train`` configuration (:class:`dpclip.trainer.TrainConfig`),
+:func:`blackbox_audit` takes any ``dpclip train`` configuration (:class:`dpclip.training.trainer.TrainConfig`),
 plants ``m`` input canaries in its training set, each included independently with probability 1/2
-(the audit's fair coin), runs the real :func:`dpclip.trainer.train`, and scores every canary by
+(the audit's fair coin), runs the real :func:`dpclip.training.trainer.train`, and scores every canary by
 minus its cross-entropy loss under the FINAL model (a memorised canary has a low loss). The one-run
 estimators (Steinke, Nasr & Jagielski 2023, which assumes nothing about the mechanism; Mahloujifar,
 Melis & Chaudhuri 2024, Gaussian trade-off family) turn the scores into epsilon lower bounds,
@@ -132,7 +132,7 @@ def make_canaries(bundle: Any, m: int, canary: str, scale: float,
 def _check_no_public_split(config: Any) -> Any:
     """Refuse configurations with a public split; returns the strategy object."""
     from dpclip.clipping import make_strategy
-    from dpclip.units import UnitConfig
+    from dpclip.training.units import UnitConfig
 
     unit, params = UnitConfig.pop_from(config.strategy_params)
     strategy = make_strategy(config.strategy, params)
@@ -153,7 +153,7 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
     """Train ``config`` with input canaries and audit the final model (module docstring).
 
     Args:
-        config: a :class:`dpclip.trainer.TrainConfig` (any ``dpclip train`` configuration).
+        config: a :class:`dpclip.training.trainer.TrainConfig` (any ``dpclip train`` configuration).
         n_canaries: ``m >= 8`` (``"mislabelled"``: at most the test set's size).
         canary: ``"ood"`` (random out-of-distribution inputs, random labels) or ``"mislabelled"``.
         canary_scale: ``"ood"`` inputs' norm in units of the mean training-input norm.
@@ -162,7 +162,7 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
         progress: the training progress bar.
     """
     from dpclip.data import load_dataset
-    from dpclip.trainer import cross_entropy_per_example, train
+    from dpclip.training.trainer import cross_entropy_per_example, train
 
     if canary not in CANARIES:
         raise ValueError(f"canary must be one of {CANARIES}, got {canary!r}")

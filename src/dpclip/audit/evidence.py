@@ -122,7 +122,7 @@ BLACKBOX_RUNS: list[dict[str, Any]] = [
 def blackbox_rows(only: set[str] | None = None, progress: bool = False) -> list[dict[str, Any]]:
     """Run :data:`BLACKBOX_RUNS` (honest + no-noise control each) with :func:`blackbox_audit`."""
     from dpclip.audit.blackbox import blackbox_audit
-    from dpclip.trainer import TrainConfig
+    from dpclip.training.trainer import TrainConfig
 
     rows = []
     for spec in BLACKBOX_RUNS:

@@ -1,6 +1,6 @@
 """White-box audit of ONE private step for any strategy x engine x clipping unit x sampling.
 
-:func:`audit_step` runs the real :func:`dpclip.step.dp_step` (or a ``step_fn`` with its signature:
+:func:`audit_step` runs the real :func:`dpclip.training.step.dp_step` (or a ``step_fn`` with its signature:
 the mutation tests pass broken steps) and returns epsilon lower bounds next to the epsilon the
 step claims. Every canary takes part in ONE step only, with its own fair inclusion coin drawn
 before that step, so by adaptive composition the claim it is compared with is the epsilon of one
@@ -56,9 +56,9 @@ from dpclip.clipping.base import State, StepContext
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import DpEvent, GaussianEvent, PoissonSampledEvent, SampledWithoutReplacementEvent
 from dpclip.noise import make_generator, noise_std
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
-from dpclip.step import dp_step
-from dpclip.units import MiniSetSampler, UnitConfig
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.step import dp_step
+from dpclip.training.units import MiniSetSampler, UnitConfig
 
 __all__ = ["ObservedStrategy", "StepAudit", "audit_step", "inner_event", "step_epsilon"]
 
@@ -283,7 +283,7 @@ def audit_step(
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     UnitConfig(unit=unit, miniset_size=miniset_size if unit == "gbc" else None)  # validates unit
     if unit == "gbc" and sampling != "fixed-size":
-        raise ValueError("unit=gbc needs sampling='fixed-size' (as in training; see dpclip.units)")
+        raise ValueError("unit=gbc needs sampling='fixed-size' (as in training; see dpclip.training.units)")
     bound = getattr(strategy, "kind", "norm") == "bound"
     if bound and unit != "ic":
         raise ValueError(f"strategy {strategy.name!r} is bound-based and runs with unit=ic only")

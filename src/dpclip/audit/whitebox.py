@@ -1,4 +1,4 @@
-"""White-box Dirac-canary audit of :func:`dpclip.step.dp_step` (one run, gradient space).
+"""White-box Dirac-canary audit of :func:`dpclip.training.step.dp_step` (one run, gradient space).
 
 The audit runs the REAL step (engine, clipping strategy, noise, normalisation) on a model built so
 that every example is a canary whose per-example gradient is a Dirac: canary ``j`` has the gradient
@@ -42,8 +42,8 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.base import Engine
 from dpclip.events import ComposedEvent, DpEvent, PoissonSampledEvent
 from dpclip.noise import make_generator
-from dpclip.sampling import PoissonSampler
-from dpclip.step import dp_step
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import dp_step
 
 __all__ = ["DiracAudit", "dirac_canary_audit", "ideal_bounds"]
 

@@ -1,8 +1,8 @@
 """AdaCliP: coordinate-wise adaptive clipping (Pichapati et al. 2019; algorithms.md M5).
 
 The one strategy of class P-GRAD: it transforms each materialized per-example gradient before
-clipping, so ``dpclip.step.dp_step`` runs it through its per-example-transform path (see
-``dpclip.step.GradientTransform``) instead of ``engine.compute``.
+clipping, so ``dpclip.training.step.dp_step`` runs it through its per-example-transform path (see
+``dpclip.training.step.GradientTransform``) instead of ``engine.compute``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ The crop is applied before the flip. Inputs are images ``(C, H, W)`` per example
 batch or unit dimensions).
 
 Augmentation multiplicity (De et al. 2022: K augmented copies of an example, their gradients
-averaged before clipping) is :mod:`dpclip.multiplicity`; it draws ``K`` rows of parameters per
+averaged before clipping) is :mod:`dpclip.training.multiplicity`; it draws ``K`` rows of parameters per
 example from the same generator.
 """
 

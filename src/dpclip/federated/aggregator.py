@@ -43,7 +43,7 @@ from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, noise_std
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import FixedSizeSampler, PoissonSampler, Sampler
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler, Sampler
 
 __all__ = [
     "AggregateOutput",
@@ -54,7 +54,7 @@ __all__ = [
     "round_context",
 ]
 
-#: Sampling schemes of users (the names of ``dpclip.sampling``).
+#: Sampling schemes of users (the names of ``dpclip.training.sampling``).
 USER_SAMPLING = ("poisson", "fixed-size")
 
 
@@ -181,7 +181,7 @@ class AggregateOutput:
 
 
 class _CountReleaser:
-    """The ``Release`` callback of the round (the same contract as ``dpclip.step``'s): noise from
+    """The ``Release`` callback of the round (the same contract as ``dpclip.training.step``'s): noise from
     the round's generator, ``std = z * sensitivity * k``, typed ``GaussianEvent(z)``."""
 
     def __init__(self, generator: torch.Generator, factor: int) -> None:

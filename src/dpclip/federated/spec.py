@@ -123,7 +123,7 @@ def check_user_delta(delta: float, num_users: int) -> None:
     """User-level DP: ``delta < 1/N``, N the number of users (the privacy unit); with
     ``delta >= 1/N`` publishing one random user's data in the clear meets the guarantee."""
     if num_users >= 1 and float(delta) >= 1.0 / num_users:
-        from dpclip.private import default_delta
+        from dpclip.training.private import default_delta
 
         raise ValueError(
             f"delta={float(delta):g} is >= 1/N = 1/{num_users} ({num_users} users, the privacy "

@@ -184,9 +184,9 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
                   if not isinstance(v, (list, dict))}
         if (s0.get("augment") or "none") != "none":  # training augmentation (dpclip.data.augment)
             params["augment"] = s0["augment"]
-        if int(s0.get("augment_multiplicity") or 1) > 1:  # dpclip.multiplicity
+        if int(s0.get("augment_multiplicity") or 1) > 1:  # dpclip.training.multiplicity
             params["augment_multiplicity"] = s0["augment_multiplicity"]
-        if (s0.get("averaging") or "none") != "none":  # dpclip.averaging: evaluated weights
+        if (s0.get("averaging") or "none") != "none":  # dpclip.training.averaging: evaluated weights
             params["averaging"] = s0["averaging"]
         m, sd = _mean_std([100 * x["summary"]["test_accuracy"] for x in rs])
         secs = statistics.fmean(x["summary"].get("wall_seconds", float("nan")) for x in rs)

@@ -1,7 +1,7 @@
 """Run an experiment grid: skip finished runs, resume interrupted ones, optionally in parallel.
 
 Each run checkpoints into ``<out>-private/checkpoints/<fingerprint>`` (private files, beside the
-published ``<out>``: ``dpclip.checkpoints.private_root``); a finished run is recognised by its
+published ``<out>``: ``dpclip.training.checkpoint.private_root``); a finished run is recognised by its
 config fingerprint in the SQLite store. Killing the runner and starting it again therefore loses
 nothing: finished runs are skipped, the interrupted ones resume from their last checkpoint (same
 ledger, same result as an uninterrupted run), the rest start. Before that, strategy parameters
@@ -68,11 +68,11 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
              checkpoint_interval_s: float, is_main: bool = True) -> tuple[str, str | None]:
     """Execute one run (in this process or a worker); returns (fingerprint, error or None).
 
-    Under torchrun every rank trains the run together (``dpclip.distributed``); only rank 0
+    Under torchrun every rank trains the run together (``dpclip.training.distributed``); only rank 0
     (``is_main``) writes the store."""
     import torch
 
-    from dpclip.trainer import train
+    from dpclip.training.trainer import train
 
     torch.set_num_threads(threads)
     federated = getattr(run.config, "kind", None) == "federated"
@@ -157,7 +157,7 @@ def run_experiment(
     other ranks; every rank then trains each run together, and only rank 0 writes results and
     checkpoints. ``workers`` must be 1 there. ``threads``: torch threads per worker (default: the
     CPU count divided by ``workers``)."""
-    from dpclip.distributed import init_from_env
+    from dpclip.training.distributed import init_from_env
 
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -173,7 +173,7 @@ def run_experiment(
         raise ValueError(f"spec {spec.name!r} has a [tuning] section: run it once without "
                          "torchrun first (the trials and choices are stored), or remove [tuning]")
     out = Path(out_dir)
-    from dpclip.checkpoints import private_root
+    from dpclip.training.checkpoint import private_root
 
     ck_root = private_root(out) / "checkpoints"  # private: beside the reports, not inside
     runs = spec.runs()

@@ -110,7 +110,7 @@ from typing import Any, Iterable
 from dpclip.errors import did_you_mean, unknown_name
 from dpclip.harness.tuning import (HORIZONS, SOURCES, TUNABLE_TRAIN_FIELDS, TuningSpec,
                                    apply_point, search_points)
-from dpclip.trainer import TrainConfig
+from dpclip.training.trainer import TrainConfig
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
@@ -550,7 +550,7 @@ def _validate_names(spec: ExperimentSpec) -> None:
             # store by the runner; here they get placeholders so the rest is validated
             cfg = next(r.config for r in runs if r.label == st.label)
             cfg = resolve_strategy_params(cfg, None, dry_run=True)
-            from dpclip.units import UnitConfig, check_unit_sampling
+            from dpclip.training.units import UnitConfig, check_unit_sampling
 
             unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
             check_unit_sampling(unit, cfg.sampling)

@@ -133,7 +133,7 @@ def cell_key(config: Any, label: str) -> tuple:
     return (label, config.dataset, config.model, level)
 
 
-from dpclip.planning import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
+from dpclip.training.plan import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
 
 
 def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, Any] | None:
@@ -171,7 +171,7 @@ def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, 
 
 
 def _field_defaults() -> dict[str, Any]:
-    from dpclip.trainer import TrainConfig
+    from dpclip.training.trainer import TrainConfig
 
     return {f.name: f.default for f in dataclasses.fields(TrainConfig)
             if f.default is not dataclasses.MISSING}
@@ -256,7 +256,7 @@ class _Tuner:
         from a run of the real trainer stopped before its first step. The bundle it gets holds
         the full training split and, in place of the test split, the validation split: the test
         split is not needed (nothing is evaluated) and is not handed over."""
-        from dpclip.trainer import train
+        from dpclip.training.trainer import train
 
         key = json.dumps({k: v for k, v in config.to_dict().items()
                           if k not in TUNABLE_TRAIN_FIELDS}, sort_keys=True, default=str)
@@ -285,7 +285,7 @@ class _Tuner:
                 cfg = dataclasses.replace(final, epochs=self.tuning.epochs, **base)
             return cfg, self._validation_bundle(final), facts
         from dpclip.data import load_dataset, public_proxy
-        from dpclip.sampling import make_sampler
+        from dpclip.training.sampling import make_sampler
 
         proxy = public_proxy(final.dataset, self.tuning.proxy)
         pub = load_dataset(proxy, final.data_dir, seed=self.tuning.seed)
@@ -300,7 +300,7 @@ class _Tuner:
 
     # ------------------------------------------------------------------ the protocol
     def run_cell(self, runs: list[Any], strategy: Any) -> dict[str, Any]:
-        from dpclip.trainer import train
+        from dpclip.training.trainer import train
 
         t = self.tuning
         first = runs[0]
@@ -325,7 +325,7 @@ class _Tuner:
                 rid = self.store.start_run(fp, cfg.to_dict(), experiment=self.experiment,
                                            label=label)
                 try:
-                    from dpclip.checkpoints import private_root
+                    from dpclip.training.checkpoint import private_root
 
                     res = train(cfg, data=data,
                                 checkpoint_dir=private_root(self.out) / "tuning" / fp,

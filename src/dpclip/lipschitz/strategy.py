@@ -2,7 +2,7 @@
 
 Bound-based strategies (``kind = "bound"``, algorithms.md M15; Barczewski & Ramon, "DP-SGD with
 weight clipping", arXiv 2310.18001). No per-example gradient is clipped. One step
-(:func:`dpclip.step.bound_step`) is::
+(:func:`dpclip.training.step.bound_step`) is::
 
     state, cert <- strategy.certify(model, loss, input_shape, state)   # from the CURRENT weights
     x           <- strategy.scale_inputs(x)                             # x * min(1, X_0 / ||x||)
@@ -323,7 +323,7 @@ class _LipBase(StrategyBase):
     def sensitivity(self, state: State) -> float:
         """The last certified global ``Delta`` (set by :meth:`certify`, i.e. by every step); NaN
         before the first certificate. A report only: the step calibrates its noise to the
-        certificate it computes itself (:func:`dpclip.step.bound_step`), never to this value."""
+        certificate it computes itself (:func:`dpclip.training.step.bound_step`), never to this value."""
         s = state.get("sensitivity")
         return math.nan if s is None else float(s)
 

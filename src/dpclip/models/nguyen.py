@@ -1,7 +1,7 @@
 """Nguyen et al.'s networks (algorithms.md 3.4, A9): (BN-)LeNet-5, their convnet, ResNet-18.
 
 BatchNorm mixes the examples of a batch, so a BatchNorm model trains only with batch clipping
-(``--param unit=bc`` or ``gbc``); per-example clipping refuses it (``dpclip.units``). Every builder
+(``--param unit=bc`` or ``gbc``); per-example clipping refuses it (``dpclip.training.units``). Every builder
 offers a BatchNorm-free variant (``lenet5``; ``norm="gn"`` or ``"none"`` for the others).
 
 Layer names are stable (``conv1``, ``bn1``, ...): per-layer clipping groups are modules owning

@@ -196,9 +196,9 @@ def search_noise_multiplier(
     the trainer's own plan and calibration, so it equals the sigma ``dpclip train --epsilon``
     uses for such a run."""
     from dpclip.clipping import FixedClip
-    from dpclip.planning import CLI_FLAGS, Plan, resolve_noise
-    from dpclip.sampling import make_sampler
-    from dpclip.trainer import TrainConfig
+    from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
+    from dpclip.training.sampling import make_sampler
+    from dpclip.training.trainer import TrainConfig
 
     TrainConfig(epsilon=epsilon, delta=delta, batch_size=batch_size, epochs=epochs,
                 sampling=sampling, accountant=accountant)  # the same validation as a run
@@ -348,9 +348,9 @@ def greedy_search(
     from dpclip.engine import ParamGroups, get_engine
     from dpclip.models import build_model
     from dpclip.noise import make_generator
-    from dpclip.sampling import make_sampler
-    from dpclip.step import dp_step
-    from dpclip.trainer import (
+    from dpclip.training.sampling import make_sampler
+    from dpclip.training.step import dp_step
+    from dpclip.training.trainer import (
         cross_entropy_per_example,
         evaluate,
         make_optimizer,

@@ -114,7 +114,7 @@ def run_or_reuse(
     return name, thresholds, meta
 
 
-from dpclip.planning import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
+from dpclip.training.plan import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
 
 
 def same_search(stored: list[dict[str, Any]], config: GreedyConfig) -> dict[str, Any] | None:
@@ -223,7 +223,7 @@ def greedy_c0(
     of ``runs`` one-epoch searches (seeds 0..runs-1) on the public proxy. Returns ``(C0, schedule
     names, the first-epoch thresholds)``; the searches are stored in (and reused from) ``store``."""
     from dpclip.data import public_proxy
-    from dpclip.sampling import make_sampler
+    from dpclip.training.sampling import make_sampler
 
     if not (isinstance(runs, int) and runs >= 1):
         raise ValueError(f"lin-decay: c0_runs must be an int >= 1 (Lin et al.: 5), got {runs!r}")
@@ -427,7 +427,7 @@ def _resolve_greedy_schedule(config: Any, params: dict[str, Any], store: Any,
                              checkpoint_root: Any, progress: bool, dry_run: bool) -> Any:
     """``transfer`` with ``schedule = "greedy"`` (module docstring)."""
     from dpclip.data import public_proxy
-    from dpclip.sampling import make_sampler
+    from dpclip.training.sampling import make_sampler
 
     proxy = params.pop("schedule_proxy", None)
     epochs = params.pop("schedule_epochs", config.epochs)

@@ -34,8 +34,8 @@ from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
-from dpclip.sampling import Sampler
-from dpclip.units import UnitConfig, expected_units, unit_sum
+from dpclip.training.sampling import Sampler
+from dpclip.training.units import UnitConfig, expected_units, unit_sum
 
 __all__ = [
     "GradientTransform",
@@ -168,7 +168,7 @@ def dp_step(
     ``inputs``/``targets``: tensors, or tuples/dicts of tensors with the batch in dimension 0 of
     every leaf (:mod:`dpclip.engine.batch`: the model is called as ``model(*inputs)`` or
     ``model(**inputs)``).
-    ``unit`` (``dpclip.units``): ``None`` or IC clips per example; BC/GBC take ``inputs`` of shape
+    ``unit`` (``dpclip.training.units``): ``None`` or IC clips per example; BC/GBC take ``inputs`` of shape
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """

@@ -24,7 +24,7 @@ for ``n > S``, ``t = n - S - 1`` and
 
 Only trainable parameters are averaged (frozen ones do not move). Buffers are NOT averaged: the
 averaged model uses the model's current buffers as they are (dpclip never lets private data into a
-buffer: ``dpclip.step.private_buffer_guard``; BatchNorm statistics are recomputed on public data or
+buffer: ``dpclip.training.step.private_buffer_guard``; BatchNorm statistics are recomputed on public data or
 taken from the test batch by the evaluation, whichever the run uses).
 
 Privacy: post-processing. Every iterate ``theta_n`` is a function of the noisy gradients released

@@ -13,8 +13,8 @@ clipped, noised gradient in ``p.grad``. Every private release is recorded in the
             optimizer.step()
         print(epoch, dp.epsilon())
 
-This is the same step and ledger that ``dpclip train`` uses (``dpclip.trainer.train`` drives
-this class): ``dpclip.step.dp_step`` computes the privatized gradient, the sampler names the
+This is the same step and ledger that ``dpclip train`` uses (``dpclip.training.trainer.train`` drives
+this class): ``dpclip.training.step.dp_step`` computes the privatized gradient, the sampler names the
 event, and the ledger checks every step against the plan made before training. The plan is public:
 the strategy's events per step, the sampler and the number of steps. The noise multiplier is
 calibrated from that plan to the target epsilon. The budget stops the loader, and ``backward``
@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.clipping import ClippingStrategy, make_strategy
-from dpclip.distributed import (
+from dpclip.training.distributed import (
     DistributedEngine,
     ShardedSampler,
     assert_synchronized,
@@ -63,21 +63,21 @@ from dpclip.distributed import (
     resolve_distributed,
     shared_randomness,
 )
-from dpclip.averaging import WeightAverager, parse_averaging
+from dpclip.training.averaging import WeightAverager, parse_averaging
 from dpclip.data.augment import parse_augment
 from dpclip.devices import resolve_device
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.inputs import check_class_targets, convert_arrays
-from dpclip.loop_guard import LoopGuard
-from dpclip.multiplicity import KCopyModel, check_multiplicity, expand_copies, k_copy_loss, \
+from dpclip.training.loop_guard import LoopGuard
+from dpclip.training.multiplicity import KCopyModel, check_multiplicity, expand_copies, k_copy_loss, \
     parse_multiplicity
-from dpclip.planning import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
+from dpclip.training.plan import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import make_sampler
-from dpclip.step import StepOutput, dp_step, private_buffer_guard
-from dpclip.units import (
+from dpclip.training.sampling import make_sampler
+from dpclip.training.step import StepOutput, dp_step, private_buffer_guard
+from dpclip.training.units import (
     MiniSetSampler,
     UnitConfig,
     batchnorm_layers,
@@ -167,7 +167,7 @@ def _same_batch(given: Any, drawn: Any) -> bool:
 def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
                          accountant: str) -> None:
     """Refuse what the distributed step cannot reproduce exactly or account for
-    (``dpclip.distributed``); before any collective, so every rank fails alike."""
+    (``dpclip.training.distributed``); before any collective, so every rank fails alike."""
     name = getattr(strategy, "name", type(strategy).__name__)
     if sampling != "poisson" and accountant == "pld":
         raise ValueError(
@@ -194,13 +194,13 @@ class PrivateTraining:
     Attributes (public): ``strategy``, ``engine``, ``sampler``, ``unit``, ``noise_multiplier``,
     ``total_steps`` (planned), ``max_steps`` (within the epsilon cap), ``steps`` (done),
     ``steps_per_epoch``, ``epochs``, ``ledger``, ``delta``, ``accountant``, ``engine_info``,
-    ``distributed`` (the :class:`~dpclip.distributed.DistributedContext`, or ``None``).
+    ``distributed`` (the :class:`~dpclip.training.distributed.DistributedContext`, or ``None``).
 
     ``distributed=True`` (or a ``DistributedContext``) trains ONE private run across the ranks of
     a ``torch.distributed`` group (docs/distributed.md): the secret generators are agreed once
     (rank 0's, broadcast), every rank draws the same global batch and keeps its shard, the clipped
     sums are all-reduced before the noise, which is drawn once; ``loader`` yields this rank's shard,
-    ``sampler`` is a :class:`~dpclip.distributed.ShardedSampler` (its public properties are the
+    ``sampler`` is a :class:`~dpclip.training.distributed.ShardedSampler` (its public properties are the
     global ones), and the ledger on every rank equals the one-process ledger. Only rank 0 should
     write results and checkpoints (``is_main_process``); every rank loads the same checkpoint.
 
@@ -279,7 +279,7 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
-        #: augmentation multiplicity K and weight averaging (dpclip.multiplicity, dpclip.averaging)
+        #: augmentation multiplicity K and weight averaging (dpclip.training.multiplicity, dpclip.training.averaging)
         self.multiplicity = parse_multiplicity(
             augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity"))
         self.averaging = parse_averaging(averaging, flags.get("averaging", "averaging="))
@@ -370,7 +370,7 @@ class PrivateTraining:
                                                partition_seed=self.seed)
         else:
             self.sampler = make_sampler(sampling, n, batch_size)
-        # distributed (dpclip.distributed): every rank draws the GLOBAL batch, keeps its shard
+        # distributed (dpclip.training.distributed): every rank draws the GLOBAL batch, keeps its shard
         self.distributed = resolve_distributed(distributed)
         if self.distributed is not None:
             _check_distributable(strategy, unit, sampling, accountant)
@@ -420,7 +420,7 @@ class PrivateTraining:
                        accountant=self.accountant)
         self.max_steps = self._budget_steps()
         self._pending: tuple[Any, Any] | None = None
-        #: the loop rules (dpclip.loop_guard): every draw released once, unchanged, and only
+        #: the loop rules (dpclip.training.loop_guard): every draw released once, unchanged, and only
         #: released gradients applied by the optimizer
         self.loop_guard = LoopGuard(optimizer)
         self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
@@ -733,7 +733,7 @@ class PrivateTraining:
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
-        finished = bool(ck.get("finished"))  # dpclip.checkpoints: no secret state left
+        finished = bool(ck.get("finished"))  # dpclip.training.checkpoint: no secret state left
         if "randomness" not in ck and not finished:
             raise ValueError("checkpoint has no private randomness state (written by an older "
                              "dpclip?); it cannot be resumed")
@@ -786,8 +786,8 @@ class PrivateTraining:
     # --------------------------------------- augmentation multiplicity and weight averaging
 
     def _setup_multiplicity_and_averaging(self, engine: str, chunk_kw: dict[str, Any]) -> None:
-        """Checks and engine choice for augmentation multiplicity (``dpclip.multiplicity``) and
-        the weight averager (``dpclip.averaging``); called once from ``__init__``."""
+        """Checks and engine choice for augmentation multiplicity (``dpclip.training.multiplicity``) and
+        the weight averager (``dpclip.training.averaging``); called once from ``__init__``."""
         check_multiplicity(self.multiplicity, augment=self.augment,
                            unit_is_individual=self.unit.is_individual,
                            bound_based=self.bound_based, engine=engine,
@@ -832,7 +832,7 @@ class PrivateTraining:
 
     def averaged_model(self) -> nn.Module:
         """A copy of the model holding the averaged parameters (post-processing; see
-        ``dpclip.averaging``). Raises when averaging is off."""
+        ``dpclip.training.averaging``). Raises when averaging is off."""
         if self.averager is None:
             raise ValueError("averaged_model: averaging is off; pass averaging='ema:0.999' (or "
                              "'polyak:S') to make_private")

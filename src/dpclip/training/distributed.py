@@ -59,7 +59,7 @@ from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, Weight
 from dpclip.engine.batch import check_batch
 from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
-from dpclip.sampling import FixedSizeSampler, PoissonSampler
+from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 
 __all__ = [
     "DistributedContext",

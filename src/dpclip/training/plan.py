@@ -3,7 +3,7 @@ epsilon, and the number of steps the epsilon cap allows.
 
 Everything here is computed before any data is read, from public settings only (the strategy's
 planned events, the sampler, the number of steps), so it can be published. Both entry points use
-it: ``dpclip.private.PrivateTraining`` (the own-model API) and, through it, ``dpclip train``.
+it: ``dpclip.training.private.PrivateTraining`` (the own-model API) and, through it, ``dpclip train``.
 Messages name the arguments as the caller knows them (``flags``: ``--epsilon`` on the command line,
 ``epsilon=`` in Python).
 """

@@ -2,7 +2,7 @@
 
 ``train(config)`` runs DP-SGD as described by a ``TrainConfig`` and returns a ``RunResult``. The
 registries turn names into data, a model and an optimizer; the private loop is
-``dpclip.private.PrivateTraining`` (the own-model API): each step is ``dpclip.step.dp_step``, the
+``dpclip.training.private.PrivateTraining`` (the own-model API): each step is ``dpclip.training.step.dp_step``, the
 ledger records the event the sampler and strategy emit, and the loop stops before the ledger would
 exceed ``config.epsilon``. With ``checkpoint_dir`` set, the run
 writes atomic checkpoints (model, optimizer, strategy state, ledger, every RNG, history) and, when
@@ -31,13 +31,13 @@ from torch import Tensor, nn
 from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
-from dpclip.distributed import init_from_env
+from dpclip.training.distributed import init_from_env
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
 from dpclip.models import build_model
-from dpclip.planning import CLI_FLAGS
-from dpclip.private import PrivateTraining, default_delta
-from dpclip.step import private_buffer_guard
-from dpclip.units import (
+from dpclip.training.plan import CLI_FLAGS
+from dpclip.training.private import PrivateTraining, default_delta
+from dpclip.training.step import private_buffer_guard
+from dpclip.training.units import (
     UnitConfig,
     batchnorm_layers,
     check_unit_sampling,
@@ -84,11 +84,11 @@ class TrainConfig:
     #: per-example image augmentation after the secret sampling (``dpclip.data.augment``):
     #: "none" or e.g. "crop:4,flip"; the sensitivity is unchanged, test data is never augmented
     augment: str = "none"
-    #: augmentation multiplicity K (``dpclip.multiplicity``, De et al. 2022): each sampled example
+    #: augmentation multiplicity K (``dpclip.training.multiplicity``, De et al. 2022): each sampled example
     #: augmented K times, the K gradients averaged before clipping; needs ``augment``; sensitivity
     #: unchanged
     augment_multiplicity: int = 1
-    #: weight averaging (``dpclip.averaging``): "none", "ema:D[:S]" or "polyak:S"; evaluation and
+    #: weight averaging (``dpclip.training.averaging``): "none", "ema:D[:S]" or "polyak:S"; evaluation and
     #: the returned model use the averaged weights; post-processing (no privacy cost)
     averaging: str = "none"
     optimizer: str = "sgd"
@@ -126,7 +126,7 @@ class TrainConfig:
         from dpclip.engine import ENGINES
         from dpclip.errors import unknown_name
         from dpclip.models import MODELS
-        from dpclip.sampling import SAMPLERS
+        from dpclip.training.sampling import SAMPLERS
 
         cli = {"strategy_params": "--param", "model_options": "--model-option",
                "dataset_options": "--dataset-option", "weight_decay": None,
@@ -209,8 +209,8 @@ class TrainConfig:
 
         aug = parse_augment(self.augment, f"TrainConfig: {flag('augment')}")
         object.__setattr__(self, "augment", aug.spec if aug is not None else "none")  # canonical
-        from dpclip.averaging import parse_averaging
-        from dpclip.multiplicity import parse_multiplicity
+        from dpclip.training.averaging import parse_averaging
+        from dpclip.training.multiplicity import parse_multiplicity
 
         parse_multiplicity(self.augment_multiplicity,
                            f"TrainConfig: {flag('augment_multiplicity')}")
@@ -414,7 +414,7 @@ def evaluate(
 def _atomic_save(obj: Any, path: Path) -> None:
     """Write ``path`` atomically (a ``.tmp`` then ``os.replace``): a failed write (full disk)
     leaves the previous checkpoint intact and says so."""
-    from dpclip.checkpoints import atomic_private_save
+    from dpclip.training.checkpoint import atomic_private_save
 
     try:
         atomic_private_save(obj, path)  # owner-only (0600): the checkpoint is private
@@ -443,7 +443,7 @@ def train(
     """Run DP-SGD as ``config`` describes (see the module docstring).
 
     The registries turn names into a dataset, a model and an optimizer; the private loop itself is
-    :class:`dpclip.private.PrivateTraining`, the same object the own-model API returns (one path:
+    :class:`dpclip.training.private.PrivateTraining`, the same object the own-model API returns (one path:
     the plan, calibration, budget, step, ledger and randomness are shared). This function adds
     evaluation, history, progress and checkpoints.
 
@@ -457,7 +457,7 @@ def train(
     (``dpclip train`` stores its run only then: a refused input leaves no row).
     """
     t_start = time.perf_counter()
-    # torchrun: one private run across the ranks (dpclip.distributed); None in one process
+    # torchrun: one private run across the ranks (dpclip.training.distributed); None in one process
     dist_ctx = init_from_env()
     is_main = dist_ctx is None or dist_ctx.is_main
     bundle = data or load_dataset(
@@ -577,7 +577,7 @@ def train(
     def save(finished: bool = False) -> None:
         if ckpt_path is None or not is_main:  # rank 0 writes; every rank resumes from its file
             return
-        from dpclip.checkpoints import finished_checkpoint, make_private_dir
+        from dpclip.training.checkpoint import finished_checkpoint, make_private_dir
 
         make_private_dir(ckpt_path.parent)  # owner-only
         ck = {
@@ -708,8 +708,8 @@ def train(
             "wall_seconds": elapsed_before + time.perf_counter() - t_start,
         })
         save()
-    if ckpt_path is not None and is_main:  # finished (dpclip.checkpoints): drop the secrets
-        from dpclip.checkpoints import FINISHED_NOTE
+    if ckpt_path is not None and is_main:  # finished (dpclip.training.checkpoint): drop the secrets
+        from dpclip.training.checkpoint import FINISHED_NOTE
 
         save(finished=True)
         print(f"dpclip: {ckpt_path}: {FINISHED_NOTE}", file=sys.stderr)
