@@ -83,7 +83,7 @@ def _untransform(self, mean, state, noise_std):  # type: ignore[no-untyped-def]
 
 
 def _weights(self, norms, state):  # type: ignore[no-untyped-def]
-    if _trace is not None and norms.numel():
+    if norms.numel():
         _trace.append({"clipped": float((norms > 1).double().mean())})
     return _orig_weights(self, norms, state)
 
