@@ -150,6 +150,15 @@ def _write_md(rows: list[dict]) -> None:
             f"{100 * r['test_accuracy']:.2f} | {_fmt(r['m_norm_late'], '.3g')} | "
             f"{_fmt(r['b_median_late'], '.3g')} | {_fmt(r['update_norm_late'], '.3g')} | "
             f"{_fmt(r['clipped_late'], '.2f')} |")
+    lines += ["", "Mean +- std over the seeds run (paired: each seed is one model initialisation "
+              "shared by every setting):", "", "| setting | epochs | seeds | test acc (%) |",
+              "|---|---|---|---|"]
+    for label in dict.fromkeys(r["setting"] for r in rows):
+        for ep in sorted({r["epochs"] for r in rows if r["setting"] == label}):
+            accs = [100 * r["test_accuracy"] for r in rows
+                    if r["setting"] == label and r["epochs"] == ep]
+            lines.append(f"| {label} | {ep} | {len(accs)} | {statistics.mean(accs):.2f} +- "
+                         f"{statistics.pstdev(accs):.2f} |")
     lines.append(f"\ntorch {torch.__version__}, cpu (2 shared cores).")
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
