@@ -18,12 +18,6 @@ fixed-clipping row).
 Writes ``reproductions/results/andrew_diagnosis.{json,md}``::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python reproductions/andrew_diagnosis.py --epochs 3
-
-``--trials DB`` instead exports the finished TAN-scaled tuning trials of lin_table2_rerun.toml's
-Andrew column found in a results database (e.g. the cell database of ``reproductions/shard.py
-reproductions/lin_table2_rerun.toml --only Andrew --set 'grid.epsilons=[2.7]'``) to
-``reproductions/results/andrew_rerun_trials.{json,md}``: a check of the new search space before the
-40-epoch runs (validation accuracy, never the test split).
 """
 
 from __future__ import annotations
@@ -69,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", default=None, help="setting labels to run")
-    ap.add_argument("--trials", default=None, metavar="DB",
-                    help="export the rerun spec's finished Andrew trials from this database")
     args = ap.parse_args(argv)
-    if args.trials:
-        return _export_trials(Path(args.trials))
     path = OUT.with_suffix(".json")
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
     for label, change in SETTINGS.items():
@@ -98,59 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     stored = _stored()
     path.write_text(json.dumps({"rows": rows, "stored": stored}, indent=1) + "\n")
     _write_md(rows, stored)
-    return 0
-
-
-def _export_trials(db: Path) -> int:
-    """Write the finished Andrew trials of lin-table2-fmnist-rerun in ``db`` as rows + a table."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    rows = []
-    try:
-        for rid, cfg, summ, env in con.execute(
-                "SELECT id, config, summary, environment FROM runs WHERE status='finished' AND "
-                "experiment='lin-table2-fmnist-rerun:tuning' ORDER BY id"):
-            c, s = json.loads(cfg), json.loads(summ)
-            if c.get("strategy") != "quantile":
-                continue
-            ep = [json.loads(m) for (m,) in con.execute(
-                "SELECT metrics FROM epochs WHERE run_id=? ORDER BY epoch", (rid,))]
-            e = json.loads(env) if env else {}
-            rows.append({"experiment": "lin-table2-fmnist-rerun:tuning", "label": "Andrew",
-                         "target_quantile": c["strategy_params"].get("target_quantile"),
-                         "lr": c.get("lr"), "batch_size": c.get("batch_size"),
-                         "noise_multiplier": s.get("noise_multiplier"),
-                         "trial_epochs": c.get("epochs"),
-                         "selection_accuracy": s.get("test_accuracy"),
-                         "scored_on": "validation tenth of the training split",
-                         "clip_threshold": [m.get("clip_threshold") for m in ep],
-                         "epoch_accuracy": [m.get("test_accuracy") for m in ep],
-                         "noise": s.get("randomness", "seeded"),
-                         "device": "cpu (2 shared cores)",
-                         "torch": e.get("torch", torch.__version__), "kind": "tuning trial"})
-    finally:
-        con.close()
-    out = OUT.parent / "andrew_rerun_trials"
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    lines = ["# Andrew (gamma 0.7) TAN-scaled trials of lin_table2_rerun.toml at eps 2.7 (generated "
-             "by reproductions/andrew_diagnosis.py --trials)", "",
-             "Each trial: the 40-epoch run's 2,360 steps at batch 128 with the noise multiplier / 8 "
-             "(TAN scaling of the eps-2.7 run), scored on the validation tenth of the training "
-             "split (never the test split). The committed lin-table2-fmnist-tan trials for "
-             "comparison: Andrew's best 81.28 % (gamma 0.5, lr 1), Papernot's best 86.73 % "
-             "(C 0.8, lr 0.25), Yu's 86.58 %. A trial of the space that is not listed was not run "
-             "here (stopped to spare the shared CPU); gamma 0.7 at lr 0.25 scored 71.42 % in "
-             "lin-table2-fmnist-tan's trials.", "",
-             "| gamma | lr | B | sigma | selection acc (%) | C per epoch | acc per epoch | noise |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['target_quantile']} | {r['lr']:g} | {r['batch_size']:g} | "
-                     f"{r['noise_multiplier']:.4g} | {100 * r['selection_accuracy']:.2f} | "
-                     + ", ".join(f"{t:.3g}" for t in r["clip_threshold"] if t is not None)
-                     + " | " + ", ".join(f"{100 * a:.1f}" for a in r["epoch_accuracy"]
-                                          if a is not None)
-                     + f" | {r['noise']} |")
-    lines.append(f"\ntorch {torch.__version__}, cpu (2 shared cores).")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 
 
