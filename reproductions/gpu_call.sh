@@ -6,6 +6,11 @@
 # the wheels of dp-accounting, dm-tree and mlxtend in .whl/ and Fashion-MNIST under .gpu/data.
 #   END_DL: seconds after the start at which the cells are stopped (default 505)
 #   EPS: the Lin levels to run (default "1.5 4.5"); DEV: cuda (cpu for a dry run)
+#   JOB: "lin" (default: the Lin / Xia TAN cells above) or "issue36": the rows issue 36 still
+#        needs, as shard.py cells: the Auto-V column of xia_table2_tan.toml (--only Auto-V), the
+#        re-run Lin columns of lin_table2_rerun.toml (AdaClip with batch noise, Andrew with an lr
+#        space for its moving threshold) and fmnist_best_eps27.toml (EMA / multiplicity); or
+#        "autov", "rerun", "best": one of these three alone
 # This is what produced the eps 1.5 / 4.5 rows of lin-table2-fmnist-tan and xia-table2-fmnist-tan,
 # except --workers: the call that ran used 3 final-run workers in every cell, which put ~80
 # processes on the GPU; MPS serves at most 48 clients, and the runs that started beyond that
@@ -38,11 +43,32 @@ DEV=${DEV:-cuda}
 DL=$(left ${END_DL:-505}); TO=$(left $(( ${END_DL:-505} + 55 )))
 COMMON=(--threads 1 --set "train.device=\"$DEV\"" --deadline-s $DL)
 pids=()
+JOB=${JOB:-lin}
+case $JOB in issue36|autov|rerun|best) ;; lin) ;; *) echo "unknown JOB=$JOB"; exit 2 ;; esac
+if [ $JOB = issue36 ] || [ $JOB = autov ]; then
+  timeout $TO python3 reproductions/shard.py reproductions/xia_table2_tan.toml --only Auto-V \
+    --db $W/autov.db --work $W/w_autov --jobs 1 --workers 3 "${COMMON[@]}" > $W/autov.log 2>&1 &
+  pids+=($!)
+fi
+if [ $JOB = issue36 ] || [ $JOB = rerun ]; then
+  timeout $TO python3 reproductions/shard.py reproductions/lin_table2_rerun.toml \
+    --db $W/rerun.db --work $W/w_rerun --jobs 6 --workers 1 "${COMMON[@]}" > $W/rerun.log 2>&1 &
+  pids+=($!)
+fi
+if [ $JOB = issue36 ] || [ $JOB = best ]; then
+  timeout $TO python3 reproductions/shard.py reproductions/fmnist_best_eps27.toml \
+    --db $W/best.db --work $W/w_best --jobs 5 --workers 1 "${COMMON[@]}" > $W/best.log 2>&1 &
+  pids+=($!)
+fi
+if [ $JOB = lin ]; then
 timeout $TO python3 reproductions/shard.py reproductions/xia_table2_tan.toml --db $W/xia.db \
   --work $W/w_xia --jobs 3 --workers 3 "${COMMON[@]}" > $W/xia.log 2>&1 &
 pids+=($!)
+fi
 first=1
+[ $JOB = lin ] || EPS=none
 for e in ${EPS:-1.5 4.5}; do
+  [ "$e" = none ] && continue
   if [ $MPS = 0 ] && [ $first = 0 ]; then continue; fi  # without MPS: the first level only
   first=0
   DPCLIP_SEARCH_WORKERS=5 timeout $TO python3 reproductions/shard.py \
