@@ -126,6 +126,7 @@ from dpclip.engine.per_layer import (
     seq_now,
 )
 from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+from dpclip.engine.batchless import expand_rows, is_batchless
 from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
@@ -1736,7 +1737,10 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # batch size, private, must be used only as the leading dimension (proved once per signature
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
-        why = batch_size_uses(model, loss_fn, xs, ys)
+        # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
+        # the proof traces the program the engine runs
+        why = batch_size_uses(model, loss_fn, xs, ys, tuple(
+            o.module for o in scan.owners if o.rule is not _MODULE))
         with data_independent_paths():  # first: an error of the user's own code surfaces as is
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
         if why is not None:
@@ -1795,9 +1799,21 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         _check_separable(tracer, calls, losses)
         return calls, losses.sum()
 
-    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+    expanded: list[str] = []  # ruled layers whose batch-less calls were expanded
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_engine_call(by_module[id(mod)], a, out, tracer))
+        owner = by_module[id(mod)]
+        if tracer is not None and owner.rule is not _MODULE and is_batchless(a, out):
+            # a call without the batch (a (1, T) position index): its output and input as
+            # batched views, the output returned in place of the original
+            # (dpclip.engine.batchless); the trace sees the expansion and marks the view (0, 1)
+            a, out = expand_rows(a, batch), expand_rows(out, batch)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            return out
+        calls.append(_engine_call(owner, a, out, tracer))
+        return None
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         # the engine's own code (it reads the autograd sequence number), not user code: the
@@ -1816,8 +1832,18 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
-        with torch.enable_grad(), (tracer or contextlib.nullcontext()):
-            losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+        try:
+            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+                losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+        except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
+            if not expanded:
+                raise
+            raise _RuntimeUnsupported(
+                f"layer {expanded[0]!r} was called without the batch dimension (leading "
+                "dimension 1) and the forward pass failed on its output expanded to the batch "
+                f"({type(exc).__name__}); the ghost engine reads per-example gradients of such "
+                "a call from the expanded output: let the code after the layer broadcast it "
+                "(e.g. x + pos), or use engine 'vmap'") from exc
     finally:
         for h in handles:
             h.remove()
