@@ -376,8 +376,8 @@ def test_error_93_output_not_batch_first():
     model = _UsesPos().to(DT)
     msg = _refusal(model)
     assert msg.startswith(
-        "ghost engine: module 'p' (_Pos, per-layer path) returned a tensor of shape (1, 3) whose "
-        "first dimension is not the batch (5); per-example gradients need batch-first outputs. "
+        "ghost engine: module 'p' (_Pos, per-layer path) returned a tensor of rank 2 whose "
+        "first dimension is not the batch; per-example gradients need batch-first outputs. "
         "The ghost engine has rules for Linear, ")
     x, y = _data((3,))
     res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, ParamGroups.flat(model),

@@ -112,7 +112,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, slice_batch
-from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     arg_batch_dims,
@@ -1330,7 +1330,7 @@ class GhostEngine:
             except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
                 raise UnsupportedModelError(
                     f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
-                    f"vmap fallback failed too ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+                    f"vmap fallback failed too ({quote_error(exc)}). "
                     "vmap evaluates each example alone and cannot run data-dependent Python "
                     "control flow (e.g. `if mask.all():`) or in-place updates of unbatched "
                     "buffers; make the forward batch-first and free of such branches, or use "
@@ -1364,12 +1364,12 @@ class GhostEngine:
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
-                bad = [tuple(t.shape) for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
-                if bad:
+                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
+                if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "
-                        f"tensor of shape {bad[0]} whose first dimension is not the batch "
-                        f"({batch}); per-example gradients need batch-first outputs")
+                        f"tensor of rank {bad[0]} whose first dimension is not the batch; "
+                        "per-example gradients need batch-first outputs")
                 continue
             if c.a_version != c.a._version:
                 raise _RuntimeUnsupported(
@@ -1384,11 +1384,12 @@ class GhostEngine:
                     "rank (B, C, ...)")
             if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
                     or c.out_shape[0] != batch:
-                raise _RuntimeUnsupported(
-                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of shape "
-                    f"{tuple(c.a.shape)} (output {c.out_shape}) whose first dimension is "
-                    f"not the batch ({batch}); per-layer rules need batch-first inputs (e.g. "
-                    "expand position indices to (B, T) before an Embedding)")
+                raise _RuntimeUnsupported(  # ranks, not shapes (the batch size is private)
+                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
+                    f"{c.a.ndim} (output rank {len(c.out_shape)}) whose first dimension is not "
+                    "the batch; per-layer rules need batch-first inputs (e.g. expand position "
+                    "indices to (B, T) before an Embedding, or give the layer a leading "
+                    "dimension 1 that is broadcast later)")
         live = [c for c in calls if c.edge is not None]
         modular = [c for c in live if c.outs is not None]
         try:
@@ -2043,7 +2044,10 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
                        "through x.mean(0), a softmax or roll over the batch dimension, or an "
                        "operation the separability check does not know)") if lay == "mixed" \
                     else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
-                          "layout: a shape coincidence such as T == B cannot hide it)")
+                          "layout: a shape coincidence such as T == B cannot hide it)") \
+                    if lay[0] != 0 else (f"has each example in {lay[1]} consecutive rows of "
+                                         "dimension 0 (the batch flattened with another "
+                                         "dimension, e.g. x.view(-1, d)), not one row")
                 raise _RuntimeUnsupported(
                     f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
     lay = tracer.layout(losses)
