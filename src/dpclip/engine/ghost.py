@@ -128,6 +128,7 @@ from dpclip.engine.per_layer import (
 from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
 from dpclip.engine.batchless import expand_rows, is_batchless
 from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.tied import TiedUse, tied_norm_bound
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
 
@@ -1492,6 +1493,8 @@ class GhostEngine:
         multi: dict[str, Tensor] = {}
         tied: dict[str, Tensor] = {}  # the triangle bound: the sum of the uses' norm bounds
         tied_uses: dict[str, list[tuple[_Call, str]]] = {}
+        #: per use: its norm bound and the relative factor that bound still needs
+        tied_bounds: dict[str, list[tuple[Tensor, float]]] = {}
 
         def add(g: int, s: Tensor) -> None:
             acc[g] = s if acc[g] is None else acc[g] + s
@@ -1520,15 +1523,28 @@ class GhostEngine:
                 if one:
                     continue
                 if params[pn].numel() > _TIED_FORM_MAX_NUMEL:  # never by the batch size
-                    n_u = part_norms(c, [r])[r].clamp(min=0).sqrt()
+                    # part_norms for one role, keeping whether the bound is relative
+                    sq_u = c.rule.norms(c, [r])[r]
+                    b_sq = c.rule.bound_sq(c, sq_u, rnd) if r == "weight" else None
+                    rel_u = c.rule.rel_len(c, [r] if b_sq is None else [])
+                    k_rel = max(k_rel, rel_u)
+                    n_u = (sq_u if b_sq is None else b_sq).clamp(min=0).sqrt()
                     tied[pn] = n_u if pn not in tied else tied[pn] + n_u
                     tied_uses.setdefault(pn, []).append((c, r))
+                    tied_bounds.setdefault(pn, []).append(
+                        (n_u, rnd.gam(rel_u) if b_sq is None else 0.0))
                     continue
                 g = c.rule.per_example(c, r)
                 multi[pn] = g if pn not in multi else multi[pn] + g
         for pn, g in multi.items():
             add(group_of[pn], _sq(g))
             k_rel = max(k_rel, g[0].numel() + 4)
+        if tied:  # the exact norm of the sum of the uses (cross terms), where it is smaller
+            rho_t = _rho(rnd, batch, k_rel, len(live), n_groups)
+            for pn in tied:
+                exact = _tied_exact(tied_uses[pn], tied_bounds[pn], params[pn], rnd, rho_t)
+                if exact is not None:
+                    tied[pn] = torch.minimum(tied[pn], exact.to(tied[pn].dtype))
         for pn, n_sum in tied.items():
             add(group_of[pn], n_sum.square())
         zero = None
@@ -1548,9 +1564,7 @@ class GhostEngine:
         # the addition of the directly formed gradients (_FORM_RATIO: one per layer),
         # the sums over layers and groups, the square root and the strategy's few operations on
         # the norm (32)
-        n_blocks = len(_bk_blocks(batch))
-        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * len(live) + n_groups
-                                            + 32)) - 1
+        rho = _rho(rnd, batch, k_rel, len(live), n_groups)
         norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
@@ -1651,6 +1665,47 @@ class GhostEngine:
             if used + mem <= budget:
                 c.choice = "keep"
                 used += mem
+
+
+def _rho(rnd: _Rounding, batch: int, k_rel: int, n_live: int, n_groups: int) -> float:
+    """The chunk's relative rounding factor of the norms (see ``GhostEngine._reduce``)."""
+    n_blocks = len(_bk_blocks(batch))
+    return (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * n_live + n_groups
+                                        + 32)) - 1
+
+
+def _tied_exact(uses: list[tuple[_Call, str]], bounds: list[tuple[Tensor, float]],
+                param: Tensor, rnd: _Rounding, rho: float) -> Tensor | None:
+    """The exact norm bound of a tied parameter's summed vector from the cross terms of its uses
+    (:mod:`dpclip.engine.tied`), or None when a use is not of a kind it handles (a convolution,
+    an affine norm, the per-layer path: the triangle bound stays). Linear / Conv1D biases are
+    ``sum_t b_t 1^T``."""
+    if param.ndim not in (1, 2):
+        return None
+    rows, cols = param.shape[0], (param.shape[1] if param.ndim == 2 else 1)
+    got = []
+    for (c, r), (n_u, rel) in zip(uses, bounds):
+        rule = c.rule
+        a, b = c.a, c.b
+        if isinstance(rule, _EmbeddingRule) and r == "weight":  # a (B, T) ids, b (B, T, p)
+            onehot, left, right = True, a, b
+        elif isinstance(rule, _LinearRule):  # Linear and transformers Conv1D (prepared: 2-D/3-D)
+            if a.ndim == 2:
+                a, b = a.unsqueeze(1), b.unsqueeze(1)
+            onehot = False
+            if r == "bias":  # sum_t b_t = sum_t b_t 1^T
+                left, right = b, b.new_ones(b.shape[0], b.shape[1], 1)
+            else:
+                left, right = (a, b) if isinstance(rule, _Conv1DRule) else (b, a)
+            if left.shape[2] != rows:
+                return None
+        else:
+            return None
+        if right.shape[2] != cols or (r == "bias") != (param.ndim == 1):
+            return None
+        bk = rnd.bookkeeping(_BK_BLOCK * right.shape[1])
+        got.append(TiedUse(onehot, left, right, n_u, rel, (1 + bk) * (1 + rho) - 1))
+    return tied_norm_bound(got, rnd, param.dtype)
 
 
 def _partitions(groups: ParamGroups, params: dict[str, Tensor]) -> bool:
