@@ -84,16 +84,18 @@ class TiedUse:
     eps: float
 
 
-def _abs_sum(u: TiedUse) -> Tensor:
-    """``A_u = sum_t ||L_t|| ||R_t||`` per example, in float64, rounded up."""
-    nr = torch.linalg.vector_norm(u.right.double(), dim=2)
+def _abs_sum(u: TiedUse, rnd: Any) -> Tensor:
+    """``A_u = sum_t ||L_t|| ||R_t||`` per example, an upper bound in float64: the norms in the
+    working precision (no float64 copy of a ``(B, T, vocab)`` factor), their rounding bounded
+    by ``gam(widths + T + 4)`` (two norms, their products summed over T)."""
+    nr = torch.linalg.vector_norm(u.right, dim=2).double()
     if u.onehot:
         s = nr.sum(1)
         n = u.right.shape[2] + u.right.shape[1] + 4
     else:
-        s = _vecdot(torch.linalg.vector_norm(u.left.double(), dim=2), nr)
+        s = _vecdot(torch.linalg.vector_norm(u.left, dim=2).double(), nr)
         n = u.left.shape[2] + u.right.shape[2] + u.right.shape[1] + 4
-    return s * (1 + _gam64(n))
+    return s * (1 + rnd.gam(n)) * (1 + _gam64(n))
 
 
 def _cross(u: TiedUse, v: TiedUse, sl: slice) -> Tensor:
@@ -126,7 +128,7 @@ def tied_norm_bound(uses: Sequence[TiedUse], rnd: Any, dtype: torch.dtype) -> Te
     ``rnd``: the chunk's rounding constants (``gp(n)``: relative error of a dot product of length
     ``n`` in the working precision). Returned in ``dtype``, rounded up."""
     k = len(uses)
-    abs_sums = [_abs_sum(u) for u in uses]
+    abs_sums = [_abs_sum(u, rnd) for u in uses]
     batch = abs_sums[0].shape[0]
     total = torch.zeros(batch, dtype=torch.float64, device=abs_sums[0].device)
     mag = torch.zeros_like(total)  # sum of the magnitudes of the terms (for the sum's rounding)
