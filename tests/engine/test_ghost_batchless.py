@@ -158,3 +158,16 @@ def test_batch_of_one_is_an_ordinary_call():
     res = GhostEngine().compute(model, ce, x, y, wfn, groups)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 1), rtol=1e-9, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 1))
+
+
+def test_error_200_expanded_output_the_code_cannot_take():
+    model = _model("twin:view")
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+    assert str(info.value).startswith(
+        "ghost engine: layer 'pos' was called without the batch dimension (leading dimension 1) "
+        "and the forward pass failed on its output expanded to the batch (RuntimeError); the "
+        "ghost engine reads per-example gradients of such a call from the expanded output: let "
+        "the code after the layer broadcast it (e.g. x + pos), or use engine 'vmap'. The ghost "
+        "engine has rules for Linear, ")

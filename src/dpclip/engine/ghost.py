@@ -49,8 +49,14 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
   on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
   gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
-  ``numel <= _TIED_FORM_MAX_NUMEL``; above it, its norm is bounded by the sum of the uses' norm
-  bounds (triangle inequality) and each use's weighted sum is formed by its own rule.
+  ``numel <= _TIED_FORM_MAX_NUMEL``; above it, the exact norm of the sum from the uses' cross
+  terms by ghost inner products (Linear / Conv1D weights and biases, Embeddings:
+  :mod:`dpclip.engine.tied`), with its rounding bound, or where a use has no cross-term rule the
+  sum of the uses' norm bounds (triangle inequality); each use's weighted sum is formed by its own
+  rule.
+* A ruled layer called without the batch (a ``(1, T)`` position index, broadcast later: BERT,
+  GPT-2) has its output expanded to the batch by the forward hook and is then an ordinary batched
+  call (:mod:`dpclip.engine.batchless`; the batch-size proof traces the expanded program).
 * Frozen parameters (``requires_grad=False``) are not scanned: their modules are not hooked and get
   no norm, no per-example work and no entry in the result (so no noise).
 
