@@ -73,7 +73,7 @@ def expand_rows(t: Tensor, batch: Any) -> Tensor:
 
 def as_example_rows(out: Tensor, leaf: Tensor) -> Tensor:
     """For the batch-size proof: ``out`` (leading dimension 1) broadcast to the batch by adding
-    zeros computed from the example data ``leaf`` (batch first), ``out + 0 * leaf[:, first]``.
+    zeros computed from the example data ``leaf`` (batch first), ``out + 0 * (row sums of leaf)``.
 
     The proof (:mod:`dpclip.engine.batch_symbol`) treats a constant shaped by the batch size
     conservatively (its values could carry the batch size) and example data as the real-batch
@@ -81,7 +81,7 @@ def as_example_rows(out: Tensor, leaf: Tensor) -> Tensor:
     (``(0, 1)``: its row-wise use is proved there, ``sum(0)`` refused), so the proof must see it
     as example data too; the dependence on ``leaf`` makes it so structurally, with the same shape
     and every use of the batch size as the engine's program (the sizes of ``reshape`` only)."""
-    z = leaf.reshape(leaf.shape[0], -1)[:, :1].to(out.dtype) * 0
+    z = leaf.reshape(leaf.shape[0], -1).sum(1, keepdim=True).to(out.dtype) * 0
     return out + z.reshape(z.shape[0], *([1] * (out.ndim - 1)))
 
 
