@@ -171,3 +171,64 @@ def test_error_200_expanded_output_the_code_cannot_take():
         "ghost engine reads per-example gradients of such a call from the expanded output: let "
         "the code after the layer broadcast it (e.g. x + pos), or use engine 'vmap'. The ghost "
         "engine has rules for Linear, ")
+
+
+# ------------------------------------------------------- modules on the per-layer path
+
+
+class Table(nn.Module):
+    """A module without a rule returning a learned ``(1, T, D)`` table (called with or without the
+    batch as argument), or, twin, a ``(1, T, D)`` tensor computed across the batch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.table = nn.Parameter(torch.randn(1, T, D))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, h: Tensor | None = None) -> Tensor:
+        if self.kind == "twin:mean":
+            return h.mean(0, keepdim=True) * self.scale
+        return self.table * self.scale
+
+
+class TableNet(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.tok = nn.Embedding(V, D)
+        self.pos = Table(kind)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tok(x)
+        p = self.pos() if self.kind == "no-args" else self.pos(h)
+        return self.head(torch.tanh(h + p).mean(1))
+
+
+@pytest.mark.parametrize("kind", ["no-args", "batch-arg"])
+def test_per_layer_module_returning_a_table_runs_on_ghost(kind):
+    """A per-layer module whose output has a leading 1 (error 93 before): expanded, its
+    per-example gradient recomputed per example with that example's output-gradient row; equal to
+    the float64 loop."""
+    torch.manual_seed(0)
+    model = TableNet(kind).to(DT)
+    x, y = _data()
+    per_ex = naive_per_example_grads(model, ce, x, y)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
+        res = AutoEngine().compute(model, ce, x, y, wfn, groups)
+        assert res.engine_info["engine"] == "ghost", res.engine_info
+        assert res.engine_info["per_layer"] == ("pos",)
+        torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9,
+                                   atol=1e-12)
+        assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+def test_per_layer_module_output_across_the_batch_is_refused():
+    """Twin: the ``(1, T, D)`` output is computed from every example (``h.mean(0)``): its
+    layout is read before the expanded view is marked, so the mixing is seen and refused."""
+    torch.manual_seed(0)
+    model = TableNet("twin:mean").to(DT)
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError, match="mix"):
+        GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))

@@ -354,7 +354,8 @@ def test_error_92_not_vmappable():
 class _Pos(nn.Module):
     def __init__(self):
         super().__init__()
-        self.pos = nn.Parameter(torch.randn(1, 3))
+        self.pos = nn.Parameter(torch.randn(3))  # (3,): no leading 1 to expand (a (1, 3) table
+        # is a batch-less call, tests/engine/test_ghost_batchless.py)
 
     def forward(self, x):
         return self.pos
@@ -375,7 +376,7 @@ def test_error_93_output_not_batch_first():
     model = _UsesPos().to(DT)
     msg = _refusal(model)
     assert msg.startswith(
-        "ghost engine: module 'p' (_Pos, per-layer path) returned a tensor of rank 2 whose "
+        "ghost engine: module 'p' (_Pos, per-layer path) returned a tensor of rank 1 whose "
         "first dimension is not the batch; per-example gradients need batch-first outputs. "
         "The ghost engine has rules for Linear, ")
     x, y = _data((3,))

@@ -47,7 +47,7 @@ def test_weight_fn_shape_message_quotes_no_batch_size():
 class _Pos(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.pos = nn.Parameter(torch.randn(1, 3))
+        self.pos = nn.Parameter(torch.randn(3))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.pos
@@ -90,7 +90,7 @@ class _DeadCall(nn.Module):
 
 
 @pytest.mark.parametrize("make,match", [
-    (_UsesPos, "returned a tensor of rank 2 whose first dimension is not the batch"),
+    (_UsesPos, "returned a tensor of rank 1 whose first dimension is not the batch"),
     (_DeadCall, r"called on a tensor of rank 2 \(output rank 2\) whose first dimension is not"),
     (_FlatFirst, "has each example in 2 consecutive rows of dimension 0")])
 def test_ghost_refusals_quote_ranks_not_shapes(make, match):

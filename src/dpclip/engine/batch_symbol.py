@@ -214,7 +214,8 @@ def _check_graph(ep: Any) -> str | None:
 
 class _LossOfModel(nn.Module):
     def __init__(self, model: nn.Module | Callable[..., Any],
-                 loss_fn: Callable[..., Tensor], expand: tuple[nn.Module, ...] = ()) -> None:
+                 loss_fn: Callable[..., Tensor], expand: tuple[tuple[nn.Module, bool], ...] = ()
+                 ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
@@ -259,18 +260,19 @@ _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary
 
 
 def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
-                    ys: Any, expand: tuple[nn.Module, ...] = ()) -> str | None:
+                    ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()) -> str | None:
     """``None`` when ``loss_fn(model(xs), ys)`` is proved to use the batch size only as a size
     (see the module docstring), else the reason (a use as a value, or "not proven": the forward
     could not be traced with a symbolic batch size). Cached per model, loss function and input
-    signature without the batch size. ``expand``: layers whose batch-less calls the engine
-    expands to the batch (:mod:`dpclip.engine.batchless`); the proof then traces that program.
+    signature without the batch size. ``expand``: ``(module, output_only)`` pairs whose batch-less
+    calls the engine expands to the batch (:mod:`dpclip.engine.batchless`); the proof then traces
+    that program.
 
     Privacy: runs the model on fake tensors only (no values of ``xs``/``ys`` are read); the verdict
     holds for every batch size >= 2. Edge cases: inputs must have the batch as dimension 0 of every
     tensor leaf (as the engines require); a batch of one example is not checked by the caller."""
     per_model = _CACHE.setdefault(model, {})
-    key = (loss_fn, _signature(model, xs, ys), tuple(id(m) for m in expand))
+    key = (loss_fn, _signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
     try:
         if key in per_model:
             return per_model[key]
@@ -285,7 +287,7 @@ def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[...
 
 
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
-                  ys: Any, expand: tuple[nn.Module, ...] = ()) -> str | None:
+                  ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()) -> str | None:
     from torch.export import Dim, export
 
     batch_dim = Dim("batch", min=2)

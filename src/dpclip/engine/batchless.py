@@ -37,6 +37,12 @@ Soundness (privacy):
   the symbolic trace (batch size a symbol, every other size an integer) and the real run take the
   same decision.
 
+Modules on the per-layer path (:mod:`dpclip.engine.per_layer`) are expanded the same way when
+their output alone has the leading 1 (a learned position table returned as ``(1, T, d)``, whatever
+the arguments): their per-example gradient is recomputed per example from the arguments, with the
+output gradient's row ``i``; the outputs' trace layouts are read before the view is marked, so an
+output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
+
 Edge cases: a batch of one example is an ordinary call (nothing is expanded; the shapes agree). A
 call with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is not expanded:
 its first dimension is then not the batch and the engine refuses it (the per-example gradient would
@@ -59,11 +65,13 @@ def _one(t: Any) -> bool:
     return isinstance(t, Tensor) and t.ndim >= 1 and type(t.shape[0]) is int and t.shape[0] == 1
 
 
-def is_batchless(a: Any, out: Any) -> bool:
-    """Whether a ruled layer's call on ``a`` giving ``out`` is batch-less: both are tensors whose
-    leading dimension is the plain integer 1 (under a symbolic batch size, a size that does not
-    involve the batch symbol). Only called for batches of at least two examples."""
-    return _one(a) and _one(out)
+def is_batchless(a: Any, out: Any, output_only: bool = False) -> bool:
+    """Whether a call on ``a`` giving ``out`` is batch-less: both (a ruled layer) or only the
+    output (``output_only``: a module on the per-layer path, whose per-example gradient is
+    recomputed from its arguments, batched or not) are tensors whose leading dimension is the
+    plain integer 1 (under a symbolic batch size, a size that does not involve the batch symbol).
+    Only called for batches of at least two examples."""
+    return _one(out) and (output_only or _one(a))
 
 
 def expand_rows(t: Tensor, batch: Any) -> Tensor:
@@ -86,19 +94,21 @@ def as_example_rows(out: Tensor, leaf: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def expanding_hooks(modules: Sequence[nn.Module],
+def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
                     expand: Callable[[Tensor], Tensor]) -> Iterator[None]:
-    """Forward hooks on ``modules`` (removed on exit) that return ``expand(out)`` for the output of
-    every batch-less call (:func:`is_batchless`), as the ghost engine runs it: the batch-size proof
-    traces the program the engine runs."""
+    """Forward hooks on ``modules`` (``(module, output_only)`` pairs; removed on exit) that return
+    ``expand(out)`` for the output of every batch-less call (:func:`is_batchless`), as the ghost
+    engine runs it: the batch-size proof traces the program the engine runs."""
 
-    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-        a = args[0] if args else next(iter(kwargs.values()), None)
-        if is_batchless(a, out):
-            return expand(out)
-        return None
+    def make(output_only: bool) -> Callable[..., Any]:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            a = args[0] if args else next(iter(kwargs.values()), None)
+            if is_batchless(a, out, output_only):
+                return expand(out)
+            return None
+        return hook
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    handles = [m.register_forward_hook(make(flag), with_kwargs=True) for m, flag in modules]
     try:
         yield
     finally:

@@ -1802,7 +1802,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
         # the proof traces the program the engine runs
         why = batch_size_uses(model, loss_fn, xs, ys, tuple(
-            o.module for o in scan.owners if o.rule is not _MODULE))
+            (o.module, o.rule is _MODULE) for o in scan.owners))
         with data_independent_paths():  # first: an error of the user's own code surfaces as is
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
         if why is not None:
@@ -1861,16 +1861,20 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         _check_separable(tracer, calls, losses)
         return calls, losses.sum()
 
-    expanded: list[str] = []  # ruled layers whose batch-less calls were expanded
+    expanded: list[str] = []  # layers whose batch-less calls were expanded
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-        a = args[0] if args else next(iter(kwargs.values()))
+        a = args[0] if args else next(iter(kwargs.values()), None)
         owner = by_module[id(mod)]
-        if tracer is not None and owner.rule is not _MODULE and is_batchless(a, out):
-            # a call without the batch (a (1, T) position index): its output and input as
-            # batched views, the output returned in place of the original
-            # (dpclip.engine.batchless); the trace sees the expansion and marks the view (0, 1)
-            a, out = expand_rows(a, batch), expand_rows(out, batch)
+        per_layer = owner.rule is _MODULE
+        if tracer is not None and is_batchless(a, out, per_layer):
+            # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
+            # (and a ruled layer's input) as batched views, the output returned in place of the
+            # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
+            # view's layout, then marks it (0, 1)
+            if not per_layer:
+                a = expand_rows(a, batch)
+            out = expand_rows(out, batch)
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
