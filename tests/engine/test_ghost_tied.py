@@ -164,3 +164,16 @@ def test_exact_tied_norm_bounds_the_vector_summed_in_float32(mode, monkeypatch):
                              lambda n, i=i: torch.zeros_like(n).index_fill(0, torch.tensor([i]),
                                                                             1.0), groups)
         assert _norm(res.grads) <= float(res.norms[i]), (i, _norm(res.grads), res.norms[i])
+
+
+def test_exact_tied_norm_does_not_depend_on_the_batch_size(monkeypatch):
+    """The cross-term norm of an example is the same in a batch of 2 and of 5 (the realised batch
+    size is private: one example added or removed must not move the others' weights)."""
+    monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 0)
+    torch.manual_seed(0)
+    model = SeqTied().to(DT)
+    x, y = _data(V)
+    groups = ParamGroups.flat(model)
+    small = GhostEngine().compute(model, ce, x[:2], y[:2], clip_weights(0.05), groups)
+    big = GhostEngine().compute(model, ce, x, y, clip_weights(0.05), groups)
+    torch.testing.assert_close(big.norms[:2], small.norms, rtol=1e-12, atol=0)
