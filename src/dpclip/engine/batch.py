@@ -96,7 +96,7 @@ def check_batch(inputs: Any, targets: Any, engine: str) -> int:
                 f"of every tensor): {', '.join(odd)} differ(s) from {sizes[0][0]} (sizes not "
                 "quoted: they hold the realised batch size, which is private). Every tensor of "
                 "the inputs and targets needs the batch first; a tensor shared by every example "
-                "(e.g. (1, T) positions) belongs in the model, expanded to (B, ...) there")
+                "(e.g. (1, T) positions) belongs in the model (a buffer, broadcast there)")
     return int(b)
 
 
