@@ -14,8 +14,9 @@ rank-``r`` adapters to the attention projections and freezes every other paramet
   LoRA step plus the adapters' norms.
 
 The model is called as transformers models are, ``model(**inputs)``, on a dict of per-example
-tensors with ``position_ids`` spelled out (the separability check of this release refuses the
-model's own broadcast ``(1, T)`` positions) and eager attention. Data: a synthetic language whose
+tensors with ``position_ids`` spelled out and eager attention (not needed any more: the model's
+own broadcast ``(1, T)`` positions are a batch-less call the ghost engine expands,
+docs/engines.md). Data: a synthetic language whose
 sequences count upwards modulo the vocabulary from a random start (a next-token task a small model
 learns quickly); the loss is each sequence's mean next-token cross-entropy.
 """

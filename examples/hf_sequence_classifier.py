@@ -4,16 +4,15 @@ clipping on the ghost engine. The model is built from a small config: nothing is
 
 Needs ``pip install transformers`` (an optional extra). The model is called as transformers models
 are, ``model(**inputs)``, on a dict of per-example tensors; the loss reads ``outputs.logits``. The
-dict holds what the ghost engine needs to prove that every example's gradient depends on that
-example alone (docs/own_model.md):
+dict spells out what earlier releases of the ghost engine needed, and still runs:
 
-* ``attn_implementation="eager"``: the default ``sdpa`` path runs ``_safe_softmax``, an operation
-  the separability check has no rule for (``engine="auto"`` then falls back to vmap);
-* ``attention_mask`` as a 4-D ``(B, 1, 1, T)`` additive mask: from a 2-D mask transformers decides
-  in Python whether ANY row of the batch has padding (``mask.all()``), which reads batch data;
-* ``position_ids`` and ``token_type_ids`` of shape ``(B, T)``: the model's own ``(1, T)`` positions
-  are broadcast over the batch, so one row of the position embedding's output would reach every
-  example.
+* ``attn_implementation="eager"``;
+* ``attention_mask`` as a 4-D ``(B, 1, 1, T)`` additive mask;
+* ``position_ids`` and ``token_type_ids`` of shape ``(B, T)``.
+
+None of the three is needed any more: the ghost engine runs the model as the tokenizer gives the
+batch (2-D mask, default attention, the model's own ``(1, T)`` positions), see docs/own_model.md,
+"Hugging Face models on the ghost engine", and ``examples/hf_bert_tokenizer.py``.
 
 Data: ``--data FILE.pt`` with ``(input_ids (N, T) int64, labels (N,) int64)`` (pad id 0), or a
 synthetic two-class task (which half of the vocabulary most tokens come from).

@@ -202,6 +202,8 @@ def test_hf_bert_called_as_the_tokenizer_gives_its_batch(capsys, monkeypatch):
                                                   "--batch-size", "32"], capsys, monkeypatch)
     assert s["steps"] == s["planned_steps"] > 0 and s["randomness"] == "secure"
     assert s["engine_requested"] == "auto" and len(epochs_printed(out)) == 1
+    # on ghost since the layer rules accept the (1, T) position lookup (a batch-less call)
+    assert s["engine"] == "ghost" and s["engine_fallback"] is None
 
 
 def test_hf_recipe_only_for_transformers_models():

@@ -91,10 +91,13 @@ def apply_weight_fn(weight_fn: WeightFn, norms: Tensor, engine: str) -> Tensor:
     """``weight_fn(norms)``, checked: a tensor of the norms' shape with finite entries."""
     weights = weight_fn(norms)
     if not isinstance(weights, Tensor) or weights.shape != norms.shape:
-        got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        # ranks, not shapes: dimension 0 is the realised batch size, which is private
+        got = (f"a {weights.ndim}-d tensor of another shape" if isinstance(weights, Tensor)
+               else type(weights).__name__)
+        want = "(B,)" if norms.ndim == 1 else f"(B, {norms.shape[1]}) (one column per group)"
         raise ValueError(
-            f"{engine} engine: weight_fn must return a tensor of the norms' shape "
-            f"{tuple(norms.shape)}, got {got}"
+            f"{engine} engine: weight_fn must return a tensor of the norms' shape {want}, "
+            f"got {got}"
         )
     # one reduction and one host read in the usual case: a sum is finite iff every term is, unless
     # finite terms overflow it (then the exact elementwise test decides)

@@ -81,19 +81,22 @@ def check_batch(inputs: Any, targets: Any, engine: str) -> int:
         if not got:
             raise ValueError(f"{_who(engine)}{what} hold no tensor; give a tensor, or a "
                              "tuple/dict of tensors with the batch in dimension 0")
+    # ranks and names, not shapes: dimension 0 is the realised batch size, which is private
     for name, shape in sizes:
         if not shape:
             raise ValueError(
                 f"{_who(engine)}{name} is a 0-d tensor; inputs and targets need a leading "
-                f"batch dimension (shapes: {', '.join(f'{n} {s}' for n, s in sizes)})")
+                f"batch dimension (ranks: {', '.join(f'{n} {len(s)}-d' for n, s in sizes)})")
     b = sizes[0][1][0]
     for name, shape in sizes:
         if shape[0] != b:
+            odd = [n for n, s in sizes if s[0] != b]
             raise ValueError(
                 f"{_who(engine)}inputs and targets have different batch sizes (dimension 0 "
-                f"of every tensor): {', '.join(f'{n} {s}' for n, s in sizes)}. Every tensor of the "
-                "inputs and targets needs the batch first; a tensor shared by every example "
-                "(e.g. (1, T) positions) belongs in the model, expanded to (B, ...) there")
+                f"of every tensor): {', '.join(odd)} differ(s) from {sizes[0][0]} (sizes not "
+                "quoted: they hold the realised batch size, which is private). Every tensor of "
+                "the inputs and targets needs the batch first; a tensor shared by every example "
+                "(e.g. (1, T) positions) belongs in the model (a buffer, broadcast there)")
     return int(b)
 
 

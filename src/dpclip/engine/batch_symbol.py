@@ -214,13 +214,23 @@ def _check_graph(ep: Any) -> str | None:
 
 class _LossOfModel(nn.Module):
     def __init__(self, model: nn.Module | Callable[..., Any],
-                 loss_fn: Callable[..., Tensor]) -> None:
+                 loss_fn: Callable[..., Tensor], expand: tuple[tuple[nn.Module, bool], ...] = ()
+                 ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.expand = expand  # a plain tuple: not registered as submodules
 
     def forward(self, xs: Any, ys: Any) -> Tensor:
-        return self.loss_fn(call_model(self.model, xs), ys)
+        if not self.expand:
+            return self.loss_fn(call_model(self.model, xs), ys)
+        from dpclip.engine.batchless import as_example_rows, expanding_hooks
+
+        # the batch-less calls of these layers are expanded to the (symbolic) batch size, as the
+        # ghost engine runs them, and are example data (dpclip.engine.batchless)
+        first = next(t for t in pytree.tree_leaves(xs) if isinstance(t, Tensor))
+        with expanding_hooks(self.expand, lambda out: as_example_rows(out, first)):
+            return self.loss_fn(call_model(self.model, xs), ys)
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -250,23 +260,25 @@ _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary
 
 
 def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
-                    ys: Any) -> str | None:
+                    ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()) -> str | None:
     """``None`` when ``loss_fn(model(xs), ys)`` is proved to use the batch size only as a size
     (see the module docstring), else the reason (a use as a value, or "not proven": the forward
     could not be traced with a symbolic batch size). Cached per model, loss function and input
-    signature without the batch size.
+    signature without the batch size. ``expand``: ``(module, output_only)`` pairs whose batch-less
+    calls the engine expands to the batch (:mod:`dpclip.engine.batchless`); the proof then traces
+    that program.
 
     Privacy: runs the model on fake tensors only (no values of ``xs``/``ys`` are read); the verdict
     holds for every batch size >= 2. Edge cases: inputs must have the batch as dimension 0 of every
     tensor leaf (as the engines require); a batch of one example is not checked by the caller."""
     per_model = _CACHE.setdefault(model, {})
-    key = (loss_fn, _signature(model, xs, ys))
+    key = (loss_fn, _signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
     try:
         if key in per_model:
             return per_model[key]
     except TypeError:  # an unhashable loss function: not cached
         key = None
-    reason = _export_check(model, loss_fn, xs, ys)
+    reason = _export_check(model, loss_fn, xs, ys, expand)
     if key is not None:
         if len(per_model) >= 64:
             per_model.clear()
@@ -275,7 +287,7 @@ def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[...
 
 
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
-                  ys: Any) -> str | None:
+                  ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()) -> str | None:
     from torch.export import Dim, export
 
     batch_dim = Dim("batch", min=2)
@@ -284,7 +296,7 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ep = export(_LossOfModel(model, loss_fn), (xs, ys), dynamic_shapes=dynamic,
+            ep = export(_LossOfModel(model, loss_fn, expand), (xs, ys), dynamic_shapes=dynamic,
                         strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure to trace is "not proven"
         # numbers masked: an error text can quote a size, and the batch size is private

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedModelError", "loss_shape_error"]
+import re
+
+__all__ = ["UnsupportedModelError", "loss_shape_error", "quote_error"]
 
 
 class UnsupportedModelError(ValueError):
@@ -21,3 +23,13 @@ def loss_shape_error(ndim: int, prefix: str = "") -> ValueError:
                "quoted: it may hold the realised batch size, which is private)")
     return ValueError(f"{prefix}loss_fn must return per-example losses of shape (B,) (reduction "
                       f"'none'), got {got}; e.g. nn.CrossEntropyLoss(reduction='none')")
+
+
+def quote_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of an exception raised while running a private batch, with every
+    number masked (``#``): a library's text can quote a shape or a size that holds the realised
+    batch size (``got sizes [4, 3]``), which is private, and engine messages reach logs, results
+    stores and ``engine_info``."""
+    first = (str(exc).strip().splitlines() or [""])[0][:limit]
+    first = re.sub(r"\d+", "#", first)
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

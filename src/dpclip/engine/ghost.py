@@ -49,8 +49,14 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
   on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
   gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
-  ``numel <= _TIED_FORM_MAX_NUMEL``; above it, its norm is bounded by the sum of the uses' norm
-  bounds (triangle inequality) and each use's weighted sum is formed by its own rule.
+  ``numel <= _TIED_FORM_MAX_NUMEL``; above it, the exact norm of the sum from the uses' cross
+  terms by ghost inner products (Linear / Conv1D weights and biases, Embeddings:
+  :mod:`dpclip.engine.tied`), with its rounding bound, or where a use has no cross-term rule the
+  sum of the uses' norm bounds (triangle inequality); each use's weighted sum is formed by its own
+  rule.
+* A ruled layer called without the batch (a ``(1, T)`` position index, broadcast later: BERT,
+  GPT-2) has its output expanded to the batch by the forward hook and is then an ordinary batched
+  call (:mod:`dpclip.engine.batchless`; the batch-size proof traces the expanded program).
 * Frozen parameters (``requires_grad=False``) are not scanned: their modules are not hooked and get
   no norm, no per-example work and no entry in the result (so no noise).
 
@@ -112,7 +118,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, slice_batch
-from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     arg_batch_dims,
@@ -126,7 +132,9 @@ from dpclip.engine.per_layer import (
     seq_now,
 )
 from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+from dpclip.engine.batchless import expand_rows, is_batchless
 from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.tied import TiedUse, tied_norm_bound
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
 
@@ -1329,7 +1337,7 @@ class GhostEngine:
             except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
                 raise UnsupportedModelError(
                     f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
-                    f"vmap fallback failed too ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+                    f"vmap fallback failed too ({quote_error(exc)}). "
                     "vmap evaluates each example alone and cannot run data-dependent Python "
                     "control flow (e.g. `if mask.all():`) or in-place updates of unbatched "
                     "buffers; make the forward batch-first and free of such branches, or use "
@@ -1363,12 +1371,12 @@ class GhostEngine:
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
-                bad = [tuple(t.shape) for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
-                if bad:
+                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
+                if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "
-                        f"tensor of shape {bad[0]} whose first dimension is not the batch "
-                        f"({batch}); per-example gradients need batch-first outputs")
+                        f"tensor of rank {bad[0]} whose first dimension is not the batch; "
+                        "per-example gradients need batch-first outputs")
                 continue
             if c.a_version != c.a._version:
                 raise _RuntimeUnsupported(
@@ -1383,11 +1391,12 @@ class GhostEngine:
                     "rank (B, C, ...)")
             if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
                     or c.out_shape[0] != batch:
-                raise _RuntimeUnsupported(
-                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of shape "
-                    f"{tuple(c.a.shape)} (output {c.out_shape}) whose first dimension is "
-                    f"not the batch ({batch}); per-layer rules need batch-first inputs (e.g. "
-                    "expand position indices to (B, T) before an Embedding)")
+                raise _RuntimeUnsupported(  # ranks, not shapes (the batch size is private)
+                    f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
+                    f"{c.a.ndim} (output rank {len(c.out_shape)}) whose first dimension is not "
+                    "the batch; per-layer rules need batch-first inputs (e.g. expand position "
+                    "indices to (B, T) before an Embedding, or give the layer a leading "
+                    "dimension 1 that is broadcast later)")
         live = [c for c in calls if c.edge is not None]
         modular = [c for c in live if c.outs is not None]
         try:
@@ -1490,6 +1499,8 @@ class GhostEngine:
         multi: dict[str, Tensor] = {}
         tied: dict[str, Tensor] = {}  # the triangle bound: the sum of the uses' norm bounds
         tied_uses: dict[str, list[tuple[_Call, str]]] = {}
+        #: per use: its norm bound and the relative factor that bound still needs
+        tied_bounds: dict[str, list[tuple[Tensor, float]]] = {}
 
         def add(g: int, s: Tensor) -> None:
             acc[g] = s if acc[g] is None else acc[g] + s
@@ -1518,15 +1529,28 @@ class GhostEngine:
                 if one:
                     continue
                 if params[pn].numel() > _TIED_FORM_MAX_NUMEL:  # never by the batch size
-                    n_u = part_norms(c, [r])[r].clamp(min=0).sqrt()
+                    # part_norms for one role, keeping whether the bound is relative
+                    sq_u = c.rule.norms(c, [r])[r]
+                    b_sq = c.rule.bound_sq(c, sq_u, rnd) if r == "weight" else None
+                    rel_u = c.rule.rel_len(c, [r] if b_sq is None else [])
+                    k_rel = max(k_rel, rel_u)
+                    n_u = (sq_u if b_sq is None else b_sq).clamp(min=0).sqrt()
                     tied[pn] = n_u if pn not in tied else tied[pn] + n_u
                     tied_uses.setdefault(pn, []).append((c, r))
+                    tied_bounds.setdefault(pn, []).append(
+                        (n_u, rnd.gam(rel_u) if b_sq is None else 0.0))
                     continue
                 g = c.rule.per_example(c, r)
                 multi[pn] = g if pn not in multi else multi[pn] + g
         for pn, g in multi.items():
             add(group_of[pn], _sq(g))
             k_rel = max(k_rel, g[0].numel() + 4)
+        if tied:  # the exact norm of the sum of the uses (cross terms), where it is smaller
+            rho_t = _rho(rnd, batch, k_rel, len(live), n_groups)
+            for pn in tied:
+                exact = _tied_exact(tied_uses[pn], tied_bounds[pn], params[pn], rnd, rho_t)
+                if exact is not None:
+                    tied[pn] = torch.minimum(tied[pn], exact.to(tied[pn].dtype))
         for pn, n_sum in tied.items():
             add(group_of[pn], n_sum.square())
         zero = None
@@ -1546,9 +1570,7 @@ class GhostEngine:
         # the addition of the directly formed gradients (_FORM_RATIO: one per layer),
         # the sums over layers and groups, the square root and the strategy's few operations on
         # the norm (32)
-        n_blocks = len(_bk_blocks(batch))
-        rho = (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * len(live) + n_groups
-                                            + 32)) - 1
+        rho = _rho(rnd, batch, k_rel, len(live), n_groups)
         norms = sq.sqrt() * (1 + rho)
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
@@ -1651,6 +1673,47 @@ class GhostEngine:
                 used += mem
 
 
+def _rho(rnd: _Rounding, batch: int, k_rel: int, n_live: int, n_groups: int) -> float:
+    """The chunk's relative rounding factor of the norms (see ``GhostEngine._reduce``)."""
+    n_blocks = len(_bk_blocks(batch))
+    return (1 + rnd.u_p) * (1 + rnd.gam(batch + n_blocks + k_rel + 3 * n_live + n_groups
+                                        + 32)) - 1
+
+
+def _tied_exact(uses: list[tuple[_Call, str]], bounds: list[tuple[Tensor, float]],
+                param: Tensor, rnd: _Rounding, rho: float) -> Tensor | None:
+    """The exact norm bound of a tied parameter's summed vector from the cross terms of its uses
+    (:mod:`dpclip.engine.tied`), or None when a use is not of a kind it handles (a convolution,
+    an affine norm, the per-layer path: the triangle bound stays). Linear / Conv1D biases are
+    ``sum_t b_t 1^T``."""
+    if param.ndim not in (1, 2):
+        return None
+    rows, cols = param.shape[0], (param.shape[1] if param.ndim == 2 else 1)
+    got = []
+    for (c, r), (n_u, rel) in zip(uses, bounds):
+        rule = c.rule
+        a, b = c.a, c.b
+        if isinstance(rule, _EmbeddingRule) and r == "weight":  # a (B, T) ids, b (B, T, p)
+            onehot, left, right = True, a, b
+        elif isinstance(rule, _LinearRule):  # Linear and transformers Conv1D (prepared: 2-D/3-D)
+            if a.ndim == 2:
+                a, b = a.unsqueeze(1), b.unsqueeze(1)
+            onehot = False
+            if r == "bias":  # sum_t b_t = sum_t b_t 1^T
+                left, right = b, b.new_ones(b.shape[0], b.shape[1], 1)
+            else:
+                left, right = (a, b) if isinstance(rule, _Conv1DRule) else (b, a)
+            if left.shape[2] != rows:
+                return None
+        else:
+            return None
+        if right.shape[2] != cols or (r == "bias") != (param.ndim == 1):
+            return None
+        bk = rnd.bookkeeping(_BK_BLOCK * right.shape[1])
+        got.append(TiedUse(onehot, left, right, n_u, rel, (1 + bk) * (1 + rho) - 1))
+    return tied_norm_bound(got, rnd, param.dtype)
+
+
 def _partitions(groups: ParamGroups, params: dict[str, Tensor]) -> bool:
     """Whether ``groups`` holds every trainable parameter exactly once and nothing else (what
     ``groups.validate`` checks, from the names already scanned)."""
@@ -1736,7 +1799,10 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # batch size, private, must be used only as the leading dimension (proved once per signature
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
-        why = batch_size_uses(model, loss_fn, xs, ys)
+        # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
+        # the proof traces the program the engine runs
+        why = batch_size_uses(model, loss_fn, xs, ys, tuple(
+            (o.module, o.rule is _MODULE) for o in scan.owners))
         with data_independent_paths():  # first: an error of the user's own code surfaces as is
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
         if why is not None:
@@ -1795,9 +1861,25 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         _check_separable(tracer, calls, losses)
         return calls, losses.sum()
 
-    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        a = args[0] if args else next(iter(kwargs.values()))
-        calls.append(_engine_call(by_module[id(mod)], a, out, tracer))
+    expanded: list[str] = []  # layers whose batch-less calls were expanded
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        a = args[0] if args else next(iter(kwargs.values()), None)
+        owner = by_module[id(mod)]
+        per_layer = owner.rule is _MODULE
+        if tracer is not None and is_batchless(a, out, per_layer):
+            # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
+            # (and a ruled layer's input) as batched views, the output returned in place of the
+            # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
+            # view's layout, then marks it (0, 1)
+            if not per_layer:
+                a = expand_rows(a, batch)
+            out = expand_rows(out, batch)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            return out
+        calls.append(_engine_call(owner, a, out, tracer))
+        return None
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         # the engine's own code (it reads the autograd sequence number), not user code: the
@@ -1816,8 +1898,18 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
-        with torch.enable_grad(), (tracer or contextlib.nullcontext()):
-            losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+        try:
+            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+                losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+        except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
+            if not expanded:
+                raise
+            raise _RuntimeUnsupported(
+                f"layer {expanded[0]!r} was called without the batch dimension (leading "
+                "dimension 1) and the forward pass failed on its output expanded to the batch "
+                f"({type(exc).__name__}); the ghost engine reads per-example gradients of such "
+                "a call from the expanded output: let the code after the layer broadcast it "
+                "(e.g. x + pos), or use engine 'vmap'") from exc
     finally:
         for h in handles:
             h.remove()
@@ -2017,7 +2109,10 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
                        "through x.mean(0), a softmax or roll over the batch dimension, or an "
                        "operation the separability check does not know)") if lay == "mixed" \
                     else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
-                          "layout: a shape coincidence such as T == B cannot hide it)")
+                          "layout: a shape coincidence such as T == B cannot hide it)") \
+                    if lay[0] != 0 else (f"has each example in {lay[1]} consecutive rows of "
+                                         "dimension 0 (the batch flattened with another "
+                                         "dimension, e.g. x.view(-1, d)), not one row")
                 raise _RuntimeUnsupported(
                     f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
     lay = tracer.layout(losses)

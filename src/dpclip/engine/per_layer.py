@@ -49,6 +49,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from dpclip.engine.errors import quote_error
+
 __all__ = ["PerLayerUnsupported", "check_module_windows", "join_layouts", "module_grads",
            "output_tensors", "seq_now"]
 
@@ -287,9 +289,8 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) cannot be evaluated "
-            f"one example at a time by torch.func.vmap ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); make its forward free of "
-            "data-dependent Python control flow, or use engine 'vmap'") from None
+            f"one example at a time by torch.func.vmap ({quote_error(exc)}); make its forward "
+            "free of data-dependent Python control flow, or use engine 'vmap'") from None
     return {r: got[r].detach() for r in c.owner.roles}
 
 

@@ -1,0 +1,116 @@
+"""Batch-less calls of ruled layers: a layer called on a tensor with no batch dimension whose output
+is broadcast against example data later (BERT / GPT-2 position embeddings on ``(1, T)`` ids).
+
+The ghost rules read example ``i``'s gradient from row ``i`` of a layer's input ``a`` and output
+gradient ``b``. A call on a ``(1, T)`` tensor has one row for the whole batch: the gradient at its
+``(1, T, H)`` output is the SUM of every example's gradient (autograd reduces the broadcast), and no
+per-example vector can be read from it. Example ``i``'s gradient of such a layer is the gradient
+flowing into the broadcast output summed over example ``i``'s rows only; for an Embedding on
+``(1, T)`` ids, the scatter of example ``i``'s output-gradient rows at the ids.
+
+How: the ghost engine's forward hook returns the output of such a call EXPANDED to the batch,
+``out.expand(B, *out.shape[1:])`` (a view: no copy, the same values in every row), and records
+the call with its input expanded the same way. The code after the layer then computes on a
+``(B, T, H)`` tensor whose row ``i`` equals the broadcast row, so every later value is unchanged
+(a broadcast against ``(B, T, H)`` data gives the same result), and the gradient at the expanded
+tensor has one row per example: example ``i``'s own output gradient, as for any batched call. The
+standard rules then apply unchanged (exact norms, the same rounding bounds: the call IS a batched
+call with a constant input, like BERT's expanded token type ids).
+
+Soundness (privacy):
+
+* The expanded output is marked ``(0, 1)`` for the separability trace like every layer output, so
+  the trace must prove that its row ``i`` reaches example ``i``'s loss only. Code that uses the
+  expanded tensor across the batch (``pe.sum(0)``, ``pe[0]``, ``pe.flip(0)``) is refused.
+* The input must be constant for the trace (parameters, buffers, ``arange``): a ``(1, T)`` tensor
+  computed from the batch (``x.mean(0, keepdim=True)``) has a non-constant layout and is refused,
+  as for any layer input that mixes the examples.
+* The program that runs is not the user's program: a later read of the expanded tensor's SIZE
+  sees ``B`` where the user's program sees 1 (``x * pe.shape[0]``), which would make every
+  example's loss depend on the batch size (private). The batch-size proof
+  (:func:`dpclip.engine.batch_symbol.batch_size_uses`) therefore traces the SAME program, with the
+  same hooks (:func:`expanding_hooks`) broadcasting to the symbolic batch size, the expanded
+  output example data there as in the trace (:func:`as_example_rows`): a use of the symbol other
+  than as a size is refused.
+* The decision depends on shapes only (:func:`is_batchless`: the leading dimension of the input and
+  of the output is the plain integer 1, with a batch of at least two examples), never on values:
+  the symbolic trace (batch size a symbol, every other size an integer) and the real run take the
+  same decision.
+
+Modules on the per-layer path (:mod:`dpclip.engine.per_layer`) are expanded the same way when
+their output alone has the leading 1 (a learned position table returned as ``(1, T, d)``, whatever
+the arguments): their per-example gradient is recomputed per example from the arguments, with the
+output gradient's row ``i``; the outputs' trace layouts are read before the view is marked, so an
+output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
+
+Edge cases: a batch of one example is an ordinary call (nothing is expanded; the shapes agree). A
+call with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is not expanded:
+its first dimension is then not the batch and the engine refuses it (the per-example gradient would
+need the broadcast's alignment). Code after the layer that cannot take the expanded tensor (a
+``view(1, -1)``) raises in the engine's forward; the engine refuses the model then (``auto`` falls
+back to ``vmap``, which runs the user's program unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+from torch import Tensor, nn
+
+__all__ = ["as_example_rows", "expand_rows", "expanding_hooks", "is_batchless"]
+
+
+def _one(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.ndim >= 1 and type(t.shape[0]) is int and t.shape[0] == 1
+
+
+def is_batchless(a: Any, out: Any, output_only: bool = False) -> bool:
+    """Whether a call on ``a`` giving ``out`` is batch-less: both (a ruled layer) or only the
+    output (``output_only``: a module on the per-layer path, whose per-example gradient is
+    recomputed from its arguments, batched or not) are tensors whose leading dimension is the
+    plain integer 1 (under a symbolic batch size, a size that does not involve the batch symbol).
+    Only called for batches of at least two examples."""
+    return _one(out) and (output_only or _one(a))
+
+
+def expand_rows(t: Tensor, batch: Any) -> Tensor:
+    """``t`` (leading dimension 1) as a view with ``batch`` identical rows."""
+    return t.expand(batch, *t.shape[1:])
+
+
+def as_example_rows(out: Tensor, leaf: Tensor) -> Tensor:
+    """For the batch-size proof: ``out`` (leading dimension 1) broadcast to the batch by adding
+    zeros computed from the example data ``leaf`` (batch first), ``out + 0 * (row sums of leaf)``.
+
+    The proof (:mod:`dpclip.engine.batch_symbol`) treats a constant shaped by the batch size
+    conservatively (its values could carry the batch size) and example data as the real-batch
+    trace's business. The engine marks the expanded output as example data for the trace
+    (``(0, 1)``: its row-wise use is proved there, ``sum(0)`` refused), so the proof must see it
+    as example data too; the dependence on ``leaf`` makes it so structurally, with the same shape
+    and every use of the batch size as the engine's program (the sizes of ``reshape`` only)."""
+    z = leaf.reshape(leaf.shape[0], -1).sum(1, keepdim=True).to(out.dtype) * 0
+    return out + z.reshape(z.shape[0], *([1] * (out.ndim - 1)))
+
+
+@contextlib.contextmanager
+def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
+                    expand: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Forward hooks on ``modules`` (``(module, output_only)`` pairs; removed on exit) that return
+    ``expand(out)`` for the output of every batch-less call (:func:`is_batchless`), as the ghost
+    engine runs it: the batch-size proof traces the program the engine runs."""
+
+    def make(output_only: bool) -> Callable[..., Any]:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            a = args[0] if args else next(iter(kwargs.values()), None)
+            if is_batchless(a, out, output_only):
+                return expand(out)
+            return None
+        return hook
+
+    handles = [m.register_forward_hook(make(flag), with_kwargs=True) for m, flag in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

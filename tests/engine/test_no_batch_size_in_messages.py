@@ -1,0 +1,107 @@
+"""The realised batch size is private (issue 31, item 3): no engine message may carry it. Each
+refusal below is raised on a batch of B = 37 examples (a number that appears nowhere else in the
+models) and its text must not contain 37 (nor B - 1 = 36: a neighbouring batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import GhostEngine, ParamGroups, UnsupportedModelError, get_engine
+from dpclip.engine.errors import quote_error
+from tests.engine.helpers import DT, ce, clip_weights
+
+B = 37
+
+
+def _private(msg: str) -> None:
+    assert "37" not in msg and "36" not in msg, msg
+
+
+def _data(d: int = 3):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(B, d, generator=g, dtype=DT), torch.randint(0, 2, (B,), generator=g)
+
+
+@pytest.mark.parametrize("engine", ["naive", "vmap", "ghost", "summed", "auto"])
+def test_different_batch_sizes_message_names_leaves_not_sizes(engine):
+    model = nn.Linear(3, 2).to(DT)
+    x, y = _data()
+    eng = get_engine(engine)
+    wfn = clip_weights(1.0) if eng.per_example else None
+    with pytest.raises(ValueError, match="different batch sizes") as info:
+        eng.compute(model, ce, x, y[:-1], wfn, ParamGroups.flat(model))
+    _private(str(info.value))
+    assert "targets differ(s) from inputs" in str(info.value)
+
+
+def test_weight_fn_shape_message_quotes_no_batch_size():
+    model = nn.Linear(3, 2).to(DT)
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"norms' shape \(B,\)") as info:
+        GhostEngine().compute(model, ce, x, y, lambda n: n[:-1], ParamGroups.flat(model))
+    _private(str(info.value))
+
+
+class _Pos(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pos
+
+
+class _UsesPos(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = _Pos()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x + self.p(x))
+
+
+class _FlatFirst(nn.Module):
+    """A Linear called on the batch flattened into its rows: first dimension B * 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.cat([x, x], 1).view(-1, 3)
+        return self.fc(h).view(x.shape[0], -1)
+
+
+class _DeadCall(nn.Module):
+    """A Linear also called on a constant table of 5 rows (a call that reaches no loss: the trace
+    has nothing to refuse, the batch-first check of the layer rules refuses it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("table", torch.randn(5, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.fc(self.table)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("make,match", [
+    (_UsesPos, "returned a tensor of rank 1 whose first dimension is not the batch"),
+    (_DeadCall, r"called on a tensor of rank 2 \(output rank 2\) whose first dimension is not"),
+    (_FlatFirst, "has each example in 2 consecutive rows of dimension 0")])
+def test_ghost_refusals_quote_ranks_not_shapes(make, match):
+    model = make().to(DT)
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        GhostEngine().compute(model, ce, x, y, clip_weights(1.0), ParamGroups.flat(model))
+    _private(str(info.value))
+
+
+def test_quote_error_masks_numbers():
+    got = quote_error(RuntimeError("vmap: got sizes [37, 3] in dim 0\nsecond line 37"))
+    assert got == "RuntimeError: vmap: got sizes [#, #] in dim #"
+    assert quote_error(ValueError()) == "ValueError"
