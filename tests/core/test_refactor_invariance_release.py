@@ -53,7 +53,8 @@ def _train(**kw: Any) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         res = train(TrainConfig(**base), progress=False)
     return {"steps": res.ledger.steps, "ledger": _ledger_hash(res.ledger),
-            "weights": _weights_hash(res.model)}
+            "weights": _weights_hash(res.model),
+            "noise_multiplier": float(res.summary["noise_multiplier"])}
 
 
 def _greedy() -> dict[str, Any]:
@@ -85,7 +86,8 @@ def _fedavg(strategy: str, **kw: Any) -> dict[str, Any]:
     res = run_fedavg(fed, model, strat, FedAvgConfig(**base))
     return {"steps": res.ledger.steps, "ledger": _ledger_hash(res.ledger),
             "weights": _weights_hash(res.model),
-            "clip_history": [float(c) for c in res.clip_history]}
+            "clip_history": [float(c) for c in res.clip_history],
+            "noise_multiplier": float(res.summary["noise_multiplier"])}
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
@@ -106,6 +108,9 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "transfer": lambda: _train(strategy="transfer",
                                strategy_params={"thresholds": "0.5,1.0"}, epochs=2),
     "fedavg-quantile-weighted": lambda: _fedavg("quantile", weight_cap=8),
+    "fedavg-calibrated": lambda: _fedavg("quantile", noise_multiplier=None, target_epsilon=8.0),
+    "quantile-calibrated": lambda: _train(strategy="quantile", noise_multiplier=None,
+                                          epsilon=4.0, delta=1e-5),
     "fedavg-fixed-size": lambda: _fedavg("fixed", sampling="fixed-size", accountant="rdp"),
 }
 
