@@ -40,9 +40,9 @@ from torch import Tensor
 
 from dpclip.accounting import Ledger
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
-from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.noise import add_gaussian_noise, noise_std
+from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
+from dpclip.training.release import release
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler, Sampler
 
 __all__ = [
@@ -180,21 +180,6 @@ class AggregateOutput:
     norms: Tensor  #: NON-PRIVATE delta norms, diagnostics only
 
 
-class _CountReleaser:
-    """The ``Release`` callback of the round (the same contract as ``dpclip.training.step``'s): noise from
-    the round's generator, ``std = z * sensitivity * k``, typed ``GaussianEvent(z)``."""
-
-    def __init__(self, generator: torch.Generator, factor: int) -> None:
-        self.generator, self.factor = generator, factor
-
-    def __call__(self, value: Tensor, sensitivity: float,
-                 noise_multiplier: float) -> tuple[Tensor, DpEvent]:
-        if not (sensitivity > 0):
-            raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
-        std = noise_std(noise_multiplier, sensitivity * self.factor)
-        return add_gaussian_noise(value, std, self.generator), GaussianEvent(noise_multiplier)
-
-
 @dataclass
 class DPAggregator:
     """Server side of user-level DP-FedAvg: sampling of users, clip, sum, noise, ledger.
@@ -319,15 +304,15 @@ class DPAggregator:
             total = torch.zeros(d.shape[1], dtype=torch.float64)
         k = self.sampler.sensitivity_factor
         z = float(self.strategy.noise_multiplier(state, self.noise_multiplier))
-        std = noise_std(z, k * self.max_weight * clip)
-        noisy = add_gaussian_noise(total, std, self.randomness.noise)
-        update = (noisy / self.denominator).to(d.dtype if d.is_floating_point() else torch.float32)
-        new_state, extra = self.strategy.update(
-            state, norms, ctx, _CountReleaser(self.randomness.noise, k))
-        inner: DpEvent = GaussianEvent(z) if not extra else ComposedEvent((GaussianEvent(z), *extra))
-        event = self.sampler.step_event(inner)
+        out = release(
+            {"update": total}, noise_multiplier=z, sensitivity=k * self.max_weight * clip,
+            divisor=self.denominator, generator=self.randomness.noise, strategy=self.strategy,
+            state=state, norms=norms, ctx=ctx, sampler=self.sampler, sensitivity_factor=k,
+            per_tensor=True)
+        update = out.values["update"].to(d.dtype if d.is_floating_point() else torch.float32)
+        std, event = float(out.std), out.event  # type: ignore[arg-type]
         self.ledger.record(event)
-        self.state = dict(new_state)
+        self.state = dict(out.state)
         self.round_index += 1
         return AggregateOutput(update=update, state=self.state, event=event, clip_norm=clip,
                                noise_multiplier=z, noise_std=std, num_clients=n,
