@@ -42,6 +42,7 @@ from dpclip.accounting import Ledger
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
+from dpclip.training.plan import Plan
 from dpclip.training.release import release
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler, Sampler
 
@@ -107,15 +108,10 @@ def round_context(round_index: int, total_rounds: int, expected_clients: float,
                   base_noise_multiplier: float) -> StepContext:
     """The public ``StepContext`` of round ``round_index`` (0-based): one round is one step and
     one "epoch" (schedules move per round); ``expected_batch_size`` is the expected number of
-    sampled users ``m`` (the quantile count's public denominator and ``sigma_b = m/20``)."""
-    return StepContext(
-        step=int(round_index),
-        epoch=int(round_index),
-        steps_per_epoch=1,
-        total_steps=max(int(total_rounds), 1),
-        expected_batch_size=float(expected_clients),
-        base_noise_multiplier=float(base_noise_multiplier),
-    )
+    sampled users ``m`` (the quantile count's public denominator and ``sigma_b = m/20``).
+    The same context as ``Plan.for_rounds(...).ctx`` (:class:`dpclip.training.plan.Plan`)."""
+    return Plan.context(round_index, steps_per_epoch=1, total_steps=total_rounds,
+                        units=float(expected_clients), base=float(base_noise_multiplier))
 
 
 @dataclass(frozen=True)
@@ -210,6 +206,8 @@ class DPAggregator:
     state: State = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
     round_index: int = 0
+    #: the public plan of the rounds (built from the fields above; every round is checked on it)
+    plan: Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_federated_strategy(self.strategy)
@@ -229,8 +227,9 @@ class DPAggregator:
             self.state = self.strategy.init_state()
         if self.user_weights is not None:
             self.user_weights.expected_total(self.sampler)  # validates the length
+        self.plan = Plan.for_rounds(self.strategy, self.sampler, self.rounds)
         # fail now, not at round 1, when the noise split is impossible (quantile: z >= 2 sigma_b)
-        self.strategy.planned_event(z, self.context(0))
+        self.plan.event(0, z)
 
     # -- public facts ---------------------------------------------------------------------------
     @property
@@ -250,12 +249,11 @@ class DPAggregator:
         return 1.0 if self.user_weights is None else self.user_weights.max_weight
 
     def context(self, round_index: int) -> StepContext:
-        return round_context(round_index, self.rounds, self.expected_clients, self.noise_multiplier)
+        return self.plan.ctx(round_index, self.noise_multiplier)
 
     def planned_event(self, round_index: int) -> DpEvent:
         """The ledger entry round ``round_index`` will record (for calibration and plans)."""
-        inner = self.strategy.planned_event(self.noise_multiplier, self.context(round_index))
-        return self.sampler.step_event(inner)
+        return self.plan.event(round_index, self.noise_multiplier)
 
     # -- one round ------------------------------------------------------------------------------
     def sample_users(self) -> list[int]:
@@ -271,6 +269,10 @@ class DPAggregator:
         sampled user (an empty round passes a ``(0, d)`` tensor: the update is pure noise and the
         round is still recorded). ``users``: their ids (needed only with ``user_weights``).
         """
+        if self.round_index >= self.rounds:
+            raise RuntimeError(
+                f"aggregate: all {self.rounds} planned rounds are done (the noise was calibrated "
+                "and the epsilon computed for that many); build a new plan with more rounds")
         d = _stack(deltas)
         n = d.shape[0]
         if self.user_weights is not None:
@@ -311,6 +313,7 @@ class DPAggregator:
             per_tensor=True)
         update = out.values["update"].to(d.dtype if d.is_floating_point() else torch.float32)
         std, event = float(out.std), out.event  # type: ignore[arg-type]
+        self.plan.check_emitted(ctx, self.noise_multiplier, event, "round")  # before the ledger
         self.ledger.record(event)
         self.state = dict(out.state)
         self.round_index += 1
