@@ -198,3 +198,28 @@ def test_bad_divisor_or_multiplier_is_refused() -> None:
         release({"w": torch.zeros(2)}, noise_multiplier=1.0, divisor=math.nan, **kw)
     with pytest.raises(ValueError, match="noise_multiplier"):
         release({"w": torch.zeros(2)}, noise_multiplier=-1.0, divisor=1.0, **kw)
+
+
+class _LoudCount(QuantileClip):
+    """A mutant whose count is released with twice the planned multiplier."""
+
+    def update(self, state, norms, ctx, release):  # type: ignore[override]
+        new, (event,) = super().update(state, norms, ctx, release)
+        return new, (GaussianEvent(2 * event.noise_multiplier),)
+
+
+def test_a_step_emitting_another_event_than_planned_is_refused_and_not_recorded() -> None:
+    from dpclip.training.plan import PlanMismatchError
+    from dpclip.training.private import make_private
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    dp = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                      strategy=_LoudCount(initial_clip_norm=1.0, count_noise_std=1.0),
+                      noise_multiplier=0.5, steps=2, batch_size=16, reproducible_noise=True,
+                      verbose=False, engine="vmap")
+    xb, yb = next(iter(dp.loader))
+    with pytest.raises(PlanMismatchError, match="privacy bug.*step 0"):
+        dp.step(xb, yb)
+    assert dp.ledger.steps == 0
