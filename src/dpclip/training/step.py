@@ -35,7 +35,7 @@ from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_bat
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
-from dpclip.training.release import release
+from dpclip.training.release import Released, release
 from dpclip.training.sampling import Sampler
 from dpclip.training.units import UnitConfig, expected_units, unit_sum
 
@@ -217,18 +217,16 @@ def dp_step(
         strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
         sensitivity_factor=factor, untransform=per_example,
         noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0)
-    return StepOutput(
-        grads=out.values,
-        state=out.state,
-        event=out.event,
-        noise_multiplier=z,
-        sensitivity=sensitivity,
-        batch_size=n_examples,
-        loss_sum=result.loss_sum,
-        norms=result.norms,
-        engine_info=_engine_info(result, engine),
-        params=result.params,
-    )
+    return _output(out, result, engine, z, sensitivity, n_examples)
+
+
+def _output(out: Released, result: EngineResult, engine: Engine, z: float, sensitivity: float,
+            batch_size: int) -> StepOutput:
+    """The step's output: the release and the engine's NON-PRIVATE diagnostics."""
+    return StepOutput(grads=out.values, state=out.state, event=out.event, noise_multiplier=z,
+                      sensitivity=sensitivity, batch_size=batch_size, loss_sum=result.loss_sum,
+                      norms=result.norms, engine_info=_engine_info(result, engine),
+                      params=result.params)
 
 
 def _engine_info(result: EngineResult, engine: Engine) -> dict[str, Any]:
@@ -300,18 +298,7 @@ def bound_step(
         divisor=sampler.expected_batch_size, generator=generator, strategy=strategy,
         state=state, norms=norms, ctx=ctx, sampler=sampler, sensitivity_factor=k,
         mechanism=strategy.step_event(z), per_tensor=True)
-    return StepOutput(
-        grads=out.values,
-        state=out.state,
-        event=out.event,
-        noise_multiplier=z,
-        sensitivity=k * cert.sensitivity,
-        batch_size=int(inputs.shape[0]),
-        loss_sum=result.loss_sum,
-        norms=result.norms,
-        engine_info=_engine_info(result, engine),
-        params=result.params,
-    )
+    return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]))
 
 
 @runtime_checkable
