@@ -272,7 +272,8 @@ class DPAggregator:
         if self.round_index >= self.rounds:
             raise RuntimeError(
                 f"aggregate: all {self.rounds} planned rounds are done (the noise was calibrated "
-                "and the epsilon computed for that many); build a new plan with more rounds")
+                "and the epsilon computed for that many); plan more rounds instead (DPAggregator("
+                "rounds=...), FedAvgConfig(rounds=...), --rounds), which re-calibrates the noise")
         d = _stack(deltas)
         n = d.shape[0]
         if self.user_weights is not None:
