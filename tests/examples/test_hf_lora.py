@@ -27,7 +27,7 @@ def test_lora_example_runs_on_ghost(capsys, monkeypatch):
 def test_lora_frozen_base_gets_nothing(monkeypatch):
     """Only the adapters are hooked, noised and updated; the frozen base is untouched."""
     import dpclip.engine.ghost as ghost_mod
-    import dpclip.training.step as step_mod
+    import dpclip.training.release as release_mod  # the one door that draws the noise
     from dpclip.training.private import make_private
 
     ex = runpy.run_path(str(EXAMPLES / "hf_lora.py"))
@@ -39,7 +39,7 @@ def test_lora_frozen_base_gets_nothing(monkeypatch):
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     hooked, noised = set(), []
-    real_call, real_noise = ghost_mod._Call.__init__, step_mod.add_gaussian_noise_all
+    real_call, real_noise = ghost_mod._Call.__init__, release_mod.add_gaussian_noise_all
 
     def spy_call(self, owner, a, out, tracer=None):
         hooked.add(owner.name)
@@ -50,7 +50,7 @@ def test_lora_frozen_base_gets_nothing(monkeypatch):
         return real_noise(values, std, generator, divide_by)
 
     monkeypatch.setattr(ghost_mod._Call, "__init__", spy_call)
-    monkeypatch.setattr(step_mod, "add_gaussian_noise_all", spy_noise)
+    monkeypatch.setattr(release_mod, "add_gaussian_noise_all", spy_noise)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     dp = make_private(model, opt, (ex["model_inputs"](ids), ids), loss_fn=ex["loss_fn"],
                       strategy="fixed", strategy_params={"clip_norm": 1.0},

@@ -247,3 +247,49 @@ def test_capped_weights_sensitivity_is_max_weight_times_clip_on_neighbours(max_w
         assert diff <= max_weight * clip * (1 + 1e-5)
         if u == 0:  # weight a_max, ||delta|| >> C
             assert diff == pytest.approx(max_weight * clip, rel=1e-5)
+
+
+# -- the emitted event is the planned one (issue 34: one Plan for steps and rounds) ---------------
+
+class _LoudCount(QuantileClip):
+    """A mutant whose count is released with twice the planned multiplier: the ledger would record
+    an event the plan (and the calibration) never saw."""
+
+    def update(self, state, norms, ctx, release):
+        new, (event,) = super().update(state, norms, ctx, release)
+        return new, (GaussianEvent(2 * event.noise_multiplier),)
+
+
+def test_round_emitting_another_event_than_planned_is_refused_and_not_recorded():
+    from dpclip.training.plan import PlanMismatchError
+
+    a = agg(_LoudCount(initial_clip_norm=1.0, count_noise_std=1.0), m=10, n_users=100, z=0.5,
+            sampling="fixed-size")
+    with pytest.raises(PlanMismatchError, match="privacy bug.*round 0"):
+        a.aggregate(torch.ones(10, 4))
+    assert a.ledger.steps == 0 and a.round_index == 0  # nothing recorded, the state unchanged
+    assert a.state == a.strategy.init_state()
+
+
+def test_rounds_beyond_the_plan_are_refused():
+    a = agg(FixedClip(clip_norm=1.0), m=10, n_users=100, z=1.0, rounds=2, sampling="fixed-size")
+    for _ in range(2):
+        a.aggregate(torch.ones(10, 3))
+    with pytest.raises(RuntimeError,
+                       match=r"all 2 planned rounds are done.*FedAvgConfig\(rounds=...\)"):
+        a.aggregate(torch.ones(10, 3))
+    assert a.ledger.steps == 2
+
+
+def test_rounds_and_steps_share_one_plan():
+    from dpclip.federated import FedAvgConfig, plan_ledger, round_context
+    from dpclip.training.plan import Plan
+
+    strategy = QuantileClip(count_noise_std=1.0)
+    a = agg(strategy, m=6, n_users=30, z=0.2, rounds=5)
+    plan = Plan.for_rounds(strategy, a.sampler, 5)
+    for r in range(5):
+        assert a.context(r) == plan.ctx(r, 0.2) == round_context(r, 5, 6, 0.2)
+        assert a.planned_event(r) == plan.event(r, 0.2)
+    cfg = FedAvgConfig(rounds=5, clients_per_round=6, delta=1e-3, noise_multiplier=0.2)
+    assert plan_ledger(strategy, cfg, 30, 0.2) == plan.ledger(0.2)

@@ -242,3 +242,16 @@ def test_run_or_reuse_resumes_an_unfinished_search_across_noise_round_off(tmp_pa
     assert same_checkpoint(root, digits_config(epochs=2, c_start=0.5, step=0.5, tolerance=0.05,
                                                noise_multiplier=there.noise_multiplier,
                                                lr=0.25)) is None
+
+
+def test_checkpoint_is_written_owner_only_like_the_trainers(tmp_path):
+    """One atomic save (dpclip.training.checkpoint.atomic_private_save) for the trainer and the
+    search: 0700 directory, 0600 file, no temporary file left behind."""
+    import stat
+
+    ck = tmp_path / "ck"
+    cfg = digits_config(epochs=1, c_start=0.5, step=0.5, tolerance=0.05, noise_multiplier=1.0)
+    greedy_search(cfg, checkpoint_dir=ck, progress=False, stop_after_candidates=1)
+    assert stat.S_IMODE((ck / "greedy.pt").stat().st_mode) == 0o600
+    assert stat.S_IMODE(ck.stat().st_mode) == 0o700
+    assert sorted(p.name for p in ck.iterdir()) == ["greedy.pt"]

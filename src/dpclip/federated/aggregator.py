@@ -40,9 +40,10 @@ from torch import Tensor
 
 from dpclip.accounting import Ledger
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
-from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.noise import add_gaussian_noise, noise_std
+from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
+from dpclip.training.plan import Plan
+from dpclip.training.release import release
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler, Sampler
 
 __all__ = [
@@ -107,15 +108,10 @@ def round_context(round_index: int, total_rounds: int, expected_clients: float,
                   base_noise_multiplier: float) -> StepContext:
     """The public ``StepContext`` of round ``round_index`` (0-based): one round is one step and
     one "epoch" (schedules move per round); ``expected_batch_size`` is the expected number of
-    sampled users ``m`` (the quantile count's public denominator and ``sigma_b = m/20``)."""
-    return StepContext(
-        step=int(round_index),
-        epoch=int(round_index),
-        steps_per_epoch=1,
-        total_steps=max(int(total_rounds), 1),
-        expected_batch_size=float(expected_clients),
-        base_noise_multiplier=float(base_noise_multiplier),
-    )
+    sampled users ``m`` (the quantile count's public denominator and ``sigma_b = m/20``).
+    The same context as ``Plan.for_rounds(...).ctx`` (:class:`dpclip.training.plan.Plan`)."""
+    return Plan.context(round_index, steps_per_epoch=1, total_steps=total_rounds,
+                        units=float(expected_clients), base=float(base_noise_multiplier))
 
 
 @dataclass(frozen=True)
@@ -180,21 +176,6 @@ class AggregateOutput:
     norms: Tensor  #: NON-PRIVATE delta norms, diagnostics only
 
 
-class _CountReleaser:
-    """The ``Release`` callback of the round (the same contract as ``dpclip.training.step``'s): noise from
-    the round's generator, ``std = z * sensitivity * k``, typed ``GaussianEvent(z)``."""
-
-    def __init__(self, generator: torch.Generator, factor: int) -> None:
-        self.generator, self.factor = generator, factor
-
-    def __call__(self, value: Tensor, sensitivity: float,
-                 noise_multiplier: float) -> tuple[Tensor, DpEvent]:
-        if not (sensitivity > 0):
-            raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
-        std = noise_std(noise_multiplier, sensitivity * self.factor)
-        return add_gaussian_noise(value, std, self.generator), GaussianEvent(noise_multiplier)
-
-
 @dataclass
 class DPAggregator:
     """Server side of user-level DP-FedAvg: sampling of users, clip, sum, noise, ledger.
@@ -225,6 +206,8 @@ class DPAggregator:
     state: State = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
     round_index: int = 0
+    #: the public plan of the rounds (built from the fields above; every round is checked on it)
+    plan: Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_federated_strategy(self.strategy)
@@ -244,8 +227,9 @@ class DPAggregator:
             self.state = self.strategy.init_state()
         if self.user_weights is not None:
             self.user_weights.expected_total(self.sampler)  # validates the length
+        self.plan = Plan.for_rounds(self.strategy, self.sampler, self.rounds)
         # fail now, not at round 1, when the noise split is impossible (quantile: z >= 2 sigma_b)
-        self.strategy.planned_event(z, self.context(0))
+        self.plan.event(0, z)
 
     # -- public facts ---------------------------------------------------------------------------
     @property
@@ -265,12 +249,11 @@ class DPAggregator:
         return 1.0 if self.user_weights is None else self.user_weights.max_weight
 
     def context(self, round_index: int) -> StepContext:
-        return round_context(round_index, self.rounds, self.expected_clients, self.noise_multiplier)
+        return self.plan.ctx(round_index, self.noise_multiplier)
 
     def planned_event(self, round_index: int) -> DpEvent:
         """The ledger entry round ``round_index`` will record (for calibration and plans)."""
-        inner = self.strategy.planned_event(self.noise_multiplier, self.context(round_index))
-        return self.sampler.step_event(inner)
+        return self.plan.event(round_index, self.noise_multiplier)
 
     # -- one round ------------------------------------------------------------------------------
     def sample_users(self) -> list[int]:
@@ -286,6 +269,11 @@ class DPAggregator:
         sampled user (an empty round passes a ``(0, d)`` tensor: the update is pure noise and the
         round is still recorded). ``users``: their ids (needed only with ``user_weights``).
         """
+        if self.round_index >= self.rounds:
+            raise RuntimeError(
+                f"aggregate: all {self.rounds} planned rounds are done (the noise was calibrated "
+                "and the epsilon computed for that many); plan more rounds instead (DPAggregator("
+                "rounds=...), FedAvgConfig(rounds=...), --rounds), which re-calibrates the noise")
         d = _stack(deltas)
         n = d.shape[0]
         if self.user_weights is not None:
@@ -319,15 +307,16 @@ class DPAggregator:
             total = torch.zeros(d.shape[1], dtype=torch.float64)
         k = self.sampler.sensitivity_factor
         z = float(self.strategy.noise_multiplier(state, self.noise_multiplier))
-        std = noise_std(z, k * self.max_weight * clip)
-        noisy = add_gaussian_noise(total, std, self.randomness.noise)
-        update = (noisy / self.denominator).to(d.dtype if d.is_floating_point() else torch.float32)
-        new_state, extra = self.strategy.update(
-            state, norms, ctx, _CountReleaser(self.randomness.noise, k))
-        inner: DpEvent = GaussianEvent(z) if not extra else ComposedEvent((GaussianEvent(z), *extra))
-        event = self.sampler.step_event(inner)
+        out = release(
+            {"update": total}, noise_multiplier=z, sensitivity=k * self.max_weight * clip,
+            divisor=self.denominator, generator=self.randomness.noise, strategy=self.strategy,
+            state=state, norms=norms, ctx=ctx, sampler=self.sampler, sensitivity_factor=k,
+            per_tensor=True)
+        update = out.values["update"].to(d.dtype if d.is_floating_point() else torch.float32)
+        std, event = float(out.std), out.event  # type: ignore[arg-type]
+        self.plan.check_emitted(ctx, self.noise_multiplier, event, "round")  # before the ledger
         self.ledger.record(event)
-        self.state = dict(new_state)
+        self.state = dict(out.state)
         self.round_index += 1
         return AggregateOutput(update=update, state=self.state, event=event, clip_norm=clip,
                                noise_multiplier=z, noise_std=std, num_clients=n,

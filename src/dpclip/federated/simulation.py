@@ -25,17 +25,23 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon
+from dpclip.accounting import Ledger, compute_epsilon
 from dpclip.clipping.base import ClippingStrategy
-from dpclip.events import GaussianEvent
-from dpclip.federated.aggregator import DPAggregator, UserWeights, make_user_sampler
+from dpclip.federated.aggregator import (
+    DPAggregator,
+    UserWeights,
+    check_federated_strategy,
+    make_user_sampler,
+)
 from dpclip.federated.client import LocalTraining, local_seed, local_update
 from dpclip.federated.data import FederatedData
 from dpclip.federated.server import FedAvgServer, ServerOptimizer, evaluate
 from dpclip.randomness import PrivateRandomness
+from dpclip.training.plan import FEDERATED_FLAGS, Plan
+from dpclip.training.plan import resolve_noise as resolve_noise_of_plan
 
 __all__ = ["FedAvgConfig", "FedAvgResult", "build_server", "declared_weights", "plan_ledger",
-           "resolve_noise", "run_fedavg"]
+           "resolve_noise", "run_fedavg", "user_plan"]
 
 
 @dataclass(frozen=True)
@@ -86,39 +92,34 @@ class FedAvgConfig:
             raise ValueError(f"FedAvgConfig: eval_every must be an int >= 1, got {self.eval_every!r}")
 
 
+def user_plan(strategy: ClippingStrategy, config: FedAvgConfig, num_users: int) -> Plan:
+    """The public plan of the run's rounds (:meth:`dpclip.training.plan.Plan.for_rounds`): the
+    same plan the aggregator checks every round against."""
+    check_federated_strategy(strategy)
+    sampler = make_user_sampler(config.sampling, num_users, config.clients_per_round)
+    return Plan.for_rounds(strategy, sampler, config.rounds)
+
+
 def plan_ledger(strategy: ClippingStrategy, config: FedAvgConfig, num_users: int,
                 noise_multiplier: float) -> Ledger:
-    """The ledger the run will record (every round's planned event)."""
-    sampler = make_user_sampler(config.sampling, num_users, config.clients_per_round)
-    agg = DPAggregator(strategy, sampler, noise_multiplier, config.rounds,
-                       PrivateRandomness.reproducible(0))  # randomness unused: plan only
-    ledger = Ledger()
-    for r in range(config.rounds):
-        ledger.record(agg.planned_event(r))
-    return ledger
+    """The ledger the run will record (every round's planned event). Raises ``ValueError``
+    (named by the strategy) when ``noise_multiplier`` admits no noise split."""
+    return user_plan(strategy, config, num_users).ledger(noise_multiplier)
 
 
 def resolve_noise(strategy: ClippingStrategy, config: FedAvgConfig, num_users: int) -> float:
-    """``z``: the configured one, or calibrated to ``target_epsilon`` over the planned rounds.
+    """``z``: the configured one, or calibrated to ``target_epsilon`` over the planned rounds
+    (:func:`dpclip.training.plan.resolve_noise`, the calibration of steps).
 
     For a quantile strategy a probed ``z >= 2 sigma_b`` admits no Theorem-1 split; such probes are
     accounted as the equivalent single ``Gaussian(z)`` round (monotone in ``z``), and the result is
     checked by building the real plan."""
-    if config.noise_multiplier is not None:
-        return float(config.noise_multiplier)
-    sampler = make_user_sampler(config.sampling, num_users, config.clients_per_round)
-
-    def make_event(z: float):
-        try:
-            return plan_ledger(strategy, config, num_users, z).to_dp_event()
-        except ValueError:
-            single = Ledger()
-            single.record(sampler.step_event(GaussianEvent(z)), config.rounds)
-            return single.to_dp_event()
-
-    z = calibrate_noise_multiplier(float(config.target_epsilon), config.delta, make_event,
-                                   config.accountant)
-    plan_ledger(strategy, config, num_users, z)  # raises (named) if the split is impossible
+    plan = user_plan(strategy, config, num_users)
+    z = resolve_noise_of_plan(plan, epsilon=config.target_epsilon,
+                              noise_multiplier=config.noise_multiplier, delta=config.delta,
+                              accountant=config.accountant, flags=FEDERATED_FLAGS)
+    if config.noise_multiplier is None:
+        plan.ledger(z)  # raises (named) if the split is impossible
     return z
 
 

@@ -313,13 +313,236 @@ def check_public(config: GreedyConfig, data: Any = None) -> str:
     )
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def _save_checkpoint(ck: dict[str, Any], path: Path) -> None:
+    """The search's checkpoint, written as the trainer's are: ``0700`` directory, ``0600`` file,
+    atomically (:func:`dpclip.training.checkpoint.atomic_private_save`). It holds the generator
+    seeds' effects and, with ``allow_private_data``, models trained on private data."""
+    from dpclip.training.checkpoint import atomic_private_save, make_private_dir
+
+    make_private_dir(path.parent)
+    atomic_private_save(ck, path)
+
+
+def _new_checkpoint(config: GreedyConfig, start: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint of a search that has not tried any candidate yet (``start``: theta_0)."""
+    return {
+        "fingerprint": config.fingerprint(),
+        "config": config.to_dict(),
+        "epoch": 0,  # 0-based epoch being searched
+        "k": 0,  # next candidate index in this epoch
+        "start": start,  # theta_{t-1} (model and optimizer)
+        "best": {"clip_norm": config.c_start, "accuracy": 0.0, **start},
+        "last_accuracy": 0.0,
+        "thresholds": [],
+        "accuracies": [],
+        "capped": [],
+        "candidates": [],
+        "elapsed": 0.0,
+        "done": False,
+    }
+
+
+class _Search:
+    """One greedy search: the data, the sampler and engine, the checkpoint ``ck`` (the whole
+    search state: every step below reads and writes it, and it is saved after every candidate).
+
+    Candidates are trained with ``dp_step`` directly, not through ``PrivateTraining``: every
+    candidate of epoch ``t`` must replay the same batches, noise and torch RNG (common random
+    numbers seeded from ``(seed, t)``) starting at step ``t * steps_per_epoch`` from the best
+    model AND optimizer state of epoch ``t - 1``, which ``PrivateTraining`` (one random stream per
+    run, derived from its seed, starting at step 0 with a fresh plan) does not offer; going
+    through it would change every threshold already published (issue 34: results do not move).
+    """
+
+    def __init__(self, config: GreedyConfig, data: Any, evaluator: Evaluator | None,
+                 checkpoint_dir: str | os.PathLike | None) -> None:
+        from dpclip.data import load_dataset, provenance
+        from dpclip.engine import get_engine
+        from dpclip.training.sampling import make_sampler
+        from dpclip.training.trainer import resolve_device
+
+        self.config = config
+        self.t_start = time.perf_counter()
+        bundle = data if data is not None else load_dataset(
+            config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
+        )
+        self.bundle = bundle
+        derived = tuple(getattr(bundle, "derived_from", ()) or ())
+        self.searched_provenance = sorted(provenance(config.dataset) | set(derived))
+        self.device = device = resolve_device(config.device)
+        self.x_train, self.y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
+        self.x_test, self.y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
+        self.sampler = make_sampler(config.sampling, int(self.x_train.shape[0]), config.batch_size)
+        self.spe = config.steps_per_epoch or self.sampler.steps_per_epoch
+        self.engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
+            if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
+        self.evaluator = evaluator or self._test_accuracy
+        self.ckpt_path = Path(checkpoint_dir) / "greedy.pt" if checkpoint_dir is not None else None
+        self.ck = self._load_or_start()
+        self.elapsed_before = float(self.ck["elapsed"])
+
+    def _test_accuracy(self, model: nn.Module, epoch: int, clip_norm: float) -> float:
+        from dpclip.training.trainer import evaluate
+
+        return float(evaluate(model, self.x_test, self.y_test,
+                              self.config.eval_batch_size)["accuracy"])
+
+    def fresh(self) -> tuple[nn.Module, Any]:
+        """A newly built model (on the device, train mode) and its optimizer."""
+        from dpclip.models import build_model
+        from dpclip.training.trainer import make_optimizer
+
+        c = self.config
+        m = build_model(c.model, self.bundle.input_shape, self.bundle.num_classes,
+                        **c.model_options).to(self.device)
+        m.train()
+        params = [p for p in m.parameters() if p.requires_grad]
+        return m, make_optimizer(c.optimizer, params, c.lr, c.momentum, c.weight_decay)
+
+    def _load_or_start(self) -> dict[str, Any]:
+        path, config = self.ckpt_path, self.config
+        if path is not None and path.exists():
+            ck = torch.load(path, weights_only=False, map_location="cpu")
+            if ck["fingerprint"] != config.fingerprint():
+                raise ValueError(
+                    f"checkpoint {path} belongs to a different search configuration; use "
+                    "another --checkpoint-dir or delete it"
+                )
+            return ck
+        torch.manual_seed(config.seed)
+        m0, o0 = self.fresh()
+        return _new_checkpoint(config, {"model": _cpu_state(m0.state_dict()),
+                                        "optimizer": _cpu_state(o0.state_dict()),
+                                        "digest": _digest(m0)})
+
+    def save(self) -> None:
+        if self.ckpt_path is not None:
+            self.ck["elapsed"] = self.elapsed_before + time.perf_counter() - self.t_start
+            _save_checkpoint(self.ck, self.ckpt_path)
+
+    def train_candidate(self, start: dict[str, Any], epoch: int,
+                        clip: float) -> tuple[nn.Module, Any]:
+        """One epoch of DP-SGD with ``FixedClip(clip)`` from ``start`` (common random numbers)."""
+        from dpclip.clipping import FixedClip
+        from dpclip.engine import ParamGroups
+        from dpclip.noise import make_generator
+        from dpclip.training.plan import Plan
+        from dpclip.training.step import dp_step
+        from dpclip.training.trainer import cross_entropy_per_example
+
+        config, spe, sampler = self.config, self.spe, self.sampler
+        z = float(config.noise_multiplier)
+        model, opt = self.fresh()
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optimizer"])
+        strategy = FixedClip(clip)
+        plan = Plan(strategy, sampler, config.epochs * spe, steps_per_epoch=spe)
+        state = strategy.init_state()
+        groups = ParamGroups.flat(model)
+        sample_gen = make_generator(_derived_seed(config.seed, epoch, "sample"))
+        noise_gen = make_generator(_derived_seed(config.seed, epoch, "noise"))
+        torch.manual_seed(_derived_seed(config.seed, epoch, "torch"))
+        for i in range(spe):
+            idx = sampler.sample(sample_gen).to(self.device)
+            out = dp_step(model, self.x_train[idx], self.y_train[idx],
+                          loss_fn=cross_entropy_per_example, strategy=strategy, state=state,
+                          engine=self.engine, groups=groups, sampler=sampler,
+                          base_noise_multiplier=z, ctx=plan.ctx(epoch * spe + i, z),
+                          generator=noise_gen)
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.grad = out.grads[name]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state = out.state
+        return model, opt
+
+    def epoch_over(self) -> bool:
+        """Algorithm 1's stop rule: the last accuracy fell MORE than S below the best (or the
+        candidate cap is reached)."""
+        ck, c = self.ck, self.config
+        return ck["best"]["accuracy"] - ck["last_accuracy"] > c.tolerance or \
+            ck["k"] >= c.max_candidates
+
+    def close_epoch(self) -> None:
+        """theta_t, C_t = the best candidate; the next epoch starts from it."""
+        ck, config = self.ck, self.config
+        t, best = ck["epoch"], ck["best"]
+        capped = ck["k"] >= config.max_candidates and \
+            best["accuracy"] - ck["last_accuracy"] <= config.tolerance
+        if capped:
+            warnings.warn(
+                f"greedy search epoch {t + 1}: stopped at max_candidates="
+                f"{config.max_candidates} before accuracy fell more than S below the best; "
+                "raise max_candidates or the step d", stacklevel=3)
+        ck["thresholds"].append(best["clip_norm"])
+        ck["accuracies"].append(best["accuracy"])
+        ck["capped"].append(bool(capped))
+        ck["start"] = {k: best[k] for k in ("model", "optimizer", "digest")}
+        ck["best"] = {"clip_norm": config.c_start, "accuracy": 0.0, **ck["start"]}
+        ck["last_accuracy"] = 0.0
+        ck["k"] = 0
+        ck["epoch"] = t + 1
+        ck["done"] = ck["epoch"] >= config.epochs
+        self.save()
+
+    def try_candidate(self) -> tuple[float, float]:
+        """Train and score the next candidate of the epoch; returns ``(clip, accuracy)``."""
+        ck, t, k = self.ck, self.ck["epoch"], self.ck["k"]
+        clip = candidate_threshold(self.config.c_start, self.config.step, k)
+        model, opt = self.train_candidate(ck["start"], t, clip)
+        acc = float(self.evaluator(model, t + 1, clip))
+        improved = acc > ck["best"]["accuracy"]
+        digest = _digest(model)
+        ck["candidates"].append({
+            "epoch": t + 1, "index": k, "clip_norm": clip, "accuracy": acc,
+            "improved": improved, "start_digest": ck["start"]["digest"], "digest": digest,
+        })
+        if improved:
+            ck["best"] = {"clip_norm": clip, "accuracy": acc, "digest": digest,
+                          "model": _cpu_state(model.state_dict()),
+                          "optimizer": _cpu_state(opt.state_dict())}
+        ck["last_accuracy"] = acc
+        ck["k"] = k + 1
+        self.save()
+        return clip, acc
+
+    def metadata(self, privacy: str) -> dict[str, Any]:
+        """The public description of the finished search (stored with its schedule)."""
+        from dpclip import __version__
+
+        config, ck = self.config, self.ck
+        return {
+            "kind": "lin-greedy",
+            "dataset": config.dataset,
+            "model": config.model,
+            "noise_multiplier": config.noise_multiplier,
+            "batch_size": config.batch_size,
+            "lr": config.lr,
+            "epochs": config.epochs,
+            "seed": config.seed,
+            "steps_per_epoch": self.spe,
+            "c_start": config.c_start,
+            "step": config.step,
+            "tolerance": config.tolerance,
+            "privacy": privacy,
+            "nonprivate": privacy == "NON-PRIVATE",
+            "proxy_for": config.proxy_for,
+            # the example collections the searched data is drawn from: a schedule may not be
+            # replayed on a private dataset that shares one (dpclip.search.resolve)
+            "provenance": self.searched_provenance,
+            "best_accuracies": list(ck["accuracies"]),
+            "candidates_per_epoch": [sum(1 for c in ck["candidates"] if c["epoch"] == e + 1)
+                                     for e in range(config.epochs)],
+            "capped_epochs": [e + 1 for e, c in enumerate(ck["capped"]) if c],
+            "fingerprint": config.fingerprint(),
+            "config": {k: v for k, v in config.to_dict().items()
+                       if k not in ("data_dir", "device")},
+            "wall_seconds": self.elapsed_before + time.perf_counter() - self.t_start,
+            "dpclip_version": __version__,
+            "note": "selection on held-out data: not differentially private on the searched "
+                    "data; no epsilon",
+        }
 
 
 def greedy_search(
@@ -337,122 +560,15 @@ def greedy_search(
     the configured dataset's name and be declared public itself (``is_public``, and no provenance
     shared with ``proxy_for``), else ``PrivateDataError`` (see :func:`check_public`); ``evaluator``
     replaces the test-split accuracy. With ``checkpoint_dir`` the search writes
-    ``greedy.pt`` after every candidate and resumes from it when started again with the same
-    config; ``stop_after_candidates`` ends this call early after that many candidates (for tests
-    of resume), returning an ``interrupted`` result.
+    ``greedy.pt`` (owner-only, atomically) after every candidate and resumes from it when started
+    again with the same config; ``stop_after_candidates`` ends this call early after that many
+    candidates (for tests of resume), returning an ``interrupted`` result.
 
     Raises ``PrivateDataError`` on a private dataset unless ``config.allow_private_data``.
     """
-    from dpclip.clipping import FixedClip, StepContext
-    from dpclip.data import load_dataset
-    from dpclip.engine import ParamGroups, get_engine
-    from dpclip.models import build_model
-    from dpclip.noise import make_generator
-    from dpclip.training.sampling import make_sampler
-    from dpclip.training.step import dp_step
-    from dpclip.training.trainer import (
-        cross_entropy_per_example,
-        evaluate,
-        make_optimizer,
-        resolve_device,
-    )
-
     privacy = check_public(config, data)
-    t_start = time.perf_counter()
-    bundle = data if data is not None else load_dataset(
-        config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
-    )
-    from dpclip.data import provenance
-
-    derived = tuple(getattr(bundle, "derived_from", ()) or ())
-    searched_provenance = sorted(provenance(config.dataset) | set(derived))
-    device = resolve_device(config.device)
-    x_train, y_train = bundle.train.inputs.to(device), bundle.train.targets.to(device)
-    x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
-    sampler = make_sampler(config.sampling, int(x_train.shape[0]), config.batch_size)
-    spe = config.steps_per_epoch or sampler.steps_per_epoch
-    total_steps = config.epochs * spe
-    engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
-        if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
-    z = float(config.noise_multiplier)
-
-    def fresh() -> tuple[nn.Module, Any]:
-        m = build_model(config.model, bundle.input_shape, bundle.num_classes,
-                        **config.model_options).to(device)
-        m.train()
-        params = [p for p in m.parameters() if p.requires_grad]
-        opt = make_optimizer(config.optimizer, params, config.lr, config.momentum,
-                             config.weight_decay)
-        return m, opt
-
-    if evaluator is None:
-        def evaluator(model: nn.Module, epoch: int, clip_norm: float) -> float:
-            return float(evaluate(model, x_test, y_test, config.eval_batch_size)["accuracy"])
-
-    def train_candidate(start: dict[str, Any], epoch: int, clip: float) -> tuple[nn.Module, Any]:
-        model, opt = fresh()
-        model.load_state_dict(start["model"])
-        opt.load_state_dict(start["optimizer"])
-        strategy = FixedClip(clip)
-        state = strategy.init_state()
-        groups = ParamGroups.flat(model)
-        sample_gen = make_generator(_derived_seed(config.seed, epoch, "sample"))
-        noise_gen = make_generator(_derived_seed(config.seed, epoch, "noise"))
-        torch.manual_seed(_derived_seed(config.seed, epoch, "torch"))
-        for i in range(spe):
-            step = epoch * spe + i
-            ctx = StepContext(step=step, epoch=epoch, steps_per_epoch=spe,
-                              total_steps=total_steps,
-                              expected_batch_size=sampler.expected_batch_size,
-                              base_noise_multiplier=z)
-            idx = sampler.sample(sample_gen).to(device)
-            out = dp_step(model, x_train[idx], y_train[idx], loss_fn=cross_entropy_per_example,
-                          strategy=strategy, state=state, engine=engine, groups=groups,
-                          sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=noise_gen)
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    p.grad = out.grads[name]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            state = out.state
-        return model, opt
-
-    ckpt_path = Path(checkpoint_dir) / "greedy.pt" if checkpoint_dir is not None else None
-    ck: dict[str, Any] | None = None
-    if ckpt_path is not None and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
-        if ck["fingerprint"] != config.fingerprint():
-            raise ValueError(
-                f"checkpoint {ckpt_path} belongs to a different search configuration; use "
-                "another --checkpoint-dir or delete it"
-            )
-    if ck is None:
-        torch.manual_seed(config.seed)
-        m0, o0 = fresh()
-        start = {"model": _cpu_state(m0.state_dict()), "optimizer": _cpu_state(o0.state_dict()),
-                 "digest": _digest(m0)}
-        ck = {
-            "fingerprint": config.fingerprint(),
-            "config": config.to_dict(),
-            "epoch": 0,  # 0-based epoch being searched
-            "k": 0,  # next candidate index in this epoch
-            "start": start,  # theta_{t-1} (model and optimizer)
-            "best": {"clip_norm": config.c_start, "accuracy": 0.0, **start},
-            "last_accuracy": 0.0,
-            "thresholds": [],
-            "accuracies": [],
-            "capped": [],
-            "candidates": [],
-            "elapsed": 0.0,
-            "done": False,
-        }
-    elapsed_before = float(ck["elapsed"])
-
-    def save() -> None:
-        if ckpt_path is not None:
-            ck["elapsed"] = elapsed_before + time.perf_counter() - t_start
-            _atomic_save(ck, ckpt_path)
-
+    search = _Search(config, data, evaluator, checkpoint_dir)
+    ck = search.ck
     bar: Any = None
     if progress and not ck["done"]:
         from tqdm.auto import tqdm
@@ -461,95 +577,27 @@ def greedy_search(
                    unit="cand", dynamic_ncols=True, leave=False)
     ran = 0
     while not ck["done"]:
-        t = ck["epoch"]
-        best = ck["best"]
-        if best["accuracy"] - ck["last_accuracy"] > config.tolerance or \
-                ck["k"] >= config.max_candidates:
-            # the epoch is over: theta_t, C_t = the best candidate
-            capped = ck["k"] >= config.max_candidates and \
-                best["accuracy"] - ck["last_accuracy"] <= config.tolerance
-            if capped:
-                warnings.warn(
-                    f"greedy search epoch {t + 1}: stopped at max_candidates="
-                    f"{config.max_candidates} before accuracy fell more than S below the best; "
-                    "raise max_candidates or the step d", stacklevel=2)
-            ck["thresholds"].append(best["clip_norm"])
-            ck["accuracies"].append(best["accuracy"])
-            ck["capped"].append(bool(capped))
-            ck["start"] = {k: best[k] for k in ("model", "optimizer", "digest")}
-            ck["best"] = {"clip_norm": config.c_start, "accuracy": 0.0, **ck["start"]}
-            ck["last_accuracy"] = 0.0
-            ck["k"] = 0
-            ck["epoch"] = t + 1
-            ck["done"] = ck["epoch"] >= config.epochs
-            save()
+        if search.epoch_over():
+            search.close_epoch()
             if bar is not None and not ck["done"]:
                 bar.set_description(f"greedy {config.dataset} epoch {ck['epoch'] + 1}/"
                                     f"{config.epochs}")
             continue
         if stop_after_candidates is not None and ran >= stop_after_candidates:
-            save()
+            search.save()
             if bar is not None:
                 bar.close()
             return GreedyResult(list(ck["thresholds"]), list(ck["accuracies"]),
                                 list(ck["candidates"]), {}, None, interrupted=True)
-        k = ck["k"]
-        clip = candidate_threshold(config.c_start, config.step, k)
-        model, opt = train_candidate(ck["start"], t, clip)
-        acc = float(evaluator(model, t + 1, clip))
-        improved = acc > best["accuracy"]
-        digest = _digest(model)
-        ck["candidates"].append({
-            "epoch": t + 1, "index": k, "clip_norm": clip, "accuracy": acc,
-            "improved": improved, "start_digest": ck["start"]["digest"], "digest": digest,
-        })
-        if improved:
-            ck["best"] = {"clip_norm": clip, "accuracy": acc, "digest": digest,
-                          "model": _cpu_state(model.state_dict()),
-                          "optimizer": _cpu_state(opt.state_dict())}
-        ck["last_accuracy"] = acc
-        ck["k"] = k + 1
+        clip, acc = search.try_candidate()
         ran += 1
-        save()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(C=f"{clip:g}", acc=f"{acc:.4f}",
                             best=f"{ck['best']['clip_norm']:g}@{ck['best']['accuracy']:.4f}")
     if bar is not None:
         bar.close()
-    final, _ = fresh()
+    final, _ = search.fresh()
     final.load_state_dict(ck["start"]["model"])
-    from dpclip import __version__
-
-    metadata = {
-        "kind": "lin-greedy",
-        "dataset": config.dataset,
-        "model": config.model,
-        "noise_multiplier": config.noise_multiplier,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "epochs": config.epochs,
-        "seed": config.seed,
-        "steps_per_epoch": spe,
-        "c_start": config.c_start,
-        "step": config.step,
-        "tolerance": config.tolerance,
-        "privacy": privacy,
-        "nonprivate": privacy == "NON-PRIVATE",
-        "proxy_for": config.proxy_for,
-        # the example collections the searched data is drawn from: a schedule may not be
-        # replayed on a private dataset that shares one (dpclip.search.resolve)
-        "provenance": searched_provenance,
-        "best_accuracies": list(ck["accuracies"]),
-        "candidates_per_epoch": [sum(1 for c in ck["candidates"] if c["epoch"] == e + 1)
-                                 for e in range(config.epochs)],
-        "capped_epochs": [e + 1 for e, c in enumerate(ck["capped"]) if c],
-        "fingerprint": config.fingerprint(),
-        "config": {k: v for k, v in config.to_dict().items() if k not in ("data_dir", "device")},
-        "wall_seconds": elapsed_before + time.perf_counter() - t_start,
-        "dpclip_version": __version__,
-        "note": "selection on held-out data: not differentially private on the searched data; "
-                "no epsilon",
-    }
     return GreedyResult(list(ck["thresholds"]), list(ck["accuracies"]),
-                        list(ck["candidates"]), metadata, final)
+                        list(ck["candidates"]), search.metadata(privacy), final)

@@ -12,9 +12,10 @@ single-process ledger is the distributed ledger. Every step:
                       positions and all-reduced too, so every rank holds the global norms in the
                       single-process order (DistributedEngine). An empty shard takes part with
                       zero sums and no norms: no rank skips a collective, nothing hangs.
-    noise          <- dp_step draws N(0, (z S)^2) ONCE per coordinate: every rank holds the same
-                      shared noise generator and the same global sum, so every rank makes the same
-                      single draw (no rank adds noise of its own; nothing is split)
+    noise          <- dp_step's release (dpclip.training.release) draws N(0, (z S)^2) ONCE per
+                      coordinate: every rank holds the same shared noise generator and the same
+                      global sum, so every rank makes the same single draw (no rank adds noise of
+                      its own; nothing is split)
     releases       <- strategy.update sees the GLOBAL norms: a quantile count or a mean norm is
                       summed over all ranks before its noise, released once, counted once
     ledger         <- the planned events of the global mechanism (identical on every rank; rank

@@ -2,8 +2,12 @@
 epsilon, and the number of steps the epsilon cap allows.
 
 Everything here is computed before any data is read, from public settings only (the strategy's
-planned events, the sampler, the number of steps), so it can be published. Both entry points use
-it: ``dpclip.training.private.PrivateTraining`` (the own-model API) and, through it, ``dpclip train``.
+planned events, the sampler, the number of steps), so it can be published. One :class:`Plan`
+serves any sampler of examples or users: ``dpclip.training.private.PrivateTraining`` (the own-model
+API, and through it ``dpclip train``) plans steps; the federated aggregator
+(``dpclip.federated.aggregator.DPAggregator``) and ``dpclip.federated.simulation`` plan rounds
+(:meth:`Plan.for_rounds`: one round is one step and one "epoch"). Both refuse an emitted event
+that differs from the planned one (:meth:`Plan.check_emitted`).
 Messages name the arguments as the caller knows them (``flags``: ``--epsilon`` on the command line,
 ``epsilon=`` in Python).
 """
@@ -18,8 +22,8 @@ from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.clipping import ClippingStrategy, StepContext
 from dpclip.events import DpEvent, GaussianEvent
 
-__all__ = ["API_FLAGS", "CLI_FLAGS", "NOISE_WARNING_THRESHOLD", "Plan", "budget_steps",
-           "resolve_noise"]
+__all__ = ["API_FLAGS", "CLI_FLAGS", "FEDERATED_FLAGS", "NOISE_WARNING_THRESHOLD", "Plan",
+           "PlanMismatchError", "budget_steps", "resolve_noise"]
 
 #: a noise multiplier above this triggers a NoiseWarning (the model will not learn)
 NOISE_WARNING_THRESHOLD = 50.0
@@ -33,23 +37,55 @@ API_FLAGS: Mapping[str, str] = {"epsilon": "epsilon", "noise_multiplier": "noise
                                 "batch_size": "batch_size", "augment": "augment=",
                                 "augment_multiplicity": "augment_multiplicity",
                                 "averaging": "averaging="}
+#: DP-FedAvg (``FedAvgConfig``): the user-level names
+FEDERATED_FLAGS: Mapping[str, str] = {"epsilon": "target_epsilon",
+                                      "noise_multiplier": "noise_multiplier",
+                                      "batch_size": "clients_per_round"}
+
+
+class PlanMismatchError(RuntimeError):
+    """A step or round emitted another event than the plan said it would (a privacy bug: the
+    accountant would count something else than what was released). Nothing is recorded."""
 
 
 class Plan:
-    """The events the run will emit, step by step (public), used for calibration and budget."""
+    """The events the run will emit, step by step (public), used for calibration and budget.
+
+    ``sampler``: of examples (``dpclip.training.sampling``) or of users (the federated
+    aggregator's); ``total_steps``: planned steps (or rounds); ``units_per_step``: public number of
+    clipped vectors per step (default the sampler's expected batch size; BC/GBC: units);
+    ``steps_per_epoch``: default the sampler's (rounds: 1, :meth:`for_rounds`).
+    """
 
     def __init__(self, strategy: ClippingStrategy, sampler: Any, total_steps: int,
-                 units_per_step: float | None = None) -> None:
+                 units_per_step: float | None = None, steps_per_epoch: int | None = None) -> None:
         self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
         #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
         self.units = units_per_step if units_per_step is not None \
             else sampler.expected_batch_size
+        self.steps_per_epoch = int(steps_per_epoch if steps_per_epoch is not None
+                                   else sampler.steps_per_epoch)
+
+    @classmethod
+    def for_rounds(cls, strategy: ClippingStrategy, user_sampler: Any, rounds: int,
+                   units: float | None = None) -> "Plan":
+        """The plan of ``rounds`` DP-FedAvg rounds: a round is one step and one "epoch"
+        (schedules move per round); the public units are the expected number of sampled users
+        (``units``: default ``float(user_sampler.expected_batch_size)``)."""
+        m = float(user_sampler.expected_batch_size) if units is None else units
+        return cls(strategy, user_sampler, rounds, units_per_step=m, steps_per_epoch=1)
+
+    @staticmethod
+    def context(step: int, *, steps_per_epoch: int, total_steps: int, units: float,
+                base: float) -> StepContext:
+        """The public ``StepContext`` of ``step`` (0-based)."""
+        return StepContext(step=int(step), epoch=int(step) // steps_per_epoch,
+                           steps_per_epoch=steps_per_epoch, total_steps=max(int(total_steps), 1),
+                           expected_batch_size=units, base_noise_multiplier=base)
 
     def ctx(self, step: int, base: float) -> StepContext:
-        spe = self.sampler.steps_per_epoch
-        return StepContext(step=step, epoch=step // spe, steps_per_epoch=spe,
-                           total_steps=self.total_steps, expected_batch_size=self.units,
-                           base_noise_multiplier=base)
+        return self.context(step, steps_per_epoch=self.steps_per_epoch,
+                            total_steps=self.total_steps, units=self.units, base=base)
 
     def event(self, step: int, base: float) -> DpEvent:
         return self.event_at(self.ctx(step, base), base)
@@ -57,6 +93,17 @@ class Plan:
     def event_at(self, ctx: StepContext, base: float) -> DpEvent:
         """The planned event of the step described by ``ctx`` (``ctx = self.ctx(step, base)``)."""
         return self.sampler.step_event(self.strategy.planned_event(base, ctx))
+
+    def check_emitted(self, ctx: StepContext, base: float, event: DpEvent,
+                      what: str = "step") -> None:
+        """Refuse (:class:`PlanMismatchError`) an emitted ``event`` that is not the planned event
+        of the step described by ``ctx``: the ledger would not describe what was released."""
+        planned = self.event_at(ctx, base)
+        if event != planned:
+            raise PlanMismatchError(
+                f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
+                f"{event} at {what} {ctx.step} but planned {planned}; refusing to continue"
+            )
 
     def ledger(self, base: float, steps: int | None = None, *, lenient: bool = False) -> Ledger:
         """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
@@ -133,7 +180,7 @@ def budget_steps(plan: Plan, z: float, *, epsilon: float | None, delta: float, a
     from dpclip.errors import BudgetWarning
 
     e, nm = flags["epsilon"], flags["noise_multiplier"]
-    spe = plan.sampler.steps_per_epoch
+    spe = plan.steps_per_epoch
     try:  # the noise that fits every planned step into the cap: part of the fix
         z_all = calibrate_noise_multiplier(
             epsilon, delta, lambda x: plan.ledger(x, lenient=True).to_dp_event(),

@@ -598,12 +598,7 @@ class PrivateTraining:
             if short is None:
                 raise
             raise short from exc
-        planned = self._plan.event_at(ctx, z)
-        if out.event != planned:
-            raise RuntimeError(
-                f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
-                f"{out.event} at step {step} but planned {planned}; refusing to continue"
-            )
+        self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
         if out.engine_info is not None and out.batch_size >= 2:
             # public record: batches of fewer than 2 examples are trivially separable (ghost can
             # run them where it refuses larger ones), so they are left out, and the reasons lose

@@ -3,10 +3,12 @@
     norms, sum  <- engine(model, batch, weight_fn = strategy.weights(., state))
     S           <- sampler.sensitivity_factor * strategy.sensitivity(state)
     z           <- strategy.noise_multiplier(state, base)
-    noisy       <- sum + N(0, (z S)^2)                 (dpclip.noise, the one place)
+    noisy       <- sum + N(0, (z S)^2)                 (dpclip.training.release, the one door)
     grad        <- noisy / expected_batch_size         (public constant, never len(batch))
-    state', ev  <- strategy.update(state, norms, ctx, release)
+    state', ev  <- strategy.update(state, norms, ctx, Releaser)
     event       <- sampler.step_event(compose(Gaussian(z), *ev))
+
+``dp_step`` = engine + :func:`dpclip.training.release.release` (the last three lines).
 
 A strategy of class P-GRAD (AdaClip; ``needs_per_example_grads = True``, see
 :class:`GradientTransform`) replaces the engine call by ``transformed_sum``: per-example gradients
@@ -32,8 +34,8 @@ from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
-from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
+from dpclip.events import DpEvent
+from dpclip.training.release import Released, release
 from dpclip.training.sampling import Sampler
 from dpclip.training.units import UnitConfig, expected_units, unit_sum
 
@@ -130,23 +132,6 @@ class StepOutput:
     params: dict[str, Tensor] | None = None
 
 
-class _Releaser:
-    """The ``Release`` callback handed to strategies: noise from the step's generator, typed event."""
-
-    def __init__(self, generator: torch.Generator, sensitivity_factor: int) -> None:
-        self.generator = generator
-        self.factor = sensitivity_factor
-
-    def __call__(
-        self, value: Tensor, sensitivity: float, noise_multiplier: float
-    ) -> tuple[Tensor, DpEvent]:
-        if not (sensitivity > 0):
-            raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
-        std = noise_std(noise_multiplier, sensitivity * self.factor)
-        noisy = add_gaussian_noise(value, std, self.generator)
-        return noisy, GaussianEvent(noise_multiplier)
-
-
 def dp_step(
     model: nn.Module,
     inputs: Any,
@@ -216,7 +201,7 @@ def dp_step(
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     group_noise = getattr(strategy, "group_noise", None)
     factors = group_noise(state) if group_noise is not None else None
-    std: float | dict[str, float]
+    block: float | dict[str, float] = sensitivity
     if factors is not None:  # per-layer noise: block h gets z * k * f_h (strategy's docstring)
         if per_example:
             raise ValueError("per-group noise is not supported with P-GRAD strategies")
@@ -225,29 +210,23 @@ def dp_step(
                 f"strategy {getattr(strategy, 'name', strategy)!r} gives {len(factors)} per-group "
                 f"noise factors for {len(groups)} parameter groups"
             )
-        std = {n: noise_std(z, factor * f)
-               for f, members in zip(factors, groups.members) for n in members}
-        grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
-    else:
-        std = noise_std(z, sensitivity) * (_noise_scale(strategy, ctx) if per_example else 1.0)
-        grads = add_gaussian_noise_all(result.grads, std, generator, divide_by=denom)
-    if per_example:  # back to parameter space: post-processing of the released mean
-        grads, state = strategy.untransform(grads, state, std / denom)  # type: ignore[operator]
+        block = {n: factor * f for f, members in zip(factors, groups.members) for n in members}
     norms = result.norms if result.norms is not None else torch.empty(0)
-    new_state, extra = strategy.update(state, norms, ctx, _Releaser(generator, factor))
-    inner: DpEvent = GaussianEvent(z) if not extra else ComposedEvent((GaussianEvent(z), *extra))
-    return StepOutput(
-        grads=grads,
-        state=new_state,
-        event=sampler.step_event(inner),
-        noise_multiplier=z,
-        sensitivity=sensitivity,
-        batch_size=n_examples,
-        loss_sum=result.loss_sum,
-        norms=result.norms,
-        engine_info=_engine_info(result, engine),
-        params=result.params,
-    )
+    out = release(
+        result.grads, noise_multiplier=z, sensitivity=block, divisor=denom, generator=generator,
+        strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
+        sensitivity_factor=factor, untransform=per_example,
+        noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0)
+    return _output(out, result, engine, z, sensitivity, n_examples)
+
+
+def _output(out: Released, result: EngineResult, engine: Engine, z: float, sensitivity: float,
+            batch_size: int) -> StepOutput:
+    """The step's output: the release and the engine's NON-PRIVATE diagnostics."""
+    return StepOutput(grads=out.values, state=out.state, event=out.event, noise_multiplier=z,
+                      sensitivity=sensitivity, batch_size=batch_size, loss_sum=result.loss_sum,
+                      norms=result.norms, engine_info=_engine_info(result, engine),
+                      params=result.params)
 
 
 def _engine_info(result: EngineResult, engine: Engine) -> dict[str, Any]:
@@ -311,30 +290,15 @@ def bound_step(
         result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     k = sampler.sensitivity_factor
-    denom = sampler.expected_batch_size
-    grads = {}
-    for name, g in result.grads.items():
-        std = noise_std(z, k * cert.param_sensitivity[name])
-        grads[name] = add_gaussian_noise(g * cert.scales[name], std, generator) / denom
     norms = result.norms if result.norms is not None else torch.empty(0)
-    new_state, extra = strategy.update(
-        state, norms, ctx, _Releaser(generator, sampler.sensitivity_factor)
-    )
-    inner = strategy.step_event(z)
-    if extra:
-        inner = ComposedEvent((inner, *extra))
-    return StepOutput(
-        grads=grads,
-        state=new_state,
-        event=sampler.step_event(inner),
+    out = release(
+        {name: g * cert.scales[name] for name, g in result.grads.items()},
         noise_multiplier=z,
-        sensitivity=k * cert.sensitivity,
-        batch_size=int(inputs.shape[0]),
-        loss_sum=result.loss_sum,
-        norms=result.norms,
-        engine_info=_engine_info(result, engine),
-        params=result.params,
-    )
+        sensitivity={name: k * cert.param_sensitivity[name] for name in result.grads},
+        divisor=sampler.expected_batch_size, generator=generator, strategy=strategy,
+        state=state, norms=norms, ctx=ctx, sampler=sampler, sensitivity_factor=k,
+        mechanism=strategy.step_event(z), per_tensor=True)
+    return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]))
 
 
 @runtime_checkable

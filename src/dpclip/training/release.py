@@ -1,0 +1,140 @@
+"""The one door of every private release: where a noise standard deviation meets data.
+
+    noisy    <- sum + N(0, (z s)^2)          s: the sum's L2 sensitivity (one value or per tensor)
+    released <- noisy / divisor              a PUBLIC constant (expected batch size, units, users)
+    state'   <- strategy.update(state, norms, ctx, Releaser)   every extra release (a count, a
+                                                               mean) comes back through here
+    event    <- sampler.step_event(compose(mechanism, *extra)) the typed event of the whole step
+
+:func:`release` is called by :func:`dpclip.training.step.dp_step` and
+:func:`~dpclip.training.step.bound_step` (engine + release) and by the federated aggregator
+(:meth:`dpclip.federated.aggregator.DPAggregator.aggregate`: weighted client deltas + release).
+:class:`Releaser` is the ``Release`` callback handed to strategies for their own statistics. No
+other module of ``src/dpclip`` draws Gaussian noise (``tests/core/test_release.py`` checks it on
+the source), so whoever changes how noise is drawn (the generator, the dtype, a sharded draw)
+changes it here.
+
+Privacy: the noise std is ``noise_multiplier * sensitivity`` on the SUM (``dpclip.noise.noise_std``
+validates both), drawn in float64 from the secret device generator of ``dpclip.randomness`` and
+cast (``dpclip.noise.standard_normal``), and the noisy sum is divided once by a public constant:
+never by the realised batch size. The event returned is the one the caller checks against its
+plan (:meth:`dpclip.training.plan.Plan.check_emitted`) and records in its ledger.
+
+Two ways to draw, kept so that results stay bit for bit what they were: ``per_tensor=False`` (the
+flat-clipping step: one draw for all tensors, added on one flat buffer,
+``dpclip.noise.add_gaussian_noise_all``), ``per_tensor=True`` (the bound step and the
+aggregator: one draw per tensor, ``dpclip.noise.add_gaussian_noise``). Both add the same
+distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from dpclip.clipping.base import ClippingStrategy, State, StepContext
+from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
+from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
+
+__all__ = ["Released", "Releaser", "release"]
+
+
+class Releaser:
+    """The ``Release`` callback handed to strategies (``strategy.update(..., release)``): adds
+    ``N(0, (z * sensitivity * k)^2)`` to ``value`` from the step's noise generator and returns the
+    noisy value with its typed ``GaussianEvent(z)``. ``k`` is the sampler's (or unit's)
+    sensitivity factor: 2 under replace-one adjacency."""
+
+    def __init__(self, generator: torch.Generator, sensitivity_factor: int) -> None:
+        self.generator = generator
+        self.factor = sensitivity_factor
+
+    def __call__(
+        self, value: Tensor, sensitivity: float, noise_multiplier: float
+    ) -> tuple[Tensor, DpEvent]:
+        if not (sensitivity > 0):
+            raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
+        std = noise_std(noise_multiplier, sensitivity * self.factor)
+        noisy = add_gaussian_noise(value, std, self.generator)
+        return noisy, GaussianEvent(noise_multiplier)
+
+
+@dataclass
+class Released:
+    """What one release gives back: the noisy sums divided by the divisor, the strategy state
+    after its update, the step's typed event and the noise std on the SUM (one value, or one per
+    tensor)."""
+
+    values: dict[str, Tensor]
+    state: State
+    event: DpEvent
+    std: float | dict[str, float]
+
+
+def release(
+    sums: Mapping[str, Tensor],
+    *,
+    noise_multiplier: float,
+    sensitivity: float | Mapping[str, float],
+    divisor: float,
+    generator: torch.Generator,
+    strategy: ClippingStrategy,
+    state: State,
+    norms: Tensor,
+    ctx: StepContext,
+    sampler: Any,
+    sensitivity_factor: int,
+    mechanism: DpEvent | None = None,
+    noise_scale: float = 1.0,
+    per_tensor: bool = False,
+    untransform: bool = False,
+) -> Released:
+    """Release ``sums`` (clipped sums, unnoised) once: noise, divide, update, event.
+
+    Args:
+        sums: ``{name: tensor}``, the clipped (weighted) sum of the step or round; not changed.
+        noise_multiplier: ``z`` of this release (already the strategy's, e.g. Theorem 1's split).
+        sensitivity: the sum's L2 sensitivity ``s`` (the sensitivity factor included), or a
+            mapping ``{name: s_name}`` for per-block noise (per-layer noise, Lip-DP-SGD's
+            per-parameter certificate).
+        divisor: the PUBLIC constant the noisy sum is divided by (expected batch size, expected
+            number of units or users, expected total weight); never a realised count.
+        generator: the secret noise generator (``PrivateRandomness.noise``).
+        strategy, state, norms, ctx: ``strategy.update(state, norms, ctx, Releaser)`` after the
+            noise (``state`` is the state the sum was clipped with; ``norms`` are the per-example
+            norms, NON-PRIVATE, which the strategy releases only through the ``Releaser``).
+        sampler: its ``step_event`` wraps the step's inner event (sampling amplification).
+        sensitivity_factor: ``k`` for the strategy's own releases (2 under replace-one / units).
+        mechanism: the event of the sum's release (default ``GaussianEvent(z)``; the bound step
+            passes its strategy's ``step_event(z)``).
+        noise_scale: public multiplier ``>= 1`` of the std (P-GRAD's ``noise_scale``); the event
+            stays ``mechanism`` (a conservative bound).
+        per_tensor: one draw per tensor instead of one joint draw (see the module docstring).
+        untransform: P-GRAD: map the released mean back with ``strategy.untransform(values,
+            state, std / divisor)`` (post-processing) before the update.
+
+    Raises ``ValueError`` for a non-finite or negative multiplier, sensitivity or divisor.
+    """
+    z = noise_multiplier
+    std: float | dict[str, float]
+    if isinstance(sensitivity, Mapping):
+        std = {n: noise_std(z, sensitivity[n]) for n in sums}
+    else:
+        std = noise_std(z, sensitivity) * noise_scale
+    if per_tensor:
+        values = {n: add_gaussian_noise(
+            v, std[n] if isinstance(std, dict) else std, generator) / divisor
+            for n, v in sums.items()}
+    else:
+        values = add_gaussian_noise_all(sums, std, generator, divide_by=divisor)
+    if untransform:  # back to parameter space: post-processing of the released mean
+        assert not isinstance(std, dict)
+        values, state = strategy.untransform(values, state, std / divisor)  # type: ignore[attr-defined]
+    new_state, extra = strategy.update(state, norms, ctx, Releaser(generator, sensitivity_factor))
+    inner = GaussianEvent(z) if mechanism is None else mechanism
+    if extra:
+        inner = ComposedEvent((inner, *extra))
+    return Released(values=values, state=new_state, event=sampler.step_event(inner), std=std)
