@@ -10,6 +10,7 @@ __version__ = "0.2.0"
 
 from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon, epsilon
 from dpclip.clipping import FixedClip, StepContext, list_strategies, make_strategy
+from dpclip import lipschitz as _lipschitz  # noqa: F401 - registers the bound-based strategies and the Lipschitz models (a room above clipping and models)
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import (
     ComposedEvent,

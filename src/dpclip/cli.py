@@ -11,7 +11,10 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Sequence
+
+from dpclip.harness.evidence import append_row
 
 __all__ = ["main"]
 
@@ -53,7 +56,7 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
     from dpclip.interrupts import TrainingInterrupted
     from dpclip.training.trainer import TrainConfig, train
 
@@ -137,6 +140,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"warning: {summary['randomness_warning']} (--reproducible-noise)", file=sys.stderr)
     store.finish_run(run_id, result.summary, result.ledger.to_dict())
     store.close()
+    if args.evidence:
+        _append_evidence(args.evidence, summary, args.train_argv)
     if not args.json:
         for row in result.history:
             print(f"epoch {row['epoch']:>5.4g}  test_acc {row['test_accuracy']:.4f}  "
@@ -151,6 +156,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{summary['wall_seconds']:.1f} s; stored as run {run_id} in {summary['db']}",
     )
     return 0
+
+
+def _append_evidence(path: str, summary: dict[str, Any], train_argv: list[str]) -> None:
+    """``dpclip train ... --evidence FILE``: the run's summary row appended to the committed
+    evidence file and its Markdown table rewritten (``dpclip.harness.evidence``)."""
+    argv = [a for a in train_argv if a != "--evidence" and a != path
+            and not a.startswith("--evidence=")]
+    row = json.loads(json.dumps(summary, default=str))
+    row["command"] = "dpclip " + " ".join(argv)
+    if "--noise-multiplier" in argv:
+        row["noise_multiplier_arg"] = float(argv[argv.index("--noise-multiplier") + 1])
+    append_row(Path(path), row)
 
 
 def _default_checkpoint_dir(config: Any) -> str:
@@ -256,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dpclip.harness.report import build_report
     from dpclip.harness.runner import run_experiment
     from dpclip.harness.spec import load_spec
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
 
     spec = load_spec(args.spec, args.set or ())
     db = args.db or default_db_path()
@@ -286,7 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from dpclip.harness.report import build_report
     from dpclip.harness.spec import SpecError, load_spec
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
 
     try:
         name = load_spec(args.experiment).name
@@ -304,7 +321,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_reproductions(args: argparse.Namespace) -> int:
     from dpclip.harness.reproduce import regenerate
-    from dpclip.harness.store import default_db_path
+    from dpclip.store import default_db_path
 
     counts = regenerate(args.db or default_db_path(), args.dir, args.doc)
     for name, n in counts.items():
@@ -317,7 +334,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """``dpclip audit``: white-box audit of the configured step (dpclip.audit.step_audit) or
     black-box audit of a training run (dpclip.audit.blackbox); stored in the results store under
     experiment "audit". Exit status 1 when a lower bound exceeds the claim."""
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
     from dpclip.training.units import UnitConfig
 
     unit, strategy_params = UnitConfig.pop_from(_parse_params(args.param))
@@ -549,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", help="write checkpoints here and resume from them")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="last stdout line is a JSON summary")
+    t.add_argument("--evidence", metavar="FILE", default=None,
+                   help="append the run's summary row to the evidence file FILE "
+                        "(reproductions/results/NAME.json) and rewrite its Markdown table")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("epsilon", help="epsilon of Poisson-subsampled Gaussian DP-SGD")
@@ -689,7 +709,7 @@ def _resolve_train_config(config: Any, db: Any, checkpoint_dir: Any, progress: b
     """``transfer`` schedule=NAME and ``lin-decay`` c0_from=greedy resolved from the store."""
     from pathlib import Path
 
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
     from dpclip.search import resolve_strategy_params
 
     needs = (config.strategy == "transfer" and "schedule" in config.strategy_params) or (
@@ -704,7 +724,7 @@ def _resolve_train_config(config: Any, db: Any, checkpoint_dir: Any, progress: b
 def cmd_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
     from dpclip.search import (
         GreedyConfig,
         check_public,
@@ -779,7 +799,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
 
     with ResultsStore(args.db or default_db_path()) as store:
         rows = store.schedules()
@@ -803,7 +823,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 def cmd_search_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
     from dpclip.search.plots import plot_median_norms, plot_thresholds
 
     out = Path(args.out or _default_out())
@@ -931,6 +951,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.train_argv = list(sys.argv[1:] if argv is None else argv)  # recorded by --evidence
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: Any = None, line: str | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["audit_matrix", "main", "markdown"]
 
-ENGINES = ("vmap", "ghost", "auto", "naive", "summed")
+ENGINES = tuple(ENGINE_REGISTRY)  # every registered engine, in registration order
 
 #: Explicit auxiliary-query noise for batch units. The defaults scale with the expected number of
 #: UNITS per step (``count_noise_std = units / 20``, ``mean_noise_multiplier = units / 10``), which

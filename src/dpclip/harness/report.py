@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 __all__ = ["Report", "accuracy_plots", "build_report", "collect_runs", "is_federated",
            "settings_table"]

@@ -27,7 +27,7 @@ from dpclip.harness.report import (
     seeded_runs,
 )
 from dpclip.harness.spec import load_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 __all__ = ["latest_per_seed", "regenerate", "verdict"]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dpclip.harness.spec import ExperimentSpec, RunSpec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 __all__ = ["RunnerReport", "run_experiment"]
 

@@ -358,8 +358,6 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
               progress: bool = True) -> list[Any]:
     """``runs`` with each cell's chosen setting applied and its tuning record attached
     (``RunSpec.tuning``); runs the trials that are not finished in ``store`` first."""
-    from dpclip.harness.spec import RunSpec
-
     if spec.tuning is None:
         return runs
     tuner = _Tuner(spec, store, Path(out_dir), progress)
@@ -372,7 +370,7 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
     for r in runs:
         rec = records[cell_key(r.config, r.label)]
         cfg = apply_point(r.config, rec["choice"])
-        out.append(RunSpec(r.experiment, r.label, cfg, tuning=rec))
+        out.append(dataclasses.replace(r, config=cfg, tuning=rec))
     return out
 
 

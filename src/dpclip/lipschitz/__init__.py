@@ -41,6 +41,7 @@ from dpclip.lipschitz.models import (
     tabular_mlp,
 )
 from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear, orthogonalize
+from dpclip.lipschitz import strategy  # noqa: F401 - registers lip-dp-sgd and fix-lip-dp-sgd
 from dpclip.lipschitz.norms import (
     NUMERICAL_SLACK,
     ConvNormMethod,

@@ -17,6 +17,7 @@ from dpclip._checks import positive_ints
 from dpclip.lipschitz.layers import GroupSort
 from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.models.activations import make_activation
+from dpclip.models.registry import ModelEntry, register_model
 
 __all__ = ["lip_mnist_convnet", "lip_orth_convnet", "lip_small_convnet", "tabular_mlp"]
 
@@ -67,7 +68,7 @@ def lip_small_convnet(
     input_shape: Sequence[int] = (1, 28, 28),
     num_classes: int = 10,
     *,
-    channels: Sequence[int] = (16, 32),
+    channels: tuple[int, ...] = (16, 32),
     hidden: int = 0,
     activation: str = "relu",
     bias: bool = True,
@@ -118,7 +119,7 @@ def lip_orth_convnet(
     input_shape: Sequence[int] = (1, 28, 28),
     num_classes: int = 10,
     *,
-    channels: Sequence[int] = (16, 32),
+    channels: tuple[int, ...] = (16, 32),
     hidden: int = 0,
     activation: str = "groupsort",
     pool: str = "scaled-avg",
@@ -206,3 +207,47 @@ def tabular_mlp(
             fc2=nn.Linear(hidden, num_classes, bias=bias),
         )
     )
+
+
+_BARCZEWSKI = "Barczewski & Ramon, DP-SGD with weight clipping, arXiv 2310.18001, Table 4"
+_LIP_ONLY = "for lip-dp-sgd / fix-lip-dp-sgd"
+for _entry in (
+    ModelEntry(
+        name="lip-convnet",
+        description="Lip-DP-SGD MNIST/FMNIST ConvNet (T13, 1,625,866 params), Lipschitz layers only",
+        builder=lip_mnist_convnet,
+        paper=_BARCZEWSKI,
+        input_notes=f"1x28x28 images (even height/width); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-small-cnn",
+        description="small Lipschitz CNN (Conv16-AvgPool-Conv32-AvgPool-Dense, 20,490 params), "
+        "Lipschitz layers only",
+        builder=lip_small_convnet,
+        paper="ours: a small model for Lip-DP-SGD on 28x28 images (noise grows with sqrt(#params))",
+        input_notes=f"1x28x28 images (height/width divisible by 4); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-orth-cnn",
+        description="small orthogonal Lipschitz CNN (OrthConv16-GroupSort-SumPool/2-OrthConv32-"
+        "GroupSort-SumPool/2-OrthDense, 20,432 params, no biases)",
+        builder=lip_orth_convnet,
+        paper="ours, after Bethune et al., DP-SGD without clipping: the Lipschitz neural network "
+        "way (2023): orthogonal (Bjorck-projected) layers and GroupSort",
+        input_notes=f"1x28x28 images (height/width divisible by 4); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="tabular-mlp",
+        description="Lip-DP-SGD 2-layer tabular MLP (Dense hidden=16 -> ReLU -> Dense)",
+        builder=tabular_mlp,
+        paper=_BARCZEWSKI,
+        input_notes="feature vectors (breast-cancer, adult, german-credit, ...)",
+        intended_input_shape=(30,),
+        intended_num_classes=2,
+    ),
+):
+    register_model(_entry)  # the model registry lists the Lipschitz networks under their names
+del _entry

@@ -297,7 +297,7 @@ def _main_is_importable() -> bool:
 
 def _run_or_reuse_in_store(config: GreedyConfig, db: str,
                            checkpoint_root: str | os.PathLike | None) -> tuple[str, list[float]]:
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
 
     with ResultsStore(db) as store:
         name, thresholds, _ = run_or_reuse(config, store, checkpoint_root=checkpoint_root,
