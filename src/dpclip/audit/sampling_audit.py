@@ -23,6 +23,7 @@ import torch
 
 from dpclip.audit.estimators import clopper_pearson_upper
 from dpclip.events import GaussianEvent, SelfComposedEvent
+from dpclip.accounting import epsilon
 
 __all__ = ["PresenceAudit", "presence_audit"]
 
@@ -60,8 +61,6 @@ def presence_audit(
 ) -> PresenceAudit:
     """Draw ``trials`` epochs of ``sampler.steps_per_epoch`` batches and test record ``record``'s
     per-epoch presence against the Poisson claim (module docstring)."""
-    from dpclip.accounting import epsilon
-
     if trials < 10:
         raise ValueError(f"trials must be >= 10, got {trials!r}")
     if not (0 < significance < 1):

@@ -59,6 +59,7 @@ from dpclip.noise import make_generator, noise_std
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 from dpclip.training.step import dp_step
 from dpclip.training.units import MiniSetSampler, UnitConfig
+from dpclip.accounting import epsilon
 
 __all__ = ["ObservedStrategy", "StepAudit", "audit_step", "inner_event", "step_epsilon"]
 
@@ -173,8 +174,6 @@ def inner_event(event: DpEvent) -> DpEvent:
 
 def step_epsilon(event: DpEvent, delta: float) -> float:
     """PLD epsilon of one step's inner event (``inf`` when some Gaussian has multiplier 0)."""
-    from dpclip.accounting import epsilon
-
     inner = inner_event(event)
     if _has_zero_noise(inner):
         return math.inf

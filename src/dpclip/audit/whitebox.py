@@ -44,6 +44,7 @@ from dpclip.events import ComposedEvent, DpEvent, PoissonSampledEvent
 from dpclip.noise import make_generator
 from dpclip.training.sampling import PoissonSampler
 from dpclip.training.step import dp_step
+from dpclip.accounting import epsilon
 
 __all__ = ["DiracAudit", "dirac_canary_audit", "ideal_bounds"]
 
@@ -210,8 +211,6 @@ def dirac_canary_audit(
 
 
 def _claimed_epsilon(events: list[DpEvent], delta: float) -> float:
-    from dpclip.accounting import epsilon
-
     if any(getattr(e, "noise_multiplier", 1.0) == 0 for e in events):
         return math.inf
     event: Any = events[0] if len(events) == 1 else ComposedEvent(tuple(events))

@@ -42,7 +42,8 @@ def _attr_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
 @contextlib.contextmanager
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     """Refuse and undo any change of parameter data or module tensor attributes in the block
-    (see the module docstring). Raises :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 81)."""
+    (see the module docstring). Raises :class:`~dpclip.engine.errors.PrivateBufferError`
+    (docs/errors.md, entry 81)."""
     with torch.no_grad():
         params = [(n, p, p.detach().clone()) for n, p in model.named_parameters(
             remove_duplicate=True)]

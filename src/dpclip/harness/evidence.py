@@ -14,6 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+from dpclip.harness.tuning import tuning_table
 
 __all__ = ["append_row", "lr_text", "markdown_table"]
 
@@ -100,7 +101,6 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
                    f"{json.dumps(r0['params'], sort_keys=True)} | "
                    f"{max(r['epsilon'] for r in rs):.3f} | {len(rs)} | "
                    f"{statistics.fmean(accs):.2f} % | {sd:.2f} |")
-    from dpclip.harness.tuning import tuning_table
 
     out += tuning_table(rows)
     return "\n".join(out) + "\n"

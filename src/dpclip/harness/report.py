@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dpclip.store import ResultsStore
+from dpclip.harness.evidence import lr_text
+from dpclip.harness.tuning import tuning_table
 
 __all__ = ["Report", "accuracy_plots", "build_report", "collect_runs", "is_federated",
            "settings_table"]
@@ -170,8 +172,6 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
     accuracy: epsilon (target and spent), sigma, the strategy's parameters, the learning rate
     (and schedule), epochs, seconds per run and test accuracy (mean +- std over seeds). For a
     federated grid the epochs are rounds and the learning rate is the server's."""
-    from dpclip.harness.evidence import lr_text
-
     cells: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         cells[(r["label"] or r["config"]["strategy"], _level(r))].append(r)
@@ -514,7 +514,6 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     seeded = seeded_runs(runs)
     if seeded:
         header += (f"**Warning: {len(seeded)} of {len(runs)} runs used {SEEDED_NOTE}.**\n\n")
-    from dpclip.harness.tuning import tuning_table
 
     tuned = tuning_table([dict(r["summary"], label=r["label"]) for r in runs])
     div = [(f"{r['label'] or r['config']['strategy']} {_level(r)} seed "

@@ -214,7 +214,8 @@ _LIP_ONLY = "for lip-dp-sgd / fix-lip-dp-sgd"
 for _entry in (
     ModelEntry(
         name="lip-convnet",
-        description="Lip-DP-SGD MNIST/FMNIST ConvNet (T13, 1,625,866 params), Lipschitz layers only",
+        description="Lip-DP-SGD MNIST/FMNIST ConvNet (T13, 1,625,866 params), Lipschitz layers "
+        "only",
         builder=lip_mnist_convnet,
         paper=_BARCZEWSKI,
         input_notes=f"1x28x28 images (even height/width); {_LIP_ONLY}",
