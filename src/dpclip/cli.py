@@ -257,6 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"  peak {r['peak_mem_mb']:.0f} MB, step +{r['extra_mem_mb']:.1f} MB"
                   + (f" (x{ratio:.2f})" if ratio is not None else ""))
     if args.plot:
+        # the two plotting modules import matplotlib (an optional extra): deferred to their commands
         from dpclip.bench_plot import bench_report
 
         page, png = bench_report(rows, args.plot)
@@ -774,8 +775,6 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_search_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpclip.search.plots import plot_median_norms, plot_thresholds
 
     out = Path(args.out or _default_out())

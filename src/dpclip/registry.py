@@ -17,11 +17,12 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, ClassVar, Generic, TypeVar, Union
 
 from dpclip.errors import did_you_mean, unknown_name
 
-__all__ = ["Registry", "coerce", "coerce_all", "keyword_options", "unknown_options"]
+__all__ = ["OptionsEntry", "Registry", "coerce", "coerce_all", "keyword_options",
+           "unknown_options"]
 
 E = TypeVar("E")
 
@@ -78,6 +79,29 @@ class Registry(Mapping[str, E], Generic[E]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self._entries)})"
+
+
+class OptionsEntry:
+    """Mixin of a registry entry built by a function whose keyword-only parameters are its
+    options (a model builder, a dataset loader). Subclasses set ``kind`` and ``name`` and
+    return the function from :meth:`factory`."""
+
+    kind: ClassVar[str] = "entry"
+    name: str
+
+    def factory(self) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        """The options (keyword-only parameters) with their defaults."""
+        return keyword_options(self.factory())
+
+    def coerce_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` checked against :meth:`options` (an unknown name fails, with the closest
+        and the valid ones) and converted to the declared types (:func:`coerce`)."""
+        owner = f"{self.kind} {self.name!r}"
+        unknown_options(owner, options, self.options())
+        return coerce_all(options, typing.get_type_hints(self.factory()), owner)
 
 
 def keyword_options(fn: Callable[..., Any]) -> dict[str, Any]:

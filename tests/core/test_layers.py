@@ -97,7 +97,9 @@ def _targets(module: str, node: ast.AST, is_pkg: bool, modules: dict[str, Path])
             pkg = ".".join(base + ([node.module] if node.module else []))
         else:
             pkg = node.module or ""
-        names = [pkg] + [f"{pkg}.{a.name}" for a in node.names if f"{pkg}.{a.name}" in modules]
+        subs = [f"{pkg}.{a.name}" for a in node.names if f"{pkg}.{a.name}" in modules]
+        # ``from pkg import submodule`` needs the submodule; any other name needs pkg's __init__
+        names = subs if len(subs) == len(node.names) else [pkg, *subs]
     elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
           and node.args and isinstance(node.args[0], ast.Constant)):
         names = [str(node.args[0].value)]

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dpclip._checks import check_integer, check_nonnegative, check_open_unit
 from dpclip.audit.estimators import (
     AuditResult,
     GaussianShiftResult,
@@ -272,12 +273,9 @@ def audit_step(
         trial: use the ``trial`` design for a per-example norm-based strategy too (one canary
             per step, every extra release, e.g. quantile's count, enters the score).
     """
-    if isinstance(n_canaries, bool) or int(n_canaries) != n_canaries or n_canaries < 8:
-        raise ValueError(f"n_canaries must be an integer >= 8, got {n_canaries!r}")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    check_integer("n_canaries", n_canaries, 8)
+    check_nonnegative("noise_multiplier", noise_multiplier)
+    check_open_unit("delta", delta)
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     UnitConfig(unit=unit, miniset_size=miniset_size if unit == "gbc" else None)  # validates unit

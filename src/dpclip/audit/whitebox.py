@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dpclip._checks import check_integer, check_nonnegative, check_open_unit
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.engine import ParamGroups, get_engine
@@ -144,14 +145,10 @@ def dirac_canary_audit(
     Returns:
         :class:`DiracAudit`.
     """
-    if isinstance(n_canaries, bool) or int(n_canaries) != n_canaries or n_canaries < 2:
-        raise ValueError(f"n_canaries must be an integer >= 2, got {n_canaries!r}")
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    check_integer("n_canaries", n_canaries, 2)
+    check_integer("steps", steps, 1)
+    check_nonnegative("noise_multiplier", noise_multiplier)
+    check_open_unit("delta", delta)
     if getattr(strategy, "kind", "norm") == "bound":
         raise ValueError(
             f"strategy {getattr(strategy, 'name', strategy)!r} is bound-based (sensitivity from "

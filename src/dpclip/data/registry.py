@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dpclip.data.base import DatasetBundle
 from dpclip.data.bundled import load_breast_cancer, load_digits, load_mnist_5k
@@ -21,7 +20,7 @@ from dpclip.data.tabular import (
     load_german_credit,
     load_nursery,
 )
-from dpclip.registry import Registry, coerce_all, keyword_options, unknown_options
+from dpclip.registry import OptionsEntry, Registry
 
 __all__ = [
     "DATASETS",
@@ -44,7 +43,7 @@ DatasetLoader = Callable[..., DatasetBundle]
 
 
 @dataclass(frozen=True)
-class DatasetEntry:
+class DatasetEntry(OptionsEntry):
     """A registered dataset.
 
     Attributes:
@@ -75,15 +74,10 @@ class DatasetEntry:
         """``derived_from`` plus the dataset's own name."""
         return frozenset((self.name, *self.derived_from))
 
-    def options(self) -> dict[str, Any]:
-        """The loader's options (keyword-only parameters) with their defaults."""
-        return keyword_options(self.loader)
+    kind: ClassVar[str] = "dataset"
 
-    def coerce_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """``options`` checked against :meth:`options` (unknown names fail, listing the valid
-        ones) and converted to the loader's declared types (:func:`dpclip.registry.coerce`)."""
-        unknown_options(f"dataset {self.name!r}", options, self.options())
-        return coerce_all(options, typing.get_type_hints(self.loader), f"dataset {self.name!r}")
+    def factory(self) -> DatasetLoader:
+        return self.loader
 
 
 #: Registered datasets by name.

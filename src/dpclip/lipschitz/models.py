@@ -64,6 +64,23 @@ def lip_mnist_convnet(
     return nn.Sequential(layers)
 
 
+def _pooled_convnet_args(owner: str, input_shape: Sequence[int], channels: Sequence[int],
+                         hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The checked ``(input_shape, channels)`` of a convnet with one 2x2 pool per block."""
+    shape, chans = tuple(input_shape), tuple(channels)
+    if not positive_ints(chans):
+        raise ValueError(f"{owner}: channels must be a non-empty sequence of positive integers, "
+                         f"got {channels!r}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
+        raise ValueError(f"{owner}: hidden must be an integer >= 0, got {hidden!r}")
+    blocks = len(chans)
+    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
+        raise ValueError(
+            f"{owner}: input_shape must be (channels, height, width) with height and width "
+            f"divisible by 2**{blocks} (one 2x2 pool per block), got {shape}")
+    return shape, chans
+
+
 def lip_small_convnet(
     input_shape: Sequence[int] = (1, 28, 28),
     num_classes: int = 10,
@@ -80,22 +97,8 @@ def lip_small_convnet(
     noise to every coordinate at the scale of a worst-case bound, so the noise norm grows with
     sqrt(#params) while the signal does not. Non-overlapping average pools are 1/2-Lipschitz (Schur
     test), which the bound propagation uses."""
-    shape = tuple(input_shape)
-    chans = tuple(channels)
-    if not positive_ints(chans):
-        raise ValueError(
-            f"lip_small_convnet: channels must be a non-empty sequence of positive integers, got "
-            f"{channels!r}"
-        )
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-        raise ValueError(f"lip_small_convnet: hidden must be an integer >= 0, got {hidden!r}")
+    (c, h, w), chans = _pooled_convnet_args("lip_small_convnet", input_shape, channels, hidden)
     blocks = len(chans)
-    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
-        raise ValueError(
-            f"lip_small_convnet: input_shape must be (channels, height, width) with height and "
-            f"width divisible by 2**{blocks} (one 2x2 pool per block), got {shape}"
-        )
-    c, h, w = shape
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, k in enumerate(chans, 1):
         layers[f"conv{i}"] = nn.Conv2d(c, k, 3, padding=1, bias=bias)
@@ -142,24 +145,10 @@ def lip_orth_convnet(
     (public, data-independent features; ``requires_grad=False``): only the dense layers are
     trained, so only they enter the certificate (their bound is nearly tight, the convolutions'
     is loose by 10-50x: docs/lipschitz.md)."""
-    shape = tuple(input_shape)
-    chans = tuple(channels)
-    if not positive_ints(chans):
-        raise ValueError(
-            f"lip_orth_convnet: channels must be a non-empty sequence of positive integers, got "
-            f"{channels!r}"
-        )
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-        raise ValueError(f"lip_orth_convnet: hidden must be an integer >= 0, got {hidden!r}")
     if pool not in POOLS:
         raise ValueError(f"lip_orth_convnet: pool must be one of {POOLS}, got {pool!r}")
+    (c, h, w), chans = _pooled_convnet_args("lip_orth_convnet", input_shape, channels, hidden)
     blocks = len(chans)
-    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
-        raise ValueError(
-            f"lip_orth_convnet: input_shape must be (channels, height, width) with height and "
-            f"width divisible by 2**{blocks} (one 2x2 pool per block), got {shape}"
-        )
-    c, h, w = shape
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, k in enumerate(chans, 1):
         layers[f"conv{i}"] = OrthConv2d(c, k, 3, padding=1, bias=bias)

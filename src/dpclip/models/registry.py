@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 from dpclip._checks import positive_ints
-from dpclip.registry import Registry, coerce_all, keyword_options, unknown_options
-from dpclip.models.architectures import (
-    lin_b1,
-    lin_b3,
-    lin_b4,
-    logreg,
-    mlp,
-    papernot_cifar_cnn,
-    papernot_cnn,
-    transformer,
-)
-from dpclip.models.nguyen import bn_lenet5, lenet5, nguyen_convnet, resnet18
+from dpclip.registry import OptionsEntry, Registry
+from dpclip.models import architectures as arch
+from dpclip.models import nguyen
 
 __all__ = ["MODELS", "ModelBuilder", "ModelEntry", "build_model", "list_models", "register_model"]
 
@@ -30,7 +20,7 @@ ModelBuilder = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
-class ModelEntry:
+class ModelEntry(OptionsEntry):
     """A registered model.
 
     Attributes:
@@ -51,15 +41,10 @@ class ModelEntry:
     intended_input_shape: tuple[int, ...]
     intended_num_classes: int = 10
 
-    def options(self) -> dict[str, Any]:
-        """The builder's options (keyword-only parameters) with their defaults."""
-        return keyword_options(self.builder)
+    kind: ClassVar[str] = "model"
 
-    def coerce_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """``options`` checked against :meth:`options` (unknown names fail, listing the valid
-        ones) and converted to the builder's declared types (:func:`dpclip.registry.coerce`)."""
-        unknown_options(f"model {self.name!r}", options, self.options())
-        return coerce_all(options, typing.get_type_hints(self.builder), f"model {self.name!r}")
+    def factory(self) -> ModelBuilder:
+        return self.builder
 
 
 #: Registered models by name (``dpclip.lipschitz`` registers the Lipschitz networks).
@@ -125,7 +110,7 @@ for _entry in (
     ModelEntry(
         name="papernot-cnn",
         description="A1: Papernot et al. MNIST/FMNIST CNN (26,010 params), tanh",
-        builder=papernot_cnn,
+        builder=arch.papernot_cnn,
         paper=_PAPERNOT,
         input_notes="1x28x28 images (MNIST, Fashion-MNIST); other square sizes adapt the flatten",
         intended_input_shape=(1, 28, 28),
@@ -133,7 +118,7 @@ for _entry in (
     ModelEntry(
         name="papernot-cifar-cnn",
         description="A2: Papernot et al. CIFAR-10 CNN (= Lin B2), tanh",
-        builder=papernot_cifar_cnn,
+        builder=arch.papernot_cifar_cnn,
         paper=_PAPERNOT,
         input_notes="3x32x32 images (CIFAR-10/100)",
         intended_input_shape=(3, 32, 32),
@@ -141,7 +126,7 @@ for _entry in (
     ModelEntry(
         name="lin-b2",
         description="Lin et al. Table B2 CIFAR CNN (= A2, papernot-cifar-cnn), tanh",
-        builder=papernot_cifar_cnn,
+        builder=arch.papernot_cifar_cnn,
         paper=_LIN + " Table B2",
         input_notes="3x32x32 images (CIFAR-10/100)",
         intended_input_shape=(3, 32, 32),
@@ -149,7 +134,7 @@ for _entry in (
     ModelEntry(
         name="lin-b1",
         description="A3: Lin et al. Table B1 as printed (last layer = num_classes), tanh",
-        builder=lin_b1,
+        builder=arch.lin_b1,
         paper=_LIN + " Table B1",
         input_notes="1x28x28 images (MNIST, Fashion-MNIST)",
         intended_input_shape=(1, 28, 28),
@@ -157,7 +142,7 @@ for _entry in (
     ModelEntry(
         name="lin-b3",
         description="A4: Lin et al. Table B3 smaller MNIST/FMNIST CNN (avg-pool), tanh",
-        builder=lin_b3,
+        builder=arch.lin_b3,
         paper=_LIN + " Table B3",
         input_notes="1x28x28 images (MNIST, Fashion-MNIST)",
         intended_input_shape=(1, 28, 28),
@@ -165,7 +150,7 @@ for _entry in (
     ModelEntry(
         name="lin-b4",
         description="A5: Lin et al. Table B4 smaller CIFAR CNN, tanh",
-        builder=lin_b4,
+        builder=arch.lin_b4,
         paper=_LIN + " Table B4",
         input_notes="3x32x32 images (CIFAR-10/100)",
         intended_input_shape=(3, 32, 32),
@@ -173,7 +158,7 @@ for _entry in (
     ModelEntry(
         name="mlp",
         description="fully connected net on flattened inputs, hidden=(64, 64), tanh",
-        builder=mlp,
+        builder=arch.mlp,
         paper="tabular baseline (e.g. Barczewski & Ramon, DP-SGD with weight clipping, Table 4)",
         input_notes="any input shape (flattened); e.g. 30 features of breast-cancer",
         intended_input_shape=(30,),
@@ -183,7 +168,7 @@ for _entry in (
         name="transformer",
         description="small transformer encoder for text classification (token ids in, 2 layers, "
         "d_model 128)",
-        builder=transformer,
+        builder=arch.transformer,
         paper="benchmark model for the per-example engines (pre-LN encoder, Vaswani et al. 2017; "
         "Xiong et al. 2020)",
         input_notes="token-id sequences (B, seq_len) of a LongTensor; input_shape=(seq_len,)",
@@ -193,7 +178,7 @@ for _entry in (
     ModelEntry(
         name="lenet5",
         description="LeNet-5 without BatchNorm (tanh, avg-pool; L = 5 clipping blocks)",
-        builder=lenet5,
+        builder=nguyen.lenet5,
         paper=_NGUYEN,
         input_notes="1x28x28 (padded to 32x32 by conv1) or 32x32 images",
         intended_input_shape=(1, 28, 28),
@@ -201,7 +186,7 @@ for _entry in (
     ModelEntry(
         name="bn-lenet5",
         description="BN-LeNet-5: LeNet-5 with BatchNorm after each conv (L = 8); batch clipping only",
-        builder=bn_lenet5,
+        builder=nguyen.bn_lenet5,
         paper=_NGUYEN,
         input_notes="1x28x28 (padded to 32x32 by conv1) or 32x32 images; --param unit=bc|gbc",
         intended_input_shape=(1, 28, 28),
@@ -209,7 +194,7 @@ for _entry in (
     ModelEntry(
         name="nguyen-convnet",
         description="Nguyen et al. CIFAR convnet: 4 x (Conv-ReLU-BN-AvgPool) + FC; norm=bn|gn|none",
-        builder=nguyen_convnet,
+        builder=nguyen.nguyen_convnet,
         paper=_NGUYEN,
         input_notes="3x32x32 images; norm=bn needs --param unit=bc|gbc",
         intended_input_shape=(3, 32, 32),
@@ -217,7 +202,7 @@ for _entry in (
     ModelEntry(
         name="resnet18",
         description="CIFAR ResNet-18 (11.2M params); norm=bn (batch clipping only) | gn | none",
-        builder=resnet18,
+        builder=nguyen.resnet18,
         paper=_NGUYEN + "; He et al., CVPR 2016",
         input_notes="3x32x32 images",
         intended_input_shape=(3, 32, 32),
@@ -225,7 +210,7 @@ for _entry in (
     ModelEntry(
         name="logreg",
         description="multinomial logistic regression (one Linear on flattened inputs)",
-        builder=logreg,
+        builder=arch.logreg,
         paper="convex baseline (Abadi et al., CCS 2016; Chaudhuri et al., JMLR 2011)",
         input_notes="any input shape (flattened)",
         intended_input_shape=(20,),
