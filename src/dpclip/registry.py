@@ -126,6 +126,11 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def _a(hint: Any) -> str:
+    name = _type_name(hint)
+    return ("an " if name[:1] in "aeiou" else "a ") + name
+
+
 def coerce(value: Any, hint: Any, name: str, owner: str, label: str = "option") -> Any:
     """Convert a CLI/config ``value`` to the declared type ``hint`` of parameter ``name``.
 
@@ -169,7 +174,7 @@ def coerce(value: Any, hint: Any, name: str, owner: str, label: str = "option") 
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float) and (isinstance(value, bool) or not isinstance(value, hint)):
-        raise ValueError(f"{owner}: {label} {name}={value!r} must be a {_type_name(hint)}")
+        raise ValueError(f"{owner}: {label} {name}={value!r} must be {_a(hint)}")
     return value
 
 
