@@ -391,6 +391,14 @@ def _flat_outputs(out: Any, observed: ObservedStrategy) -> tuple[np.ndarray, lis
     return torch.cat(parts + rel).numpy(), [len(p) for p in parts] + [len(v) for v in rel]
 
 
+def _trial_sampler(unit: str, fixed: bool, s: int) -> Any:
+    """The trial design's sampler: one mini-set of ``s`` (gbc), 2 of 8 (fixed-size) or rate
+    1.5/8 (Poisson)."""
+    if unit == "gbc":
+        return MiniSetSampler(4 * s, s, 1)
+    return FixedSizeSampler(8, 2) if fixed else PoissonSampler(8, 1.5)
+
+
 def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: float,
             n_trials: int, significance: float, canary_norm: float | None, s: int,
             seed: int | None, step_fn: StepFn, progress: bool,
@@ -447,12 +455,7 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
             return x[None], y[None]
         return x, y
 
-    if unit == "gbc":
-        sampler: Any = MiniSetSampler(4 * s, s, 1)
-    elif fixed:
-        sampler = FixedSizeSampler(8, 2)
-    else:
-        sampler = PoissonSampler(8, 1.5)
+    sampler = _trial_sampler(unit, fixed, s)
     unit_cfg = None if unit == "ic" else UnitConfig(unit=unit,
                                                     miniset_size=s if unit == "gbc" else None)
     state0 = _initial_state(strategy, groups)

@@ -454,6 +454,55 @@ _STYLE = ("<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
           "padding:4px 8px}figure{display:inline-block;margin:8px}.warn{color:#b00}</style>")
 
 
+def _diagnostic_plots(runs: list[dict[str, Any]], out: Path,
+                      experiment: str) -> list[tuple[str, Path]]:
+    """The clipping-diagnostic figures (norm quantiles, cosine, bias) of each source that the
+    runs logged (``heldout/`` or ``nonprivate/``)."""
+    plots: list[tuple[str, Path]] = []
+    for prefix, source in DIAGNOSTIC_SOURCES.items():
+        tag = prefix.rstrip("/")
+        qkey = prefix + DIAGNOSTIC_PLOTS["norm_quantiles"][0]
+        keys = sorted({k for r in runs for h in r["history"] for k in h if k.startswith(qkey)})
+        if keys:
+            series = {}
+            for k in keys:
+                for lab, xy in _series(runs, k).items():
+                    series[f"{lab} {k.removeprefix(prefix + 'norm_')}"] = xy
+            title = f"{DIAGNOSTIC_PLOTS['norm_quantiles'][1]} ({source})"
+            p = _plot(series, title, "norm", out / f"{experiment}_{tag}_norm_quantiles.png",
+                      logy=True)
+            if p:
+                plots.append((title, p))
+        for name in ("cosine", "bias"):
+            key, title = DIAGNOSTIC_PLOTS[name]
+            title = f"{title} ({source})"
+            p = _plot(_series(runs, prefix + key), title, name,
+                      out / f"{experiment}_{tag}_{name}.png")
+            if p:
+                plots.append((title, p))
+    return plots
+
+
+def _html_rows(levels: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """The HTML rows of the accuracy table (best mean per column in bold)."""
+    best = _best(levels, rows)
+    trs = []
+    for r in rows:
+        tds = [f"<td>{html.escape(r['strategy'])}</td>"]
+        for lev in levels:
+            if lev not in r:
+                tds.append("<td>-</td>")
+                continue
+            c = r[lev]
+            text = html.escape(f"{_pm(c['mean'], c['std'], c['n'], '±')} (n={c['n']}, "
+                               f"ε {c['epsilon']:.2f})")
+            flag = ' <span class="warn">(diverged)</span>' if c.get("diverged") else ""
+            tds.append(f"<td><b>{text}</b>{flag}</td>" if best.get(lev) == r["strategy"]
+                       else f"<td>{text}{flag}</td>")
+        trs.append("<tr>" + "".join(tds) + "</tr>")
+    return trs
+
+
 def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> Report:
     """Write ``<out>/<experiment>.md``, ``<experiment>.html`` and the PNG plots.
 
@@ -481,28 +530,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
                   xlabel=unit)
         if p:
             plots.append((title, p))
-    for prefix, source in DIAGNOSTIC_SOURCES.items():
-        tag = prefix.rstrip("/")
-        qkey = prefix + DIAGNOSTIC_PLOTS["norm_quantiles"][0]
-        keys = sorted({k for r in runs for h in r["history"] for k in h if k.startswith(qkey)})
-        if keys:
-            series = {}
-            for k in keys:
-                for lab, xy in _series(runs, k).items():
-                    series[f"{lab} {k.removeprefix(prefix + 'norm_')}"] = xy
-            title = f"{DIAGNOSTIC_PLOTS['norm_quantiles'][1]} ({source})"
-            p = _plot(series, title, "norm", out / f"{experiment}_{tag}_norm_quantiles.png",
-                      logy=True)
-            if p:
-                plots.append((title, p))
-        for name in ("cosine", "bias"):
-            key, title = DIAGNOSTIC_PLOTS[name]
-            title = f"{title} ({source})"
-            p = _plot(_series(runs, prefix + key), title, name,
-                      out / f"{experiment}_{tag}_{name}.png")
-            if p:
-                plots.append((title, p))
-
+    plots += _diagnostic_plots(runs, out, experiment)
     first = runs[0]["config"]
     scope = ("user-level DP-FedAvg (privacy unit: user; epoch = round); " if federated else "")
     header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; {scope}dataset(s) "
@@ -536,21 +564,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     def img(p: Path) -> str:
         return base64.b64encode(p.read_bytes()).decode()
 
-    best = _best(levels, rows)
-    trs = []
-    for r in rows:
-        tds = [f"<td>{html.escape(r['strategy'])}</td>"]
-        for lev in levels:
-            if lev not in r:
-                tds.append("<td>-</td>")
-                continue
-            c = r[lev]
-            text = html.escape(f"{_pm(c['mean'], c['std'], c['n'], '±')} (n={c['n']}, "
-                               f"ε {c['epsilon']:.2f})")
-            flag = ' <span class="warn">(diverged)</span>' if c.get("diverged") else ""
-            tds.append(f"<td><b>{text}</b>{flag}</td>" if best.get(lev) == r["strategy"]
-                       else f"<td>{text}{flag}</td>")
-        trs.append("<tr>" + "".join(tds) + "</tr>")
+    trs = _html_rows(levels, rows)
     ths = "".join(f"<th>{html.escape(lev)}</th>" for lev in levels)
     figs = "\n".join(
         f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{img(p)}"/>'
