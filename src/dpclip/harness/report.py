@@ -226,6 +226,18 @@ def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float]
     return {lab: (sorted(d), [statistics.fmean(d[e]) for e in sorted(d)]) for lab, d in by.items()}
 
 
+def _finish(fig: Any, ax: Any, path: Path, n_series: int) -> Path:
+    """Grid, legend, tight layout; the figure saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    _legend(ax, n_series)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel: str,
           path: Path, logy: bool = False, xlabel: str = "epoch") -> Path | None:
     if not series:
@@ -243,12 +255,7 @@ def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel
     ax.set_title(title, fontsize=10)
     if logy:
         ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    _legend(ax, len(series))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, len(series))
 
 
 def _legend(ax: Any, n: int) -> None:
@@ -291,12 +298,7 @@ def privacy_utility_plot(levels: list[str], rows: list[dict[str, Any]], path: Pa
     ax.set_xlabel("epsilon spent")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(ax, len(series))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, len(series))
 
 
 def audit_plot(rows: list[dict[str, Any]], path: Path) -> tuple[Path, str] | None:
