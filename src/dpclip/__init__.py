@@ -10,6 +10,9 @@ __version__ = "0.2.0"
 
 from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon, epsilon
 from dpclip.clipping import FixedClip, StepContext, list_strategies, make_strategy
+# dpclip.lipschitz (a room above clipping and models) registers the bound-based strategies and the
+# Lipschitz models; importing dpclip (which any import of a submodule does first) registers them
+from dpclip import lipschitz as _lipschitz  # noqa: F401
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.events import (
     ComposedEvent,

@@ -48,6 +48,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from dpclip.clipping import FixedClip, StepContext
+from dpclip.engine import ParamGroups, get_engine, ghost_support
+from dpclip.models import build_model
+from dpclip.noise import make_generator
+from dpclip.training.sampling import PoissonSampler
+from dpclip.training.step import dp_step
 
 __all__ = ["ALL_METHODS", "BENCH_MODELS", "DEFAULT_METHODS", "MEM_RESOLUTION_MB", "BenchModel",
            "bench_threads", "run_bench"]
@@ -138,8 +144,6 @@ def _loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
 def _make_step(method: str, model_name: str, batch_size: int, seed: int = 0,
                device: str | torch.device = "cpu") -> Callable[[], None]:
-    from dpclip.models import build_model
-
     if model_name not in BENCH_MODELS:
         raise ValueError(f"unknown bench model {model_name!r}; valid: {', '.join(BENCH_MODELS)}")
     if method not in ALL_METHODS:
@@ -171,12 +175,6 @@ def _make_step(method: str, model_name: str, batch_size: int, seed: int = 0,
 
 def _dpclip_step(engine_name: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                  y: torch.Tensor, batch_size: int, seed: int) -> Callable[[], None]:
-    from dpclip.clipping import FixedClip, StepContext
-    from dpclip.engine import ParamGroups, get_engine
-    from dpclip.noise import make_generator
-    from dpclip.training.sampling import PoissonSampler
-    from dpclip.training.step import dp_step
-
     engine = get_engine(engine_name)
     strategy = FixedClip(CLIP_NORM)
     sampler = PoissonSampler(60_000, float(batch_size))
@@ -323,8 +321,6 @@ def _engine_ran(method: str, model_name: str) -> str | None:
     name = method.removeprefix("dpclip-")
     if name != "auto":
         return name
-    from dpclip.engine import ghost_support
-    from dpclip.models import build_model
 
     spec = BENCH_MODELS[model_name]
     model = build_model(spec.registry, spec.input_shape, spec.classes, **spec.options)

@@ -11,7 +11,40 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Sequence
+
+from dpclip.accounting import compute_epsilon
+from dpclip.audit.blackbox import blackbox_audit
+from dpclip.audit.step_audit import audit_step
+from dpclip.bench import run_bench
+from dpclip.clipping import list_strategies, make_strategy
+from dpclip.data import DATASETS, list_datasets, load_dataset
+from dpclip.errors import DpclipWarning, unknown_name
+from dpclip.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from dpclip.federated.command import add_arguments as _fl_arguments, run_command
+from dpclip.harness.evidence import append_row
+from dpclip.harness.report import build_report
+from dpclip.harness.reproduce import regenerate
+from dpclip.harness.runner import run_experiment
+from dpclip.harness.spec import SpecError, load_spec
+from dpclip.interrupts import TrainingInterrupted
+from dpclip.models import MODELS, list_models
+from dpclip.runtime import maybe_reexec_with_jemalloc
+from dpclip.search import (
+    GreedyConfig,
+    check_public,
+    default_schedule_name,
+    resolve_strategy_params,
+    run_or_reuse,
+    search_noise_multiplier,
+)
+from dpclip.store import ResultsStore, default_db_path
+from dpclip.training.checkpoint import private_root
+from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
+from dpclip.training.sampling import make_sampler
+from dpclip.training.trainer import TrainConfig, train
+from dpclip.training.units import MiniSetSampler, UnitConfig, expected_units
 
 __all__ = ["main"]
 
@@ -26,23 +59,13 @@ def _parse_params(items: Sequence[str] | None, flag: str = "--param") -> dict[st
     return out
 
 
-def _coerce(v: str) -> Any:
-    """Model/dataset options: int, float, bool, comma tuples of ints, or the string itself."""
-    low = v.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(v)
-        except ValueError:
-            pass
-    if "," in v:
-        parts = [p for p in v.split(",") if p]
-        try:
-            return tuple(int(p) for p in parts)
-        except ValueError:
-            return tuple(parts)
-    return v
+def _options(registry: Any, name: str, items: Sequence[str] | None, flag: str) -> dict[str, Any]:
+    """``--model-option`` / ``--dataset-option`` values converted to the types the registered
+    builder or loader declares (``dpclip.registry.coerce``); for an unknown ``name`` the strings
+    are kept and the config refuses the name itself (with "did you mean")."""
+    raw = _parse_params(items, flag)
+    entry = registry.get(name)
+    return entry.coerce_options(raw) if entry is not None else raw
 
 
 def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
@@ -53,10 +76,6 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dpclip.harness.store import ResultsStore, default_db_path
-    from dpclip.interrupts import TrainingInterrupted
-    from dpclip.training.trainer import TrainConfig, train
-
     _check_dataset_name(args.dataset)
     _check_data_dir(args)
     config = TrainConfig(
@@ -64,10 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         model=args.model,
         strategy=args.strategy,
         strategy_params=_parse_params(args.param),
-        model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
-                                                                "--model-option").items()},
-        dataset_options={k: _coerce(v) for k, v in _parse_params(args.dataset_option,
-                                                                  "--dataset-option").items()},
+        model_options=_options(MODELS, args.model, args.model_option, "--model-option"),
+        dataset_options=_options(DATASETS, args.dataset, args.dataset_option, "--dataset-option"),
         epsilon=args.epsilon,
         noise_multiplier=args.noise_multiplier,
         delta=args.delta,
@@ -137,6 +154,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"warning: {summary['randomness_warning']} (--reproducible-noise)", file=sys.stderr)
     store.finish_run(run_id, result.summary, result.ledger.to_dict())
     store.close()
+    if args.evidence:
+        _append_evidence(args.evidence, summary, args.train_argv)
     if not args.json:
         for row in result.history:
             print(f"epoch {row['epoch']:>5.4g}  test_acc {row['test_accuracy']:.4f}  "
@@ -153,20 +172,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _append_evidence(path: str, summary: dict[str, Any], train_argv: list[str]) -> None:
+    """``dpclip train ... --evidence FILE``: the run's summary row appended to the committed
+    evidence file and its Markdown table rewritten (``dpclip.harness.evidence``)."""
+    argv = [a for a in train_argv if a != "--evidence" and a != path
+            and not a.startswith("--evidence=")]
+    row = json.loads(json.dumps(summary, default=str))
+    row["command"] = "dpclip " + " ".join(argv)
+    if "--noise-multiplier" in argv:
+        row["noise_multiplier_arg"] = float(argv[argv.index("--noise-multiplier") + 1])
+    append_row(Path(path), row)
+
+
 def _default_checkpoint_dir(config: Any) -> str:
     """Where ``dpclip train`` checkpoints without ``--checkpoint-dir``: one directory per config
     fingerprint under the private directory beside ``$DPCLIP_OUT`` (``./runs-private/checkpoints``,
     or ``$DPCLIP_PRIVATE``; the same place ``dpclip run`` uses, never inside the published
     reports)."""
-    from dpclip.training.checkpoint import private_root
-
     return os.path.join(private_root(_default_out()), "checkpoints", config.fingerprint())
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
-    from dpclip.accounting import compute_epsilon
-    from dpclip.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-
     if not (0 < args.sample_rate <= 1):
         raise SystemExit(f"error: --sample-rate must be in (0, 1], got {args.sample_rate}")
     if args.steps < 0:
@@ -194,17 +220,11 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]]
     if args.command == "strategies":
-        from dpclip.clipping import list_strategies
-
         rows = [{"name": e.name, "kind": e.kind, "paper": e.paper, "summary": e.summary,
                  "parameters": e.parameters()} for e in list_strategies()]
     elif args.command == "datasets":
-        from dpclip.data import list_datasets
-
         rows = [_entry_dict(e) for e in list_datasets()]
     else:
-        from dpclip.models import list_models
-
         rows = [_entry_dict(e) for e in list_models()]
     if args.json:
         print(json.dumps({args.command: rows}, default=str))
@@ -225,8 +245,6 @@ def _entry_dict(e: Any) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dpclip.bench import run_bench
-
     rows = run_bench(args.model, args.batch_size, methods=args.method, steps=args.steps,
                      warmup=args.warmup, device=args.device)
     if args.json:
@@ -239,6 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"  peak {r['peak_mem_mb']:.0f} MB, step +{r['extra_mem_mb']:.1f} MB"
                   + (f" (x{ratio:.2f})" if ratio is not None else ""))
     if args.plot:
+        # the two plotting modules import matplotlib (an optional extra): deferred to their commands
         from dpclip.bench_plot import bench_report
 
         page, png = bench_report(rows, args.plot)
@@ -253,11 +272,6 @@ def _default_out() -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dpclip.harness.report import build_report
-    from dpclip.harness.runner import run_experiment
-    from dpclip.harness.spec import load_spec
-    from dpclip.harness.store import ResultsStore, default_db_path
-
     spec = load_spec(args.spec, args.set or ())
     db = args.db or default_db_path()
     out = args.out or _default_out()
@@ -284,10 +298,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from dpclip.harness.report import build_report
-    from dpclip.harness.spec import SpecError, load_spec
-    from dpclip.harness.store import ResultsStore, default_db_path
-
     try:
         name = load_spec(args.experiment).name
     except SpecError:
@@ -303,9 +313,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_reproductions(args: argparse.Namespace) -> int:
-    from dpclip.harness.reproduce import regenerate
-    from dpclip.harness.store import default_db_path
-
     counts = regenerate(args.db or default_db_path(), args.dir, args.doc)
     for name, n in counts.items():
         print(f"{name}: {n} finished runs")
@@ -317,9 +324,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """``dpclip audit``: white-box audit of the configured step (dpclip.audit.step_audit) or
     black-box audit of a training run (dpclip.audit.blackbox); stored in the results store under
     experiment "audit". Exit status 1 when a lower bound exceeds the claim."""
-    from dpclip.harness.store import ResultsStore, default_db_path
-    from dpclip.training.units import UnitConfig
-
     unit, strategy_params = UnitConfig.pop_from(_parse_params(args.param))
     record: dict[str, Any] = {"mode": args.mode, "strategy": args.strategy,
                               "params": strategy_params, "unit": unit.unit,
@@ -328,9 +332,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
                               "significance": args.significance, "canaries": args.canaries,
                               "seed": args.seed}
     if args.mode == "whitebox":
-        from dpclip.audit.step_audit import audit_step
-        from dpclip.clipping import make_strategy
-
         if args.claim is not None:
             raise ValueError("dpclip audit: --claim is for --mode blackbox (a white-box audit's "
                              "claim is the audited step's own epsilon); drop it")
@@ -360,9 +361,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, params=strategy_params)
         summary = {**record, **r.to_dict(), "claim_scope": "one step, no sampling amplification"}
     else:
-        from dpclip.audit.blackbox import blackbox_audit
-        from dpclip.training.trainer import TrainConfig
-
         if not (args.dataset and args.model):
             raise ValueError("dpclip audit --mode blackbox needs --dataset and --model")
         _check_dataset_name(args.dataset)
@@ -370,10 +368,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         config = TrainConfig(
             dataset=args.dataset, model=args.model, strategy=args.strategy,
             strategy_params=_parse_params(args.param),
-            model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
-                                                                    "--model-option").items()},
-            dataset_options={k: _coerce(v) for k, v in _parse_params(args.dataset_option,
-                                                                      "--dataset-option").items()},
+            model_options=_options(MODELS, args.model, args.model_option, "--model-option"),
+            dataset_options=_options(DATASETS, args.dataset, args.dataset_option,
+                                     "--dataset-option"),
             epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, delta=args.delta,
             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             optimizer=args.optimizer, momentum=args.momentum, accountant=args.accountant,
@@ -433,17 +430,11 @@ def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
                            strategy_params: dict[str, Any]) -> float:
     """The noise multiplier ``dpclip train`` would calibrate for ``--epsilon`` (public: the
     dataset's size, the sampler, the steps and the strategy's planned events; dpclip.training.plan)."""
-    from dpclip.clipping import make_strategy
-    from dpclip.data import load_dataset
-    from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
-    from dpclip.training.sampling import make_sampler
-    from dpclip.training.units import MiniSetSampler, expected_units
-
     _check_dataset_name(args.dataset)
     _check_data_dir(args)
     bundle = load_dataset(args.dataset, args.data_dir, seed=args.seed,
-                          **{k: _coerce(v) for k, v in _parse_params(
-                              args.dataset_option, "--dataset-option").items()})
+                          **_options(DATASETS, args.dataset, args.dataset_option,
+                                     "--dataset-option"))
     n = int(bundle.train.inputs.shape[0])
     if unit.public_fraction:  # the public split is carved out before the private run
         n -= round(unit.public_fraction * n)
@@ -549,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", help="write checkpoints here and resume from them")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="last stdout line is a JSON summary")
+    t.add_argument("--evidence", metavar="FILE", default=None,
+                   help="append the run's summary row to the evidence file FILE "
+                        "(reproductions/results/NAME.json) and rewrite its Markdown table")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("epsilon", help="epsilon of Poisson-subsampled Gaussian DP-SGD")
@@ -622,7 +616,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(dpclip.federated): train | flower-server | flower-client; "
                         "grids: `dpclip run` "
                         "with a [federated] spec")
-    from dpclip.federated.command import add_arguments as _fl_arguments
     _fl_arguments(fl)
     fl.set_defaults(func=cmd_fl)
 
@@ -679,7 +672,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_fl(args: argparse.Namespace) -> int:
     """``dpclip fl ...``: see ``dpclip.federated.command``."""
-    from dpclip.federated.command import run_command
     return run_command(args)
 
 
@@ -688,9 +680,6 @@ def cmd_fl(args: argparse.Namespace) -> int:
 def _resolve_train_config(config: Any, db: Any, checkpoint_dir: Any, progress: bool) -> Any:
     """``transfer`` schedule=NAME and ``lin-decay`` c0_from=greedy resolved from the store."""
     from pathlib import Path
-
-    from dpclip.harness.store import ResultsStore
-    from dpclip.search import resolve_strategy_params
 
     needs = (config.strategy == "transfer" and "schedule" in config.strategy_params) or (
         config.strategy == "lin-decay" and "c0_from" in config.strategy_params)
@@ -704,23 +693,12 @@ def _resolve_train_config(config: Any, db: Any, checkpoint_dir: Any, progress: b
 def cmd_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dpclip.harness.store import ResultsStore, default_db_path
-    from dpclip.search import (
-        GreedyConfig,
-        check_public,
-        default_schedule_name,
-        run_or_reuse,
-        search_noise_multiplier,
-    )
-
     _check_dataset_name(args.dataset)
     _check_dataset_name(args.proxy_for, "--proxy-for")
     _check_data_dir(args)
     size = args.private_size
     if size is None and args.proxy_for is not None and (
             args.private_epsilon is not None or args.match_private_epoch):
-        from dpclip.data import load_dataset
-
         size = int(load_dataset(args.proxy_for, args.data_dir).train.inputs.shape[0])
     if (args.noise_multiplier is None) == (args.private_epsilon is None):
         raise SystemExit("error: give exactly one of --noise-multiplier (the private run's sigma) "
@@ -738,7 +716,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.match_private_epoch:
         if size is None:
             raise SystemExit("error: --match-private-epoch needs --proxy-for or --private-size")
-        from dpclip.training.sampling import make_sampler
 
         spe = make_sampler(args.sampling, size, args.batch_size).steps_per_epoch
     config = GreedyConfig(
@@ -748,8 +725,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         steps_per_epoch=spe, seed=args.seed, optimizer=args.optimizer, momentum=args.momentum,
         sampling=args.sampling, engine=args.engine,
         max_physical_batch=args.max_physical_batch,
-        model_options={k: _coerce(v) for k, v in _parse_params(args.model_option,
-                                                                "--model-option").items()},
+        model_options=_options(MODELS, args.model, args.model_option, "--model-option"),
         proxy_for=args.proxy_for, allow_private_data=args.nonprivate_search,
         data_dir=args.data_dir, device=args.device,
     )
@@ -779,8 +755,6 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
-    from dpclip.harness.store import ResultsStore, default_db_path
-
     with ResultsStore(args.db or default_db_path()) as store:
         rows = store.schedules()
     if not args.candidates:
@@ -801,9 +775,6 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_search_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dpclip.harness.store import ResultsStore, default_db_path
     from dpclip.search.plots import plot_median_norms, plot_thresholds
 
     out = Path(args.out or _default_out())
@@ -915,9 +886,6 @@ def _check_data_dir(args: argparse.Namespace) -> None:
 
 
 def _check_dataset_name(name: str | None, flag: str = "--dataset") -> None:
-    from dpclip.data import DATASETS
-    from dpclip.errors import unknown_name
-
     if name is not None and name not in DATASETS:
         raise ValueError(f"{flag}: {unknown_name('dataset', name, DATASETS)}")
 
@@ -927,10 +895,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings (``dpclip.errors.DpclipWarning``) print ``dpclip CMD: warning: ...``."""
     import warnings
 
-    from dpclip.errors import DpclipWarning
-
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.train_argv = list(sys.argv[1:] if argv is None else argv)  # recorded by --evidence
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: Any = None, line: str | None = None) -> None:
@@ -949,7 +916,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dpclip {args.command}: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as exc:  # Ctrl-C: no traceback; say how to resume
-            from dpclip.interrupts import TrainingInterrupted
 
             text = (exc.message("run the same command") if isinstance(exc, TrainingInterrupted)
                     else "interrupted (Ctrl-C)")
@@ -965,8 +931,6 @@ def entry() -> None:
     """Console entry point (``dpclip``): re-executes once under jemalloc without purging when it is
     installed (``dpclip.runtime``; ``DPCLIP_ALLOCATOR=system`` turns this off), then runs ``main``.
     ``main(argv)`` itself never re-executes (tests and library callers use it)."""
-    from dpclip.runtime import maybe_reexec_with_jemalloc
-
     if not any(a in _KEEP_ALLOCATOR for a in sys.argv[1:2]):
         maybe_reexec_with_jemalloc()
     sys.exit(main())

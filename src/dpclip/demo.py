@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from dpclip.cli import main
+from dpclip.runtime import maybe_reexec_with_jemalloc
 
 
 def run() -> int:
@@ -23,7 +24,5 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    from dpclip.runtime import maybe_reexec_with_jemalloc
-
     maybe_reexec_with_jemalloc()  # the fast allocator (DPCLIP_ALLOCATOR=system turns it off)
     sys.exit(run())

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from dpclip.engine.batch import map_batch
 
 __all__ = ["check_class_targets", "convert_arrays"]
 
@@ -76,8 +77,6 @@ def convert_arrays(data: Any, model: nn.Module, verbose: bool = True) -> Any:
 def _num_outputs(model: nn.Module, x: Any, device: torch.device | None) -> int | None:
     """The model's number of outputs per example (the last dimension of ``model(one example)``),
     or None when one forward pass cannot tell (the first step then reports any problem)."""
-    from dpclip.engine.batch import map_batch
-
     # zeros of one example's shape and dtype: the number of outputs without touching private data
     one = map_batch(lambda t: torch.zeros_like(t[:1], device=device), x)
     was = model.training

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dpclip.errors import unknown_name
 
 __all__ = ["LR_SCHEDULES", "build_lr_scheduler", "check_lr_schedule", "describe_lr_schedule",
            "warmup_steps"]
@@ -50,8 +51,6 @@ def check_lr_schedule(schedule: Any, gamma: Any, step_epochs: Any, lr_min: Any,
                       warmup_epochs: Any, lr: float) -> None:
     """Validate the schedule fields of a ``TrainConfig``; errors name the field and the fix.
     A field the chosen schedule does not use is refused (it would be silently ignored)."""
-    from dpclip.errors import unknown_name
-
     if not isinstance(schedule, str) or schedule not in LR_SCHEDULES:
         raise ValueError(f"TrainConfig: {unknown_name('lr_schedule', schedule, LR_SCHEDULES)}")
     given = {"lr_gamma": gamma, "lr_step_epochs": step_epochs, "lr_min": lr_min}

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from dpclip.clipping import make_strategy
+from dpclip.engine.ghost import _scan, ghost_support
+from dpclip.training.units import UnitConfig
 
 __all__ = ["ModelProblem", "ModelReport", "check_model", "fix_model"]
 
@@ -83,10 +86,6 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
 
     ``strategy_params`` may set the clipping unit: with ``{"unit": "bc"}`` (batch clipping)
     BatchNorm is allowed. Unknown strategy names fail with did-you-mean."""
-    from dpclip.clipping import make_strategy
-    from dpclip.engine.ghost import ghost_support
-    from dpclip.training.units import UnitConfig
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"check_model: model must be a torch.nn.Module, got {type(model).__name__}")
     unit, params = UnitConfig.pop_from(dict(strategy_params or {}))
@@ -120,8 +119,6 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                  "keep it constant during training (compute it from public data, or make it a "
                  "parameter)"), blocking=tracked))
     if getattr(strat, "kind", "norm") != "bound" and unit.is_individual:
-        from dpclip.engine.ghost import _scan
-
         _, reasons = ghost_support(model)
         mods = dict(model.named_modules())
         for reason in reasons:

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import torch
 from torch import Tensor
+from dpclip.randomness import secure_cuda_generator, secure_generator
 
 __all__ = ["TAIL_BOUND", "add_gaussian_noise", "add_gaussian_noise_all", "make_generator",
            "noise_std", "standard_normal", "tail_bound"]
@@ -49,8 +50,6 @@ def make_generator(seed: int | None, device: "torch.device | str" = "cpu") -> to
     streams; on CUDA the Philox key and offset come from ``os.urandom``: dpclip.randomness)."""
     dev = torch.device(device)
     if seed is None:
-        from dpclip.randomness import secure_cuda_generator, secure_generator
-
         return secure_cuda_generator(dev) if dev.type == "cuda" else secure_generator()
     g = torch.Generator(device=dev)
     g.manual_seed(int(seed))

@@ -1,7 +1,7 @@
 import sqlite3
 import threading
 
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 
 def test_store_round_trip_and_wal(tmp_path):

@@ -30,7 +30,7 @@ def test_the_loss_shape_error_does_not_quote_the_batch_size():
 
 
 def test_failed_runs_store_no_numbers(tmp_path):
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
 
     with ResultsStore(tmp_path / "r.db") as store:
         rid = store.start_run("fp", {"a": 1}, experiment="e", label="l")
@@ -67,7 +67,7 @@ def test_replacing_the_split_of_a_public_bundle_with_private_data_is_refused():
 # ------------------------------------------------ a schedule without a dataset is not replayed
 
 def test_a_stored_schedule_without_a_dataset_key_is_refused_for_transfer(tmp_path):
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
     from dpclip.search import resolve_strategy_params
     from dpclip.training.trainer import TrainConfig
 

@@ -11,7 +11,7 @@ from dpclip.cli import main
 from dpclip.federated import plan_ledger
 from dpclip.federated.spec import FederatedRunConfig, build_strategy, config_from_spec
 from dpclip.harness.spec import SpecError, load_spec, parse_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 SPEC = """
 name = "fed-tiny"

@@ -7,7 +7,7 @@ import torch
 from dpclip.harness import runner
 from dpclip.harness.runner import run_experiment
 from dpclip.harness.spec import parse_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 
 def tiny_spec():

@@ -10,7 +10,7 @@ import dpclip.training.trainer as trainer_mod
 from dpclip.data import load_dataset
 from dpclip.harness.runner import run_experiment
 from dpclip.harness.spec import SpecError, parse_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 from dpclip.harness.tuning import search_points
 
 

@@ -10,7 +10,7 @@ from dpclip.cli import main
 from dpclip.data import PUBLIC_PROXIES
 from dpclip.harness.runner import run_experiment
 from dpclip.harness.spec import parse_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 from dpclip.search.plots import fit_decay_trend, plot_median_norms, plot_thresholds
 
 SEARCH = ["search", "--dataset", "digits", "--model", "logreg", "--noise-multiplier", "0.8",

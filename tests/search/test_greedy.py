@@ -148,7 +148,7 @@ def test_sigkilled_search_resumes(tmp_path):
     import sys
     import time
 
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
     from dpclip.search import run_or_reuse
 
     db, ck = tmp_path / "r.db", tmp_path / "ck"
@@ -173,7 +173,7 @@ def test_run_or_reuse_matches_a_stored_search_across_noise_round_off(tmp_path, m
     """A finished search stored from another machine, whose calibrated sigma differs only in its
     last digits (1e-10 relative, seen between the CPU and GPU images), is reused; a sigma that
     really differs (1e-6) runs a new search."""
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
     from dpclip.search import default_schedule_name, run_or_reuse
     from dpclip.search import greedy as greedy_mod
     from dpclip.search import resolve as resolve_mod
@@ -212,7 +212,7 @@ def test_run_or_reuse_resumes_an_unfinished_search_across_noise_round_off(tmp_pa
     """An unfinished search checkpointed on another machine's image (its calibrated sigma differs
     in the last digits, so its folder name differs) resumes under its own name and sigma instead of
     restarting; a sigma that really differs starts its own search."""
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
     from dpclip.search import default_schedule_name, run_or_reuse, same_checkpoint
     from dpclip.search.resolve import _safe
 

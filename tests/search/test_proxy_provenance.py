@@ -25,7 +25,7 @@ from dpclip.data import (
     load_dataset,
     public_proxy,
 )
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 from dpclip.search import GreedyConfig, PrivateDataError, check_public, greedy_search
 from dpclip.search.resolve import resolve_strategy_params
 from dpclip.training.trainer import TrainConfig

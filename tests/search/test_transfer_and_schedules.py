@@ -10,7 +10,7 @@ from dpclip.clipping import STRATEGIES, StepContext, make_strategy
 from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.schedules import LinDecay, Transfer
 from dpclip.data import PUBLIC_PROXIES, public_proxy
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 from dpclip.search import GreedyConfig, greedy_c0, resolve_strategy_params, run_or_reuse
 from dpclip.training.trainer import TrainConfig
 

@@ -11,6 +11,7 @@ An audit refutes privacy claims; it never proves one. ``estimators`` itself impo
 and scipy (``dpclip``'s top-level package imports torch, as for every subpackage).
 """
 
+from dpclip.audit import estimators as _estimators
 from dpclip.audit.estimators import (
     AuditResult,
     GaussianShiftResult,
@@ -29,20 +30,4 @@ from dpclip.audit.estimators import (
     roc_hull,
 )
 
-__all__ = [
-    "AuditResult",
-    "GaussianShiftResult",
-    "Thresholds",
-    "clopper_pearson_epsilon",
-    "clopper_pearson_upper",
-    "gaussian_epsilon_for",
-    "gaussian_mu_for",
-    "gaussian_shift_epsilon",
-    "one_run_epsilon",
-    "one_run_epsilon_from_counts",
-    "one_run_fdp_epsilon",
-    "one_run_fdp_epsilon_from_counts",
-    "one_run_p_value",
-    "rank_grid",
-    "roc_hull",
-]
+__all__ = list(_estimators.__all__)  # the package re-exports the estimators' API

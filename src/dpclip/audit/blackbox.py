@@ -46,6 +46,10 @@ import numpy as np
 import torch
 
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
+from dpclip.clipping import make_strategy
+from dpclip.data import load_dataset
+from dpclip.training.trainer import cross_entropy_per_example, train
+from dpclip.training.units import UnitConfig
 
 __all__ = ["CANARIES", "BlackBoxAudit", "blackbox_audit", "make_canaries"]
 
@@ -131,9 +135,6 @@ def make_canaries(bundle: Any, m: int, canary: str, scale: float,
 
 def _check_no_public_split(config: Any) -> Any:
     """Refuse configurations with a public split; returns the strategy object."""
-    from dpclip.clipping import make_strategy
-    from dpclip.training.units import UnitConfig
-
     unit, params = UnitConfig.pop_from(config.strategy_params)
     strategy = make_strategy(config.strategy, params)
     public = bool(getattr(strategy, "needs_public_norms", False)) or unit.bn_stats == "public" \
@@ -161,9 +162,6 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
         claimed_epsilon: the claim the bounds are compared with; default the run's own epsilon.
         progress: the training progress bar.
     """
-    from dpclip.data import load_dataset
-    from dpclip.training.trainer import cross_entropy_per_example, train
-
     if canary not in CANARIES:
         raise ValueError(f"canary must be one of {CANARIES}, got {canary!r}")
     if not (math.isfinite(canary_scale) and canary_scale > 0):

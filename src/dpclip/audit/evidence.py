@@ -20,10 +20,15 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from dpclip.audit.blackbox import blackbox_audit
+from dpclip.audit.step_audit import audit_step
+from dpclip.clipping import STRATEGIES, make_strategy
+from dpclip.training.trainer import TrainConfig
+from dpclip.engine import ENGINES as ENGINE_REGISTRY
 
 __all__ = ["audit_matrix", "main", "markdown"]
 
-ENGINES = ("vmap", "ghost", "auto", "naive", "summed")
+ENGINES = tuple(ENGINE_REGISTRY)  # every registered engine, in registration order
 
 #: Explicit auxiliary-query noise for batch units. The defaults scale with the expected number of
 #: UNITS per step (``count_noise_std = units / 20``, ``mean_noise_multiplier = units / 10``), which
@@ -39,8 +44,6 @@ UNIT_PARAMS: dict[tuple[str, str], dict[str, Any]] = {
 
 def audit_matrix() -> list[dict[str, Any]]:
     """(strategy, engine, unit, sampling) combinations to audit."""
-    from dpclip.clipping import STRATEGIES
-
     rows = []
     for name, entry in sorted(STRATEGIES.items()):
         for engine in ENGINES:
@@ -58,9 +61,6 @@ def audit_matrix() -> list[dict[str, Any]]:
 
 def _run(spec: dict[str, Any], z: float, delta: float, canaries: int, trials: int,
          seed: int) -> dict[str, Any]:
-    from dpclip.audit.step_audit import audit_step
-    from dpclip.clipping import STRATEGIES, make_strategy
-
     entry = STRATEGIES[spec["strategy"]]
     params = dict(getattr(entry.cls, "contract_params", {}))
     params.pop("num_groups", None)  # the audit binds the strategy to its own model's groups
@@ -121,9 +121,6 @@ BLACKBOX_RUNS: list[dict[str, Any]] = [
 
 def blackbox_rows(only: set[str] | None = None, progress: bool = False) -> list[dict[str, Any]]:
     """Run :data:`BLACKBOX_RUNS` (honest + no-noise control each) with :func:`blackbox_audit`."""
-    from dpclip.audit.blackbox import blackbox_audit
-    from dpclip.training.trainer import TrainConfig
-
     rows = []
     for spec in BLACKBOX_RUNS:
         if only is not None and spec["strategy"] not in only:

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from dpclip._checks import check_open_unit
 from dpclip.audit.estimators import clopper_pearson_upper
 from dpclip.events import GaussianEvent, SelfComposedEvent
+from dpclip.accounting import epsilon
 
 __all__ = ["PresenceAudit", "presence_audit"]
 
@@ -60,12 +62,9 @@ def presence_audit(
 ) -> PresenceAudit:
     """Draw ``trials`` epochs of ``sampler.steps_per_epoch`` batches and test record ``record``'s
     per-epoch presence against the Poisson claim (module docstring)."""
-    from dpclip.accounting import epsilon
-
     if trials < 10:
         raise ValueError(f"trials must be >= 10, got {trials!r}")
-    if not (0 < significance < 1):
-        raise ValueError(f"significance must be in (0, 1), got {significance!r}")
+    check_open_unit("significance", significance)
     k = int(sampler.steps_per_epoch)
     q = float(sampler.sample_rate)
     z = float(noise_multiplier)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dpclip._checks import check_integer, check_nonnegative, check_open_unit
 from dpclip.audit.estimators import (
     AuditResult,
     GaussianShiftResult,
@@ -59,6 +60,7 @@ from dpclip.noise import make_generator, noise_std
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 from dpclip.training.step import dp_step
 from dpclip.training.units import MiniSetSampler, UnitConfig
+from dpclip.accounting import epsilon
 
 __all__ = ["ObservedStrategy", "StepAudit", "audit_step", "inner_event", "step_epsilon"]
 
@@ -173,8 +175,6 @@ def inner_event(event: DpEvent) -> DpEvent:
 
 def step_epsilon(event: DpEvent, delta: float) -> float:
     """PLD epsilon of one step's inner event (``inf`` when some Gaussian has multiplier 0)."""
-    from dpclip.accounting import epsilon
-
     inner = inner_event(event)
     if _has_zero_noise(inner):
         return math.inf
@@ -273,12 +273,9 @@ def audit_step(
         trial: use the ``trial`` design for a per-example norm-based strategy too (one canary
             per step, every extra release, e.g. quantile's count, enters the score).
     """
-    if isinstance(n_canaries, bool) or int(n_canaries) != n_canaries or n_canaries < 8:
-        raise ValueError(f"n_canaries must be an integer >= 8, got {n_canaries!r}")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    check_integer("n_canaries", n_canaries, 8)
+    check_nonnegative("noise_multiplier", noise_multiplier)
+    check_open_unit("delta", delta)
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     UnitConfig(unit=unit, miniset_size=miniset_size if unit == "gbc" else None)  # validates unit
@@ -394,6 +391,14 @@ def _flat_outputs(out: Any, observed: ObservedStrategy) -> tuple[np.ndarray, lis
     return torch.cat(parts + rel).numpy(), [len(p) for p in parts] + [len(v) for v in rel]
 
 
+def _trial_sampler(unit: str, fixed: bool, s: int) -> Any:
+    """The trial design's sampler: one mini-set of ``s`` (gbc), 2 of 8 (fixed-size) or rate
+    1.5/8 (Poisson)."""
+    if unit == "gbc":
+        return MiniSetSampler(4 * s, s, 1)
+    return FixedSizeSampler(8, 2) if fixed else PoissonSampler(8, 1.5)
+
+
 def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: float,
             n_trials: int, significance: float, canary_norm: float | None, s: int,
             seed: int | None, step_fn: StepFn, progress: bool,
@@ -450,12 +455,7 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
             return x[None], y[None]
         return x, y
 
-    if unit == "gbc":
-        sampler: Any = MiniSetSampler(4 * s, s, 1)
-    elif fixed:
-        sampler = FixedSizeSampler(8, 2)
-    else:
-        sampler = PoissonSampler(8, 1.5)
+    sampler = _trial_sampler(unit, fixed, s)
     unit_cfg = None if unit == "ic" else UnitConfig(unit=unit,
                                                     miniset_size=s if unit == "gbc" else None)
     state0 = _initial_state(strategy, groups)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dpclip._checks import check_integer, check_nonnegative, check_open_unit
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.engine import ParamGroups, get_engine
@@ -44,6 +45,7 @@ from dpclip.events import ComposedEvent, DpEvent, PoissonSampledEvent
 from dpclip.noise import make_generator
 from dpclip.training.sampling import PoissonSampler
 from dpclip.training.step import dp_step
+from dpclip.accounting import epsilon
 
 __all__ = ["DiracAudit", "dirac_canary_audit", "ideal_bounds"]
 
@@ -143,14 +145,10 @@ def dirac_canary_audit(
     Returns:
         :class:`DiracAudit`.
     """
-    if isinstance(n_canaries, bool) or int(n_canaries) != n_canaries or n_canaries < 2:
-        raise ValueError(f"n_canaries must be an integer >= 2, got {n_canaries!r}")
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    check_integer("n_canaries", n_canaries, 2)
+    check_integer("steps", steps, 1)
+    check_nonnegative("noise_multiplier", noise_multiplier)
+    check_open_unit("delta", delta)
     if getattr(strategy, "kind", "norm") == "bound":
         raise ValueError(
             f"strategy {getattr(strategy, 'name', strategy)!r} is bound-based (sensitivity from "
@@ -210,8 +208,6 @@ def dirac_canary_audit(
 
 
 def _claimed_epsilon(events: list[DpEvent], delta: float) -> float:
-    from dpclip.accounting import epsilon
-
     if any(getattr(e, "noise_multiplier", 1.0) == 0 for e in events):
         return math.inf
     event: Any = events[0] if len(events) == 1 else ComposedEvent(tuple(events))

@@ -17,6 +17,11 @@ from dpclip.clipping.registry import (
     register,
 )
 
+# importing the built-in strategy modules registers them (the bound-based ones are registered by
+# dpclip.lipschitz, a room above this one, imported by dpclip/__init__.py)
+from dpclip.clipping import (  # noqa: E402,F401,I001 - in the order they always registered
+    normalize, layerwise, schedules, quantile, vdv, adaclip)
+
 __all__ = [
     "STRATEGIES",
     "ClippingStrategy",

@@ -57,11 +57,11 @@ from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.registry import (
     STRATEGIES,
     StrategyEntry,
-    _convert,
     make_strategy,
     register,
 )
 from dpclip.events import DpEvent
+from dpclip.registry import coerce
 
 __all__ = [
     "DuDynamic",
@@ -353,8 +353,8 @@ class _ThresholdSchedule:
             inner_params["clip_norm"] = params["clip_norm"]
         inner = make_strategy(base, inner_params)
         hints = typing.get_type_hints(cls)
-        own = {k: _convert(v, hints.get(k, own_fields[k].type), k, cls.name)
-               for k, v in params.items() if k in own_fields}
+        own = {k: coerce(v, hints.get(k, own_fields[k].type), k, f"strategy {cls.name!r}",
+                         "parameter") for k, v in params.items() if k in own_fields}
         return cls(inner=inner, **own)  # type: ignore[call-arg]
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, ClassVar
 
 from dpclip.data.base import DatasetBundle
 from dpclip.data.bundled import load_breast_cancer, load_digits, load_mnist_5k
@@ -23,6 +20,7 @@ from dpclip.data.tabular import (
     load_german_credit,
     load_nursery,
 )
+from dpclip.registry import OptionsEntry, Registry
 
 __all__ = [
     "DATASETS",
@@ -45,7 +43,7 @@ DatasetLoader = Callable[..., DatasetBundle]
 
 
 @dataclass(frozen=True)
-class DatasetEntry:
+class DatasetEntry(OptionsEntry):
     """A registered dataset.
 
     Attributes:
@@ -76,69 +74,24 @@ class DatasetEntry:
         """``derived_from`` plus the dataset's own name."""
         return frozenset((self.name, *self.derived_from))
 
-    def options(self) -> dict[str, Any]:
-        """The loader's options (keyword-only parameters) with their defaults."""
-        return {
-            p.name: p.default
-            for p in inspect.signature(self.loader).parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY
-        }
+    kind: ClassVar[str] = "dataset"
+
+    def factory(self) -> DatasetLoader:
+        return self.loader
 
 
-DATASETS: dict[str, DatasetEntry] = {}
+#: Registered datasets by name.
+DATASETS: Registry[DatasetEntry] = Registry("dataset")
 
 
 def register_dataset(entry: DatasetEntry) -> DatasetEntry:
     """Add ``entry`` to :data:`DATASETS`; a name can be registered once."""
-    if entry.name in DATASETS:
-        raise ValueError(f"dataset {entry.name!r} is already registered")
-    DATASETS[entry.name] = entry
-    return entry
+    return DATASETS.register(entry)
 
 
 def list_datasets() -> list[DatasetEntry]:
     """All registered datasets, sorted by name."""
-    return [DATASETS[k] for k in sorted(DATASETS)]
-
-
-def _coerce(value: Any, hint: Any, option: str, dataset: str) -> Any:
-    """Convert a CLI/config value (string, or list for tuples) to the option's declared type."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if isinstance(value, str) and value.strip().lower() == "none":
-            return None
-        if value is None:
-            return None
-        hint = args[0] if len(args) == 1 else Any
-        origin = typing.get_origin(hint)
-    if origin is tuple:
-        (item,) = typing.get_args(hint)[:1] or (Any,)
-        if isinstance(value, str):
-            value = [p for p in value.strip().strip("()[]").split(",") if p.strip()]
-        if isinstance(value, (list, tuple)):
-            value = tuple(_coerce(v, item, option, dataset) for v in value)
-        return value
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if hint is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if hint is int:
-            return int(text)
-        if hint is float:
-            return float(text)
-    except ValueError:
-        raise ValueError(
-            f"dataset {dataset!r}: option {option}={value!r} is not a valid "
-            f"{getattr(hint, '__name__', hint)}"
-        ) from None
-    return text
+    return DATASETS.entries()
 
 
 def load_dataset(
@@ -164,20 +117,8 @@ def load_dataset(
             options), or an invalid option value.
         DatasetNotFoundError: the files of a file-based dataset are not found.
     """
-    if name not in DATASETS:
-        from dpclip.errors import unknown_name
-
-        raise ValueError(unknown_name("dataset", name, DATASETS))
+    kwargs = DATASETS.lookup(name).coerce_options(options)
     entry = DATASETS[name]
-    valid = entry.options()
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(
-            f"dataset {name!r} has no option(s) {', '.join(unknown)}; valid options: "
-            f"{', '.join(sorted(valid)) or '(none)'}"
-        )
-    hints = typing.get_type_hints(entry.loader)
-    kwargs = {k: _coerce(v, hints.get(k, Any), k, name) for k, v in options.items()}
     return entry.loader(data_dir, int(seed), **kwargs)
 
 

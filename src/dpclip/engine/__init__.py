@@ -16,8 +16,7 @@ of valid names.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.errors import UnsupportedModelError
@@ -25,6 +24,7 @@ from dpclip.engine.ghost import AutoEngine, GhostEngine, ghost_support
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.summed import SummedEngine
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
+from dpclip.registry import Registry
 
 __all__ = [
     "ENGINES",
@@ -46,9 +46,10 @@ __all__ = [
 ]
 
 #: Registered engines by name (read-only).
-ENGINES: Mapping[str, type[Any]] = MappingProxyType(
-    {cls.name: cls for cls in (VmapEngine, GhostEngine, AutoEngine, NaiveEngine, SummedEngine)}
-)
+ENGINES: Registry[type[Any]] = Registry("engine")
+for _cls in (VmapEngine, GhostEngine, AutoEngine, NaiveEngine, SummedEngine):
+    ENGINES.register(_cls)
+del _cls
 
 
 def get_engine(name: str, **kwargs: Any) -> Engine:
@@ -57,10 +58,4 @@ def get_engine(name: str, **kwargs: Any) -> Engine:
 
     Raises ``ValueError`` naming the valid engines for an unknown name.
     """
-    try:
-        cls = ENGINES[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown engine {name!r}; valid engines: {', '.join(sorted(ENGINES))}"
-        ) from None
-    return cls(**kwargs)
+    return ENGINES.lookup(name)(**kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -207,3 +207,42 @@ class ChunkReducer:
         norms = torch.cat(self._norms) if len(self._norms) > 1 else self._norms[0]
         weights = torch.cat(self._weights) if len(self._weights) > 1 else self._weights[0]
         return self.sums, norms, weights, self.loss_sum
+
+
+class _Rounding:
+    """Floating-point error constants of one chunk (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2002, ch. 3): ``u`` the unit roundoff of the working dtype, ``u_p`` the relative
+    error of one product inside a matrix product or convolution (``u``, or more when the backend may
+    round the factors: TF32 on CUDA, ``torch.set_float32_matmul_precision`` below "highest"),
+    ``gam(n) = n u / (1 - n u)`` the relative error of a sum of ``n`` terms in any order, and
+    ``gp(n)`` that of a dot product of length ``n`` (each term's error relative to ``|x_k y_k|``).
+    A bound that is not valid (``n u >= 1/2``) is ``inf``: the weight is then 0 (sound)."""
+
+    __slots__ = ("u", "u_p", "batch")
+
+    def __init__(self, dtypes: Sequence[torch.dtype], device: torch.device, batch: int) -> None:
+        self.u = max(torch.finfo(d).eps for d in dtypes) / 2
+        u_p = self.u
+        if self.u <= 2.0 ** -24:  # float32 (or float64) factors may be rounded by the backend
+            prec = torch.get_float32_matmul_precision()
+            if prec == "medium":
+                u_p = max(u_p, 2.0 ** -8)  # bfloat16 factors
+            elif prec == "high":
+                u_p = max(u_p, 2.0 ** -11)  # TF32 factors
+            if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
+                                          or torch.backends.cudnn.allow_tf32):
+                u_p = max(u_p, 2.0 ** -11)
+        self.u_p = 2 * u_p + u_p * u_p  # both factors rounded
+        self.batch = batch
+
+    def gam(self, n: int) -> float:
+        nu = n * self.u
+        return nu / (1 - nu) if nu < 0.5 else math.inf
+
+    def gp(self, n: int) -> float:
+        return self.u_p + self.gam(n) * (1 + self.u_p)
+
+    def bookkeeping(self, n: int) -> float:
+        """Relative error (to ``sum_t ||w b_t|| ||a_t||``) of one example's part of a book-keeping
+        reduction of length ``n`` with the weights folded into ``b`` (one rounding of ``w b``)."""
+        return (1 + self.u) * (1 + self.gp(n)) - 1

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["UnsupportedModelError", "loss_shape_error", "quote_error"]
+__all__ = ["PrivateBufferError", "UnsupportedModelError", "loss_shape_error", "quote_error"]
 
 
 class UnsupportedModelError(ValueError):
     """The model cannot be run by the requested engine (for example a training-mode BatchNorm under a
     per-example engine). The message names the offending layer and the fix."""
+
+
+class PrivateBufferError(RuntimeError):
+    """A module changed a buffer during a private forward pass (the buffer would carry private
+    statistics out of the run without noise). Raised by the engines' state guard and by
+    :func:`dpclip.training.step.private_buffer_guard` (docs/errors.md, entry 81)."""
 
 
 def loss_shape_error(ndim: int, prefix: str = "") -> ValueError:

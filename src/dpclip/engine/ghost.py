@@ -110,6 +110,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpclip.engine._common import (
     ChunkReducer,
+    _Rounding,
     apply_weight_fn,
     check_batch,
     check_chunk_size,
@@ -119,6 +120,7 @@ from dpclip.engine._common import (
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, slice_batch
 from dpclip.engine.errors import UnsupportedModelError, quote_error
+from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     arg_batch_dims,
@@ -337,45 +339,6 @@ def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
 def _sq(g: Tensor) -> Tensor:
     """Squared norms of the rows of ``g`` (one fused reduction, no temporary of ``g``'s size)."""
     return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
-
-
-class _Rounding:
-    """Floating-point error constants of one chunk (Higham, "Accuracy and Stability of Numerical
-    Algorithms", 2002, ch. 3): ``u`` the unit roundoff of the working dtype, ``u_p`` the relative
-    error of one product inside a matrix product or convolution (``u``, or more when the backend may
-    round the factors: TF32 on CUDA, ``torch.set_float32_matmul_precision`` below "highest"),
-    ``gam(n) = n u / (1 - n u)`` the relative error of a sum of ``n`` terms in any order, and
-    ``gp(n)`` that of a dot product of length ``n`` (each term's error relative to ``|x_k y_k|``).
-    A bound that is not valid (``n u >= 1/2``) is ``inf``: the weight is then 0 (sound)."""
-
-    __slots__ = ("u", "u_p", "batch")
-
-    def __init__(self, dtypes: Sequence[torch.dtype], device: torch.device, batch: int) -> None:
-        self.u = max(torch.finfo(d).eps for d in dtypes) / 2
-        u_p = self.u
-        if self.u <= 2.0 ** -24:  # float32 (or float64) factors may be rounded by the backend
-            prec = torch.get_float32_matmul_precision()
-            if prec == "medium":
-                u_p = max(u_p, 2.0 ** -8)  # bfloat16 factors
-            elif prec == "high":
-                u_p = max(u_p, 2.0 ** -11)  # TF32 factors
-            if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
-                                          or torch.backends.cudnn.allow_tf32):
-                u_p = max(u_p, 2.0 ** -11)
-        self.u_p = 2 * u_p + u_p * u_p  # both factors rounded
-        self.batch = batch
-
-    def gam(self, n: int) -> float:
-        nu = n * self.u
-        return nu / (1 - nu) if nu < 0.5 else math.inf
-
-    def gp(self, n: int) -> float:
-        return self.u_p + self.gam(n) * (1 + self.u_p)
-
-    def bookkeeping(self, n: int) -> float:
-        """Relative error (to ``sum_t ||w b_t|| ||a_t||``) of one example's part of a book-keeping
-        reduction of length ``n`` with the weights folded into ``b`` (one rounding of ``w b``)."""
-        return (1 + self.u) * (1 + self.gp(n)) - 1
 
 
 class _Rule:
@@ -1328,8 +1291,6 @@ class GhostEngine:
     def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                      weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
         if self.fallback == "vmap":
-            from dpclip.engine.vmap import VmapEngine
-
             try:  # the same data-independent library paths as the proof (transformers masks)
                 with data_independent_paths():
                     res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(

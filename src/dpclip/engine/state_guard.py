@@ -8,7 +8,7 @@ A forward pass can write private data into state that outlives the step: a
 read by the next call (one example then moves every example of the next batch). The guard
 snapshots every parameter and every tensor attribute of every module before the block, compares
 them by value after it, restores what changed (the original objects, the original values) and
-raises :class:`~dpclip.training.step.PrivateBufferError` naming them.
+raises :class:`~dpclip.engine.errors.PrivateBufferError` naming them.
 
 What it cannot see: tensors kept outside the model (a global, a closure of the loss function); the
 ghost engine's tracer refuses those when they are read in a later call (data from an earlier call
@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
+
+from dpclip.engine.errors import PrivateBufferError
 
 __all__ = ["state_guard"]
 
@@ -40,7 +42,8 @@ def _attr_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
 @contextlib.contextmanager
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     """Refuse and undo any change of parameter data or module tensor attributes in the block
-    (see the module docstring). Raises :class:`~dpclip.training.step.PrivateBufferError` (docs/errors.md, entry 81)."""
+    (see the module docstring). Raises :class:`~dpclip.engine.errors.PrivateBufferError`
+    (docs/errors.md, entry 81)."""
     with torch.no_grad():
         params = [(n, p, p.detach().clone()) for n, p in model.named_parameters(
             remove_duplicate=True)]
@@ -78,8 +81,6 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
                     changed.append(n)
                     delattr(mod, k)
     if changed:
-        from dpclip.training.step import PrivateBufferError
-
         raise PrivateBufferError(
             f"{where}: the model changed parameter data or tensor attribute(s) "
             f"{', '.join(repr(c) for c in changed)} while computing private gradients; "

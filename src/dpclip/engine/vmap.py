@@ -18,6 +18,7 @@ from torch.func import grad, vmap
 from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
+    _Rounding,
     ChunkReducer,
     check_batch,
     check_chunk_size,
@@ -121,8 +122,6 @@ class BoundedChunkReducer(ChunkReducer):
     def __init__(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
                  engine: str, inputs: Any, *, chunk: int) -> None:
         super().__init__(params, groups, weight_fn, engine, inputs)
-        from dpclip.engine.ghost import _Rounding
-
         lay = self.layout
         rnd = _Rounding((lay.dtype,), lay.device, chunk)
         u64 = torch.finfo(torch.float64).eps / 2

@@ -146,7 +146,7 @@ def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
     import sys
 
     from dpclip.federated.spec import FederatedRunConfig
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
 
     run = FederatedRunConfig(spec)  # validates the plan before anything is stored
     store = ResultsStore(getattr(args, "db", None) or default_db_path())
@@ -182,7 +182,7 @@ def _flower_deployment(args: argparse.Namespace) -> int:
 
     from dpclip.federated.launch import run_local_deployment
     from dpclip.federated.spec import FederatedRunConfig
-    from dpclip.harness.store import ResultsStore, default_db_path
+    from dpclip.store import ResultsStore, default_db_path
 
     spec = _load_spec(args.spec)
     run = FederatedRunConfig(spec)  # the plan checked before anything starts

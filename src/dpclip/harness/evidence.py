@@ -1,21 +1,20 @@
 """Append training runs to a committed evidence file and regenerate its Markdown table.
 
-    python -m dpclip.harness.evidence reproductions/results/NAME.json -- train ARGS...
+    dpclip train ARGS... --evidence reproductions/results/NAME.json
 
-runs ``dpclip train ARGS --json`` in-process, appends the summary row (a list of rows per file,
+appends the run's summary row (a list of rows per file,
 each with at least dataset, model, strategy, params, epsilon, delta, seed, epochs, test_accuracy)
 to ``NAME.json`` and rewrites ``NAME.md`` with one line per run plus mean and std per setting.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 import sys
-from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
+from dpclip.harness.tuning import tuning_table
 
 __all__ = ["append_row", "lr_text", "markdown_table"]
 
@@ -102,34 +101,23 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
                    f"{json.dumps(r0['params'], sort_keys=True)} | "
                    f"{max(r['epsilon'] for r in rs):.3f} | {len(rs)} | "
                    f"{statistics.fmean(accs):.2f} % | {sd:.2f} |")
-    from dpclip.harness.tuning import tuning_table
 
     out += tuning_table(rows)
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dpclip.cli import main as cli_main
-
+    """The former ``python -m dpclip.harness.evidence FILE -- train ARGS`` entry point: the
+    harness no longer runs the command line (it sits below it); the same run is
+    ``dpclip train ARGS --evidence FILE``. Prints that command and returns 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv or argv.index("--") != 1:
+    if "--" in argv and argv.index("--") == 1 and argv[2:3] == ["train"]:
+        print("evidence: run `dpclip " + " ".join(argv[2:] + ["--evidence", argv[0]]) + "` "
+              "(the evidence row is now appended by `dpclip train --evidence FILE`)",
+              file=sys.stderr)
+    else:
         print(__doc__, file=sys.stderr)
-        return 2
-    path, train_args = Path(argv[0]), argv[2:]
-    if not train_args or train_args[0] != "train":
-        raise SystemExit("evidence: the command after -- must be `train ...`")
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = cli_main(train_args + ["--json"])
-    if rc != 0:
-        return rc
-    row = json.loads(buf.getvalue().strip().splitlines()[-1])
-    row["command"] = "dpclip " + " ".join(train_args)
-    if "--noise-multiplier" in train_args:
-        row["noise_multiplier_arg"] = float(train_args[train_args.index("--noise-multiplier") + 1])
-    append_row(path, row)
-    print(json.dumps(row))
-    return 0
+    return 2
 
 
 if __name__ == "__main__":

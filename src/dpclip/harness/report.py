@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
+from dpclip.harness.evidence import lr_text
+from dpclip.harness.tuning import tuning_table
 
 __all__ = ["Report", "accuracy_plots", "build_report", "collect_runs", "is_federated",
            "settings_table"]
@@ -170,8 +172,6 @@ def settings_table(runs: list[dict[str, Any]]) -> str:
     accuracy: epsilon (target and spent), sigma, the strategy's parameters, the learning rate
     (and schedule), epochs, seconds per run and test accuracy (mean +- std over seeds). For a
     federated grid the epochs are rounds and the learning rate is the server's."""
-    from dpclip.harness.evidence import lr_text
-
     cells: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         cells[(r["label"] or r["config"]["strategy"], _level(r))].append(r)
@@ -226,6 +226,18 @@ def _series(runs: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float]
     return {lab: (sorted(d), [statistics.fmean(d[e]) for e in sorted(d)]) for lab, d in by.items()}
 
 
+def _finish(fig: Any, ax: Any, path: Path, n_series: int) -> Path:
+    """Grid, legend, tight layout; the figure saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    _legend(ax, n_series)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel: str,
           path: Path, logy: bool = False, xlabel: str = "epoch") -> Path | None:
     if not series:
@@ -243,12 +255,7 @@ def _plot(series: dict[str, tuple[list[float], list[float]]], title: str, ylabel
     ax.set_title(title, fontsize=10)
     if logy:
         ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    _legend(ax, len(series))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, len(series))
 
 
 def _legend(ax: Any, n: int) -> None:
@@ -291,12 +298,7 @@ def privacy_utility_plot(levels: list[str], rows: list[dict[str, Any]], path: Pa
     ax.set_xlabel("epsilon spent")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(ax, len(series))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, len(series))
 
 
 def audit_plot(rows: list[dict[str, Any]], path: Path) -> tuple[Path, str] | None:
@@ -454,6 +456,55 @@ _STYLE = ("<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
           "padding:4px 8px}figure{display:inline-block;margin:8px}.warn{color:#b00}</style>")
 
 
+def _diagnostic_plots(runs: list[dict[str, Any]], out: Path,
+                      experiment: str) -> list[tuple[str, Path]]:
+    """The clipping-diagnostic figures (norm quantiles, cosine, bias) of each source that the
+    runs logged (``heldout/`` or ``nonprivate/``)."""
+    plots: list[tuple[str, Path]] = []
+    for prefix, source in DIAGNOSTIC_SOURCES.items():
+        tag = prefix.rstrip("/")
+        qkey = prefix + DIAGNOSTIC_PLOTS["norm_quantiles"][0]
+        keys = sorted({k for r in runs for h in r["history"] for k in h if k.startswith(qkey)})
+        if keys:
+            series = {}
+            for k in keys:
+                for lab, xy in _series(runs, k).items():
+                    series[f"{lab} {k.removeprefix(prefix + 'norm_')}"] = xy
+            title = f"{DIAGNOSTIC_PLOTS['norm_quantiles'][1]} ({source})"
+            p = _plot(series, title, "norm", out / f"{experiment}_{tag}_norm_quantiles.png",
+                      logy=True)
+            if p:
+                plots.append((title, p))
+        for name in ("cosine", "bias"):
+            key, title = DIAGNOSTIC_PLOTS[name]
+            title = f"{title} ({source})"
+            p = _plot(_series(runs, prefix + key), title, name,
+                      out / f"{experiment}_{tag}_{name}.png")
+            if p:
+                plots.append((title, p))
+    return plots
+
+
+def _html_rows(levels: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """The HTML rows of the accuracy table (best mean per column in bold)."""
+    best = _best(levels, rows)
+    trs = []
+    for r in rows:
+        tds = [f"<td>{html.escape(r['strategy'])}</td>"]
+        for lev in levels:
+            if lev not in r:
+                tds.append("<td>-</td>")
+                continue
+            c = r[lev]
+            text = html.escape(f"{_pm(c['mean'], c['std'], c['n'], '±')} (n={c['n']}, "
+                               f"ε {c['epsilon']:.2f})")
+            flag = ' <span class="warn">(diverged)</span>' if c.get("diverged") else ""
+            tds.append(f"<td><b>{text}</b>{flag}</td>" if best.get(lev) == r["strategy"]
+                       else f"<td>{text}{flag}</td>")
+        trs.append("<tr>" + "".join(tds) + "</tr>")
+    return trs
+
+
 def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> Report:
     """Write ``<out>/<experiment>.md``, ``<experiment>.html`` and the PNG plots.
 
@@ -481,28 +532,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
                   xlabel=unit)
         if p:
             plots.append((title, p))
-    for prefix, source in DIAGNOSTIC_SOURCES.items():
-        tag = prefix.rstrip("/")
-        qkey = prefix + DIAGNOSTIC_PLOTS["norm_quantiles"][0]
-        keys = sorted({k for r in runs for h in r["history"] for k in h if k.startswith(qkey)})
-        if keys:
-            series = {}
-            for k in keys:
-                for lab, xy in _series(runs, k).items():
-                    series[f"{lab} {k.removeprefix(prefix + 'norm_')}"] = xy
-            title = f"{DIAGNOSTIC_PLOTS['norm_quantiles'][1]} ({source})"
-            p = _plot(series, title, "norm", out / f"{experiment}_{tag}_norm_quantiles.png",
-                      logy=True)
-            if p:
-                plots.append((title, p))
-        for name in ("cosine", "bias"):
-            key, title = DIAGNOSTIC_PLOTS[name]
-            title = f"{title} ({source})"
-            p = _plot(_series(runs, prefix + key), title, name,
-                      out / f"{experiment}_{tag}_{name}.png")
-            if p:
-                plots.append((title, p))
-
+    plots += _diagnostic_plots(runs, out, experiment)
     first = runs[0]["config"]
     scope = ("user-level DP-FedAvg (privacy unit: user; epoch = round); " if federated else "")
     header = (f"# Experiment `{experiment}`\n\n{len(runs)} finished runs; {scope}dataset(s) "
@@ -514,7 +544,6 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     seeded = seeded_runs(runs)
     if seeded:
         header += (f"**Warning: {len(seeded)} of {len(runs)} runs used {SEEDED_NOTE}.**\n\n")
-    from dpclip.harness.tuning import tuning_table
 
     tuned = tuning_table([dict(r["summary"], label=r["label"]) for r in runs])
     div = [(f"{r['label'] or r['config']['strategy']} {_level(r)} seed "
@@ -537,21 +566,7 @@ def build_report(store: ResultsStore, experiment: str, out_dir: str | Path) -> R
     def img(p: Path) -> str:
         return base64.b64encode(p.read_bytes()).decode()
 
-    best = _best(levels, rows)
-    trs = []
-    for r in rows:
-        tds = [f"<td>{html.escape(r['strategy'])}</td>"]
-        for lev in levels:
-            if lev not in r:
-                tds.append("<td>-</td>")
-                continue
-            c = r[lev]
-            text = html.escape(f"{_pm(c['mean'], c['std'], c['n'], '±')} (n={c['n']}, "
-                               f"ε {c['epsilon']:.2f})")
-            flag = ' <span class="warn">(diverged)</span>' if c.get("diverged") else ""
-            tds.append(f"<td><b>{text}</b>{flag}</td>" if best.get(lev) == r["strategy"]
-                       else f"<td>{text}{flag}</td>")
-        trs.append("<tr>" + "".join(tds) + "</tr>")
+    trs = _html_rows(levels, rows)
     ths = "".join(f"<th>{html.escape(lev)}</th>" for lev in levels)
     figs = "\n".join(
         f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{img(p)}"/>'

@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dpclip.harness.spec import ExperimentSpec, RunSpec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
+from dpclip.federated.spec import run_from_config
+from dpclip.harness.tuning import tune_runs
+from dpclip.interrupts import TrainingInterrupted
+from dpclip.search.resolve import resolve_strategy_params
+from dpclip.training.checkpoint import private_root
+# looked up at call time: tests wrap trainer.train and stub distributed.init_from_env
+from dpclip.training import distributed, trainer
 
 __all__ = ["RunnerReport", "run_experiment"]
 
@@ -72,14 +79,12 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
     (``is_main``) writes the store."""
     import torch
 
-    from dpclip.training.trainer import train
-
     torch.set_num_threads(threads)
     federated = getattr(run.config, "kind", None) == "federated"
     if not is_main:
         try:
-            train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
-                  checkpoint_interval_s=checkpoint_interval_s, progress=False)
+            trainer.train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
+                          checkpoint_interval_s=checkpoint_interval_s, progress=False)
             return run.fingerprint, None
         except Exception as exc:  # noqa: BLE001 - rank 0 records the failure
             return run.fingerprint, "".join(traceback.format_exception_only(type(exc), exc))
@@ -88,13 +93,11 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
                           label=run.label)
     try:
         if federated:
-            from dpclip.federated.spec import run_from_config
-
             fed, summary, history = run_from_config(run.config)
             ledger = fed.ledger
         else:
-            result = train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
-                           checkpoint_interval_s=checkpoint_interval_s, progress=progress)
+            result = trainer.train(run.config, checkpoint_dir=Path(ck_root) / run.fingerprint,
+                                   checkpoint_interval_s=checkpoint_interval_s, progress=progress)
             summary, history, ledger = result.summary, result.history, result.ledger
         for row in history:  # the full history, including epochs before a resume
             store.log_epoch(rid, row["epoch"], row)
@@ -104,8 +107,6 @@ def _run_one(run: RunSpec, db: str, ck_root: str, progress: bool, threads: int,
         store.finish_run(rid, summary, ledger.to_dict())
         return run.fingerprint, None
     except KeyboardInterrupt as exc:  # Ctrl-C: 'interrupted', resumed by the same command
-        from dpclip.interrupts import TrainingInterrupted
-
         store.interrupt_run(rid, exc.message("run the same command")
                             if isinstance(exc, TrainingInterrupted) else "interrupted (Ctrl-C)")
         raise
@@ -130,8 +131,6 @@ def _resolve_runs(runs: list[RunSpec], store: ResultsStore, search_root: Path,
                   progress: bool) -> list[RunSpec]:
     """Resolve ``transfer`` schedule=NAME and ``lin-decay`` c0_from="greedy" from the store
     (running and storing the greedy searches the latter needs, once, resumably)."""
-    from dpclip.search.resolve import resolve_strategy_params
-
     out = []
     for r in runs:
         cfg = resolve_strategy_params(r.config, store, checkpoint_root=search_root,
@@ -157,11 +156,9 @@ def run_experiment(
     other ranks; every rank then trains each run together, and only rank 0 writes results and
     checkpoints. ``workers`` must be 1 there. ``threads``: torch threads per worker (default: the
     CPU count divided by ``workers``)."""
-    from dpclip.training.distributed import init_from_env
-
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    dist_ctx = init_from_env()
+    dist_ctx = distributed.init_from_env()
     if dist_ctx is not None and workers != 1:
         raise ValueError("under torchrun the ranks train each run together: use --workers 1 "
                          "(the processes are the ranks)")
@@ -173,7 +170,6 @@ def run_experiment(
         raise ValueError(f"spec {spec.name!r} has a [tuning] section: run it once without "
                          "torchrun first (the trials and choices are stored), or remove [tuning]")
     out = Path(out_dir)
-    from dpclip.training.checkpoint import private_root
 
     ck_root = private_root(out) / "checkpoints"  # private: beside the reports, not inside
     runs = spec.runs()
@@ -184,7 +180,6 @@ def run_experiment(
             try:
                 runs = _resolve_runs(runs, store, out / "search", progress)
                 if spec.tuning is not None:  # the tuning protocol: trials, then the choices
-                    from dpclip.harness.tuning import tune_runs
 
                     store.mark_interrupted(f"{spec.name}:tuning")  # trials of a killed run
 

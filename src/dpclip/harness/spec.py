@@ -111,6 +111,15 @@ from dpclip.errors import did_you_mean, unknown_name
 from dpclip.harness.tuning import (HORIZONS, SOURCES, TUNABLE_TRAIN_FIELDS, TuningSpec,
                                    apply_point, search_points)
 from dpclip.training.trainer import TrainConfig
+from dpclip.clipping import STRATEGIES, make_strategy
+from dpclip.data import DATASETS, public_proxy
+from dpclip.federated.aggregator import check_federated_strategy
+from dpclip.federated.models import FEDERATED_MODELS
+from dpclip.federated.spec import FederatedRunConfig, valid_keys
+from dpclip.federated.tff import TFF_DATASETS
+from dpclip.models import MODELS
+from dpclip.search.resolve import resolve_strategy_params
+from dpclip.training.units import UnitConfig, check_unit_sampling
 
 __all__ = ["ExperimentSpec", "RunSpec", "StrategySpec", "load_spec", "parse_spec"]
 
@@ -129,8 +138,6 @@ _FED_GRID_OWNED = {"epsilon", "noise_multiplier", "seed", "strategy", "params"}
 
 def _train_fields(kind: str) -> set[str]:
     if kind == "federated":
-        from dpclip.federated.spec import valid_keys
-
         return valid_keys()
     return _TRAIN_FIELDS
 
@@ -233,7 +240,6 @@ class ExperimentSpec:
     def _config(self, fields: dict[str, Any]) -> Any:
         if self.kind != "federated":
             return TrainConfig(**fields)
-        from dpclip.federated.spec import FederatedRunConfig
 
         fields["params"] = fields.pop("strategy_params")
         return FederatedRunConfig(fields)
@@ -493,14 +499,8 @@ def _parse_tuning(raw: Any, strategies: list[StrategySpec]) -> TuningSpec | None
 
 
 def _validate_names(spec: ExperimentSpec) -> None:
-    from dpclip.clipping import make_strategy
-    from dpclip.data import DATASETS
-    from dpclip.models import MODELS
-
     datasets, models = list(DATASETS), list(MODELS)
     if spec.kind == "federated":  # + the TFF federated datasets and the benchmarks' models
-        from dpclip.federated.models import FEDERATED_MODELS
-        from dpclip.federated.tff import TFF_DATASETS
 
         datasets += list(TFF_DATASETS)
         models += list(FEDERATED_MODELS)
@@ -512,13 +512,8 @@ def _validate_names(spec: ExperimentSpec) -> None:
         if m not in models:
             raise SpecError(f"[grid] models / [{spec.kind}] model: "
                             f"{unknown_name('model', m, models)}")
-    from dpclip.search.resolve import resolve_strategy_params
-
-    from dpclip.clipping import STRATEGIES
 
     if spec.tuning is not None and spec.tuning.source == "public-proxy":
-        from dpclip.data import public_proxy
-
         for ds in spec.datasets:
             try:
                 public_proxy(ds, spec.tuning.proxy)
@@ -536,8 +531,6 @@ def _validate_names(spec: ExperimentSpec) -> None:
             where = f"[train] with [[strategies]] {st.label!r} train" if st.train else "[train]"
             raise SpecError(f"{where}: {exc}") from None
     if spec.kind == "federated":
-        from dpclip.federated.aggregator import check_federated_strategy
-
         for st in spec.strategies:
             try:
                 check_federated_strategy(make_strategy(st.name, dict(st.params)))
@@ -550,7 +543,6 @@ def _validate_names(spec: ExperimentSpec) -> None:
             # store by the runner; here they get placeholders so the rest is validated
             cfg = next(r.config for r in runs if r.label == st.label)
             cfg = resolve_strategy_params(cfg, None, dry_run=True)
-            from dpclip.training.units import UnitConfig, check_unit_sampling
 
             unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
             check_unit_sampling(unit, cfg.sampling)

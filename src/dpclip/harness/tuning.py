@@ -134,6 +134,11 @@ def cell_key(config: Any, label: str) -> tuple:
 
 
 from dpclip.training.plan import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
+from dpclip.data import load_dataset, public_private_split, public_proxy
+from dpclip.training.checkpoint import private_root
+from dpclip.training.sampling import make_sampler
+from dpclip.training import trainer  # trainer.train looked up at call time (tests wrap it)
+from dpclip.training.trainer import TrainConfig
 
 
 def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, Any] | None:
@@ -171,8 +176,6 @@ def _same_trial(stored: Any, cfg: Any, label: str, scored_on: str) -> dict[str, 
 
 
 def _field_defaults() -> dict[str, Any]:
-    from dpclip.training.trainer import TrainConfig
-
     return {f.name: f.default for f in dataclasses.fields(TrainConfig)
             if f.default is not dataclasses.MISSING}
 
@@ -199,8 +202,6 @@ class _Tuner:
     # ------------------------------------------------------------------ data
     def _private(self, config: Any) -> Any:
         """The private dataset as the final runs load it (seed = the tuning seed)."""
-        from dpclip.data import load_dataset
-
         key = (config.dataset, config.data_dir, self.tuning.seed,
                json.dumps(config.dataset_options, sort_keys=True))
         if key not in self._bundles:
@@ -218,8 +219,6 @@ class _Tuner:
             return
         self._checked.add(key)
         import torch
-
-        from dpclip.data import load_dataset
 
         mine = self._private(config).test
         for s in seeds:
@@ -240,8 +239,6 @@ class _Tuner:
     def _validation_bundle(self, config: Any) -> Any:
         """Train on the private training split minus the validation split; the validation split
         takes the place of the test split (the test split is never given to a trial)."""
-        from dpclip.data import public_private_split
-
         key = (config.dataset, config.data_dir,
                json.dumps(config.dataset_options, sort_keys=True))
         if key not in self._validation:  # carved once per dataset (the same split every trial)
@@ -256,15 +253,13 @@ class _Tuner:
         from a run of the real trainer stopped before its first step. The bundle it gets holds
         the full training split and, in place of the test split, the validation split: the test
         split is not needed (nothing is evaluated) and is not handed over."""
-        from dpclip.training.trainer import train
-
         key = json.dumps({k: v for k, v in config.to_dict().items()
                           if k not in TUNABLE_TRAIN_FIELDS}, sort_keys=True, default=str)
         if key not in self._facts:
             full = self._private(config)
             bundle = dataclasses.replace(full, test=self._validation_bundle(config).test)
-            r = train(dataclasses.replace(config, seed=self.tuning.seed), data=bundle,
-                      progress=False, stop_after_steps=0)
+            r = trainer.train(dataclasses.replace(config, seed=self.tuning.seed), data=bundle,
+                              progress=False, stop_after_steps=0)
             self._facts[key] = {k: r.summary[k] for k in
                                 ("noise_multiplier", "steps_per_epoch", "private_examples")}
         return self._facts[key]
@@ -284,8 +279,6 @@ class _Tuner:
             else:
                 cfg = dataclasses.replace(final, epochs=self.tuning.epochs, **base)
             return cfg, self._validation_bundle(final), facts
-        from dpclip.data import load_dataset, public_proxy
-        from dpclip.training.sampling import make_sampler
 
         proxy = public_proxy(final.dataset, self.tuning.proxy)
         pub = load_dataset(proxy, final.data_dir, seed=self.tuning.seed)
@@ -300,8 +293,6 @@ class _Tuner:
 
     # ------------------------------------------------------------------ the protocol
     def run_cell(self, runs: list[Any], strategy: Any) -> dict[str, Any]:
-        from dpclip.training.trainer import train
-
         t = self.tuning
         first = runs[0]
         base = dataclasses.replace(first.config, seed=t.seed)
@@ -325,11 +316,9 @@ class _Tuner:
                 rid = self.store.start_run(fp, cfg.to_dict(), experiment=self.experiment,
                                            label=label)
                 try:
-                    from dpclip.training.checkpoint import private_root
-
-                    res = train(cfg, data=data,
-                                checkpoint_dir=private_root(self.out) / "tuning" / fp,
-                                progress=self.progress)
+                    res = trainer.train(cfg, data=data,
+                                        checkpoint_dir=private_root(self.out) / "tuning" / fp,
+                                        progress=self.progress)
                 except Exception as exc:
                     self.store.fail_run(rid, f"{type(exc).__name__}: {exc}")
                     raise
@@ -358,8 +347,6 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
               progress: bool = True) -> list[Any]:
     """``runs`` with each cell's chosen setting applied and its tuning record attached
     (``RunSpec.tuning``); runs the trials that are not finished in ``store`` first."""
-    from dpclip.harness.spec import RunSpec
-
     if spec.tuning is None:
         return runs
     tuner = _Tuner(spec, store, Path(out_dir), progress)
@@ -372,7 +359,7 @@ def tune_runs(spec: Any, runs: list[Any], store: Any, out_dir: str | Path,
     for r in runs:
         rec = records[cell_key(r.config, r.label)]
         cfg = apply_point(r.config, rec["choice"])
-        out.append(RunSpec(r.experiment, r.label, cfg, tuning=rec))
+        out.append(dataclasses.replace(r, config=cfg, tuning=rec))
     return out
 
 

@@ -17,6 +17,7 @@ from dpclip._checks import positive_ints
 from dpclip.lipschitz.layers import GroupSort
 from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.models.activations import make_activation
+from dpclip.models.registry import ModelEntry, register_model
 
 __all__ = ["lip_mnist_convnet", "lip_orth_convnet", "lip_small_convnet", "tabular_mlp"]
 
@@ -63,11 +64,28 @@ def lip_mnist_convnet(
     return nn.Sequential(layers)
 
 
+def _pooled_convnet_args(owner: str, input_shape: Sequence[int], channels: Sequence[int],
+                         hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The checked ``(input_shape, channels)`` of a convnet with one 2x2 pool per block."""
+    shape, chans = tuple(input_shape), tuple(channels)
+    if not positive_ints(chans):
+        raise ValueError(f"{owner}: channels must be a non-empty sequence of positive integers, "
+                         f"got {channels!r}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
+        raise ValueError(f"{owner}: hidden must be an integer >= 0, got {hidden!r}")
+    blocks = len(chans)
+    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
+        raise ValueError(
+            f"{owner}: input_shape must be (channels, height, width) with height and width "
+            f"divisible by 2**{blocks} (one 2x2 pool per block), got {shape}")
+    return shape, chans
+
+
 def lip_small_convnet(
     input_shape: Sequence[int] = (1, 28, 28),
     num_classes: int = 10,
     *,
-    channels: Sequence[int] = (16, 32),
+    channels: tuple[int, ...] = (16, 32),
     hidden: int = 0,
     activation: str = "relu",
     bias: bool = True,
@@ -79,22 +97,8 @@ def lip_small_convnet(
     noise to every coordinate at the scale of a worst-case bound, so the noise norm grows with
     sqrt(#params) while the signal does not. Non-overlapping average pools are 1/2-Lipschitz (Schur
     test), which the bound propagation uses."""
-    shape = tuple(input_shape)
-    chans = tuple(channels)
-    if not positive_ints(chans):
-        raise ValueError(
-            f"lip_small_convnet: channels must be a non-empty sequence of positive integers, got "
-            f"{channels!r}"
-        )
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-        raise ValueError(f"lip_small_convnet: hidden must be an integer >= 0, got {hidden!r}")
+    (c, h, w), chans = _pooled_convnet_args("lip_small_convnet", input_shape, channels, hidden)
     blocks = len(chans)
-    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
-        raise ValueError(
-            f"lip_small_convnet: input_shape must be (channels, height, width) with height and "
-            f"width divisible by 2**{blocks} (one 2x2 pool per block), got {shape}"
-        )
-    c, h, w = shape
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, k in enumerate(chans, 1):
         layers[f"conv{i}"] = nn.Conv2d(c, k, 3, padding=1, bias=bias)
@@ -118,7 +122,7 @@ def lip_orth_convnet(
     input_shape: Sequence[int] = (1, 28, 28),
     num_classes: int = 10,
     *,
-    channels: Sequence[int] = (16, 32),
+    channels: tuple[int, ...] = (16, 32),
     hidden: int = 0,
     activation: str = "groupsort",
     pool: str = "scaled-avg",
@@ -141,24 +145,10 @@ def lip_orth_convnet(
     (public, data-independent features; ``requires_grad=False``): only the dense layers are
     trained, so only they enter the certificate (their bound is nearly tight, the convolutions'
     is loose by 10-50x: docs/lipschitz.md)."""
-    shape = tuple(input_shape)
-    chans = tuple(channels)
-    if not positive_ints(chans):
-        raise ValueError(
-            f"lip_orth_convnet: channels must be a non-empty sequence of positive integers, got "
-            f"{channels!r}"
-        )
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-        raise ValueError(f"lip_orth_convnet: hidden must be an integer >= 0, got {hidden!r}")
     if pool not in POOLS:
         raise ValueError(f"lip_orth_convnet: pool must be one of {POOLS}, got {pool!r}")
+    (c, h, w), chans = _pooled_convnet_args("lip_orth_convnet", input_shape, channels, hidden)
     blocks = len(chans)
-    if len(shape) != 3 or shape[1] % (2**blocks) or shape[2] % (2**blocks):
-        raise ValueError(
-            f"lip_orth_convnet: input_shape must be (channels, height, width) with height and "
-            f"width divisible by 2**{blocks} (one 2x2 pool per block), got {shape}"
-        )
-    c, h, w = shape
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, k in enumerate(chans, 1):
         layers[f"conv{i}"] = OrthConv2d(c, k, 3, padding=1, bias=bias)
@@ -206,3 +196,48 @@ def tabular_mlp(
             fc2=nn.Linear(hidden, num_classes, bias=bias),
         )
     )
+
+
+_BARCZEWSKI = "Barczewski & Ramon, DP-SGD with weight clipping, arXiv 2310.18001, Table 4"
+_LIP_ONLY = "for lip-dp-sgd / fix-lip-dp-sgd"
+for _entry in (
+    ModelEntry(
+        name="lip-convnet",
+        description="Lip-DP-SGD MNIST/FMNIST ConvNet (T13, 1,625,866 params), Lipschitz layers "
+        "only",
+        builder=lip_mnist_convnet,
+        paper=_BARCZEWSKI,
+        input_notes=f"1x28x28 images (even height/width); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-small-cnn",
+        description="small Lipschitz CNN (Conv16-AvgPool-Conv32-AvgPool-Dense, 20,490 params), "
+        "Lipschitz layers only",
+        builder=lip_small_convnet,
+        paper="ours: a small model for Lip-DP-SGD on 28x28 images (noise grows with sqrt(#params))",
+        input_notes=f"1x28x28 images (height/width divisible by 4); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="lip-orth-cnn",
+        description="small orthogonal Lipschitz CNN (OrthConv16-GroupSort-SumPool/2-OrthConv32-"
+        "GroupSort-SumPool/2-OrthDense, 20,432 params, no biases)",
+        builder=lip_orth_convnet,
+        paper="ours, after Bethune et al., DP-SGD without clipping: the Lipschitz neural network "
+        "way (2023): orthogonal (Bjorck-projected) layers and GroupSort",
+        input_notes=f"1x28x28 images (height/width divisible by 4); {_LIP_ONLY}",
+        intended_input_shape=(1, 28, 28),
+    ),
+    ModelEntry(
+        name="tabular-mlp",
+        description="Lip-DP-SGD 2-layer tabular MLP (Dense hidden=16 -> ReLU -> Dense)",
+        builder=tabular_mlp,
+        paper=_BARCZEWSKI,
+        input_notes="feature vectors (breast-cancer, adult, german-credit, ...)",
+        intended_input_shape=(30,),
+        intended_num_classes=2,
+    ),
+):
+    register_model(_entry)  # the model registry lists the Lipschitz networks under their names
+del _entry

@@ -134,21 +134,26 @@ def _normalised_weight_grads(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
+@dataclass(frozen=True)
 class _LipBase(StrategyBase):
-    """Shared implementation of the two final strategies below (not registered)."""
+    """Shared implementation and parameters of the two final strategies below (not
+    registered)."""
 
     kind: ClassVar[str] = "bound"
     norm_kind: ClassVar[str] = "flat"
     #: Fix-Lip-DP-SGD: always normalise weights to ``weight_bound`` (else only when above it)
     normalize_weights: ClassVar[bool] = False
 
-    input_norm: float
-    weight_bound: float
-    temperature: float
-    scaling: str
-    noise: str
-    conv_norm: str
-    num_layers: int | None
+    input_norm: float = 1.0
+    weight_bound: float = 1.0
+    temperature: float = 1.0
+    scaling: str = "r2"
+    noise: str = "global"
+    conv_norm: str = "auto"
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
 
     def _validate(self) -> None:
         owner = type(self).__name__
@@ -357,17 +362,6 @@ class LipDpSgd(_LipBase):
     name: ClassVar[str] = "lip-dp-sgd"
     normalize_weights: ClassVar[bool] = False
 
-    input_norm: float = 1.0
-    weight_bound: float = 1.0
-    temperature: float = 1.0
-    scaling: str = "r2"
-    noise: str = "global"
-    conv_norm: str = "auto"
-    num_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        self._validate()
-
 
 @dataclass(frozen=True)
 class FixLipDpSgd(_LipBase):
@@ -380,17 +374,6 @@ class FixLipDpSgd(_LipBase):
 
     name: ClassVar[str] = "fix-lip-dp-sgd"
     normalize_weights: ClassVar[bool] = True
-
-    input_norm: float = 1.0
-    weight_bound: float = 1.0
-    temperature: float = 1.0
-    scaling: str = "r2"
-    noise: str = "global"
-    conv_norm: str = "auto"
-    num_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        self._validate()
 
 
 register(

@@ -13,6 +13,7 @@
 * :mod:`dpclip.search.plots`: Lin et al. Figures 1-5 from the store.
 """
 
+from dpclip.search import greedy as _greedy, resolve as _resolve
 from dpclip.search.greedy import (
     Evaluator,
     GreedyConfig,
@@ -25,6 +26,7 @@ from dpclip.search.greedy import (
     search_noise_multiplier,
 )
 from dpclip.search.resolve import (
+    C0_RESOLVER_KEYS,
     greedy_c0,
     private_noise_multiplier,
     resolve_strategy_params,
@@ -34,21 +36,4 @@ from dpclip.search.resolve import (
     save_search,
 )
 
-__all__ = [
-    "Evaluator",
-    "GreedyConfig",
-    "GreedyResult",
-    "PrivateDataError",
-    "candidate_threshold",
-    "check_public",
-    "default_schedule_name",
-    "greedy_c0",
-    "greedy_search",
-    "private_noise_multiplier",
-    "resolve_strategy_params",
-    "run_or_reuse",
-    "same_checkpoint",
-    "same_search",
-    "save_search",
-    "search_noise_multiplier",
-]
+__all__ = sorted({*_greedy.__all__, *_resolve.__all__})  # both modules' API, re-exported

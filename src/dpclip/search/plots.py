@@ -24,6 +24,18 @@ __all__ = ["fit_decay_trend", "plot_median_norms", "plot_thresholds", "run_thres
 COMPARED = ("yu-linear", "du-dynamic", "quantile", "lin-decay", "transfer")
 
 
+def _save(fig: Any, path: str | Path) -> Path:
+    """Tight layout; the figure saved to ``path`` (its folder created) and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def fit_decay_trend(thresholds: Sequence[float]) -> tuple[float, float]:
     """``(c, a)`` of the least-squares fit ``log C_t = log c - a log t`` (``t`` from 1).
 
@@ -114,12 +126,7 @@ def plot_thresholds(
         f"sigma {meta0.get('noise_multiplier', float('nan')):.3g}, B {meta0.get('batch_size')}) "
         "vs other strategies"), fontsize=9)
     ax.legend(fontsize=7, ncol=1, loc="best")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def plot_median_norms(store: Any, experiments: Sequence[str], path: str | Path,
@@ -152,9 +159,4 @@ def plot_median_norms(store: Any, experiments: Sequence[str], path: str | Path,
                  "diagnostic; Lin et al. Fig. 1)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, path)

@@ -115,6 +115,16 @@ def run_or_reuse(
 
 
 from dpclip.training.plan import NOISE_MATCH_RTOL  # noqa: E402 - the one calibration tolerance
+from dpclip.data import (
+    DATASETS,
+    ProxyOverlapError,
+    check_proxy_pair,
+    load_dataset,
+    provenance,
+    public_proxy,
+)
+from dpclip.store import ResultsStore
+from dpclip.training.sampling import make_sampler
 
 
 def same_search(stored: list[dict[str, Any]], config: GreedyConfig) -> dict[str, Any] | None:
@@ -187,8 +197,6 @@ def _safe(name: str) -> str:
 
 
 def _private_size(config: Any) -> int:
-    from dpclip.data import load_dataset
-
     bundle = load_dataset(config.dataset, config.data_dir, seed=config.seed,
                           **config.dataset_options)
     return int(bundle.train.inputs.shape[0])
@@ -222,9 +230,6 @@ def greedy_c0(
     """Lin et al.'s Decay ``C0`` for private run ``config``: the mean first-epoch greedy threshold
     of ``runs`` one-epoch searches (seeds 0..runs-1) on the public proxy. Returns ``(C0, schedule
     names, the first-epoch thresholds)``; the searches are stored in (and reused from) ``store``."""
-    from dpclip.data import public_proxy
-    from dpclip.training.sampling import make_sampler
-
     if not (isinstance(runs, int) and runs >= 1):
         raise ValueError(f"lin-decay: c0_runs must be an int >= 1 (Lin et al.: 5), got {runs!r}")
     proxy_name = public_proxy(config.dataset, proxy)
@@ -297,8 +302,6 @@ def _main_is_importable() -> bool:
 
 def _run_or_reuse_in_store(config: GreedyConfig, db: str,
                            checkpoint_root: str | os.PathLike | None) -> tuple[str, list[float]]:
-    from dpclip.harness.store import ResultsStore
-
     with ResultsStore(db) as store:
         name, thresholds, _ = run_or_reuse(config, store, checkpoint_root=checkpoint_root,
                                            progress=False)
@@ -313,7 +316,6 @@ def _check_schedule_use(config: Any, name: str, thresholds: list[float],
             "--nonprivate-search): replaying it is not differentially private. Search a public "
             "proxy instead (`dpclip search --dataset mnist-5k ...`)"
         )
-    from dpclip.data import DATASETS
 
     entry = DATASETS.get(config.dataset)
     private_run = not (entry is not None and entry.is_public)
@@ -329,8 +331,6 @@ def _check_schedule_use(config: Any, name: str, thresholds: list[float],
             "not replayed on private data. Search it again on a public proxy (`dpclip search "
             "--dataset mnist-5k ...`), which records the dataset")
     if private_run and meta.get("dataset") is not None:
-        from dpclip.data import ProxyOverlapError, check_proxy_pair, provenance
-
         searched = str(meta["dataset"])
         # the provenance recorded by the search (its bundle's), else the registry's
         recorded = tuple(str(p) for p in meta.get("provenance") or ()) \
@@ -404,8 +404,6 @@ def resolve_strategy_params(
             raise ValueError("lin-decay: c0_runs must be an int and c0_c_start, c0_step, "
                              "c0_tolerance numbers") from None
         if dry_run:
-            from dpclip.data import public_proxy
-
             public_proxy(config.dataset, None if proxy is None else str(proxy))
             params.update(clip_norm=1.0, c0_from="greedy:(unresolved)")
         else:
@@ -426,9 +424,6 @@ def resolve_strategy_params(
 def _resolve_greedy_schedule(config: Any, params: dict[str, Any], store: Any,
                              checkpoint_root: Any, progress: bool, dry_run: bool) -> Any:
     """``transfer`` with ``schedule = "greedy"`` (module docstring)."""
-    from dpclip.data import public_proxy
-    from dpclip.training.sampling import make_sampler
-
     proxy = params.pop("schedule_proxy", None)
     epochs = params.pop("schedule_epochs", config.epochs)
     search: dict[str, float] = {}

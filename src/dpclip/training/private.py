@@ -66,7 +66,7 @@ from dpclip.training.distributed import (
 from dpclip.training.averaging import WeightAverager, parse_averaging
 from dpclip.data.augment import parse_augment
 from dpclip.devices import resolve_device
-from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.inputs import check_class_targets, convert_arrays
@@ -89,7 +89,7 @@ from dpclip.training.units import (
 __all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private",
            "public_reason"]
 
-ENGINE_NAMES = ("auto", "ghost", "vmap", "naive", "summed")
+ENGINE_NAMES = tuple(ENGINES)  # the engine registry's names (one list: dpclip.engine.ENGINES)
 
 
 def public_reason(reason: str) -> str:
@@ -256,13 +256,7 @@ class PrivateTraining:
         if (epochs is None) == (steps is None):
             raise ValueError("make_private: give exactly one of epochs= and steps= (the planned "
                              "length of training, which the noise is calibrated for)")
-        if engine not in ENGINE_NAMES:
-            import difflib
-
-            near = difflib.get_close_matches(str(engine), ENGINE_NAMES, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"make_private: unknown engine {engine!r}{hint}; valid: "
-                             f"{', '.join(ENGINE_NAMES)}")
+        ENGINES.lookup(engine, "make_private: ")
         self.model, self.optimizer = model, optimizer
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
         self._x, self._y, n = _as_tensors(convert_arrays(data, model, verbose))

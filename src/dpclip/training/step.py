@@ -32,6 +32,7 @@ from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.engine._common import check_per_example_model, trainable_params
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
+from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
@@ -49,11 +50,6 @@ __all__ = [
     "private_buffer_guard",
     "transformed_sum",
 ]
-
-
-class PrivateBufferError(RuntimeError):
-    """A module changed a buffer during a private forward pass (the buffer would carry private
-    statistics out of the run without noise)."""
 
 
 @contextlib.contextmanager
