@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dpclip.clipping import FixedClip, StepContext
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.clipping.adaclip import AdaClip
 from dpclip.engine import ParamGroups, get_engine, naive_per_example_grads
 from dpclip.events import GaussianEvent
@@ -36,7 +37,7 @@ def run_step(strategy, state, model, x, y, *, z=0.0, engine="vmap", sampler=None
 
 def test_is_a_gradient_transform_with_unit_whitened_clip():
     s = AdaClip()
-    assert isinstance(s, GradientTransform) and s.needs_per_example_grads
+    assert isinstance(s, GradientTransform) and capabilities_of(s).per_example_grads
     n = torch.tensor([0.0, 0.5, 1.0, 4.0, math.inf, math.nan], dtype=torch.float64)
     expected = torch.tensor([1.0, 1.0, 1 / (1 + 1e-6), 1 / (4 + 1e-6), 0.0, 0.0],
                             dtype=torch.float64)

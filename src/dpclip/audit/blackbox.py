@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
+from dpclip.clipping.capabilities import capabilities_of
 
 __all__ = ["CANARIES", "BlackBoxAudit", "blackbox_audit", "make_canaries"]
 
@@ -136,7 +137,7 @@ def _check_no_public_split(config: Any) -> Any:
 
     unit, params = UnitConfig.pop_from(config.strategy_params)
     strategy = make_strategy(config.strategy, params)
-    public = bool(getattr(strategy, "needs_public_norms", False)) or unit.bn_stats == "public" \
+    public = capabilities_of(strategy).public_norms or unit.bn_stats == "public" \
         or (unit.public_fraction or 0) > 0
     if public:
         raise ValueError(
@@ -194,7 +195,8 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
     result = train(config, data=audited, progress=progress)
     model = result.model.eval()
     device = next(model.parameters()).device
-    scale_inputs = getattr(strategy, "scale_inputs", None)  # Lip-DP-SGD trains on clipped inputs
+    # Lip-DP-SGD trains on clipped inputs
+    scale_inputs = strategy.scale_inputs if capabilities_of(strategy).bound_based else None
     with torch.no_grad():
         x_eval = x_c.to(device)
         if callable(scale_inputs):

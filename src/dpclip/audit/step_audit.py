@@ -53,9 +53,11 @@ from dpclip.audit.estimators import (
     one_run_fdp_epsilon,
 )
 from dpclip.clipping.base import State, StepContext
-from dpclip.engine import ParamGroups, get_engine
+from dpclip.clipping.capabilities import capabilities_of
+from dpclip.engine import get_engine
 from dpclip.events import DpEvent, GaussianEvent, PoissonSampledEvent, SampledWithoutReplacementEvent
 from dpclip.noise import make_generator, noise_std
+from dpclip.training.private import bind_clipping_groups
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 from dpclip.training.step import dp_step
 from dpclip.training.units import MiniSetSampler, UnitConfig
@@ -214,20 +216,14 @@ def _linear_loss(output: Tensor, target: Tensor) -> Tensor:
 
 def _resolve(strategy: Any, model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
     """Bind the strategy to the model (groups, Lipschitz layers) and give its groups."""
-    if getattr(strategy, "kind", "norm") == "bound":
+    if capabilities_of(strategy).bound_based:
         strategy = strategy.bind(model, input_shape)
-    if strategy.norm_kind == "flat":
-        groups = ParamGroups.flat(model)
-    else:
-        groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
-        if hasattr(strategy, "bind_groups"):
-            strategy = strategy.bind_groups(groups.names)
-    return strategy, groups
+    return bind_clipping_groups(strategy, model)
 
 
 def _initial_state(strategy: Any, groups: Any) -> State:
     state = strategy.init_state()
-    if getattr(strategy, "needs_public_norms", False):  # equal public block norms: ratios 1
+    if capabilities_of(strategy).public_norms:  # equal public block norms: ratios 1
         state = strategy.public_refresh(state, torch.ones(4, len(groups), dtype=torch.float64))
     return state
 
@@ -284,7 +280,7 @@ def audit_step(
     UnitConfig(unit=unit, miniset_size=miniset_size if unit == "gbc" else None)  # validates unit
     if unit == "gbc" and sampling != "fixed-size":
         raise ValueError("unit=gbc needs sampling='fixed-size' (as in training; see dpclip.training.units)")
-    bound = getattr(strategy, "kind", "norm") == "bound"
+    bound = capabilities_of(strategy).bound_based
     if bound and unit != "ic":
         raise ValueError(f"strategy {strategy.name!r} is bound-based and runs with unit=ic only")
     if isinstance(engine, str):
@@ -358,7 +354,8 @@ def _dirac(strategy: Any, eng: Any, sampling: str, z: float, delta: float, n_can
                 score += mean[name].detach().double().reshape(-1).numpy() / max(sd, 1e-300)
             score /= n_groups
         else:
-            factors = getattr(strategy, "group_noise", lambda s: None)(public_state)
+            factors = strategy.group_noise(public_state) \
+                if capabilities_of(strategy).per_group else None
             for h, members in enumerate(groups.members):
                 if factors is not None:
                     sd = noise_std(out.noise_multiplier, sampler.sensitivity_factor * factors[h])
@@ -398,7 +395,7 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
             n_trials: int, significance: float, canary_norm: float | None, s: int,
             seed: int | None, step_fn: StepFn, progress: bool,
             params: dict[str, Any]) -> StepAudit:
-    bound = getattr(strategy, "kind", "norm") == "bound"
+    bound = capabilities_of(strategy).bound_based
     fixed = sampling == "fixed-size"
     d = 4
     if bound:
@@ -527,7 +524,8 @@ def _output_stds(out: Any, obs: ObservedStrategy, groups: Any, sampler: Any, str
     names = list(out.grads)
     denom = float(ctx.expected_batch_size)
     stds: list[np.ndarray] = []
-    factors = getattr(strategy, "group_noise", lambda s: None)(strategy.begin_step(state0, ctx))
+    factors = strategy.group_noise(strategy.begin_step(state0, ctx)) \
+        if capabilities_of(strategy).per_group else None
     k = unit_cfg.sensitivity_factor if unit_cfg is not None else sampler.sensitivity_factor
     for name, size in zip(names, sizes):
         if cert_sd is not None:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.base import Engine
 from dpclip.events import ComposedEvent, DpEvent, PoissonSampledEvent
@@ -151,9 +152,9 @@ def dirac_canary_audit(
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    if getattr(strategy, "kind", "norm") == "bound":
+    if capabilities_of(strategy).bound_based:
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r} is bound-based (sensitivity from "
+            f"strategy {strategy_name(strategy)!r} is bound-based (sensitivity from "
             "the weights); the Dirac-canary audit needs a norm-based (clipping) strategy"
         )
     m = int(n_canaries)

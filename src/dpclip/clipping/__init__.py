@@ -8,6 +8,7 @@ from dpclip.clipping.base import (
     StrategyBase,
     finite_or_inf,
 )
+from dpclip.clipping.capabilities import Capabilities, capabilities_of
 from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.registry import (
     STRATEGIES,
@@ -19,6 +20,7 @@ from dpclip.clipping.registry import (
 
 __all__ = [
     "STRATEGIES",
+    "Capabilities",
     "ClippingStrategy",
     "FixedClip",
     "Release",
@@ -26,6 +28,7 @@ __all__ = [
     "StepContext",
     "StrategyBase",
     "StrategyEntry",
+    "capabilities_of",
     "finite_or_inf",
     "list_strategies",
     "make_strategy",

@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.events import DpEvent, GaussianEvent
 
 __all__ = [
@@ -119,6 +120,8 @@ class StrategyBase:
 
     name: ClassVar[str] = ""
     norm_kind: ClassVar[str] = "flat"
+    #: what the strategy can do (``dpclip.clipping.capabilities``): a plain norm-based strategy
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def init_state(self) -> State:
         return {}

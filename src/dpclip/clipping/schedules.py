@@ -53,6 +53,7 @@ from dpclip.clipping.base import (
     StepContext,
     positive_finite,
 )
+from dpclip.clipping.capabilities import Capabilities, capabilities_of
 from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.registry import (
     STRATEGIES,
@@ -142,7 +143,7 @@ def _has_clip_norm(cls: type) -> bool:
         dataclasses.is_dataclass(cls)
         and any(f.name == "clip_norm" for f in dataclasses.fields(cls))
         # P-GRAD strategies (AdaClip) need step-level hooks a schedule does not forward
-        and not getattr(cls, "needs_per_example_grads", False)
+        and not capabilities_of(cls).per_example_grads
     )
 
 
@@ -289,8 +290,10 @@ class _ThresholdSchedule:
         return dataclasses.replace(self, inner=hook(group_names))  # type: ignore[type-var]
 
     @property
-    def needs_public_norms(self) -> bool:
-        return bool(getattr(self.inner, "needs_public_norms", False))
+    def capabilities(self) -> Capabilities:
+        """The inner strategy's (per-group clipping, public norms); a schedule never wraps a
+        bound-based or P-GRAD strategy (``_has_clip_norm``)."""
+        return capabilities_of(self.inner)
 
     @property
     def grouping(self) -> str:

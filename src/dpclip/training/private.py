@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.clipping import ClippingStrategy, make_strategy
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.training.distributed import (
     DistributedEngine,
     ShardedSampler,
@@ -152,6 +153,16 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
     )
 
 
+def bind_clipping_groups(strategy: Any, model: nn.Module) -> tuple[Any, ParamGroups]:
+    """The strategy's clipping groups on ``model`` (one flat group, or the groups its
+    ``grouping`` names) and the strategy bound to them (a per-group strategy learns ``L``, the
+    model's number of groups). Public: the model's structure only."""
+    if not capabilities_of(strategy).per_group:
+        return strategy, ParamGroups.flat(model)
+    groups = ParamGroups.from_spec(model, strategy.grouping)
+    return strategy.bind_groups(groups.names), groups
+
+
 def _same_batch(given: Any, drawn: Any) -> bool:
     """Whether ``given`` holds exactly the tensor objects of the drawn batch, in its structure
     (a tuple or dict unpacked and packed again in the loop is the same batch; a copy is not)."""
@@ -168,14 +179,14 @@ def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
                          accountant: str) -> None:
     """Refuse what the distributed step cannot reproduce exactly or account for
     (``dpclip.training.distributed``); before any collective, so every rank fails alike."""
-    name = getattr(strategy, "name", type(strategy).__name__)
+    name = strategy_name(strategy)
     if sampling != "poisson" and accountant == "pld":
         raise ValueError(
             f"distributed: sampling={sampling!r} draws a fixed-size GLOBAL batch (sampled without "
             "replacement, replace-one adjacency), which the PLD accountant (Poisson subsampling "
             "only) does not cover; use sampling='poisson', or accountant='rdp' for fixed-size "
             "batches. Per-rank fixed-size batches are never accounted as Poisson")
-    if getattr(strategy, "needs_per_example_grads", False):
+    if capabilities_of(strategy).per_example_grads:
         raise ValueError(
             f"distributed: strategy {name!r} clips transformed per-example gradients (P-GRAD) "
             "outside the engine, which the distributed step does not all-reduce; train it in one "
@@ -313,34 +324,29 @@ class PrivateTraining:
                              "configure a strategy instance directly")
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
-        if loss_fn is None and getattr(strategy, "kind", "norm") != "bound":
+        if loss_fn is None and not capabilities_of(strategy).bound_based:
             check_class_targets(model, self._x, self._y, self.device)  # before the first step
-        self.bound_based = getattr(strategy, "kind", "norm") == "bound"
+        self.bound_based = capabilities_of(strategy).bound_based
         # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
         # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
         chunk_kw = {} if max_physical_batch is None else {"max_physical_batch": max_physical_batch}
         self.engine = get_engine(engine, **chunk_kw) if engine != "summed" else get_engine(engine)
         if self.bound_based:  # Lip-DP-SGD: certified loss; "auto" = one plain backward
             if input_shape is None:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
+                raise ValueError(f"strategy {strategy_name(strategy)!r} certifies "
                                  "sensitivity from the model: pass input_shape= (one example)")
             if loss_fn is not None:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies its "
+                raise ValueError(f"strategy {strategy_name(strategy)!r} certifies its "
                                  "own Lipschitz loss; do not pass loss_fn=")
             strategy = strategy.bind(model, tuple(input_shape))
             self.loss_fn = strategy.loss()
             if engine == "auto":
                 self.engine = get_engine("summed", **chunk_kw)
             if not unit.is_individual:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
+                raise ValueError(f"strategy {strategy_name(strategy)!r} certifies "
                                  "per-example sensitivity from the weights; it runs with unit=ic "
                                  "only")
-        if strategy.norm_kind == "flat":
-            self.groups = ParamGroups.flat(model)
-        else:
-            self.groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
-            if hasattr(strategy, "bind_groups"):  # L = the model's number of clipping groups
-                strategy = strategy.bind_groups(self.groups.names)
+        strategy, self.groups = bind_clipping_groups(strategy, model)
         self.strategy = strategy
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         bn = batchnorm_layers(model)
@@ -352,8 +358,8 @@ class PrivateTraining:
                 "{'unit': 'bc'} (or unit='gbc' with miniset_size=S and sampling='fixed-size')"
             )
         self.public_data = public_data
-        if getattr(strategy, "needs_public_norms", False) and public_data is None:
-            raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} estimates its "
+        if capabilities_of(strategy).public_norms and public_data is None:
+            raise ValueError(f"strategy {strategy_name(strategy)!r} estimates its "
                              "thresholds on public data: pass public_data=(inputs, targets)")
         if batch_size is None:  # make_private without batch_size=: the DataLoader's, or an error
             batch_size = _loader_batch_size(data, verbose)
@@ -396,7 +402,7 @@ class PrivateTraining:
         self._step_engine: Any = self.engine
         if self.distributed is not None:  # one secret, one model, one plan on every rank
             check_same(self.distributed, repr((
-                getattr(strategy, "name", type(strategy).__name__), strategy.describe(),
+                strategy_name(strategy), strategy.describe(),
                 self.unit.describe(), self.sampler.name, n, float(batch_size), self.total_steps,
                 epsilon, noise_multiplier, self.delta, accountant, engine, self.seed)),
                 "the run's configuration")
@@ -570,8 +576,7 @@ class PrivateTraining:
         if self._post_step_due:  # weight clipping of the released weights (bound-based)
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
             self._post_step_due = False
-        if step % self.steps_per_epoch == 0 and getattr(self.strategy, "needs_public_norms",
-                                                        False):
+        if step % self.steps_per_epoch == 0 and capabilities_of(self.strategy).public_norms:
             x_pub, y_pub = self.public_data  # type: ignore[misc]
             with private_buffer_guard(self.model, "public norms"):
                 norms = public_unit_norms(self.model, self.loss_fn, x_pub, y_pub, self.groups,
@@ -601,7 +606,7 @@ class PrivateTraining:
         planned = self._plan.event_at(ctx, z)
         if out.event != planned:
             raise RuntimeError(
-                f"privacy bug: strategy {getattr(self.strategy, 'name', self.strategy)!r} emitted "
+                f"privacy bug: strategy {strategy_name(self.strategy)!r} emitted "
                 f"{out.event} at step {step} but planned {planned}; refusing to continue"
             )
         if out.engine_info is not None and out.batch_size >= 2:
@@ -677,7 +682,7 @@ class PrivateTraining:
     def describe(self) -> dict[str, Any]:
         """Public facts for a run summary."""
         return {
-            "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
+            "strategy": strategy_name(self.strategy),
             "params": {**self.strategy.describe(),
                        **({} if self.unit.is_individual else self.unit.describe())},
             "epsilon": self.epsilon(),
@@ -796,7 +801,7 @@ class PrivateTraining:
         k = self.multiplicity
         self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
         if k > 1 and engine == "auto" \
-                and not getattr(self.strategy, "needs_per_example_grads", False):
+                and not capabilities_of(self.strategy).per_example_grads:
             from dpclip.engine.vmap import VmapEngine
 
             self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
@@ -839,7 +844,7 @@ class PrivateTraining:
         return self.averager.averaged_model()
 
     def __repr__(self) -> str:
-        return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
+        return (f"PrivateTraining(strategy={strategy_name(self.strategy)!r}, "
                 f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
 from dpclip.training.distributed import init_from_env
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
@@ -470,7 +471,7 @@ def train(
     unit, strategy_params = UnitConfig.pop_from(config.strategy_params)
     check_unit_sampling(unit, config.sampling)
     strategy = make_strategy(config.strategy, strategy_params)
-    needs_public = bool(getattr(strategy, "needs_public_norms", False)) or unit.bn_stats == "public"
+    needs_public = capabilities_of(strategy).public_norms or unit.bn_stats == "public"
     public_fraction = unit.public_fraction if unit.public_fraction is not None \
         else (0.1 if needs_public else 0.0)
     if needs_public and public_fraction <= 0:
@@ -517,7 +518,7 @@ def train(
     # the private loop: plan, calibration, budget, secret randomness, step and ledger
     dp = PrivateTraining(
         model, optimizer, (x_train, y_train),
-        loss_fn=None if getattr(strategy, "kind", "norm") == "bound" else cross_entropy_per_example,
+        loss_fn=None if capabilities_of(strategy).bound_based else cross_entropy_per_example,
         strategy=strategy,
         strategy_params={k: v for k, v in config.strategy_params.items()
                          if k not in strategy_params},  # the clipping-unit keys
@@ -674,7 +675,7 @@ def train(
                                                  / max(steps_in_epoch_timed, 1))
             step_seconds, steps_in_epoch_timed = 0.0, 0
             if config.diagnostics_split and unit.is_individual \
-                    and not getattr(dp.strategy, "needs_per_example_grads", False):
+                    and not capabilities_of(dp.strategy).per_example_grads:
                 from dpclip.diagnostics import nonprivate_diagnostics
 
                 if config.diagnostics_split == "test":  # held-out data: not the protected data
