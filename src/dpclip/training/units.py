@@ -40,6 +40,7 @@ statistics recomputed on the public split before each evaluation).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Mapping
 
@@ -63,6 +64,7 @@ __all__ = [
     "frozen_bn_buffers",
     "public_unit_norms",
     "recompute_bn_stats",
+    "resolve_unit",
     "unit_sum",
 ]
 
@@ -99,13 +101,13 @@ class UnitConfig:
             if self.unit != "gbc":
                 raise ValueError(
                     f"miniset_size is a parameter of unit=gbc, not unit={self.unit}; drop it or "
-                    "use unit=gbc (strategy_params={'unit': 'gbc'}; CLI --param unit=gbc)"
+                    "use unit=gbc (unit='gbc'; CLI --unit gbc)"
                 )
             if not (isinstance(self.miniset_size, int) and self.miniset_size >= 1):
                 raise ValueError(f"miniset_size must be an int >= 1, got {self.miniset_size!r}")
         elif self.unit == "gbc":
             raise ValueError("unit=gbc needs miniset_size=S, the examples per mini-set "
-                             "(strategy_params={'miniset_size': S}; CLI --param miniset_size=S)")
+                             "(miniset_size=S; CLI --miniset-size S)")
         if self.bn_stats not in BN_STATS:
             raise ValueError(f"bn_stats={self.bn_stats!r}; valid: {', '.join(BN_STATS)}")
         if self.public_fraction is not None and not (0.0 <= self.public_fraction < 1.0):
@@ -115,26 +117,35 @@ class UnitConfig:
 
     @staticmethod
     def pop_from(params: Mapping[str, Any]) -> tuple["UnitConfig", dict[str, Any]]:
-        """Split CLI/config strategy parameters into the unit config and the strategy's own."""
-        rest = dict(params)
-        kw: dict[str, Any] = {}
-        if "unit" in rest:
-            kw["unit"] = str(rest.pop("unit")).strip().lower()
-        if "miniset_size" in rest:
-            v = rest.pop("miniset_size")
-            try:
-                kw["miniset_size"] = int(v) if float(v) == int(float(v)) else float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"miniset_size must be an integer, got {v!r}") from None
-        if "bn_stats" in rest:
-            kw["bn_stats"] = str(rest.pop("bn_stats")).strip().lower()
-        if "public_fraction" in rest:
-            v = rest.pop("public_fraction")
-            try:
-                kw["public_fraction"] = float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"public_fraction must be a number, got {v!r}") from None
+        """Split parameters into the unit config and the rest (no deprecation note: callers that
+        read the OLD spelling inside a strategy's parameters use :func:`resolve_unit`)."""
+        kw, rest = _take_unit_keys(params)
         return UnitConfig(**kw), rest
+
+    @staticmethod
+    def coerce(key: str, value: Any) -> Any:
+        """A unit setting from a CLI string, TOML or JSON value: ``unit``/``bn_stats`` lowered,
+        ``miniset_size`` an int, ``public_fraction`` a float (``None`` stays ``None``)."""
+        if value is None:
+            return None
+        if key in ("unit", "bn_stats"):
+            return str(value).strip().lower()
+        if key == "miniset_size":
+            try:
+                return int(value) if float(value) == int(float(value)) else float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"miniset_size must be an integer, got {value!r}") from None
+        if key == "public_fraction":
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"public_fraction must be a number, got {value!r}") from None
+        raise KeyError(key)
+
+    def settings(self) -> dict[str, Any]:
+        """The four settings as keyword arguments (``UnitConfig(**unit.settings()) == unit``)."""
+        return {"unit": self.unit, "miniset_size": self.miniset_size,
+                "bn_stats": self.bn_stats, "public_fraction": self.public_fraction}
 
     @property
     def is_individual(self) -> bool:
@@ -150,6 +161,51 @@ class UnitConfig:
         if self.miniset_size is not None:
             d["miniset_size"] = self.miniset_size
         return d
+
+
+#: the defaults of the unit settings (an argument at its default was not given)
+UNIT_DEFAULTS: dict[str, Any] = {"unit": "ic", "miniset_size": None, "bn_stats": "auto",
+                                 "public_fraction": None}
+
+
+def _take_unit_keys(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the unit settings found in params, coerced; the other parameters)``."""
+    rest = dict(params)
+    found = {k: UnitConfig.coerce(k, rest.pop(k)) for k in UNIT_PARAMS if k in rest}
+    return found, rest
+
+
+def resolve_unit(
+    given: Mapping[str, Any],
+    params: Mapping[str, Any] | None,
+    *,
+    where: str,
+    spelling: Mapping[str, str] | None = None,
+) -> tuple[UnitConfig, dict[str, Any]]:
+    """The clipping unit of a run and the strategy's own parameters: the ONE place where the
+    unit settings are read.
+
+    ``given``: the unit settings passed as their own arguments (``unit=``, ``miniset_size=``,
+    ``bn_stats=``, ``public_fraction=``; a value equal to its default counts as not given).
+    ``params``: the strategy's parameters, where the settings used to travel (the OLD spelling:
+    ``strategy_params={'unit': 'bc'}``, ``--param unit=bc``, ``[[strategies]] params.unit``); they
+    are still read, with a ``DeprecationWarning`` naming the new spelling (``spelling[key]``, e.g.
+    ``--unit bc``), and a setting given both ways with two different values is refused.
+    """
+    old, rest = _take_unit_keys(params or {})
+    kw = {k: UnitConfig.coerce(k, v) for k, v in given.items() if k in UNIT_DEFAULTS}
+    for key, value in old.items():
+        new = (spelling or {}).get(key, f"{key}=")
+        if kw.get(key, UNIT_DEFAULTS[key]) not in (UNIT_DEFAULTS[key], value):
+            raise ValueError(
+                f"{where}: {key} is given twice, {kw[key]!r} as its own argument ({new}) and "
+                f"{value!r} inside the strategy's parameters (the old spelling); keep only {new}")
+        warnings.warn(
+            f"{where}: the clipping unit setting {key}={value!r} inside the strategy's "
+            f"parameters is deprecated; give it as its own argument: {new}",
+            DeprecationWarning, stacklevel=3)
+        kw[key] = value
+    return UnitConfig(**kw), rest
 
 
 @dataclass(frozen=True)
