@@ -133,13 +133,11 @@ def make_canaries(bundle: Any, m: int, canary: str, scale: float,
 def _check_no_public_split(config: Any) -> Any:
     """Refuse configurations with a public split; returns the strategy object."""
     from dpclip.clipping import make_strategy
-    from dpclip.training.units import UnitConfig
+    from dpclip.training.units import public_fraction_of
 
-    unit, params = UnitConfig.pop_from(config.strategy_params)
-    strategy = make_strategy(config.strategy, params)
-    public = capabilities_of(strategy).public_norms or unit.bn_stats == "public" \
-        or (unit.public_fraction or 0) > 0
-    if public:
+    unit = config.unit_config
+    strategy = make_strategy(config.strategy, config.strategy_params)
+    if public_fraction_of(unit, strategy) > 0:
         raise ValueError(
             f"blackbox_audit: this configuration (strategy {config.strategy!r}, unit settings "
             f"{unit}) carves a public split out of the training set, and a canary drawn into it "

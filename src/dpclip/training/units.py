@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
@@ -59,9 +60,11 @@ __all__ = [
     "UnitConfig",
     "batchnorm_layers",
     "bn_eval",
+    "check_batchnorm",
     "check_unit_sampling",
     "expected_units",
     "frozen_bn_buffers",
+    "public_fraction_of",
     "public_unit_norms",
     "recompute_bn_stats",
     "resolve_unit",
@@ -175,12 +178,25 @@ def _take_unit_keys(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     return found, rest
 
 
+def new_spelling(key: str, value: Any, front: str) -> str:
+    """How a unit setting is written as its own argument, for messages: ``front`` is
+    ``"make_private"`` (``unit='bc'``), ``"TrainConfig"`` (the field, the CLI flag and the spec key)
+    or ``"--unit"`` (the CLI flag)."""
+    flag = f"--{key.replace('_', '-')} {value}"
+    if front == "make_private":
+        return f"{key}={value!r}"
+    if front.startswith("--"):
+        return flag
+    toml = f'"{value}"' if isinstance(value, str) else value
+    return f"{key}={value!r} (CLI {flag}; spec [train] {key} = {toml})"
+
+
 def resolve_unit(
     given: Mapping[str, Any],
     params: Mapping[str, Any] | None,
     *,
     where: str,
-    spelling: Mapping[str, str] | None = None,
+    front: str = "make_private",
 ) -> tuple[UnitConfig, dict[str, Any]]:
     """The clipping unit of a run and the strategy's own parameters: the ONE place where the
     unit settings are read.
@@ -189,13 +205,13 @@ def resolve_unit(
     ``bn_stats=``, ``public_fraction=``; a value equal to its default counts as not given).
     ``params``: the strategy's parameters, where the settings used to travel (the OLD spelling:
     ``strategy_params={'unit': 'bc'}``, ``--param unit=bc``, ``[[strategies]] params.unit``); they
-    are still read, with a ``DeprecationWarning`` naming the new spelling (``spelling[key]``, e.g.
-    ``--unit bc``), and a setting given both ways with two different values is refused.
+    are still read, with a ``DeprecationWarning`` naming the new spelling (:func:`new_spelling`
+    for ``front``), and a setting given both ways with two different values is refused.
     """
     old, rest = _take_unit_keys(params or {})
     kw = {k: UnitConfig.coerce(k, v) for k, v in given.items() if k in UNIT_DEFAULTS}
     for key, value in old.items():
-        new = (spelling or {}).get(key, f"{key}=")
+        new = new_spelling(key, value, front)
         if kw.get(key, UNIT_DEFAULTS[key]) not in (UNIT_DEFAULTS[key], value):
             raise ValueError(
                 f"{where}: {key} is given twice, {kw[key]!r} as its own argument ({new}) and "
@@ -391,6 +407,37 @@ def recompute_bn_stats(model: nn.Module, inputs: Tensor, chunk: int = 256) -> No
         for m, mom in saved_momentum:
             m.momentum = mom
         model.train(was)
+
+
+def check_batchnorm(model: nn.Module, unit: UnitConfig, *, cli: bool = False) -> None:
+    """Refuse BatchNorm under per-example clipping (the one check, for ``make_private`` and
+    ``dpclip train``): BatchNorm mixes the examples of a batch, so one example's influence on the
+    clipped gradient is not bounded. ``cli``: name the command-line flags in the fix."""
+    bn = batchnorm_layers(model)
+    if not (unit.is_individual and bn):
+        return
+    fix = ("--unit bc (or --unit gbc --miniset-size S with --sampling fixed-size); registry "
+           "models: lenet5, or --model-option norm=gn for resnet18") if cli else \
+        "unit='bc' (or unit='gbc' with miniset_size=S and sampling='fixed-size')"
+    raise ValueError(
+        f"the model has BatchNorm layer {bn[0][0]!r}: BatchNorm mixes the examples of a batch, "
+        "so per-example clipping (unit=ic) cannot bound one example's influence. Use GroupNorm "
+        f"or LayerNorm instead, or batch clipping (unit=bc): {fix}")
+
+
+def public_fraction_of(unit: UnitConfig, strategy: Any, *, where: str = "") -> float:
+    """The share of the training set carved out as PUBLIC data: ``unit.public_fraction``, or
+    0.1 when something needs public data (a strategy with public norms, ``bn_stats=public``),
+    else 0. Refuses 0 when public data is needed. The one place this is decided."""
+    needs = capabilities_of(strategy).public_norms or unit.bn_stats == "public"
+    fraction = unit.public_fraction if unit.public_fraction is not None else (
+        0.1 if needs else 0.0)
+    if needs and fraction <= 0:
+        raise ValueError(
+            f"{where}strategy {strategy_name(strategy)!r} / bn_stats={unit.bn_stats!r} needs a "
+            "public split; set public_fraction=F with F > 0 (default 0.1; CLI "
+            "--public-fraction F)")
+    return fraction
 
 
 def check_unit_sampling(unit: UnitConfig, sampling: str) -> None:
