@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
+
 __all__ = ["ModelProblem", "ModelReport", "check_model", "fix_model"]
 
 
@@ -92,7 +94,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
         raise TypeError(f"check_model: model must be a torch.nn.Module, got {type(model).__name__}")
     unit_config, params = resolve_unit({"unit": unit}, strategy_params, where="check_model")
     strat = make_strategy(strategy, params) if isinstance(strategy, str) else strategy
-    name = getattr(strat, "name", type(strat).__name__)
+    name = strategy_name(strat)
     report = ModelReport(name)
     add = report.problems.append
     for lname, mod in model.named_modules():
@@ -120,7 +122,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                 ("construct the layer with track_running_stats=False" if tracked else
                  "keep it constant during training (compute it from public data, or make it a "
                  "parameter)"), blocking=tracked))
-    if getattr(strat, "kind", "norm") != "bound" and unit_config.is_individual:
+    if not capabilities_of(strat).bound_based and unit_config.is_individual:
         from dpclip.engine.ghost import _scan
 
         _, reasons = ghost_support(model)
@@ -144,7 +146,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                 "none needed (it trains, a little slower); a supported layer (Linear, Conv, "
                 "Embedding, LayerNorm, RMSNorm, GroupNorm) keeps the pure ghost path",
                 blocking=False))
-        if getattr(strat, "needs_per_example_grads", False):
+        if capabilities_of(strat).per_example_grads:
             total = sum(p.numel() for p in model.parameters() if p.requires_grad)
             add(ModelProblem(
                 "<model>", "strategy",

@@ -12,10 +12,16 @@ import hashlib
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+REFERENCE_PATH = Path(__file__).parent / "data" / "refactor_invariance_config.json"
+#: give the clipping unit as its own TrainConfig fields (the spelling after the refactoring)
+_NEW_SPELLING = {"on": False}
+_UNIT_KEYS = ("unit", "miniset_size", "bn_stats", "public_fraction")
 
 SYN = dict(dataset="synthetic", model="mlp", lr=0.5, optimizer="momentum",
            dataset_options={"image_shape": [1, 6, 6], "n_train": 256, "n_test": 32},
@@ -30,6 +36,9 @@ BN = dict(dataset="synthetic", model="bn-lenet5", lr=0.05, epochs=1, batch_size=
 def _train(**kw: Any) -> Any:
     from dpclip.training.trainer import TrainConfig, train
 
+    if _NEW_SPELLING["on"]:
+        params = dict(kw.pop("strategy_params", {}))
+        kw.update({k: params.pop(k) for k in _UNIT_KEYS if k in params}, strategy_params=params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated spellings are part of what is pinned
         return train(TrainConfig(**kw), progress=False)
@@ -96,8 +105,12 @@ def state_hash(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def fingerprint_run(name: str) -> dict[str, Any]:
-    ledger, model = CASES[name]()
+def fingerprint_run(name: str, new_spelling: bool = False) -> dict[str, Any]:
+    _NEW_SPELLING["on"] = new_spelling
+    try:
+        ledger, model = CASES[name]()
+    finally:
+        _NEW_SPELLING["on"] = False
     return {"ledger": json.loads(json.dumps(ledger.to_dict())), "state_sha256": state_hash(model)}
 
 

@@ -280,14 +280,14 @@ class _ThresholdSchedule:
 
     # -- forwarded hooks of per-group inner strategies (per-layer, alc, alc-zhang) ---------------
     def group_noise(self, state: State) -> tuple[float, ...] | None:
-        hook = getattr(self._current(state), "group_noise", None)
-        return None if hook is None else hook(state["inner"])
+        inner = self._current(state)
+        return inner.group_noise(state["inner"]) if capabilities_of(inner).per_group else None
 
     def bind_groups(self, group_names: Any) -> "_ThresholdSchedule":
-        hook = getattr(self.inner, "bind_groups", None)
-        if hook is None:
+        if not capabilities_of(self.inner).per_group:
             return self
-        return dataclasses.replace(self, inner=hook(group_names))  # type: ignore[type-var]
+        return dataclasses.replace(  # type: ignore[type-var]
+            self, inner=self.inner.bind_groups(group_names))
 
     @property
     def capabilities(self) -> Capabilities:
@@ -297,7 +297,7 @@ class _ThresholdSchedule:
 
     @property
     def grouping(self) -> str:
-        return str(getattr(self.inner, "grouping", "layer"))
+        return str(self.inner.grouping) if capabilities_of(self.inner).per_group else "layer"
 
     def public_refresh(self, state: State, public_norms: Tensor) -> State:
         inner = self._current(state)

@@ -8,7 +8,7 @@
     state', ev  <- strategy.update(state, norms, ctx, release)
     event       <- sampler.step_event(compose(Gaussian(z), *ev))
 
-A strategy of class P-GRAD (AdaClip; ``needs_per_example_grads = True``, see
+A strategy of class P-GRAD (AdaClip; ``Capabilities(per_example_grads=True)``, see
 :class:`GradientTransform`) replaces the engine call by ``transformed_sum``: per-example gradients
 are materialized (vmap or naive engine), mapped by ``strategy.transform`` and clipped there; the
 noisy sum is divided by the expected batch size as always and mapped back by
