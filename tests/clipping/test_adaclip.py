@@ -32,7 +32,9 @@ def run_step(strategy, state, model, x, y, *, z=0.0, engine="vmap", sampler=None
     return dp_step(model, x, y, loss_fn=ce, strategy=strategy, state=state,
                    engine=get_engine(engine), groups=ParamGroups.flat(model), sampler=sampler,
                    base_noise_multiplier=z, generator=make_generator(seed),
-                   ctx=StepContext(0, 0, 10, 10, sampler.expected_batch_size, z))
+                   ctx=StepContext.at(0, steps_per_epoch=10, total_steps=10,
+                                      expected_batch_size=sampler.expected_batch_size,
+                                      base_noise_multiplier=z))
 
 
 def test_is_a_gradient_transform_with_unit_whitened_clip():

@@ -339,7 +339,8 @@ def _dirac(strategy: Any, eng: Any, sampling: str, z: float, delta: float, n_can
         else:
             inputs = a * eye[torch.as_tensor(np.flatnonzero(coins), dtype=torch.long)]
         targets = torch.zeros(inputs.shape[0])
-        ctx = StepContext(t, t, 1, steps, denom, z)
+        ctx = StepContext.at(t, steps_per_epoch=1, total_steps=steps, expected_batch_size=denom,
+                             base_noise_multiplier=z)
         observed = ObservedStrategy(strategy)
         public_state = strategy.begin_step(state, ctx)  # public: the std the step will use
         out = step_fn(model, inputs, targets, loss_fn=_linear_loss, strategy=observed,
@@ -456,8 +457,10 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
     unit_cfg = None if unit == "ic" else UnitConfig(unit=unit,
                                                     miniset_size=s if unit == "gbc" else None)
     state0 = _initial_state(strategy, groups)
-    ctx = StepContext(0, 0, 1, 1, sampler.expected_batch_size if unit == "ic" else (
-        1.0 if unit == "bc" else float(sampler.expected_units)), z)
+    units = sampler.expected_batch_size if unit == "ic" else (
+        1.0 if unit == "bc" else float(sampler.expected_units))
+    ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1, expected_batch_size=units,
+                         base_noise_multiplier=z)
 
     def run(include: bool, noiseless: bool, generator: torch.Generator) -> tuple[Any, Any]:
         obs = ObservedStrategy(strategy, noiseless=noiseless)

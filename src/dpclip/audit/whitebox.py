@@ -184,8 +184,9 @@ def dirac_canary_audit(
     inner: list[DpEvent] = []
     inv_z2 = 0.0
     for t in range(int(steps)):
-        ctx = StepContext(t, 0, int(steps), int(steps), sampler.expected_batch_size,
-                          float(noise_multiplier))
+        ctx = StepContext.at(t, steps_per_epoch=int(steps), total_steps=int(steps),
+                             expected_batch_size=sampler.expected_batch_size,
+                             base_noise_multiplier=float(noise_multiplier))
         out = dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
                       engine=eng, groups=groups, sampler=sampler,
                       base_noise_multiplier=float(noise_multiplier), ctx=ctx,
