@@ -58,6 +58,9 @@ def test_capability_checks_catch_a_false_declaration():
 
     assert capabilities_of(KindOnly(1.0)).bound_based
     assert any("kind" in p for p in check_capabilities(KindOnly(1.0)))
+    from dpclip.clipping.schedules import DuDynamic
+
+    assert capabilities_of(DuDynamic) == Capabilities()  # a wrapper class: known per instance
     with pytest.raises(ValueError, match="bound-based"):
         Capabilities(bound_based=True, per_group=True)
     with pytest.raises(TypeError, match="per_group must be a bool"):

@@ -68,6 +68,10 @@ def capabilities_of(strategy: Any) -> Capabilities:
     ``needs_per_example_grads``, ``needs_public_norms``): this is the only place they are probed.
     """
     caps = getattr(strategy, "capabilities", None)
+    if isinstance(strategy, type) and isinstance(caps, property):
+        # a class whose capabilities depend on the instance (a schedule wrapper forwards its
+        # inner strategy's): the class itself fixes only its kind
+        return Capabilities(bound_based=getattr(strategy, "kind", "norm") == "bound")
     if isinstance(caps, Capabilities):
         # a subclass that sets ``kind = "bound"`` / ``norm_kind = "group"`` but inherits a plain
         # declaration is read as what its step needs (the safe side: a bound-based strategy is
