@@ -214,6 +214,11 @@ def _linear_loss(output: Tensor, target: Tensor) -> Tensor:
     return output.reshape(output.shape[0], -1).sum(dim=1)
 
 
+def _group_factors(strategy: Any, state: State) -> tuple[float, ...] | None:
+    """A per-group strategy's noise factors (``None``: one flat noise std)."""
+    return strategy.group_noise(state) if capabilities_of(strategy).per_group else None
+
+
 def _resolve(strategy: Any, model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
     """Bind the strategy to the model (groups, Lipschitz layers) and give its groups."""
     if capabilities_of(strategy).bound_based:
@@ -355,8 +360,7 @@ def _dirac(strategy: Any, eng: Any, sampling: str, z: float, delta: float, n_can
                 score += mean[name].detach().double().reshape(-1).numpy() / max(sd, 1e-300)
             score /= n_groups
         else:
-            factors = strategy.group_noise(public_state) \
-                if capabilities_of(strategy).per_group else None
+            factors = _group_factors(strategy, public_state)
             for h, members in enumerate(groups.members):
                 if factors is not None:
                     sd = noise_std(out.noise_multiplier, sampler.sensitivity_factor * factors[h])
@@ -527,8 +531,7 @@ def _output_stds(out: Any, obs: ObservedStrategy, groups: Any, sampler: Any, str
     names = list(out.grads)
     denom = float(ctx.expected_batch_size)
     stds: list[np.ndarray] = []
-    factors = strategy.group_noise(strategy.begin_step(state0, ctx)) \
-        if capabilities_of(strategy).per_group else None
+    factors = _group_factors(strategy, strategy.begin_step(state0, ctx))
     k = unit_cfg.sensitivity_factor if unit_cfg is not None else sampler.sensitivity_factor
     for name, size in zip(names, sizes):
         if cert_sd is not None:

@@ -40,63 +40,6 @@ DIAGNOSTICS: dict[Any, str | None] = {False: None, "off": None, "test": "test", 
                                       "train": "train"}
 
 
-@dataclass(frozen=True)
-class PrivacyConfig:
-    """What the privacy guarantee (epsilon, delta) depends on; see :class:`TrainConfig`."""
-
-    dataset: str = "fashion-mnist"
-    dataset_options: dict[str, Any] = field(default_factory=dict)
-    strategy: str = "fixed"
-    strategy_params: dict[str, Any] = field(default_factory=dict)
-    unit: str = "ic"
-    miniset_size: int | None = None
-    public_fraction: float | None = None
-    epsilon: float | None = None
-    noise_multiplier: float | None = None
-    delta: float | None = None
-    epochs: int = 1
-    batch_size: float = 256
-    sampling: str = "poisson"
-    accountant: str = "pld"
-    reproducible_noise: bool = False
-
-
-@dataclass(frozen=True)
-class OptimisationConfig:
-    """What the trained model depends on besides privacy; see :class:`TrainConfig`."""
-
-    model: str = "papernot-cnn"
-    model_options: dict[str, Any] = field(default_factory=dict)
-    lr: float = 0.1
-    lr_schedule: str = "constant"
-    lr_gamma: float | None = None
-    lr_step_epochs: int | None = None
-    lr_min: float | None = None
-    lr_warmup_epochs: float = 0.0
-    augment: str = "none"
-    augment_multiplicity: int = 1
-    averaging: str = "none"
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-    bn_stats: str = "auto"
-    diagnostics: bool | str = False
-
-
-@dataclass(frozen=True)
-class PerformanceFlags:
-    """Neither privacy nor the model depends on these (the mechanism and the ledger are
-    identical whatever they are); not in the fingerprint."""
-
-    engine: str = "auto"
-    max_physical_batch: int = 256
-    eval_batch_size: int = 2048
-    data_dir: str | None = None
-    device: str = "auto"
-    eval_every: int = 1
-
-
 #: performance flags that older fingerprints hashed: hashed at these constants, so that a config
 #: at the defaults keeps its identity (stored runs, checkpoints) while no flag changes it
 _LEGACY_HASHED = {"engine": "auto", "max_physical_batch": 256, "eval_batch_size": 2048}
@@ -314,17 +257,17 @@ class TrainConfig:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
     @property
-    def privacy(self) -> PrivacyConfig:
+    def privacy(self) -> Any:
         """What epsilon depends on."""
-        return self._part(PrivacyConfig)
+        return self._part(PrivacyConfig)  # type: ignore[has-type]
 
     @property
-    def optimisation(self) -> OptimisationConfig:
+    def optimisation(self) -> Any:
         """What the trained model depends on besides privacy."""
         return self._part(OptimisationConfig)
 
     @property
-    def performance(self) -> PerformanceFlags:
+    def performance(self) -> Any:
         """Neither: engine, physical batch, device, evaluation batch and cadence, data_dir."""
         return self._part(PerformanceFlags)
 
@@ -375,6 +318,44 @@ class TrainConfig:
                 d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
+
+#: the fields of each part (every TrainConfig field is in exactly one: tested)
+_PARTS: dict[str, tuple[str, ...]] = {
+    "PrivacyConfig": (
+        "dataset", "dataset_options", "strategy", "strategy_params", "unit", "miniset_size",
+        "public_fraction", "epsilon", "noise_multiplier", "delta", "epochs", "batch_size",
+        "sampling", "accountant", "reproducible_noise"),
+    "OptimisationConfig": (
+        "model", "model_options", "lr", "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min",
+        "lr_warmup_epochs", "augment", "augment_multiplicity", "averaging", "optimizer",
+        "momentum", "weight_decay", "seed", "bn_stats", "diagnostics"),
+    "PerformanceFlags": (
+        "engine", "max_physical_batch", "eval_batch_size", "data_dir", "device", "eval_every"),
+}
+
+
+def _part_class(name: str, doc: str) -> type:
+    """A frozen dataclass with the named TrainConfig fields (their types, defaults, docs)."""
+    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    cls = dataclasses.make_dataclass(
+        name, [(n, by_name[n].type, dataclasses.field(default=by_name[n].default,
+                                                     default_factory=by_name[n].default_factory))
+               for n in _PARTS[name]], frozen=True)
+    cls.__doc__, cls.__module__ = doc, __name__
+    return cls
+
+
+PrivacyConfig = _part_class(
+    "PrivacyConfig", "What the privacy guarantee (epsilon, delta) depends on: the data, the "
+    "strategy and its clipping unit, the noise or the target, delta, the sampler, the batch size, "
+    "the epochs, the accountant, reproducible noise.")
+OptimisationConfig = _part_class(
+    "OptimisationConfig", "What the trained model depends on besides privacy: the model, the "
+    "optimizer and its schedule, augmentation, averaging, the public seed, BatchNorm evaluation "
+    "statistics, the diagnostics the run reports.")
+PerformanceFlags = _part_class(
+    "PerformanceFlags", "Neither privacy nor the model depends on these (the mechanism and the "
+    "ledger are identical whatever they are): not in the fingerprint.")
 
 #: the fields that describe no outcome (listed by no config diff, hashed by no fingerprint)
 PERFORMANCE_FIELDS = tuple(f.name for f in dataclasses.fields(PerformanceFlags))
