@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import dpclip
+from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.harness.spec import parse_spec
 from dpclip.training.config import (
     OptimisationConfig,
@@ -41,7 +42,7 @@ def test_make_private_unit_argument_gives_the_pinned_ledger_and_weights():
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns of nothing
+        warnings.simplefilter("error", DeprecatedSpellingWarning)  # the new spelling: no note
         dp = dpclip.make_private(model, opt, (x, y), batch_size=25, epochs=2, verbose=False,
                                  reproducible_noise=True, seed=5, strategy="vdv",
                                  noise_multiplier=0.4, sampling="fixed-size", accountant="rdp",
@@ -57,7 +58,7 @@ def test_make_private_unit_argument_gives_the_pinned_ledger_and_weights():
 def test_old_spelling_warns_naming_the_new_one_and_conflicts_are_refused():
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     kw = dict(noise_multiplier=1.0, steps=1, batch_size=16, verbose=False)
-    with pytest.warns(DeprecationWarning, match=r"unit='bc'"):
+    with pytest.warns(DeprecatedSpellingWarning, match=r"unit='bc'"):
         dp = dpclip.make_private(nn.Linear(4, 2), None, (x, y), strategy_params={"unit": "bc"},
                                  **kw)
     assert dp.unit == UnitConfig("bc")
@@ -67,7 +68,8 @@ def test_old_spelling_warns_naming_the_new_one_and_conflicts_are_refused():
     with pytest.raises(ValueError, match="miniset_size= is part of the UnitConfig"):
         dpclip.make_private(nn.Linear(4, 2), None, (x, y), unit=UnitConfig("bc"),
                             miniset_size=4, **kw)
-    with pytest.warns(DeprecationWarning, match=r"CLI --unit gbc; spec \[train\] unit = \"gbc\""):
+    with pytest.warns(DeprecatedSpellingWarning,
+                      match=r"CLI --unit gbc; spec \[train\] unit = \"gbc\""):
         old = TrainConfig(**BASE, sampling="fixed-size", accountant="rdp",
                           strategy_params={"unit": "gbc", "miniset_size": "8", "clip_norm": 1})
     new = TrainConfig(**BASE, sampling="fixed-size", accountant="rdp", unit="gbc",
@@ -82,7 +84,7 @@ def test_old_spelling_warns_naming_the_new_one_and_conflicts_are_refused():
         TrainConfig(**BASE, unit="gbc", miniset_size=2.5)
 
 
-def test_cli_unit_flags_and_the_old_param(monkeypatch):
+def test_cli_unit_flags_and_the_old_param(monkeypatch, capsys):
     from dpclip import cli
 
     seen = []
@@ -94,9 +96,14 @@ def test_cli_unit_flags_and_the_old_param(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(common + ["--unit", "gbc", "--miniset-size", "4", "--bn-stats", "public",
                            "--public-fraction", "0.2"])
-    with pytest.warns(DeprecationWarning, match="--unit gbc"), pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
         cli.main(common + ["--param", "unit=gbc", "--param", "miniset_size=4", "--param",
                            "bn_stats=public", "--param", "public_fraction=0.2"])
+    err = capsys.readouterr().err  # the CLI says the deprecation as one of its warnings
+    assert "dpclip train: warning: TrainConfig: the clipping unit setting unit='gbc' inside " \
+        "the strategy's parameters is deprecated; give it as its own argument: unit='gbc' " \
+        "(CLI --unit gbc; spec [train] unit = \"gbc\")" in err
     assert seen[0] == seen[1]
     assert seen[0].unit_config == UnitConfig("gbc", 4, "public", 0.2)
     assert seen[0].fingerprint() == seen[1].fingerprint()
@@ -120,7 +127,7 @@ params = { clip_norm = 0.5 }
     new = parse_spec(raw).runs()[0].config
     raw["train"].pop("unit")
     raw["strategies"][0]["params"]["unit"] = "bc"
-    with pytest.warns(DeprecationWarning, match="spec \\[train\\] unit"):
+    with pytest.warns(DeprecatedSpellingWarning, match="spec \\[train\\] unit"):
         old = parse_spec(raw).runs()[0].config
     assert new == old and new.unit == "bc" and new.strategy_params == {"clip_norm": 0.5}
     assert new.fingerprint() == old.fingerprint()

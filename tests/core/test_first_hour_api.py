@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
+from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.training.private import PrivateTraining, make_private
 
 
@@ -146,7 +147,7 @@ def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
     assert not ghost.blocking
     # batch clipping allows BatchNorm
     assert "batchnorm" not in {p.kind for p in dpclip.check_model(model, unit="bc").problems}
-    with pytest.warns(DeprecationWarning, match="unit='bc'"):  # the old spelling, still read
+    with pytest.warns(DeprecatedSpellingWarning, match="unit='bc'"):  # the old spelling, still read
         assert "batchnorm" not in {p.kind for p in dpclip.check_model(
             model, strategy_params={"unit": "bc"}).problems}
     # a materialising strategy says what it costs
@@ -164,7 +165,7 @@ def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
 
 
 def test_auto_fallback_is_said_once_naming_the_layer():
-    from dpclip.errors import EngineFallbackWarning
+    from dpclip.errors import DeprecatedSpellingWarning, EngineFallbackWarning
 
     torch.manual_seed(0)
     # an Embedding with scale_grad_by_freq (its gradient depends on the batch's token counts) is

@@ -72,7 +72,7 @@ class TrainConfig:
     model: str = "papernot-cnn"
     strategy: str = "fixed"
     #: the strategy's own parameters (the clipping unit settings used to travel here: still
-    #: read, with a DeprecationWarning, and moved to their own fields)
+    #: read, with a DeprecatedSpellingWarning, and moved to their own fields)
     strategy_params: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
@@ -146,7 +146,7 @@ class TrainConfig:
 
     def _move_unit_settings(self) -> None:
         """The clipping-unit settings of the old spelling (inside ``strategy_params``) move to
-        their own fields, with a DeprecationWarning (``dpclip.training.units.resolve_unit``)."""
+        their own fields, with a DeprecatedSpellingWarning (``dpclip.training.units.resolve_unit``)."""
         if not isinstance(self.strategy_params, dict):
             return  # reported by _check_types
         if not any(k in self.strategy_params for k in UNIT_DEFAULTS):

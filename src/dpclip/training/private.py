@@ -1008,7 +1008,7 @@ def make_private(
         strategy: a clipping strategy name (``dpclip strategies`` lists them) or an instance.
         strategy_params: the named strategy's parameters, e.g. ``{"clip_norm": 1.0}``. (The
             clipping unit used to travel here, ``{"unit": "bc"}``: still read, with a
-            ``DeprecationWarning``; pass ``unit=`` instead.)
+            ``DeprecatedSpellingWarning``; pass ``unit=`` instead.)
         unit: the clipping unit (``dpclip.training.units``): ``"ic"`` (default: per example),
             ``"bc"`` (batch clipping: the batch's mean gradient clipped once; BatchNorm allowed),
             ``"gbc"`` (general batch clipping over mini-sets of ``miniset_size`` examples; needs

@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
 
 __all__ = [
@@ -205,7 +206,7 @@ def resolve_unit(
     ``bn_stats=``, ``public_fraction=``; a value equal to its default counts as not given).
     ``params``: the strategy's parameters, where the settings used to travel (the OLD spelling:
     ``strategy_params={'unit': 'bc'}``, ``--param unit=bc``, ``[[strategies]] params.unit``); they
-    are still read, with a ``DeprecationWarning`` naming the new spelling (:func:`new_spelling`
+    are still read, with a ``DeprecatedSpellingWarning`` naming the new spelling (:func:`new_spelling`
     for ``front``), and a setting given both ways with two different values is refused.
     """
     old, rest = _take_unit_keys(params or {})
@@ -214,12 +215,12 @@ def resolve_unit(
         new = new_spelling(key, value, front)
         if kw.get(key, UNIT_DEFAULTS[key]) not in (UNIT_DEFAULTS[key], value):
             raise ValueError(
-                f"{where}: {key} is given twice, {kw[key]!r} as its own argument ({new}) and "
-                f"{value!r} inside the strategy's parameters (the old spelling); keep only {new}")
-        warnings.warn(
+                f"{where}: {key} is given twice, {kw[key]!r} as its own argument "
+                f"({new_spelling(key, kw[key], front)}) and {value!r} inside the strategy's "
+                "parameters (the old spelling); remove it from the strategy's parameters")
+        warnings.warn(DeprecatedSpellingWarning(
             f"{where}: the clipping unit setting {key}={value!r} inside the strategy's "
-            f"parameters is deprecated; give it as its own argument: {new}",
-            DeprecationWarning, stacklevel=3)
+            f"parameters is deprecated; give it as its own argument: {new}"), stacklevel=3)
         kw[key] = value
     return UnitConfig(**kw), rest
 
