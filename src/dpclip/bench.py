@@ -180,7 +180,9 @@ def _dpclip_step(engine_name: str, model: nn.Module, opt: torch.optim.Optimizer,
     sampler = PoissonSampler(60_000, float(batch_size))
     groups = ParamGroups.flat(model)
     gen = make_generator(seed, device=x.device)  # noise drawn where the gradient is
-    ctx = StepContext(0, 0, sampler.steps_per_epoch, 1, float(batch_size), NOISE_MULTIPLIER)
+    ctx = StepContext.at(0, steps_per_epoch=sampler.steps_per_epoch, total_steps=1,
+                         expected_batch_size=float(batch_size),
+                         base_noise_multiplier=NOISE_MULTIPLIER)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
     def step() -> None:

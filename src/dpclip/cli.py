@@ -44,7 +44,7 @@ from dpclip.training.checkpoint import private_root
 from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
 from dpclip.training.sampling import make_sampler
 from dpclip.training.trainer import TrainConfig, train
-from dpclip.training.units import MiniSetSampler, UnitConfig, expected_units
+from dpclip.training.units import MiniSetSampler, UnitConfig, expected_units, resolve_unit
 
 __all__ = ["main"]
 
@@ -75,6 +75,16 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
         print(text)
 
 
+def _add_unit_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--unit`` and ``--miniset-size``: the clipping unit, beside ``--strategy``."""
+    parser.add_argument("--unit", default="ic", choices=["ic", "bc", "gbc"],
+                        help="clipping unit: ic (per example, default), bc (batch clipping), "
+                             "gbc (mini-sets of --miniset-size examples; --sampling fixed-size); "
+                             "see docs/strategies.md, 'Clipping units'")
+    parser.add_argument("--miniset-size", type=int, metavar="S",
+                        help="--unit gbc: examples per mini-set (the batch size a multiple of S)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     _check_dataset_name(args.dataset)
     _check_data_dir(args)
@@ -83,6 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         model=args.model,
         strategy=args.strategy,
         strategy_params=_parse_params(args.param),
+        unit=args.unit, miniset_size=args.miniset_size, bn_stats=args.bn_stats,
+        public_fraction=args.public_fraction,
         model_options=_options(MODELS, args.model, args.model_option, "--model-option"),
         dataset_options=_options(DATASETS, args.dataset, args.dataset_option, "--dataset-option"),
         epsilon=args.epsilon,
@@ -324,7 +336,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """``dpclip audit``: white-box audit of the configured step (dpclip.audit.step_audit) or
     black-box audit of a training run (dpclip.audit.blackbox); stored in the results store under
     experiment "audit". Exit status 1 when a lower bound exceeds the claim."""
-    unit, strategy_params = UnitConfig.pop_from(_parse_params(args.param))
+    unit, strategy_params = resolve_unit(
+        {"unit": args.unit, "miniset_size": args.miniset_size}, _parse_params(args.param),
+        where="dpclip audit", front="--unit")
     record: dict[str, Any] = {"mode": args.mode, "strategy": args.strategy,
                               "params": strategy_params, "unit": unit.unit,
                               "sampling": args.sampling, "engine": args.engine,
@@ -367,7 +381,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         _check_data_dir(args)
         config = TrainConfig(
             dataset=args.dataset, model=args.model, strategy=args.strategy,
-            strategy_params=_parse_params(args.param),
+            strategy_params=strategy_params, **unit.settings(),
             model_options=_options(MODELS, args.model, args.model_option, "--model-option"),
             dataset_options=_options(DATASETS, args.dataset, args.dataset_option,
                                      "--dataset-option"),
@@ -463,9 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="see `dpclip models`")
     t.add_argument("--strategy", default="fixed", help="see `dpclip strategies` (default fixed)")
     t.add_argument("--param", action="append", metavar="K=V",
-                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable); also the "
-                        "clipping unit: unit=ic|bc|gbc, miniset_size=S (gbc), bn_stats=batch|public, "
-                        "public_fraction=F (see docs/strategies.md, 'Clipping units')")
+                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable)")
+    _add_unit_arguments(t)
+    t.add_argument("--bn-stats", default="auto", choices=["auto", "batch", "public"],
+                   help="BatchNorm evaluation statistics: test-batch, or recomputed on the "
+                        "public split (auto: public when the run has one)")
+    t.add_argument("--public-fraction", type=float, metavar="F",
+                   help="share of the training set carved out as PUBLIC data (default 0.1 when "
+                        "the strategy or --bn-stats public needs it, else 0)")
     t.add_argument("--model-option", action="append", metavar="K=V",
                    help="model option, e.g. --model-option activation=relu")
     t.add_argument("--dataset-option", action="append", metavar="K=V",
@@ -625,7 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--mode", default="whitebox", choices=["whitebox", "blackbox"])
     au.add_argument("--strategy", default="fixed", help="see `dpclip strategies`")
     au.add_argument("--param", action="append", metavar="K=V",
-                    help="strategy parameter (repeatable); unit=ic|bc|gbc, miniset_size=S")
+                    help="strategy parameter (repeatable)")
+    _add_unit_arguments(au)
     au.add_argument("--engine", default="vmap", help="vmap, ghost, auto, naive, summed")
     au.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
     au.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")

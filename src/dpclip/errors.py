@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "BudgetWarning",
+    "DeprecatedSpellingWarning",
     "DpclipWarning",
     "EngineFallbackWarning",
     "NoiseWarning",
@@ -39,6 +40,12 @@ class EngineFallbackWarning(DpclipWarning):
 
 class NoiseWarning(DpclipWarning):
     """The noise multiplier is so large that the model will not learn (no privacy issue)."""
+
+
+class DeprecatedSpellingWarning(DpclipWarning, FutureWarning):
+    """An old spelling that is still read (e.g. the clipping unit inside a strategy's
+    parameters); the message names the new one. A ``FutureWarning``: shown by default to users of
+    the API, the CLI and specs alike."""
 
 
 def did_you_mean(name: object, valid: Iterable[str]) -> str:

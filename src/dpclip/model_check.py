@@ -23,7 +23,9 @@ from typing import Any
 from torch import nn
 from dpclip.clipping import make_strategy
 from dpclip.engine.ghost import _scan, ghost_support
-from dpclip.training.units import UnitConfig
+from dpclip.training.units import UnitConfig, resolve_unit
+
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 
 __all__ = ["ModelProblem", "ModelReport", "check_model", "fix_model"]
 
@@ -81,28 +83,29 @@ def _n_params(mod: nn.Module) -> int:
 
 
 def check_model(model: nn.Module, strategy: Any = "fixed", *,
-                strategy_params: dict[str, Any] | None = None) -> ModelReport:
-    """Every problem of ``model`` for private training with ``strategy`` (a name or instance).
-
-    ``strategy_params`` may set the clipping unit: with ``{"unit": "bc"}`` (batch clipping)
-    BatchNorm is allowed. Unknown strategy names fail with did-you-mean."""
+                strategy_params: dict[str, Any] | None = None,
+                unit: str = "ic") -> ModelReport:
+    """Every problem of ``model`` for private training with ``strategy`` (a name or instance)
+    and clipping ``unit``: with ``unit="bc"`` (batch clipping) BatchNorm is allowed (the old
+    spelling ``strategy_params={"unit": "bc"}`` is read with a deprecation note). Unknown strategy
+    names fail with did-you-mean."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"check_model: model must be a torch.nn.Module, got {type(model).__name__}")
-    unit, params = UnitConfig.pop_from(dict(strategy_params or {}))
+    unit_config, params = resolve_unit({"unit": unit}, strategy_params, where="check_model")
     strat = make_strategy(strategy, params) if isinstance(strategy, str) else strategy
-    name = getattr(strat, "name", type(strat).__name__)
+    name = strategy_name(strat)
     report = ModelReport(name)
     add = report.problems.append
     for lname, mod in model.named_modules():
         where = lname or "<root>"
-        if isinstance(mod, _BN) and unit.is_individual:
+        if isinstance(mod, _BN) and unit_config.is_individual:
             add(ModelProblem(
                 where, "batchnorm",
                 f"{type(mod).__name__} mixes the examples of a batch (its output for one example "
                 "depends on the others), so per-example clipping cannot bound one example's "
                 "influence",
                 "replace it with GroupNorm (dpclip.fix_model does) or LayerNorm, or use batch "
-                "clipping (strategy_params={'unit': 'bc'})", fixable=True))
+                "clipping (unit='bc')", fixable=True))
             continue
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is None or (isinstance(mod, _BN) and bname in _NORM_BUFFERS):
@@ -118,7 +121,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                 ("construct the layer with track_running_stats=False" if tracked else
                  "keep it constant during training (compute it from public data, or make it a "
                  "parameter)"), blocking=tracked))
-    if getattr(strat, "kind", "norm") != "bound" and unit.is_individual:
+    if not capabilities_of(strat).bound_based and unit_config.is_individual:
         _, reasons = ghost_support(model)
         mods = dict(model.named_modules())
         for reason in reasons:
@@ -140,7 +143,7 @@ def check_model(model: nn.Module, strategy: Any = "fixed", *,
                 "none needed (it trains, a little slower); a supported layer (Linear, Conv, "
                 "Embedding, LayerNorm, RMSNorm, GroupNorm) keeps the pure ghost path",
                 blocking=False))
-        if getattr(strat, "needs_per_example_grads", False):
+        if capabilities_of(strat).per_example_grads:
             total = sum(p.numel() for p in model.parameters() if p.requires_grad)
             add(ModelProblem(
                 "<model>", "strategy",

@@ -173,7 +173,8 @@ def _realised_batch_trials(divide_by_realised: bool, trials: int = 300):
     for _ in range(2 * trials):
         coin = bool(rng.random() < 0.5)
         x = torch.stack([anchor, torch.zeros(d)]) if coin else anchor[None]
-        ctx = StepContext(0, 0, 1, 1, sampler.expected_batch_size, z)
+        ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1,
+                             expected_batch_size=sampler.expected_batch_size, base_noise_multiplier=z)
         out = dp_step(model, x, torch.zeros(len(x)), loss_fn=_linear_loss,
                       strategy=FixedClip(1.0), state={}, engine=engine, groups=groups,
                       sampler=sampler, base_noise_multiplier=z, ctx=ctx, generator=gen)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.audit.step_audit import ObservedStrategy
 from dpclip.clipping import STRATEGIES, StepContext
 from dpclip.engine import ENGINES, ParamGroups, get_engine
@@ -39,7 +40,7 @@ def setup(name):
         groups = ParamGroups.per_layer(model)
         strategy = strategy.bind_groups(groups.names)
     state = strategy.init_state()
-    if getattr(strategy, "needs_public_norms", False):
+    if capabilities_of(strategy).public_norms:
         state = strategy.public_refresh(state, torch.rand(5, len(groups), dtype=torch.float64))
     return model, strategy, groups, state
 
@@ -56,7 +57,8 @@ def batch():
 
 def run(model, strategy, groups, state, engine, sampler, x, y, seed, noiseless, unit=None):
     obs = ObservedStrategy(strategy, noiseless=noiseless)
-    ctx = StepContext(0, 0, 1, 1, 4.0, 0.2)
+    ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1,
+                         expected_batch_size=4.0, base_noise_multiplier=0.2)
     out = dp_step(model, x, y, loss_fn=ce, strategy=obs, state=state, engine=engine,
                   groups=groups, sampler=sampler, base_noise_multiplier=0.0 if noiseless else 0.2,
                   ctx=ctx, generator=torch.Generator().manual_seed(seed), unit=unit)
@@ -81,7 +83,7 @@ def check_pair(model, strategy, groups, state, engine, sampler, xa, ya, xb, yb, 
     # identical randomness: the noisy releases differ exactly by the pre-noise difference
     pa, xa_flat, rna = run(model, strategy, groups, state, engine, sampler, xa, ya, 7, False, unit)
     pb, xb_flat, rnb = run(model, strategy, groups, state, engine, sampler, xb, yb, 7, False, unit)
-    if not getattr(strategy, "needs_per_example_grads", False):  # AdaClip: affine untransform
+    if not capabilities_of(strategy).per_example_grads:  # AdaClip: affine untransform
         torch.testing.assert_close(xa_flat - xb_flat, na - nb, rtol=1e-6, atol=1e-9)
     for (va, _), (vb, _), (wa, _), (wb, _) in zip(rna, rnb, ra, rb):
         torch.testing.assert_close(va - vb, wa - wb, rtol=1e-6, atol=1e-9)
@@ -99,7 +101,7 @@ def release_bounds(strategy, ra, rb):
 @pytest.mark.parametrize("name", NORM)
 def test_replay_add_remove_and_replace(name, engine_name):
     model, strategy, groups, state = setup(name)
-    if getattr(strategy, "needs_per_example_grads", False) and engine_name == "ghost":
+    if capabilities_of(strategy).per_example_grads and engine_name == "ghost":
         pytest.skip("AdaClip needs materialised per-example gradients; ghost refuses it (tested "
                     "in tests/clipping/test_adaclip.py)")
     engine = get_engine(engine_name)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dpclip.clipping import FixedClip, StepContext
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.clipping.adaclip import AdaClip
 from dpclip.engine import ParamGroups, get_engine, naive_per_example_grads
 from dpclip.events import GaussianEvent
@@ -31,12 +32,14 @@ def run_step(strategy, state, model, x, y, *, z=0.0, engine="vmap", sampler=None
     return dp_step(model, x, y, loss_fn=ce, strategy=strategy, state=state,
                    engine=get_engine(engine), groups=ParamGroups.flat(model), sampler=sampler,
                    base_noise_multiplier=z, generator=make_generator(seed),
-                   ctx=StepContext(0, 0, 10, 10, sampler.expected_batch_size, z))
+                   ctx=StepContext.at(0, steps_per_epoch=10, total_steps=10,
+                                      expected_batch_size=sampler.expected_batch_size,
+                                      base_noise_multiplier=z))
 
 
 def test_is_a_gradient_transform_with_unit_whitened_clip():
     s = AdaClip()
-    assert isinstance(s, GradientTransform) and s.needs_per_example_grads
+    assert isinstance(s, GradientTransform) and capabilities_of(s).per_example_grads
     n = torch.tensor([0.0, 0.5, 1.0, 4.0, math.inf, math.nan], dtype=torch.float64)
     expected = torch.tensor([1.0, 1.0, 1 / (1 + 1e-6), 1 / (4 + 1e-6), 0.0, 0.0],
                             dtype=torch.float64)

@@ -10,6 +10,7 @@ import torch
 
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.clipping import STRATEGIES, FixedClip, StepContext, make_strategy
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.normalize import PSAC, AutoS, AutoV
 from dpclip.clipping.schedules import (
     DuDynamic,
@@ -191,7 +192,7 @@ def test_wrappers_refuse_inners_without_a_threshold():
 
     @dataclasses.dataclass(frozen=True)
     class _PerExampleTransform(FixedClip):  # P-GRAD hooks are not forwarded by a schedule
-        needs_per_example_grads: ClassVar[bool] = True
+        capabilities: ClassVar[Capabilities] = Capabilities(per_example_grads=True)
 
     with pytest.raises(ValueError, match="transformed per-example gradients"):
         YuLinear(inner=_PerExampleTransform(1.0))

@@ -508,3 +508,19 @@ def test_cli_bad_averaging(capsys):
     err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--averaging", "ema:1.5"])
     assert ("TrainConfig: averaging (--averaging): 'ema:1.5': the EMA decay must be in (0, 1), "
             "e.g. 'ema:0.999'") in err
+
+
+def test_cli_unit_given_twice(capsys):
+    err = cli_error(capsys, CLI + ["--noise-multiplier", "1", "--unit", "bc", "--param",
+                                   "unit=gbc"])
+    assert ("TrainConfig: unit is given twice, 'bc' as its own argument (unit='bc' (CLI --unit "
+            "bc; spec [train] unit = \"bc\")) and 'gbc' inside the strategy's parameters (the old "
+            "spelling); remove it from the strategy's parameters") in err
+
+
+def test_cli_old_unit_spelling_is_a_warning(capsys):
+    assert main(CLI + ["--noise-multiplier", "1", "--param", "unit=bc", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert ("dpclip train: warning: TrainConfig: the clipping unit setting unit='bc' inside the "
+            "strategy's parameters is deprecated; give it as its own argument: unit='bc' (CLI "
+            "--unit bc; spec [train] unit = \"bc\")") in err

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
+from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.training.private import PrivateTraining, make_private
 
 
@@ -145,8 +146,10 @@ def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
     assert "per-layer path (per-example gradients of its own 1 parameters" in ghost.message
     assert not ghost.blocking
     # batch clipping allows BatchNorm
-    assert "batchnorm" not in {p.kind for p in dpclip.check_model(
-        model, strategy_params={"unit": "bc"}).problems}
+    assert "batchnorm" not in {p.kind for p in dpclip.check_model(model, unit="bc").problems}
+    with pytest.warns(DeprecatedSpellingWarning, match="unit='bc'"):  # the old spelling, still read
+        assert "batchnorm" not in {p.kind for p in dpclip.check_model(
+            model, strategy_params={"unit": "bc"}).problems}
     # a materialising strategy says what it costs
     ada = dpclip.check_model(nn.Linear(4, 2), strategy="adaclip")
     assert [p.kind for p in ada.problems] == ["strategy"] and "all 10 trainable" in str(ada)
@@ -162,7 +165,7 @@ def test_check_model_lists_every_problem_and_fix_model_fixes_batchnorm(capsys):
 
 
 def test_auto_fallback_is_said_once_naming_the_layer():
-    from dpclip.errors import EngineFallbackWarning
+    from dpclip.errors import DeprecatedSpellingWarning, EngineFallbackWarning
 
     torch.manual_seed(0)
     # an Embedding with scale_grad_by_freq (its gradient depends on the batch's token counts) is
@@ -191,10 +194,9 @@ def test_api_messages_name_the_python_argument():
     with pytest.raises(ValueError, match=r"lower batch_size \(CLI --batch-size\)"):
         make_private(_model(), None, (x, y), batch_size=1000, **BASE)
     with pytest.raises(ValueError, match=r"unit=gbc needs sampling='fixed-size' \(CLI"):
-        make_private(_model(), None, (x, y), batch_size=32,
-                     strategy_params={"unit": "gbc", "miniset_size": 4}, **BASE)
-    with pytest.raises(ValueError, match=r"strategy_params=\{'miniset_size': S\}"):
-        make_private(_model(), None, (x, y), batch_size=32, strategy_params={"unit": "gbc"},
+        make_private(_model(), None, (x, y), batch_size=32, unit="gbc", miniset_size=4, **BASE)
+    with pytest.raises(ValueError, match=r"\(miniset_size=S; CLI --miniset-size S\)"):
+        make_private(_model(), None, (x, y), batch_size=32, unit="gbc",
                      sampling="fixed-size", **BASE)
 
 

@@ -32,7 +32,8 @@ class ZeroEngine:
 
 
 def _ctx(b):
-    return StepContext(0, 0, 10, 10, float(b), 1.3)
+    return StepContext.at(0, steps_per_epoch=10, total_steps=10,
+                          expected_batch_size=float(b), base_noise_multiplier=1.3)
 
 
 @pytest.mark.parametrize("sampler,factor", [(PoissonSampler(10_000, 50.0), 1),

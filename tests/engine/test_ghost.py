@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.clipping import STRATEGIES
 from dpclip.engine import (
     ENGINES,
@@ -201,7 +202,7 @@ def test_matches_naive_oracle_and_vmap(case, batch):
 def _norm_strategies():
     out = []
     for name, entry in sorted(STRATEGIES.items()):
-        if entry.kind != "norm" or getattr(entry.cls, "needs_per_example_grads", False):
+        if entry.kind != "norm" or capabilities_of(entry.cls).per_example_grads:
             continue
         out.append(name)
     return out
@@ -218,7 +219,7 @@ def test_every_norm_strategy_weights(name):
             x = x * 3 if x.is_floating_point() else x
         groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else \
             ParamGroups.per_layer(model)
-        if hasattr(strategy, "bind_groups"):  # as the trainer does: L from the model
+        if capabilities_of(strategy).per_group:  # as the trainer does: L from the model
             strategy = strategy.bind_groups(groups.names)
         state = strategy.init_state()
 

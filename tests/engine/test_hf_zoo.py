@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dpclip.clipping.capabilities import capabilities_of
 from dpclip.clipping import STRATEGIES
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, naive_per_example_grads
 from tests.clipping.contract import contract_strategy
@@ -104,7 +105,7 @@ MODELS = ["bert", "roberta", "gpt2", "llama", "vit"]
 def _ghost_strategies():
     """The registered norm strategies that run on the ghost engine (as in test_ghost.py)."""
     return sorted(n for n, e in STRATEGIES.items()
-                  if e.kind == "norm" and not getattr(e.cls, "needs_per_example_grads", False))
+                  if e.kind == "norm" and not capabilities_of(e.cls).per_example_grads)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_zoo_every_ghost_strategy(zoo, name):
         strategy = contract_strategy(sname)
         groups = ParamGroups.flat(model) if strategy.norm_kind == "flat" else \
             ParamGroups.per_layer(model)
-        if hasattr(strategy, "bind_groups"):
+        if capabilities_of(strategy).per_group:
             strategy = strategy.bind_groups(groups.names)
         state = strategy.init_state()
         res = GhostEngine().compute(model, loss_fn, x, y,

@@ -90,7 +90,8 @@ def test_r1_refuses_per_example_engines():
 
     m = model()
     s = make_strategy("lip-dp-sgd", {"input_norm": 2.0, "scaling": "r1"}).bind(m, (1, 6, 6))
-    ctx = StepContext(0, 0, 1, 1, 4.0, 1.0)
+    ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1,
+                         expected_batch_size=4.0, base_noise_multiplier=1.0)
     with pytest.raises(ValueError, match="summed engine"):
         dp_step(m, torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.zeros(4, dtype=torch.long),
                 loss_fn=s.loss(), strategy=s, state=s.init_state(), engine=get_engine("vmap"),

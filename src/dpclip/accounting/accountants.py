@@ -50,6 +50,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from dp_accounting import dp_event as dpa_event
@@ -67,7 +68,7 @@ from dpclip.accounting.convert import (
     to_dp_accounting,
 )
 from dpclip.accounting.ledger import Ledger
-from dpclip.events import REPLACE_ONE, SampledWithoutReplacementEvent
+from dpclip.events import REPLACE_ONE
 
 __all__ = [
     "ACCOUNTANTS",
@@ -147,6 +148,17 @@ def check_delta(delta: float, name: str = "delta") -> float:
             f"{name} must be a number in (0, 1), got {delta!r} (typically 1e-5, below 1/N)"
         )
     return float(delta)
+
+
+def refuse_unsupported(event: Any, accountant: str) -> None:
+    """The ONE refusal of an accountant/event pair dp-accounting cannot account: the PLD
+    accountant and sampling without replacement (fixed-size batches, GBC mini-sets; replace-one
+    adjacency). Raises :class:`UnsupportedAccountingError` naming the fix (RDP, or Poisson)."""
+    if accountant == "pld" and adjacency_of(event) == REPLACE_ONE:
+        raise UnsupportedAccountingError(
+            "the PLD accountant (Poisson subsampling only) does not support sampling without "
+            f"replacement (fixed-size batches, replace-one adjacency), found in {event!r}; use "
+            "accountant='rdp' (or 'rdp-classic'; CLI --accountant rdp), or Poisson sampling")
 
 
 def check_accountant(accountant: str) -> str:
@@ -245,12 +257,7 @@ def compute_epsilon(
     )
     if accountant == "pld":
         for leaf, _ in leaves:
-            if isinstance(leaf, SampledWithoutReplacementEvent):
-                raise UnsupportedAccountingError(
-                    f"the PLD accountant does not support sampling without replacement "
-                    f"(event {leaf!r}, replace-one adjacency); use accountant='rdp' (or "
-                    "'rdp-classic'), or Poisson sampling"
-                )
+            refuse_unsupported(leaf, accountant)
         composed = dpa_event.ComposedDpEvent(
             [dpa_event.SelfComposedDpEvent(to_dp_accounting(leaf), n) for leaf, n in leaves]
         )

@@ -22,12 +22,11 @@ from dpclip.accounting.accountants import (
     check_accountant,
     check_delta,
     compute_epsilon,
+    refuse_unsupported,
 )
-from dpclip.accounting.convert import UnsupportedAccountingError, adjacency_of
 from dpclip.accounting.dpsgd import check_noise_multiplier, check_sample_rate, dpsgd_step_event
 from dpclip.accounting.ledger import is_dp_event
 from dpclip.events import (
-    REPLACE_ONE,
     DpEvent,
     GaussianEvent,
     PoissonSampledEvent,
@@ -69,12 +68,7 @@ def _event_epsilon_fn(
 
 
 def _ensure_pld_supported(event: DpEvent) -> None:
-    if adjacency_of(event) == REPLACE_ONE:
-        raise UnsupportedAccountingError(
-            "the PLD accountant does not support sampling without replacement (replace-one "
-            f"adjacency), found in {event!r}; calibrate with accountant='rdp' (or "
-            "'rdp-classic'), or use Poisson sampling"
-        )
+    refuse_unsupported(event, "pld")
 
 
 def _log(x: float) -> float:

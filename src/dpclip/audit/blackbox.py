@@ -49,7 +49,8 @@ from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_ep
 from dpclip.clipping import make_strategy
 from dpclip.data import load_dataset
 from dpclip.training.trainer import cross_entropy_per_example, train
-from dpclip.training.units import UnitConfig
+from dpclip.training.units import UnitConfig, public_fraction_of
+from dpclip.clipping.capabilities import capabilities_of
 
 __all__ = ["CANARIES", "BlackBoxAudit", "blackbox_audit", "make_canaries"]
 
@@ -135,11 +136,9 @@ def make_canaries(bundle: Any, m: int, canary: str, scale: float,
 
 def _check_no_public_split(config: Any) -> Any:
     """Refuse configurations with a public split; returns the strategy object."""
-    unit, params = UnitConfig.pop_from(config.strategy_params)
-    strategy = make_strategy(config.strategy, params)
-    public = bool(getattr(strategy, "needs_public_norms", False)) or unit.bn_stats == "public" \
-        or (unit.public_fraction or 0) > 0
-    if public:
+    unit = config.unit_config
+    strategy = make_strategy(config.strategy, config.strategy_params)
+    if public_fraction_of(unit, strategy) > 0:
         raise ValueError(
             f"blackbox_audit: this configuration (strategy {config.strategy!r}, unit settings "
             f"{unit}) carves a public split out of the training set, and a canary drawn into it "
@@ -192,7 +191,8 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
     result = train(config, data=audited, progress=progress)
     model = result.model.eval()
     device = next(model.parameters()).device
-    scale_inputs = getattr(strategy, "scale_inputs", None)  # Lip-DP-SGD trains on clipped inputs
+    # Lip-DP-SGD trains on clipped inputs
+    scale_inputs = strategy.scale_inputs if capabilities_of(strategy).bound_based else None
     with torch.no_grad():
         x_eval = x_c.to(device)
         if callable(scale_inputs):

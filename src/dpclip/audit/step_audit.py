@@ -54,9 +54,11 @@ from dpclip.audit.estimators import (
     one_run_fdp_epsilon,
 )
 from dpclip.clipping.base import State, StepContext
-from dpclip.engine import ParamGroups, get_engine
+from dpclip.clipping.capabilities import capabilities_of
+from dpclip.engine import get_engine
 from dpclip.events import DpEvent, GaussianEvent, PoissonSampledEvent, SampledWithoutReplacementEvent
 from dpclip.noise import make_generator, noise_std
+from dpclip.training.private import bind_clipping_groups
 from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 from dpclip.training.step import dp_step
 from dpclip.training.units import MiniSetSampler, UnitConfig
@@ -212,22 +214,21 @@ def _linear_loss(output: Tensor, target: Tensor) -> Tensor:
     return output.reshape(output.shape[0], -1).sum(dim=1)
 
 
+def _group_factors(strategy: Any, state: State) -> tuple[float, ...] | None:
+    """A per-group strategy's noise factors (``None``: one flat noise std)."""
+    return strategy.group_noise(state) if capabilities_of(strategy).per_group else None
+
+
 def _resolve(strategy: Any, model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
     """Bind the strategy to the model (groups, Lipschitz layers) and give its groups."""
-    if getattr(strategy, "kind", "norm") == "bound":
+    if capabilities_of(strategy).bound_based:
         strategy = strategy.bind(model, input_shape)
-    if strategy.norm_kind == "flat":
-        groups = ParamGroups.flat(model)
-    else:
-        groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
-        if hasattr(strategy, "bind_groups"):
-            strategy = strategy.bind_groups(groups.names)
-    return strategy, groups
+    return bind_clipping_groups(strategy, model)
 
 
 def _initial_state(strategy: Any, groups: Any) -> State:
     state = strategy.init_state()
-    if getattr(strategy, "needs_public_norms", False):  # equal public block norms: ratios 1
+    if capabilities_of(strategy).public_norms:  # equal public block norms: ratios 1
         state = strategy.public_refresh(state, torch.ones(4, len(groups), dtype=torch.float64))
     return state
 
@@ -281,7 +282,7 @@ def audit_step(
     UnitConfig(unit=unit, miniset_size=miniset_size if unit == "gbc" else None)  # validates unit
     if unit == "gbc" and sampling != "fixed-size":
         raise ValueError("unit=gbc needs sampling='fixed-size' (as in training; see dpclip.training.units)")
-    bound = getattr(strategy, "kind", "norm") == "bound"
+    bound = capabilities_of(strategy).bound_based
     if bound and unit != "ic":
         raise ValueError(f"strategy {strategy.name!r} is bound-based and runs with unit=ic only")
     if isinstance(engine, str):
@@ -340,7 +341,8 @@ def _dirac(strategy: Any, eng: Any, sampling: str, z: float, delta: float, n_can
         else:
             inputs = a * eye[torch.as_tensor(np.flatnonzero(coins), dtype=torch.long)]
         targets = torch.zeros(inputs.shape[0])
-        ctx = StepContext(t, t, 1, steps, denom, z)
+        ctx = StepContext.at(t, steps_per_epoch=1, total_steps=steps, expected_batch_size=denom,
+                             base_noise_multiplier=z)
         observed = ObservedStrategy(strategy)
         public_state = strategy.begin_step(state, ctx)  # public: the std the step will use
         out = step_fn(model, inputs, targets, loss_fn=_linear_loss, strategy=observed,
@@ -355,7 +357,7 @@ def _dirac(strategy: Any, eng: Any, sampling: str, z: float, delta: float, n_can
                 score += mean[name].detach().double().reshape(-1).numpy() / max(sd, 1e-300)
             score /= n_groups
         else:
-            factors = getattr(strategy, "group_noise", lambda s: None)(public_state)
+            factors = _group_factors(strategy, public_state)
             for h, members in enumerate(groups.members):
                 if factors is not None:
                     sd = noise_std(out.noise_multiplier, sampler.sensitivity_factor * factors[h])
@@ -403,7 +405,7 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
             n_trials: int, significance: float, canary_norm: float | None, s: int,
             seed: int | None, step_fn: StepFn, progress: bool,
             params: dict[str, Any]) -> StepAudit:
-    bound = getattr(strategy, "kind", "norm") == "bound"
+    bound = capabilities_of(strategy).bound_based
     fixed = sampling == "fixed-size"
     d = 4
     if bound:
@@ -459,8 +461,10 @@ def _trials(strategy: Any, eng: Any, unit: str, sampling: str, z: float, delta: 
     unit_cfg = None if unit == "ic" else UnitConfig(unit=unit,
                                                     miniset_size=s if unit == "gbc" else None)
     state0 = _initial_state(strategy, groups)
-    ctx = StepContext(0, 0, 1, 1, sampler.expected_batch_size if unit == "ic" else (
-        1.0 if unit == "bc" else float(sampler.expected_units)), z)
+    units = sampler.expected_batch_size if unit == "ic" else (
+        1.0 if unit == "bc" else float(sampler.expected_units))
+    ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1, expected_batch_size=units,
+                         base_noise_multiplier=z)
 
     def run(include: bool, noiseless: bool, generator: torch.Generator) -> tuple[Any, Any]:
         obs = ObservedStrategy(strategy, noiseless=noiseless)
@@ -527,7 +531,7 @@ def _output_stds(out: Any, obs: ObservedStrategy, groups: Any, sampler: Any, str
     names = list(out.grads)
     denom = float(ctx.expected_batch_size)
     stds: list[np.ndarray] = []
-    factors = getattr(strategy, "group_noise", lambda s: None)(strategy.begin_step(state0, ctx))
+    factors = _group_factors(strategy, strategy.begin_step(state0, ctx))
     k = unit_cfg.sensitivity_factor if unit_cfg is not None else sampler.sensitivity_factor
     for name, size in zip(names, sizes):
         if cert_sd is not None:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from dpclip._checks import check_integer, check_nonnegative, check_open_unit
 from dpclip.audit.estimators import AuditResult, one_run_epsilon, one_run_fdp_epsilon
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.base import Engine
 from dpclip.events import ComposedEvent, DpEvent, PoissonSampledEvent
@@ -149,9 +150,9 @@ def dirac_canary_audit(
     check_integer("steps", steps, 1)
     check_nonnegative("noise_multiplier", noise_multiplier)
     check_open_unit("delta", delta)
-    if getattr(strategy, "kind", "norm") == "bound":
+    if capabilities_of(strategy).bound_based:
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r} is bound-based (sensitivity from "
+            f"strategy {strategy_name(strategy)!r} is bound-based (sensitivity from "
             "the weights); the Dirac-canary audit needs a norm-based (clipping) strategy"
         )
     m = int(n_canaries)
@@ -181,8 +182,9 @@ def dirac_canary_audit(
     inner: list[DpEvent] = []
     inv_z2 = 0.0
     for t in range(int(steps)):
-        ctx = StepContext(t, 0, int(steps), int(steps), sampler.expected_batch_size,
-                          float(noise_multiplier))
+        ctx = StepContext.at(t, steps_per_epoch=int(steps), total_steps=int(steps),
+                             expected_batch_size=sampler.expected_batch_size,
+                             base_noise_multiplier=float(noise_multiplier))
         out = dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
                       engine=eng, groups=groups, sampler=sampler,
                       base_noise_multiplier=float(noise_multiplier), ctx=ctx,

@@ -8,6 +8,7 @@ from dpclip.clipping.base import (
     StrategyBase,
     finite_or_inf,
 )
+from dpclip.clipping.capabilities import Capabilities, capabilities_of
 from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.registry import (
     STRATEGIES,
@@ -24,6 +25,7 @@ from dpclip.clipping import (  # noqa: E402,F401,I001 - in the order they always
 
 __all__ = [
     "STRATEGIES",
+    "Capabilities",
     "ClippingStrategy",
     "FixedClip",
     "Release",
@@ -31,6 +33,7 @@ __all__ = [
     "StepContext",
     "StrategyBase",
     "StrategyEntry",
+    "capabilities_of",
     "finite_or_inf",
     "list_strategies",
     "make_strategy",

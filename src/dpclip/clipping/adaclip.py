@@ -22,6 +22,7 @@ from dpclip.clipping.base import (
     finite_or_inf,
     positive_finite,
 )
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.quantile import NORM_EPS
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import DpEvent
@@ -85,7 +86,7 @@ class AdaClip(StrategyBase):
     name: ClassVar[str] = "adaclip"
     norm_kind: ClassVar[str] = "flat"
     #: class P-GRAD: ``dp_step`` materializes per-example gradients and calls ``transform``
-    needs_per_example_grads: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(per_example_grads=True)
 
     initial_clip_norm: float = 1.0
     beta1: float = 0.9

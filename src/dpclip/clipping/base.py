@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.events import DpEvent, GaussianEvent
 
 __all__ = [
@@ -42,9 +43,10 @@ __all__ = [
 State = Mapping[str, Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepContext:
-    """Public facts about the step being taken (never data-dependent)."""
+    """Public facts about the step being taken (never data-dependent). Keyword-only; build it
+    with :meth:`at`, which derives the epoch from the step."""
 
     step: int  #: 0-based global step index
     epoch: int  #: 0-based epoch index
@@ -52,6 +54,15 @@ class StepContext:
     total_steps: int  #: planned number of steps of the run
     expected_batch_size: float  #: public normaliser (sample_rate * dataset_size)
     base_noise_multiplier: float  #: the run's noise multiplier (before any strategy schedule)
+
+    @classmethod
+    def at(cls, step: int, *, steps_per_epoch: int, total_steps: int,
+           expected_batch_size: float, base_noise_multiplier: float) -> "StepContext":
+        """The context of 0-based ``step`` (epoch ``step // steps_per_epoch``)."""
+        return cls(step=int(step), epoch=int(step) // int(steps_per_epoch),
+                   steps_per_epoch=int(steps_per_epoch), total_steps=int(total_steps),
+                   expected_batch_size=float(expected_batch_size),
+                   base_noise_multiplier=float(base_noise_multiplier))
 
 
 class Release(Protocol):
@@ -119,6 +130,8 @@ class StrategyBase:
 
     name: ClassVar[str] = ""
     norm_kind: ClassVar[str] = "flat"
+    #: what the strategy can do (``dpclip.clipping.capabilities``): a plain norm-based strategy
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def init_state(self) -> State:
         return {}

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from dpclip.clipping.base import State, StepContext, StrategyBase, finite_or_inf, positive_finite
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.fixed import NORM_EPS
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import DpEvent, GaussianEvent
@@ -95,6 +96,7 @@ class PerLayerClip(StrategyBase):
 
     name: ClassVar[str] = "per-layer"
     norm_kind: ClassVar[str] = "group"
+    capabilities: ClassVar[Capabilities] = Capabilities(per_group=True)
     #: the contract suite runs every strategy with 3 groups
     contract_params: ClassVar[dict[str, Any]] = {"num_groups": 3}
 
@@ -206,7 +208,7 @@ class AdaptiveLayerwiseClip(PerLayerClip):
     """
 
     name: ClassVar[str] = "alc"
-    needs_public_norms: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(per_group=True, public_norms=True)
 
     clip_norm: float = 0.2
     noise: str = "per-layer"

@@ -53,6 +53,7 @@ from dpclip.clipping.base import (
     StepContext,
     positive_finite,
 )
+from dpclip.clipping.capabilities import Capabilities, capabilities_of
 from dpclip.clipping.fixed import FixedClip
 from dpclip.clipping.registry import (
     STRATEGIES,
@@ -142,7 +143,7 @@ def _has_clip_norm(cls: type) -> bool:
         dataclasses.is_dataclass(cls)
         and any(f.name == "clip_norm" for f in dataclasses.fields(cls))
         # P-GRAD strategies (AdaClip) need step-level hooks a schedule does not forward
-        and not getattr(cls, "needs_per_example_grads", False)
+        and not capabilities_of(cls).per_example_grads
     )
 
 
@@ -279,22 +280,24 @@ class _ThresholdSchedule:
 
     # -- forwarded hooks of per-group inner strategies (per-layer, alc, alc-zhang) ---------------
     def group_noise(self, state: State) -> tuple[float, ...] | None:
-        hook = getattr(self._current(state), "group_noise", None)
-        return None if hook is None else hook(state["inner"])
+        inner = self._current(state)
+        return inner.group_noise(state["inner"]) if capabilities_of(inner).per_group else None
 
     def bind_groups(self, group_names: Any) -> "_ThresholdSchedule":
-        hook = getattr(self.inner, "bind_groups", None)
-        if hook is None:
+        if not capabilities_of(self.inner).per_group:
             return self
-        return dataclasses.replace(self, inner=hook(group_names))  # type: ignore[type-var]
+        return dataclasses.replace(  # type: ignore[type-var]
+            self, inner=self.inner.bind_groups(group_names))
 
     @property
-    def needs_public_norms(self) -> bool:
-        return bool(getattr(self.inner, "needs_public_norms", False))
+    def capabilities(self) -> Capabilities:
+        """The inner strategy's (per-group clipping, public norms); a schedule never wraps a
+        bound-based or P-GRAD strategy (``_has_clip_norm``)."""
+        return capabilities_of(self.inner)
 
     @property
     def grouping(self) -> str:
-        return str(getattr(self.inner, "grouping", "layer"))
+        return str(self.inner.grouping) if capabilities_of(self.inner).per_group else "layer"
 
     def public_refresh(self, state: State, public_norms: Tensor) -> State:
         inner = self._current(state)

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from dpclip.accounting import Ledger
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.events import DpEvent
 from dpclip.randomness import PrivateRandomness
 from dpclip.training.plan import Plan
@@ -86,18 +87,18 @@ def make_user_sampler(sampling: str, num_users: int, clients_per_round: float) -
 
 def check_federated_strategy(strategy: ClippingStrategy) -> None:
     """Refuse strategies the server cannot apply to flat client deltas (named, with the fix)."""
-    name = getattr(strategy, "name", type(strategy).__name__)
-    if getattr(strategy, "kind", "norm") != "norm":
+    name = strategy_name(strategy)
+    if capabilities_of(strategy).bound_based:
         raise ValueError(
             f"strategy {name!r} is bound-based (sensitivity from the weights); DP-FedAvg clips "
             "client deltas by norm: use fixed, quantile or a schedule"
         )
-    if getattr(strategy, "needs_per_example_grads", False):
+    if capabilities_of(strategy).per_example_grads:
         raise ValueError(
             f"strategy {name!r} transforms per-example gradients (P-GRAD); DP-FedAvg clips client "
             "deltas by norm: use fixed, quantile or a schedule"
         )
-    if getattr(strategy, "norm_kind", "flat") != "flat":
+    if capabilities_of(strategy).per_group:
         raise ValueError(
             f"strategy {name!r} clips per parameter group; dpclip.federated clips the whole "
             "client delta (flat norm): use fixed, quantile or a schedule"
@@ -325,7 +326,7 @@ class DPAggregator:
     def describe(self) -> dict[str, Any]:
         """Public facts of the aggregation (stored with every run)."""
         return {
-            "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
+            "strategy": strategy_name(self.strategy),
             "params": self.strategy.describe(),
             "sampling": self.sampler.name,
             "adjacency": self.sampler.adjacency,

@@ -544,9 +544,10 @@ def _validate_names(spec: ExperimentSpec) -> None:
             cfg = next(r.config for r in runs if r.label == st.label)
             cfg = resolve_strategy_params(cfg, None, dry_run=True)
 
-            unit, own = UnitConfig.pop_from(cfg.strategy_params)  # unit=..., miniset_size=...
-            check_unit_sampling(unit, cfg.sampling)
-            make_strategy(st.name, own)
+            # the clipping unit is a TrainConfig field ([train] unit = ...; the old spelling in
+            # params was moved there by TrainConfig, with a deprecation note)
+            check_unit_sampling(cfg.unit_config, cfg.sampling)
+            make_strategy(st.name, cfg.strategy_params)
             if spec.tuning is not None and spec.tuning.horizon == "tan" \
                     and spec.tuning.epochs >= cfg.epochs:
                 raise ValueError(
@@ -561,8 +562,7 @@ def _validate_names(spec: ExperimentSpec) -> None:
                             f"lr_warmup_epochs {tuned.lr_warmup_epochs:g} does not fit in a trial "
                             f"of [tuning] epochs = {spec.tuning.epochs}; raise tuning.epochs or "
                             "shorten the warm-up")
-                    _, own = UnitConfig.pop_from(tuned.strategy_params)
-                    make_strategy(st.name, own)
+                    make_strategy(st.name, tuned.strategy_params)
         except ValueError as exc:
             raise SpecError(f"strategy {st.label!r}: {exc}") from None
 

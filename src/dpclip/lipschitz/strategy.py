@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.clipping.base import State, StepContext, StrategyBase, positive_finite
+from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.lipschitz.bounds import NetworkBound, lipschitz_bounds, rescale_weight_
@@ -140,6 +141,7 @@ class _LipBase(StrategyBase):
     registered)."""
 
     kind: ClassVar[str] = "bound"
+    capabilities: ClassVar[Capabilities] = Capabilities(bound_based=True)
     norm_kind: ClassVar[str] = "flat"
     #: Fix-Lip-DP-SGD: always normalise weights to ``weight_bound`` (else only when above it)
     normalize_weights: ClassVar[bool] = False

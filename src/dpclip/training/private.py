@@ -50,7 +50,9 @@ from torch.utils import _pytree as pytree
 
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
+from dpclip.accounting.accountants import refuse_unsupported
 from dpclip.clipping import ClippingStrategy, make_strategy
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.training.distributed import (
     DistributedEngine,
     ShardedSampler,
@@ -69,6 +71,7 @@ from dpclip.devices import resolve_device
 from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.events import GaussianEvent
 from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.training.loop_guard import LoopGuard
 from dpclip.training.multiplicity import KCopyModel, check_multiplicity, expand_copies, k_copy_loss, \
@@ -80,10 +83,11 @@ from dpclip.training.step import StepOutput, dp_step, private_buffer_guard
 from dpclip.training.units import (
     MiniSetSampler,
     UnitConfig,
-    batchnorm_layers,
+    check_batchnorm,
     check_unit_sampling,
     expected_units,
     public_unit_norms,
+    resolve_unit,
 )
 
 __all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private",
@@ -152,6 +156,16 @@ def _as_tensors(data: Any) -> tuple[Any, Any, int]:
     )
 
 
+def bind_clipping_groups(strategy: Any, model: nn.Module) -> tuple[Any, ParamGroups]:
+    """The strategy's clipping groups on ``model`` (one flat group, or the groups its
+    ``grouping`` names) and the strategy bound to them (a per-group strategy learns ``L``, the
+    model's number of groups). Public: the model's structure only."""
+    if not capabilities_of(strategy).per_group:
+        return strategy, ParamGroups.flat(model)
+    groups = ParamGroups.from_spec(model, strategy.grouping)
+    return strategy.bind_groups(groups.names), groups
+
+
 def _same_batch(given: Any, drawn: Any) -> bool:
     """Whether ``given`` holds exactly the tensor objects of the drawn batch, in its structure
     (a tuple or dict unpacked and packed again in the loop is the same batch; a copy is not)."""
@@ -164,18 +178,48 @@ def _same_batch(given: Any, drawn: Any) -> bool:
     return spec_a == spec_b and all(x is y for x, y in zip(a, b))
 
 
-def _check_distributable(strategy: Any, unit: UnitConfig, sampling: str,
-                         accountant: str) -> None:
-    """Refuse what the distributed step cannot reproduce exactly or account for
-    (``dpclip.training.distributed``); before any collective, so every rank fails alike."""
-    name = getattr(strategy, "name", type(strategy).__name__)
-    if sampling != "poisson" and accountant == "pld":
+def _check_arguments(epsilon: float | None, noise_multiplier: float | None,
+                     epochs: int | None, steps: int | None, engine: str) -> None:
+    """The arguments ``make_private`` needs before anything is built."""
+    if epsilon is None and noise_multiplier is None:
+        raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
+                         "multiplier (noise_multiplier=)")
+    if (epochs is None) == (steps is None):
+        raise ValueError("make_private: give exactly one of epochs= and steps= (the planned "
+                         "length of training, which the noise is calibrated for)")
+    ENGINES.lookup(engine, "make_private: ")
+
+
+def resolve_delta(delta: float | None, n: int, *, where: str, verbose: bool, flag: str,
+                  detail: str = "") -> float:
+    """The run's delta: the given one, or :func:`default_delta` (said on stderr when
+    ``verbose``); refused outside ``(0, 1)`` or at ``>= 1/N`` (N private training examples), where
+    a mechanism that publishes one random record in the clear meets the guarantee. The one check
+    of delta for ``make_private`` and ``dpclip train``. ``detail``: what N counts."""
+    if delta is None:
+        value = default_delta(n)
+        if verbose:
+            how = flag if flag.startswith("--") else f"pass {flag}"
+            print(f"dpclip: delta = {value:g} (below 1/N = 1/{n}; {how} to choose)",
+                  file=sys.stderr)
+        return value
+    value = float(delta)
+    prefix = f"{where}: " if where else ""
+    if not (0 < value < 1):
+        raise ValueError(f"{prefix}delta must be in (0, 1), got {value}")
+    if value >= 1.0 / n:
         raise ValueError(
-            f"distributed: sampling={sampling!r} draws a fixed-size GLOBAL batch (sampled without "
-            "replacement, replace-one adjacency), which the PLD accountant (Poisson subsampling "
-            "only) does not cover; use sampling='poisson', or accountant='rdp' for fixed-size "
-            "batches. Per-rank fixed-size batches are never accounted as Poisson")
-    if getattr(strategy, "needs_per_example_grads", False):
+            f"{prefix}delta={value:g} ({flag}) is >= 1/N = 1/{n}{detail}: a mechanism that "
+            "publishes one random record in the clear meets this delta, so the guarantee would "
+            f"mean nothing; use delta < 1/N, e.g. {default_delta(n):g}")
+    return value
+
+
+def _check_distributable(strategy: Any, unit: UnitConfig) -> None:
+    """Refuse what the distributed step cannot reproduce exactly (``dpclip.training.
+    distributed``); before any collective, so every rank fails alike."""
+    name = strategy_name(strategy)
+    if capabilities_of(strategy).per_example_grads:
         raise ValueError(
             f"distributed: strategy {name!r} clips transformed per-example gradients (P-GRAD) "
             "outside the engine, which the distributed step does not all-reduce; train it in one "
@@ -227,6 +271,8 @@ class PrivateTraining:
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         strategy: str | ClippingStrategy = "fixed",
         strategy_params: Mapping[str, Any] | None = None,
+        unit: str | UnitConfig | None = None,
+        miniset_size: int | None = None,
         epsilon: float | None = None,
         noise_multiplier: float | None = None,
         delta: float | None = None,
@@ -250,16 +296,41 @@ class PrivateTraining:
         averaging: Any = None,
         augment_multiplicity: int = 1,
     ) -> None:
-        if epsilon is None and noise_multiplier is None:
-            raise ValueError("make_private: give a target epsilon (epsilon=) or a noise "
-                             "multiplier (noise_multiplier=)")
-        if (epochs is None) == (steps is None):
-            raise ValueError("make_private: give exactly one of epochs= and steps= (the planned "
-                             "length of training, which the noise is calibrated for)")
-        ENGINES.lookup(engine, "make_private: ")
+        # the steps of Opacus' make_private, in order: arguments, data, privacy, the strategy and
+        # its unit, the engine and loss, the sampler, the plan, the randomness, the state
+        _check_arguments(epsilon, noise_multiplier, epochs, steps, engine)
         self.model, self.optimizer = model, optimizer
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
-        self._x, self._y, n = _as_tensors(convert_arrays(data, model, verbose))
+        n = self._prepare_data(data, verbose, device, data_on_device, augment,
+                               augment_multiplicity, averaging)
+        self.delta = resolve_delta(delta, n, where="make_private", verbose=verbose,
+                                   flag=flags.get("delta", "delta="))
+        self.accountant = accountant
+        self.epsilon_cap = epsilon
+        self.seed = int(seed)
+        strategy = self._prepare_strategy(strategy, strategy_params, unit, miniset_size,
+                                          sampling, loss_fn)
+        # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
+        # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
+        chunk_kw = {} if max_physical_batch is None else {"max_physical_batch": max_physical_batch}
+        strategy = self._prepare_engine(strategy, engine, chunk_kw, loss_fn, input_shape)
+        self._prepare_public(public_data)
+        self._prepare_sampler(n, batch_size, data, verbose, sampling, accountant, distributed)
+        self._prepare_plan(steps, epochs)
+        self._prepare_randomness(reproducible_noise, (
+            strategy_name(self.strategy), self.strategy.describe(), self.unit.describe(),
+            self.sampler.name, n, float(self._batch_size), self.total_steps, epsilon,
+            noise_multiplier, self.delta, accountant, engine, self.seed))
+        self._prepare_state(engine, chunk_kw, noise_multiplier)
+
+    # ------------------------------------------------------------------ construction steps
+
+    def _prepare_data(self, data: Any, verbose: bool, device: Any, data_on_device: bool | str,
+                      augment: Any, augment_multiplicity: int, averaging: Any) -> int:
+        """The training data as tensors on their device, the augmentation, its multiplicity and
+        the weight averaging; returns the number of training examples N."""
+        flags = self._flags
+        self._x, self._y, n = _as_tensors(convert_arrays(data, self.model, verbose))
         if n < 1:
             raise ValueError("make_private: the training data has no examples")
         #: per-example augmentation after sampling (dpclip.data.augment), or None
@@ -273,7 +344,7 @@ class PrivateTraining:
                     f"{aug_flag}: augmentation {self.augment.spec!r} needs the inputs to be one "
                     f"tensor of images, got {type(self._x).__name__}; set it to None and augment "
                     "inside your model")
-        #: augmentation multiplicity K and weight averaging (dpclip.training.multiplicity, dpclip.training.averaging)
+        #: augmentation multiplicity K and weight averaging (training.multiplicity, .averaging)
         self.multiplicity = parse_multiplicity(
             augment_multiplicity, flags.get("augment_multiplicity", "augment_multiplicity"))
         self.averaging = parse_averaging(averaging, flags.get("averaging", "averaging="))
@@ -281,78 +352,73 @@ class PrivateTraining:
         self.device = resolve_device(device, flags.get("device", "device")) \
             if device is not None else None
         self._x, self._y = _place_data(self._x, self._y, self.device, data_on_device)
-        self.delta = float(delta) if delta is not None else default_delta(n)
-        if delta is None and verbose:
-            print(f"dpclip: delta = {self.delta:g} (below 1/N = 1/{n}; pass delta= to choose)",
-                  file=sys.stderr)
-        if not (0 < self.delta < 1):
-            raise ValueError(f"make_private: delta must be in (0, 1), got {self.delta}")
-        if self.delta >= 1.0 / n:
-            raise ValueError(
-                f"make_private: delta={self.delta:g} is >= 1/N = 1/{n}: a mechanism that publishes "
-                "one random record in the clear meets this delta; use delta < 1/N, e.g. "
-                f"{default_delta(n):g}"
-            )
-        self.accountant = accountant
-        self.epsilon_cap = epsilon
-        self.seed = int(seed)
+        return n
 
-        unit, params = UnitConfig.pop_from(dict(strategy_params or {}))
-        check_unit_sampling(unit, sampling)
-        self.unit = unit
+    def _prepare_strategy(self, strategy: Any, strategy_params: Mapping[str, Any] | None,
+                          unit: Any, miniset_size: int | None, sampling: str,
+                          loss_fn: Any) -> Any:
+        """The clipping unit (its own argument; the old spelling inside ``strategy_params`` is
+        read with a deprecation note) and the strategy, built once from its name."""
+        given = unit.settings() if isinstance(unit, UnitConfig) else \
+            {"unit": unit if unit is not None else "ic", "miniset_size": miniset_size}
+        if isinstance(unit, UnitConfig) and miniset_size is not None:
+            raise ValueError("make_private: miniset_size= is part of the UnitConfig given as "
+                             "unit=; set it there")
+        self.unit, params = resolve_unit(given, strategy_params, where="make_private")
+        check_unit_sampling(self.unit, sampling)
         if isinstance(strategy, str):
             strategy = make_strategy(strategy, params)
         elif params:
             raise ValueError("make_private: strategy_params are for a strategy given by name; "
                              "configure a strategy instance directly")
+        self.bound_based = capabilities_of(strategy).bound_based
         self.loss_fn = loss_fn if loss_fn is not None else (
             lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
-        if loss_fn is None and getattr(strategy, "kind", "norm") != "bound":
-            check_class_targets(model, self._x, self._y, self.device)  # before the first step
-        self.bound_based = getattr(strategy, "kind", "norm") == "bound"
-        # None: the engine's own default (ghost / auto: the whole batch in one pass, as a
-        # non-private step; vmap / naive: 256 materialised per-example gradients at a time)
-        chunk_kw = {} if max_physical_batch is None else {"max_physical_batch": max_physical_batch}
+        if loss_fn is None and not self.bound_based:
+            check_class_targets(self.model, self._x, self._y, self.device)  # before any step
+        return strategy
+
+    def _prepare_engine(self, strategy: Any, engine: str, chunk_kw: dict[str, Any],
+                        loss_fn: Any, input_shape: Sequence[int] | None) -> Any:
+        """The engine, the bound-based strategy's certified loss, the clipping groups, and the
+        refusal of BatchNorm under per-example clipping; sets ``self.strategy``."""
         self.engine = get_engine(engine, **chunk_kw) if engine != "summed" else get_engine(engine)
         if self.bound_based:  # Lip-DP-SGD: certified loss; "auto" = one plain backward
+            name = strategy_name(strategy)
             if input_shape is None:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
-                                 "sensitivity from the model: pass input_shape= (one example)")
+                raise ValueError(f"strategy {name!r} certifies sensitivity from the model: pass "
+                                 "input_shape= (one example)")
             if loss_fn is not None:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies its "
-                                 "own Lipschitz loss; do not pass loss_fn=")
-            strategy = strategy.bind(model, tuple(input_shape))
+                raise ValueError(f"strategy {name!r} certifies its own Lipschitz loss; do not "
+                                 "pass loss_fn=")
+            strategy = strategy.bind(self.model, tuple(input_shape))
             self.loss_fn = strategy.loss()
             if engine == "auto":
                 self.engine = get_engine("summed", **chunk_kw)
-            if not unit.is_individual:
-                raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} certifies "
-                                 "per-example sensitivity from the weights; it runs with unit=ic "
-                                 "only")
-        if strategy.norm_kind == "flat":
-            self.groups = ParamGroups.flat(model)
-        else:
-            self.groups = ParamGroups.from_spec(model, getattr(strategy, "grouping", "layer"))
-            if hasattr(strategy, "bind_groups"):  # L = the model's number of clipping groups
-                strategy = strategy.bind_groups(self.groups.names)
-        self.strategy = strategy
+            if not self.unit.is_individual:
+                raise ValueError(f"strategy {name!r} certifies per-example sensitivity from the "
+                                 "weights; it runs with unit=ic only")
+        self.strategy, self.groups = bind_clipping_groups(strategy, self.model)
         self.input_shape = tuple(input_shape) if input_shape is not None else None
-        bn = batchnorm_layers(model)
-        if unit.is_individual and bn:
-            raise ValueError(
-                f"the model has BatchNorm layer {bn[0][0]!r}: BatchNorm mixes the examples of a "
-                "batch, so per-example clipping (unit=ic) cannot bound one example's influence. "
-                "Use GroupNorm or LayerNorm instead, or batch clipping: strategy_params="
-                "{'unit': 'bc'} (or unit='gbc' with miniset_size=S and sampling='fixed-size')"
-            )
+        check_batchnorm(self.model, self.unit,
+                        cli=self._flags.get("batch_size", "").startswith("--"))
+        return self.strategy
+
+    def _prepare_public(self, public_data: tuple[Tensor, Tensor] | None) -> None:
         self.public_data = public_data
-        if getattr(strategy, "needs_public_norms", False) and public_data is None:
-            raise ValueError(f"strategy {getattr(strategy, 'name', strategy)!r} estimates its "
+        if capabilities_of(self.strategy).public_norms and public_data is None:
+            raise ValueError(f"strategy {strategy_name(self.strategy)!r} estimates its "
                              "thresholds on public data: pass public_data=(inputs, targets)")
+
+    def _prepare_sampler(self, n: int, batch_size: float | None, data: Any, verbose: bool,
+                         sampling: str, accountant: str, distributed: Any) -> None:
+        """The sampler of examples (or mini-sets), sharded across ranks when distributed."""
         if batch_size is None:  # make_private without batch_size=: the DataLoader's, or an error
             batch_size = _loader_batch_size(data, verbose)
         elif verbose:
             _say_loader_batch_size_unused(data, batch_size)
+        self._batch_size = batch_size
+        unit = self.unit
         if unit.unit == "gbc":
             s_size = int(unit.miniset_size or 1)
             if float(batch_size) != int(batch_size) or int(batch_size) % s_size:
@@ -364,13 +430,18 @@ class PrivateTraining:
                                                partition_seed=self.seed)
         else:
             self.sampler = make_sampler(sampling, n, batch_size)
-        # distributed (dpclip.training.distributed): every rank draws the GLOBAL batch, keeps its shard
+        # distributed (training.distributed): every rank draws the GLOBAL batch, keeps its shard
         self.distributed = resolve_distributed(distributed)
         if self.distributed is not None:
-            _check_distributable(strategy, unit, sampling, accountant)
+            # the accountant is checked before any collective, so every rank fails alike
+            refuse_unsupported(self.sampler.step_event(GaussianEvent(1.0)), accountant)
+            _check_distributable(self.strategy, unit)
             self.sampler = ShardedSampler(self.sampler, self.distributed)
         self.unit_size = int(unit.miniset_size or 1) if unit.unit == "gbc" else (
             int(round(self.sampler.expected_batch_size)) if unit.unit == "bc" else 1)
+
+    def _prepare_plan(self, steps: int | None, epochs: int | None) -> None:
+        """The planned length of training and the plan of events (public)."""
         self.steps_per_epoch = int(self.sampler.steps_per_epoch)
         if steps is not None:
             if not (isinstance(steps, int) and steps >= 1):
@@ -381,27 +452,31 @@ class PrivateTraining:
                 raise ValueError(f"make_private: epochs must be an int >= 1, got {epochs!r}")
             self.total_steps = epochs * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        self._plan = _Plan(strategy, self.sampler, self.total_steps,
-                           expected_units(unit, self.sampler))
-        # the secret generators draw on the gradient's device (CUDA: Philox keyed from os.urandom)
+        self._plan = _Plan(self.strategy, self.sampler, self.total_steps,
+                           expected_units(self.unit, self.sampler))
+
+    def _prepare_randomness(self, reproducible_noise: bool, run_config: tuple[Any, ...]) -> None:
+        """The secret generators (on the gradient's device: CUDA Philox keyed from os.urandom);
+        distributed: one secret, one model, one plan and the same data digest on every rank."""
         self.rng = PrivateRandomness.for_run(reproducible_noise, self.seed,
-                                             device=self.device or _model_device(model))
+                                             device=self.device or _model_device(self.model))
         #: the engine dp_step runs: ``engine``, or its all-reducing wrapper when distributed
         self._step_engine: Any = self.engine
-        if self.distributed is not None:  # one secret, one model, one plan on every rank
-            check_same(self.distributed, repr((
-                getattr(strategy, "name", type(strategy).__name__), strategy.describe(),
-                self.unit.describe(), self.sampler.name, n, float(batch_size), self.total_steps,
-                epsilon, noise_multiplier, self.delta, accountant, engine, self.seed)),
-                "the run's configuration")
+        if self.distributed is not None:
+            check_same(self.distributed, repr(run_config), "the run's configuration")
             # the data each rank holds (docs/distributed.md): a digest, compared across ranks
             check_same(self.distributed, data_digest(self._x, self._y), "the training data")
             shared_randomness(self.rng, self.distributed)
-            broadcast_module(model, self.distributed)
+            broadcast_module(self.model, self.distributed)
             self._step_engine = DistributedEngine(self.engine, self.distributed)
+
+    def _prepare_state(self, engine: str, chunk_kw: dict[str, Any],
+                       noise_multiplier: float | None) -> None:
+        """The ledger, the strategy state, the loop guard and the noise multiplier (given, or
+        calibrated to the epsilon target), checked against the strategy and the accountant."""
         self.ledger = Ledger()
         self._epsilon_memo: tuple[Any, float] | None = None
-        self.state = strategy.init_state()
+        self.state = self.strategy.init_state()
         self.steps = 0
         self.engines_ran: set[str] = set()
         self.fallbacks: set[str] = set()
@@ -414,9 +489,9 @@ class PrivateTraining:
                        accountant=self.accountant)
         self.max_steps = self._budget_steps()
         self._pending: tuple[Any, Any] | None = None
-        #: the loop rules (dpclip.training.loop_guard): every draw released once, unchanged, and only
+        #: the loop rules (training.loop_guard): every draw released once, unchanged, and only
         #: released gradients applied by the optimizer
-        self.loop_guard = LoopGuard(optimizer)
+        self.loop_guard = LoopGuard(self.optimizer)
         self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
         self.last_output: StepOutput | None = None
 
@@ -564,8 +639,7 @@ class PrivateTraining:
         if self._post_step_due:  # weight clipping of the released weights (bound-based)
             self.strategy.post_step(self.model, self.state, input_shape=self.input_shape)
             self._post_step_due = False
-        if step % self.steps_per_epoch == 0 and getattr(self.strategy, "needs_public_norms",
-                                                        False):
+        if step % self.steps_per_epoch == 0 and capabilities_of(self.strategy).public_norms:
             x_pub, y_pub = self.public_data  # type: ignore[misc]
             with private_buffer_guard(self.model, "public norms"):
                 norms = public_unit_norms(self.model, self.loss_fn, x_pub, y_pub, self.groups,
@@ -666,7 +740,7 @@ class PrivateTraining:
     def describe(self) -> dict[str, Any]:
         """Public facts for a run summary."""
         return {
-            "strategy": getattr(self.strategy, "name", type(self.strategy).__name__),
+            "strategy": strategy_name(self.strategy),
             "params": {**self.strategy.describe(),
                        **({} if self.unit.is_individual else self.unit.describe())},
             "epsilon": self.epsilon(),
@@ -785,7 +859,7 @@ class PrivateTraining:
         k = self.multiplicity
         self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
         if k > 1 and engine == "auto" \
-                and not getattr(self.strategy, "needs_per_example_grads", False):
+                and not capabilities_of(self.strategy).per_example_grads:
             from dpclip.engine.vmap import VmapEngine
 
             self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
@@ -828,7 +902,7 @@ class PrivateTraining:
         return self.averager.averaged_model()
 
     def __repr__(self) -> str:
-        return (f"PrivateTraining(strategy={getattr(self.strategy, 'name', self.strategy)!r}, "
+        return (f"PrivateTraining(strategy={strategy_name(self.strategy)!r}, "
                 f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
 
@@ -874,6 +948,8 @@ def make_private(
     batch_size: float | None = None,
     strategy: str | ClippingStrategy = "fixed",
     strategy_params: Mapping[str, Any] | None = None,
+    unit: str | UnitConfig | None = None,
+    miniset_size: int | None = None,
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     sampling: str = "poisson",
     accountant: str = "pld",
@@ -919,8 +995,14 @@ def make_private(
             ``batch_size`` (said on stderr when ``verbose``); for any other ``data`` it is
             required.
         strategy: a clipping strategy name (``dpclip strategies`` lists them) or an instance.
-        strategy_params: the named strategy's parameters, e.g. ``{"clip_norm": 1.0}``; also the
-            clipping unit (``{"unit": "bc"}``: batch clipping).
+        strategy_params: the named strategy's parameters, e.g. ``{"clip_norm": 1.0}``. (The
+            clipping unit used to travel here, ``{"unit": "bc"}``: still read, with a
+            ``DeprecatedSpellingWarning``; pass ``unit=`` instead.)
+        unit: the clipping unit (``dpclip.training.units``): ``"ic"`` (default: per example),
+            ``"bc"`` (batch clipping: the batch's mean gradient clipped once; BatchNorm allowed),
+            ``"gbc"`` (general batch clipping over mini-sets of ``miniset_size`` examples; needs
+            ``sampling="fixed-size"``), or a ``UnitConfig``. The example stays the privacy unit.
+        miniset_size: examples per mini-set for ``unit="gbc"`` (``batch_size`` a multiple of it).
         loss_fn: ``loss_fn(outputs, targets)`` returning one loss per example, shape ``(B,)``;
             default cross-entropy with ``reduction="none"``.
         sampling: ``"poisson"`` (add/remove adjacency) or ``"fixed-size"`` (replace-one,
@@ -956,7 +1038,7 @@ def make_private(
     """
     return PrivateTraining(
         model, optimizer, data, loss_fn=loss_fn, strategy=strategy,
-        strategy_params=strategy_params, epsilon=epsilon, noise_multiplier=noise_multiplier,
+        strategy_params=strategy_params, unit=unit, miniset_size=miniset_size, epsilon=epsilon, noise_multiplier=noise_multiplier,
         delta=delta, epochs=epochs, steps=steps, batch_size=batch_size, sampling=sampling,
         accountant=accountant, engine=engine, max_physical_batch=max_physical_batch,
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,

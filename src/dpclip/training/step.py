@@ -10,7 +10,7 @@
 
 ``dp_step`` = engine + :func:`dpclip.training.release.release` (the last three lines).
 
-A strategy of class P-GRAD (AdaClip; ``needs_per_example_grads = True``, see
+A strategy of class P-GRAD (AdaClip; ``Capabilities(per_example_grads=True)``, see
 :class:`GradientTransform`) replaces the engine call by ``transformed_sum``: per-example gradients
 are materialized (vmap or naive engine), mapped by ``strategy.transform`` and clipped there; the
 noisy sum is divided by the expected batch size as always and mapped back by
@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
+from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.engine._common import check_per_example_model, trainable_params
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
@@ -153,7 +154,7 @@ def dp_step(
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """
-    if getattr(strategy, "kind", "norm") == "bound":  # Lip-DP-SGD: sensitivity from the weights
+    if capabilities_of(strategy).bound_based:  # Lip-DP-SGD: sensitivity from the weights
         return bound_step(
             model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
             engine=engine, groups=groups, sampler=sampler,
@@ -165,7 +166,7 @@ def dp_step(
     def weight_fn(norms: Tensor) -> Tensor:
         return strategy.weights(norms, frozen_state)
 
-    per_example = getattr(strategy, "needs_per_example_grads", False)
+    per_example = capabilities_of(strategy).per_example_grads
     individual = unit is None or unit.is_individual
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
         if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
@@ -175,7 +176,7 @@ def dp_step(
                 "shape (units, examples per unit, ...); tuple or dict inputs run with unit=ic")
         if per_example:
             raise ValueError(
-                f"strategy {getattr(strategy, 'name', strategy)!r} clips transformed per-example "
+                f"strategy {strategy_name(strategy)!r} clips transformed per-example "
                 "gradients and cannot run on batch units; use unit=ic, or a norm-based strategy"
             )
         with private_buffer_guard(model):
@@ -195,15 +196,14 @@ def dp_step(
         n_examples = check_batch(inputs, targets, "dp_step")
     sensitivity = factor * strategy.sensitivity(state)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
-    group_noise = getattr(strategy, "group_noise", None)
-    factors = group_noise(state) if group_noise is not None else None
+    factors = strategy.group_noise(state) if capabilities_of(strategy).per_group else None
     block: float | dict[str, float] = sensitivity
     if factors is not None:  # per-layer noise: block h gets z * k * f_h (strategy's docstring)
         if per_example:
             raise ValueError("per-group noise is not supported with P-GRAD strategies")
         if len(factors) != len(groups):
             raise ValueError(
-                f"strategy {getattr(strategy, 'name', strategy)!r} gives {len(factors)} per-group "
+                f"strategy {strategy_name(strategy)!r} gives {len(factors)} per-group "
                 f"noise factors for {len(groups)} parameter groups"
             )
         block = {n: factor * f for f, members in zip(factors, groups.members) for n in members}
@@ -265,7 +265,7 @@ def bound_step(
     """
     if not isinstance(inputs, Tensor):
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r} certifies its sensitivity from a "
+            f"strategy {strategy_name(strategy)!r} certifies its sensitivity from a "
             "bound on each input tensor's norm and takes a single input tensor; tuple or dict "
             "inputs need a norm-based strategy")
     state = strategy.begin_step(state, ctx)
@@ -276,13 +276,12 @@ def bound_step(
         if getattr(engine, "per_example", False) else None
     if getattr(strategy, "scaling", None) == "r1" and getattr(engine, "per_example", False):
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r} with scaling='r1' normalises each "
+            f"strategy {strategy_name(strategy)!r} with scaling='r1' normalises each "
             "example's layer inputs inside a batched backward; use the summed engine "
             "(--engine summed or auto)"
         )
     with private_buffer_guard(model, "bound_step"), \
-            strategy.gradient_context(model) if hasattr(strategy, "gradient_context") \
-            else contextlib.nullcontext():
+            strategy.gradient_context(model):  # declared by every bound-based strategy
         result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     k = sampler.sensitivity_factor
@@ -310,7 +309,7 @@ class GradientTransform(Protocol):
     std) back to parameter space and returns ``(grads, state)``: pure post-processing.
     """
 
-    needs_per_example_grads: ClassVar[bool]
+    capabilities: ClassVar[Capabilities]  #: declares per_example_grads=True
 
     def transform(self, grads: Mapping[str, Tensor], state: State) -> dict[str, Tensor]:
         ...
@@ -329,7 +328,7 @@ def _noise_scale(strategy: Any, ctx: StepContext) -> float:
     scale = float(strategy.noise_scale(ctx))
     if not (math.isfinite(scale) and scale >= 1.0):
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r}: noise_scale must be finite and "
+            f"strategy {strategy_name(strategy)!r}: noise_scale must be finite and "
             f">= 1 (the step's event Gaussian(z) assumes at least z * S noise), got {scale!r}"
         )
     return scale
@@ -367,7 +366,7 @@ def transformed_sum(
         per_example = naive_per_example_grads
     else:
         raise ValueError(
-            f"strategy {getattr(strategy, 'name', strategy)!r} needs materialized per-example "
+            f"strategy {strategy_name(strategy)!r} needs materialized per-example "
             f"gradients (class P-GRAD), which engine {getattr(engine, 'name', engine)!r} does not "
             "provide; use the 'vmap' or 'auto' engine (--engine vmap) or the 'naive' oracle"
         )

@@ -40,6 +40,7 @@ statistics recomputed on the public split before each evaluation).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Mapping
 
@@ -47,8 +48,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
 
 __all__ = [
@@ -58,11 +61,14 @@ __all__ = [
     "UnitConfig",
     "batchnorm_layers",
     "bn_eval",
+    "check_batchnorm",
     "check_unit_sampling",
     "expected_units",
     "frozen_bn_buffers",
+    "public_fraction_of",
     "public_unit_norms",
     "recompute_bn_stats",
+    "resolve_unit",
     "unit_sum",
 ]
 
@@ -99,13 +105,13 @@ class UnitConfig:
             if self.unit != "gbc":
                 raise ValueError(
                     f"miniset_size is a parameter of unit=gbc, not unit={self.unit}; drop it or "
-                    "use unit=gbc (strategy_params={'unit': 'gbc'}; CLI --param unit=gbc)"
+                    "use unit=gbc (unit='gbc'; CLI --unit gbc)"
                 )
             if not (isinstance(self.miniset_size, int) and self.miniset_size >= 1):
                 raise ValueError(f"miniset_size must be an int >= 1, got {self.miniset_size!r}")
         elif self.unit == "gbc":
             raise ValueError("unit=gbc needs miniset_size=S, the examples per mini-set "
-                             "(strategy_params={'miniset_size': S}; CLI --param miniset_size=S)")
+                             "(miniset_size=S; CLI --miniset-size S)")
         if self.bn_stats not in BN_STATS:
             raise ValueError(f"bn_stats={self.bn_stats!r}; valid: {', '.join(BN_STATS)}")
         if self.public_fraction is not None and not (0.0 <= self.public_fraction < 1.0):
@@ -115,26 +121,35 @@ class UnitConfig:
 
     @staticmethod
     def pop_from(params: Mapping[str, Any]) -> tuple["UnitConfig", dict[str, Any]]:
-        """Split CLI/config strategy parameters into the unit config and the strategy's own."""
-        rest = dict(params)
-        kw: dict[str, Any] = {}
-        if "unit" in rest:
-            kw["unit"] = str(rest.pop("unit")).strip().lower()
-        if "miniset_size" in rest:
-            v = rest.pop("miniset_size")
-            try:
-                kw["miniset_size"] = int(v) if float(v) == int(float(v)) else float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"miniset_size must be an integer, got {v!r}") from None
-        if "bn_stats" in rest:
-            kw["bn_stats"] = str(rest.pop("bn_stats")).strip().lower()
-        if "public_fraction" in rest:
-            v = rest.pop("public_fraction")
-            try:
-                kw["public_fraction"] = float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"public_fraction must be a number, got {v!r}") from None
+        """Split parameters into the unit config and the rest (no deprecation note: callers that
+        read the OLD spelling inside a strategy's parameters use :func:`resolve_unit`)."""
+        kw, rest = _take_unit_keys(params)
         return UnitConfig(**kw), rest
+
+    @staticmethod
+    def coerce(key: str, value: Any) -> Any:
+        """A unit setting from a CLI string, TOML or JSON value: ``unit``/``bn_stats`` lowered,
+        ``miniset_size`` an int, ``public_fraction`` a float (``None`` stays ``None``)."""
+        if value is None:
+            return None
+        if key in ("unit", "bn_stats"):
+            return str(value).strip().lower()
+        if key == "miniset_size":
+            try:
+                return int(value) if float(value) == int(float(value)) else float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"miniset_size must be an integer, got {value!r}") from None
+        if key == "public_fraction":
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"public_fraction must be a number, got {value!r}") from None
+        raise KeyError(key)
+
+    def settings(self) -> dict[str, Any]:
+        """The four settings as keyword arguments (``UnitConfig(**unit.settings()) == unit``)."""
+        return {"unit": self.unit, "miniset_size": self.miniset_size,
+                "bn_stats": self.bn_stats, "public_fraction": self.public_fraction}
 
     @property
     def is_individual(self) -> bool:
@@ -150,6 +165,64 @@ class UnitConfig:
         if self.miniset_size is not None:
             d["miniset_size"] = self.miniset_size
         return d
+
+
+#: the defaults of the unit settings (an argument at its default was not given)
+UNIT_DEFAULTS: dict[str, Any] = {"unit": "ic", "miniset_size": None, "bn_stats": "auto",
+                                 "public_fraction": None}
+
+
+def _take_unit_keys(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the unit settings found in params, coerced; the other parameters)``."""
+    rest = dict(params)
+    found = {k: UnitConfig.coerce(k, rest.pop(k)) for k in UNIT_PARAMS if k in rest}
+    return found, rest
+
+
+def new_spelling(key: str, value: Any, front: str) -> str:
+    """How a unit setting is written as its own argument, for messages: ``front`` is
+    ``"make_private"`` (``unit='bc'``), ``"TrainConfig"`` (the field, the CLI flag and the spec key)
+    or ``"--unit"`` (the CLI flag)."""
+    flag = f"--{key.replace('_', '-')} {value}"
+    if front == "make_private":
+        return f"{key}={value!r}"
+    if front.startswith("--"):
+        return flag
+    toml = f'"{value}"' if isinstance(value, str) else value
+    return f"{key}={value!r} (CLI {flag}; spec [train] {key} = {toml})"
+
+
+def resolve_unit(
+    given: Mapping[str, Any],
+    params: Mapping[str, Any] | None,
+    *,
+    where: str,
+    front: str = "make_private",
+) -> tuple[UnitConfig, dict[str, Any]]:
+    """The clipping unit of a run and the strategy's own parameters: the ONE place where the
+    unit settings are read.
+
+    ``given``: the unit settings passed as their own arguments (``unit=``, ``miniset_size=``,
+    ``bn_stats=``, ``public_fraction=``; a value equal to its default counts as not given).
+    ``params``: the strategy's parameters, where the settings used to travel (the OLD spelling:
+    ``strategy_params={'unit': 'bc'}``, ``--param unit=bc``, ``[[strategies]] params.unit``); they
+    are still read, with a ``DeprecatedSpellingWarning`` naming the new spelling (:func:`new_spelling`
+    for ``front``), and a setting given both ways with two different values is refused.
+    """
+    old, rest = _take_unit_keys(params or {})
+    kw = {k: UnitConfig.coerce(k, v) for k, v in given.items() if k in UNIT_DEFAULTS}
+    for key, value in old.items():
+        new = new_spelling(key, value, front)
+        if kw.get(key, UNIT_DEFAULTS[key]) not in (UNIT_DEFAULTS[key], value):
+            raise ValueError(
+                f"{where}: {key} is given twice, {kw[key]!r} as its own argument "
+                f"({new_spelling(key, kw[key], front)}) and {value!r} inside the strategy's "
+                "parameters (the old spelling); remove it from the strategy's parameters")
+        warnings.warn(DeprecatedSpellingWarning(
+            f"{where}: the clipping unit setting {key}={value!r} inside the strategy's "
+            f"parameters is deprecated; give it as its own argument: {new}"), stacklevel=3)
+        kw[key] = value
+    return UnitConfig(**kw), rest
 
 
 @dataclass(frozen=True)
@@ -335,6 +408,37 @@ def recompute_bn_stats(model: nn.Module, inputs: Tensor, chunk: int = 256) -> No
         for m, mom in saved_momentum:
             m.momentum = mom
         model.train(was)
+
+
+def check_batchnorm(model: nn.Module, unit: UnitConfig, *, cli: bool = False) -> None:
+    """Refuse BatchNorm under per-example clipping (the one check, for ``make_private`` and
+    ``dpclip train``): BatchNorm mixes the examples of a batch, so one example's influence on the
+    clipped gradient is not bounded. ``cli``: name the command-line flags in the fix."""
+    bn = batchnorm_layers(model)
+    if not (unit.is_individual and bn):
+        return
+    fix = ("--unit bc (or --unit gbc --miniset-size S with --sampling fixed-size); registry "
+           "models: lenet5, or --model-option norm=gn for resnet18") if cli else \
+        "unit='bc' (or unit='gbc' with miniset_size=S and sampling='fixed-size')"
+    raise ValueError(
+        f"the model has BatchNorm layer {bn[0][0]!r}: BatchNorm mixes the examples of a batch, "
+        "so per-example clipping (unit=ic) cannot bound one example's influence. Use GroupNorm "
+        f"or LayerNorm instead, or batch clipping (unit=bc): {fix}")
+
+
+def public_fraction_of(unit: UnitConfig, strategy: Any, *, where: str = "") -> float:
+    """The share of the training set carved out as PUBLIC data: ``unit.public_fraction``, or
+    0.1 when something needs public data (a strategy with public norms, ``bn_stats=public``),
+    else 0. Refuses 0 when public data is needed. The one place this is decided."""
+    needs = capabilities_of(strategy).public_norms or unit.bn_stats == "public"
+    fraction = unit.public_fraction if unit.public_fraction is not None else (
+        0.1 if needs else 0.0)
+    if needs and fraction <= 0:
+        raise ValueError(
+            f"{where}strategy {strategy_name(strategy)!r} / bn_stats={unit.bn_stats!r} needs a "
+            "public split; set public_fraction=F with F > 0 (default 0.1; CLI "
+            "--public-fraction F)")
+    return fraction
 
 
 def check_unit_sampling(unit: UnitConfig, sampling: str) -> None:

@@ -1,0 +1,120 @@
+"""The runs of ``test_refactor_invariance_config.py`` (issue 34, the training-config walk).
+
+Each case is a tiny reproducible-noise run (seconds) whose ledger and final weights are pinned:
+the reference values in ``data/refactor_invariance_config.json`` were computed on the code
+BEFORE the config walk was refactored (branch ``move``, commit b8f43ed), with
+``python tests/core/_invariance_cases.py > tests/core/data/refactor_invariance_config.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+REFERENCE_PATH = Path(__file__).parent / "data" / "refactor_invariance_config.json"
+#: give the clipping unit as its own TrainConfig fields (the spelling after the refactoring)
+_NEW_SPELLING = {"on": False}
+_UNIT_KEYS = ("unit", "miniset_size", "bn_stats", "public_fraction")
+
+SYN = dict(dataset="synthetic", model="mlp", lr=0.5, optimizer="momentum",
+           dataset_options={"image_shape": [1, 6, 6], "n_train": 256, "n_test": 32},
+           batch_size=32, epochs=2, noise_multiplier=0.8, delta=1e-5, reproducible_noise=True,
+           seed=3)
+BN = dict(dataset="synthetic", model="bn-lenet5", lr=0.05, epochs=1, batch_size=32,
+          dataset_options={"image_shape": [1, 28, 28], "n_train": 160, "n_test": 32},
+          noise_multiplier=0.8, sampling="fixed-size", accountant="rdp", reproducible_noise=True,
+          seed=1)
+
+
+def _train(**kw: Any) -> Any:
+    from dpclip.training.trainer import TrainConfig, train
+
+    if _NEW_SPELLING["on"]:
+        params = dict(kw.pop("strategy_params", {}))
+        kw.update({k: params.pop(k) for k in _UNIT_KEYS if k in params}, strategy_params=params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated spellings are part of what is pinned
+        return train(TrainConfig(**kw), progress=False)
+
+
+def _api(**kw: Any) -> Any:
+    """``make_private`` in a user's loop (the own-model path)."""
+    import dpclip
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 10, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (200,), generator=g)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp = dpclip.make_private(model, opt, (x, y), batch_size=25, epochs=2, verbose=False,
+                                 reproducible_noise=True, seed=5, **kw)
+    for _ in range(dp.epochs):
+        for xb, yb in dp.loader:
+            dp.step(xb, yb)
+    return dp.ledger, model
+
+
+#: name -> a function returning (ledger, model)
+CASES: dict[str, Callable[[], tuple[Any, nn.Module]]] = {
+    "fixed-ic-poisson": lambda: _pair(_train(**SYN, strategy="fixed",
+                                             strategy_params={"clip_norm": 1.0})),
+    "quantile-ic-epsilon": lambda: _pair(_train(**{**SYN, "noise_multiplier": None},
+                                                epsilon=4.0, strategy="quantile")),
+    "adaclip-ic": lambda: _pair(_train(**SYN, strategy="adaclip")),
+    "per-layer-alc-public": lambda: _pair(_train(**SYN, strategy="alc",
+                                                 strategy_params={"clip_norm": 0.5})),
+    "bc-bn-public": lambda: _pair(_train(**BN, strategy="fixed",
+                                         strategy_params={"unit": "bc", "bn_stats": "public",
+                                                          "clip_norm": 1.0})),
+    "gbc-fixed-size": lambda: _pair(_train(**BN, strategy="fixed",
+                                           strategy_params={"unit": "gbc", "miniset_size": 8})),
+    "lip-dp-sgd": lambda: _pair(_train(dataset="breast-cancer", model="mlp",
+                                       strategy="lip-dp-sgd", noise_multiplier=1.0, epochs=1,
+                                       batch_size=64, reproducible_noise=True, seed=2)),
+    "api-fixed": lambda: _api(strategy="fixed", noise_multiplier=1.0,
+                              strategy_params={"clip_norm": 0.7}),
+    "api-bc-fixed-size": lambda: _api(strategy="auto-s", epsilon=3.0, sampling="fixed-size",
+                                      accountant="rdp", strategy_params={"unit": "bc"}),
+    "api-gbc-vdv": lambda: _api(strategy="vdv", noise_multiplier=0.4, sampling="fixed-size",
+                                accountant="rdp",
+                                strategy_params={"unit": "gbc", "miniset_size": 5}),
+}
+
+
+def _pair(result: Any) -> tuple[Any, nn.Module]:
+    return result.ledger, result.model
+
+
+def state_hash(model: nn.Module) -> str:
+    """SHA-256 of every tensor of the state dict (names, dtypes, shapes, bytes)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def fingerprint_run(name: str, new_spelling: bool = False) -> dict[str, Any]:
+    _NEW_SPELLING["on"] = new_spelling
+    try:
+        ledger, model = CASES[name]()
+    finally:
+        _NEW_SPELLING["on"] = False
+    return {"ledger": json.loads(json.dumps(ledger.to_dict())), "state_sha256": state_hash(model)}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out = {name: fingerprint_run(name) for name in (sys.argv[1:] or CASES)}
+    print(json.dumps(out, indent=1, sort_keys=True))
