@@ -378,3 +378,19 @@ def test_per_layer_calibrates_to_target_epsilon():
     # the event multiplier is the calibrated sigma / sqrt(L), L = 5 for LeNet-5
     z = res.summary["noise_multiplier"]
     assert str(round(z / math.sqrt(5), 6))[:7] in str(res.ledger.to_dict())
+
+
+def test_alc_on_a_one_group_model_reads_the_engines_flat_norms():
+    """With one clipping group the engines give flat ``(B,)`` norms (ParamGroups' convention);
+    ALC (L = 1) used to refuse them under batch clipping ("expected ... (B, 1), got (1,)"). The
+    flat path gives the same weights and refresh as the ``(B, 1)`` one."""
+    s = make_strategy("alc", {"clip_norm": 0.5}).bind_groups(("fc",))
+    state = s.init_state()
+    norms = torch.tensor([0.1, 0.5, 2.0, float("inf")], dtype=torch.float64)
+    torch.testing.assert_close(s.weights(norms, state), s.weights(norms[:, None], state)[:, 0])
+    assert s.weights(norms, state).shape == (4,)
+    assert s.public_refresh(state, norms[:3]) == s.public_refresh(state, norms[:3, None])
+    cfg = TrainConfig(dataset="digits", model="logreg", strategy="alc", unit="bc",
+                      noise_multiplier=1.0, epochs=1, batch_size=64, lr=0.1, delta=1e-5)
+    res = train(cfg, progress=False)
+    assert res.summary["steps"] > 0

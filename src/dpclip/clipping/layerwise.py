@@ -167,6 +167,8 @@ class PerLayerClip(StrategyBase):
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         c = self.thresholds(state)
+        if norms.dim() == 1 and len(c) == 1:  # one group: engines give flat (B,) norms
+            return self.weights(norms[:, None], state)[:, 0]
         if norms.dim() != 2 or norms.shape[1] != len(c):
             raise ValueError(
                 f"{self.name}: expected per-example per-group norms of shape (B, {len(c)}), got "
@@ -232,7 +234,10 @@ class AdaptiveLayerwiseClip(PerLayerClip):
         return [m / top for m in means] if top > 0 else [1.0] * len(means)
 
     def public_refresh(self, state: State, public_norms: Tensor) -> State:
-        """New ratios from per-unit per-group norms ``(n, L)`` of PUBLIC data (pure)."""
+        """New ratios from per-unit per-group norms ``(n, L)`` of PUBLIC data (pure); with one
+        group the flat ``(n,)`` norms of the engines are read as ``(n, 1)``."""
+        if public_norms.dim() == 1 and self.L == 1:
+            public_norms = public_norms[:, None]
         if public_norms.dim() != 2 or public_norms.shape[1] != self.L:
             raise ValueError(
                 f"{self.name}: public norms must have shape (n, {self.L}), got "
