@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
              "Each trial: the 40-epoch run's 2,360 steps at batch 128 with the noise multiplier / 8 "
              "(TAN scaling of the eps-2.7 run), scored on the validation tenth of the training "
              "split (never the test split). Trials of a space that are not listed were not run "
-             f"here (stopped to spare the shared CPU). For comparison, {REFERENCE}.", "",
+             f"here (stopped to spare the shared CPU). For comparison, {REFERENCE}. C per epoch: "
+             "Andrew's privatized threshold; AdaClip's is the unit clip in whitened space.", "",
              "| column | params | lr | B | sigma | selection acc (%) | C per epoch | acc per epoch "
              "| noise |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
