@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from dpclip.clipping.adaclip import AdaClip
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 OUT = Path(__file__).resolve().parent / "results" / "adaclip_diagnosis"
 SIGMA = 1.4693  #: the PLD noise multiplier of the 40-epoch eps-2.7 run (lin-table2-fmnist)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dpclip.trainer import TrainConfig, train
+from dpclip.training.trainer import TrainConfig, train
 
 OUT = Path(__file__).resolve().parent / "results" / "andrew_diagnosis"
 DB = Path(__file__).resolve().parent / "results.db"

@@ -26,7 +26,7 @@ from dpclip.accounting import compute_epsilon
 from dpclip.federated import plan_ledger
 from dpclip.federated.spec import build_strategy, config_from_spec
 from dpclip.harness.spec import load_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 
 HERE = Path(__file__).resolve().parent
 SOURCE = ("converted from reproductions/results/fedavg-fmnist.json as made by "

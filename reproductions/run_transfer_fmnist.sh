@@ -29,7 +29,7 @@ C0_PY=$(mktemp --suffix=.py)
 cat > "$C0_PY" <<'PY'
 import sys
 from dpclip.harness.spec import load_spec
-from dpclip.harness.store import ResultsStore
+from dpclip.store import ResultsStore
 from dpclip.search import resolve_strategy_params
 if __name__ == "__main__":
     db, device, engine = sys.argv[1:4]

@@ -32,7 +32,7 @@ from pathlib import Path
 def merge(src: str | os.PathLike, dst: str | os.PathLike, experiments: list[str]) -> int:
     """Copy the finished runs (with their epochs) of ``experiments`` and every schedule that
     ``dst`` lacks from ``src`` into ``dst``; returns the number of runs copied."""
-    from dpclip.harness.store import ResultsStore
+    from dpclip.store import ResultsStore
 
     ResultsStore(dst).close()  # creates the schema when dst is new
     s, d = sqlite3.connect(src), sqlite3.connect(dst)
