@@ -135,3 +135,18 @@ def test_a_non_contiguous_or_int_state_tensor_is_compared_too():
             with private_buffer_guard(m):
                 write()
     assert torch.equal(m.n, torch.zeros(3, dtype=torch.int64))
+
+
+def test_a_large_state_is_compared_tensor_by_tensor(monkeypatch):
+    """Above the one-copy size the comparison runs per tensor (no second full copy): the same
+    verdicts."""
+    import dpclip.engine.state_guard as sg
+
+    monkeypatch.setattr(sg, "_ONE_COPY_BYTES", 0)
+    m = Base()
+    with private_buffer_guard(m):
+        m.lin(torch.randn(2, 4))
+    with pytest.raises(PrivateBufferError, match="'frozen'"):
+        with private_buffer_guard(m):
+            _write_frozen_numpy(m, torch.randn(8, 4))
+    assert torch.equal(m.frozen, torch.zeros(4))
