@@ -4,7 +4,7 @@ both see the same (shared, noisy) machine. The number compared is each cell's ra
 non-private step of the same process (``x non-private``), the figure of cpu_engines_v02.
 
     python benchmarks/ab_steptime.py --base /tmp/base/src --name cpu_engines_issue32 \
-        [--cells mlp:256:200,papernot-cnn:256:30] [--rounds 3] [--threads 1]
+        [--cells mlp:256:200,papernot-cnn:256:30] [--rounds 3] [--threads 1] [--no-memory]
 
 Rows (one per round, tree and cell; device and torch version included) go to
 ``benchmarks/results/<name>.json``; the Markdown beside it gives, per cell, the median ratio of
@@ -26,12 +26,18 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CELLS = "mlp:256:200,mlp:1024:200,papernot-cnn:256:30,papernot-cnn:1024:12"
 
 
-def run_cell(src: str, model: str, batch: int, steps: int, threads: int) -> dict:
+def run_cell(src: str, model: str, batch: int, steps: int, threads: int,
+             memory: bool = True) -> dict:
     env = {**os.environ, "PYTHONPATH": src, "DPCLIP_ALLOCATOR": "system",
            "DPCLIP_BENCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "dpclip.cli", "bench", "--model", model, "--batch-size",
            str(batch), "--steps", str(steps), "--warmup", "2", "--method", "nonprivate",
            "--method", "dpclip-ghost", "--json"]
+    if not memory:  # the same timed steps (run_bench), without the memory probes' processes
+        cmd = [sys.executable, "-c",
+               "import json; from dpclip.bench import run_bench; print(json.dumps(run_bench("
+               f"{model!r}, {batch}, methods=['nonprivate', 'dpclip-ghost'], steps={steps}, "
+               "warmup=2, measure_memory=False)))"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"bench failed ({src}, {model} {batch}):\n{out.stderr[-2000:]}")
@@ -47,6 +53,9 @@ def main() -> int:
     ap.add_argument("--cells", default=DEFAULT_CELLS, help="model:batch:steps,...")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the memory probes (a child process per method and cell): only "
+                         "step times are compared, in a fraction of the time")
     args = ap.parse_args()
     import torch
 
@@ -57,7 +66,7 @@ def main() -> int:
         for model, batch, steps in cells:
             order = list(trees.items()) if rnd % 2 == 0 else list(trees.items())[::-1]
             for tree, src in order:
-                res = run_cell(src, model, batch, steps, args.threads)
+                res = run_cell(src, model, batch, steps, args.threads, not args.no_memory)
                 ghost = res["dpclip-ghost"]
                 rows.append({"round": rnd, "tree": tree, "model": model, "batch_size": batch,
                              "ms_nonprivate": res["nonprivate"]["ms_per_step"],

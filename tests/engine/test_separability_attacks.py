@@ -419,3 +419,33 @@ def test_refusal_reasons_do_not_show_the_batch_size():
         except (UnsupportedModelError, RuntimeError) as exc:
             text = str(exc)
         assert "13" not in text, (name, text)
+
+
+_GLOBAL = torch.zeros(6, dtype=DT)
+
+
+def _write_global_through_a_view(m: nn.Module, h: Tensor) -> Tensor:
+    """Batch data written in place into a global through a VIEW of it, read by the next call: the
+    view's storage is the global's, which existed before the forward (the tracer of 0.2 counted a
+    view's output as a new storage, so the write passed and the next batch read the global as a
+    constant: one example moved every example of the next step)."""
+    out = h + _GLOBAL
+    _GLOBAL.view(-1).copy_(h.detach().mean(0))
+    return out
+
+
+def _write_parameter_through_a_view(m: nn.Module, h: Tensor) -> Tensor:
+    m.fc2.bias.detach().view(-1)[:1].copy_(h.detach()[0, :1])  # example 0 into a parameter
+    return h
+
+
+@pytest.mark.parametrize("write", [_write_global_through_a_view, _write_parameter_through_a_view])
+def test_in_place_writes_of_batch_data_through_a_view_are_refused(write):
+    torch.manual_seed(0)
+    _GLOBAL.zero_()
+    model = Net(write).to(DT)
+    for seed in (0, 1):
+        x, y = data(seed=seed)
+        with pytest.raises(UnsupportedModelError, match="existed before"):
+            clipped_sum(GhostEngine(), model, ce, x, y)
+    _GLOBAL.zero_()

@@ -39,6 +39,7 @@ the real-batch tracer still checks every call's operations, and Python escapes o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import re
@@ -236,22 +237,54 @@ class _LossOfModel(nn.Module):
 _PLAIN = (int, float, bool, str, type(None))
 
 
+#: exact types that are plain (kept in the key) or never plain (skipped) without an isinstance
+_PLAIN_EXACT = frozenset({int, float, bool, str, type(None)})
+_NOT_PLAIN_EXACT = frozenset({dict, set, list, collections.OrderedDict})
+
+
 def _python_state(mod: nn.Module) -> tuple:
     """The plain Python attributes of a module (counters, flags, sizes): a forward that changes
-    what it computes with them gets a new proof when they change."""
+    what it computes with them gets a new proof when they change. (Exact builtin types are sorted
+    by a set lookup; anything else, subclasses of int such as enums included, by isinstance.)"""
     got = []
     for k, v in vars(mod).items():
-        if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
-                                                                   for x in v)):
+        t = type(v)
+        if t in _PLAIN_EXACT:
+            got.append((k, v))
+        elif t in _NOT_PLAIN_EXACT:
+            continue
+        elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
+                                                                     for x in v)):
             got.append((k, v))
     return tuple(got)
 
 
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` (each module once), by an explicit stack instead of nested generators
+    (this runs on every step)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        children = m.__dict__.get("_modules")
+        if children:
+            stack.extend(c for c in reversed(children.values()) if c is not None)
+    return out
+
+
 def _signature(model: Any, xs: Any, ys: Any) -> tuple:
-    leaves, spec = pytree.tree_flatten((xs, ys))
+    if type(xs) is Tensor and type(ys) is Tensor:  # the common case, without pytree's spec string
+        leaves, spec = [xs, ys], "tensor, tensor"
+    else:
+        leaves, spec = pytree.tree_flatten((xs, ys))
     sig = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else
                 (type(t).__name__,) for t in leaves)
-    mods = tuple((type(m), _python_state(m)) for m in model.modules()) \
+    mods = tuple((type(m), _python_state(m)) for m in _modules(model)) \
         if isinstance(model, nn.Module) else ()
     return (str(spec), sig, mods)
 

@@ -54,13 +54,13 @@ global copy of the dataset). Custom ``autograd.Function`` backward code is refus
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
@@ -83,7 +83,7 @@ class _Meta:
     """What the tracer needs to know about one ATen overload, read from its schema once."""
 
     __slots__ = ("mutable", "data_dep", "rule", "args", "writes", "random", "keeps_iid",
-                 "uninit", "full_write")
+                 "uninit", "full_write", "fresh")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -103,6 +103,11 @@ class _Meta:
         #: returns uninitialised memory / overwrites every element of its first argument
         self.uninit = func.overloadpacket in _UNINIT
         self.full_write = func.overloadpacket in _FULL_WRITE
+        #: returns new storage: no output aliases an input (a view of a parameter is not a new
+        #: storage; writing batch data through it writes the parameter). ``lift_fresh`` lifts a
+        #: tensor that ``torch.tensor(...)`` has just made
+        self.fresh = func.overloadpacket is _aten.lift_fresh or \
+            all(r.alias_info is None for r in schema.returns)
         self.args: dict[str, tuple[int, bool, Any]] = {}
         self.writes: list[tuple[int, str]] = []
         for i, a in enumerate(schema.arguments):
@@ -135,8 +140,66 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
     return dflt if has else default
 
 
+class _IdMap:
+    """A map keyed by tensor identity that does not keep its keys alive (the tracer's layouts must
+    not hold a forward's activations): entries are ``id(t) -> (weakref to t, value)``, and a
+    lookup counts only when the weak reference still points to ``t`` itself, so that an id reused
+    by a new tensor after the old one died never inherits the old entry. The same contract as
+    :class:`torch.utils.weak.WeakIdKeyDictionary`, without building a key object per lookup (the
+    tracer does several lookups per traced operation)."""
+
+    __slots__ = ("d",)
+
+    def __init__(self) -> None:
+        self.d: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, t: Any, default: Any = None) -> Any:
+        e = self.d.get(id(t))
+        return e[1] if e is not None and e[0]() is t else default
+
+    def __contains__(self, t: Any) -> bool:
+        e = self.d.get(id(t))
+        return e is not None and e[0]() is t
+
+    def __getitem__(self, t: Any) -> Any:
+        e = self.d.get(id(t))
+        if e is None or e[0]() is not t:
+            raise KeyError(t)
+        return e[1]
+
+    def __setitem__(self, t: Any, value: Any) -> None:
+        self.d[id(t)] = (weakref.ref(t), value)
+
+    def __delitem__(self, t: Any) -> None:
+        if self.pop(t, _MISSING) is _MISSING:
+            raise KeyError(t)
+
+    def pop(self, t: Any, default: Any = None) -> Any:
+        e = self.d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        del self.d[id(t)]
+        return e[1]
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+    def items(self) -> list[tuple[Any, Any]]:
+        """The live entries (dead ones are dropped)."""
+        got = []
+        for k, (ref, v) in list(self.d.items()):
+            t = ref()
+            if t is None:
+                del self.d[k]
+            else:
+                got.append((t, v))
+        return got
+
+
+_MISSING = object()
+
 #: tensors that depended on the batch in an earlier traced call and are still alive (weakly held)
-_STALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STALE = _IdMap()
 
 #: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
 _METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
@@ -168,11 +231,12 @@ class _EscapeMode(TorchFunctionMode):
         tr = self.tracer
         if not tr.quiet:
             why = None
-            if func in _HOOKS:
+            kind = _func_kind(func)
+            if kind == _K_HOOK:
                 why = (f"a gradient hook ({getattr(func, '__name__', func)}) is registered in the "
                        "forward pass: user code in the backward pass is not traced and could mix "
                        "the examples' gradients")
-            elif func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data"):
+            elif kind == _K_ESCAPE:
                 t = args[0] if args else None
                 if isinstance(t, Tensor) and (tr.layout(t) is not None or
                                               _is_get(func, "grad_fn")):
@@ -199,6 +263,29 @@ class _EscapeMode(TorchFunctionMode):
         return out
 
 
+_K_PLAIN, _K_HOOK, _K_ESCAPE = 0, 1, 2
+#: the kind of each function seen by the escape mode (functions and property getters are
+#: hashable; computed once per function: the checks below read several attributes)
+_KINDS: dict[Any, int] = {}
+
+
+def _func_kind(func: Any) -> int:
+    try:
+        kind = _KINDS.get(func)
+    except TypeError:  # an unhashable callable: classify it every time
+        kind = None
+    if kind is None:
+        kind = _K_HOOK if func in _HOOKS else _K_ESCAPE if (
+            func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data")) else _K_PLAIN
+        try:
+            if len(_KINDS) >= 4096:  # functions made per call (a class defined in forward)
+                _KINDS.clear()
+            _KINDS[func] = kind
+        except TypeError:
+            pass
+    return kind
+
+
 def _is_get(func: Any, attr: str) -> bool:
     """Whether ``func`` is the getter of the Tensor property ``attr`` (``t.grad_fn``, ``t.data``)."""
     return getattr(func, "__name__", "") == "__get__" and \
@@ -212,10 +299,16 @@ class SeparabilityTracer(TorchDispatchMode):
     first (layout ``(0, 1)``), then read :meth:`layout` of the tensors that must be separable and
     :attr:`violation` (a reason, or None)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # the tracer never runs under torch.compile: no torch._disable_dynamo wrapper around
+        # __torch_dispatch__ (its per-operation cost was about a fifth of the trace's)
+        return False
+
     def __init__(self, batch: int) -> None:
         super().__init__()
         self.batch = batch
-        self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._layouts: _IdMap = _IdMap()
         self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
         self.violation: str | None = None
         #: the operations that first turned row-separable inputs into a MIXED result (for the
@@ -225,11 +318,11 @@ class SeparabilityTracer(TorchDispatchMode):
         #: escape checks are paused there
         self.quiet = False
         self._escape = _EscapeMode(self)
-        self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # outputs of traced ops
-        self._uninit: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> id of its base
+        self._random: _IdMap = _IdMap()
+        self._seen: _IdMap = _IdMap()  # outputs of traced ops
+        self._uninit: _IdMap = _IdMap()  # tensor -> id of its base
         #: base id -> (mask of the elements of its storage written so far, element size)
-        self._uninit_live: dict[int, tuple[Tensor, int]] = {}
+        self._uninit_live: dict[int, tuple[Tensor | None, int]] = {}
         #: storages allocated during the trace (data pointers): batch data written in place into
         #: any other storage (a parameter, buffer, attribute, global) would outlive the step
         self._born: set[int] = set()
@@ -260,7 +353,8 @@ class SeparabilityTracer(TorchDispatchMode):
     def retire(self) -> None:
         """End of the traced call: every tensor that depends on the batch and is still alive is
         remembered (weakly) as data of a past batch, MIXED in every later trace."""
-        for t, lay in list(self._layouts.items()):
+        _STALE.items()  # drop the entries of tensors that died since
+        for t, lay in self._layouts.items():
             if lay is not None:
                 _STALE[t] = True
 
@@ -336,7 +430,7 @@ class SeparabilityTracer(TorchDispatchMode):
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, Tensor):
                 seen[o] = True
-                if not mutable:  # an in-place op returns the tensor it wrote: not a new storage
+                if meta.fresh and not mutable:  # an in-place op or a view: not a new storage
                     self._born_storage(o)
         if not any_data:
             self._note_random(func, meta, args, kwargs, out)
@@ -427,8 +521,7 @@ class SeparabilityTracer(TorchDispatchMode):
             for o in outs:
                 if o.numel():
                     uninit[o] = id(o)
-                    live[id(o)] = (torch.zeros(o.untyped_storage().nbytes() // o.element_size(),
-                                               dtype=torch.bool), o.element_size())
+                    live[id(o)] = (None, o.element_size())  # mask made when first needed
             return
         ins = _tensors(args, kwargs)
         pending = [t for t in ins if uninit.get(t) in live]
@@ -448,6 +541,12 @@ class SeparabilityTracer(TorchDispatchMode):
             if base not in live:  # completed by an earlier argument of this op
                 continue
             mask, size = live[base]
+            if meta.full_write and mask is None and any(t is w for w in written) and \
+                    t.element_size() == size and t.storage_offset() == 0 and \
+                    t.is_contiguous() and t.numel() * size == t.untyped_storage().nbytes():
+                del live[base]  # the first write covers the whole storage (a dropout mask)
+                continue
+            mask = self._live_mask(base, t)
             idx = _elements(t, mask.numel(), size)
             if meta.full_write and any(t is w for w in written):
                 if idx is not None:
@@ -460,12 +559,22 @@ class SeparabilityTracer(TorchDispatchMode):
                                   "empty_like, new_empty) before it was written in full: "
                                   "uninitialised memory can hold other examples' data")
 
+    def _live_mask(self, base: int, t: Tensor) -> Tensor:
+        """The written-elements mask of uninitialised base ``base`` (made on first use: all False,
+        one entry per element of the base's storage, which ``t``, a view of it, shares)."""
+        mask, size = self._uninit_live[base]
+        if mask is None:
+            mask = torch.zeros(t.untyped_storage().nbytes() // size, dtype=torch.bool)
+            self._uninit_live[base] = (mask, size)
+        return mask
+
     def _written_mask(self, t: Tensor) -> Tensor | None:
         """Per element of ``t`` (its shape): written yet? None when ``t`` is fully written."""
         base = self._uninit.get(t)
         if base not in self._uninit_live:
             return None
-        mask, size = self._uninit_live[base]
+        size = self._uninit_live[base][1]
+        mask = self._live_mask(base, t)
         idx = _elements(t, mask.numel(), size)
         if idx is None:
             return torch.zeros(t.shape, dtype=torch.bool)
@@ -484,7 +593,8 @@ class SeparabilityTracer(TorchDispatchMode):
                                   "new_empty) before it was written in full: uninitialised "
                                   "memory can hold other examples' data")
             return
-        mask, size = self._uninit_live[base]
+        size = self._uninit_live[base][1]
+        mask = self._live_mask(base, dst)
         idx = _elements(dst, mask.numel(), size)
         if idx is None:
             return

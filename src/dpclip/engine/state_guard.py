@@ -1,26 +1,43 @@
-"""A guard on the model state that private data could reach without noise: parameters' data and
-tensors kept in module attributes (buffers have their own guard, ``dpclip.training.step``).
+"""A guard on the model state that private data could reach without noise: parameters' data,
+buffers, and tensors kept in module attributes.
 
 A forward pass can write private data into state that outlives the step: a
 ``nn.Parameter(requires_grad=False)`` updated in ``forward`` (it ends up in the released
-``state_dict`` holding, say, the private batch mean), a write through ``p.data`` or a NumPy view
-(no version counter sees those), or a tensor stored in a Python attribute (``self.prev = h``) and
-read by the next call (one example then moves every example of the next batch). The guard
-snapshots every parameter and every tensor attribute of every module before the block, compares
-them by value after it, restores what changed (the original objects, the original values) and
-raises :class:`~dpclip.engine.errors.PrivateBufferError` naming them.
+``state_dict`` holding, say, the private batch mean), a buffer updated from the batch (running
+statistics), a write through ``p.data``, a NumPy view or raw storage, a tensor stored in a Python
+attribute (``self.prev = h``) and read by the next call (one example then moves every example of
+the next batch), or a parameter, buffer, attribute or submodule added during the call. The guard
+takes, before the block, the module tree's structure (every module's children, parameters,
+buffers and tensor attributes, by identity) and a bitwise snapshot of every such tensor; after the
+block it compares both, restores what changed (the original objects, the original bytes, the
+original children; what was added is removed) and raises
+:class:`~dpclip.engine.errors.PrivateBufferError` naming it.
 
-What it cannot see: tensors kept outside the model (a global, a closure of the loss function); the
-ghost engine's tracer refuses those when they are read in a later call (data from an earlier call
-is MIXED) and refuses any write of batch data into a tensor that existed before the forward.
-Cost: one copy of the parameters and attribute tensors per step, and one comparison.
+Why values and not version counters: ``t._version`` is bumped by ATen in-place operations on ``t``
+and on its ``detach()`` / view aliases, but NOT by writes through ``t.data`` (a separate counter),
+``t.numpy()``, ``t.untyped_storage()``, DLPack or ``data_ptr`` aliases, and it can be reset
+(``torch._C._autograd._unsafe_set_version_counter``); the tests in
+``tests/core/test_state_guard.py`` write state in each of these ways. Only the bytes cannot be
+fooled, so the guard compares bytes (``NaN`` equals itself, ``-0.0`` differs from ``0.0``).
+
+Cost: one walk of the module tree before and after (no generators, no name strings unless
+something changed), and per device one concatenated byte copy of the state before and one after,
+compared with one ``torch.equal``; tensors that cannot be viewed as bytes (sparse, quantized,
+non-contiguous) are cloned and compared one by one.
+
+What it cannot see: tensors kept outside the model (a global, a closure of the loss function) or in
+Python containers (a list attribute); the ghost engine's tracer refuses those when they are read in
+a later call (data from an earlier call is MIXED) and refuses any write of batch data into a tensor
+that existed before the forward.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -28,64 +45,231 @@ from dpclip.engine.errors import PrivateBufferError
 
 __all__ = ["state_guard"]
 
+_PARAM, _BUFFER, _ATTR, _CHILD = "parameter", "buffer", "attribute", "submodule"
 
-def _attr_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
-    """Tensors kept in plain attributes of modules (not parameters or buffers), with their place."""
-    got = []
-    for mname, mod in model.named_modules():
-        for k, v in vars(mod).items():
-            if isinstance(v, Tensor) and not isinstance(v, nn.Parameter):
-                got.append((f"{mname}.{k}" if mname else k, mod, k, v))
-    return got
+
+#: value types of a module's ``__dict__`` that are never tensors (exact types, not subclasses)
+_PLAIN = frozenset({bool, int, float, str, type(None), dict, set, list, tuple,
+                    collections.OrderedDict})
+
+
+def _has_tensor(d: dict) -> bool:
+    """Whether any value of ``d`` may be a tensor (one C-level pass over the value types)."""
+    types = set(map(type, d.values()))
+    return not types <= _PLAIN and any(issubclass(t, Tensor) for t in types - _PLAIN)
+
+
+def _walk(model: nn.Module, full: bool) -> tuple[list[tuple], list[tuple]]:
+    """``(sig, objs)``: ``sig`` lists ``(id(module), kind, key, id(object))`` for every parameter,
+    buffer, tensor attribute and child module of the tree (``None`` parameters and buffers
+    skipped), in a deterministic order; ``objs`` (when ``full``) the matching
+    ``(module name, module, object)``."""
+    sig: list[tuple] = []
+    objs: list[tuple] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        d = mod.__dict__
+        m = id(mod)
+        for kind, table in ((_PARAM, d.get("_parameters")), (_BUFFER, d.get("_buffers"))):
+            if table:
+                for k, v in table.items():
+                    if v is not None:
+                        sig.append((m, kind, k, id(v)))
+                        if full:
+                            objs.append((name, mod, v))
+        if _has_tensor(d):
+            for k, v in d.items():
+                if isinstance(v, Tensor):
+                    sig.append((m, _ATTR, k, id(v)))
+                    if full:
+                        objs.append((name, mod, v))
+        children = d.get("_modules")
+        if children:
+            for k, c in children.items():
+                sig.append((m, _CHILD, k, id(c)))
+                if full:
+                    objs.append((name, mod, c))
+                if c is not None:
+                    stack.append((f"{name}.{k}" if name else k, c))
+    return sig, objs
+
+
+class _Snapshot:
+    """Bitwise copies of ``tensors``: per (device, dtype) one concatenation of their elements,
+    compared as bytes; tensors that cannot be concatenated (sparse, quantized, ...) are cloned."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.tensors = tensors
+        self.metas = [(t.shape, t.dtype, t.device) for t in tensors]
+        groups: dict[tuple, list[int]] = {}
+        self.clones: dict[int, Tensor] = {}
+        for i, (t, (_, dtype, dev)) in enumerate(zip(tensors, self.metas)):
+            if t.layout is torch.strided and not t.is_quantized:
+                groups.setdefault((dev, dtype), []).append(i)
+            else:
+                self.clones[i] = t.detach().clone()
+        self.groups: list[tuple[list[int], Tensor]] = [
+            (idx, self._flat(idx).clone() if len(idx) == 1 else self._flat(idx))
+            for idx in groups.values()]
+
+    def _flat(self, idx: list[int]) -> Tensor:
+        """The elements of the tensors ``idx`` (one device and dtype), flat, as integers of the same
+        size (so that the comparison is bitwise: NaN equals itself)."""
+        ts = self.tensors
+        flat = torch.cat([ts[i].reshape(-1) for i in idx]) if len(idx) > 1 else \
+            ts[idx[0]].detach().reshape(-1)
+        return flat.view(_INT[min(flat.dtype.itemsize, 8)])
+
+    def changed(self) -> list[int]:
+        """Indices of the tensors whose shape, dtype, device or bytes differ from the snapshot."""
+        bad = [i for i, (t, m) in enumerate(zip(self.tensors, self.metas))
+               if (t.shape, t.dtype, t.device) != m]
+        skip = set(bad)
+        for i, c in self.clones.items():
+            if i not in skip and not _same_values(self.tensors[i], c):
+                bad.append(i)
+        for idx, flat in self.groups:
+            # one concatenated comparison, unless that second copy would be large (a 100M-parameter
+            # model on a GPU): then tensor by tensor, each a view, no copy
+            if flat.numel() * flat.itemsize <= _ONE_COPY_BYTES and \
+                    not skip.intersection(idx) and _equal(self._flat(idx), flat):
+                continue
+            off = 0
+            for i in idx:
+                n = self.metas[i][0].numel() * self.metas[i][1].itemsize // flat.itemsize
+                if i not in skip and not _equal(self._flat([i]), flat[off:off + n]):
+                    bad.append(i)
+                off += n
+        return bad
+
+    def restore(self, i: int) -> None:
+        """Put tensor ``i``'s original shape, dtype and bytes back (the object stays the same)."""
+        t = self.tensors[i]
+        shape, dtype, dev = self.metas[i]
+        if i in self.clones:
+            orig = self.clones[i]
+        else:
+            for idx, flat in self.groups:
+                if i in idx:
+                    off = sum(self.metas[j][0].numel() for j in idx[:idx.index(i)])
+                    per = dtype.itemsize // flat.itemsize  # words per element (complex128: 2)
+                    orig = flat[off * per:(off + shape.numel()) * per].clone().view(
+                        dtype).view(shape)
+                    break
+        with torch.no_grad():
+            if (t.shape, t.dtype, t.device) == (shape, dtype, dev):
+                t.detach().copy_(orig)
+            else:
+                t.data = orig
+
+
+#: above this many bytes per (device, dtype) group the state is compared tensor by tensor
+_ONE_COPY_BYTES = 64 * 2 ** 20
+
+#: integer dtypes by element size: the flat snapshots are compared as integers (bitwise)
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    """Bitwise equality of two flat integer tensors (NumPy on the CPU: torch.equal is an
+    elementwise kernel there, about 10x slower than NumPy's comparison)."""
+    if a.shape != b.shape:
+        return False
+    if a.device.type == "cpu":
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return bool(torch.equal(a, b))
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    try:
+        return bool(torch.equal(a.detach(), b)) or bool(
+            torch.equal(torch.isnan(a.detach()), torch.isnan(b)) and
+            torch.equal(a.detach().nan_to_num(), b.nan_to_num()))
+    except RuntimeError:
+        return False
+
+
+def _table(mod: nn.Module, kind: str) -> dict:
+    if kind == _ATTR:
+        return mod.__dict__
+    return mod.__dict__[{_PARAM: "_parameters", _BUFFER: "_buffers", _CHILD: "_modules"}[kind]]
+
+
+def _repair(before: tuple[list, list], after: tuple[list, list]) -> list[tuple[str, str]]:
+    """Make the tree's structure that of ``before`` again: objects replaced or removed are put back
+    in their table, entries added are removed. Returns the (kind, name) of what changed."""
+    old = {s[:3]: (s, o) for s, o in zip(*before)}
+    new = {s[:3]: (s, o) for s, o in zip(*after)}
+    changed = []
+    for k, (s, (name, mod, _)) in new.items():
+        if k not in old:
+            changed.append((s[1], f"{name}.{s[2]}" if name else s[2]))
+            _table(mod, s[1]).pop(s[2], None)
+    for k, (s, (name, mod, obj)) in old.items():
+        got = new.get(k)
+        if got is None or got[0][3] != s[3]:
+            kind, attr = s[1], s[2]
+            changed.append((kind, f"{name}.{attr}" if name else attr))
+            for other in (_PARAM, _BUFFER, _ATTR, _CHILD):  # the key in another table: drop it
+                if other != kind and attr in _table(mod, other) and \
+                        (other != _ATTR or isinstance(_table(mod, other)[attr], Tensor)):
+                    _table(mod, other).pop(attr)
+            _table(mod, kind)[attr] = obj
+    return changed
 
 
 @contextlib.contextmanager
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
-    """Refuse and undo any change of parameter data or module tensor attributes in the block
-    (see the module docstring). Raises :class:`~dpclip.engine.errors.PrivateBufferError`
-    (docs/errors.md, entry 81)."""
+    """Refuse and undo any change of the model's state in the block: parameter data, buffers, module
+    tensor attributes and the module tree itself (see the module docstring). Raises
+    :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 81; buffers: the running
+    statistics entry)."""
     with torch.no_grad():
-        params = [(n, p, p.detach().clone()) for n, p in model.named_parameters(
-            remove_duplicate=True)]
-        attrs = [(n, mod, k, v, v.detach().clone()) for n, mod, k, v in _attr_tensors(model)]
-        names = {id(mod) for _, mod in model.named_modules()}
+        before = _walk(model, True)
+        uniq = {id(o): o for s, (_, _, o) in zip(*before) if s[1] != _CHILD}
+        tensors = list(uniq.values())
+        snap = _Snapshot(tensors)
     try:
         yield
     finally:
-        changed: list[str] = []
         with torch.no_grad():
-            for n, p, copy in params:
-                if p.shape != copy.shape or p.dtype != copy.dtype or \
-                        not torch.equal(p.detach(), copy):
-                    changed.append(n)
-                    if p.shape != copy.shape or p.dtype != copy.dtype:
-                        p.data = copy
-                    else:
-                        p.detach().copy_(copy)
-            for n, mod, k, v, copy in attrs:
-                now = vars(mod).get(k)
-                if now is not v or not torch.equal(v.detach(), copy):
-                    changed.append(n)
-                    if v.shape == copy.shape:
-                        v.detach().copy_(copy)
-                    setattr(mod, k, v)
-            current = dict(model.named_parameters(remove_duplicate=True))
-            for n, p, _ in params:  # a parameter replaced by another object
-                if current.get(n) is not p:
-                    changed.append(n)
-                    mname, _, k = n.rpartition(".")
-                    setattr(model.get_submodule(mname) if mname else model, k, p)
-            before = {n for n, *_ in attrs}
-            for n, mod, k, v in _attr_tensors(model):  # tensors stored in new attributes
-                if n not in before and id(mod) in names:
-                    changed.append(n)
-                    delattr(mod, k)
+            changed: list[tuple[str, str]] = []
+            if _walk(model, False)[0] != before[0]:
+                changed = _repair(before, _walk(model, True))
+            bad = snap.changed()
+            if bad:
+                names: dict[int, tuple[str, str]] = {}
+                for s, (mname, _, o) in zip(*before):
+                    if s[1] != _CHILD:
+                        names.setdefault(id(o), (s[1], f"{mname}.{s[2]}" if mname else s[2]))
+                for i in bad:
+                    snap.restore(i)
+                    changed.append(names[id(tensors[i])])
     if changed:
+        seen: dict[str, str] = {}
+        for kind, n in changed:
+            seen.setdefault(n, kind)
+        listed = ", ".join(repr(n) for n in seen)
+        if any(k == _BUFFER for k in seen.values()):
+            raise PrivateBufferError(
+                f"{where}: the model changed buffer(s) {listed} while computing private "
+                "gradients; a buffer updated from private data (running statistics of "
+                "InstanceNorm/BatchNorm with track_running_stats=True, caches, counters) would "
+                "leave the run without noise. Buffers were restored. Fix: build the layer with "
+                "track_running_stats=False (InstanceNorm: instance statistics at evaluation "
+                "too), use GroupNorm/LayerNorm, or batch clipping (--unit bc) for "
+                "BatchNorm")
         raise PrivateBufferError(
             f"{where}: the model changed parameter data or tensor attribute(s) "
-            f"{', '.join(repr(c) for c in changed)} while computing private gradients; "
+            f"{listed} while computing private gradients; "
             "state written from private data (a non-trainable parameter updated in forward, "
-            "a write through p.data, a tensor kept in self.<attr> for the next call) would leave "
+            "a write through p.data, a tensor kept in self.<attr> for the next call, a "
+            "parameter or submodule added in forward) would leave "
             "the run without noise. They were restored. Fix: keep such statistics out of the "
             "forward, compute them from public data, or release them through a private "
             "mechanism")

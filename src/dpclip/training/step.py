@@ -56,59 +56,19 @@ __all__ = [
 @contextlib.contextmanager
 def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
     """Refuse any change of the model's state made while private data flows through ``model``:
-    buffers (below), and also every parameter's data (trainable or not: a
-    ``nn.Parameter(requires_grad=False)`` updated in forward, a write through ``p.data`` or NumPy,
-    which no version counter sees) and every tensor kept in a module attribute (a tensor stored in
-    ``self.cache`` and read by the next call), compared by value and restored
-    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 81)."""
+    every buffer (running statistics of InstanceNorm / BatchNorm with ``track_running_stats=True``,
+    counters, caches), every parameter's data (trainable or not: a ``nn.Parameter(requires_grad=
+    False)`` updated in forward, a write through ``p.data``, NumPy or raw storage, which no version
+    counter sees), every tensor kept in a module attribute (a tensor stored in ``self.cache`` and
+    read by the next call) and the module tree itself (parameters, buffers, attributes or
+    submodules added in the call), compared bitwise and restored
+    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 81). Buffers that a
+    context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
+    pass. Nothing leaves: the model is as it was before the block."""
     from dpclip.engine.state_guard import state_guard
 
-    with state_guard(model, where), _buffer_guard(model, where):
+    with state_guard(model, where):
         yield
-
-
-@contextlib.contextmanager
-def _buffer_guard(model: nn.Module, where: str = "dp_step"):
-    """Refuse any buffer change made while private data flows through ``model``.
-
-    Every buffer of ``model`` (running statistics of InstanceNorm / BatchNorm with
-    ``track_running_stats=True``, counters, caches, ...) is snapshotted before the block; after it
-    a buffer whose tensor was replaced, or whose version counter moved and whose values differ, is
-    restored from the snapshot and :class:`PrivateBufferError` is raised naming it. Buffers that a
-    context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
-    pass. Nothing leaves: the model is as it was before the block. Costs one clone of the buffers
-    per step (nothing for models without buffers)."""
-    saved = [(name, b, b._version, b.detach().clone())
-             for name, b in model.named_buffers() if b is not None]
-    try:
-        yield
-    finally:
-        changed = []
-        if saved:
-            current = dict(model.named_buffers())
-            for name, b, version, copy in saved:
-                now = current.get(name)
-                if now is b and b._version == version:
-                    continue
-                if now is not None and now.shape == copy.shape and torch.equal(now, copy):
-                    continue
-                changed.append(name)
-                with torch.no_grad():
-                    b.copy_(copy)
-                if now is not b:  # replaced by another tensor: put the original object back
-                    mod_name, _, attr = name.rpartition(".")
-                    owner = model.get_submodule(mod_name) if mod_name else model
-                    owner.register_buffer(
-                        attr, b, persistent=attr not in owner._non_persistent_buffers_set)
-    if changed:
-        raise PrivateBufferError(
-            f"{where}: the model changed buffer(s) {', '.join(repr(c) for c in changed)} while "
-            "computing private gradients; a buffer updated from private data (running statistics "
-            "of InstanceNorm/BatchNorm with track_running_stats=True, caches, counters) would "
-            "leave the run without noise. Buffers were restored. Fix: build the layer with "
-            "track_running_stats=False (InstanceNorm: instance statistics at evaluation too), "
-            "use GroupNorm/LayerNorm, or batch clipping (--param unit=bc) for BatchNorm"
-        )
 
 
 @dataclass
