@@ -132,7 +132,8 @@ from dpclip.engine.per_layer import (
     seq_now,
 )
 from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
-from dpclip.engine.batchless import expand_rows, is_batchless
+from dpclip.engine.batchless import (
+    BroadcastGuard, NotBroadcast, expand_rows, is_batchless, is_unbatched)
 from dpclip.engine.separable import SeparabilityTracer
 from dpclip.engine.tied import TiedUse, tied_norm_bound
 
@@ -1862,6 +1863,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         return calls, losses.sum()
 
     expanded: list[str] = []  # layers whose batch-less calls were expanded
+    guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()), None)
@@ -1877,6 +1879,17 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             out = expand_rows(out, batch)
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
+            return out
+        if not per_layer and is_unbatched(
+                a, out, batch, tracer is None or tracer.layout(a) is None):
+            # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
+            # with an extra leading B, every later use guarded (dpclip.engine.batchless)
+            user = tuple(out.shape)
+            a = a.unsqueeze(0).expand(batch, *a.shape)
+            out = out.unsqueeze(0).expand(batch, *out.shape)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            guard.guard(out, owner.name, user)
             return out
         calls.append(_engine_call(owner, a, out, tracer))
         return None
@@ -1899,8 +1912,11 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
         try:
-            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+            with torch.enable_grad(), (tracer or contextlib.nullcontext()), \
+                    guard:
                 losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+        except NotBroadcast as exc:
+            raise _RuntimeUnsupported(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
             if not expanded:
                 raise
