@@ -263,6 +263,8 @@ class FlatPosNet(nn.Module):
             h = h + self.lin(self.table)
         elif k == "dropout":  # dropout on the batch-less output before broadcasting
             h = h + self.drop(self.pos(self.ids))
+        elif k == "dropout-1T":  # the same on a (1, T) call (BERT / GPT-2 without position ids)
+            h = h + self.drop(self.pos(self.ids.unsqueeze(0)))
         # ---- twins
         elif k == "twin:ids-from-batch":  # (T,) ids computed from the batch
             h = h + self.pos(x.sum(0) % T)
@@ -338,13 +340,13 @@ def test_unbatched_output_not_broadcast_names_the_layer():
         GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
 
 
-@pytest.mark.parametrize("kind", ["arange", "dropout"])
+@pytest.mark.parametrize("kind", ["dropout", "dropout-1T"])
 def test_dropout_on_a_batchless_output_draws_per_example_and_stays_sound(kind):
     """Dropout (training mode) on the batch-less output before broadcasting draws one mask per
     example (the output is expanded first). Sound: with the same random state, changing every
     OTHER example leaves example 0's norm and its gradient unchanged (it depends on itself and
     its own mask only); the run is on ghost."""
-    model = _flat("dropout", p=0.5 if kind == "dropout" else 0.0).train()
+    model = _flat(kind, p=0.5).train()
     x, y = _data()
     x2 = x.clone()
     x2[1:] = (x2[1:] + 3) % V
