@@ -150,16 +150,17 @@ class NotBroadcast(Exception):
     """A guarded batch-less output used other than by a right-aligned elementwise broadcast."""
 
 
-def is_unbatched(a: Any, out: Any, batch: int, constant: bool) -> bool:
+def is_unbatched(a: Any, out: Any, batch: int, constant: Callable[[], bool]) -> bool:
     """Whether a ruled layer's call is batch-less without a leading 1: ``a`` a constant tensor
-    (``constant``: its trace layout is ``None``; a batch of one is not traced and passes True),
+    (``constant()``, asked last: its trace layout is ``None``; a batch of one is not traced),
     ``out`` a tensor of rank >= 1 whose leading size is neither 1 nor the batch size (when it is
     the batch size, the call is an ordinary batched call and the trace judges it; a (1, ...)
     output is :func:`is_batchless`'s). Deciding wrongly costs no soundness: the expanded output
     is guarded (:class:`BroadcastGuard`), so the program computes the user's values or is
     refused."""
-    return (constant and isinstance(a, Tensor) and isinstance(out, Tensor) and a.ndim >= 1
-            and out.ndim >= 1 and type(out.shape[0]) is int and out.shape[0] not in (1, batch))
+    return (isinstance(a, Tensor) and isinstance(out, Tensor) and a.ndim >= 1
+            and out.ndim >= 1 and type(out.shape[0]) is int and out.shape[0] not in (1, batch)
+            and constant())
 
 
 def _fname(func: Any) -> str:
@@ -177,6 +178,21 @@ class BroadcastGuard(TorchFunctionMode):
         self.batch = batch
         #: guarded tensor -> (layer name, the user's shape of it)
         self.guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    active = False
+
+    def start(self) -> None:
+        """Push the mode (from the engine's hook, at the first guarded output: models without
+        such calls run without it). Idempotent."""
+        if not self.active:
+            self.__enter__()
+            self.active = True
+
+    def stop(self) -> None:
+        """Pop the mode if :meth:`start` pushed it (before any mode pushed earlier exits)."""
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
 
     def guard(self, t: Tensor, name: str, user_shape: tuple[int, ...]) -> None:
         self.guarded[t] = (name, tuple(user_shape))

@@ -1880,8 +1880,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
-        if not per_layer and is_unbatched(
-                a, out, batch, tracer is None or tracer.layout(a) is None):
+        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user = tuple(out.shape)
@@ -1889,6 +1888,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             out = out.unsqueeze(0).expand(batch, *out.shape)
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
+            guard.start()
             guard.guard(out, owner.name, user)
             return out
         calls.append(_engine_call(owner, a, out, tracer))
@@ -1912,9 +1912,11 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
         try:
-            with torch.enable_grad(), (tracer or contextlib.nullcontext()), \
-                    guard:
-                losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+                try:
+                    losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+                finally:
+                    guard.stop()  # (pushed by the hook at the first guarded output, if any)
         except NotBroadcast as exc:
             raise _RuntimeUnsupported(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
@@ -1931,6 +1933,18 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             h.remove()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+def _constant(tracer: SeparabilityTracer | None, a: Tensor) -> bool:
+    """Whether ``a`` is constant for the trace (True without a trace: a batch of one); the
+    engine's own read, with the tracer's Python checks paused (it reads the storage)."""
+    if tracer is None:
+        return True
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return tracer.layout(a) is None
+    finally:
+        tracer.quiet = quiet
 
 
 # ------------------------------------------------------- chains of known modules (no trace)
