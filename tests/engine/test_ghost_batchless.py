@@ -361,3 +361,18 @@ def test_dropout_on_a_batchless_output_draws_per_example_and_stays_sound(kind):
         got.append(res)
     torch.testing.assert_close(got[0].norms[0], got[1].norms[0], rtol=1e-12, atol=0)
     assert_grads_close(got[0].grads, got[1].grads)
+
+
+def test_error_205_unbatched_output_not_broadcast():
+    model = _flat("twin:row-0")
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+    assert str(info.value).startswith(
+        "ghost engine: the output of layer 'pos', called without the batch dimension (its first "
+        "dimension is not the batch, e.g. an Embedding on a 1-D arange(T)), is used by "
+        "__getitem__ (not an elementwise broadcast); the ghost engine runs such a call on its "
+        "output expanded to the batch, which gives the user's values only where the output is "
+        "broadcast into example data by elementwise arithmetic (x + pe, x * pe; dropout before "
+        "it): broadcast it so, or look the positions up with a (1, T) or (B, T) index, or use "
+        "engine 'vmap'. The ghost engine has rules for Linear, ")

@@ -44,9 +44,9 @@ output gradient's row ``i``; the outputs' trace layouts are read before the view
 output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
 
 Edge cases: a batch of one example is an ordinary call (nothing is expanded; the shapes agree). A
-call with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is not expanded:
-its first dimension is then not the batch and the engine refuses it (the per-example gradient would
-need the broadcast's alignment). Code after the layer that cannot take the expanded tensor (a
+call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
+expanded with an EXTRA leading dimension and every use of its output guarded
+(:class:`BroadcastGuard`, below). Code after the layer that cannot take the expanded tensor (a
 ``view(1, -1)``) raises in the engine's forward; the engine refuses the model then (``auto`` falls
 back to ``vmap``, which runs the user's program unchanged).
 """
@@ -225,7 +225,7 @@ class BroadcastGuard(TorchFunctionMode):
             return out
         inplace = fname in _INPLACE
         if fname not in _BINARY and not inplace:
-            raise self._refuse(name, f"{fname or func!r} (not an elementwise broadcast)")
+            raise self._refuse(name, f"{fname or repr(func)} (not an elementwise broadcast)")
         if inplace and args and isinstance(args[0], Tensor) and args[0] in self.guarded:
             raise self._refuse(name, f"the in-place {fname} of the output itself")
         shapes = []
