@@ -232,3 +232,147 @@ def test_per_layer_module_output_across_the_batch_is_refused():
     x, y = _data()
     with pytest.raises(UnsupportedModelError, match="mix"):
         GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+
+
+# ------------------------------------------ calls with no leading 1 (a 1-D arange(T), a (T, D) table)
+
+
+class FlatPosNet(nn.Module):
+    """A position term from a ruled layer called on a constant with NO leading 1 (an Embedding on
+    a 1-D ``arange(T)``: output ``(T, D)``), broadcast against ``(B, T, D)`` example data."""
+
+    def __init__(self, kind: str, p: float = 0.0) -> None:
+        super().__init__()
+        self.kind = kind
+        self.tok = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.lin = nn.Linear(D, D)
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(D, 3)
+        self.register_buffer("ids", torch.arange(T))
+        self.register_buffer("table", torch.randn(T, D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tok(x)
+        k = self.kind
+        if k == "arange":  # GPT-2 style without the leading 1
+            h = h + self.pos(self.ids[: x.shape[1]])
+        elif k == "arange-times":  # arithmetic chains on the output alone, then a product
+            h = h * (self.pos(self.ids) * 0.5 + 1.0) - self.pos(self.ids) / 3
+        elif k == "linear-table":  # a Linear on a (T, D) constant
+            h = h + self.lin(self.table)
+        elif k == "dropout":  # dropout on the batch-less output before broadcasting
+            h = h + self.drop(self.pos(self.ids))
+        elif k == "dropout-1T":  # the same on a (1, T) call (BERT / GPT-2 without position ids)
+            h = h + self.drop(self.pos(self.ids.unsqueeze(0)))
+        # ---- twins
+        elif k == "twin:ids-from-batch":  # (T,) ids computed from the batch
+            h = h + self.pos(x.sum(0) % T)
+        elif k == "twin:row-0":  # the first position's embedding, added everywhere
+            h = h + self.pos(self.ids)[0]
+        elif k == "twin:slice":  # column 0 of every position (pe[:, :1]), broadcast over D
+            h = h + self.pos(self.ids)[:, :1]
+        elif k == "twin:sum-T":  # a reduction over T: separable, but not a broadcast
+            h = h + self.pos(self.ids).sum(0)
+        elif k == "twin:matmul":  # the output's leading dim contracted (pe @ h^T)
+            h = h + (self.pos(self.ids) @ h.transpose(1, 2)).tanh() @ h / T
+        elif k == "twin:size":  # reads the leading size (T in the user's program)
+            p = self.pos(self.ids)
+            h = h + p * p.shape[0]
+        elif k == "twin:norm":  # another layer on the output before it is broadcast
+            h = h + self.lin(self.pos(self.ids))
+        return self.head(torch.tanh(h).mean(1))
+
+
+FLAT_OK = ["arange", "arange-times", "linear-table"]
+FLAT_TWINS = ["twin:ids-from-batch", "twin:row-0", "twin:slice", "twin:sum-T", "twin:matmul",
+              "twin:size", "twin:norm"]
+
+
+def _flat(kind: str, p: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return FlatPosNet(kind, p).to(DT)
+
+
+@pytest.mark.parametrize("kind", FLAT_OK)
+def test_unbatched_calls_without_leading_one_run_on_ghost_equal_to_the_loop(kind):
+    """An Embedding on a 1-D arange(T), a Linear on a (T, D) table (refused before: "mixes the
+    examples"): ghost, the loop's norms (upper bounds within rounding) and weighted sum."""
+    model = _flat(kind)
+    x, y = _data()
+    per_ex = naive_per_example_grads(model, ce, x, y)
+    for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
+        expected = oracle_norms(per_ex, groups, B)
+        for engine in (AutoEngine(), GhostEngine(norm_mode="ghost"),
+                       GhostEngine(norm_mode="direct"), GhostEngine(max_physical_batch=3)):
+            res = engine.compute(model, ce, x, y, wfn, groups)
+            assert res.engine_info["engine"] == "ghost", res.engine_info
+            assert bool((res.norms >= expected * (1 - 1e-12)).all())
+            torch.testing.assert_close(res.norms, expected, rtol=1e-9, atol=1e-12)
+            assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+@pytest.mark.parametrize("kind", FLAT_TWINS)
+def test_unbatched_call_twins_are_refused_and_auto_runs_them_soundly(kind):
+    """The output used across its leading dimension (row 0, a column slice, a sum over T, a
+    product contracting it, its size, another layer on it) or ids computed from the batch:
+    ghost refuses; auto's vmap fallback equals the loop."""
+    model = _flat(kind)
+    x, y = _data()
+    groups = ParamGroups.flat(model)
+    with pytest.raises(UnsupportedModelError):
+        GhostEngine().compute(model, ce, x, y, wfn, groups)
+    if kind == "twin:ids-from-batch":
+        return  # mixes the examples in the user's program too (no per-example loop oracle)
+    res = AutoEngine().compute(model, ce, x, y, wfn, groups)
+    assert res.engine_info["engine"] == "vmap", res.engine_info
+    per_ex = naive_per_example_grads(model, ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9,
+                               atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+def test_unbatched_output_not_broadcast_names_the_layer():
+    model = _flat("twin:row-0")
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError, match="output of layer 'pos', called without the "
+                       "batch dimension .* is used by"):
+        GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+
+
+@pytest.mark.parametrize("kind", ["dropout", "dropout-1T"])
+def test_dropout_on_a_batchless_output_draws_per_example_and_stays_sound(kind):
+    """Dropout (training mode) on the batch-less output before broadcasting draws one mask per
+    example (the output is expanded first). Sound: with the same random state, changing every
+    OTHER example leaves example 0's norm and its gradient unchanged (it depends on itself and
+    its own mask only); the run is on ghost."""
+    model = _flat(kind, p=0.5).train()
+    x, y = _data()
+    x2 = x.clone()
+    x2[1:] = (x2[1:] + 3) % V
+    groups = ParamGroups.flat(model)
+    got = []
+    for xs in (x, x2):
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            res = GhostEngine().compute(model, ce, xs, y, lambda n: torch.nn.functional.one_hot(
+                torch.tensor(0), B).to(n.dtype), groups)
+        assert res.engine_info["engine"] == "ghost"
+        got.append(res)
+    torch.testing.assert_close(got[0].norms[0], got[1].norms[0], rtol=1e-12, atol=0)
+    assert_grads_close(got[0].grads, got[1].grads)
+
+
+def test_error_205_unbatched_output_not_broadcast():
+    model = _flat("twin:row-0")
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError) as info:
+        GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+    assert str(info.value).startswith(
+        "ghost engine: the output of layer 'pos', called without the batch dimension (its first "
+        "dimension is not the batch, e.g. an Embedding on a 1-D arange(T)), is used by "
+        "__getitem__ (not an elementwise broadcast); the ghost engine runs such a call on its "
+        "output expanded to the batch, which gives the user's values only where the output is "
+        "broadcast into example data by elementwise arithmetic (x + pe, x * pe; dropout before "
+        "it): broadcast it so, or look the positions up with a (1, T) or (B, T) index, or use "
+        "engine 'vmap'. The ghost engine has rules for Linear, ")

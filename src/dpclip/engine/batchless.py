@@ -44,9 +44,9 @@ output gradient's row ``i``; the outputs' trace layouts are read before the view
 output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
 
 Edge cases: a batch of one example is an ordinary call (nothing is expanded; the shapes agree). A
-call with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is not expanded:
-its first dimension is then not the batch and the engine refuses it (the per-example gradient would
-need the broadcast's alignment). Code after the layer that cannot take the expanded tensor (a
+call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
+expanded with an EXTRA leading dimension and every use of its output guarded
+(:class:`BroadcastGuard`, below). Code after the layer that cannot take the expanded tensor (a
 ``view(1, -1)``) raises in the engine's forward; the engine refuses the model then (``auto`` falls
 back to ``vmap``, which runs the user's program unchanged).
 """
@@ -56,9 +56,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["as_example_rows", "expand_rows", "expanding_hooks", "is_batchless"]
+__all__ = ["BroadcastGuard", "NotBroadcast", "as_example_rows", "expand_rows", "expanding_hooks",
+           "is_batchless", "is_unbatched"]
 
 
 def _one(t: Any) -> bool:
@@ -114,3 +119,128 @@ def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
     finally:
         for h in handles:
             h.remove()
+
+
+# ------------------------------------------------ calls with no leading 1 (issue 31, item 2)
+#
+# An Embedding on a 1-D ``arange(T)`` (output ``(T, H)``), or any ruled layer on a constant input
+# whose output has no batch dimension at all, broadcast later against ``(B, T, H)`` example data.
+# The engine runs it as ``out.unsqueeze(0).expand(B, ...)`` (input expanded the same way), so the
+# layer's own rule applies with one gradient row per example. Unlike a leading 1, an extra leading
+# dimension changes what later code computes unless every use is a right-aligned broadcast
+# (``x + pe`` adds the same values; ``pe[0]``, ``pe @ x``, ``pe.sum(0)``, ``pe.shape`` do not).
+# :class:`BroadcastGuard` therefore watches every Python-level use of such an output (and of what is
+# computed from it alone) and admits only: the elementwise arithmetic below, whose result is,
+# element for element, the user's result broadcast (checked by shapes: the engine's result shape
+# equals the user's, then the values are identical and the result leaves the guard, or is the
+# user's shape with the extra leading B, then it stays guarded), and dropout (one mask per example:
+# each example still depends only on itself and on an i.i.d. draw, as under ``vmap``). Anything
+# else on a guarded tensor (an index, a reduction, a matrix product, a size read, another layer)
+# is refused: "not proven", never guessed. The user's code never sees a guarded tensor's shape, so
+# the program the engine runs is observationally the user's program (the batch-size proof traces
+# the user's program for these calls).
+
+_BINARY = {"__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+           "__rtruediv__", "add", "sub", "mul", "div", "subtract", "multiply", "true_divide"}
+_INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_"}
+_GETTERS = {"dtype", "device", "requires_grad", "is_cuda", "layout"}
+
+
+class NotBroadcast(Exception):
+    """A guarded batch-less output used other than by a right-aligned elementwise broadcast."""
+
+
+def is_unbatched(a: Any, out: Any, batch: int, constant: Callable[[], bool]) -> bool:
+    """Whether a ruled layer's call is batch-less without a leading 1: ``a`` a constant tensor
+    (``constant()``, asked last: its trace layout is ``None``; a batch of one is not traced),
+    ``out`` a tensor of rank >= 1 whose leading size is neither 1 nor the batch size (when it is
+    the batch size, the call is an ordinary batched call and the trace judges it; a (1, ...)
+    output is :func:`is_batchless`'s). Deciding wrongly costs no soundness: the expanded output
+    is guarded (:class:`BroadcastGuard`), so the program computes the user's values or is
+    refused."""
+    return (isinstance(a, Tensor) and isinstance(out, Tensor) and a.ndim >= 1
+            and out.ndim >= 1 and type(out.shape[0]) is int and out.shape[0] not in (1, batch)
+            and constant())
+
+
+def _fname(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return "get:" + getattr(getattr(func, "__self__", None), "__name__", "")
+    return name
+
+
+class BroadcastGuard(TorchFunctionMode):
+    """Admits only right-aligned elementwise broadcasts of the guarded tensors (see above)."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+        #: guarded tensor -> (layer name, the user's shape of it)
+        self.guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    active = False
+
+    def start(self) -> None:
+        """Push the mode (from the engine's hook, at the first guarded output: models without
+        such calls run without it). Idempotent."""
+        if not self.active:
+            self.__enter__()
+            self.active = True
+
+    def stop(self) -> None:
+        """Pop the mode if :meth:`start` pushed it (before any mode pushed earlier exits)."""
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+
+    def guard(self, t: Tensor, name: str, user_shape: tuple[int, ...]) -> None:
+        self.guarded[t] = (name, tuple(user_shape))
+
+    def _refuse(self, name: str, what: str) -> NotBroadcast:
+        return NotBroadcast(
+            f"the output of layer {name!r}, called without the batch dimension (its first "
+            f"dimension is not the batch, e.g. an Embedding on a 1-D arange(T)), is used by "
+            f"{what}; the ghost engine runs such a call on its output expanded to the batch, which "
+            "gives the user's values only where the output is broadcast into example data by "
+            "elementwise arithmetic (x + pe, x * pe; dropout before it): broadcast it so, or "
+            "look the positions up with a (1, T) or (B, T) index, or use engine 'vmap'")
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.guarded:
+            return func(*args, **kwargs)
+        ts = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+        hit = [t for t in ts if t in self.guarded]
+        if not hit:
+            return func(*args, **kwargs)
+        name = self.guarded[hit[0]][0]
+        fname = _fname(func)
+        if fname.startswith("get:") and fname[4:] in _GETTERS:
+            return func(*args, **kwargs)
+        if func is F.dropout or fname == "dropout":
+            out = func(*args, **kwargs)
+            self.guard(out, name, self.guarded[hit[0]][1])  # one mask per example (documented)
+            return out
+        inplace = fname in _INPLACE
+        if fname not in _BINARY and not inplace:
+            raise self._refuse(name, f"{fname or repr(func)} (not an elementwise broadcast)")
+        if inplace and args and isinstance(args[0], Tensor) and args[0] in self.guarded:
+            raise self._refuse(name, f"the in-place {fname} of the output itself")
+        shapes = []
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, Tensor):
+                shapes.append(self.guarded[v][1] if v in self.guarded else tuple(v.shape))
+        user = tuple(torch.broadcast_shapes(*shapes))
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor):
+            raise self._refuse(name, f"{fname} returning {type(out).__name__}")
+        got = tuple(out.shape)
+        if got == user:  # the user's values, element for element: example data from here on
+            return out
+        if got == (self.batch, *user):  # still the broadcast output with the extra leading B
+            self.guard(out, name, user)
+            return out
+        raise self._refuse(name, f"{fname} whose result has shape {got}, not the user's {user} "
+                                 "(the output's first dimension is not broadcast there)")

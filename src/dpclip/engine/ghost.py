@@ -134,7 +134,8 @@ from dpclip.engine.per_layer import (
     seq_now,
 )
 from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
-from dpclip.engine.batchless import expand_rows, is_batchless
+from dpclip.engine.batchless import (
+    BroadcastGuard, NotBroadcast, expand_rows, is_batchless, is_unbatched)
 from dpclip.engine.separable import SeparabilityTracer
 from dpclip.engine.tied import TiedUse, tied_norm_bound
 
@@ -1823,6 +1824,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         return calls, losses.sum()
 
     expanded: list[str] = []  # layers whose batch-less calls were expanded
+    guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()), None)
@@ -1838,6 +1840,17 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             out = expand_rows(out, batch)
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
+            return out
+        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
+            # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
+            # with an extra leading B, every later use guarded (dpclip.engine.batchless)
+            user = tuple(out.shape)
+            a = a.unsqueeze(0).expand(batch, *a.shape)
+            out = out.unsqueeze(0).expand(batch, *out.shape)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            guard.start()
+            guard.guard(out, owner.name, user)
             return out
         calls.append(_engine_call(owner, a, out, tracer))
         return None
@@ -1861,7 +1874,12 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
         try:
             with torch.enable_grad(), (tracer or contextlib.nullcontext()):
-                losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+                try:
+                    losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+                finally:
+                    guard.stop()  # (pushed by the hook at the first guarded output, if any)
+        except NotBroadcast as exc:
+            raise _RuntimeUnsupported(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
             if not expanded:
                 raise
@@ -1876,6 +1894,18 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             h.remove()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+def _constant(tracer: SeparabilityTracer | None, a: Tensor) -> bool:
+    """Whether ``a`` is constant for the trace (True without a trace: a batch of one); the
+    engine's own read, with the tracer's Python checks paused (it reads the storage)."""
+    if tracer is None:
+        return True
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return tracer.layout(a) is None
+    finally:
+        tracer.quiet = quiet
 
 
 # ------------------------------------------------------- chains of known modules (no trace)
