@@ -148,7 +148,8 @@ def stepper(method: str, base: nn.Module, x: Any, y: torch.Tensor, loss_fn: Call
         strategy, sampler = FixedClip(1.0), PoissonSampler(60_000, float(batch))
         groups = ParamGroups.flat(model)
         gen = make_generator(None)
-        ctx = StepContext(0, 0, sampler.steps_per_epoch, 1, float(batch), 1.0)
+        ctx = StepContext.at(0, steps_per_epoch=sampler.steps_per_epoch, total_steps=1,
+                             expected_batch_size=float(batch), base_noise_multiplier=1.0)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         last: dict[str, Any] = {}
 
