@@ -5,13 +5,13 @@ Each attack is a model or loss a user could pass to ``GhostEngine`` / ``engine="
 per-example mechanism has LOO <= 1. Found and fixed here (each test failed on the code before):
 
 * ``einsum('bi,ci->bi', h, ones_like(h))`` sums B ones into every row (the real-batch trace sees
-  only public constants there): accepted, LOO 3.07 C; now refused by the batch-size proof;
+  only public constants there): accepted, LOO 3.16 C; now refused by the batch-size proof;
 * a user forward hook on a ghost-hooked layer (``o + k * o.mean(0)``): the engine read the
-  gradient of the hook's mixed output as the layer's ``b``: accepted, LOO 1.50 C; now refused.
+  gradient of the hook's mixed output as the layer's ``b``: accepted, LOO 1.06 C; now refused.
 
 Still open (strict xfail): a forward or loss that tells the symbolic-batch proof from the real
 run (``isinstance(x.shape[0], int)``, ``type(x) is torch.Tensor``) and uses the batch size only in
-the real run: accepted, LOO 2.0-3.0 C. The proof checks one program and the engine runs another;
+the real run: accepted, LOO 2.57-3.16 C. The proof checks one program and the engine runs another;
 the sound fix is to run what was proved (the exported program), not yet done.
 
 The other attacks of the review are refused (regression tests below).
@@ -220,7 +220,7 @@ OPEN = {
 
 
 @pytest.mark.xfail(strict=True, reason="open hole: a program that tells the symbolic-batch "
-                   "proof from the real run (LOO 2.0-3.0 C); fix: run the proved program")
+                   "proof from the real run (LOO 2.57-3.16 C); fix: run the proved program")
 @pytest.mark.parametrize("name", list(OPEN))
 def test_open_a_program_that_detects_the_proof_is_refused(name):
     build, loss = OPEN[name]

@@ -2047,8 +2047,8 @@ def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
     """Raise :class:`_RuntimeUnsupported` if a forward hook other than the engine's own (``ours``)
     runs on a hooked layer: a user hook registered before the engine's may replace the layer's
     output (``o + o.mean(0)``), and the gradient of the replacement would then be read as the
-    layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before,
-    LOO 1.5 C)."""
+    layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before;
+    benchmarks/results/hostile_review_loo.md)."""
     if _module_mod._global_forward_hooks or any(h is not ours for h in mod._forward_hooks.values()):
         raise _RuntimeUnsupported(
             f"layer {name!r} ({type(mod).__name__}) has a forward hook that is not the engine's: "
