@@ -81,6 +81,48 @@ def _in_place_shift(h: Tensor) -> Tensor:
     return h2
 
 
+class _MixingScale(nn.Module):
+    """A module without a ghost rule (the per-layer path) that centres its output over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = x * self.w
+        return z - z.mean(0)
+
+
+class _TwoLayers(nn.Module):
+    """Linear -> ``mid`` -> tanh -> Linear, ``setup`` adds hooks to the second layer."""
+
+    def __init__(self, mid: nn.Module | None = None, setup=None) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.mid = mid if mid is not None else nn.Identity()
+        if setup is not None:
+            setup(self.fc2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.mid(self.fc1(x))))
+
+
+class _Centring(Tensor):
+    """A ``__torch_function__`` subclass that centres every ``tanh`` over the batch."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.tanh, torch.tanh):
+            out = out - out.mean(0)
+        return out
+
+
+def _checkpointed_tanh(h: Tensor) -> Tensor:
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(torch.tanh, h, use_reentrant=True)
+
+
 def _mid(f):
     return lambda: Net(lambda m, h: f(h))
 
@@ -147,6 +189,14 @@ REFUSED = {
     "detach-mean": (_mid(lambda h: h + h.detach().mean(0)), ce),
     "in-place-shift": (_mid(_in_place_shift), ce),
     "stale-batchless-buffer": (StaleBatchless, ce),
+    "per-layer-module-mixes": (lambda: _TwoLayers(_MixingScale()), ce),
+    "backward-pre-hook": (lambda: _TwoLayers(setup=lambda m: m.register_full_backward_pre_hook(
+        lambda mod, go: (go[0] + 5 * go[0].sum(0),))), ce),
+    "forward-pre-hook-mixes-input": (lambda: _TwoLayers(setup=lambda m: m.register_forward_pre_hook(
+        lambda mod, i: (i[0] - i[0].mean(0),))), ce),
+    "reentrant-checkpoint": (_mid(_checkpointed_tanh), ce),
+    "torch_function-subclass": (_mid(lambda h: torch.tanh(h.as_subclass(_Centring))
+                                     .as_subclass(Tensor)), ce),
     "mean-loss-beside": (lambda: Net(), lambda o, y: ce(o, y) * 0
                          + nn.functional.cross_entropy(o, y)),
     "y.float().mean()": (lambda: Net(), lambda o, y: ce(o, y) * y.float().mean()),
