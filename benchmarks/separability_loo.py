@@ -2,7 +2,7 @@
 (tests/engine/test_separability_attacks.py), for the ghost and auto engines of whichever ``dpclip``
 is importable: ``max_j ||S(X) - S(X without j)|| / C``; a sound per-example mechanism stays <= 1.
 
-Run ``python benchmarks/separability_loo.py LABEL OUT.json`` (PYTHONPATH pointing at the code to
+Run ``python benchmarks/separability_loo.py [--hostile] LABEL OUT.json`` (PYTHONPATH pointing at the code to
 measure and at the repository root for the attack definitions); rows are appended to OUT.json and
 ``--table OUT.json`` writes the Markdown table beside it. "refused": the engine raised.
 """
@@ -38,9 +38,20 @@ def loo_worst(engine, model, loss, x, y) -> float:
     return worst
 
 
-def measure(label: str) -> list[dict]:
+def hostile_attacks() -> dict:
+    """The attacks of the hostile review that ghost accepted (tests/engine/test_hostile_review.py:
+    two fixed there, two open)."""
+    from tests.engine.test_hostile_review import OPEN, REFUSED
+
+    fixed = {k: REFUSED[k] for k in ("einsum-ones_like(B)", "forward-hook-mixes-output")}
+    return {**fixed, **{f"{k} (open)": v for k, v in OPEN.items()}}
+
+
+def measure(label: str, attacks: dict | None = None) -> list[dict]:
     from dpclip.engine import AutoEngine, GhostEngine
     from tests.engine.test_separability_attacks import ATTACKS, DT, data, clipped_sum
+
+    ATTACKS = ATTACKS if attacks is None else attacks  # noqa: N806
 
     rows = []
     for name, (build, loss) in ATTACKS.items():
@@ -96,10 +107,13 @@ if __name__ == "__main__":
         open(sys.argv[2].rsplit(".", 1)[0] + ".md", "w").write(md)
         print(md)
     else:
-        label, path = sys.argv[1], sys.argv[2]
+        # ``--hostile LABEL OUT.json``: the hostile review's attacks instead of issue 31's
+        hostile = sys.argv[1] == "--hostile"
+        label, path = sys.argv[1 + hostile], sys.argv[2 + hostile]
         try:
             old = json.load(open(path))
         except FileNotFoundError:
             old = []
-        old = [r for r in old if r["code"] != label] + measure(label)
+        old = [r for r in old if r["code"] != label] + measure(
+            label, hostile_attacks() if hostile else None)
         json.dump(old, open(path, "w"), indent=1)

@@ -95,6 +95,26 @@ _RANDOM = {_aten.bernoulli, _aten.rand_like, _aten.randn_like, _aten.dropout,
            _aten.fill_, _aten.zero_, _aten.fill}
 
 
+#: ops through which a constant shaped by the batch size may meet example data: each output
+#: element reads the constant at its own position (or the constant indexes / masks / is moved),
+#: so the real-batch trace's position rules judge it; a contraction (mm, bmm, einsum, a
+#: reduction) could instead sum the constant over the batch into a value that carries ``B``
+_POSITIONWISE_WITH_DATA = {
+    _aten.cat, _aten.stack, _aten.index, _aten.index_select, _aten.gather, _aten.index_put,
+    _aten.index_put_, _aten.embedding, _aten.masked_fill, _aten.masked_fill_, _aten.copy_,
+    _aten.scaled_dot_product_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_cudnn_attention, _aten._safe_softmax,
+}
+
+
+def _combines_positionwise(target: Any, packet: Any) -> bool:
+    """Whether ``target`` may combine example data with a constant shaped by the batch size."""
+    return (packet in _POSITIONWISE_WITH_DATA or packet in _MOVES or packet in _RANDOM
+            or target in _WHERE or target is operator.getitem
+            or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags))
+
+
 def _packet(target: Any) -> Any:
     return getattr(target, "overloadpacket", target)
 
@@ -182,6 +202,12 @@ def _check_graph(ep: Any) -> str | None:
         # 2. constants shaped by the batch size
         from_shaped = [a for a in ins if a.name in shaped]
         if is_data:
+            if from_shaped and not _combines_positionwise(target, packet):
+                # e.g. einsum('bi,ci->bi', x, ones_like(x)) sums B ones into every row: the
+                # real-batch trace sees only public constants there (hostile review, issue 31)
+                return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
+                        f"combined with example data by {name}, which may contract or reduce "
+                        "over it: its values can carry the batch size")
             data.add(node.name)
             continue
         if _is_sym(val) or isinstance(val, (int, float, bool)) and not from_shaped:

@@ -1829,6 +1829,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()), None)
         owner = by_module[id(mod)]
+        _refuse_user_forward_hooks(owner.name, mod, hook)
         per_layer = owner.rule is _MODULE
         if tracer is not None and is_batchless(a, out, per_layer):
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
@@ -2070,6 +2071,20 @@ def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
             conf.append((k, v))
         parts.append((cls, tuple(conf)))
     return tuple(parts)
+
+
+def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
+    """Raise :class:`_RuntimeUnsupported` if a forward hook other than the engine's own (``ours``)
+    runs on a hooked layer: a user hook registered before the engine's may replace the layer's
+    output (``o + o.mean(0)``), and the gradient of the replacement would then be read as the
+    layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before;
+    benchmarks/results/hostile_review_loo.md)."""
+    if _module_mod._global_forward_hooks or any(h is not ours for h in mod._forward_hooks.values()):
+        raise _RuntimeUnsupported(
+            f"layer {name!r} ({type(mod).__name__}) has a forward hook that is not the engine's: "
+            "it may replace the layer's output (e.g. mix it over the batch), so the layer's "
+            "per-example gradient is not proven. Remove the hook (apply its change in the "
+            "model's forward instead), or use engine 'vmap'")
 
 
 def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
