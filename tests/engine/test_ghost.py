@@ -28,6 +28,7 @@ from dpclip.engine import (
     naive_per_example_grads,
 )
 from dpclip.engine.ghost import NORM_MODES, SUPPORTED_LAYERS
+import dpclip.engine.ghost_forward as ghost_forward
 from dpclip.models import build_model
 from tests.clipping.contract import contract_strategy
 from tests.engine.helpers import (
@@ -236,9 +237,9 @@ def test_every_norm_strategy_weights(name):
 @pytest.mark.parametrize("mode", ["mixed", "direct"])
 def test_grouped_convolution_path_for_large_patches(mode, monkeypatch):
     """Per-example conv gradients by a grouped convolution (used when the patch matrix is large)."""
-    import dpclip.engine.ghost as ghost
+    import dpclip.engine.ghost_rules as rules
 
-    monkeypatch.setattr(ghost, "_PATCH_MAX_NUMEL", 0)
+    monkeypatch.setattr(rules, "_PATCH_MAX_NUMEL", 0)
     model, x, y, loss_fn = make("conv_variety", 5)
     for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
         _check(GhostEngine(norm_mode=mode), model, x, y, loss_fn, groups, clip_weights(0.2))
@@ -469,7 +470,7 @@ def _data(model, batch=5):
 
 # layers without a rule (PReLUNet, OwnParam) take the per-layer path since issue 31:
 # tests/engine/test_ghost_per_layer.py
-RUNTIME = [(Functional, "head.weight"), (Unbatched, "first dimension")]
+RUNTIME = [(Functional, "head.weight")]
 
 
 @pytest.mark.parametrize("build, needle", RUNTIME)
@@ -492,6 +493,22 @@ def test_unsupported_error_and_vmap_fallback(build, needle):
         assert needle in res.engine_info["fallback"]
         _assert_no_hooks(model)
     assert ghost_support(model)[0]  # run-time conditions only
+
+
+def test_position_embedding_without_the_batch_dimension_runs_on_ghost():
+    """``pos(arange(T))`` broadcast over the batch (a batch-less call, engine/batchless.py): it
+    used to be refused ("first dimension"); ghost now equals vmap, with no fallback."""
+    torch.manual_seed(0)
+    model = Unbatched().to(DT)
+    x, y = _data(model)
+    groups = ParamGroups.per_layer(model)
+    ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.4), groups)
+    for engine in (GhostEngine(), get_engine("auto")):
+        res = engine.compute(model, ce, x, y, clip_weights(0.4), groups)
+        assert res.engine_info["engine"] == "ghost" and not res.engine_info.get("fallback")
+        assert_grads_close(res.grads, ref.grads)
+        assert_close(res.norms, ref.norms)
+        _assert_no_hooks(model)
 
 
 def test_inplace_change_of_a_layer_output_is_supported():
@@ -520,11 +537,11 @@ def test_inplace_change_of_a_consumed_input_is_refused():
 def test_norm_temporaries_in_example_slices(monkeypatch):
     """With a tiny temporaries budget every conv / sequence-linear norm path (ghost, direct, keep)
     runs slice by slice and still equals vmap."""
-    import dpclip.engine.ghost as ghost_mod
+    import dpclip.engine.ghost_rules as rules
 
-    monkeypatch.setattr(ghost_mod, "_TEMP_MAX_NUMEL", 64)
-    assert ghost_mod._example_slices(10, 30) == [slice(i, min(i + 2, 10)) for i in range(0, 10, 2)]
-    assert ghost_mod._example_slices(3, 10**9) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    monkeypatch.setattr(rules, "_TEMP_MAX_NUMEL", 64)
+    assert rules._example_slices(10, 30) == [slice(i, min(i + 2, 10)) for i in range(0, 10, 2)]
+    assert rules._example_slices(3, 10**9) == [slice(0, 1), slice(1, 2), slice(2, 3)]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 4, 2, stride=2),
                           nn.Flatten(), nn.Unflatten(1, (4, 4)), nn.Linear(4, 5), nn.Tanh(),
@@ -539,7 +556,7 @@ def test_norm_temporaries_in_example_slices(monkeypatch):
             for c in calls:
                 c.choice = choice
 
-        monkeypatch.setattr(ghost_mod.GhostEngine, "_choose", choose)
+        monkeypatch.setattr(GhostEngine, "_choose", choose)
         res = GhostEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
         assert_grads_close(res.grads, ref.grads)
         assert_close(res.norms, ref.norms)
@@ -743,9 +760,9 @@ def _chain_model():
 
 
 def _hooked_path(monkeypatch):
-    import dpclip.engine.ghost as ghost_mod
+    import dpclip.engine.ghost_forward as forward
 
-    monkeypatch.setattr(ghost_mod, "_plain_chain", lambda model, by_module: None)
+    monkeypatch.setattr(forward, "_plain_chain", lambda model, by_module: None)
 
 
 def test_plain_chain_equals_the_hooked_forward_and_vmap(monkeypatch):
@@ -756,7 +773,7 @@ def test_plain_chain_equals_the_hooked_forward_and_vmap(monkeypatch):
 
     model = _chain_model()
     scan = ghost_mod._scan(model)
-    chain = ghost_mod._plain_chain(model, scan.by_module)
+    chain = ghost_forward._plain_chain(model, scan.by_module)
     assert chain is not None and len(chain) == 10
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(7, 2, 2, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (7,), generator=g)
@@ -777,7 +794,7 @@ def test_plain_chain_is_only_used_when_it_sees_what_hooks_would():
     import dpclip.engine.ghost as ghost_mod
 
     def chain_of(model):
-        return ghost_mod._plain_chain(model, ghost_mod._scan(model).by_module)
+        return ghost_forward._plain_chain(model, ghost_mod._scan(model).by_module)
 
     class Sub(nn.Sequential):
         pass

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import dpclip.engine.ghost as ghost_mod
+import dpclip.engine.ghost_rules as ghost_rules
 from dpclip.clipping import make_strategy
 from dpclip.engine import GhostEngine, ParamGroups
 from dpclip.engine.ghost import NORM_MODES
@@ -118,7 +119,7 @@ def test_other_batch_sizes_and_seeds(case: str, batch: int, seed: int, mode: str
 @pytest.mark.parametrize("mode", NORM_MODES)
 def test_neighbours_with_several_book_keeping_blocks(mode: str, monkeypatch) -> None:
     """Blocks of 2 examples: removing one example regroups the others' blocks."""
-    monkeypatch.setattr(ghost_mod, "_BK_BLOCK", 2)
+    set_bk_block(monkeypatch, 2)
     for case in ("conv2d_gn_1e-3", "seq_ln_1e-3", "embedding_tiny_one_token"):
         _neighbours(case, mode, 7, 1)
 
@@ -130,10 +131,16 @@ def test_book_keeping_blocks_match_the_float64_oracle(case: str, monkeypatch) ->
     naive per-example loop in float64, for every norm mode and grouping."""
     model, x, y, loss_fn = make(case, 7, seed=3)
     for block in (2, 3):
-        monkeypatch.setattr(ghost_mod, "_BK_BLOCK", block)
-        assert ghost_mod._bk_blocks(7) == [slice(i, min(i + block, 7)) for i in range(0, 7, block)]
+        set_bk_block(monkeypatch, block)
+        assert ghost_rules._bk_blocks(7) == [slice(i, min(i + block, 7)) for i in range(0, 7, block)]
         for grouping in GROUPINGS.values():
             groups = grouping(model)
             for mode in NORM_MODES:
                 _check(GhostEngine(norm_mode=mode), model, x, y, loss_fn, groups,
                        clip_weights(0.2))
+
+
+def set_bk_block(monkeypatch, block: int) -> None:
+    """The book-keeping block size, in both modules that read it (the rules and the engine)."""
+    monkeypatch.setattr(ghost_rules, "_BK_BLOCK", block)
+    monkeypatch.setattr(ghost_mod, "_BK_BLOCK", block)

@@ -1,0 +1,471 @@
+"""The ghost engine's forward pass: the hooked (or plain-chain) forward that records each ruled
+layer's call, and the separability proof around it (:class:`~dpclip.engine.separable.SeparabilityTracer`
+on every step, :func:`~dpclip.engine.batch_symbol.batch_size_uses` once per signature; the
+batch-less calls of :mod:`dpclip.engine.batchless`). Where the proof cannot see, the answer is
+"not proven": :class:`_RuntimeUnsupported`, which ``auto`` turns into a recorded vmap fallback.
+"""
+
+from __future__ import annotations
+import contextlib
+from typing import Any, Callable
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from dpclip.engine.base import LossFn
+from dpclip.engine.batch import batch_leaves, call_model
+from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+from dpclip.engine.batchless import (
+    BroadcastGuard,
+    NotBroadcast,
+    expand_rows,
+    is_batchless,
+    is_unbatched,
+)
+from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
+
+
+class _RuntimeUnsupported(Exception):
+    """A model property found during the forward pass that the ghost rules cannot handle."""
+
+
+def _check_losses(losses: Tensor, batch: int) -> Tensor:
+    if losses.ndim == 0 or losses.shape[0] != batch:
+        from dpclip.engine.errors import loss_shape_error
+
+        raise loss_shape_error(losses.ndim)
+    return losses.reshape(batch, -1).sum(1) if losses.ndim > 1 else losses
+
+
+_module_mod = torch.nn.modules.module
+
+
+def _no_hooks(mod: nn.Module) -> bool:
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or mod._backward_pre_hooks)
+
+
+def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Module] | None:
+    """The modules that ``model(x)`` applies one after the other, when ``model`` is a plain chain:
+    an ``nn.Sequential`` (exactly that type, nested ones flattened) of leaf modules, without hooks
+    on the containers or on the layers that own trainable parameters, and no global module hooks.
+    Then running the chain ourselves sees every owner call with its input and output exactly as
+    forward hooks would, at a fraction of the cost (hooks put every call of a hooked module on
+    PyTorch's slow path). ``None``: use hooks."""
+    if type(model) is not nn.Sequential or not _no_hooks(model):
+        return None
+    if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
+            or _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks):
+        return None
+    chain: list[nn.Module] = []
+    stack = [iter(model._modules.values())]
+    while stack:
+        mod = next(stack[-1], _END)
+        if mod is _END:
+            stack.pop()
+            continue
+        if mod is None:  # not callable: let the ordinary forward raise its own error
+            return None
+        if type(mod) is nn.Sequential:
+            if not _no_hooks(mod):
+                return None
+            stack.append(iter(mod._modules.values()))
+        elif mod._modules:  # a container of another kind: its calls are its own business
+            return None
+        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE):
+            return None
+        else:
+            chain.append(mod)
+    return chain
+
+
+_END = object()
+
+
+def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
+                 tracer: SeparabilityTracer | None) -> _Call:
+    """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
+    ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
+    if tracer is None:
+        return _Call(owner, a, out, None)
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return _Call(owner, a, out, tracer)
+    finally:
+        tracer.quiet = quiet
+
+
+def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+             ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
+    ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
+    # a batch of one example cannot mix examples; otherwise every operation is traced, and the
+    # batch size, private, must be used only as the leading dimension (proved once per signature
+    # with a symbolic batch size; the real forward then takes the same data-independent paths)
+    if batch > 1:
+        # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
+        # the proof traces the program the engine runs
+        why = batch_size_uses(model, loss_fn, xs, ys, tuple(
+            (o.module, o.rule is _MODULE) for o in scan.owners))
+        with data_independent_paths():  # first: an error of the user's own code surfaces as is
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
+        if why is not None:
+            raise _RuntimeUnsupported(
+                f"the forward pass and loss are not proved per-example separable: {why}. The "
+                "realised batch size is private: normalise by a public constant (the expected "
+                "batch size) outside loss_fn, or use engine 'vmap'")
+        return got
+    return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+
+
+def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+                    ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+    calls: list[_Call] = []
+    by_module = scan.by_module
+    chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
+    tracer = SeparabilityTracer(batch) if batch > 1 else None
+    if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
+        for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
+            tracer.mark(t, (0, 1))
+    if chain is not None:  # the same calls as the hooks would see, without hooks
+        if tracer is not None and _known_chain(chain):
+            got = _run_known_chain(chain, by_module, xs, batch)
+            if got is not None:  # proved per-example separable by the modules' semantics
+                calls, h = got
+                tracer.mark(h, (0, 1))
+                with torch.enable_grad(), tracer:  # the loss is user code: traced every call
+                    losses = _check_losses(loss_fn(h, ys), batch)
+                _check_separable(tracer, calls, losses)
+                return calls, losses.sum()
+        key = _chain_key(chain, xs) if tracer is not None else None
+        cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
+        chain_tracer = tracer if cached is None else None
+        with torch.enable_grad():
+            with chain_tracer or contextlib.nullcontext():
+                h = xs
+                for mod in chain:
+                    owner = by_module.get(id(mod))
+                    if owner is None:
+                        h = mod(h)
+                    else:
+                        out = mod(h)
+                        calls.append(_engine_call(owner, h, out, chain_tracer))
+                        h = out
+            if tracer is not None:
+                if cached is not None:
+                    for c, lay in zip(calls, cached[0]):
+                        c.layouts = lay
+                    tracer.mark(h, cached[1])
+                elif key is not None and tracer.violation is None:
+                    if len(_CHAIN_LAYOUTS) >= 256:
+                        _CHAIN_LAYOUTS.clear()
+                    _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
+            with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
+                losses = _check_losses(loss_fn(h, ys), batch)
+        _check_separable(tracer, calls, losses)
+        return calls, losses.sum()
+
+    expanded: list[str] = []  # layers whose batch-less calls were expanded
+    guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        a = args[0] if args else next(iter(kwargs.values()), None)
+        owner = by_module[id(mod)]
+        _refuse_user_forward_hooks(owner.name, mod, hook)
+        per_layer = owner.rule is _MODULE
+        if tracer is not None and is_batchless(a, out, per_layer):
+            # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
+            # (and a ruled layer's input) as batched views, the output returned in place of the
+            # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
+            # view's layout, then marks it (0, 1)
+            if not per_layer:
+                a = expand_rows(a, batch)
+            out = expand_rows(out, batch)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            return out
+        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
+            # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
+            # with an extra leading B, every later use guarded (dpclip.engine.batchless)
+            user = tuple(out.shape)
+            a = a.unsqueeze(0).expand(batch, *a.shape)
+            out = out.unsqueeze(0).expand(batch, *out.shape)
+            expanded.append(owner.name)
+            calls.append(_engine_call(owner, a, out, tracer))
+            guard.start()
+            guard.guard(out, owner.name, user)
+            return out
+        calls.append(_engine_call(owner, a, out, tracer))
+        return None
+
+    def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        # the engine's own code (it reads the autograd sequence number), not user code: the
+        # tracer's Python checks pause, as in _engine_call
+        if tracer is None:
+            return by_module[id(mod)].enter(mod, args, kwargs)
+        quiet, tracer.quiet = tracer.quiet, True
+        try:
+            by_module[id(mod)].enter(mod, args, kwargs)
+        finally:
+            tracer.quiet = quiet
+
+    handles = []
+    try:
+        for o in scan.owners:
+            handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
+            if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
+                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
+        try:
+            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+                try:
+                    losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+                finally:
+                    guard.stop()  # (pushed by the hook at the first guarded output, if any)
+        except NotBroadcast as exc:
+            raise _RuntimeUnsupported(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
+            if not expanded:
+                raise
+            raise _RuntimeUnsupported(
+                f"layer {expanded[0]!r} was called without the batch dimension (leading "
+                "dimension 1) and the forward pass failed on its output expanded to the batch "
+                f"({type(exc).__name__}); the ghost engine reads per-example gradients of such "
+                "a call from the expanded output: let the code after the layer broadcast it "
+                "(e.g. x + pos), or use engine 'vmap'") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    _check_separable(tracer, calls, losses)
+    return calls, losses.sum()
+
+
+def _constant(tracer: SeparabilityTracer | None, a: Tensor) -> bool:
+    """Whether ``a`` is constant for the trace (True without a trace: a batch of one); the
+    engine's own read, with the tracer's Python checks paused (it reads the storage)."""
+    if tracer is None:
+        return True
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        return tracer.layout(a) is None
+    finally:
+        tracer.quiet = quiet
+
+
+# ------------------------------------------------------- chains of known modules (no trace)
+#
+# A plain chain made only of the modules below is proved per-example separable from the modules'
+# documented semantics instead of by tracing its operations, at every batch size, without a cache.
+# Each entry is an EXACT ``torch.nn`` class (not a subclass: a subclass may override any method the
+# forward calls) whose forward applies one fixed function to every example of a batch-first input
+# independently, given the module's configuration, which the predicate checks together with the
+# rank of the input it is about to receive (the rank at which the documented batch dimension is
+# dimension 0; a wrong rank, e.g. a 3-D tensor given to Conv2d, which reads it as ONE unbatched
+# example, is not proved and goes to the tracer). Nothing in these forwards reads the batch size
+# or the data, so the verdict cannot change with the batch size, the step or the values. Run-time
+# conditions are checked on every call: no hooks (module or global), no instance attribute
+# ``forward``, the output a tensor with the batch first. See docs/engines.md, "Separability
+# without a trace".
+
+
+def _rank_at_least(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim >= k
+
+
+def _rank(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim == k
+
+
+def _softmax_ok(mod: nn.Module, x: Tensor) -> bool:
+    return mod.dim is not None and x.ndim >= 2 and mod.dim % x.ndim != 0
+
+
+def _flatten_ok(mod: nn.Module, x: Tensor) -> bool:
+    return x.ndim >= 2 and mod.start_dim % x.ndim >= 1 and mod.end_dim % x.ndim >= \
+        mod.start_dim % x.ndim
+
+
+def _unflatten_ok(mod: nn.Module, x: Tensor) -> bool:
+    return isinstance(mod.dim, int) and x.ndim >= 2 and mod.dim % x.ndim >= 1
+
+
+def _trailing_norm_ok(mod: nn.Module, x: Tensor) -> bool:
+    return x.ndim > len(mod.normalized_shape)
+
+
+def _embedding_ok(mod: nn.Module, x: Tensor) -> bool:
+    return mod.max_norm is None and x.ndim >= 1
+
+
+def _eval_batchnorm_ok(mod: nn.Module, x: Tensor) -> bool:
+    return not mod.training and mod.running_mean is not None and mod.running_var is not None \
+        and x.ndim >= 2
+
+
+def _no_indices(k: int) -> Callable[[nn.Module, Tensor], bool]:
+    return lambda mod, x: x.ndim == k and not getattr(mod, "return_indices", False)
+
+
+_POINTWISE_MODULES = (
+    "Identity", "ReLU", "ReLU6", "LeakyReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish",
+    "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Hardswish", "Softplus", "Softsign",
+    "Tanhshrink", "LogSigmoid", "Dropout", "AlphaDropout",
+)
+_KNOWN_MODULES: dict[type, Callable[[nn.Module, Tensor], bool]] = {
+    getattr(nn, name): _rank_at_least(1) for name in _POINTWISE_MODULES if hasattr(nn, name)}
+_KNOWN_MODULES.update({
+    nn.Linear: _rank_at_least(2),
+    nn.Conv1d: _rank(3),
+    nn.Conv2d: _rank(4),
+    nn.Embedding: _embedding_ok,
+    nn.LayerNorm: _trailing_norm_ok,
+    nn.GroupNorm: _rank_at_least(2),
+    nn.BatchNorm1d: _eval_batchnorm_ok,
+    nn.BatchNorm2d: _eval_batchnorm_ok,
+    nn.Softmax: _softmax_ok,
+    nn.LogSoftmax: _softmax_ok,
+    nn.Softmin: _softmax_ok,
+    nn.Flatten: _flatten_ok,
+    nn.Unflatten: _unflatten_ok,
+    nn.MaxPool1d: _no_indices(3),
+    nn.MaxPool2d: _no_indices(4),
+    nn.AvgPool1d: _rank(3),
+    nn.AvgPool2d: _rank(4),
+    nn.AdaptiveAvgPool1d: _rank(3),
+    nn.AdaptiveAvgPool2d: _rank(4),
+    nn.AdaptiveMaxPool1d: _no_indices(3),
+    nn.AdaptiveMaxPool2d: _no_indices(4),
+    nn.ZeroPad2d: _rank(4),
+    nn.ConstantPad1d: _rank(3),
+    nn.ConstantPad2d: _rank(4),
+})
+if hasattr(nn, "RMSNorm"):
+    _KNOWN_MODULES[nn.RMSNorm] = _trailing_norm_ok
+
+
+def _batched_rank(mod: nn.Module, a: Tensor) -> bool:
+    """Whether a supported layer (or a subclass keeping its forward) receives its BATCHED rank,
+    the rank at which its documented batch dimension is dimension 0."""
+    for cls in type(mod).__mro__:
+        pred = _KNOWN_MODULES.get(cls)
+        if pred is not None:
+            return pred(mod, a) or isinstance(mod, _BatchNorm)  # BatchNorm checks its own rank
+    return True
+
+
+def _known_chain(chain: list[nn.Module]) -> bool:
+    """Whether every module of the chain is of a known exact class, without hooks (container
+    and global hooks are excluded by :func:`_plain_chain`) or an instance ``forward``."""
+    for mod in chain:
+        if type(mod) not in _KNOWN_MODULES or not _no_hooks(mod) or "forward" in mod.__dict__:
+            return False
+    return True
+
+
+def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs: Tensor,
+                     batch: int) -> tuple[list[_Call], Tensor] | None:
+    """Run a chain of known modules, checking each module's predicate on the input it receives
+    and that its output has the batch first; the calls with the layouts ``(0, 1)`` they are
+    proved to have, and the output. ``None`` when a check fails (the caller then traces)."""
+    calls: list[_Call] = []
+    h = xs
+    with torch.enable_grad():
+        for mod in chain:
+            if not _KNOWN_MODULES[type(mod)](mod, h):
+                return None
+            out = mod(h)
+            if not isinstance(out, Tensor) or out.ndim == 0 or out.shape[0] != batch:
+                return None
+            owner = by_module.get(id(mod))
+            if owner is not None:
+                c = _Call(owner, h, out)
+                c.layouts = ((0, 1), (0, 1))
+                calls.append(c)
+            h = out
+    return calls, h
+
+
+#: separability layouts of plain chains of built-in modules, by :func:`_chain_key`: ``(layouts of
+#: the hooked calls, layout of the chain's output)``. Sound to reuse: a built-in ``torch.nn`` module's
+#: operations depend only on its class, its public configuration (all part of the key), its
+#: parameters' and buffers' shapes (fixed by that configuration) and the input's shape and dtype
+#: (part of the key), never on the data; the loss function, user code, is traced on every call
+_CHAIN_LAYOUTS: dict[tuple, tuple] = {}
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
+    """The cache key of a plain chain's separability trace, or None (not cacheable: a module that
+    is not a built-in ``torch.nn`` class, or public configuration that is not plain data)."""
+    parts: list[Any] = [tuple(xs.shape), xs.dtype, xs.device.type]
+    for mod in chain:
+        cls = type(mod)
+        if not cls.__module__.startswith("torch.nn.modules."):
+            return None
+        conf = []
+        for k, v in mod.__dict__.items():
+            if k[0] == "_":
+                continue
+            if isinstance(v, tuple):
+                if not all(isinstance(x, _SIMPLE) for x in v):
+                    return None
+            elif not isinstance(v, _SIMPLE):
+                return None
+            conf.append((k, v))
+        parts.append((cls, tuple(conf)))
+    return tuple(parts)
+
+
+def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
+    """Raise :class:`_RuntimeUnsupported` if a forward hook other than the engine's own (``ours``)
+    runs on a hooked layer: a user hook registered before the engine's may replace the layer's
+    output (``o + o.mean(0)``), and the gradient of the replacement would then be read as the
+    layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before;
+    benchmarks/results/hostile_review_loo.md)."""
+    if _module_mod._global_forward_hooks or any(h is not ours for h in mod._forward_hooks.values()):
+        raise _RuntimeUnsupported(
+            f"layer {name!r} ({type(mod).__name__}) has a forward hook that is not the engine's: "
+            "it may replace the layer's output (e.g. mix it over the batch), so the layer's "
+            "per-example gradient is not proven. Remove the hook (apply its change in the "
+            "model's forward instead), or use engine 'vmap'")
+
+
+def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
+                     losses: Tensor) -> None:
+    """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
+    per-example losses and every hooked layer's input have layout ``(0, 1)`` or are constant (each
+    row a function of its own example; :mod:`dpclip.engine.separable`)."""
+    if tracer is None:
+        return
+    tracer.retire()
+    fix = ("; per-example clipping needs every example's loss to depend on that example alone, "
+           "with the batch as the first dimension of every layer's input and output. Keep the "
+           "model batch-first and free of operations across the batch, or use engine 'vmap', "
+           "which evaluates each example on its own")
+    if tracer.violation is not None:
+        raise _RuntimeUnsupported(f"the forward pass is not per-example separable: "
+                                  f"{tracer.violation}{fix}")
+    if tracer.mixers:
+        fix = f" (first mixing operation: {tracer.mixers[0]})" + fix
+    for c in calls:
+        lay_a, lay_out = c.layouts
+        # only the input: a supported layer runs its standard forward (``_rule_for`` refuses
+        # subclasses that override it), which is per sample along dimension 0 of a batch-first
+        # input; its output is then marked ``(0, 1)`` (``_Call``)
+        for what, lay in (("input", lay_a),):
+            if lay is not None and lay != (0, 1):
+                how = ("mixes the examples of the batch (it depends on several examples, e.g. "
+                       "through x.mean(0), a softmax or roll over the batch dimension, or an "
+                       "operation the separability check does not know)") if lay == "mixed" \
+                    else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
+                          "layout: a shape coincidence such as T == B cannot hide it)") \
+                    if lay[0] != 0 else (f"has each example in {lay[1]} consecutive rows of "
+                                         "dimension 0 (the batch flattened with another "
+                                         "dimension, e.g. x.view(-1, d)), not one row")
+                raise _RuntimeUnsupported(
+                    f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
+    lay = tracer.layout(losses)
+    if lay is not None and lay != (0, 1):
+        raise _RuntimeUnsupported(
+            "the per-example losses are not per-example separable (layout "
+            f"{lay!r}: a loss row depends on other examples, e.g. a batch-centred model or a "
+            f"loss normalised over the batch){fix}")

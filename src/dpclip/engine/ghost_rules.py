@@ -1,0 +1,929 @@
+"""The ghost engine's rules, one per layer type (the seams of :mod:`dpclip.engine.ghost`).
+
+A rule knows, for one recorded call of its layer (:class:`_Call`: the input activations and the
+output gradient), how to compute each example's squared gradient norm without forming the
+per-example gradient (Gram / ghost inner products, book-keeping blocks), how to form it where
+that is cheaper (``_FORM_RATIO``), how to add the clipped weighted sum, and the rounding bound of
+its norm (``bound_sq``: a norm that sets a clipping weight upper-bounds the norm of the vector
+actually summed, rounding included). Supported layers: ``SUPPORTED_LAYERS`` in
+:mod:`dpclip.engine.ghost`; docs/engines.md lists them with their tests.
+"""
+
+from __future__ import annotations
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from dpclip.engine._common import _Rounding
+from dpclip.engine.per_layer import (
+    arg_batch_dims,
+    capture_args,
+    elementwise_scale,
+    join_layouts,
+    output_tensors,
+    seq_now,
+)
+from dpclip.engine.separable import SeparabilityTracer
+
+_vecdot = torch.linalg.vecdot
+
+
+# ----------------------------------------------------------------------------------- layer calls
+
+
+class _Call:
+    """One hooked call of a layer: its input ``a``, output gradient ``b`` and scratch space.
+
+    The output tensor itself is not kept, only its autograd *gradient edge* (the layer's own
+    backward node and output slot) and its shape: keeping the outputs alive until the backward would
+    hold every pre-activation tensor of the model (e.g. a Conv's output before its ``tanh``, which
+    autograd itself does not save). The gradient that arrives at that edge is the gradient with
+    respect to the layer's output as the layer produced it, also when the output is later modified
+    in place (``ReLU(inplace=True)``): exactly the ``b`` of the per-layer rules."""
+
+    __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
+                 "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
+                 "live_idx", "fast", "oedges")
+
+    def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
+                 tracer: SeparabilityTracer | None = None) -> None:
+        if owner.rule.kind == "module":  # the per-layer path (dpclip.engine.per_layer)
+            _init_module_call(self, owner, a, out, tracer)
+            return
+        #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
+        #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
+        #: The output is then marked ``(0, 1)`` whatever it was: its row ``i`` carries example
+        #: ``i``'s share of the parameter gradient, so the trace must also prove that row ``i``
+        #: reaches no other example's loss (a data-independent output, e.g. of a position
+        #: embedding, flipped over the batch would otherwise pass as a constant)
+        if tracer is None:
+            self.layouts = None
+        else:
+            self.layouts = (tracer.layout(a), tracer.layout(out))
+            tracer.mark(out, (0, 1))
+        self.owner = owner
+        self.mod = owner.module
+        self.rule = owner.rule
+        self.a = a
+        self.a_version = a._version
+        self.out_shape = tuple(out.shape)
+        self.edge = _gradient_edge(out) if out.requires_grad else None
+        self.b: Tensor | None = None
+        self.choice = "ghost"
+        self.kept: dict[str, Tensor] = {}
+        #: ``(rows, gradients)``: examples whose weight gradient is formed and summed directly,
+        #: not by book-keeping (terms that cancel: ``_position_bound_sq``)
+        self.formed: tuple[Tensor, Tensor] | None = None
+        self.outs: list[Tensor] | None = None
+
+
+def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
+                      tracer: SeparabilityTracer | None) -> None:
+    """A call of a module on the per-layer path (no rule for its type,
+    :mod:`dpclip.engine.per_layer`): its output tensors and their gradient edges (the backward's
+    inputs for their ``b``), its arguments (from the pre-hook, ``_Owner.enter``) and the autograd
+    sequence-number window of the call are kept until the module's per-example gradients are
+    formed. Separability: the outputs must be proved row
+    separable by the trace (the module's own operations are traced like any other); they are then
+    marked ``(0, 1)`` like a layer's output."""
+    all_outs = output_tensors(out)
+    c.live_idx = [k for k, t in enumerate(all_outs) if t.requires_grad]
+    outs = [all_outs[k] for k in c.live_idx]
+    c.owner, c.mod, c.rule = owner, owner.module, owner.rule
+    c.a = a if isinstance(a, Tensor) else None
+    c.a_version = c.a._version if c.a is not None else 0
+    c.outs = outs
+    # the outputs' gradient edges as the module produced them (a later in-place change of an
+    # output moves the tensor's own edge; b is the gradient w.r.t. the module's output)
+    c.oedges = [_gradient_edge(t) for t in outs]
+    c.bs = None
+    c.out_shape = tuple(outs[0].shape) if outs else ()
+    c.edge = outs[0] if outs else None  # "live": the outputs themselves are the grad inputs
+    c.b = None
+    c.choice = "keep"
+    c.kept = {}
+    c.formed = None
+    start, c.args = owner.starts.pop() if owner.starts else (None, None)
+    c.window = (start, seq_now())
+    # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
+    c.fast = None
+    if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
+        got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        c.fast = None if got is None else (got[0], got[1], got[0]._version)
+    # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
+    # per-example gradient is formed): example data by the trace, else the batch-first shape
+    c.arg_dims = None if c.args is None else arg_batch_dims(
+        c.args[0], c.args[1], None if tracer is None else tracer.layout,
+        tracer.batch if tracer is not None
+        else (outs[0].shape[0] if outs and outs[0].ndim else -1))
+    if tracer is None:
+        c.layouts = None
+    else:
+        lay = join_layouts([tracer.layout(t) for t in outs])
+        for t in outs:  # (an output without the batch first is refused by the engine pass)
+            if t.ndim and t.shape[0] == tracer.batch:
+                tracer.mark(t, (0, 1))
+        c.layouts = (lay, lay)
+
+
+class _Weights:
+    """The chunk's weights by group, as ``(B,)`` columns and ``(B, 1)`` views (made once each)."""
+
+    __slots__ = ("weights", "flat", "_cols", "_cols2")
+
+    def __init__(self, weights: Tensor, flat: bool) -> None:
+        self.weights = weights
+        self.flat = flat
+        self._cols: dict[int, Tensor] = {}
+        self._cols2: dict[int, Tensor] = {}
+
+    def col(self, g: int) -> Tensor:
+        if self.flat:
+            return self.weights
+        w = self._cols.get(g)
+        if w is None:
+            w = self._cols[g] = self.weights[:, g]
+        return w
+
+    def col2(self, g: int) -> Tensor:
+        w = self._cols2.get(g)
+        if w is None:
+            w = self._cols2[g] = self.col(g).unsqueeze(1)
+        return w
+
+
+_gradient_edge = torch.autograd.graph.get_gradient_edge
+
+#: per-example temporaries of a norm computation (patch matrices, Gram matrices, per-example
+#: gradients that are not kept) are formed for at most this many floats at a time, in slices of
+#: examples: the peak memory of the norms stays near the tensors the engine holds anyway
+_TEMP_MAX_NUMEL = 1 << 22
+
+
+#: book-keeping reductions (the weighted sums formed from ``a`` and ``b`` over positions) run over
+#: blocks of at most this many examples, whose results are then added: the rounding bound of one
+#: example's part, ``bookkeeping(_BK_BLOCK * T)`` relative to ``A_i``, is then a function of that
+#: example alone (a public constant, not the batch size). A bound that grew with the batch made every
+#: example's norm, hence its weight, depend on how many OTHER examples were in the batch: where
+#: terms cancel the bound IS the norm, and removing one example from a batch of 6 changed the
+#: others' Auto-V weights by ~17% (the neighbouring sums then differed by more than C)
+_BK_BLOCK = 64
+
+#: an example whose terms' norms sum to more than this many times its gradient's norm bound
+#: (``A_i > _FORM_RATIO * g_i``: the terms cancel) has its weight gradient formed and summed
+#: directly (kept) instead of by book-keeping: book-keeping rounds relative to ``w_i A_i``, which
+#: the weight only caps at ``~C / bk``; a formed vector is summed with rounding relative to its own
+#: entries (``<= C``). Without it, where terms cancel heavily, the OTHER examples' book-keeping
+#: rounding, which changes with the batch's composition, moved neighbouring sums by more than C.
+#: Random terms give ``A_i / ||G_i|| ~ sqrt(T)``: the default leaves them to book-keeping for up to
+#: ~4096 positions
+_FORM_RATIO = 64.0
+
+
+def _bk_blocks(batch: int) -> list[slice]:
+    """Slices of ``range(batch)`` of at most ``_BK_BLOCK`` examples (one when it fits)."""
+    if batch <= _BK_BLOCK:
+        return [slice(0, batch)]
+    return [slice(i, min(i + _BK_BLOCK, batch)) for i in range(0, batch, _BK_BLOCK)]
+
+
+def _bk_sum(batch: int, part: Any) -> Tensor:
+    """``sum`` over the book-keeping blocks of ``part(slice)`` (see ``_BK_BLOCK``)."""
+    out = None
+    for sl in _bk_blocks(batch):
+        r = part(sl)
+        out = r if out is None else out.add_(r)
+    return out  # type: ignore[return-value]
+
+
+def _example_slices(batch: int, per_example: int) -> list[slice]:
+    """Slices of ``range(batch)`` with at most ``_TEMP_MAX_NUMEL`` floats of temporaries each
+    (one slice when everything fits; at least one example per slice)."""
+    size = max(1, _TEMP_MAX_NUMEL // max(per_example, 1))
+    if size >= batch:
+        return [slice(0, batch)]
+    return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
+
+
+def _rows(mask: Tensor, t: Tensor) -> Tensor:
+    """``t`` with the rows (examples) where ``mask`` is False set to zero."""
+    return torch.where(mask.view(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
+    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)``."""
+    return (w.to(g.dtype) @ g.reshape(g.shape[0], -1)).view(g.shape[1:])
+
+
+def _sq(g: Tensor) -> Tensor:
+    """Squared norms of the rows of ``g`` (one fused reduction, no temporary of ``g``'s size)."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
+class _Rule:
+    """How to get per-example norms and weighted sums of one layer type from ``a`` and ``b``."""
+
+    roles: ClassVar[tuple[str, ...]] = ("weight", "bias")
+    #: "matmul": a ghost/direct/keep choice by :meth:`dims`; "embedding": Gram or segment sums;
+    #: "affine": the (small) per-example gradients are always formed and kept
+    kind: ClassVar[str] = "affine"
+
+    def unsupported(self, mod: nn.Module) -> str | None:
+        """A reason this configuration of the layer is not supported, or None."""
+        return None
+
+    def prepare(self, c: _Call) -> None:
+        """Normalise ``c.a`` / ``c.b`` (flatten, pad) once ``c.b`` is known."""
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int] | None:
+        """``(T, d_in, d_out, groups)`` of a matmul layer on positions (None: no choice to make)."""
+        return None
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        """Squared per-example norms ``(B,)`` of the gradients of ``roles``; per-example gradients
+        that should be reused for the sum go into ``c.kept``."""
+        out = {}
+        for r in roles:
+            g = self.per_example(c, r)
+            c.kept[r] = g
+            out[r] = _sq(g)
+        return out
+
+    def fused_norm(self, c: _Call, roles: Sequence[str]) -> Tensor | None:
+        """The sum of the squared norms of ``roles`` in one go, when cheaper (else None)."""
+        return None
+
+    def rel_len(self, c: _Call, roles: Sequence[str]) -> int:
+        """The length of the longest reduction behind the squared norms of ``roles`` when the
+        vector summed for example ``i`` is the very vector whose norm was taken (kept per-example
+        gradients, rank-one 2-D Linear gradients): their bound is then relative,
+        ``(1 + gam(rel_len))``, applied once per chunk. Layers whose summed vector is formed
+        separately (book-keeping over positions) bound themselves in :meth:`bound_sq`."""
+        return sum(getattr(c.mod, r).numel() for r in roles) + 4
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        """For a weight computed by Gram matrices or formed apart from the book-keeping sum: the
+        squared upper bound of ``||V_i|| / w_i`` (``V_i`` example ``i``'s part of the weighted sum
+        exactly as computed, rounding included) from the computed ``sq``; None: ``sq`` is already
+        such a bound up to the chunk's relative factor."""
+        return None
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        """The per-example gradient ``(B, *param.shape)`` of ``role`` from this call."""
+        raise NotImplementedError
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        """``sum_i w_{i, g(role)} g_i`` for every role in ``groups`` (book-keeping from a, b)."""
+        return {r: _kept_sum(self.per_example(c, r), w.col(g)) for r, g in groups.items()}
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        """Zero the rows of non-finite examples in everything :meth:`weighted` reads."""
+        if c.a.is_floating_point():
+            c.a = _rows(finite, c.a)
+        c.b = _rows(finite, c.b)
+
+
+def _gam64(n: int) -> float:
+    """``gam(n)`` of a float64 sum (the Gram inner products are summed in float64)."""
+    nu = n * 2.0 ** -53
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
+def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
+    """``sum_k ga[i, k] gb[i, k]`` per row (summed further over ``groups`` consecutive rows), in
+    float64, then rounded UP to the working dtype.
+
+    Products of float32 (or float16/bfloat16) numbers are exact in float64, so the only error is
+    that of the float64 sum, ``_gam64(n)`` relative to ``sum |ga gb|``, instead of float32's
+    ``gam(n)``: for a sequence of T positions the sum has T^2 terms, and float32's bound
+    (T^2 * 6e-8) would make the error term of the ghost norm dominate (and force per-example
+    gradients to be formed) for T of a few dozen. Rounding up keeps the value an upper bound of
+    the float64 result."""
+    exact = _vecdot(ga.flatten(1).double(), gb.flatten(1).double())
+    if groups > 1:
+        exact = exact.view(-1, groups).sum(1)
+    if ga.dtype == torch.float64:
+        return exact
+    out = exact.to(ga.dtype)
+    up = torch.nextafter(out, torch.full_like(out, math.inf))
+    return torch.where(out.double() < exact, up, out)
+
+
+def _position_bound_sq(sq: Tensor, abs_sum: Tensor, choice: str, numel: int, red_len: int,
+                       gram_err: float, bk_len: int, rnd: _Rounding,
+                       direct: Any = None, form: Any = None) -> Tensor:
+    """The squared bound on ``||V_i|| / w_i`` of a layer whose per-example gradient is a sum over
+    positions, ``G_i = sum_t b_t a_t^T``, and whose weighted sum is formed by book-keeping.
+
+    ``abs_sum`` is (an upper bound of) ``A_i = sum_t ||a_t|| ||b_t||``, the sum of the norms of the
+    terms: every rounding error below is relative to it, not to ``||G_i||``, because the terms can
+    cancel (a constant image into a GroupNorm: ``G_i`` ~ 0 while each term is large). Then
+
+    * ghost (``sq`` from Gram matrices): ``||G_i||^2 <= max(sq, 0) + gram_err A^2`` (every entry of
+      both Gram matrices and of their inner product has an error below ``gp(.) ||.|| ||.||``, and
+      ``sum_{t,t'} ||a_t|| ||a_t'|| ||b_t|| ||b_t'|| = A^2``);
+    * direct (``sq`` of the per-example gradient formed over ``red_len`` positions):
+      ``||G_i|| <= sqrt(sq) (1 + gam(numel + 2)) + gp(red_len) A``;
+    * book-keeping over ``bk_len`` rows with ``w b`` rounded once:
+      ``||V_i|| <= w (||G_i|| + bk A)``, and by the triangle inequality also ``<= w (1 + bk) A``.
+
+    The ghost bound's error term is ``sqrt(gram_err) A``; where it dominates (cancellation:
+    ``gram_err A^2 > sq / 64``), the examples' gradients are formed directly (``direct(rows)``:
+    their squared norms), whose error term is ``gp(red_len) A``, much smaller.
+
+    Where the terms cancel heavily (``A > _FORM_RATIO g``, ``g`` the bound above before
+    book-keeping), ``form(rows)`` forms those examples' gradients, stores them for the sum (they are
+    then summed directly, not by book-keeping) and returns them: the bound of such an example is
+    the norm of its formed gradient, ``sqrt(sq) (1 + gam(numel + 2))`` (the weighted sum of the
+    formed gradients is covered by the chunk's relative factor, as for kept gradients).
+    """
+    bk = rnd.bookkeeping(bk_len)
+    if choice == "ghost":
+        err = gram_err * abs_sum.square()
+        g = (sq.clamp(min=0) + err).sqrt()
+        if direct is not None:
+            rows = (err * 64 > sq).nonzero().flatten()
+            if rows.numel():
+                d_sq = direct(rows).to(sq.dtype)
+                d_bound = d_sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum[rows]
+                g = g.index_put((rows,), torch.minimum(g[rows], d_bound))
+    else:
+        g = sq.sqrt() * (1 + rnd.gam(numel + 2)) + rnd.gp(red_len) * abs_sum
+    bound = torch.minimum(g + bk * abs_sum, (1 + bk) * abs_sum)
+    if form is not None:
+        rows = ((abs_sum > _FORM_RATIO * g) & torch.isfinite(abs_sum)).nonzero().flatten()
+        if rows.numel():
+            rows, f_sq = form(rows)
+            if rows.numel():
+                bound = bound.index_put((rows,),
+                                        f_sq.to(sq.dtype).sqrt() * (1 + rnd.gam(numel + 2)))
+    return bound.square()
+
+
+def _store_formed(c: _Call, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the formed weight gradients ``grads`` of the examples ``rows`` (the finite ones) for the
+    sum (``c.formed``); returns those rows and their squared norms."""
+    ok = torch.isfinite(grads.flatten(1)).all(1)
+    if not bool(ok.all()):
+        rows, grads = rows[ok], grads[ok]
+    c.formed = (rows, grads) if rows.numel() else None
+    return rows, _sq(grads)
+
+
+def _split_formed(c: _Call, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(B,)`` for book-keeping (0 on the formed rows) and the weighted sum of the
+    formed gradients (None when there are none)."""
+    if c.formed is None:
+        return w, None
+    rows, grads = c.formed
+    return w.index_fill(0, rows, 0), _kept_sum(grads, w[rows])
+
+
+class _LinearRule(_Rule):
+    kind = "matmul"
+
+    def rel_len(self, c: _Call, roles: Sequence[str]) -> int:
+        if c.a.ndim == 2:  # ||a||^2 ||b||^2 (+ ||b||^2): two row dot products, one product
+            return c.a.shape[1] + c.b.shape[1] + 4
+        return super().rel_len(c, roles)
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        if c.a.ndim == 2 or c.choice == "keep":
+            return None
+        a, b = c.a, c.b
+        batch, t, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+        na = torch.linalg.vector_norm(a, dim=2)
+        nb = torch.linalg.vector_norm(b, dim=2)
+        abs_sum = _vecdot(na, nb).to(sq.dtype) * (1 + rnd.gam(max(d, p) + t + 4))
+        gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
+            + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+        return _position_bound_sq(
+            sq, abs_sum, c.choice, d * p, t, gram, _BK_BLOCK * t, rnd,
+            lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])),
+            lambda rows: _store_formed(c, rows, torch.bmm(b[rows].transpose(1, 2), a[rows])))
+
+    def prepare(self, c: _Call) -> None:
+        if c.a.ndim != 2:
+            batch = c.a.shape[0]
+            c.a = c.a.reshape(batch, -1, c.a.shape[-1])
+            c.b = c.b.reshape(batch, -1, c.b.shape[-1])
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int] | None:
+        if c.a.ndim == 2:
+            return None
+        return c.a.shape[1], c.a.shape[2], c.b.shape[2], 1
+
+    def fused_norm(self, c: _Call, roles: Sequence[str]) -> Tensor | None:
+        if c.a.ndim != 2 or len(roles) != 2:
+            return None
+        b2 = _vecdot(c.b, c.b)  # ||a||^2 ||b||^2 + ||b||^2 (rows: one op each)
+        return torch.addcmul(b2, _vecdot(c.a, c.a), b2)
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        a, b = c.a, c.b
+        out: dict[str, Tensor] = {}
+        if a.ndim == 2:  # Goodfellow: ||b_i a_i^T||^2 = ||a_i||^2 ||b_i||^2
+            b2 = _vecdot(b, b)
+            if "weight" in roles:
+                out["weight"] = _vecdot(a, a) * b2
+            if "bias" in roles:
+                out["bias"] = b2
+            return out
+        if "weight" in roles:
+            t, d, p = a.shape[1], a.shape[2], b.shape[2]
+            if c.choice == "ghost":  # sum_{t,t'} (a_t . a_t')(b_t . b_t')
+                parts = []
+                for sl in _example_slices(a.shape[0], 2 * t * t):
+                    ga = torch.bmm(a[sl], a[sl].transpose(1, 2))
+                    gb = torch.bmm(b[sl], b[sl].transpose(1, 2))
+                    parts.append(_gram_dot(ga, gb))
+                out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            elif c.choice == "keep":
+                g = torch.bmm(b.transpose(1, 2), a)
+                out["weight"] = _sq(g)
+                c.kept["weight"] = g
+            else:
+                out["weight"] = torch.cat([_sq(torch.bmm(b[sl].transpose(1, 2), a[sl]))
+                                           for sl in _example_slices(a.shape[0], d * p)])
+        if "bias" in roles:
+            gb = b.sum(1)
+            c.kept["bias"] = gb
+            out["bias"] = _sq(gb)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        a, b = c.a, c.b
+        if role == "bias":
+            return b if a.ndim == 2 else b.sum(1)
+        if a.ndim == 2:
+            return b[:, :, None] * a[:, None, :]
+        return torch.bmm(b.transpose(1, 2), a)
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        a, b = c.a, c.b
+        out: dict[str, Tensor] = {}
+        g_w, g_b = groups.get("weight"), groups.get("bias")
+        if a.ndim == 2:
+            if g_w is not None:
+                if a.shape[1] < b.shape[1]:  # scale the narrower of a and b by the weights
+                    out["weight"] = torch.mm(b.t(), a * w.col2(g_w))
+                else:
+                    bw = b * w.col2(g_w)
+                    out["weight"] = torch.mm(bw.t(), a)
+                    if g_b == g_w:
+                        out["bias"] = bw.sum(0)
+                        return out
+            if g_b is not None:
+                out["bias"] = w.col(g_b) @ b
+            return out
+        if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
+            wb, formed = _split_formed(c, w.col(g_w))
+            bw = b * wb.view(-1, 1, 1)
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
+                bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
+            if formed is not None:
+                out["weight"].add_(formed)
+        if g_b is not None:
+            out["bias"] = w.col(g_b) @ b.sum(1)
+        return out
+
+
+class _ConvRule(_Rule):
+    """Conv1d / Conv2d. When the layer pads by itself (a padding mode other than zeros, or string
+    padding), :meth:`prepare` pads ``c.a`` the same way and the formulas use padding 0."""
+
+    kind = "matmul"
+
+    @staticmethod
+    def _padding(c: _Call) -> tuple[int, ...]:
+        mod = c.mod
+        if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
+            return (0,) * (c.a.ndim - 2)
+        return tuple(mod.padding)
+
+    def prepare(self, c: _Call) -> None:
+        mod = c.mod
+        if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
+            mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+            c.a = F.pad(c.a, mod._reversed_padding_repeated_twice, mode=mode)
+
+    def dims(self, c: _Call) -> tuple[int, int, int, int]:
+        mod = c.mod
+        positions = math.prod(c.b.shape[2:])
+        return positions, mod.in_channels * math.prod(mod.kernel_size), mod.out_channels, mod.groups
+
+    def _unfold(self, c: _Call, a: Tensor) -> tuple[Tensor, bool]:
+        """``(patches, channels_last)``: ``patches`` of shape ``(B * groups, L, fan_in)``, one row
+        per output position, ``fan_in = C_in/groups * K`` ordered ``(C, *kernel)`` or, when
+        ``channels_last`` (groups == 1), ``(*kernel, C)``.
+
+        Built as a strided view of the (padded) input and copied once by ``reshape`` (``F.unfold``,
+        im2col, is one to two orders of magnitude slower on CPU); with one group the input is made
+        channels-last first, so that the copy moves runs of ``C`` contiguous values. ``a`` is
+        ``c.a`` or a slice of its examples."""
+        mod = c.mod
+        pad = self._padding(c)
+        if any(pad):
+            a = F.pad(a, [q for p in reversed(pad) for q in (p, p)])
+        nd = a.ndim - 2
+        batch, channels, g = a.shape[0], a.shape[1], mod.groups
+        channels_last = g == 1 and channels > 1
+        if channels_last:
+            a = a.movedim(1, -1).contiguous()
+            spatial, sp_stride = a.shape[1:-1], a.stride()[1:-1]
+        else:
+            spatial, sp_stride = a.shape[2:], a.stride()[2:]
+        k_size, k_stride, o_size, o_stride = [], [], [], []
+        for i in range(nd):
+            k, d, st = mod.kernel_size[i], mod.dilation[i], mod.stride[i]
+            k_size.append(k)
+            k_stride.append(sp_stride[i] * d)
+            o_size.append((spatial[i] - d * (k - 1) - 1) // st + 1)
+            o_stride.append(sp_stride[i] * st)
+        positions = math.prod(o_size)
+        fan_in = channels // g * math.prod(mod.kernel_size)
+        if channels_last:  # (B, *out, *kernel, C)
+            view = a.as_strided([batch] + o_size + k_size + [channels],
+                                [a.stride(0)] + o_stride + k_stride + [a.stride(-1)],
+                                a.storage_offset())
+            return view.reshape(batch, positions, fan_in), True
+        # (B, g, C/g, *kernel, *out) -> (B * g, L, fan_in)
+        view = a.as_strided([batch, g, channels // g] + k_size + o_size,
+                            [a.stride(0), a.stride(1) * (channels // g), a.stride(1)] + k_stride
+                            + o_stride, a.storage_offset())
+        return view.reshape(batch * g, fan_in, positions).transpose(1, 2), False
+
+    def _weight_grad(self, c: _Call, inp: Tensor, grad_out: Tensor, shape: Sequence[int],
+                     groups: int) -> Tensor:
+        mod = c.mod
+        dummy = grad_out.new_empty(1).expand(*shape)
+        return torch.ops.aten.convolution_backward(
+            grad_out, inp, dummy, None, mod.stride, self._padding(c), mod.dilation, False,
+            [0] * (inp.ndim - 2), groups, [False, True, False])[1]
+
+    def _patch_numel(self, c: _Call) -> int:
+        """Floats of one example's patch matrix (fan-in x positions)."""
+        mod = c.mod
+        return mod.in_channels * math.prod(mod.kernel_size) * math.prod(c.b.shape[2:])
+
+    def _per_example_weight(self, c: _Call, a: Tensor | None = None,
+                            b: Tensor | None = None) -> Tensor:
+        """Per-example weight gradients of ``c`` (or of the examples in ``a``, ``b``: slices)."""
+        mod = c.mod
+        a = c.a if a is None else a
+        b = c.b if b is None else b
+        batch, g = a.shape[0], mod.groups
+        cin_g = mod.in_channels // g
+        if cin_g > 1 and cin_g * math.prod(mod.kernel_size) * math.prod(b.shape[2:]) \
+                <= _PATCH_MAX_NUMEL:
+            # small patch matrices: copy them, then one batched matmul per (example, group)
+            u, channels_last = self._unfold(c, a)
+            bb = b.reshape(batch * g, mod.out_channels // g, -1)
+            gw = torch.bmm(bb, u)
+            if channels_last:  # (B, C_out, *kernel, C_in) -> (B, C_out, C_in, *kernel)
+                gw = gw.view(batch, mod.out_channels, *mod.kernel_size, cin_g).movedim(-1, 2)
+                return gw.contiguous()
+        else:  # a grouped convolution weight-gradient with the batch folded into the groups
+            x = a.reshape(1, batch * a.shape[1], *a.shape[2:])
+            go = b.reshape(1, batch * b.shape[1], *b.shape[2:])
+            gw = self._weight_grad(c, x, go, (batch * mod.out_channels, cin_g, *mod.kernel_size),
+                                   batch * g)
+        return gw.view(batch, mod.out_channels, cin_g, *mod.kernel_size)
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        batch = c.a.shape[0]
+        if "weight" in roles:
+            a, b = c.a, c.b
+            positions = math.prod(b.shape[2:])
+            patches = self._patch_numel(c)
+            if c.choice == "ghost":  # Gram matrices of the patches and of the output gradients
+                parts = []
+                for sl in _example_slices(batch, patches + 2 * positions * positions):
+                    u, _ = self._unfold(c, a[sl])
+                    ga = torch.bmm(u, u.transpose(1, 2))
+                    bb = b[sl].reshape(u.shape[0], -1, u.shape[1])
+                    gb = torch.bmm(bb.transpose(1, 2), bb)
+                    n = b[sl].shape[0]
+                    parts.append(_gram_dot(ga, gb, ga.shape[0] // n))
+                out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:
+                numel = c.mod.weight.numel()
+                slices = _example_slices(batch, patches + numel)
+                if c.choice == "keep":
+                    if len(slices) == 1:
+                        gw = self._per_example_weight(c)
+                    else:  # formed slice by slice into the kept tensor
+                        gw = b.new_empty((batch, *c.mod.weight.shape))
+                        for sl in slices:
+                            gw[sl] = self._per_example_weight(c, a[sl], b[sl])
+                    out["weight"] = _sq(gw)
+                    c.kept["weight"] = gw
+                else:
+                    out["weight"] = torch.cat([_sq(self._per_example_weight(c, a[sl], b[sl]))
+                                               for sl in slices])
+        if "bias" in roles:
+            gb = c.b.flatten(2).sum(2)
+            c.kept["bias"] = gb
+            out["bias"] = _sq(gb)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        if role == "bias":
+            return c.b.flatten(2).sum(2)
+        return self._per_example_weight(c)
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        if c.choice == "keep":
+            return None
+        mod, a, b = c.mod, c.a, c.b
+        batch, g, nd = a.shape[0], mod.groups, a.ndim - 2
+        # ||patch_t||^2 per group: the squares summed over the group's channels, then over each
+        # kernel window (a convolution with a kernel of ones, same geometry as the layer)
+        a2 = a.square().reshape(batch, g, a.shape[1] // g, *a.shape[2:]).sum(2)
+        ones = a2.new_ones((g, 1, *mod.kernel_size))
+        conv = F.conv1d if nd == 1 else F.conv2d
+        pa2 = conv(a2, ones, None, mod.stride, self._padding(c), mod.dilation, g)
+        na = pa2.clamp(min=0).sqrt().reshape(batch, g, -1)
+        nb = torch.linalg.vector_norm(b.reshape(batch, g, b.shape[1] // g, -1), dim=2)
+        positions = na.shape[2]
+        fan_in = a.shape[1] // g * math.prod(mod.kernel_size)
+        p = mod.out_channels // g
+        abs_sum = (na * nb).sum((1, 2)).to(sq.dtype) * (1 + rnd.gp(fan_in + p + positions * g + 8))
+        gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
+            + _gam64(g * positions * positions + g) * (1 + rnd.gp(fan_in)) * (1 + rnd.gp(p))
+        return _position_bound_sq(
+            sq, abs_sum, c.choice, mod.weight.numel(), positions, gram, _BK_BLOCK * positions, rnd,
+            lambda rows: _sq(self._per_example_weight(c, a[rows], b[rows])),
+            lambda rows: _store_formed(c, rows, self._per_example_weight(c, a[rows], b[rows])))
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        b = c.b
+        if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
+            wc, formed = _split_formed(c, w.col(groups["weight"]))
+            bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
+            out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
+                c, c.a[sl], bw[sl], c.mod.weight.shape, c.mod.groups))
+            if formed is not None:
+                out["weight"].add_(formed.view(c.mod.weight.shape))
+        if "bias" in groups:
+            out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
+        return out
+
+
+class _Sub:
+    """The rows ``rows`` of a call's ``a`` and ``b`` (for a rule's ``per_example``)."""
+
+    def __init__(self, c: _Call, rows: Tensor) -> None:
+        self.a, self.b, self.mod = c.a[rows], c.b[rows], c.mod
+
+
+class _EmbeddingRule(_Rule):
+    roles = ("weight",)
+    kind = "embedding"
+
+    def unsupported(self, mod: nn.Module) -> str | None:
+        if mod.max_norm is not None:
+            return ("max_norm is set (the forward renormalises the weight in place); use "
+                    "max_norm=None")
+        if mod.scale_grad_by_freq:
+            return "scale_grad_by_freq=True (batch-frequency scaling); use scale_grad_by_freq=False"
+        return None
+
+    def prepare(self, c: _Call) -> None:
+        batch = c.a.shape[0]
+        c.a = c.a.reshape(batch, -1)
+        b = c.b.reshape(batch, c.a.shape[1], -1)
+        if c.mod.padding_idx is not None:  # PyTorch gives the padding row no gradient
+            b = b * (c.a != c.mod.padding_idx).unsqueeze(2).to(b.dtype)
+        c.b = b
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        x, b = c.a, c.b
+        batch = x.shape[0]
+        if c.choice == "ghost":  # sum_{t,t'} [x_t = x_t'] (b_t . b_t')
+            gb = torch.bmm(b, b.transpose(1, 2))
+            same = (x.unsqueeze(2) == x.unsqueeze(1)).to(gb.dtype)
+            return {"weight": _gram_dot(gb, same)}
+        # segment sums: the non-zero rows of the per-example gradient, one per (example, token)
+        vocab = c.mod.num_embeddings
+        key = torch.arange(batch, device=x.device).unsqueeze(1) * vocab + x
+        uniq, inv = torch.unique(key.flatten(), return_inverse=True)
+        seg = b.new_zeros(uniq.shape[0], b.shape[2]).index_add_(0, inv, b.reshape(-1, b.shape[2]))
+        sq = b.new_zeros(batch).index_add_(0, uniq // vocab, _sq(seg))
+        return {"weight": sq}
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        x, b = c.a, c.b
+        batch, vocab = x.shape[0], c.mod.num_embeddings
+        key = torch.arange(batch, device=x.device).unsqueeze(1) * vocab + x
+        out = b.new_zeros(batch * vocab, b.shape[2])
+        out.index_add_(0, key.flatten(), b.reshape(-1, b.shape[2]))
+        return out.view(batch, vocab, b.shape[2])
+
+    def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
+        b = c.b  # padding positions already zeroed
+        batch, t, p = b.shape
+        abs_sum = torch.linalg.vector_norm(b, dim=2).sum(1).to(sq.dtype) * (1 + rnd.gam(p + t + 4))
+        gram = rnd.gp(p) + _gam64(t * t + 1) * (1 + rnd.gp(p))
+        # segment sums: at most t rows per (example, token), then their squared norms summed
+        return _position_bound_sq(sq, abs_sum, "ghost" if c.choice == "ghost" else "direct",
+                                  p + t, t, gram, _BK_BLOCK * t, rnd,
+                                  lambda rows: _sq(self.per_example(_Sub(c, rows), "weight")))
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        x, b = c.a, c.b
+        bw = b * w.col2(groups["weight"]).unsqueeze(2)
+        return {"weight": _bk_sum(b.shape[0], lambda sl: b.new_zeros(
+            c.mod.num_embeddings, b.shape[2]).index_add_(0, x[sl].flatten(),
+                                                         bw[sl].reshape(-1, b.shape[2])))}
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        c.b = _rows(finite, c.b)
+
+
+class _AffineNormRule(_Rule):
+    """LayerNorm / RMSNorm (trailing normalized dims), GroupNorm / eval BatchNorm (channel dim 1):
+    ``dgamma_i = sum over positions of b * xhat``, ``dbeta_i = sum of b``."""
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        if role == "bias":
+            return self._reduce(c.mod, c.b)
+        return self._reduce(c.mod, c.b * self._xhat(c.mod, c.a))
+
+
+class _TrailingNormRule(_AffineNormRule):
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        k = len(mod.normalized_shape)
+        return t.reshape(t.shape[0], -1, *t.shape[t.ndim - k:]).sum(1)
+
+
+class _LayerNormRule(_TrailingNormRule):
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
+
+
+class _RMSNormRule(_TrailingNormRule):
+    roles = ("weight",)
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.rms_norm(a, mod.normalized_shape, None, mod.eps)
+
+
+class _ChannelNormRule(_AffineNormRule):
+    def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
+        return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+
+
+class _GroupNormRule(_ChannelNormRule):
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.group_norm(a, mod.num_groups, None, None, mod.eps)
+
+
+class _EvalBatchNormRule(_ChannelNormRule):
+    """BatchNorm with running statistics in eval mode: a fixed per-channel affine map.
+    (Training-mode BatchNorm mixes examples and is refused before we get here.)"""
+
+    def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
+        return F.batch_norm(a, mod.running_mean, mod.running_var, None, None, False, 0.0, mod.eps)
+
+
+class _Conv1DRule(_LinearRule):
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): ``y = x @ W + b`` with the
+    weight stored ``(in, out)``, the transpose of ``nn.Linear``'s. Every norm and bound is the
+    Linear rule's (a transpose keeps norms and entries); per-example and summed weight gradients
+    are transposed back to the ``(in, out)`` layout."""
+
+    def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
+        out = super().norms(c, roles)
+        kept = c.kept.get("weight")
+        if kept is not None:
+            c.kept["weight"] = kept.transpose(1, 2)
+        return out
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        g = super().per_example(c, role)
+        return g.transpose(1, 2) if role == "weight" else g
+
+    def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
+        out = super().weighted(c, groups, w)
+        if "weight" in out:
+            out["weight"] = out["weight"].t()
+        return out
+
+
+class _ModuleRule(_Rule):
+    """The per-layer path (:mod:`dpclip.engine.per_layer`): a module with no rule for its type.
+    Its per-example gradients are formed from its own call by the engine pass (``c.kept``) and
+    kept; the weighted sum is their weighted reduction (relative rounding bound, as ``keep``)."""
+
+    roles = ()
+    kind = "module"
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        return c.kept[role]
+
+    def mask(self, c: _Call, finite: Tensor) -> None:
+        """Nothing to do: the kept gradients are masked by the engine."""
+
+
+_MODULE = _ModuleRule()
+_CONV1D = _Conv1DRule()
+
+
+#: per-example patch-matrix size (fan-in x positions) up to which per-example conv gradients copy
+#: the patches and use one batched matmul; beyond it, or with one input channel per group (slow
+#: strided copies), a grouped convolution weight-gradient (no patch copy) is faster on CPU
+_PATCH_MAX_NUMEL = 65536
+#: reduction length below which per-example (batched) products lose efficiency (cost rule)
+_SMALL_REDUCTION = 256
+#: sequence length up to which an Embedding's norm uses the (T x T) Gram matrix, beyond which the
+#: per-(example, token) segment sums
+_EMBED_GRAM_MAX_LEN = 128
+
+_CONV = _ConvRule()
+_BATCHNORM = _EvalBatchNormRule()
+_RULES: dict[type, _Rule] = {
+    nn.Linear: _LinearRule(),
+    nn.Conv1d: _CONV,
+    nn.Conv2d: _CONV,
+    nn.Embedding: _EmbeddingRule(),
+    nn.LayerNorm: _LayerNormRule(),
+    nn.GroupNorm: _GroupNormRule(),
+    nn.BatchNorm1d: _BATCHNORM,
+    nn.BatchNorm2d: _BATCHNORM,
+    nn.BatchNorm3d: _BATCHNORM,
+    nn.SyncBatchNorm: _BATCHNORM,
+}
+if hasattr(nn, "RMSNorm"):
+    _RULES[nn.RMSNorm] = _RMSNormRule()
+
+#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``)
+SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
+
+
+def _rule_for(mod: nn.Module) -> _Rule | None:
+    rule = _RULES.get(type(mod))
+    if rule is not None:
+        return rule
+    if _is_hf_conv1d(mod):
+        return _CONV1D
+    for base, rule in _RULES.items():
+        if isinstance(mod, base) and type(mod).forward is base.forward:
+            return rule
+    return None
+
+
+def _is_hf_conv1d(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a ``transformers`` ``Conv1D`` (or a subclass keeping its forward), without
+    importing ``transformers`` (a model holding one has imported it already)."""
+    import sys
+
+    pu = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(pu, "Conv1D", None) if pu is not None else None
+    return cls is not None and isinstance(mod, cls) and type(mod).forward is cls.forward
+
+
+# ------------------------------------------------------------------------------ model scan
+
+
+class _Owner:
+    """A module that owns trainable parameters directly, with the rule for its type."""
+
+    __slots__ = ("name", "module", "rule", "roles", "pnames", "starts")
+
+    def __init__(self, name: str, module: nn.Module, rule: _Rule, roles: tuple[str, ...],
+                 pnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.module = module
+        self.rule = rule
+        self.roles = roles  #: attribute names of its trainable parameters
+        self.pnames = pnames  #: their canonical names (as in ``model.named_parameters()``)
+        #: per-layer path: ``(autograd sequence number, captured arguments)`` at the entry of each
+        #: call in progress (``enter``), taken by the call's ``_Call``
+        self.starts: list[tuple[int, Any]] = []
+
+    def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a per-layer module: where its call's autograd window starts, and
+        its arguments (with their tensors' versions, checked after the forward)."""
+        self.starts.append((seq_now(), capture_args(args, kwargs, mod)))
+
+
+@dataclass(frozen=True)
+class _Scan:
+    params: dict[str, Tensor]  #: trainable parameters by canonical name, in model order
+    owners: tuple[_Owner, ...]
+    reasons: tuple[str, ...]  #: why the model is not supported (empty: supported)
+    batchnorm: bool  #: the model has a BatchNorm layer
+    by_module: dict[int, _Owner]  #: the owners by ``id(module)``
+    by_param: dict[int, str]  #: canonical names of the trainable parameters by ``id(param)``
+    per_layer: tuple[str, ...] = ()  #: modules on the per-layer path (no rule for their type)
