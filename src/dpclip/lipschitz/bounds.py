@@ -442,16 +442,21 @@ def _rule_conv2d(
     )
 
 
-def _rule_identity(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "isometry (reshape)")
+def _nonexpansive(reason: str) -> _Rule:
+    """The rule of a 1-Lipschitz layer whose output norm is at most its input norm (reshapes,
+    ReLU, permutations): ``rho = 1``, output bound ``x``; ``reason`` is recorded in the report."""
+
+    def rule(
+        m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
+    ) -> _Leaf:
+        return _Leaf(1.0, x, reason)
+
+    return rule
 
 
-def _rule_relu(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "|relu'| <= 1, |relu(t)| <= |t|")
+_rule_identity = _nonexpansive("isometry (reshape)")
+_rule_relu = _nonexpansive("|relu'| <= 1, |relu(t)| <= |t|")
+_rule_groupsort = _nonexpansive("permutation (norm preserving)")
 
 
 def _rule_leaky_relu(
@@ -485,12 +490,6 @@ def _rule_tempered_sigmoid(
     cap = max(abs(o), abs(s - o)) * math.sqrt(n)  # range (-o, s - o)
     at_zero = abs(s / 2.0 - o) * math.sqrt(n)
     return _Leaf(rho, min(cap, at_zero + rho * x), "scale * inverse_temperature / 4")
-
-
-def _rule_groupsort(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "permutation (norm preserving)")
 
 
 def _rule_maxpool(
