@@ -80,6 +80,17 @@ class SplitNoiseMixin:
     _aux_name: ClassVar[str]
     _aux_default: ClassVar[str]
 
+    def _check_clip_range(self) -> None:
+        """``min_clip_norm <= initial_clip_norm <= max_clip_norm`` (both adaptive thresholds are
+        kept in that range), else a ``ValueError`` naming the three fields."""
+        lo, c0, hi = (self.min_clip_norm, self.initial_clip_norm,  # type: ignore[attr-defined]
+                      self.max_clip_norm)  # type: ignore[attr-defined]
+        if not (lo <= c0 <= hi):
+            raise ValueError(
+                f"{self._owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
+                f"{lo} <= {c0} <= {hi}"
+            )
+
     def _aux_for(self, ctx: StepContext) -> float:
         raise NotImplementedError
 
@@ -196,11 +207,7 @@ class QuantileClip(SplitNoiseMixin, StrategyBase):
                 f"{owner}: update_rule must be one of {', '.join(UPDATE_RULES)}, "
                 f"got {self.update_rule!r}"
             )
-        if not (self.min_clip_norm <= self.initial_clip_norm <= self.max_clip_norm):
-            raise ValueError(
-                f"{owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
-                f"{self.min_clip_norm} <= {self.initial_clip_norm} <= {self.max_clip_norm}"
-            )
+        self._check_clip_range()
 
     # ---- public, data-independent parts ----------------------------------------------------
     def count_noise_std_for(self, ctx: StepContext) -> float:

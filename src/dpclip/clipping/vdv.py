@@ -93,11 +93,7 @@ class MeanNormClip(SplitNoiseMixin, StrategyBase):
                 "mean_noise_multiplier",
                 positive_finite("mean_noise_multiplier", self.mean_noise_multiplier, owner),
             )
-        if not (self.min_clip_norm <= self.initial_clip_norm <= self.max_clip_norm):
-            raise ValueError(
-                f"{owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
-                f"{self.min_clip_norm} <= {self.initial_clip_norm} <= {self.max_clip_norm}"
-            )
+        self._check_clip_range()
 
     def mean_noise_multiplier_for(self, ctx: StepContext) -> float:
         """``sigma_m``: ``mean_noise_multiplier`` or ``expected_batch_size / 10`` (public)."""
