@@ -465,30 +465,8 @@ def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
                                delta=args.delta, accountant=args.accountant, flags=CLI_FLAGS))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dpclip",
-        description="Differentially private training with gradient-clipping strategies.",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
-    t = sub.add_parser("train", help="train one model with DP-SGD and store the run")
-    t.add_argument("--dataset", required=True, help="see `dpclip datasets`")
-    t.add_argument("--model", required=True, help="see `dpclip models`")
-    t.add_argument("--strategy", default="fixed", help="see `dpclip strategies` (default fixed)")
-    t.add_argument("--param", action="append", metavar="K=V",
-                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable)")
-    _add_unit_arguments(t)
-    t.add_argument("--bn-stats", default="auto", choices=["auto", "batch", "public"],
-                   help="BatchNorm evaluation statistics: test-batch, or recomputed on the "
-                        "public split (auto: public when the run has one)")
-    t.add_argument("--public-fraction", type=float, metavar="F",
-                   help="share of the training set carved out as PUBLIC data (default 0.1 when "
-                        "the strategy or --bn-stats public needs it, else 0)")
-    t.add_argument("--model-option", action="append", metavar="K=V",
-                   help="model option, e.g. --model-option activation=relu")
-    t.add_argument("--dataset-option", action="append", metavar="K=V",
-                   help="dataset option, e.g. --dataset-option n_train=1000 (synthetic)")
+def _add_train_privacy_group(t: argparse.ArgumentParser) -> None:
+    """``dpclip train``'s privacy group: the noise calibration, the accountant and the sampler."""
     g = t.add_argument_group("privacy (give --epsilon, --noise-multiplier, or both: then epsilon "
                              "is a cap and training stops before exceeding it)")
     g.add_argument("--epsilon", type=float, help="target epsilon: calibrates the noise")
@@ -500,10 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pld (tightest, default) or rdp")
     g.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"],
                    help="poisson (add/remove-one) or fixed-size (replace-one, sensitivity x2)")
-    t.add_argument("--epochs", type=int, required=True)
-    t.add_argument("--batch-size", type=float, default=256,
-                   help="expected batch size (Poisson) or exact size (fixed-size); default 256")
-    t.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+
+
+def _add_lr_schedule_group(t: argparse.ArgumentParser) -> None:
+    """``dpclip train``'s learning-rate schedule group (post-processing)."""
     ls = t.add_argument_group(
         "learning-rate schedule (post-processing: no effect on privacy; stepped per optimizer "
         "step, saved in checkpoints; see docs/tuning.md)")
@@ -518,23 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--lr-warmup-epochs", type=float, default=0.0,
                     help="linear warm-up over this many epochs (fractions allowed), then the "
                          "schedule; default 0")
-    t.add_argument("--augment", default="none", metavar="OPS",
-                   help="per-example image augmentation after the secret sampling, e.g. "
-                        "crop:4,flip (random crop with padding 4, random horizontal flip; "
-                        "crop:P:reflect pads with the mirrored border); default none. The "
-                        "sensitivity is unchanged; test data is never augmented "
-                        "(docs/privacy.md)")
-    t.add_argument("--augment-multiplicity", type=int, default=1, metavar="K",
-                   help="augmentation multiplicity (De et al. 2022): each sampled example is "
-                        "augmented K times and its K gradients averaged before clipping; needs "
-                        "--augment; sensitivity unchanged; default 1")
-    t.add_argument("--averaging", default="none", metavar="SPEC",
-                   help="weight averaging, evaluated and returned instead of the last iterate: "
-                        "ema:D (decay D, (1+t)/(10+t) warm-up), ema:D:S (from step S) or polyak:S "
-                        "(uniform mean after step S); default none; post-processing, no privacy "
-                        "cost")
-    t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
-    t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
+
+
+def _add_train_execution_arguments(t: argparse.ArgumentParser) -> None:
+    """``dpclip train``'s public seed, engine, device and outputs (execution settings: none
+    affects privacy except ``--reproducible-noise``, which labels the run NON-PRIVATE)."""
     t.add_argument("--seed", type=int, default=0,
                    help="public randomness: model initialisation, data splits (noise and batch "
                         "sampling draw from OS entropy; see --reproducible-noise)")
@@ -564,6 +530,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "(reproductions/results/NAME.json) and rewrite its Markdown table")
     t.set_defaults(func=cmd_train)
 
+
+def _add_train_parser(sub: Any) -> None:
+    """``dpclip train``: one DP-SGD run, stored."""
+    t = sub.add_parser("train", help="train one model with DP-SGD and store the run")
+    t.add_argument("--dataset", required=True, help="see `dpclip datasets`")
+    t.add_argument("--model", required=True, help="see `dpclip models`")
+    t.add_argument("--strategy", default="fixed", help="see `dpclip strategies` (default fixed)")
+    t.add_argument("--param", action="append", metavar="K=V",
+                   help="strategy parameter, e.g. --param clip_norm=0.1 (repeatable)")
+    _add_unit_arguments(t)
+    t.add_argument("--bn-stats", default="auto", choices=["auto", "batch", "public"],
+                   help="BatchNorm evaluation statistics: test-batch, or recomputed on the "
+                        "public split (auto: public when the run has one)")
+    t.add_argument("--public-fraction", type=float, metavar="F",
+                   help="share of the training set carved out as PUBLIC data (default 0.1 when "
+                        "the strategy or --bn-stats public needs it, else 0)")
+    t.add_argument("--model-option", action="append", metavar="K=V",
+                   help="model option, e.g. --model-option activation=relu")
+    t.add_argument("--dataset-option", action="append", metavar="K=V",
+                   help="dataset option, e.g. --dataset-option n_train=1000 (synthetic)")
+    _add_train_privacy_group(t)
+    t.add_argument("--epochs", type=int, required=True)
+    t.add_argument("--batch-size", type=float, default=256,
+                   help="expected batch size (Poisson) or exact size (fixed-size); default 256")
+    t.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    _add_lr_schedule_group(t)
+    t.add_argument("--augment", default="none", metavar="OPS",
+                   help="per-example image augmentation after the secret sampling, e.g. "
+                        "crop:4,flip (random crop with padding 4, random horizontal flip; "
+                        "crop:P:reflect pads with the mirrored border); default none. The "
+                        "sensitivity is unchanged; test data is never augmented "
+                        "(docs/privacy.md)")
+    t.add_argument("--augment-multiplicity", type=int, default=1, metavar="K",
+                   help="augmentation multiplicity (De et al. 2022): each sampled example is "
+                        "augmented K times and its K gradients averaged before clipping; needs "
+                        "--augment; sensitivity unchanged; default 1")
+    t.add_argument("--averaging", default="none", metavar="SPEC",
+                   help="weight averaging, evaluated and returned instead of the last iterate: "
+                        "ema:D (decay D, (1+t)/(10+t) warm-up), ema:D:S (from step S) or polyak:S "
+                        "(uniform mean after step S); default none; post-processing, no privacy "
+                        "cost")
+    t.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    t.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
+    _add_train_execution_arguments(t)
+
+
+def _add_query_parsers(sub: Any) -> None:
+    """``dpclip epsilon`` and the listings (``strategies``, ``datasets``, ``models``)."""
     e = sub.add_parser("epsilon", help="epsilon of Poisson-subsampled Gaussian DP-SGD")
     e.add_argument("--sample-rate", type=float, required=True)
     e.add_argument("--noise-multiplier", type=float, required=True)
@@ -579,6 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=cmd_list)
 
+
+def _add_experiment_parsers(sub: Any) -> None:
+    """``dpclip run``, ``compare``, ``report`` and ``reproductions``: the experiment harness."""
     for name, helptext in (("run", "run an experiment grid (TOML spec or preset name)"),
                            ("compare", "run a preset comparison and write its report")):
         r = sub.add_parser(name, help=helptext)
@@ -601,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--json", action="store_true")
         r.set_defaults(func=cmd_run)
 
+
     rp = sub.add_parser("report", help="Markdown + HTML report of an experiment from the store")
     rp.add_argument("experiment", help="experiment name, spec file or preset name")
     rp.add_argument("--db")
@@ -616,6 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--doc", default="docs/reproductions.md")
     rr.set_defaults(func=cmd_reproductions)
 
+
+def _add_bench_parser(sub: Any) -> None:
+    """``dpclip bench``: step time of each engine."""
     b = sub.add_parser("bench", help="step time of each engine vs a non-private step")
     b.add_argument("--model", required=True, help="mlp, papernot-cnn, ...")
     b.add_argument("--batch-size", type=int, required=True)
@@ -630,34 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch.cuda.max_memory_allocated")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
-    _add_search_commands(sub)
-    fl = sub.add_parser("fl", help="user-level DP-FedAvg with adaptive clipping "
-                        "(dpclip.federated): train | flower-server | flower-client; "
-                        "grids: `dpclip run` "
-                        "with a [federated] spec")
-    _fl_arguments(fl)
-    fl.set_defaults(func=cmd_fl)
 
-    au = sub.add_parser("audit", help="empirical epsilon lower bound vs the claimed epsilon "
-                        "(white-box: Dirac canaries in one step; black-box: canary examples "
-                        "in a training run); see docs/audit.md")
-    au.add_argument("--mode", default="whitebox", choices=["whitebox", "blackbox"])
-    au.add_argument("--strategy", default="fixed", help="see `dpclip strategies`")
-    au.add_argument("--param", action="append", metavar="K=V",
-                    help="strategy parameter (repeatable)")
-    _add_unit_arguments(au)
-    au.add_argument("--engine", default="vmap", help="vmap, ghost, auto, naive, summed")
-    au.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
-    au.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
-    au.add_argument("--epsilon", type=float, help="target epsilon of the run: black-box, the run "
-                    "is calibrated to it; white-box (without --noise-multiplier), the step is "
-                    "audited at the multiplier dpclip train calibrates (needs --dataset, "
-                    "--epochs, --batch-size)")
-    au.add_argument("--delta", type=float, required=True)
-    au.add_argument("--canaries", type=int, default=4000)
-    au.add_argument("--significance", type=float, default=0.05)
-    au.add_argument("--seed", type=int, default=0,
-                    help="the audit's coins and noise (reproducible: an audit is not a private run)")
+
+def _add_audit_run_arguments(au: argparse.ArgumentParser) -> None:
+    """``dpclip audit``'s dataset, model, training and output arguments (black-box runs, or
+    the white-box calibration at ``--epsilon``)."""
     au.add_argument("--dataset", help="black-box, or white-box with --epsilon: see "
                     "`dpclip datasets`")
     au.add_argument("--model", help="black-box: see `dpclip models`")
@@ -687,6 +685,54 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--no-progress", action="store_true")
     au.add_argument("--json", action="store_true")
     au.set_defaults(func=cmd_audit)
+
+
+def _add_audit_parser(sub: Any) -> None:
+    """``dpclip audit``: empirical epsilon lower bounds."""
+    au = sub.add_parser("audit", help="empirical epsilon lower bound vs the claimed epsilon "
+                        "(white-box: Dirac canaries in one step; black-box: canary examples "
+                        "in a training run); see docs/audit.md")
+    au.add_argument("--mode", default="whitebox", choices=["whitebox", "blackbox"])
+    au.add_argument("--strategy", default="fixed", help="see `dpclip strategies`")
+    au.add_argument("--param", action="append", metavar="K=V",
+                    help="strategy parameter (repeatable)")
+    _add_unit_arguments(au)
+    au.add_argument("--engine", default="vmap", help="vmap, ghost, auto, naive, summed")
+    au.add_argument("--sampling", default="poisson", choices=["poisson", "fixed-size"])
+    au.add_argument("--noise-multiplier", type=float, help="noise std / sensitivity")
+    au.add_argument("--epsilon", type=float, help="target epsilon of the run: black-box, the run "
+                    "is calibrated to it; white-box (without --noise-multiplier), the step is "
+                    "audited at the multiplier dpclip train calibrates (needs --dataset, "
+                    "--epochs, --batch-size)")
+    au.add_argument("--delta", type=float, required=True)
+    au.add_argument("--canaries", type=int, default=4000)
+    au.add_argument("--significance", type=float, default=0.05)
+    au.add_argument("--seed", type=int, default=0,
+                    help="the audit's coins and noise (reproducible: an audit is not a private run)")
+    _add_audit_run_arguments(au)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dpclip`` argument parser: one builder per command (``_add_*_parser``)."""
+    p = argparse.ArgumentParser(
+        prog="dpclip",
+        description="Differentially private training with gradient-clipping strategies.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_train_parser(sub)
+    _add_query_parsers(sub)
+    _add_experiment_parsers(sub)
+    _add_bench_parser(sub)
+    _add_search_commands(sub)
+    fl = sub.add_parser("fl", help="user-level DP-FedAvg with adaptive clipping "
+                        "(dpclip.federated): train | flower-server | flower-client; "
+                        "grids: `dpclip run` "
+                        "with a [federated] spec")
+    _fl_arguments(fl)
+    fl.set_defaults(func=cmd_fl)
+
+    _add_audit_parser(sub)
     return p
 
 

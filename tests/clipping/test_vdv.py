@@ -115,3 +115,22 @@ def test_train_plan_matches_the_emitted_events():
     assert make_strategy("vdv", {"kappa": "2.0"}).kappa == 2.0
     (event, count), = res.ledger.entries
     assert event.event.events[1] == GaussianEvent(6.4) and count == 8
+
+
+@pytest.mark.parametrize("cls, owner, key, default", [
+    ("QuantileClip", "QuantileClip", "count_noise_std", "expected_batch_size / 20"),
+    ("MeanNormClip", "MeanNormClip", "mean_noise_multiplier", "expected_batch_size / 10"),
+])
+def test_split_noise_mixin_messages(cls: str, owner: str, key: str, default: str) -> None:
+    """quantile and vdv share SplitNoiseMixin (issue 34): each still names itself, its state key
+    and its default, and refuses a clip range out of order."""
+    from dpclip.clipping.quantile import QuantileClip
+    from dpclip.clipping.vdv import MeanNormClip
+
+    c = {"QuantileClip": QuantileClip, "MeanNormClip": MeanNormClip}[cls]
+    with pytest.raises(ValueError, match=rf"^{owner}: need min_clip_norm <= initial_clip_norm"):
+        c(initial_clip_norm=5.0, max_clip_norm=1.0)
+    s = c()
+    with pytest.raises(ValueError, match=rf"^{owner}: the state has no {key}; call begin_step"
+                                         rf".*{default}"):
+        s.noise_multiplier({"clip_norm": 1.0}, 0.5)

@@ -25,7 +25,7 @@ from dpclip.clipping.base import (
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 
-__all__ = ["QuantileClip", "split_noise_multiplier"]
+__all__ = ["QuantileClip", "SplitNoiseMixin", "split_noise_multiplier"]
 
 #: Guard inside the ``min`` (Opacus convention, as in ``fixed``): ``min(1, C / (n + 1e-6))``.
 NORM_EPS = 1e-6
@@ -62,8 +62,68 @@ def split_noise_multiplier(base: float, aux: float, owner: str, aux_name: str) -
     return (base**-2 - aux**-2) ** -0.5
 
 
+class SplitNoiseMixin:
+    """The noise split of a strategy that releases one auxiliary Gaussian query per step.
+
+    Shared by ``QuantileClip`` (the noisy clipped count) and ``MeanNormClip`` (the noisy mean
+    norm): ``begin_step`` resolves the auxiliary value from the public context into the state
+    under ``_aux_key``; the gradient sum gets the Theorem-1 split multiplier
+    (:func:`split_noise_multiplier`); the planned event composes both Gaussians.
+    Privacy: everything here is a function of public values (``base``, the context); no data.
+    Subclasses set ``_owner``, ``_aux_key``, ``_aux_name`` (the multiplier's name in errors) and
+    ``_aux_default`` (how the default is resolved), and define ``_aux_for(ctx)``; they override
+    ``_aux_multiplier`` when the state holds a std rather than a multiplier.
+    """
+
+    _owner: ClassVar[str]
+    _aux_key: ClassVar[str]
+    _aux_name: ClassVar[str]
+    _aux_default: ClassVar[str]
+
+    def _check_clip_range(self) -> None:
+        """``min_clip_norm <= initial_clip_norm <= max_clip_norm`` (both adaptive thresholds are
+        kept in that range), else a ``ValueError`` naming the three fields."""
+        lo, c0, hi = (self.min_clip_norm, self.initial_clip_norm,  # type: ignore[attr-defined]
+                      self.max_clip_norm)  # type: ignore[attr-defined]
+        if not (lo <= c0 <= hi):
+            raise ValueError(
+                f"{self._owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
+                f"{lo} <= {c0} <= {hi}"
+            )
+
+    def _aux_for(self, ctx: StepContext) -> float:
+        raise NotImplementedError
+
+    def _aux_multiplier(self, aux: float) -> float:
+        """The auxiliary query's noise multiplier (std / sensitivity) for the state value."""
+        return aux
+
+    def _gradient_multiplier(self, base: float, aux: float) -> float:
+        return split_noise_multiplier(base, self._aux_multiplier(aux), self._owner,
+                                      self._aux_name)
+
+    def begin_step(self, state: State, ctx: StepContext) -> State:
+        return {**state, self._aux_key: self._aux_for(ctx)}
+
+    def noise_multiplier(self, state: State, base: float) -> float:
+        aux = state.get(self._aux_key)
+        if aux is None:
+            raise ValueError(
+                f"{self._owner}: the state has no {self._aux_key}; call begin_step(state, ctx) "
+                f"first (it resolves the default {self._aux_default})"
+            )
+        return self._gradient_multiplier(base, float(aux))
+
+    def planned_event(self, base: float, ctx: StepContext) -> DpEvent:
+        aux = self._aux_for(ctx)
+        return ComposedEvent(
+            (GaussianEvent(self._gradient_multiplier(base, aux)),
+             GaussianEvent(self._aux_multiplier(aux)))
+        )
+
+
 @dataclass(frozen=True)
-class QuantileClip(StrategyBase):
+class QuantileClip(SplitNoiseMixin, StrategyBase):
     """Clip at ``C_t`` and move ``C_t`` towards the ``target_quantile`` of the per-example norms.
 
     Step ``t`` (Andrew et al. 2021, Alg. 1, example-level; the paper's order: clip with ``C_t``,
@@ -108,6 +168,10 @@ class QuantileClip(StrategyBase):
     """
 
     name: ClassVar[str] = "quantile"
+    _owner: ClassVar[str] = "QuantileClip"
+    _aux_key: ClassVar[str] = "count_noise_std"
+    _aux_name: ClassVar[str] = "2 * count_noise_std"
+    _aux_default: ClassVar[str] = "expected_batch_size / 20"
     norm_kind: ClassVar[str] = "flat"
 
     initial_clip_norm: float = 0.1
@@ -143,11 +207,7 @@ class QuantileClip(StrategyBase):
                 f"{owner}: update_rule must be one of {', '.join(UPDATE_RULES)}, "
                 f"got {self.update_rule!r}"
             )
-        if not (self.min_clip_norm <= self.initial_clip_norm <= self.max_clip_norm):
-            raise ValueError(
-                f"{owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
-                f"{self.min_clip_norm} <= {self.initial_clip_norm} <= {self.max_clip_norm}"
-            )
+        self._check_clip_range()
 
     # ---- public, data-independent parts ----------------------------------------------------
     def count_noise_std_for(self, ctx: StepContext) -> float:
@@ -162,34 +222,14 @@ class QuantileClip(StrategyBase):
         """Multiplier of the count release: std ``sigma_b`` at sensitivity 1/2 -> ``2 sigma_b``."""
         return sigma_b / COUNT_SENSITIVITY
 
-    def _gradient_multiplier(self, base: float, sigma_b: float) -> float:
-        return split_noise_multiplier(
-            base, self.count_noise_multiplier(sigma_b), "QuantileClip", "2 * count_noise_std"
-        )
+    def _aux_for(self, ctx: StepContext) -> float:
+        return self.count_noise_std_for(ctx)
+
+    def _aux_multiplier(self, aux: float) -> float:
+        return self.count_noise_multiplier(aux)
 
     def init_state(self) -> State:
         return {"clip_norm": self.initial_clip_norm, "count_noise_std": self.count_noise_std}
-
-    def begin_step(self, state: State, ctx: StepContext) -> State:
-        return {**state, "count_noise_std": self.count_noise_std_for(ctx)}
-
-    def noise_multiplier(self, state: State, base: float) -> float:
-        sigma_b = state.get("count_noise_std")
-        if sigma_b is None:
-            raise ValueError(
-                "QuantileClip: the state has no count_noise_std; call begin_step(state, ctx) "
-                "first (it resolves the default expected_batch_size / 20)"
-            )
-        return self._gradient_multiplier(base, float(sigma_b))
-
-    def planned_event(self, base: float, ctx: StepContext) -> DpEvent:
-        sigma_b = self.count_noise_std_for(ctx)
-        return ComposedEvent(
-            (
-                GaussianEvent(self._gradient_multiplier(base, sigma_b)),
-                GaussianEvent(self.count_noise_multiplier(sigma_b)),
-            )
-        )
 
     # ---- weights and sensitivity -------------------------------------------------------------
     def weights(self, norms: Tensor, state: State) -> Tensor:

@@ -21,9 +21,9 @@ from dpclip.clipping.base import (
     finite_or_inf,
     positive_finite,
 )
-from dpclip.clipping.quantile import NORM_EPS, split_noise_multiplier
+from dpclip.clipping.quantile import NORM_EPS, SplitNoiseMixin
 from dpclip.clipping.registry import StrategyEntry, register
-from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
+from dpclip.events import DpEvent
 
 __all__ = ["MeanNormClip"]
 
@@ -34,7 +34,7 @@ MEAN_NOISE_DIVISOR = 10.0
 
 
 @dataclass(frozen=True)
-class MeanNormClip(StrategyBase):
+class MeanNormClip(SplitNoiseMixin, StrategyBase):
     """Clip at ``C_t``; set ``C_{t+1} = kappa *`` (DP mean of the clipped norms of batch ``t``).
 
     Step ``t`` (clip with ``C_t`` first, then update, as for ``quantile``)::
@@ -71,6 +71,10 @@ class MeanNormClip(StrategyBase):
     """
 
     name: ClassVar[str] = "vdv"
+    _owner: ClassVar[str] = "MeanNormClip"
+    _aux_key: ClassVar[str] = "mean_noise_multiplier"
+    _aux_name: ClassVar[str] = "mean_noise_multiplier"
+    _aux_default: ClassVar[str] = "expected_batch_size / 10"
     norm_kind: ClassVar[str] = "flat"
 
     initial_clip_norm: float = 1.0
@@ -89,11 +93,7 @@ class MeanNormClip(StrategyBase):
                 "mean_noise_multiplier",
                 positive_finite("mean_noise_multiplier", self.mean_noise_multiplier, owner),
             )
-        if not (self.min_clip_norm <= self.initial_clip_norm <= self.max_clip_norm):
-            raise ValueError(
-                f"{owner}: need min_clip_norm <= initial_clip_norm <= max_clip_norm, got "
-                f"{self.min_clip_norm} <= {self.initial_clip_norm} <= {self.max_clip_norm}"
-            )
+        self._check_clip_range()
 
     def mean_noise_multiplier_for(self, ctx: StepContext) -> float:
         """``sigma_m``: ``mean_noise_multiplier`` or ``expected_batch_size / 10`` (public)."""
@@ -103,32 +103,14 @@ class MeanNormClip(StrategyBase):
             "expected_batch_size", ctx.expected_batch_size, "MeanNormClip"
         ) / MEAN_NOISE_DIVISOR
 
-    def _gradient_multiplier(self, base: float, sigma_m: float) -> float:
-        return split_noise_multiplier(base, sigma_m, "MeanNormClip", "mean_noise_multiplier")
+    def _aux_for(self, ctx: StepContext) -> float:
+        return self.mean_noise_multiplier_for(ctx)
 
     def init_state(self) -> State:
         return {
             "clip_norm": self.initial_clip_norm,
             "mean_noise_multiplier": self.mean_noise_multiplier,
         }
-
-    def begin_step(self, state: State, ctx: StepContext) -> State:
-        return {**state, "mean_noise_multiplier": self.mean_noise_multiplier_for(ctx)}
-
-    def noise_multiplier(self, state: State, base: float) -> float:
-        sigma_m = state.get("mean_noise_multiplier")
-        if sigma_m is None:
-            raise ValueError(
-                "MeanNormClip: the state has no mean_noise_multiplier; call begin_step(state, "
-                "ctx) first (it resolves the default expected_batch_size / 10)"
-            )
-        return self._gradient_multiplier(base, float(sigma_m))
-
-    def planned_event(self, base: float, ctx: StepContext) -> DpEvent:
-        sigma_m = self.mean_noise_multiplier_for(ctx)
-        return ComposedEvent(
-            (GaussianEvent(self._gradient_multiplier(base, sigma_m)), GaussianEvent(sigma_m))
-        )
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)

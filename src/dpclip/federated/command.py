@@ -19,6 +19,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from dpclip.accounting import Ledger
+from dpclip.federated.launch import run_local_deployment
+from dpclip.federated.simulation import run_fedavg
+from dpclip.federated.spec import FederatedRunConfig, build_run
+from dpclip.store import ResultsStore, default_db_path
+
 __all__ = ["add_arguments", "run_command"]
 
 
@@ -127,8 +133,6 @@ def _train_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_one(spec: dict[str, Any], callback: Any = None) -> Any:
-    from dpclip.federated.simulation import run_fedavg
-    from dpclip.federated.spec import build_run
 
     data, model, strategy, config = build_run(spec)
     return run_fedavg(data, model, strategy, config, callback=callback), strategy
@@ -144,9 +148,6 @@ def _train_stored(spec: dict[str, Any], args: argparse.Namespace) -> Any:
     the results store like every run (``kind = "federated"``; config checked first, so a refused
     spec leaves no row)."""
     import sys
-
-    from dpclip.federated.spec import FederatedRunConfig
-    from dpclip.store import ResultsStore, default_db_path
 
     run = FederatedRunConfig(spec)  # validates the plan before anything is stored
     store = ResultsStore(getattr(args, "db", None) or default_db_path())
@@ -180,17 +181,12 @@ def _flower_deployment(args: argparse.Namespace) -> int:
     """``dpclip fl flower``: dpclip.federated.launch, then the run in the results store."""
     import sys
 
-    from dpclip.federated.launch import run_local_deployment
-    from dpclip.federated.spec import FederatedRunConfig
-    from dpclip.store import ResultsStore, default_db_path
-
     spec = _load_spec(args.spec)
     run = FederatedRunConfig(spec)  # the plan checked before anything starts
     out = sys.stderr if args.json else sys.stdout
     result = run_local_deployment(args.spec, out=args.out, timeout=args.timeout,
                                   workdir=args.workdir,
                                   echo=lambda line: print(line, file=out, flush=True))
-    from dpclip.accounting import Ledger
 
     summary = {k: v for k, v in result.items() if k not in ("ledger", "theta")}
     summary.update(strategy=run.spec["strategy"], dataset=run.spec["dataset"],

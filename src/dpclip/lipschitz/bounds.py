@@ -392,13 +392,14 @@ def rescale_weight_(weight: Tensor, factor: float) -> None:
             bound.value * factor * (1.0 + RESCALE_SLACK), bound.method)
 
 
-def _rule_linear(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
+def _affine_leaf(
+    m: nn.Linear | nn.Conv2d, name: str, op: OperatorNormBound, x: float, positions: int,
+    weight_factor: float,
 ) -> _Leaf:
-    assert isinstance(m, nn.Linear)
-    op = _cached_operator_norm(m.weight, ("linear",), lambda: linear_operator_norm_bound(m),
-                               ctx.reuse_norms)
-    positions = _numel(so) // m.out_features
+    """The leaf of an affine layer ``W x + b`` (``nn.Linear``, ``nn.Conv2d``): Lipschitz constant
+    ``op.value``; output norm ``sqrt(positions) ||b|| + op.value x`` (the bias is added at each of
+    ``positions`` output positions); the weight and bias the strategies clip, with
+    ``weight_factor`` (1 for Linear, ``sqrt(patch multiplicity)`` for Conv2d)."""
     bias_norm = _tensor_norm(m.bias) if m.bias is not None else 0.0
     return _Leaf(
         lipschitz=op.value,
@@ -409,11 +410,20 @@ def _rule_linear(
             bias_name=_pname(name, "bias") if m.bias is not None else None,
             weight_trainable=m.weight.requires_grad,
             bias_trainable=m.bias is not None and m.bias.requires_grad,
-            weight_factor=1.0,
+            weight_factor=weight_factor,
             bias_positions=positions,
             operator_norm_method=op.method,
         ),
     )
+
+
+def _rule_linear(
+    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
+) -> _Leaf:
+    assert isinstance(m, nn.Linear)
+    op = _cached_operator_norm(m.weight, ("linear",), lambda: linear_operator_norm_bound(m),
+                               ctx.reuse_norms)
+    return _affine_leaf(m, name, op, x, _numel(so) // m.out_features, 1.0)
 
 
 def _rule_conv2d(
@@ -423,35 +433,25 @@ def _rule_conv2d(
     op = _cached_operator_norm(
         m.weight, ("conv2d", si[1], si[2], ctx.conv_norm, m.stride, m.padding, m.dilation, m.groups),
         lambda: conv2d_operator_norm_bound(m, (si[1], si[2]), ctx.conv_norm), ctx.reuse_norms)
-    positions = so[1] * so[2]
-    bias_norm = _tensor_norm(m.bias) if m.bias is not None else 0.0
     factor = math.sqrt(conv2d_patch_multiplicity(m.kernel_size, m.stride, m.dilation))
-    return _Leaf(
-        lipschitz=op.value,
-        output_norm_bound=math.sqrt(positions) * bias_norm + op.value * x,
-        method=op.method,
-        params=_Params(
-            weight_name=_pname(name, "weight"),
-            bias_name=_pname(name, "bias") if m.bias is not None else None,
-            weight_trainable=m.weight.requires_grad,
-            bias_trainable=m.bias is not None and m.bias.requires_grad,
-            weight_factor=factor,
-            bias_positions=positions,
-            operator_norm_method=op.method,
-        ),
-    )
+    return _affine_leaf(m, name, op, x, so[1] * so[2], factor)
 
 
-def _rule_identity(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "isometry (reshape)")
+def _nonexpansive(reason: str) -> _Rule:
+    """The rule of a 1-Lipschitz layer whose output norm is at most its input norm (reshapes,
+    ReLU, permutations): ``rho = 1``, output bound ``x``; ``reason`` is recorded in the report."""
+
+    def rule(
+        m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
+    ) -> _Leaf:
+        return _Leaf(1.0, x, reason)
+
+    return rule
 
 
-def _rule_relu(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "|relu'| <= 1, |relu(t)| <= |t|")
+_rule_identity = _nonexpansive("isometry (reshape)")
+_rule_relu = _nonexpansive("|relu'| <= 1, |relu(t)| <= |t|")
+_rule_groupsort = _nonexpansive("permutation (norm preserving)")
 
 
 def _rule_leaky_relu(
@@ -485,12 +485,6 @@ def _rule_tempered_sigmoid(
     cap = max(abs(o), abs(s - o)) * math.sqrt(n)  # range (-o, s - o)
     at_zero = abs(s / 2.0 - o) * math.sqrt(n)
     return _Leaf(rho, min(cap, at_zero + rho * x), "scale * inverse_temperature / 4")
-
-
-def _rule_groupsort(
-    m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
-) -> _Leaf:
-    return _Leaf(1.0, x, "permutation (norm preserving)")
 
 
 def _rule_maxpool(

@@ -93,6 +93,11 @@ def build_model(
     return entry.builder(shape, num_classes, **kwargs)
 
 
+#: The input description shared by the 28x28 grey-image and 32x32 colour-image models.
+_MNIST_IMAGES: dict[str, Any] = {"input_notes": "1x28x28 images (MNIST, Fashion-MNIST)",
+                                 "intended_input_shape": (1, 28, 28)}
+_CIFAR_IMAGES: dict[str, Any] = {"input_notes": "3x32x32 images (CIFAR-10/100)",
+                                 "intended_input_shape": (3, 32, 32)}
 _NGUYEN = (
     "Nguyen, Nguyen & van Dijk, Batch clipping and adaptive layerwise clipping for differential "
     "private stochastic gradient descent, 2023"
@@ -120,40 +125,35 @@ for _entry in (
         description="A2: Papernot et al. CIFAR-10 CNN (= Lin B2), tanh",
         builder=arch.papernot_cifar_cnn,
         paper=_PAPERNOT,
-        input_notes="3x32x32 images (CIFAR-10/100)",
-        intended_input_shape=(3, 32, 32),
+        **_CIFAR_IMAGES,
     ),
     ModelEntry(
         name="lin-b2",
         description="Lin et al. Table B2 CIFAR CNN (= A2, papernot-cifar-cnn), tanh",
         builder=arch.papernot_cifar_cnn,
         paper=_LIN + " Table B2",
-        input_notes="3x32x32 images (CIFAR-10/100)",
-        intended_input_shape=(3, 32, 32),
+        **_CIFAR_IMAGES,
     ),
     ModelEntry(
         name="lin-b1",
         description="A3: Lin et al. Table B1 as printed (last layer = num_classes), tanh",
         builder=arch.lin_b1,
         paper=_LIN + " Table B1",
-        input_notes="1x28x28 images (MNIST, Fashion-MNIST)",
-        intended_input_shape=(1, 28, 28),
+        **_MNIST_IMAGES,
     ),
     ModelEntry(
         name="lin-b3",
         description="A4: Lin et al. Table B3 smaller MNIST/FMNIST CNN (avg-pool), tanh",
         builder=arch.lin_b3,
         paper=_LIN + " Table B3",
-        input_notes="1x28x28 images (MNIST, Fashion-MNIST)",
-        intended_input_shape=(1, 28, 28),
+        **_MNIST_IMAGES,
     ),
     ModelEntry(
         name="lin-b4",
         description="A5: Lin et al. Table B4 smaller CIFAR CNN, tanh",
         builder=arch.lin_b4,
         paper=_LIN + " Table B4",
-        input_notes="3x32x32 images (CIFAR-10/100)",
-        intended_input_shape=(3, 32, 32),
+        **_CIFAR_IMAGES,
     ),
     ModelEntry(
         name="mlp",

@@ -52,6 +52,32 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpclip import __version__
+from dpclip.clipping import FixedClip
+from dpclip.data import (
+    DATASETS,
+    PUBLIC_PROXIES,
+    ProxyOverlapError,
+    check_proxy_pair,
+    is_public_proxy,
+    load_dataset,
+    provenance,
+)
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.models import build_model
+from dpclip.noise import make_generator
+from dpclip.training.checkpoint import atomic_private_save, make_private_dir
+from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
+from dpclip.training.sampling import make_sampler
+from dpclip.training.step import dp_step
+from dpclip.training.trainer import (
+    TrainConfig,
+    cross_entropy_per_example,
+    evaluate,
+    make_optimizer,
+    resolve_device,
+)
+
 __all__ = [
     "Evaluator",
     "GreedyConfig",
@@ -195,10 +221,6 @@ def search_noise_multiplier(
     dataset of ``dataset_size`` examples at ``batch_size`` meet ``(epsilon, delta)``. Computed with
     the trainer's own plan and calibration, so it equals the sigma ``dpclip train --epsilon``
     uses for such a run."""
-    from dpclip.clipping import FixedClip
-    from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
-    from dpclip.training.sampling import make_sampler
-    from dpclip.training.trainer import TrainConfig
 
     TrainConfig(epsilon=epsilon, delta=delta, batch_size=batch_size, epochs=epochs,
                 sampling=sampling, accountant=accountant)  # the same validation as a run
@@ -246,13 +268,6 @@ def check_public(config: GreedyConfig, data: Any = None) -> str:
     ``derived_from``) and is itself declared public (``data.is_public``): the bundle is what the
     search reads, so the registry's word for the name is not enough.
     """
-    from dpclip.data import (
-        DATASETS,
-        PUBLIC_PROXIES,
-        ProxyOverlapError,
-        check_proxy_pair,
-        is_public_proxy,
-    )
 
     if config.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {config.dataset!r}; valid datasets: "
@@ -317,7 +332,6 @@ def _save_checkpoint(ck: dict[str, Any], path: Path) -> None:
     """The search's checkpoint, written as the trainer's are: ``0700`` directory, ``0600`` file,
     atomically (:func:`dpclip.training.checkpoint.atomic_private_save`). It holds the generator
     seeds' effects and, with ``allow_private_data``, models trained on private data."""
-    from dpclip.training.checkpoint import atomic_private_save, make_private_dir
 
     make_private_dir(path.parent)
     atomic_private_save(ck, path)
@@ -356,11 +370,6 @@ class _Search:
 
     def __init__(self, config: GreedyConfig, data: Any, evaluator: Evaluator | None,
                  checkpoint_dir: str | os.PathLike | None) -> None:
-        from dpclip.data import load_dataset, provenance
-        from dpclip.engine import get_engine
-        from dpclip.training.sampling import make_sampler
-        from dpclip.training.trainer import resolve_device
-
         self.config = config
         self.t_start = time.perf_counter()
         bundle = data if data is not None else load_dataset(
@@ -382,15 +391,11 @@ class _Search:
         self.elapsed_before = float(self.ck["elapsed"])
 
     def _test_accuracy(self, model: nn.Module, epoch: int, clip_norm: float) -> float:
-        from dpclip.training.trainer import evaluate
-
         return float(evaluate(model, self.x_test, self.y_test,
                               self.config.eval_batch_size)["accuracy"])
 
     def fresh(self) -> tuple[nn.Module, Any]:
         """A newly built model (on the device, train mode) and its optimizer."""
-        from dpclip.models import build_model
-        from dpclip.training.trainer import make_optimizer
 
         c = self.config
         m = build_model(c.model, self.bundle.input_shape, self.bundle.num_classes,
@@ -423,12 +428,6 @@ class _Search:
     def train_candidate(self, start: dict[str, Any], epoch: int,
                         clip: float) -> tuple[nn.Module, Any]:
         """One epoch of DP-SGD with ``FixedClip(clip)`` from ``start`` (common random numbers)."""
-        from dpclip.clipping import FixedClip
-        from dpclip.engine import ParamGroups
-        from dpclip.noise import make_generator
-        from dpclip.training.plan import Plan
-        from dpclip.training.step import dp_step
-        from dpclip.training.trainer import cross_entropy_per_example
 
         config, spe, sampler = self.config, self.spe, self.sampler
         z = float(config.noise_multiplier)
@@ -509,7 +508,6 @@ class _Search:
 
     def metadata(self, privacy: str) -> dict[str, Any]:
         """The public description of the finished search (stored with its schedule)."""
-        from dpclip import __version__
 
         config, ck = self.config, self.ck
         return {

@@ -67,7 +67,7 @@ from dpclip.training.distributed import (
 )
 from dpclip.training.averaging import WeightAverager, parse_averaging
 from dpclip.data.augment import parse_augment
-from dpclip.devices import resolve_device
+from dpclip.devices import data_fits_on_device, resolve_device
 from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
@@ -89,6 +89,8 @@ from dpclip.training.units import (
     public_unit_norms,
     resolve_unit,
 )
+from dpclip.engine.vmap import VmapEngine
+from dpclip.errors import EngineFallbackWarning
 
 __all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private",
            "public_reason"]
@@ -107,8 +109,6 @@ def public_reason(reason: str) -> str:
 
 def _warn_fallback(requested: str, ran: str, reason: str) -> None:
     import warnings
-
-    from dpclip.errors import EngineFallbackWarning
 
     warnings.warn(EngineFallbackWarning(
         f"engine {requested!r} ran on {ran!r}: {reason} (recorded in engine_info; "
@@ -860,7 +860,6 @@ class PrivateTraining:
         self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
         if k > 1 and engine == "auto" \
                 and not capabilities_of(self.strategy).per_example_grads:
-            from dpclip.engine.vmap import VmapEngine
 
             self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
             self.fallbacks.add("augmentation multiplicity: K copies per example run on vmap")
@@ -928,7 +927,6 @@ def _place_data(x: Any, y: Any, device: torch.device | None, data_on_device: boo
                          "the data on), e.g. device='cuda'")
     if device is None or y is None or data_on_device is False:
         return x, y
-    from dpclip.devices import data_fits_on_device
 
     if data_on_device == "auto" and not data_fits_on_device((x, y), device):
         return x, y

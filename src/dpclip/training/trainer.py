@@ -47,6 +47,15 @@ from dpclip.training.units import (
     public_fraction_of,
     recompute_bn_stats,
 )
+from dpclip.devices import resolve_device as _resolve
+from dpclip.diagnostics import nonprivate_diagnostics
+from dpclip.lr_schedules import build_lr_scheduler, describe_lr_schedule
+from dpclip.training.checkpoint import (
+    FINISHED_NOTE,
+    atomic_private_save,
+    finished_checkpoint,
+    make_private_dir,
+)
 
 __all__ = ["RunResult", "TrainConfig", "data_fingerprint", "evaluate", "make_optimizer",
            "resolve_device", "train"]
@@ -113,7 +122,6 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
 def resolve_device(name: str) -> torch.device:
     """``torch.device`` for a ``TrainConfig.device`` value (``dpclip.devices.resolve_device``);
     a clear error naming ``--device`` if CUDA is missing."""
-    from dpclip.devices import resolve_device as _resolve
 
     return _resolve(name, "--device")
 
@@ -155,7 +163,6 @@ def evaluate(
 def _atomic_save(obj: Any, path: Path) -> None:
     """Write ``path`` atomically (a ``.tmp`` then ``os.replace``): a failed write (full disk)
     leaves the previous checkpoint intact and says so."""
-    from dpclip.training.checkpoint import atomic_private_save
 
     try:
         atomic_private_save(obj, path)  # owner-only (0600): the checkpoint is private
@@ -281,7 +288,6 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         augment_multiplicity=config.augment_multiplicity, averaging=config.averaging,
     )
     # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
-    from dpclip.lr_schedules import build_lr_scheduler
 
     lr_kwargs = dict(gamma=config.lr_gamma, step_epochs=config.lr_step_epochs,
                      lr_min=config.lr_min, warmup_epochs=config.lr_warmup_epochs)
@@ -349,7 +355,6 @@ class _Checkpointer:
     def save(self, finished: bool = False) -> None:
         if not self.writes:  # rank 0 writes; every rank resumes from its file
             return
-        from dpclip.training.checkpoint import finished_checkpoint, make_private_dir
 
         assert self.path is not None
         run = self.run
@@ -377,7 +382,6 @@ class _Checkpointer:
 
     def finish(self) -> None:
         if self.writes:  # finished (dpclip.training.checkpoint): drop the secrets
-            from dpclip.training.checkpoint import FINISHED_NOTE
 
             self.save(finished=True)
             print(f"dpclip: {self.path}: {FINISHED_NOTE}", file=sys.stderr)
@@ -407,7 +411,6 @@ def _epoch_row(run: _Run, step: int, lr_used: float, wall_seconds: float,
     if split == "train":  # NON-PRIVATE opt-in: a step's time depends on the realised (private)
         row["nonprivate/ms_per_step"] = ms_per_step  # batch size (docs/privacy.md, "Timing")
     if split and dp.unit.is_individual and not capabilities_of(dp.strategy).per_example_grads:
-        from dpclip.diagnostics import nonprivate_diagnostics
 
         if split == "test":  # held-out data: not the protected data
             idx = torch.arange(min(256, int(run.x_test.shape[0])), device=run.device)
@@ -425,7 +428,6 @@ def _epoch_row(run: _Run, step: int, lr_used: float, wall_seconds: float,
 def _summary(run: _Run, history: list[dict[str, Any]], wall_seconds: float,
              train_seconds: float) -> dict[str, Any]:
     """The public summary of a finished run."""
-    from dpclip.lr_schedules import describe_lr_schedule
 
     config, dp = run.config, run.dp
     facts, spe = dp.describe(), dp.steps_per_epoch
