@@ -160,7 +160,7 @@ def test_batch_of_one_is_an_ordinary_call():
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 1))
 
 
-def test_error_200_expanded_output_the_code_cannot_take():
+def test_error_85_expanded_output_the_code_cannot_take():
     model = _model("twin:view")
     x, y = _data()
     with pytest.raises(UnsupportedModelError) as info:
@@ -363,7 +363,7 @@ def test_dropout_on_a_batchless_output_draws_per_example_and_stays_sound(kind):
     assert_grads_close(got[0].grads, got[1].grads)
 
 
-def test_error_205_unbatched_output_not_broadcast():
+def test_error_91_unbatched_output_not_broadcast():
     model = _flat("twin:row-0")
     x, y = _data()
     with pytest.raises(UnsupportedModelError) as info:

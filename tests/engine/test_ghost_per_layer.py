@@ -312,7 +312,7 @@ def test_frozen_parameters_are_not_hooked_and_get_nothing(monkeypatch):
     assert _scan(model).per_layer == ()
 
 
-# ------------------------------------------------------------ docs/errors.md, entries 91-93
+# ------------------------------------------------------------ docs/errors.md, entries 50-52
 
 
 def _refusal(model, batch=5):

@@ -15,7 +15,7 @@ class UnsupportedModelError(ValueError):
 class PrivateBufferError(RuntimeError):
     """A module changed a buffer during a private forward pass (the buffer would carry private
     statistics out of the run without noise). Raised by the engines' state guard and by
-    :func:`dpclip.training.step.private_buffer_guard` (docs/errors.md, entry 81)."""
+    :func:`dpclip.training.step.private_buffer_guard` (docs/errors.md, entry 79)."""
 
 
 def loss_shape_error(ndim: int, prefix: str = "") -> ValueError:

@@ -227,7 +227,7 @@ def _repair(before: tuple[list, list], after: tuple[list, list]) -> list[tuple[s
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     """Refuse and undo any change of the model's state in the block: parameter data, buffers, module
     tensor attributes and the module tree itself (see the module docstring). Raises
-    :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 81; buffers: the running
+    :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 79; buffers: the running
     statistics entry)."""
     with torch.no_grad():
         before = _walk(model, True)

@@ -62,7 +62,7 @@ def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
     counter sees), every tensor kept in a module attribute (a tensor stored in ``self.cache`` and
     read by the next call) and the module tree itself (parameters, buffers, attributes or
     submodules added in the call), compared bitwise and restored
-    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 81). Buffers that a
+    (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 79). Buffers that a
     context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
     pass. Nothing leaves: the model is as it was before the block."""
     from dpclip.engine.state_guard import state_guard
