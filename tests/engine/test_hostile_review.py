@@ -279,3 +279,39 @@ def test_open_a_program_that_detects_the_proof_is_refused(name):
     x, y = data()
     with pytest.raises(UnsupportedModelError):
         clipped_sum(GhostEngine(), model, loss, x, y)
+
+
+class _GlobalIds(nn.Module):
+    """A batch-less call on ids kept in a Python global, rewritten from the batch in forward: the
+    batch-size proof runs the forward on fake tensors, so the global then holds a fake tensor of
+    the proof, and the real run is not the program that was proved."""
+
+    store: dict = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(7, 4)
+        self.pos = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.head((self.tok(x) + self.pos(self.store["ids"])).mean(1))
+        self.store["ids"] = (x[:1] % 7).detach()
+        return out
+
+
+def test_state_written_during_the_proof_is_refused_not_a_crash():
+    """It crashed the step with a raw GuardOnDataDependentSymNode (hostile review): now every
+    step is refused as not proven, with a message naming the layer."""
+    torch.manual_seed(0)
+    _GlobalIds.store = {"ids": torch.zeros(1, 3, dtype=torch.long)}
+    model = _GlobalIds().to(DT)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 7, (8, 3), generator=g), torch.randint(0, 3, (8,), generator=g)
+    from dpclip.engine import ParamGroups
+
+    for _ in range(2):
+        with pytest.raises(UnsupportedModelError, match="left over from the separability proof|"
+                                                         "mixes the examples"):
+            GhostEngine().compute(model, ce, x, y, lambda n: (0.5 / n).clamp(max=1.0),
+                                  ParamGroups.flat(model))

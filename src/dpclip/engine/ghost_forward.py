@@ -22,6 +22,7 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.separable import SeparabilityTracer
+from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
 
 
@@ -172,6 +173,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         a = args[0] if args else next(iter(kwargs.values()), None)
         owner = by_module[id(mod)]
         _refuse_user_forward_hooks(owner.name, mod, hook)
+        _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
         if tracer is not None and is_batchless(a, out, per_layer):
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
@@ -413,6 +415,20 @@ def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
             conf.append((k, v))
         parts.append((cls, tuple(conf)))
     return tuple(parts)
+
+
+def _refuse_proof_leftovers(name: str, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`_RuntimeUnsupported` if a layer of the real run is called on a fake tensor of
+    the batch-size proof: the forward kept a tensor of the proof's trace in state outside its
+    modules (a global, a closure; written during the proof, read now), so the run is not the
+    program that was proved (hostile review, issue 31: it crashed the step before)."""
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, Tensor) and is_fake(t):
+            raise _RuntimeUnsupported(
+                f"layer {name!r} was called on a tensor left over from the separability proof "
+                "(the forward keeps tensors in state outside its modules: a global, a closure, a "
+                "default argument), so the step is not the program that was proved. Keep such "
+                "state in registered buffers (they are guarded), or use engine 'vmap'")
 
 
 def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
