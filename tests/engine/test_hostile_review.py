@@ -315,3 +315,49 @@ def test_state_written_during_the_proof_is_refused_not_a_crash():
                                                          "mixes the examples"):
             GhostEngine().compute(model, ce, x, y, lambda n: (0.5 / n).clamp(max=1.0),
                                   ParamGroups.flat(model))
+
+
+_CARRY: list = []
+_USE_CARRY = {"on": False}  # outside the model: the proof's cache key does not see it
+
+
+class _AbortCarry(nn.Module):
+    """Carries a copy of its batch out of the call (a module-level list), and reads it in a later
+    call only when the module-level switch is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        out = h + 7 * _CARRY[-1].mean(0) if _USE_CARRY["on"] and _CARRY else h
+        _CARRY.append(h.detach().clone())
+        return self.fc2(torch.tanh(out))
+
+
+def test_data_carried_out_of_a_refused_call_is_a_past_batch():
+    """A call refused half-way (here by a user forward hook on fc2, after the batch was carried
+    out) used to leave the carried copy unremembered: the next call read it as a constant and ghost
+    accepted a sum in which every example moved with the last batch. Now an aborted trace is
+    retired like a finished one, and the next call is refused."""
+    from dpclip.engine import ParamGroups
+
+    torch.manual_seed(0)
+    _CARRY.clear()
+    _USE_CARRY["on"] = False
+    model = _AbortCarry().to(DT)
+    x, y = data()
+    weights = lambda n: (0.5 / n).clamp(max=1.0)  # noqa: E731
+    handle = model.fc2.register_forward_hook(lambda m, i, o: o)
+    with pytest.raises(UnsupportedModelError, match="forward hook"):
+        GhostEngine().compute(model, ce, x, y, weights, ParamGroups.flat(model))
+    handle.remove()
+    _USE_CARRY["on"] = True  # the proof is cached: the real run reads the last real batch's copy
+    x2, y2 = data(seed=1)
+    try:
+        with pytest.raises(UnsupportedModelError, match="mixes|depends on several"):
+            GhostEngine().compute(model, ce, x2, y2, weights, ParamGroups.flat(model))
+    finally:
+        _CARRY.clear()
+        _USE_CARRY["on"] = False

@@ -121,10 +121,23 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                     ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+    tracer = SeparabilityTracer(batch) if batch > 1 else None
+    try:
+        return _traced_call(tracer, model, scan, loss_fn, xs, ys, batch)
+    except BaseException:
+        # a call refused or failed half-way: the batch data it already carried out of the call
+        # (a closure, a global) is a past batch's data in every later trace, as after a
+        # finished call (_check_separable retires the tracer there)
+        if tracer is not None:
+            tracer.retire()
+        raise
+
+
+def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Scan,
+                 loss_fn: LossFn, xs: Any, ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     calls: list[_Call] = []
     by_module = scan.by_module
     chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
-    tracer = SeparabilityTracer(batch) if batch > 1 else None
     if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
         for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
             tracer.mark(t, (0, 1))
