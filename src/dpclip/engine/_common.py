@@ -14,20 +14,23 @@ so memory stays at one chunk of per-example gradients whatever the batch size.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpclip.engine.base import ParamGroups, WeightFn
-from dpclip.engine.batch import check_batch, first_tensor
+from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = [
     "ChunkReducer",
+    "MaterializingEngine",
     "apply_weight_fn",
+    "batch_chunks",
     "check_batch",
     "check_chunk_size",
     "check_per_example_model",
@@ -46,6 +49,25 @@ def check_chunk_size(value: object, owner: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: max_physical_batch must be an int >= 1, got {value!r}")
     return value
+
+
+def batch_chunks(inputs: Any, targets: Any, batch: int,
+                 size: int | None) -> Iterator[tuple[int, Any, Any]]:
+    """The physical chunks of a batch, in order: ``(rows, xs, ys)`` with ``xs``/``ys`` examples
+    ``start:start + rows`` of ``inputs``/``targets`` and ``rows <= size`` (``None``: one chunk).
+
+    ``size`` (``max_physical_batch``) is a public memory knob; ``batch`` (the realised, private batch
+    size from :func:`check_batch`) only ends the loop. A batch that fits one chunk is yielded as it
+    is, not sliced; an empty batch yields no chunk.
+    """
+    step = size or batch
+    if step >= batch:
+        if batch:
+            yield batch, inputs, targets
+        return
+    for start in range(0, batch, step):
+        stop = min(start + step, batch)
+        yield stop - start, slice_batch(inputs, start, stop), slice_batch(targets, start, stop)
 
 
 def check_weight_fn(weight_fn: WeightFn | None, engine: str) -> WeightFn:
@@ -246,3 +268,56 @@ class _Rounding:
         """Relative error (to ``sum_t ||w b_t|| ||a_t||``) of one example's part of a book-keeping
         reduction of length ``n`` with the weights folded into ``b`` (one rounding of ``w b``)."""
         return (1 + self.u) * (1 + self.gp(n)) - 1
+
+
+#: ``(xs, ys, rows) -> (per-example gradients {name: (rows, *shape)}, losses (rows,))``: one chunk
+ChunkGrads = Callable[[Any, Any, int], tuple[Mapping[str, Tensor], Tensor]]
+
+
+@dataclass(frozen=True)
+class MaterializingEngine(ABC):
+    """The engines that materialize the per-example gradients of one physical chunk at a time
+    (``vmap``, ``naive``): one contract, written once here.
+
+    ``compute`` checks the arguments (a weight function, a batch whose inputs and targets agree, no
+    layer that mixes examples, groups that partition the trainable parameters), then folds the batch
+    chunk by chunk (at most ``max_physical_batch`` examples, a memory knob) into a
+    :class:`ChunkReducer`: norms, ``weights = weight_fn(norms)`` (called once per chunk, so it must be
+    row-wise, as every DP weight function is) and ``sum_i w_i g_i``, a non-finite example counting
+    with norm ``+inf`` and a zero vector (anchors P7). An empty batch gives zero sums, empty norms and
+    one call of ``weight_fn``. A subclass says how one chunk's gradients are computed
+    (:meth:`_chunk_grads`) and may bound the norms more tightly (:meth:`_reducer`).
+    """
+
+    name: ClassVar[str]
+    per_example: ClassVar[bool] = True
+
+    max_physical_batch: int = 256
+
+    def __post_init__(self) -> None:
+        check_chunk_size(self.max_physical_batch, type(self).__name__)
+
+    def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
+        """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
+        group, ``(B, G)`` otherwise."""
+        weight_fn = check_weight_fn(weight_fn, self.name)
+        batch = check_batch(inputs, targets, self.name)
+        check_per_example_model(model, self.name)
+        groups.validate(model)
+        params = trainable_params(model)
+        reducer = self._reducer(params, groups, weight_fn, inputs)
+        chunk_grads = self._chunk_grads(model, loss_fn, params)
+        for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
+            reducer.add_chunk(*chunk_grads(xs, ys, rows))
+        grads, norms, weights, loss_sum = reducer.result()
+        return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
+
+    def _reducer(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
+                 inputs: Any) -> ChunkReducer:
+        return ChunkReducer(params, groups, weight_fn, self.name, inputs)
+
+    @abstractmethod
+    def _chunk_grads(self, model: nn.Module, loss_fn: LossFn,
+                     params: dict[str, Tensor]) -> ChunkGrads:
+        """How one chunk's per-example gradients (of ``params``) and losses are computed."""

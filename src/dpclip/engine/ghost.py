@@ -112,13 +112,14 @@ from dpclip.engine._common import (
     ChunkReducer,
     _Rounding,
     apply_weight_fn,
+    batch_chunks,
     check_batch,
     check_chunk_size,
     check_per_example_model,
     check_weight_fn,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
-from dpclip.engine.batch import call_model, slice_batch
+from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.per_layer import (
@@ -283,6 +284,16 @@ def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
 # --------------------------------------------------------------------------------- the engine
 
 
+def _check_options(engine: GhostEngine | AutoEngine, owner: str) -> None:
+    """Validate the options GhostEngine and AutoEngine share (``max_physical_batch``,
+    ``norm_mode``), naming ``owner`` in the error."""
+    if engine.max_physical_batch is not None:
+        check_chunk_size(engine.max_physical_batch, owner)
+    if engine.norm_mode not in NORM_MODES:
+        raise ValueError(f"{owner}: norm_mode must be one of {NORM_MODES}, got "
+                         f"{engine.norm_mode!r}")
+
+
 @dataclass(frozen=True)
 class GhostEngine:
     """Per-example norms by ghost norms and the weighted sum by book-keeping, from one backward.
@@ -318,26 +329,15 @@ class GhostEngine:
     fallback: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_physical_batch is not None:
-            check_chunk_size(self.max_physical_batch, type(self).__name__)
-        if self.norm_mode not in NORM_MODES:
-            raise ValueError(f"{type(self).__name__}: norm_mode must be one of {NORM_MODES}, got "
-                             f"{self.norm_mode!r}")
+        _check_options(self, type(self).__name__)
         if self.fallback not in _FALLBACKS:
             raise ValueError(f"{type(self).__name__}: fallback must be None or 'vmap', got "
                              f"{self.fallback!r}")
 
     # ------------------------------------------------------------------------------- public
 
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Any,
-        targets: Any,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
+    def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         weight_fn = check_weight_fn(weight_fn, self.name)
         batch = check_batch(inputs, targets, self.name)
         scan = _scan(model)
@@ -351,26 +351,18 @@ class GhostEngine:
                                      "unsupported layer(s): " + "; ".join(scan.reasons))
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
-            chunk = self.max_physical_batch or max(batch, 1)
             with torch.no_grad():
-                for start in range(0, batch, chunk):
-                    stop = min(start + chunk, batch)
-                    xs, ys = slice_batch(inputs, start, stop), slice_batch(targets, start, stop)
-                    reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys),
-                                                        stop - start))
+                for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
+                    reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys), rows))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
-        chunk = self.max_physical_batch or batch
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
-            for start in range(0, batch, chunk):
-                stop = min(start + chunk, batch)
-                xs, ys = (inputs, targets) if chunk >= batch else (
-                    slice_batch(inputs, start, stop), slice_batch(targets, start, stop))
+            for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
                 part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, xs, ys, stop - start, weight_fn)
+                    model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn)
                 if sums is None:
                     sums = part
                 else:
@@ -848,21 +840,10 @@ class AutoEngine:
     norm_mode: str = "mixed"
 
     def __post_init__(self) -> None:
-        if self.max_physical_batch is not None:
-            check_chunk_size(self.max_physical_batch, "AutoEngine")
-        if self.norm_mode not in NORM_MODES:
-            raise ValueError(f"AutoEngine: norm_mode must be one of {NORM_MODES}, got "
-                             f"{self.norm_mode!r}")
+        _check_options(self, "AutoEngine")
 
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Any,
-        targets: Any,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
+    def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         engine = _AutoGhost(self.max_physical_batch, self.norm_mode, "vmap")
         return engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
 

@@ -14,14 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine._common import (
-    ChunkReducer,
+    ChunkGrads,
+    MaterializingEngine,
     check_batch,
-    check_chunk_size,
     check_per_example_model,
-    check_weight_fn,
     trainable_params,
 )
-from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.base import LossFn
 from dpclip.engine.batch import call_model, first_tensor, slice_batch
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
@@ -76,7 +75,7 @@ def _naive_loop(
 
 
 @dataclass(frozen=True)
-class NaiveEngine:
+class NaiveEngine(MaterializingEngine):
     """Same contract as :class:`~dpclip.engine.vmap.VmapEngine` (norms, non-finite handling, groups,
     weighted sum, empty batch, BatchNorm refusal), with per-example gradients from an explicit loop.
 
@@ -84,34 +83,7 @@ class NaiveEngine:
     """
 
     name: ClassVar[str] = "naive"
-    per_example: ClassVar[bool] = True
 
-    max_physical_batch: int = 256
-
-    def __post_init__(self) -> None:
-        check_chunk_size(self.max_physical_batch, "NaiveEngine")
-
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Any,
-        targets: Any,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
-        weight_fn = check_weight_fn(weight_fn, self.name)
-        batch = check_batch(inputs, targets, self.name)
-        check_per_example_model(model, self.name)
-        groups.validate(model)
-        params = trainable_params(model)
-        reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
-        for start in range(0, batch, self.max_physical_batch):
-            stop = min(start + self.max_physical_batch, batch)
-            grads, losses = _naive_loop(
-                model, loss_fn, slice_batch(inputs, start, stop), slice_batch(targets, start, stop),
-                self.name
-            )
-            reducer.add_chunk(grads, losses)
-        grads, norms, weights, loss_sum = reducer.result()
-        return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
+    def _chunk_grads(self, model: nn.Module, loss_fn: LossFn,
+                     params: dict[str, Tensor]) -> ChunkGrads:
+        return lambda xs, ys, rows: _naive_loop(model, loss_fn, xs, ys, self.name)

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine._common import check_batch, check_chunk_size, trainable_params
-from dpclip.engine.batch import call_model, slice_batch
+from dpclip.engine._common import batch_chunks, check_batch, check_chunk_size, trainable_params
+from dpclip.engine.batch import call_model
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
 
 __all__ = ["SummedEngine"]
@@ -44,15 +44,8 @@ class SummedEngine:
         if self.max_physical_batch is not None:
             check_chunk_size(self.max_physical_batch, "SummedEngine")
 
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Any,
-        targets: Any,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
+    def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         if weight_fn is not None:
             raise ValueError(
                 "summed engine: weight_fn must be None. The summed engine computes no per-example "
@@ -65,13 +58,10 @@ class SummedEngine:
         params = trainable_params(model)
         grads = zeros_like_params(model)
         loss_sum = 0.0
-        chunk = self.max_physical_batch or max(batch, 1)
         with torch.enable_grad():
-            for start in range(0, batch, chunk):
-                stop = min(start + chunk, batch)
-                losses = loss_fn(call_model(model, slice_batch(inputs, start, stop)),
-                                 slice_batch(targets, start, stop))
-                if losses.ndim == 0 or losses.shape[0] != stop - start:
+            for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
+                losses = loss_fn(call_model(model, xs), ys)
+                if losses.ndim == 0 or losses.shape[0] != rows:
                     from dpclip.engine.errors import loss_shape_error
 
                     raise loss_shape_error(losses.ndim, "summed engine: ")

@@ -19,21 +19,22 @@ from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
     _Rounding,
+    ChunkGrads,
     ChunkReducer,
+    MaterializingEngine,
     check_batch,
     check_chunk_size,
     check_per_example_model,
-    check_weight_fn,
     trainable_params,
 )
-from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.base import LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import call_model, map_batch, slice_batch
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
 
 
 @dataclass(frozen=True)
-class VmapEngine:
+class VmapEngine(MaterializingEngine):
     """Per-example gradients with ``torch.func.vmap(grad(...))``; returns ``sum_i w_i g_i``.
 
     Example ``i``'s gradient is that of ``loss_fn(model(x_i[None]), y_i[None]).sum()`` with respect to
@@ -59,48 +60,24 @@ class VmapEngine:
     """
 
     name: ClassVar[str] = "vmap"
-    per_example: ClassVar[bool] = True
 
-    max_physical_batch: int = 256
-
-    def __post_init__(self) -> None:
-        check_chunk_size(self.max_physical_batch, "VmapEngine")
-
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Any,
-        targets: Any,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
-        weight_fn = check_weight_fn(weight_fn, self.name)
-        batch = check_batch(inputs, targets, self.name)
-        check_per_example_model(model, self.name)
-        groups.validate(model)
-        params = {n: p.detach() for n, p in trainable_params(model).items()}
+    def _reducer(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
+                 inputs: Any) -> ChunkReducer:
         # norms (given to weight_fn and reported): upper bounds of the norms of the vectors
         # actually summed, rounding included, as on the ghost engine (BoundedChunkReducer)
-        reducer = BoundedChunkReducer(params, groups, weight_fn, self.name, inputs,
-                                  chunk=self.max_physical_batch)
-        if batch and params:
-            per_example_grads = _per_example_grad_fn(model, loss_fn)
-            for start in range(0, batch, self.max_physical_batch):
-                stop = min(start + self.max_physical_batch, batch)
-                grads, losses = per_example_grads(params, slice_batch(inputs, start, stop),
-                                                  slice_batch(targets, start, stop))
-                reducer.add_chunk(grads, losses)
-        elif batch:  # nothing trainable: norms are zero, only the losses are needed
-            with torch.no_grad():
-                for start in range(0, batch, self.max_physical_batch):
-                    stop = min(start + self.max_physical_batch, batch)
-                    losses = _per_example_losses(model, loss_fn,
-                                                 slice_batch(inputs, start, stop),
-                                                 slice_batch(targets, start, stop), stop - start)
-                    reducer.add_chunk({}, losses)
-        grads, norms, weights, loss_sum = reducer.result()
-        return EngineResult(grads=grads, norms=norms, weights=weights, loss_sum=loss_sum)
+        return BoundedChunkReducer(params, groups, weight_fn, self.name, inputs,
+                                   chunk=self.max_physical_batch)
+
+    def _chunk_grads(self, model: nn.Module, loss_fn: LossFn,
+                     params: dict[str, Tensor]) -> ChunkGrads:
+        if not params:  # nothing trainable: norms are zero, only the losses are needed
+            def losses_only(xs: Any, ys: Any, rows: int) -> tuple[dict[str, Tensor], Tensor]:
+                with torch.no_grad():
+                    return {}, _per_example_losses(model, loss_fn, xs, ys, rows)
+            return losses_only
+        per_example_grads = _per_example_grad_fn(model, loss_fn)
+        detached = {n: p.detach() for n, p in params.items()}
+        return lambda xs, ys, rows: per_example_grads(detached, xs, ys)
 
 
 class BoundedChunkReducer(ChunkReducer):

@@ -453,15 +453,8 @@ class DistributedEngine:
         self.per_example = bool(getattr(inner, "per_example", False))
         self.max_physical_batch = getattr(inner, "max_physical_batch", None)
 
-    def compute(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
-        weight_fn: WeightFn | None,
-        groups: ParamGroups,
-    ) -> EngineResult:
+    def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         ctx = self.ctx
         local = self.inner.compute(model, loss_fn, inputs, targets, weight_fn, groups)
         info = dict(local.engine_info or {})
