@@ -14,14 +14,8 @@ from typing import ClassVar, Mapping
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import (
-    Release,
-    State,
-    StepContext,
-    StrategyBase,
-    finite_or_inf,
-    positive_finite,
-)
+from dpclip.clipping.base import (Release, State, StepContext, StrategyBase, finite_or_inf,
+                                  positive_finite, set_positive_finite)
 from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.quantile import NORM_EPS
 from dpclip.clipping.registry import StrategyEntry, register
@@ -97,8 +91,7 @@ class AdaClip(StrategyBase):
 
     def __post_init__(self) -> None:
         owner = "AdaClip"
-        for f in ("initial_clip_norm", "h1", "h2"):
-            object.__setattr__(self, f, positive_finite(f, getattr(self, f), owner))
+        set_positive_finite(self, owner, "initial_clip_norm", "h1", "h2")
         for f in ("beta1", "beta2"):
             v = getattr(self, f)
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ __all__ = [
     "StrategyBase",
     "finite_or_inf",
     "positive_finite",
+    "set_positive_finite",
 ]
 
 #: A strategy's mutable state: a JSON-serializable mapping (numbers, strings, lists).
@@ -169,4 +170,12 @@ def positive_finite(name: str, value: float, owner: str) -> float:
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
     return v
+
+
+def set_positive_finite(obj: Any, owner: str, *names: str, optional: Sequence[str] = ()) -> None:
+    """Check the hyper-parameters ``names`` of the frozen dataclass ``obj`` with
+    :func:`positive_finite` (naming ``owner`` in the error) and store them back as floats, in
+    order; the ``optional`` ones may also be ``None`` (then left as they are)."""
+    for name in (*names, *(n for n in optional if getattr(obj, n) is not None)):
+        object.__setattr__(obj, name, positive_finite(name, getattr(obj, name), owner))
 

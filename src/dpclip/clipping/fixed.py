@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import State, StrategyBase, finite_or_inf, positive_finite
+from dpclip.clipping.base import State, StrategyBase, finite_or_inf, set_positive_finite
 
 __all__ = ["FixedClip"]
 
@@ -32,9 +32,7 @@ class FixedClip(StrategyBase):
     clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "clip_norm", positive_finite("clip_norm", self.clip_norm, "FixedClip")
-        )
+        set_positive_finite(self, "FixedClip", "clip_norm")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         # min(1, C / (n + eps)), in place on one temporary (the same arithmetic as the expression)

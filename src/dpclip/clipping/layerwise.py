@@ -46,7 +46,8 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import State, StepContext, StrategyBase, finite_or_inf, positive_finite
+from dpclip.clipping.base import (State, StepContext, StrategyBase, finite_or_inf,
+                                  set_positive_finite)
 from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.fixed import NORM_EPS
 from dpclip.clipping.registry import StrategyEntry, register
@@ -108,7 +109,7 @@ class PerLayerClip(StrategyBase):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        object.__setattr__(self, "clip_norm", positive_finite("clip_norm", self.clip_norm, owner))
+        set_positive_finite(self, owner, "clip_norm")
         if self.noise not in NOISE_MODES:
             raise ValueError(
                 f"{owner}: noise={self.noise!r}; valid: flat (one std z*S everywhere) or "

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import State, StrategyBase, finite_or_inf, positive_finite
+from dpclip.clipping.base import State, StrategyBase, finite_or_inf, set_positive_finite
 from dpclip.clipping.registry import StrategyEntry, register
 
 __all__ = ["AUTO_V_MIN_NORM", "AutoS", "AutoV", "PSAC"]
@@ -63,8 +63,7 @@ class AutoS(StrategyBase):
     gamma: float = 0.01
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "clip_norm", positive_finite("clip_norm", self.clip_norm, "AutoS"))
-        object.__setattr__(self, "gamma", positive_finite("gamma", self.gamma, "AutoS"))
+        set_positive_finite(self, "AutoS", "clip_norm", "gamma")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)
@@ -96,7 +95,7 @@ class AutoV(StrategyBase):
     clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "clip_norm", positive_finite("clip_norm", self.clip_norm, "AutoV"))
+        set_positive_finite(self, "AutoV", "clip_norm")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)
@@ -132,11 +131,10 @@ class PSAC(StrategyBase):
     r: float = 0.1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "clip_norm", positive_finite("clip_norm", self.clip_norm, "PSAC"))
-        r = positive_finite("r", self.r, "PSAC")
-        if r > 1:
-            raise ValueError(f"PSAC: r must be in (0, 1] (Xia et al.; 0.1 recommended), got {r!r}")
-        object.__setattr__(self, "r", r)
+        set_positive_finite(self, "PSAC", "clip_norm", "r")
+        if self.r > 1:
+            raise ValueError(f"PSAC: r must be in (0, 1] (Xia et al.; 0.1 recommended), got "
+                             f"{self.r!r}")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)

@@ -14,14 +14,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import (
-    Release,
-    State,
-    StepContext,
-    StrategyBase,
-    finite_or_inf,
-    positive_finite,
-)
+from dpclip.clipping.base import (Release, State, StepContext, StrategyBase, finite_or_inf,
+                                  positive_finite, set_positive_finite)
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 
@@ -184,14 +178,8 @@ class QuantileClip(SplitNoiseMixin, StrategyBase):
 
     def __post_init__(self) -> None:
         owner = "QuantileClip"
-        for f in ("initial_clip_norm", "clip_lr", "min_clip_norm", "max_clip_norm"):
-            object.__setattr__(self, f, positive_finite(f, getattr(self, f), owner))
-        if self.count_noise_std is not None:
-            object.__setattr__(
-                self,
-                "count_noise_std",
-                positive_finite("count_noise_std", self.count_noise_std, owner),
-            )
+        set_positive_finite(self, owner, "initial_clip_norm", "clip_lr", "min_clip_norm",
+                            "max_clip_norm", optional=("count_noise_std",))
         try:
             gamma = float(self.target_quantile)
         except (TypeError, ValueError):

@@ -13,14 +13,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dpclip.clipping.base import (
-    Release,
-    State,
-    StepContext,
-    StrategyBase,
-    finite_or_inf,
-    positive_finite,
-)
+from dpclip.clipping.base import (Release, State, StepContext, StrategyBase, finite_or_inf,
+                                  positive_finite, set_positive_finite)
 from dpclip.clipping.quantile import NORM_EPS, SplitNoiseMixin
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import DpEvent
@@ -85,14 +79,8 @@ class MeanNormClip(SplitNoiseMixin, StrategyBase):
 
     def __post_init__(self) -> None:
         owner = "MeanNormClip"
-        for f in ("initial_clip_norm", "kappa", "min_clip_norm", "max_clip_norm"):
-            object.__setattr__(self, f, positive_finite(f, getattr(self, f), owner))
-        if self.mean_noise_multiplier is not None:
-            object.__setattr__(
-                self,
-                "mean_noise_multiplier",
-                positive_finite("mean_noise_multiplier", self.mean_noise_multiplier, owner),
-            )
+        set_positive_finite(self, owner, "initial_clip_norm", "kappa", "min_clip_norm",
+                            "max_clip_norm", optional=("mean_noise_multiplier",))
         self._check_clip_range()
 
     def mean_noise_multiplier_for(self, ctx: StepContext) -> float:

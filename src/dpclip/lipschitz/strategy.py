@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from dpclip.clipping.base import State, StepContext, StrategyBase, positive_finite
+from dpclip.clipping.base import State, StepContext, StrategyBase, set_positive_finite
 from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.registry import StrategyEntry, register
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
@@ -159,8 +159,7 @@ class _LipBase(StrategyBase):
 
     def _validate(self) -> None:
         owner = type(self).__name__
-        for name in ("input_norm", "weight_bound", "temperature"):
-            object.__setattr__(self, name, positive_finite(name, getattr(self, name), owner))
+        set_positive_finite(self, owner, "input_norm", "weight_bound", "temperature")
         if self.scaling not in SCALINGS:
             raise ValueError(f"{owner}: scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.noise not in NOISE_MODES:
