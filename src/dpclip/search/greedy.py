@@ -38,7 +38,6 @@ DP-SGD, empirically", Int. J. Intell. Syst. 2022, Algorithm 1 (algorithms.md M8)
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -67,6 +66,7 @@ from dpclip.engine import ParamGroups, get_engine
 from dpclip.models import build_model
 from dpclip.noise import make_generator
 from dpclip.training.checkpoint import atomic_private_save, make_private_dir
+from dpclip.training.config import DictFields
 from dpclip.training.plan import CLI_FLAGS, Plan, resolve_noise
 from dpclip.training.sampling import make_sampler
 from dpclip.training.step import dp_step
@@ -100,7 +100,7 @@ class PrivateDataError(ValueError):
 
 
 @dataclass(frozen=True)
-class GreedyConfig:
+class GreedyConfig(DictFields):
     """The public description of one greedy search (Lin et al. Algorithm 1)."""
 
     dataset: str
@@ -161,17 +161,6 @@ class GreedyConfig:
             isinstance(self.steps_per_epoch, int) and self.steps_per_epoch >= 1
         ):
             raise bad("steps_per_epoch", "must be None or an int >= 1")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> "GreedyConfig":
-        names = {f.name for f in dataclasses.fields(GreedyConfig)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"GreedyConfig: unknown field(s) {unknown}; valid: {sorted(names)}")
-        return GreedyConfig(**d)
 
     def fingerprint(self) -> str:
         """Hash of what determines the thresholds (not data_dir, device, the override flag)."""

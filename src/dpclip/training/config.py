@@ -24,11 +24,11 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, TypeVar
 
 from dpclip.training.units import UNIT_DEFAULTS, UnitConfig, resolve_unit
 
-__all__ = ["DIAGNOSTICS", "OPTIMIZERS", "OptimisationConfig", "PerformanceFlags",
+__all__ = ["DIAGNOSTICS", "DictFields", "OPTIMIZERS", "OptimisationConfig", "PerformanceFlags",
            "PrivacyConfig", "TrainConfig"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -57,14 +57,35 @@ _KINDS: dict[str, Any] = {
 _OPTIONAL = ("epsilon", "noise_multiplier", "delta", "miniset_size", "public_fraction")
 
 
+_C = TypeVar("_C", bound="DictFields")
+
+
 def _flag(name: str) -> str:
     """The field and its command-line flag, where there is one."""
     f = _CLI.get(name, f"--{name.replace('_', '-')}")
     return f"{name} ({f})" if f else name
 
 
+class DictFields:
+    """Mixin of the config dataclasses (:class:`TrainConfig`, the greedy search's) that are stored
+    as plain dicts (JSON files, checkpoints) and read back."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[_C], d: Mapping[str, Any]) -> _C:
+        """``cls(**d)``; a key that is not a field is refused, naming it and the valid fields."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(DictFields):
     """The public, serializable description of a private training run (the flat front of
     :class:`PrivacyConfig`, :class:`OptimisationConfig` and :class:`PerformanceFlags`)."""
 
@@ -280,17 +301,6 @@ class TrainConfig:
     def diagnostics_split(self) -> str | None:
         """``None`` (off), ``"test"`` or ``"train"`` (NON-PRIVATE)."""
         return DIAGNOSTICS[self.diagnostics]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown field(s) {unknown}; valid: {sorted(names)}")
-        return TrainConfig(**d)
 
     def fingerprint(self) -> str:
         """Hash of the privacy and optimisation parts (never a performance flag).
