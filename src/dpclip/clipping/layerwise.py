@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from dpclip.clipping.base import (State, StepContext, StrategyBase, finite_or_inf,
-                                  set_positive_finite)
+                                  positive_finite, set_positive_finite)
 from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.fixed import NORM_EPS
 from dpclip.clipping.registry import StrategyEntry, register
@@ -68,16 +68,7 @@ def parse_ratios(text: str | Sequence[float] | None) -> tuple[float, ...] | None
         parts = [p for p in text.replace(";", ",").split(",") if p.strip()]
     else:
         parts = list(text)
-    out = []
-    for p in parts:
-        try:
-            v = float(p)
-        except (TypeError, ValueError):
-            raise ValueError(f"ratios: {p!r} is not a number (give 'r1,r2,...')") from None
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"ratios: every ratio must be finite and > 0, got {v!r}")
-        out.append(v)
-    return tuple(out)
+    return tuple(positive_finite("each ratio (of 'r1,r2,...')", p, "ratios") for p in parts)
 
 
 @dataclass(frozen=True)

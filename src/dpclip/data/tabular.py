@@ -358,10 +358,10 @@ def _encode(
         if j == label or j in drop:
             continue
         col = [r[j] for r in rows]
+        name = header[j] if header is not None else j  # for messages
         if j in cats:
             declared_cats = categories.get(j)
             if declared_cats is None:
-                name = header[j] if header is not None else j
                 raise ValueError(
                     f"{path}: categorical column {name!r} of {spec.name!r} has no declared "
                     "category list; add it to TABULAR_SPECS[...].categories (a CategoryList "
@@ -382,7 +382,6 @@ def _encode(
             numeric.append(True)
             r = declared.get(j, spec.default_range)
             if r is None:
-                name = header[j] if header is not None else j
                 raise ValueError(
                     f"{path}: numeric column {name!r} of {spec.name!r} has no declared range; "
                     "add it to TABULAR_SPECS[...].ranges (scaling must not use statistics of "
