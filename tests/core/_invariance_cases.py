@@ -1,4 +1,7 @@
-"""The runs of ``test_refactor_invariance_config.py`` (issue 34, the training-config walk).
+"""The runs of ``test_refactor_invariance_config.py`` (issue 34, the training-config walk), and
+the helpers that the three invariance tests (``_config``, ``_release``, ``_rooms``) share: hashes
+of a ledger and of final weights, a tiny reproducible-noise ``train`` on digits, a one-thread run
+of a case, and the ``--record`` command that writes references.
 
 Each case is a tiny reproducible-noise run (seconds) whose ledger and final weights are pinned:
 the reference values in ``data/refactor_invariance_config.json`` were computed on the code
@@ -15,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,6 +107,74 @@ def state_hash(model: nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def weights_hash(model: nn.Module) -> str:
+    """SHA-256 of the state dict in its order (names, dtypes, bytes; bfloat16 as float32)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def ledger_hash(ledger: Any) -> str:
+    """SHA-256 of the ledger's JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(ledger.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def train_digits(**kw: Any) -> Any:
+    """``train`` of a one-epoch reproducible-noise logistic regression on digits (``kw`` overrides
+    or adds fields: the caller gives ``batch_size``); warnings (deprecated spellings) silenced."""
+    from dpclip.training.trainer import TrainConfig, train
+
+    base = dict(dataset="digits", model="logreg", epochs=1, lr=0.5, noise_multiplier=1.0,
+                reproducible_noise=True, seed=0, engine="auto", eval_every=0)
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(TrainConfig(**base), progress=False)
+
+
+def run_one_thread(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``case()`` on one thread (the references' reduction order), through JSON (as stored)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return json.loads(json.dumps(case()))
+    finally:
+        torch.set_num_threads(n)
+
+
+def reproduction_test(reference: Path,
+                      cases: dict[str, Callable[[], dict[str, Any]]]) -> Callable[[str], None]:
+    """The test of an invariance module: each case, run on one thread, gives exactly the result
+    stored under its name in ``reference`` (the pre-refactor ledger and weights, bit for bit)."""
+
+    @pytest.mark.parametrize("name", sorted(cases))
+    def test(name: str) -> None:
+        expected = json.loads(reference.read_text())[name]
+        got = run_one_thread(cases[name])
+        moved = {k: (expected.get(k), got.get(k)) for k in sorted(expected.keys() | got.keys())
+                 if got.get(k) != expected.get(k)}
+        assert not moved, (f"{name}: the run no longer reproduces the pre-refactor ledger/weights "
+                           f"bit for bit; {{field: (reference, now)}} = {moved}")
+
+    return test
+
+
+def record(reference: Path, cases: dict[str, Callable[[], dict[str, Any]]],
+           argv: list[str]) -> None:
+    """``--record [name ...]``: run the named cases (default: all) and write their results into
+    ``reference``, keeping the other entries."""
+    names = [a for a in argv if not a.startswith("--")] or sorted(cases)
+    old = json.loads(reference.read_text()) if reference.exists() else {}
+    for case in names:
+        old[case] = run_one_thread(cases[case])
+        print(case, old[case])
+    reference.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
 
 
 def fingerprint_run(name: str, new_spelling: bool = False) -> dict[str, Any]:

@@ -2,12 +2,12 @@
 the same final weights, bit for bit, as the code before the release/plan refactor.
 
 The reference values in ``refactor_invariance_release.json`` were computed on the code BEFORE
-``dpclip.training.release`` existed (branch ``move``, commit b8f43ed), with
-``python tests/core/test_refactor_invariance_release.py --record``. They cover every path that
-meets a noise draw: the flat step (fixed), a strategy release (quantile's count, vdv's mean),
-per-layer noise (per-layer, noise=per-layer), batch clipping units (alc on bc), P-GRAD (adaclip),
-fixed-size sampling, Lip-DP-SGD (bound_step), the greedy search and the transfer schedule, and
-DP-FedAvg (quantile with declared weights; fixed-size users).
+``dpclip.training.release`` existed (branch ``move``, commit b8f43ed), with ``python -m
+tests.core.test_refactor_invariance_release --record`` (from the repository root). They cover every
+path that meets a noise draw: the flat step (fixed), a strategy release (quantile's count, vdv's
+mean), per-layer noise (per-layer, noise=per-layer), batch clipping units (alc on bc), P-GRAD
+(adaclip), fixed-size sampling, Lip-DP-SGD (bound_step), the greedy search and the transfer
+schedule, and DP-FedAvg (quantile with declared weights; fixed-size users).
 
 Bit-exact float32 weights can depend on the CPU's vector kernels: the runs use one thread, and a
 mismatch on a machine other than the one that recorded them is reported with both hashes.
@@ -15,45 +15,22 @@ mismatch on a machine other than the one that recorded them is reported with bot
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import torch
+
+from tests.core._invariance_cases import (ledger_hash, record, reproduction_test, train_digits,
+                                          weights_hash)
 
 REFERENCE = Path(__file__).with_name("refactor_invariance_release.json")
 
 
-def _weights_hash(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        t = t.detach().cpu().contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
-    return h.hexdigest()
-
-
-def _ledger_hash(ledger: Any) -> str:
-    return hashlib.sha256(json.dumps(ledger.to_dict(), sort_keys=True).encode()).hexdigest()
-
-
 def _train(**kw: Any) -> dict[str, Any]:
-    from dpclip.training.trainer import TrainConfig, train
-
-    base = dict(dataset="digits", model="logreg", epochs=1, batch_size=256, lr=0.5,
-                noise_multiplier=1.0, reproducible_noise=True, seed=0, engine="auto",
-                eval_every=0)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = train(TrainConfig(**base), progress=False)
-    return {"steps": res.ledger.steps, "ledger": _ledger_hash(res.ledger),
-            "weights": _weights_hash(res.model),
+    res = train_digits(**{"batch_size": 256, **kw})
+    return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
+            "weights": weights_hash(res.model),
             "noise_multiplier": float(res.summary["noise_multiplier"])}
 
 
@@ -65,7 +42,7 @@ def _greedy() -> dict[str, Any]:
     res = greedy_search(cfg, progress=False)
     return {"thresholds": [float(t) for t in res.thresholds],
             "candidates": [[c["clip_norm"], c["accuracy"], c["digest"]] for c in res.candidates],
-            "weights": _weights_hash(res.model)}
+            "weights": weights_hash(res.model)}
 
 
 def _fedavg(strategy: str, **kw: Any) -> dict[str, Any]:
@@ -84,8 +61,8 @@ def _fedavg(strategy: str, **kw: Any) -> dict[str, Any]:
                 local=LocalTraining(1, 8, 0.2), reproducible_noise=True, eval_every=5)
     base.update(kw)
     res = run_fedavg(fed, model, strat, FedAvgConfig(**base))
-    return {"steps": res.ledger.steps, "ledger": _ledger_hash(res.ledger),
-            "weights": _weights_hash(res.model),
+    return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
+            "weights": weights_hash(res.model),
             "clip_history": [float(c) for c in res.clip_history],
             "noise_multiplier": float(res.summary["noise_multiplier"])}
 
@@ -115,26 +92,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def _run(name: str) -> dict[str, Any]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return json.loads(json.dumps(CASES[name]()))
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_same_ledger_and_weights_as_before_the_refactor(name: str) -> None:
-    reference = json.loads(REFERENCE.read_text())[name]
-    assert _run(name) == reference, (
-        f"{name}: the run no longer reproduces the pre-refactor ledger/weights bit for bit")
+test_same_ledger_and_weights_as_before_the_refactor = reproduction_test(REFERENCE, CASES)
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
-    names = [a for a in sys.argv[1:] if not a.startswith("--")] or sorted(CASES)
-    old = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
-    for case in names:
-        old[case] = _run(case)
-        print(case, old[case])
-    REFERENCE.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    record(REFERENCE, CASES, sys.argv[1:])

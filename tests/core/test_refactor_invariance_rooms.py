@@ -3,28 +3,27 @@ the same ledger and the same final weights, bit for bit, as the code before the 
 string-to-type converters and the import graph were reworked.
 
 The reference values in ``refactor_invariance_rooms.json`` were computed on the code BEFORE that
-work (branch ``move``, commit b8f43ed) with
-``python tests/core/test_refactor_invariance_rooms.py --record``. The cases go through the paths
-this work touched: names and STRING-valued parameters as the CLI and TOML specs hand them to the
-registries (strategy parameters, model options, dataset options, with tuples and None), a spec
-parsed by the harness (clipping units on a batch-clipping strategy), Lip-DP-SGD (a bound-based
-strategy registered by ``dpclip.lipschitz``, a Lipschitz model from the model registry), the
-transfer and lin-decay wrappers (``from_params``) and a federated grid cell of a harness spec.
+work (branch ``move``, commit b8f43ed) with ``python -m tests.core.test_refactor_invariance_rooms
+--record`` (from the repository root). The cases go through the paths this work touched: names and
+STRING-valued parameters as the CLI and TOML specs hand them to the registries (strategy parameters,
+model options, dataset options, with tuples and None), a spec parsed by the harness (clipping units
+on a batch-clipping strategy), Lip-DP-SGD (a bound-based strategy registered by
+``dpclip.lipschitz``, a Lipschitz model from the model registry), the transfer and lin-decay
+wrappers (``from_params``) and a federated grid cell of a harness spec.
 
 Bit-exact float32 weights can depend on the CPU's vector kernels: the runs use one thread.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-import torch
+
+from tests.core._invariance_cases import (ledger_hash, record, reproduction_test, train_digits,
+                                          weights_hash)
 
 REFERENCE = Path(__file__).with_name("refactor_invariance_rooms.json")
 
@@ -74,35 +73,13 @@ params = { initial_clip_norm = "0.1", target_quantile = "0.5", count_noise_std =
 """
 
 
-def _weights_hash(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        t = t.detach().cpu().contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
-def _ledger_hash(ledger: Any) -> str:
-    return hashlib.sha256(json.dumps(ledger.to_dict(), sort_keys=True).encode()).hexdigest()
-
-
 def _result(res: Any) -> dict[str, Any]:
-    return {"steps": res.ledger.steps, "ledger": _ledger_hash(res.ledger),
-            "weights": _weights_hash(res.model)}
+    return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
+            "weights": weights_hash(res.model)}
 
 
 def _train(**kw: Any) -> dict[str, Any]:
-    from dpclip.training.trainer import TrainConfig, train
-
-    base = dict(dataset="digits", model="logreg", epochs=1, batch_size=128, lr=0.5,
-                noise_multiplier=1.0, reproducible_noise=True, seed=0, engine="auto",
-                eval_every=0)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _result(train(TrainConfig(**base), progress=False))
+    return _result(train_digits(**{"batch_size": 128, **kw}))
 
 
 def _spec_train() -> dict[str, Any]:
@@ -148,26 +125,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def _run(name: str) -> dict[str, Any]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return json.loads(json.dumps(CASES[name]()))
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_same_ledger_and_weights_as_before_the_restructuring(name: str) -> None:
-    reference = json.loads(REFERENCE.read_text())[name]
-    assert _run(name) == reference, (
-        f"{name}: the run no longer reproduces the pre-refactor ledger/weights bit for bit")
+test_same_ledger_and_weights_as_before_the_restructuring = reproduction_test(REFERENCE, CASES)
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
-    names = [a for a in sys.argv[1:] if not a.startswith("--")] or sorted(CASES)
-    old = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
-    for case in names:
-        old[case] = _run(case)
-        print(case, old[case])
-    REFERENCE.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    record(REFERENCE, CASES, sys.argv[1:])

@@ -56,9 +56,9 @@ def batch_chunks(inputs: Any, targets: Any, batch: int,
     """The physical chunks of a batch, in order: ``(rows, xs, ys)`` with ``xs``/``ys`` examples
     ``start:start + rows`` of ``inputs``/``targets`` and ``rows <= size`` (``None``: one chunk).
 
-    ``size`` (``max_physical_batch``) is a public memory knob; ``batch`` (the realised, private batch
-    size from :func:`check_batch`) only ends the loop. A batch that fits one chunk is yielded as it
-    is, not sliced; an empty batch yields no chunk.
+    ``size`` (``max_physical_batch``) is a public memory knob; ``batch`` (the realised, private
+    batch size from :func:`check_batch`) only ends the loop. A batch that fits one chunk is
+    yielded as it is, not sliced; an empty batch yields no chunk.
     """
     step = size or batch
     if step >= batch:
@@ -279,14 +279,14 @@ class MaterializingEngine(ABC):
     """The engines that materialize the per-example gradients of one physical chunk at a time
     (``vmap``, ``naive``): one contract, written once here.
 
-    ``compute`` checks the arguments (a weight function, a batch whose inputs and targets agree, no
-    layer that mixes examples, groups that partition the trainable parameters), then folds the batch
-    chunk by chunk (at most ``max_physical_batch`` examples, a memory knob) into a
-    :class:`ChunkReducer`: norms, ``weights = weight_fn(norms)`` (called once per chunk, so it must be
-    row-wise, as every DP weight function is) and ``sum_i w_i g_i``, a non-finite example counting
-    with norm ``+inf`` and a zero vector (anchors P7). An empty batch gives zero sums, empty norms and
-    one call of ``weight_fn``. A subclass says how one chunk's gradients are computed
-    (:meth:`_chunk_grads`) and may bound the norms more tightly (:meth:`_reducer`).
+    ``compute`` checks the arguments (a weight function, a batch whose inputs and targets agree,
+    no layer that mixes examples, groups that partition the trainable parameters), then folds the
+    batch chunk by chunk (at most ``max_physical_batch`` examples, a memory knob) into a
+    :class:`ChunkReducer`: norms, ``weights = weight_fn(norms)`` (called once per chunk, so it
+    must be row-wise, as every DP weight function is) and ``sum_i w_i g_i``, a non-finite example
+    counting with norm ``+inf`` and a zero vector (anchors P7). An empty batch gives zero sums,
+    empty norms and one call of ``weight_fn``. A subclass says how one chunk's gradients are
+    computed (:meth:`_chunk_grads`) and may compute the norms as bounds (:meth:`_reducer`).
     """
 
     name: ClassVar[str]
