@@ -46,3 +46,14 @@ def test_weight_bound_check_catches_a_broken_strategy():
 
     with pytest.raises(AssertionError):
         check_weight_bound(Broken(1.0))
+
+
+def test_set_positive_finite_stores_floats_and_leaves_an_optional_none():
+    from dpclip.clipping.quantile import QuantileClip
+
+    s = QuantileClip(initial_clip_norm=1, clip_lr=2, count_noise_std=None)
+    assert type(s.initial_clip_norm) is float and type(s.clip_lr) is float
+    assert s.count_noise_std is None
+    assert type(QuantileClip(count_noise_std=3).count_noise_std) is float
+    with pytest.raises(ValueError, match="QuantileClip: count_noise_std must be a finite number"):
+        QuantileClip(count_noise_std=0.0)

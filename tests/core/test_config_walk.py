@@ -208,3 +208,21 @@ def test_refactor_invariance_runs_use_the_new_spelling_too():
     finally:
         torch.set_num_threads(threads)
     assert got == ref["gbc-fixed-size"]
+
+
+def test_config_dicts_round_trip_and_refuse_unknown_keys_by_name():
+    """``DictFields`` (TrainConfig, GreedyConfig): ``from_dict(to_dict())`` is the identity; a key
+    that is not a field is refused naming it, the class and the valid fields."""
+    import pytest
+
+    from dpclip.search import GreedyConfig
+    from dpclip.training.config import TrainConfig
+
+    for cfg in (TrainConfig(dataset="digits", model="logreg", noise_multiplier=1.0),
+                GreedyConfig(dataset="digits", model="logreg", noise_multiplier=1.0,
+                             batch_size=256, lr=0.5, epochs=2)):
+        cls = type(cfg)
+        assert cls.from_dict(cfg.to_dict()) == cfg
+        with pytest.raises(ValueError, match=rf"{cls.__name__}: unknown field\(s\) \['lr_rate'\]; "
+                                             r"valid: \[.*'lr'"):
+            cls.from_dict({**cfg.to_dict(), "lr_rate": 0.1})
