@@ -34,13 +34,63 @@ def model(ctx: DistributedContext | None, d: int = 5, k: int = 3,
     return nn.Sequential(*head, nn.Tanh(), nn.Linear(8, k)).double()
 
 
+class EmulatedShards:
+    """Test oracle: ONE process plays the noise of ``world`` ranks. It has the interface of
+    :class:`dpclip.training.noise_shard.NoiseShard`, but draws every rank's block of coordinates
+    from that rank's own stream (``rng.rank_noise(step, r, world)``) and reduces nothing (the
+    one-process sums are already global), so that a one-process run releases what a
+    ``world``-rank run releases, up to the order of the float additions."""
+
+    def __init__(self, rng: Any, world: int) -> None:
+        self.rng, self.world = rng, world
+        self._gens: list[torch.Generator] = []
+
+    def generator(self, step: int) -> torch.Generator:
+        self._gens = [self.rng.rank_noise(step, r, self.world) for r in range(self.world)]
+        return self._gens[0]
+
+    def draws(self, total: int, generator: torch.Generator) -> list:
+        from dpclip.training.noise_shard import noise_partition
+
+        assert generator is self._gens[0]
+        return [(lo, hi, g) for (lo, hi), g in zip(noise_partition(total, self.world),
+                                                   self._gens)]
+
+    def all_reduce_(self, t: torch.Tensor) -> None:
+        return None
+
+
+class EmulatingEngine:
+    """``inner`` with an :class:`EmulatedShards` as its ``noise_shard`` (what dp_step hands to
+    the release); everything else is the inner engine's."""
+
+    def __init__(self, inner: Any, shard: EmulatedShards) -> None:
+        self.inner, self.noise_shard = inner, shard
+
+    def compute(self, *args: Any) -> Any:
+        return self.inner.compute(*args)
+
+    def __getattr__(self, item: str) -> Any:
+        if item in ("inner", "noise_shard"):
+            raise AttributeError(item)
+        return getattr(self.inner, item)
+
+
+def emulate_world(dp: Any, world: int) -> None:
+    """Make the one-process run ``dp`` draw its noise as ``world`` ranks would (a test oracle)."""
+    if world > 1:
+        dp._step_engine = EmulatingEngine(dp._step_engine, EmulatedShards(dp.rng, world))
+
+
 def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
           strategy_params: dict[str, Any] | None = None, n: int = 48, batch_size: float = 12,
           steps: int = 6, engine: str = "ghost", sampling: str = "poisson",
           accountant: str = "pld", resume_dir: str | None = None, resume_at: int = 0,
-          noise_multiplier: float = 1.1, image: bool = False, **extra: Any) -> dict[str, Any]:
+          noise_multiplier: float = 1.1, image: bool = False, world: int = 1,
+          **extra: Any) -> dict[str, Any]:
     """``steps`` SGD steps of make_private on ``data(n)`` with reproducible noise (seed 7).
-    ``image``: 16 features seen as ``(1, 4, 4)`` images (for ``augment=``).
+    ``image``: 16 features seen as ``(1, 4, 4)`` images (for ``augment=``). ``world`` (one
+    process only): draw the noise as ``world`` ranks do (:class:`EmulatedShards`).
 
     With ``resume_dir``: stop after ``resume_at`` steps, rank 0 saves the state dict, every rank
     builds a fresh model and run, loads the same file and finishes."""
@@ -59,6 +109,8 @@ def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
 
     m = model(ctx, image=image)
     dp = build(m)
+    if ctx is None:
+        emulate_world(dp, world)
     clips, global_sizes, shard_sizes, losses = [], [], [], []
     while not dp.exhausted:
         if resume_dir is not None and dp.steps == resume_at:

@@ -2,9 +2,12 @@
 
 Each launch forks the ranks (``_launch``), which run the scenarios of ``_scenarios`` and return
 their ledgers, parameters and clip trajectories; the oracle is the same scenario run in this
-process without ``torch.distributed``. Reproducible-noise runs share the seed, so the released
-gradients must match the single-process ones to float64 rounding (only the order of the
-all-reduced additions differs), and the ledgers must be equal.
+process without ``torch.distributed``, its noise drawn as W ranks draw it (every rank's block of
+coordinates from that rank's own stream: ``S.EmulatedShards``; the plain run for one rank).
+Reproducible-noise runs share the seed, so the released gradients must match that oracle to
+float64 rounding (only the order of the all-reduced additions differs): a rank drawing a block
+that is not its own, or two ranks drawing one coordinate, would move them. The ledgers must be
+equal to the one-process ledger.
 """
 
 from __future__ import annotations
@@ -70,13 +73,14 @@ def _run_all(ctx, workdir: str) -> dict[str, dict]:
 _REF: dict[str, dict] = {}
 
 
-def _reference(name: str, cfg: dict) -> dict:
+def _reference(name: str, cfg: dict, world: int = 1) -> dict:
     """The single-process run of a scenario (cached; the resume scenario's oracle is the
-    uninterrupted run)."""
+    uninterrupted run), its noise drawn as ``world`` ranks draw it: every rank's block of
+    coordinates from that rank's own stream (``S.EmulatedShards``; one process: the plain run)."""
     cfg = {k: v for k, v in cfg.items() if k not in ("resume_dir", "resume_at")}
-    key = repr(sorted(cfg.items()))
+    key = repr((world, sorted(cfg.items())))
     if key not in _REF:
-        _REF[key] = S.train(None, **cfg)
+        _REF[key] = S.train(None, world=world, **cfg)
     return _REF[key]
 
 
@@ -91,7 +95,7 @@ def world_runs(request, tmp_path_factory):
 def test_same_ledger_and_parameters_as_one_process(world_runs):
     world, workdir, results = world_runs
     for name, cfg in _scenarios(world, workdir).items():
-        ref = _reference(name, cfg)
+        ref = _reference(name, cfg, world)
         for rank, res in enumerate(results):
             got = res[name]
             assert got["ledger"] == ref["ledger"], (name, rank)
@@ -129,7 +133,7 @@ def test_adaptive_release_is_counted_once(world_runs):
     world, workdir, results = world_runs
     names = ["quantile"] + (["vdv"] if world == 2 else [])
     for name in names:
-        ref = _reference(name, _scenarios(world, workdir)[name])
+        ref = _reference(name, _scenarios(world, workdir)[name], world)
         assert len(set(ref["clips"])) > 3  # the threshold did move
         for res in results:
             assert res[name]["clips"] == pytest.approx(ref["clips"], rel=1e-10)
