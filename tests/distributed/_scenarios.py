@@ -201,28 +201,6 @@ def mismatches(ctx: DistributedContext) -> dict[str, str]:
     return out
 
 
-def wide_zero_grad_noise(ctx: DistributedContext | None, steps: int, z: float, clip: float,
-                         batch_size: float, width: int) -> torch.Tensor:
-    """As :func:`zero_grad_noise` on ``4 * width`` coordinates (a wide layer: many noise draws
-    per step, so few steps estimate the std well)."""
-    x = torch.randn(40, 3)
-    y = torch.zeros(40, dtype=torch.long)
-    torch.manual_seed(0)
-    m = nn.Linear(3, width)
-
-    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return (out * 0.0).sum(1)
-
-    dp = make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
-                      strategy_params={"clip_norm": clip}, noise_multiplier=z,
-                      steps=steps, batch_size=batch_size, delta=1e-5, engine="ghost",
-                      verbose=False, distributed=ctx if ctx is not None else False)
-    out = torch.empty(steps, 4 * width, dtype=torch.float64)
-    for t in range(steps):
-        xb, yb = dp.sample()
-        dp.backward(xb, yb)
-        out[t] = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).double()
-    return out
 def data_mismatch(ctx: DistributedContext) -> dict[str, str]:
     """Ranks holding different data of the same size are refused on every rank (issue 33: only
     the configuration used to be compared)."""
@@ -237,3 +215,60 @@ def data_mismatch(ctx: DistributedContext) -> dict[str, str]:
     except RuntimeError as err:
         return {"data": str(err)}
     return {"data": ""}
+
+
+def sharded_noise(ctx: DistributedContext | None, width: int, steps: int, z: float, clip: float,
+                  batch_size: float, resume_dir: str | None = None) -> dict[str, Any]:
+    """Zero gradients on ``nn.Linear(3, width)`` (``4 * width`` coordinates): the release is pure
+    noise. Returns the released gradients of ``steps`` SECURE steps (``secure``), of one
+    REPRODUCIBLE step (seed 11, ``reproducible``) and the rank's shard bounds. With
+    ``resume_dir`` (secure, 2 + 2 steps on ``nn.Linear(3, 8)``): the noise of steps 3-4 run on,
+    and the same two steps after a fresh run loads the step-2 checkpoint written by rank 0."""
+    from dpclip.training.noise_shard import noise_bounds
+
+    x = torch.randn(40, 3)
+    y = torch.zeros(40, dtype=torch.long)
+
+    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return (out * 0.0).sum(1)
+
+    def build(m: nn.Module, total_steps: int, **kw: Any):
+        return make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
+                            strategy_params={"clip_norm": clip}, noise_multiplier=z,
+                            steps=total_steps, batch_size=batch_size, delta=1e-5,
+                            engine="ghost", verbose=False,
+                            distributed=ctx if ctx is not None else False, **kw)
+
+    def released(dp, m: nn.Module, k: int) -> torch.Tensor:
+        rows = []
+        for _ in range(k):
+            xb, yb = dp.sample()
+            dp.backward(xb, yb)
+            rows.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]).clone())
+        return torch.stack(rows)
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {}
+    world = ctx.world_size if ctx is not None else 1
+    rank = ctx.rank if ctx is not None else 0
+    out["bounds"] = noise_bounds(4 * width, world, rank)
+    m = nn.Linear(3, width)
+    out["secure"] = released(build(m, steps), m, steps)
+    m = nn.Linear(3, width)
+    out["reproducible"] = released(build(m, 1, reproducible_noise=True, seed=11), m, 1)
+    if resume_dir is not None:
+        m = nn.Linear(3, 2)
+        dp = build(m, 4)
+        before = released(dp, m, 2)
+        path = Path(resume_dir) / "noise-ckpt.pt"
+        if dp.is_main_process:
+            torch.save(dp.state_dict(), path)
+        barrier(ctx)
+        out["before"] = before
+        out["run_on"] = released(dp, m, 2)
+        m = nn.Linear(3, 2)
+        dp = build(m, 4)
+        dp.load_state_dict(torch.load(path, weights_only=False))
+        out["resumed"] = released(dp, m, 2)
+        out["checkpoint_keys"] = sorted(torch.load(path, weights_only=False)["randomness"])
+    return out
