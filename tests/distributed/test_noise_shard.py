@@ -236,3 +236,35 @@ def test_resume_continues_every_ranks_stream(noise_runs):
         assert torch.equal(res["resumed"], res["run_on"])  # both ranks' blocks continue exactly
         assert torch.equal(res["run_on"], out[0]["run_on"])
         assert not torch.equal(res["run_on"], res["before"])  # no step repeats another's noise
+
+
+@pytest.mark.parametrize("case", ["bc-unit", "p-grad"])
+def test_a_sharded_engine_outside_the_engine_path_is_refused(case):
+    """Error 202: batch-clipping units and P-GRAD strategies sum outside the engine, so their sums
+    would never be all-reduced; dp_step refuses the sharded engine there (make_private refuses
+    both distributed before any step)."""
+    from torch import nn
+
+    from dpclip.clipping import make_strategy
+    from dpclip.engine import ParamGroups, get_engine
+    from dpclip.training.step import dp_step
+    from dpclip.training.units import UnitConfig
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    rng = PrivateRandomness.reproducible(0)
+    shard = S.EmulatedShards(rng, 2)
+    strat = make_strategy("fixed" if case == "bc-unit" else "adaclip",
+                          {"clip_norm": 1.0} if case == "bc-unit" else {})
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    unit = UnitConfig("bc") if case == "bc-unit" else None
+    if unit is not None:
+        x, y = x.view(2, 4, 4), y.view(2, 4)
+    ctx = StepContext.at(0, steps_per_epoch=1, total_steps=1, expected_batch_size=8.0,
+                         base_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="sharded distributed engine runs only.*entry 202"):
+        dp_step(model, x, y, loss_fn=lambda o, t: nn.functional.cross_entropy(
+                    o, t, reduction="none"), strategy=strat, state=strat.init_state(),
+                engine=S.EmulatingEngine(get_engine("vmap"), shard),
+                groups=ParamGroups.flat(model), sampler=PoissonSampler(100, 8.0),
+                base_noise_multiplier=1.0, ctx=ctx, generator=shard.generator(0), unit=unit)

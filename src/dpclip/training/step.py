@@ -128,6 +128,13 @@ def dp_step(
 
     per_example = capabilities_of(strategy).per_example_grads
     individual = unit is None or unit.is_individual
+    # a distributed engine whose sums are LOCAL (noise_shard): the release noises this rank's
+    # coordinates and all-reduces (dpclip.training.noise_shard); only the engine path makes them
+    shard = getattr(engine, "noise_shard", None)
+    if shard is not None and (per_example or not individual):
+        raise ValueError("dp_step: a sharded distributed engine runs only the engine's own sum "
+                         "(unit=ic, a strategy that is not P-GRAD); train batch clipping units "
+                         "and P-GRAD strategies in one process (docs/errors.md entry 202)")
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
         if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
             name = getattr(unit, "unit", unit)
@@ -168,12 +175,6 @@ def dp_step(
             )
         block = {n: factor * f for f, members in zip(factors, groups.members) for n in members}
     norms = result.norms if result.norms is not None else torch.empty(0)
-    # a distributed engine whose sums are LOCAL (noise_shard): the release noises this rank's
-    # coordinates and all-reduces (dpclip.training.noise_shard); only the engine path makes them
-    shard = getattr(engine, "noise_shard", None)
-    if shard is not None and (per_example or not individual):
-        raise ValueError("dp_step: a sharded distributed engine runs only the per-example "
-                         "engine path (unit=ic, norm-based strategies)")
     out = release(
         result.grads, noise_multiplier=z, sensitivity=block, divisor=denom, generator=generator,
         strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
