@@ -10,6 +10,8 @@ all; zero clipped sums: the arithmetic is the same for any values) through
   them). Method ``shard``: this rank's block, ``ceil(T / W)`` normals at most (its own stream,
   ``PrivateRandomness.rank_noise``). Method ``full`` (the code before): the whole vector, ``T``
   normals, on every rank (the shared generator).
+* ``derive_stream_ms`` (``shard``): deriving the rank's stream of the step (SHAKE-256 of the
+  noise key and (step, rank, W) into the 624 Mersenne Twister words), not part of ``draw_ms``.
 * ``release_ms``: the whole release of one step with all ranks running at once: ``shard``:
   concatenate the local sums, add this rank's block, all-reduce, divide (the noise rides the
   gradient's all-reduce); ``full``: concatenate, all-reduce, add the whole draw, divide. With more
@@ -75,7 +77,8 @@ def _rank(rank: int, world: int, store: str, numel: int, tensors: int, repeats: 
     strat = FixedClip(CLIP)
     sampler = PoissonSampler(100_000, B)
     res: dict[str, Any] = {"draw": {"shard": [], "full": []},
-                           "release": {"shard": [], "full": []}, "normals": hi - lo}
+                           "release": {"shard": [], "full": []}, "normals": hi - lo,
+                           "derive": []}
 
     def step_ctx(t: int) -> StepContext:
         return StepContext.at(t, steps_per_epoch=1000, total_steps=1000, expected_batch_size=B,
@@ -85,7 +88,9 @@ def _rank(rank: int, world: int, store: str, numel: int, tensors: int, repeats: 
         for r in range(world):  # draws, rank after rank
             dist.barrier()
             if r == rank:
-                g = shard.generator(t)
+                t0 = time.perf_counter()
+                g = shard.generator(t)  # the step's stream: SHAKE-256 -> 624 MT words
+                d_derive = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 standard_normal(hi - lo, g, torch.float32, "cpu")
                 d_shard = time.perf_counter() - t0
@@ -93,6 +98,7 @@ def _rank(rank: int, world: int, store: str, numel: int, tensors: int, repeats: 
                 standard_normal(numel, rng.noise, torch.float32, "cpu")
                 d_full = time.perf_counter() - t0
                 if t:
+                    res["derive"].append(1000 * d_derive)
                     res["draw"]["shard"].append(1000 * d_shard)
                     res["draw"]["full"].append(1000 * d_full)
         dist.barrier()  # releases, all ranks at once
@@ -152,6 +158,10 @@ def main() -> None:
                 "draw_ms_max_rank": round(max(statistics.median(r["draw"][method])
                                               for r in per_rank), 2),
                 "release_ms": round(statistics.median(rels), 2),
+                # deriving the rank's stream of the step (shard only; not in draw_ms)
+                "derive_stream_ms": round(statistics.median(
+                    [v for r in per_rank for v in r["derive"]]), 3) if method == "shard"
+                else None,
                 "draw_ms_runs": [round(v, 2) for v in draws],
                 "release_ms_runs": [round(v, 2) for v in rels],
             })
@@ -169,11 +179,13 @@ def write_outputs(rows: list[dict], meta: dict, out: Path) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["| ranks | method | normals per rank | draw ms/step/rank (median) | "
-             "slowest rank's median | release ms/step (median, all ranks at once) |",
-             "|---|---|---|---|---|---|"]
+             "slowest rank's median | stream derivation ms/step | "
+             "release ms/step (median, all ranks at once) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        derive = "-" if r.get("derive_stream_ms") is None else f"{r['derive_stream_ms']:.3f}"
         lines.append(f"| {r['world']} | {r['method']} | {r['normals_per_rank']:,} | "
-                     f"{r['draw_ms']:.1f} | {r['draw_ms_max_rank']:.1f} | "
+                     f"{r['draw_ms']:.1f} | {r['draw_ms_max_rank']:.1f} | {derive} | "
                      f"{r['release_ms']:.1f} |")
     table = "\n".join(lines)
     load = tuple(round(v, 1) for v in meta["load_average_at_end"])
