@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -47,7 +47,18 @@ from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
 from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std, standard_normal
 
-__all__ = ["Released", "Releaser", "release"]
+__all__ = ["NoiseShardLike", "Released", "Releaser", "release"]
+
+
+class NoiseShardLike(Protocol):
+    """What a sharded release asks of its shard (:class:`dpclip.training.noise_shard.NoiseShard`):
+    which coordinates of a ``total``-coordinate release this process noises, from which
+    generator, and the SUM of the processes' contributions (in place)."""
+
+    def draws(self, total: int, generator: torch.Generator
+              ) -> list[tuple[int, int, torch.Generator]]: ...
+
+    def all_reduce_(self, t: Tensor) -> None: ...
 
 
 class Releaser:
@@ -60,7 +71,7 @@ class Releaser:
     on every rank."""
 
     def __init__(self, generator: torch.Generator, sensitivity_factor: int,
-                 shard: Any = None) -> None:
+                 shard: NoiseShardLike | None = None) -> None:
         self.generator = generator
         self.factor = sensitivity_factor
         self.shard = shard
@@ -114,7 +125,7 @@ def release(
     noise_scale: float = 1.0,
     per_tensor: bool = False,
     untransform: bool = False,
-    shard: Any = None,
+    shard: NoiseShardLike | None = None,
 ) -> Released:
     """Release ``sums`` (clipped sums, unnoised) once: noise, divide, update, event.
 
@@ -175,7 +186,7 @@ def release(
 
 
 def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float],
-                        generator: torch.Generator, shard: Any,
+                        generator: torch.Generator, shard: NoiseShardLike,
                         divisor: float) -> dict[str, Tensor]:
     """``(all-reduce(local sums + this rank's noise shard)) / divisor`` (the module docstring):
     the coordinates are numbered over the tensors of ``sums`` in their order; the rank draws
