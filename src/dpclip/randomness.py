@@ -305,10 +305,9 @@ class PrivateRandomness:
             if self.is_private:
                 self._noise_key = os.urandom(NOISE_KEY_BYTES)
             else:
-                seed = int(self.seed or 0)
+                seed = int(self.seed or 0)  # any int (decimal text: no width limit)
                 self._noise_key = hashlib.sha256(
-                    b"dpclip/reproducible-rank-noise/v1"
-                    + seed.to_bytes(16, "little", signed=True)).digest()
+                    b"dpclip/reproducible-rank-noise/v1:" + str(seed).encode()).digest()
         return self._noise_key
 
     def set_noise_key(self, key: bytes) -> None:
