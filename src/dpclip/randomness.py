@@ -29,15 +29,17 @@ samplers). dpclip does not implement a discrete Gaussian: see docs/privacy.md fo
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import struct
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "PrivateRandomness", "philox_state", "read_philox_state",
-           "secure_cuda_generator", "secure_generator", "seeded_generator"]
+__all__ = ["MODES", "NOISE_KEY_BYTES", "PrivateRandomness", "philox_state", "rank_noise_generator",
+           "read_philox_state", "secure_cuda_generator", "secure_generator", "seeded_generator"]
 
 #: ``secure``: OS entropy (the default); ``reproducible``: derived from the public seed (NOT private)
 MODES = ("secure", "reproducible")
@@ -72,11 +74,17 @@ def _mt_state_offset() -> int:
 
 def secure_generator() -> torch.Generator:
     """A CPU ``torch.Generator`` whose whole Mersenne Twister state comes from ``os.urandom``."""
+    return _mt_generator(os.urandom(4 * _MT_WORDS))
+
+
+def _mt_generator(material: bytes) -> torch.Generator:
+    """A CPU ``torch.Generator`` whose 624 Mersenne Twister words are ``material`` (2496 bytes:
+    OS entropy, or the output of :func:`rank_noise_generator`'s key derivation)."""
     off = _mt_state_offset()
     g = torch.Generator()
     g.manual_seed(0)  # a valid state to start from (left = 1: the next draw twists the new words)
     state = bytearray(g.get_state().numpy().tobytes())
-    words = np.frombuffer(os.urandom(4 * _MT_WORDS), dtype=np.uint32).astype(np.uint64)
+    words = np.frombuffer(material, dtype=np.uint32, count=_MT_WORDS).astype(np.uint64)
     if not words.any():  # the one degenerate MT state (probability 2**-19968)
         words[0] = 1
     state[off:off + 8 * _MT_WORDS] = words.tobytes()
@@ -146,7 +154,11 @@ def _check_cuda_layout(device: str) -> None:
 
 def _urandom_philox() -> tuple[int, int]:
     """A 64-bit key and an offset (multiple of 4, below 2**62) from ``os.urandom``."""
-    raw = os.urandom(16)
+    return _philox_from(os.urandom(16))
+
+
+def _philox_from(raw: bytes) -> tuple[int, int]:
+    """A 64-bit key and an offset (multiple of 4, below 2**62) from 16 secret bytes."""
     key = int.from_bytes(raw[:8], "little")
     offset = (int.from_bytes(raw[8:], "little") % _OFFSET_RANGE) & ~3
     return key, offset
@@ -159,13 +171,50 @@ def secure_cuda_generator(device: "torch.device | str" = "cuda") -> torch.Genera
     dev = torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"secure_cuda_generator: device must be a CUDA device, got {dev}")
+    return _philox_generator(dev, *_urandom_philox())
+
+
+def _philox_generator(dev: torch.device, key: int, offset: int) -> torch.Generator:
+    """A CUDA generator on ``dev`` with Philox state ``(key, offset)``, the layout verified."""
     _check_cuda_layout(str(dev))
     g = torch.Generator(device=dev)
-    key, offset = _urandom_philox()
     g.set_state(philox_state(key, offset))
     if read_philox_state(g.get_state()) != (key, offset):
         raise RuntimeError("dpclip: torch rejected the OS-entropy CUDA generator state")
     return g
+
+
+# ------------------------------------------------------------- distributed: one stream per rank
+
+#: bytes of the secret from which every rank's per-step noise generator is derived
+NOISE_KEY_BYTES = 32
+_RANK_NOISE_DOMAIN = b"dpclip/rank-noise/v1"
+
+
+def rank_noise_generator(key: bytes, step: int, rank: int, world_size: int,
+                         device: "torch.device | str" = "cpu") -> torch.Generator:
+    """PRIVATE: the noise generator of ``rank`` (of ``world_size``) for release ``step``.
+
+    Its whole state is SHAKE-256 (a cryptographic extendable-output function) of the secret
+    ``key`` and the public ``(step, rank, world_size)``: on the CPU the 624 Mersenne Twister words,
+    on CUDA the Philox key and offset. Distinct ``(step, rank, world_size)`` give computationally
+    independent streams, so the ranks of a distributed run draw independent noise and a step
+    never repeats another's; and a resumed run re-derives every rank's stream from ``key`` and
+    the step count alone (rank 0's checkpoint holds ``key``: docs/distributed.md). ``key`` is
+    from ``os.urandom`` in secure mode (:meth:`PrivateRandomness.noise_key`), from the public seed
+    only in reproducible mode.
+    """
+    if not (isinstance(key, (bytes, bytearray)) and len(key) == NOISE_KEY_BYTES):
+        raise ValueError(f"rank_noise_generator: key must be {NOISE_KEY_BYTES} bytes")
+    if not (0 <= int(rank) < int(world_size)) or int(step) < 0:
+        raise ValueError(f"rank_noise_generator: need 0 <= rank < world_size and step >= 0, got "
+                         f"step={step}, rank={rank}, world_size={world_size}")
+    dev = _device_of(device)
+    xof = hashlib.shake_256(_RANK_NOISE_DOMAIN + bytes(key)
+                            + struct.pack("<QQQ", int(step), int(rank), int(world_size)))
+    if dev.type == "cuda":
+        return _philox_generator(dev, *_philox_from(xof.digest(16)))
+    return _mt_generator(xof.digest(4 * _MT_WORDS))
 
 
 def _secure_on(device: torch.device) -> torch.Generator:
@@ -187,7 +236,7 @@ class PrivateRandomness:
     nothing else may draw private randomness. The ``repr`` shows the mode only.
     """
 
-    __slots__ = ("mode", "noise", "sampling", "seed")
+    __slots__ = ("_noise_key", "mode", "noise", "sampling", "seed")
 
     def __init__(self, mode: str, sampling: torch.Generator, noise: torch.Generator,
                  seed: int | None = None) -> None:
@@ -197,6 +246,9 @@ class PrivateRandomness:
             raise ValueError(f"PrivateRandomness: the sampling and noise generators must be on "
                              f"one device, got {sampling.device} and {noise.device}")
         self.mode, self.sampling, self.noise, self.seed = mode, sampling, noise, seed
+        #: PRIVATE: the secret of the per-rank noise streams of a distributed run (None until
+        #: :meth:`noise_key` is first asked: one-process runs never create it)
+        self._noise_key: bytes | None = None
 
     @property
     def device(self) -> torch.device:
@@ -243,6 +295,32 @@ class PrivateRandomness:
             if g.get_offset() >= REKEY_OFFSET:
                 setattr(self, name, secure_cuda_generator(g.device))
 
+    def noise_key(self) -> bytes:
+        """PRIVATE: the 32-byte secret from which a distributed run derives every rank's noise
+        stream (:func:`rank_noise_generator`); created on first use: from ``os.urandom`` in secure
+        mode, from the public seed in reproducible mode (NOT private). A distributed run agrees on
+        rank 0's key once (``dpclip.training.distributed.shared_randomness``) and keeps it in the
+        private checkpoint (:meth:`state_dict`)."""
+        if self._noise_key is None:
+            if self.is_private:
+                self._noise_key = os.urandom(NOISE_KEY_BYTES)
+            else:
+                seed = int(self.seed or 0)  # any int (decimal text: no width limit)
+                self._noise_key = hashlib.sha256(
+                    b"dpclip/reproducible-rank-noise/v1:" + str(seed).encode()).digest()
+        return self._noise_key
+
+    def set_noise_key(self, key: bytes) -> None:
+        """Adopt ``key`` (rank 0's, broadcast) as the per-rank noise secret."""
+        if not (isinstance(key, (bytes, bytearray)) and len(key) == NOISE_KEY_BYTES):
+            raise ValueError(f"PrivateRandomness: a noise key is {NOISE_KEY_BYTES} bytes")
+        self._noise_key = bytes(key)
+
+    def rank_noise(self, step: int, rank: int, world_size: int) -> torch.Generator:
+        """PRIVATE: ``rank``'s noise generator for release ``step`` of a distributed run, on this
+        object's device (:func:`rank_noise_generator` of :meth:`noise_key`)."""
+        return rank_noise_generator(self.noise_key(), step, rank, world_size, self.device)
+
     @property
     def is_private(self) -> bool:
         """False in reproducible mode: the noise is a function of a public seed."""
@@ -263,8 +341,11 @@ class PrivateRandomness:
 
     def state_dict(self) -> dict[str, Any]:
         """PRIVATE: the generators' full state, for the run's checkpoint only."""
-        return {"mode": self.mode, "device": self.device.type,
-                "sampling": self.sampling.get_state(), "noise": self.noise.get_state()}
+        out = {"mode": self.mode, "device": self.device.type,
+               "sampling": self.sampling.get_state(), "noise": self.noise.get_state()}
+        if self._noise_key is not None:  # a distributed run: every rank's noise derives from it
+            out["noise_key"] = torch.frombuffer(bytearray(self._noise_key), dtype=torch.uint8)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mode") != self.mode:
@@ -278,6 +359,9 @@ class PrivateRandomness:
                 f"checkpoint randomness was drawn by the {saved} generator but this run's "
                 f"generators are on {self.device.type}: the secret stream cannot continue on "
                 f"another kind of device; resume with device={saved!r} (--device {saved})")
+        if "noise_key" in state:  # written by a distributed run (absent: keep this run's key)
+            key = state["noise_key"]
+            self.set_noise_key(bytes(key.numpy().tobytes()) if isinstance(key, Tensor) else key)
         if self.device.type == "cuda":
             # torch also accepts an 8-byte state (seed only) and silently restarts the offset at
             # 0: a resume must continue the stream exactly, so only the full 16 bytes are taken

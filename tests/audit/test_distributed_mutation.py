@@ -5,8 +5,10 @@ and shared noise generator on every rank, as ``dpclip.training.distributed.share
 training); its step is ``dp_step`` with :class:`dpclip.training.distributed.DistributedEngine`: each rank
 clips its contiguous shard of the batch and the clipped sums are all-reduced over gloo.
 
-* Control: the library's placement. ``dp_step`` adds ``N(0, (z S)^2)`` once, after the
-  all-reduce, from the shared generator (every rank makes the same single draw).
+* Control: the after-reduce placement (``DistributedEngine``; ``make_private``'s own placement
+  since issue 32, each rank noising its block, is audited in ``test_distributed_shard_audit.py``).
+  ``dp_step`` adds ``N(0, (z S)^2)`` once, after the all-reduce, from the shared generator (every
+  rank makes the same single draw).
 * Mutation (a real bug pattern when noise is moved "into the ranks"): each rank adds its own
   "share" of the noise to its local clipped sum before the all-reduce, from its own generator,
   splitting the STANDARD DEVIATION linearly (``z S / W`` per rank) instead of the variance

@@ -34,13 +34,63 @@ def model(ctx: DistributedContext | None, d: int = 5, k: int = 3,
     return nn.Sequential(*head, nn.Tanh(), nn.Linear(8, k)).double()
 
 
+class EmulatedShards:
+    """Test oracle: ONE process plays the noise of ``world`` ranks. It has the interface of
+    :class:`dpclip.training.noise_shard.NoiseShard`, but draws every rank's block of coordinates
+    from that rank's own stream (``rng.rank_noise(step, r, world)``) and reduces nothing (the
+    one-process sums are already global), so that a one-process run releases what a
+    ``world``-rank run releases, up to the order of the float additions."""
+
+    def __init__(self, rng: Any, world: int) -> None:
+        self.rng, self.world = rng, world
+        self._gens: list[torch.Generator] = []
+
+    def generator(self, step: int) -> torch.Generator:
+        self._gens = [self.rng.rank_noise(step, r, self.world) for r in range(self.world)]
+        return self._gens[0]
+
+    def draws(self, total: int, generator: torch.Generator) -> list:
+        from dpclip.training.noise_shard import noise_partition
+
+        assert generator is self._gens[0]
+        return [(lo, hi, g) for (lo, hi), g in zip(noise_partition(total, self.world),
+                                                   self._gens)]
+
+    def all_reduce_(self, t: torch.Tensor) -> None:
+        return None
+
+
+class EmulatingEngine:
+    """``inner`` with an :class:`EmulatedShards` as its ``noise_shard`` (what dp_step hands to
+    the release); everything else is the inner engine's."""
+
+    def __init__(self, inner: Any, shard: EmulatedShards) -> None:
+        self.inner, self.noise_shard = inner, shard
+
+    def compute(self, *args: Any) -> Any:
+        return self.inner.compute(*args)
+
+    def __getattr__(self, item: str) -> Any:
+        if item in ("inner", "noise_shard"):
+            raise AttributeError(item)
+        return getattr(self.inner, item)
+
+
+def emulate_world(dp: Any, world: int) -> None:
+    """Make the one-process run ``dp`` draw its noise as ``world`` ranks would (a test oracle)."""
+    if world > 1:
+        dp._step_engine = EmulatingEngine(dp._step_engine, EmulatedShards(dp.rng, world))
+
+
 def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
           strategy_params: dict[str, Any] | None = None, n: int = 48, batch_size: float = 12,
           steps: int = 6, engine: str = "ghost", sampling: str = "poisson",
           accountant: str = "pld", resume_dir: str | None = None, resume_at: int = 0,
-          noise_multiplier: float = 1.1, image: bool = False, **extra: Any) -> dict[str, Any]:
+          noise_multiplier: float = 1.1, image: bool = False, world: int = 1,
+          **extra: Any) -> dict[str, Any]:
     """``steps`` SGD steps of make_private on ``data(n)`` with reproducible noise (seed 7).
-    ``image``: 16 features seen as ``(1, 4, 4)`` images (for ``augment=``).
+    ``image``: 16 features seen as ``(1, 4, 4)`` images (for ``augment=``). ``world`` (one
+    process only): draw the noise as ``world`` ranks do (:class:`EmulatedShards`).
 
     With ``resume_dir``: stop after ``resume_at`` steps, rank 0 saves the state dict, every rank
     builds a fresh model and run, loads the same file and finishes."""
@@ -59,6 +109,8 @@ def train(ctx: DistributedContext | None, *, strategy: str = "fixed",
 
     m = model(ctx, image=image)
     dp = build(m)
+    if ctx is None:
+        emulate_world(dp, world)
     clips, global_sizes, shard_sizes, losses = [], [], [], []
     while not dp.exhausted:
         if resume_dir is not None and dp.steps == resume_at:
@@ -149,28 +201,6 @@ def mismatches(ctx: DistributedContext) -> dict[str, str]:
     return out
 
 
-def wide_zero_grad_noise(ctx: DistributedContext | None, steps: int, z: float, clip: float,
-                         batch_size: float, width: int) -> torch.Tensor:
-    """As :func:`zero_grad_noise` on ``4 * width`` coordinates (a wide layer: many noise draws
-    per step, so few steps estimate the std well)."""
-    x = torch.randn(40, 3)
-    y = torch.zeros(40, dtype=torch.long)
-    torch.manual_seed(0)
-    m = nn.Linear(3, width)
-
-    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return (out * 0.0).sum(1)
-
-    dp = make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
-                      strategy_params={"clip_norm": clip}, noise_multiplier=z,
-                      steps=steps, batch_size=batch_size, delta=1e-5, engine="ghost",
-                      verbose=False, distributed=ctx if ctx is not None else False)
-    out = torch.empty(steps, 4 * width, dtype=torch.float64)
-    for t in range(steps):
-        xb, yb = dp.sample()
-        dp.backward(xb, yb)
-        out[t] = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).double()
-    return out
 def data_mismatch(ctx: DistributedContext) -> dict[str, str]:
     """Ranks holding different data of the same size are refused on every rank (issue 33: only
     the configuration used to be compared)."""
@@ -185,3 +215,60 @@ def data_mismatch(ctx: DistributedContext) -> dict[str, str]:
     except RuntimeError as err:
         return {"data": str(err)}
     return {"data": ""}
+
+
+def sharded_noise(ctx: DistributedContext | None, width: int, steps: int, z: float, clip: float,
+                  batch_size: float, resume_dir: str | None = None) -> dict[str, Any]:
+    """Zero gradients on ``nn.Linear(3, width)`` (``4 * width`` coordinates): the release is pure
+    noise. Returns the released gradients of ``steps`` SECURE steps (``secure``), of one
+    REPRODUCIBLE step (seed 11, ``reproducible``) and the rank's shard bounds. With
+    ``resume_dir`` (secure, 2 + 2 steps on ``nn.Linear(3, 8)``): the noise of steps 3-4 run on,
+    and the same two steps after a fresh run loads the step-2 checkpoint written by rank 0."""
+    from dpclip.training.noise_shard import noise_bounds
+
+    x = torch.randn(40, 3)
+    y = torch.zeros(40, dtype=torch.long)
+
+    def zero_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return (out * 0.0).sum(1)
+
+    def build(m: nn.Module, total_steps: int, **kw: Any):
+        return make_private(m, None, (x, y), loss_fn=zero_loss, strategy="fixed",
+                            strategy_params={"clip_norm": clip}, noise_multiplier=z,
+                            steps=total_steps, batch_size=batch_size, delta=1e-5,
+                            engine="ghost", verbose=False,
+                            distributed=ctx if ctx is not None else False, **kw)
+
+    def released(dp, m: nn.Module, k: int) -> torch.Tensor:
+        rows = []
+        for _ in range(k):
+            xb, yb = dp.sample()
+            dp.backward(xb, yb)
+            rows.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]).clone())
+        return torch.stack(rows)
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {}
+    world = ctx.world_size if ctx is not None else 1
+    rank = ctx.rank if ctx is not None else 0
+    out["bounds"] = noise_bounds(4 * width, world, rank)
+    m = nn.Linear(3, width)
+    out["secure"] = released(build(m, steps), m, steps)
+    m = nn.Linear(3, width)
+    out["reproducible"] = released(build(m, 1, reproducible_noise=True, seed=11), m, 1)
+    if resume_dir is not None:
+        m = nn.Linear(3, 2)
+        dp = build(m, 4)
+        before = released(dp, m, 2)
+        path = Path(resume_dir) / "noise-ckpt.pt"
+        if dp.is_main_process:
+            torch.save(dp.state_dict(), path)
+        barrier(ctx)
+        out["before"] = before
+        out["run_on"] = released(dp, m, 2)
+        m = nn.Linear(3, 2)
+        dp = build(m, 4)
+        dp.load_state_dict(torch.load(path, weights_only=False))
+        out["resumed"] = released(dp, m, 2)
+        out["checkpoint_keys"] = sorted(torch.load(path, weights_only=False)["randomness"])
+    return out

@@ -8,14 +8,16 @@ single-process ledger is the distributed ledger. Every step:
                       the shared sampling generator: the same mask everywhere (ShardedSampler)
     shard          <- this rank's contiguous slice of the global batch (may be empty)
     local sums     <- the inner engine on the shard: sum_i w_i g_i, per-example norms
-    global sums    <- all-reduce(SUM) of the clipped sums; the norms are placed at their global
+    global sums    <- all-reduce(SUM) of the clipped sums (with the noise: see below); the norms
+                      are placed at their global
                       positions and all-reduced too, so every rank holds the global norms in the
                       single-process order (DistributedEngine). An empty shard takes part with
                       zero sums and no norms: no rank skips a collective, nothing hangs.
     noise          <- dp_step's release (dpclip.training.release) draws N(0, (z S)^2) ONCE per
-                      coordinate: every rank holds the same shared noise generator and the same
-                      global sum, so every rank makes the same single draw (no rank adds noise of
-                      its own; nothing is split)
+                      coordinate: rank r draws only its block of coordinates, from its own
+                      stream, adds it to its LOCAL clipped sum, and the all-reduce of those sums
+                      gives every rank the same noisy global sum (dpclip.training.noise_shard:
+                      ShardNoiseEngine leaves the sums local, the release reduces them)
     releases       <- strategy.update sees the GLOBAL norms: a quantile count or a mean norm is
                       summed over all ranks before its noise, released once, counted once
     ledger         <- the planned events of the global mechanism (identical on every rank; rank
@@ -291,14 +293,18 @@ def data_digest(*data: Any) -> str:
 
 
 def shared_randomness(rng: PrivateRandomness, ctx: DistributedContext | None) -> None:
-    """Give every rank rank 0's sampling and noise generators (in place; the secret is agreed once).
+    """Give every rank rank 0's sampling and noise generators and noise key (in place; the secret
+    is agreed once).
 
     The full generator states (``torch.Generator.get_state()``: on the CPU 5056 bytes, the
     19,968-bit Mersenne Twister state; on CUDA 16 bytes, the Philox key and offset; drawn from OS
-    entropy in secure mode) are broadcast from rank 0, so
-    every rank draws the same global batch mask and the same noise: one logical draw per
-    coordinate. The states travel only inside the process group and are never printed or logged.
-    All ranks must use the same mode (secure or reproducible): checked first."""
+    entropy in secure mode) are broadcast from rank 0, so every rank draws the same global batch
+    mask; so is the 32-byte noise key (:meth:`PrivateRandomness.noise_key`) from which each rank
+    derives its OWN noise stream per step (``rank_noise``: rank and step in the derivation), so
+    the ranks draw independent noise on disjoint coordinates (dpclip.training.noise_shard) and
+    rank 0's checkpoint resumes all of them. The secrets travel only inside the process group and
+    are never printed or logged. All ranks must use the same mode (secure or reproducible):
+    checked first."""
     if ctx is None or ctx.world_size == 1:
         return
     check_same(ctx, rng.mode, "the randomness mode (reproducible_noise)")
@@ -306,14 +312,19 @@ def shared_randomness(rng: PrivateRandomness, ctx: DistributedContext | None) ->
         state = gen.get_state()
         _broadcast_(state, ctx)
         gen.set_state(state)
+    key = torch.frombuffer(bytearray(rng.noise_key()), dtype=torch.uint8).clone()
+    _broadcast_(key, ctx)
+    rng.set_noise_key(bytes(key.cpu().numpy().tobytes()))
     check_same(ctx, _rng_digest(rng), "the private generator states")
 
 
 def _rng_digest(rng: PrivateRandomness) -> str:
-    """A digest of the (secret) generator states; compared between ranks, never shown."""
+    """A digest of the (secret) generator states and noise key; compared between ranks, never
+    shown."""
     h = hashlib.sha256()
     for gen in (rng.sampling, rng.noise):
         h.update(gen.get_state().numpy().tobytes())
+    h.update(rng.noise_key())
     return h.hexdigest()
 
 

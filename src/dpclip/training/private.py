@@ -54,7 +54,6 @@ from dpclip.accounting.accountants import refuse_unsupported
 from dpclip.clipping import ClippingStrategy, make_strategy
 from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.training.distributed import (
-    DistributedEngine,
     ShardedSampler,
     assert_synchronized,
     broadcast_module,
@@ -78,6 +77,7 @@ from dpclip.training.multiplicity import KCopyModel, check_multiplicity, expand_
     parse_multiplicity
 from dpclip.training.plan import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
+from dpclip.training.noise_shard import ShardNoiseEngine
 from dpclip.training.sampling import make_sampler
 from dpclip.training.step import StepOutput, dp_step, private_buffer_guard
 from dpclip.training.units import (
@@ -242,8 +242,10 @@ class PrivateTraining:
 
     ``distributed=True`` (or a ``DistributedContext``) trains ONE private run across the ranks of
     a ``torch.distributed`` group (docs/distributed.md): the secret generators are agreed once
-    (rank 0's, broadcast), every rank draws the same global batch and keeps its shard, the clipped
-    sums are all-reduced before the noise, which is drawn once; ``loader`` yields this rank's shard,
+    (rank 0's, broadcast), every rank draws the same global batch and keeps its shard, adds the
+    noise of its own block of coordinates to its clipped sum (its own stream), and the sums are
+    all-reduced: one draw per coordinate (:mod:`dpclip.training.noise_shard`); ``loader`` yields
+    this rank's shard,
     ``sampler`` is a :class:`~dpclip.training.distributed.ShardedSampler` (its public properties are the
     global ones), and the ledger on every rank equals the one-process ledger. Only rank 0 should
     write results and checkpoints (``is_main_process``); every rank loads the same checkpoint.
@@ -468,7 +470,8 @@ class PrivateTraining:
             check_same(self.distributed, data_digest(self._x, self._y), "the training data")
             shared_randomness(self.rng, self.distributed)
             broadcast_module(self.model, self.distributed)
-            self._step_engine = DistributedEngine(self.engine, self.distributed)
+            # local clipped sums; each rank noises its own coordinates (training.noise_shard)
+            self._step_engine = ShardNoiseEngine(self.engine, self.distributed, self.rng)
 
     def _prepare_state(self, engine: str, chunk_kw: dict[str, Any],
                        noise_multiplier: float | None) -> None:
@@ -656,7 +659,8 @@ class PrivateTraining:
             out = dp_step(
                 self._step_model(), inputs, targets, loss_fn=self._step_loss,
                 strategy=self.strategy, state=self.state, engine=self._step_engine, groups=self.groups,
-                sampler=self.sampler, base_noise_multiplier=z, ctx=ctx, generator=self.rng.noise,
+                sampler=self.sampler, base_noise_multiplier=z, ctx=ctx,
+                generator=self._noise_generator(step),
                 unit=self.unit,
             )
         except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300 chars
@@ -695,6 +699,12 @@ class PrivateTraining:
         if self.distributed is not None:  # loss_sum is global: divide by the global batch size
             n = max(int(self.sampler.last_global_batch_size or 0), 1)
         return float(out.loss_sum) / n if math.isfinite(out.loss_sum) else math.nan
+
+    def _noise_generator(self, step: int) -> torch.Generator:
+        """PRIVATE: the generator of this step's noise: ``rng.noise`` in one process; in a
+        distributed run this rank's own stream for ``step`` (training.noise_shard)."""
+        shard = getattr(self._step_engine, "noise_shard", None)
+        return shard.generator(step) if shard is not None else self.rng.noise
 
     def step(self, inputs: Any, targets: Any) -> float:
         """``backward`` then ``optimizer.step()``, weight clipping (bound-based strategies) and

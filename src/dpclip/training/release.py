@@ -25,32 +25,56 @@ flat-clipping step: one draw for all tensors, added on one flat buffer,
 ``dpclip.noise.add_gaussian_noise_all``), ``per_tensor=True`` (the bound step and the
 aggregator: one draw per tensor, ``dpclip.noise.add_gaussian_noise``). Both add the same
 distribution.
+
+Distributed runs (``shard=``, a :class:`dpclip.training.noise_shard.NoiseShard`): ``sums`` are
+this rank's LOCAL clipped sums; the rank adds ``N(0, (z s)^2)`` on its own block of coordinates
+only (drawn in float64 from its own stream, then cast), the ranks' contributions are all-reduced
+(so every coordinate carries exactly one draw, made by the rank that owns it), and the result is
+divided once. The strategies' statistics are noised the same way (``Releaser``). Which rank draws
+what, and why the sum has std ``z s`` exactly: :mod:`dpclip.training.noise_shard`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import Tensor
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
-from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std
+from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std, standard_normal
 
-__all__ = ["Released", "Releaser", "release"]
+__all__ = ["NoiseShardLike", "Released", "Releaser", "release"]
+
+
+class NoiseShardLike(Protocol):
+    """What a sharded release asks of its shard (:class:`dpclip.training.noise_shard.NoiseShard`):
+    which coordinates of a ``total``-coordinate release this process noises, from which
+    generator, and the SUM of the processes' contributions (in place)."""
+
+    def draws(self, total: int, generator: torch.Generator
+              ) -> list[tuple[int, int, torch.Generator]]: ...
+
+    def all_reduce_(self, t: Tensor) -> None: ...
 
 
 class Releaser:
     """The ``Release`` callback handed to strategies (``strategy.update(..., release)``): adds
     ``N(0, (z * sensitivity * k)^2)`` to ``value`` from the step's noise generator and returns the
     noisy value with its typed ``GaussianEvent(z)``. ``k`` is the sampler's (or unit's)
-    sensitivity factor: 2 under replace-one adjacency."""
+    sensitivity factor: 2 under replace-one adjacency. ``shard`` (a distributed run): ``value``
+    is the same global statistic on every rank; each rank draws the noise of its own coordinates
+    only, the noise vector is all-reduced (each coordinate: one draw plus exact zeros) and added
+    on every rank."""
 
-    def __init__(self, generator: torch.Generator, sensitivity_factor: int) -> None:
+    def __init__(self, generator: torch.Generator, sensitivity_factor: int,
+                 shard: NoiseShardLike | None = None) -> None:
         self.generator = generator
         self.factor = sensitivity_factor
+        self.shard = shard
 
     def __call__(
         self, value: Tensor, sensitivity: float, noise_multiplier: float
@@ -58,7 +82,17 @@ class Releaser:
         if not (sensitivity > 0):
             raise ValueError(f"release: sensitivity must be > 0, got {sensitivity!r}")
         std = noise_std(noise_multiplier, sensitivity * self.factor)
-        noisy = add_gaussian_noise(value, std, self.generator)
+        if self.shard is None:
+            noisy = add_gaussian_noise(value, std, self.generator)
+        else:
+            noise = torch.zeros(value.numel(), dtype=value.dtype, device=value.device)
+            if std != 0.0:
+                for lo, hi, gen in self.shard.draws(value.numel(), self.generator):
+                    if hi > lo:
+                        noise[lo:hi] = std * standard_normal(hi - lo, gen, value.dtype,
+                                                             value.device)
+            self.shard.all_reduce_(noise)
+            noisy = value + noise.view(value.shape)
         return noisy, GaussianEvent(noise_multiplier)
 
 
@@ -91,6 +125,7 @@ def release(
     noise_scale: float = 1.0,
     per_tensor: bool = False,
     untransform: bool = False,
+    shard: NoiseShardLike | None = None,
 ) -> Released:
     """Release ``sums`` (clipped sums, unnoised) once: noise, divide, update, event.
 
@@ -115,6 +150,10 @@ def release(
         per_tensor: one draw per tensor instead of one joint draw (see the module docstring).
         untransform: P-GRAD: map the released mean back with ``strategy.untransform(values,
             state, std / divisor)`` (post-processing) before the update.
+        shard: a distributed run's :class:`~dpclip.training.noise_shard.NoiseShard` (``None``:
+            one process). ``sums`` are then this rank's LOCAL sums and ``generator`` this rank's
+            own stream (``shard.generator(step)``); the values returned are the global ones,
+            identical on every rank (module docstring). Not with ``untransform``.
 
     Raises ``ValueError`` for a non-finite or negative multiplier, sensitivity or divisor.
     """
@@ -124,7 +163,12 @@ def release(
         std = {n: noise_std(z, sensitivity[n]) for n in sums}
     else:
         std = noise_std(z, sensitivity) * noise_scale
-    if per_tensor:
+    if shard is not None:
+        if untransform:
+            raise ValueError("release: a sharded (distributed) release cannot untransform "
+                             "(P-GRAD strategies train in one process)")
+        values = _sharded_noisy_sums(sums, std, generator, shard, divisor)
+    elif per_tensor:
         values = {n: add_gaussian_noise(
             v, std[n] if isinstance(std, dict) else std, generator) / divisor
             for n, v in sums.items()}
@@ -133,8 +177,52 @@ def release(
     if untransform:  # back to parameter space: post-processing of the released mean
         assert not isinstance(std, dict)
         values, state = strategy.untransform(values, state, std / divisor)  # type: ignore[attr-defined]
-    new_state, extra = strategy.update(state, norms, ctx, Releaser(generator, sensitivity_factor))
+    new_state, extra = strategy.update(state, norms, ctx,
+                                       Releaser(generator, sensitivity_factor, shard))
     inner = GaussianEvent(z) if mechanism is None else mechanism
     if extra:
         inner = ComposedEvent((inner, *extra))
     return Released(values=values, state=new_state, event=sampler.step_event(inner), std=std)
+
+
+def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float],
+                        generator: torch.Generator, shard: NoiseShardLike,
+                        divisor: float) -> dict[str, Tensor]:
+    """``(all-reduce(local sums + this rank's noise shard)) / divisor`` (the module docstring):
+    the coordinates are numbered over the tensors of ``sums`` in their order; the rank draws
+    ``shard.draws(total)``'s blocks (float64, cast to each tensor's dtype) and scales each
+    coordinate by its tensor's std. New tensors; ``sums`` is not changed."""
+    if not (math.isfinite(divisor) and divisor > 0):
+        raise ValueError(f"divide_by must be finite and > 0, got {divisor!r}")
+    names = list(sums)
+    tensors = [sums[n] for n in names]
+    stds = [float(std[n]) if isinstance(std, dict) else float(std) for n in names]
+    sizes = [t.numel() for t in tensors]
+    total = sum(sizes)
+    dtype, device = (tensors[0].dtype, tensors[0].device) if tensors else (None, None)
+    flat_ok = all(t.dtype == dtype and t.device == device for t in tensors)
+    # one buffer per dtype/device class: the whole flat vector (the usual case) or per tensor
+    bufs = [torch.cat([t.reshape(-1) for t in tensors])] if tensors and flat_ok \
+        else [t.detach().reshape(-1).clone() for t in tensors]
+    if any(sd != 0.0 for sd in stds):
+        for lo, hi, gen in shard.draws(total, generator):
+            if hi <= lo:
+                continue
+            z = standard_normal(hi - lo, gen, dtype if flat_ok else torch.float64,
+                                device if flat_ok else gen.device)
+            offset = 0
+            for i, (size, sd) in enumerate(zip(sizes, stds)):
+                a, b = max(lo, offset), min(hi, offset + size)  # this tensor's part of the block
+                if a < b and sd != 0.0:
+                    buf, base = (bufs[0], 0) if flat_ok else (bufs[i], offset)
+                    buf[a - base:b - base].add_(
+                        z[a - lo:b - lo].to(device=buf.device, dtype=buf.dtype), alpha=sd)
+                offset += size
+    for buf in bufs:
+        shard.all_reduce_(buf)
+        buf.div_(divisor)
+    if flat_ok:
+        return {n: c.view(tuple(t.shape))
+                for n, c, t in zip(names, bufs[0].split_with_sizes(sizes), tensors)} \
+            if tensors else {}
+    return {n: b.view(tuple(t.shape)) for n, b, t in zip(names, bufs, tensors)}

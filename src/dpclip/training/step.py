@@ -128,6 +128,13 @@ def dp_step(
 
     per_example = capabilities_of(strategy).per_example_grads
     individual = unit is None or unit.is_individual
+    # a distributed engine whose sums are LOCAL (noise_shard): the release noises this rank's
+    # coordinates and all-reduces (dpclip.training.noise_shard); only the engine path makes them
+    shard = getattr(engine, "noise_shard", None)
+    if shard is not None and (per_example or not individual):
+        raise ValueError("dp_step: a sharded distributed engine runs only the engine's own sum "
+                         "(unit=ic, a strategy that is not P-GRAD); train batch clipping units "
+                         "and P-GRAD strategies in one process (docs/errors.md entry 202)")
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
         if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
             name = getattr(unit, "unit", unit)
@@ -172,7 +179,7 @@ def dp_step(
         result.grads, noise_multiplier=z, sensitivity=block, divisor=denom, generator=generator,
         strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
         sensitivity_factor=factor, untransform=per_example,
-        noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0)
+        noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0, shard=shard)
     return _output(out, result, engine, z, sensitivity, n_examples)
 
 
@@ -252,7 +259,8 @@ def bound_step(
         sensitivity={name: k * cert.param_sensitivity[name] for name in result.grads},
         divisor=sampler.expected_batch_size, generator=generator, strategy=strategy,
         state=state, norms=norms, ctx=ctx, sampler=sampler, sensitivity_factor=k,
-        mechanism=strategy.step_event(z), per_tensor=True)
+        mechanism=strategy.step_event(z), per_tensor=True,
+        shard=getattr(engine, "noise_shard", None))  # distributed: local sums (noise_shard)
     return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]))
 
 
