@@ -326,6 +326,9 @@ class SeparabilityTracer(TorchDispatchMode):
         #: storages allocated during the trace (data pointers): batch data written in place into
         #: any other storage (a parameter, buffer, attribute, global) would outlive the step
         self._born: set[int] = set()
+        #: the program the batch-size proof ran, matched op by op against this run
+        #: (:class:`dpclip.engine.proved_program.ProgramMatch`), or None
+        self.match: Any = None
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -392,6 +395,8 @@ class SeparabilityTracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
+            if not quiet and self.match is not None:  # user code: the proved program's next op
+                self.match.step(func, args, kwargs, out)
             return self._dispatch(func, args, kwargs, out)
         finally:
             self.quiet = quiet
