@@ -64,14 +64,50 @@ _LIFT = {_aten.lift_fresh.default: "lift", _aten.lift_fresh_copy.default: "lift"
 #: both sides, their output named as their input. The separability and gradients of the real run
 #: are judged on the real run itself (dpclip.engine.separable), values only are matched here
 _TRANSPARENT = frozenset({_aten.detach.default, _aten.alias.default})
-#: allocations without tensor inputs: the proof's fake mode makes some when a real tensor meets a
-#: fake one (never used after); an unused one has no effect, so unused ones are dropped from the
-#: recording and the real run may make unused ones too (a used one must match)
-_ALLOC = frozenset({_aten.empty_strided.default, _aten.empty.memory_format})
+_PURE: dict[Any, bool] = {}
+
+
+def _pure(func: Any) -> bool:
+    """Whether the operation has no effect but its outputs: it writes no argument and draws no
+    random numbers. Symbolic tracing and eager kernels differ in such operations whose outputs are
+    never used (an allocation when a real tensor meets a fake one, a view made to read a size):
+    unused ones are dropped from the recording, and the real run may run extra ones. An extra one
+    whose output IS used is caught where it is used: its output has no name in the proof."""
+    got = _PURE.get(func)
+    if got is None:
+        got = _PURE[func] = not func._schema.is_mutable and \
+            torch.Tag.nondeterministic_seeded not in func.tags
+    return got
 
 # argument specs: ("t", ref) a tensor by name; ("x", weakref) a tensor from outside the call by
 # identity; ("c", tensor) a lifted literal by value; ("s", expr) a symbolic number; ("l", type,
 # specs) a list or tuple; ("v", value) any other value by equality; ("?", why) not matchable
+
+
+def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether the call returns its first argument's values unchanged (``detach``, ``alias``, a
+    full slice ``x[:]``, which an eager run skips where a symbolic trace records it)."""
+    if not (isinstance(out, Tensor) and args and isinstance(args[0], Tensor)):
+        return False
+    if func in _TRANSPARENT:
+        return True
+    if func is _aten.slice.Tensor and not kwargs:
+        t = args[0]
+        dim = args[1] if len(args) > 1 else 0
+        start = args[2] if len(args) > 2 else None
+        end = args[3] if len(args) > 3 else None
+        step = args[4] if len(args) > 4 else 1
+        if type(dim) is not int or type(step) is not int or step != 1 or \
+                type(start) not in (int, type(None)) or start not in (None, 0):
+            return False
+        size = t.shape[dim]
+        if type(end) is int:
+            return end >= 2 ** 62 or (type(size) is int and end >= size)
+        # the proof: a symbolic end that is the symbolic size itself (compared as expressions,
+        # without a guard)
+        return isinstance(end, torch.SymInt) and isinstance(size, torch.SymInt) and \
+            end.node.expr == size.node.expr
+    return False
 
 
 def _skip(func: Any) -> bool:
@@ -159,9 +195,15 @@ def _state_names(model: Any, names: _Names) -> None:
 
 
 def _input_names(xs: Any, ys: Any, names: _Names) -> None:
+    """Name each input leaf by the set of leaf positions its object occupies (a language model's
+    targets are often its input ids, one object; a chunk of them is two): a real input matches a
+    proof's input when the positions meet."""
+    where: dict[int, tuple[Tensor, list[int]]] = {}
     for i, t in enumerate(pytree.tree_leaves((xs, ys))):
         if isinstance(t, Tensor):
-            names.set(t, ("in", i))
+            where.setdefault(id(t), (t, []))[1].append(i)
+    for t, idx in where.values():
+        names.set(t, ("in", frozenset(idx)))
 
 
 def _outputs(out: Any) -> list[Tensor | None]:
@@ -199,8 +241,7 @@ class ProgramRecorder(TorchDispatchMode):
             # literal): not the program; a later use of its output would be a tensor from outside
             # the call by identity, which no real run has
             return out
-        if func in _TRANSPARENT and isinstance(out, Tensor) and args and \
-                isinstance(args[0], Tensor):
+        if _identity(func, args, kwargs, out):
             name = self._names.get(args[0])
             if name is not None:
                 self._names.set(out, name)
@@ -269,22 +310,31 @@ class ProgramRecorder(TorchDispatchMode):
         self.program.loss_out = self._names.get(out) if isinstance(out, Tensor) else None
 
     def finish(self) -> ProvedProgram:
-        """The recording, unused allocations dropped (see ``_ALLOC``)."""
+        """The recording without its dead code: pure operations (:func:`_pure`) none of whose
+        outputs reaches the model's output, the losses or an operation that is kept."""
         self._keep.clear()
         prog = self.program
-        used: set[Any] = {prog.model_out, prog.loss_out}
-        for _, a, kw, _ in prog.entries:
+        used: set[int] = set()  # indices of the operations whose outputs are used
+        _names_in(("l", tuple, tuple(("t", n) for n in (prog.model_out, prog.loss_out)
+                                     if n is not None)), used)
+        kept = []
+        for e in reversed(prog.entries):
+            func, a, kw, index = e
+            if _pure(func) and index not in used:
+                continue
+            kept.append(e)
             for spec in list(a) + list(kw.values()):
                 _names_in(spec, used)
-        prog.entries = [e for e in prog.entries
-                        if not (e[0] in _ALLOC and ("op", e[3], 0) not in used)]
+        prog.entries = kept[::-1]
         prog.split = sum(1 for e in prog.entries if e[3] < self._split)
         return prog
 
 
-def _names_in(spec: tuple, used: set[Any]) -> None:
+def _names_in(spec: tuple, used: set[int]) -> None:
+    """Add the indices of the recorded operations whose outputs ``spec`` names to ``used``."""
     if spec[0] == "t":
-        used.add(spec[1])
+        if spec[1][0] == "op":
+            used.add(spec[1][1])
     elif spec[0] == "l":
         for s in spec[2]:
             _names_in(s, used)
@@ -299,7 +349,8 @@ class ProgramMatch:
     Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
     :attr:`mismatch` holds the first difference, or None."""
 
-    __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model")
+    __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
+                 "first_extra")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -309,6 +360,9 @@ class ProgramMatch:
         self.mismatch: str | None = program.unmatchable
         self.done = False
         self._model = model
+        #: operations of the real run without effects that matched nothing (see _pure)
+        self.extra = 0
+        self.first_extra: str | None = None
         _state_names(model, self.names)
         _input_names(xs, ys, self.names)
 
@@ -329,13 +383,14 @@ class ProgramMatch:
 
     def _fail(self, why: str) -> None:
         if self.mismatch is None:
+            if self.first_extra is not None:
+                why = f"{why}; first difference: {self.first_extra}"
             self.mismatch = why
 
     def step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self.done or self.mismatch is not None or _skip(func):
             return
-        if func in _TRANSPARENT and isinstance(out, Tensor) and args and \
-                isinstance(args[0], Tensor):
+        if _identity(func, args, kwargs, out):
             name = self.names.get(args[0])
             if name is not None:
                 self.names.set(out, name)
@@ -347,25 +402,33 @@ class ProgramMatch:
             self._fail(f"operation {k} ({_short(func)}) runs after the end of the proved program")
             return
         want, s_args, s_kwargs, index = self.entries[k]
-        if want is not func and func in _ALLOC:
-            return  # an allocation the proof did not use: its output has no name, so a use of
-            # it matches nothing
+        why = None
         if want is not func:
-            self._fail(f"operation {k} is {_short(func)}, the proof ran {_short(want)} there")
-            return
-        if len(args) != len(s_args) or set(kwargs) != set(s_kwargs):
-            self._fail(f"operation {k} ({_short(func)}) has other arguments than in the proof")
-            return
-        for i, (s, a) in enumerate(zip(s_args, args)):
-            if not self._eq(s, a):
-                self._fail(f"argument {i} of operation {k} ({_short(func)}) differs from the "
+            why = f"operation {k} is {_short(func)}, the proof ran {_short(want)} there"
+        elif len(args) != len(s_args) or set(kwargs) != set(s_kwargs):
+            why = f"operation {k} ({_short(func)}) has other arguments than in the proof"
+        else:
+            for i, (s, a) in enumerate(zip(s_args, args)):
+                if not self._eq(s, a):
+                    why = (f"argument {i} of operation {k} ({_short(func)}) differs from the "
                            "proof's")
+                    break
+            else:
+                for key, v in kwargs.items():
+                    if not self._eq(s_kwargs[key], v):
+                        why = (f"argument {key!r} of operation {k} ({_short(func)}) differs "
+                               "from the proof's")
+                        break
+        if why is not None:
+            if _pure(func):
+                # an extra operation without effects (see _pure): its outputs get no name, so a
+                # use of them matches nothing; remembered for the message if the run then fails
+                self.extra += 1
+                if self.first_extra is None:
+                    self.first_extra = why
                 return
-        for key, v in kwargs.items():
-            if not self._eq(s_kwargs[key], v):
-                self._fail(f"argument {key!r} of operation {k} ({_short(func)}) differs from "
-                           "the proof's")
-                return
+            self._fail(why)
+            return
         for j, o in enumerate(_outputs(out)):
             if o is not None:
                 self.names.set(o, ("op", index, j))
@@ -374,7 +437,13 @@ class ProgramMatch:
     def _eq(self, s: tuple, a: Any) -> bool:
         kind = s[0]
         if kind == "t":
-            return isinstance(a, Tensor) and self.names.get(a) == s[1]
+            if not isinstance(a, Tensor):
+                return False
+            got = self.names.get(a)
+            if got == s[1]:
+                return True
+            return got is not None and got[0] == "in" and s[1][0] == "in" and \
+                bool(got[1] & s[1][1])
         if kind == "v":
             v = s[1]
             if type(a) is not type(v):  # 1 and 1.0 and True promote differently
