@@ -343,6 +343,20 @@ def test_the_coinciding_size_runs_exactly_the_proved_program():
         clipped_sum(AutoEngine(), model, ce, x[:7], y[:7])
 
 
+def test_error_401_names_the_fix():
+    """docs/errors.md entry 401: the message says why there is no fallback and what to do."""
+    build, loss = DETECTING["fake-detection-times-B"]
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = data()
+    with pytest.raises(UnsupportedModelError) as err:
+        clipped_sum(AutoEngine(), model, loss, x, y)
+    msg = str(err.value)
+    assert "does not run the program that the batch-size proof traced" in msg
+    assert "not turned into a vmap fallback" in msg and "engine 'vmap'" in msg
+    assert "8" not in msg.replace("of the proof's 8 operations", "")  # no batch size quoted
+
+
 @pytest.mark.parametrize("b", [2, 3, 5, 8, 13])
 def test_an_ordinary_model_matches_its_proof_at_every_batch_size(b):
     """The recorded program is a function of the symbolic batch size: an honest model (dropout,

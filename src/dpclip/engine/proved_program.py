@@ -340,8 +340,8 @@ def _names_in(spec: tuple, used: set[int]) -> None:
             _names_in(s, used)
 
 
-class ProgramMismatch(Exception):
-    """The real run is not the program the proof recorded (the reason is the message)."""
+class _NoKey(Exception):
+    """A call argument without a name or a value to key on."""
 
 
 class ProgramMatch:
@@ -350,7 +350,7 @@ class ProgramMatch:
     :attr:`mismatch` holds the first difference, or None."""
 
     __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
-                 "first_extra")
+                 "first_extra", "memo")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -363,6 +363,8 @@ class ProgramMatch:
         #: operations of the real run without effects that matched nothing (see _pure)
         self.extra = 0
         self.first_extra: str | None = None
+        #: pure operations matched so far: key of the call -> index in the recording
+        self.memo: dict[Any, int] = {}
         _state_names(model, self.names)
         _input_names(xs, ys, self.names)
 
@@ -419,8 +421,19 @@ class ProgramMatch:
                         why = (f"argument {key!r} of operation {k} ({_short(func)}) differs "
                                "from the proof's")
                         break
+        pure = _pure(func)
         if why is not None:
-            if _pure(func):
+            if pure:
+                # the same pure operation on the same named tensors as one already matched (a
+                # layer called twice, once on a constant the proof's dead code dropped): the same
+                # values, named as that one
+                key = self._key(func, args, kwargs)
+                seen = self.memo.get(key) if key is not None else None
+                if seen is not None:
+                    for j, o in enumerate(_outputs(out)):
+                        if o is not None:
+                            self.names.set(o, ("op", seen, j))
+                    return
                 # an extra operation without effects (see _pure): its outputs get no name, so a
                 # use of them matches nothing; remembered for the message if the run then fails
                 self.extra += 1
@@ -429,10 +442,37 @@ class ProgramMatch:
                 return
             self._fail(why)
             return
+        if pure:
+            key = self._key(func, args, kwargs)
+            if key is not None:
+                self.memo[key] = index
+        else:
+            # a write (or a draw) may change what a view of the written tensor reads: equal keys
+            # then no longer mean equal values
+            self.memo.clear()
         for j, o in enumerate(_outputs(out)):
             if o is not None:
                 self.names.set(o, ("op", index, j))
         self.k = k + 1
+
+    def _key(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A hashable key of a call on named tensors and plain values, or None."""
+        try:
+            return (func, tuple(self._arg_key(a) for a in args),
+                    tuple(sorted((k, self._arg_key(v)) for k, v in kwargs.items())))
+        except (_NoKey, TypeError):
+            return None
+
+    def _arg_key(self, a: Any) -> Any:
+        if isinstance(a, Tensor):
+            name = self.names.get(a)
+            if name is None:
+                raise _NoKey
+            return ("t", name)
+        if isinstance(a, (list, tuple)):
+            return ("l", type(a), tuple(self._arg_key(x) for x in a))
+        hash(a)
+        return ("v", type(a), a)
 
     def _eq(self, s: tuple, a: Any) -> bool:
         kind = s[0]
