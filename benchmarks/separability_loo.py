@@ -40,11 +40,13 @@ def loo_worst(engine, model, loss, x, y) -> float:
 
 def hostile_attacks() -> dict:
     """The attacks of the hostile review that ghost accepted (tests/engine/test_hostile_review.py:
-    two fixed there, two open)."""
-    from tests.engine.test_hostile_review import OPEN, REFUSED
+    two fixed by refusal, and the programs that tell the proof from the real run, fixed by the
+    proved-program match; the two of the last review keep their row names)."""
+    from tests.engine.test_hostile_review import DETECTING, REFUSED
 
     fixed = {k: REFUSED[k] for k in ("einsum-ones_like(B)", "forward-hook-mixes-output")}
-    return {**fixed, **{f"{k} (open)": v for k, v in OPEN.items()}}
+    was_open = ("fake-detection-forward", "symint-detection-loss")
+    return {**fixed, **{f"{k} (open)" if k in was_open else k: v for k, v in DETECTING.items()}}
 
 
 def measure(label: str, attacks: dict | None = None) -> list[dict]:

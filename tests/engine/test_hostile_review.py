@@ -9,10 +9,11 @@ per-example mechanism has LOO <= 1. Found and fixed here (each test failed on th
 * a user forward hook on a ghost-hooked layer (``o + k * o.mean(0)``): the engine read the
   gradient of the hook's mixed output as the layer's ``b``: accepted, LOO 1.06 C; now refused.
 
-Still open (strict xfail): a forward or loss that tells the symbolic-batch proof from the real
-run (``isinstance(x.shape[0], int)``, ``type(x) is torch.Tensor``) and uses the batch size only in
-the real run: accepted, LOO 2.57-3.16 C. The proof checks one program and the engine runs another;
-the sound fix is to run what was proved (the exported program), not yet done.
+* a forward or loss that tells the symbolic-batch proof from the real run
+  (``isinstance(x.shape[0], int)``, ``type(x) is torch.Tensor``, a call counter) and uses the batch
+  size only in the real run: accepted, LOO 2.57-3.16 C; now the real run is matched operation by
+  operation against what the proof ran (:mod:`dpclip.engine.proved_program`), and a step that
+  differs is refused under ghost and auto alike (never a vmap fallback).
 
 The other attacks of the review are refused (regression tests below).
 """
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from dpclip.engine import AutoEngine, GhostEngine
 from dpclip.engine.errors import UnsupportedModelError
 from tests.engine.helpers import DT
-from tests.engine.test_separability_attacks import Net, ce, clipped_sum, data, loo_distance
+from tests.engine.test_separability_attacks import C, Net, ce, clipped_sum, data, loo_distance
 
 
 class HookedHead(nn.Module):
@@ -254,31 +255,130 @@ def test_a_shared_dropout_mask_is_per_example_given_the_mask():
     assert worst <= 1 + 1e-9
 
 
-# ----------------------------------------------------------------- open: proof vs. real program
+# --------------------------------------------------- a program that tells the proof from the run
+#
+# The batch-size proof runs the forward on fake tensors with a symbolic batch size; user Python can
+# tell them from real tensors and use the batch size only in the real run. Accepted before (LOO
+# 2.57-3.16 C); now the real run is matched op by op against the proof's recording
+# (dpclip.engine.proved_program) and a mismatch stops the step under ghost AND auto (no vmap
+# fallback: whether a step matches can depend on the batch size).
 
-def _real_only_batch_size(h: Tensor) -> Tensor:
-    # under the symbolic-batch export h is a fake tensor with a symbolic size; in the real run a
-    # plain tensor with an int size: the batch size is used only where the proof does not look
-    return h * ((h.shape[0] - 7) if type(h) is torch.Tensor else 1)
+_CALLS = {"n": 0}  # outside the model: the proof's cache key does not see it
 
 
-OPEN = {
-    "fake-detection-forward": (_mid(_real_only_batch_size), ce),
+def _real(t: Tensor) -> bool:
+    return type(t) is torch.Tensor  # a FakeTensor in the proof
+
+
+def _after_two_calls(h: Tensor) -> Tensor:
+    _CALLS["n"] += 1  # the proof is call 1, the first real run call 2
+    return h * h.shape[0] if _CALLS["n"] > 2 else h
+
+
+DETECTING = {
+    # h * (B - 7) in the real run: equal to the proof's h * 1 at B 8 only
+    "fake-detection-forward": (_mid(lambda h: h * ((h.shape[0] - 7) if _real(h) else 1)), ce),
+    "fake-detection-times-B": (_mid(lambda h: h * (h.shape[0] if _real(h) else 1)), ce),
     "symint-detection-loss": (lambda: Net(), lambda o, y: ce(o, y) * (
         (len(y) - 7) if isinstance(y.shape[0], int) else 1)),
+    "fake-mode-detection": (_mid(lambda h: h / (
+        1 if torch._guards.detect_fake_mode() is not None else h.shape[0])), ce),
+    "literal-from-B": (_mid(lambda h: h * torch.tensor(
+        float(h.shape[0]) if _real(h) else 1.0, dtype=h.dtype)), ce),
+    "other-constant-in-real-run": (_mid(lambda h: h + (
+        torch.full((6,), 1.0, dtype=h.dtype) if _real(h) else torch.zeros(6, dtype=h.dtype))), ce),
+    "call-counter": (_mid(_after_two_calls), ce),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="open hole: a program that tells the symbolic-batch "
-                   "proof from the real run (LOO 2.57-3.16 C); fix: run the proved program")
-@pytest.mark.parametrize("name", list(OPEN))
-def test_open_a_program_that_detects_the_proof_is_refused(name):
-    build, loss = OPEN[name]
+def _sums_or_refused(engine, model, loss, x, y) -> list:
+    """The clipped sum at B 8 and at each of its eight B 7 neighbours (None: refused), two calls
+    each (the second after the proof is cached)."""
+    out = []
+    for keep in [list(range(8))] + [[i for i in range(8) if i != j] for j in range(8)]:
+        for _ in range(2):
+            try:
+                got, info = clipped_sum(engine, model, loss, x[keep], y[keep])
+                assert info["engine"] == "ghost", info  # a mismatch is never a vmap fallback
+            except UnsupportedModelError as exc:
+                assert "program that the batch-size proof traced" in str(exc), str(exc)[:300]
+                got = None
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+@pytest.mark.parametrize("name", list(DETECTING))
+def test_a_program_that_detects_the_proof_never_exceeds_c(name, engine):
+    """Every step either runs the proved program (LOO <= C between any two that ran) or is
+    refused, and the attack is seen at one batch size at least."""
+    from dpclip.engine import batch_symbol
+
+    build, loss = DETECTING[name]
+    torch.manual_seed(0)
+    _CALLS["n"] = 0
+    batch_symbol._CACHE.clear()
+    model = build().to(DT)
+    x, y = data()
+    sums = _sums_or_refused(engine(), model, loss, x, y)
+    assert any(s is None for s in sums), "the attack was not seen"
+    if sums[0] is not None:
+        for part in sums[1:]:
+            if part is not None:
+                assert float((sums[0] - part).norm()) / C <= 1 + 1e-9
+
+
+def test_the_coinciding_size_runs_exactly_the_proved_program():
+    """h * (B - 7) in the real run equals the proof's h * 1 at B 8: that step is accepted and its
+    clipped sum is the clean program's, bit for bit; at B 7 it is refused."""
+    torch.manual_seed(0)
+    model = DETECTING["fake-detection-forward"][0]().to(DT)
+    clean = Net(lambda m, h: h * 1).to(DT)
+    clean.load_state_dict(model.state_dict())
+    x, y = data()
+    got, _ = clipped_sum(AutoEngine(), model, ce, x, y)
+    want, _ = clipped_sum(AutoEngine(), clean, ce, x, y)
+    assert torch.equal(got, want)
+    with pytest.raises(UnsupportedModelError, match="program that the batch-size proof traced"):
+        clipped_sum(AutoEngine(), model, ce, x[:7], y[:7])
+
+
+def test_error_401_names_the_fix():
+    """docs/errors.md entry 401: the message says why there is no fallback and what to do."""
+    build, loss = DETECTING["fake-detection-times-B"]
     torch.manual_seed(0)
     model = build().to(DT)
     x, y = data()
-    with pytest.raises(UnsupportedModelError):
-        clipped_sum(GhostEngine(), model, loss, x, y)
+    with pytest.raises(UnsupportedModelError) as err:
+        clipped_sum(AutoEngine(), model, loss, x, y)
+    msg = str(err.value)
+    assert "does not run the program that the batch-size proof traced" in msg
+    assert "not turned into a vmap fallback" in msg and "engine 'vmap'" in msg
+    assert "8" not in msg.replace("of the proof's 8 operations", "")  # no batch size quoted
+
+
+@pytest.mark.parametrize("b", [2, 3, 5, 8, 13])
+def test_an_ordinary_model_matches_its_proof_at_every_batch_size(b):
+    """The recorded program is a function of the symbolic batch size: an honest model (dropout,
+    a literal tensor, views sized by the batch, a batch-first arange position) matches at every
+    size without a new proof."""
+
+    class Honest(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.drop(self.fc1(x)) * torch.tensor(0.5, dtype=x.dtype)
+            h = h.view(x.shape[0], 2, 3).reshape(x.size(0), -1)
+            return self.fc2(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = Honest().to(DT)
+    x, y = data(b)
+    _, info = clipped_sum(GhostEngine(), model, ce, x, y)
+    assert info["engine"] == "ghost"
 
 
 class _GlobalIds(nn.Module):
@@ -356,7 +456,10 @@ def test_data_carried_out_of_a_refused_call_is_a_past_batch():
     _USE_CARRY["on"] = True  # the proof is cached: the real run reads the last real batch's copy
     x2, y2 = data(seed=1)
     try:
-        with pytest.raises(UnsupportedModelError, match="mixes|depends on several"):
+        # refused as a past batch's data, or (since the match against the proved program) because
+        # the proof, cached from the first call, did not read the carried copy at all
+        with pytest.raises(UnsupportedModelError, match="mixes|depends on several|program that "
+                           "the batch-size proof traced"):
             GhostEngine().compute(model, ce, x2, y2, weights, ParamGroups.flat(model))
     finally:
         _CARRY.clear()

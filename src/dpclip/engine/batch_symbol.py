@@ -53,8 +53,9 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from dpclip.engine.batch import call_model
+from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
 
-__all__ = ["batch_size_uses", "data_independent_paths"]
+__all__ = ["batch_size_uses", "data_independent_paths", "proof_of"]
 
 _aten = torch.ops.aten
 
@@ -249,15 +250,35 @@ class _LossOfModel(nn.Module):
         self.expand = expand  # a plain tuple: not registered as submodules
 
     def forward(self, xs: Any, ys: Any) -> Tensor:
-        if not self.expand:
-            return self.loss_fn(call_model(self.model, xs), ys)
-        from dpclip.engine.batchless import as_example_rows, expanding_hooks
+        # the operations the proof runs are recorded (post-autograd, as a dispatch mode sees an
+        # eager run): the real run must be this program (dpclip.engine.proved_program)
+        rec = ProgramRecorder(self.model, xs, ys)
+        with rec:
+            if not self.expand:
+                out = call_model(self.model, xs)
+                rec.model_output(out)
+                losses = self.loss_fn(out, ys)
+            else:
+                from dpclip.engine.batchless import as_example_rows, expanding_hooks
 
-        # the batch-less calls of these layers are expanded to the (symbolic) batch size, as the
-        # ghost engine runs them, and are example data (dpclip.engine.batchless)
-        first = next(t for t in pytree.tree_leaves(xs) if isinstance(t, Tensor))
-        with expanding_hooks(self.expand, lambda out: as_example_rows(out, first)):
-            return self.loss_fn(call_model(self.model, xs), ys)
+                # the batch-less calls of these layers are expanded to the (symbolic) batch size,
+                # as the ghost engine runs them, and are example data (dpclip.engine.batchless);
+                # engine code, not recorded: the expansion stands for the layer's output
+                first = next(t for t in pytree.tree_leaves(xs) if isinstance(t, Tensor))
+
+                def expand(out: Tensor) -> Tensor:
+                    with rec.engine():
+                        got = as_example_rows(out, first)
+                    rec.alias(got, out)
+                    return got
+
+                with expanding_hooks(self.expand, expand):
+                    out = call_model(self.model, xs)
+                    rec.model_output(out)
+                    losses = self.loss_fn(out, ys)
+            rec.loss_output(losses)
+        self.program = rec.finish()
+        return losses
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -328,8 +349,21 @@ def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[...
     that program.
 
     Privacy: runs the model on fake tensors only (no values of ``xs``/``ys`` are read); the verdict
-    holds for every batch size >= 2. Edge cases: inputs must have the batch as dimension 0 of every
-    tensor leaf (as the engines require); a batch of one example is not checked by the caller."""
+    holds for every batch size >= 2 FOR THE PROGRAM THE PROOF RAN: a caller that then runs the
+    real forward must check that it runs that program (:func:`proof_of` gives it). Edge cases:
+    inputs must have the batch as dimension 0 of every tensor leaf (as the engines require); a
+    batch of one example is not checked by the caller."""
+    return proof_of(model, loss_fn, xs, ys, expand)[0]
+
+
+def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
+             ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()
+             ) -> tuple[str | None, ProvedProgram | None]:
+    """``(reason, program)``: the verdict of :func:`batch_size_uses` and the operations the proof
+    ran (:class:`~dpclip.engine.proved_program.ProvedProgram`; None where the trace failed), which
+    the real run must match operation by operation
+    (:class:`~dpclip.engine.proved_program.ProgramMatch`): user Python can tell the proof's fake
+    tensors from real ones, so the verdict alone says nothing about a different real run."""
     per_model = _CACHE.setdefault(model, {})
     key = (loss_fn, _signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
     try:
@@ -337,26 +371,27 @@ def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[...
             return per_model[key]
     except TypeError:  # an unhashable loss function: not cached
         key = None
-    reason = _export_check(model, loss_fn, xs, ys, expand)
+    got = _export_check(model, loss_fn, xs, ys, expand)
     if key is not None:
         if len(per_model) >= 64:
             per_model.clear()
-        per_model[key] = reason
-    return reason
+        per_model[key] = got
+    return got
 
 
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
-                  ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()) -> str | None:
+                  ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()
+                  ) -> tuple[str | None, ProvedProgram | None]:
     from torch.export import Dim, export
 
     batch_dim = Dim("batch", min=2)
     dynamic = pytree.tree_map(lambda t: {0: batch_dim} if isinstance(t, Tensor) else None,
                               (xs, ys))
+    traced = _LossOfModel(model, loss_fn, expand)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _eager_kernels():
             warnings.simplefilter("ignore")
-            ep = export(_LossOfModel(model, loss_fn, expand), (xs, ys), dynamic_shapes=dynamic,
-                        strict=False)
+            ep = export(traced, (xs, ys), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure to trace is "not proven"
         # numbers masked: an error text can quote a size, and the batch size is private
         first = re.sub(r"\d+", "#", (str(exc).strip().splitlines() or
@@ -364,11 +399,63 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
         if "Constraints violated" in str(exc) or "specializ" in str(exc):
             return ("the batch size is used as a Python value (len(), int(), range(), a "
                     "condition on x.shape[0], ...): the trace with a symbolic batch size "
-                    f"specialised it ({first})")
+                    f"specialised it ({first})"), None
         return ("not proven: the forward and loss could not be traced with a symbolic batch "
                 f"size ({type(exc).__name__}: {first}); Python escapes such as .numpy(), "
-                ".tolist(), .item() or control flow on data values cannot be checked")
-    return _check_graph(ep)
+                ".tolist(), .item() or control flow on data values cannot be checked"), None
+    program = getattr(traced, "program", None)
+    if program is None:
+        return "not proven: the proof's trace did not run the forward", None
+    return _check_graph(ep), program
+
+
+#: dispatch keys whose Python kernels (``py_impl``) replace the C++ kernels of an eager run
+_EAGER_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd,
+               torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA)
+_PY_KERNEL_OPS: list[Any] | None = None
+
+
+def _ops_with_python_decompositions() -> list[Any]:
+    """The ATen overloads with a Python kernel for a composite or autograd key (``dropout``,
+    ``matmul``, ``native_batch_norm``, the upsamplings, ...): under the Python dispatcher that the
+    proof's tracing enables they run ``torch._decomp``'s decomposition, in an eager run the C++ one,
+    and the two emit different operations (``native_dropout`` vs ``bernoulli_`` + ``div_`` +
+    ``mul``)."""
+    global _PY_KERNEL_OPS
+    if _PY_KERNEL_OPS is None:
+        found = []
+        aten = torch.ops.aten
+        for name in dir(aten):
+            packet = getattr(aten, name, None)
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
+                continue
+            for ov in packet.overloads():
+                op = getattr(packet, ov, None)
+                if op is not None and any(k in op.py_kernels for k in _EAGER_KEYS):
+                    found.append(op)
+        _PY_KERNEL_OPS = found
+    return _PY_KERNEL_OPS
+
+
+@contextlib.contextmanager
+def _eager_kernels() -> Iterator[None]:
+    """Run the proof with the C++ composite and autograd kernels an eager run uses: the proof
+    records its operations for the real run to match (:mod:`dpclip.engine.proved_program`), so
+    both must decompose the same way. The Python kernels are put back on exit."""
+    import torch.export  # noqa: F401 - registers the decompositions first
+
+    saved = []
+    for op in _ops_with_python_decompositions():
+        for k in _EAGER_KEYS:
+            if k in op.py_kernels:
+                saved.append((op, k, op.py_kernels.pop(k)))
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, k, fn in saved:
+            op.py_kernels[k] = fn
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

@@ -149,7 +149,13 @@ from dpclip.engine.ghost_rules import (
     _rule_for,
     _sq,
 )
-from dpclip.engine.ghost_forward import _RuntimeUnsupported, _batched_rank, _check_losses, _forward
+from dpclip.engine.ghost_forward import (
+    _NotTheProvedProgram,
+    _RuntimeUnsupported,
+    _batched_rank,
+    _check_losses,
+    _forward,
+)
 
 __all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
 
@@ -371,6 +377,14 @@ class GhostEngine:
                 all_norms.append(norms)
                 all_weights.append(weights)
                 loss_sum += loss
+        except _NotTheProvedProgram as exc:
+            # never a fallback: the match can depend on the realised batch size, and the
+            # fallback's per-example function is the real program's, not the proved one
+            raise UnsupportedModelError(
+                f"{self.name} engine: {exc}. This is not turned into a vmap fallback (whether a "
+                "step matches could depend on the private batch size, and the engine would then "
+                "be chosen by it); the run stops here. Make the forward and loss compute the same "
+                "operations on every call, or use engine 'vmap' for this model") from None
         except _RuntimeUnsupported as exc:
             return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups, str(exc))
         assert sums is not None

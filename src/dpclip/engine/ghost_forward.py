@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.engine.base import LossFn
 from dpclip.engine.batch import batch_leaves, call_model
-from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+from dpclip.engine.batch_symbol import data_independent_paths, proof_of
 from dpclip.engine.batchless import (
     BroadcastGuard,
     NotBroadcast,
@@ -21,6 +21,7 @@ from dpclip.engine.batchless import (
     is_batchless,
     is_unbatched,
 )
+from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
@@ -28,6 +29,14 @@ from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
 
 class _RuntimeUnsupported(Exception):
     """A model property found during the forward pass that the ghost rules cannot handle."""
+
+
+class _NotTheProvedProgram(_RuntimeUnsupported):
+    """The real run is not the program the batch-size proof traced
+    (:mod:`dpclip.engine.proved_program`). Never turned into a vmap fallback: whether a run
+    matches can depend on the realised batch size (a program built to coincide with the proof at
+    one size), so a fallback would choose the engine, and with it the per-example function, from
+    the private batch size."""
 
 
 def _check_losses(losses: Tensor, batch: int) -> Tensor:
@@ -106,10 +115,11 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     if batch > 1:
         # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
         # the proof traces the program the engine runs
-        why = batch_size_uses(model, loss_fn, xs, ys, tuple(
+        why, program = proof_of(model, loss_fn, xs, ys, tuple(
             (o.module, o.rule is _MODULE) for o in scan.owners))
         with data_independent_paths():  # first: an error of the user's own code surfaces as is
-            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch,
+                                  program if why is None else None)
         if why is not None:
             raise _RuntimeUnsupported(
                 f"the forward pass and loss are not proved per-example separable: {why}. The "
@@ -120,8 +130,13 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
 
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
-                    ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
+                    ys: Any, batch: int, program: ProvedProgram | None = None
+                    ) -> tuple[list[_Call], Tensor]:
+    """The traced forward; ``program``: what the batch-size proof ran, matched op by op against
+    this run (:mod:`dpclip.engine.proved_program`: the step must be the program that was proved)."""
     tracer = SeparabilityTracer(batch) if batch > 1 else None
+    if tracer is not None and program is not None:
+        tracer.match = ProgramMatch(program, batch, model, xs, ys)
     try:
         return _traced_call(tracer, model, scan, loss_fn, xs, ys, batch)
     except BaseException:
@@ -147,8 +162,10 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             if got is not None:  # proved per-example separable by the modules' semantics
                 calls, h = got
                 tracer.mark(h, (0, 1))
+                if tracer.match is not None:  # the chain is library code: the loss is matched
+                    tracer.match.start_at_loss(h)
                 with torch.enable_grad(), tracer:  # the loss is user code: traced every call
-                    losses = _check_losses(loss_fn(h, ys), batch)
+                    losses = _user_loss(tracer, loss_fn, h, ys, batch)
                 _check_separable(tracer, calls, losses)
                 return calls, losses.sum()
         key = _chain_key(chain, xs) if tracer is not None else None
@@ -174,8 +191,10 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
                     if len(_CHAIN_LAYOUTS) >= 256:
                         _CHAIN_LAYOUTS.clear()
                     _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
+            if tracer is not None and chain_tracer is None and tracer.match is not None:
+                tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
             with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
-                losses = _check_losses(loss_fn(h, ys), batch)
+                losses = _user_loss(tracer, loss_fn, h, ys, batch)
         _check_separable(tracer, calls, losses)
         return calls, losses.sum()
 
@@ -193,9 +212,12 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             # (and a ruled layer's input) as batched views, the output returned in place of the
             # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
             # view's layout, then marks it (0, 1)
-            if not per_layer:
-                a = expand_rows(a, batch)
-            out = expand_rows(out, batch)
+            with _engine_code(tracer):
+                if not per_layer:
+                    a = expand_rows(a, batch)
+                got = expand_rows(out, batch)
+            _alias(tracer, got, out)
+            out = got
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
@@ -203,8 +225,11 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user = tuple(out.shape)
-            a = a.unsqueeze(0).expand(batch, *a.shape)
-            out = out.unsqueeze(0).expand(batch, *out.shape)
+            with _engine_code(tracer):
+                a = a.unsqueeze(0).expand(batch, *a.shape)
+                got = out.unsqueeze(0).expand(batch, *out.shape)
+            _alias(tracer, got, out)
+            out = got
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             guard.start()
@@ -233,7 +258,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         try:
             with torch.enable_grad(), (tracer or contextlib.nullcontext()):
                 try:
-                    losses = _check_losses(loss_fn(call_model(model, xs), ys), batch)
+                    losses = _user_loss(tracer, loss_fn, call_model(model, xs), ys, batch)
                 finally:
                     guard.stop()  # (pushed by the hook at the first guarded output, if any)
         except NotBroadcast as exc:
@@ -252,6 +277,37 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             h.remove()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+def _user_loss(tracer: SeparabilityTracer | None, loss_fn: LossFn, out: Any, ys: Any,
+               batch: int) -> Tensor:
+    """``loss_fn(out, ys)`` (user code, traced and matched against the proof), then the engine's
+    shape check (not user code: after the match has ended)."""
+    raw = loss_fn(out, ys)
+    if tracer is not None and tracer.match is not None:
+        tracer.match.finish(raw)
+    return _check_losses(raw, batch)
+
+
+@contextlib.contextmanager
+def _engine_code(tracer: SeparabilityTracer | None) -> Any:
+    """The engine's own operations inside the traced forward: the tracer's Python checks and the
+    proved-program match pause (layouts are still tracked)."""
+    if tracer is None:
+        yield
+        return
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        yield
+    finally:
+        tracer.quiet = quiet
+
+
+def _alias(tracer: SeparabilityTracer | None, new: Tensor, old: Tensor) -> None:
+    """The engine's expansion ``new`` stands, in the user's program, for the layer output ``old``
+    (the proof's recorder aliases its own expansion the same way)."""
+    if tracer is not None and tracer.match is not None:
+        tracer.match.alias(new, old)
 
 
 def _constant(tracer: SeparabilityTracer | None, a: Tensor) -> bool:
@@ -466,6 +522,11 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
     if tracer is None:
         return
     tracer.retire()
+    match = tracer.match
+    if match is not None and match.mismatch is None and not match.done:
+        match.finish(losses)  # (defensive: every path finishes it after the loss function)
+    if match is not None and match.mismatch is not None:
+        raise _NotTheProvedProgram(describe(match.mismatch))
     fix = ("; per-example clipping needs every example's loss to depend on that example alone, "
            "with the batch as the first dimension of every layer's input and output. Keep the "
            "model batch-first and free of operations across the batch, or use engine 'vmap', "

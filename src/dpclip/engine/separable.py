@@ -45,7 +45,9 @@ Soundness: the rules only ever claim ``(d, k)`` when each output block is a func
 example's input blocks and of constants, so a ``(0, 1)`` loss row is a function of its own example
 (no false "separable"); unknown operations are refused, never guessed. The batch size as a Python
 number (``o / len(y)``) is invisible here: :mod:`dpclip.engine.batch_symbol` proves it is used only
-as a size, with a symbolic batch; :func:`prove_separable` runs both. What the tracer cannot see:
+as a size, with a symbolic batch, and :mod:`dpclip.engine.proved_program` checks, op by op, that
+the real run is the program that proof traced (:attr:`SeparabilityTracer.match`);
+:func:`prove_separable` runs all three. What the tracer cannot see:
 tensors reached outside the call's arguments that never held batch data in a traced call (a
 global copy of the dataset). Custom ``autograd.Function`` backward code is refused by the engine
 (its graph walk). A batch of one example is trivially separable and is not traced.
@@ -326,6 +328,9 @@ class SeparabilityTracer(TorchDispatchMode):
         #: storages allocated during the trace (data pointers): batch data written in place into
         #: any other storage (a parameter, buffer, attribute, global) would outlive the step
         self._born: set[int] = set()
+        #: the program the batch-size proof ran, matched op by op against this run
+        #: (:class:`dpclip.engine.proved_program.ProgramMatch`), or None
+        self.match: Any = None
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -392,6 +397,8 @@ class SeparabilityTracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
+            if not quiet and self.match is not None:  # user code: the proved program's next op
+                self.match.step(func, args, kwargs, out)
             return self._dispatch(func, args, kwargs, out)
         finally:
             self.quiet = quiet
@@ -1362,21 +1369,27 @@ def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], i
     Edge cases: a batch of one example is trivially separable; inputs and targets are tensors or
     tuples / lists / dicts of tensors with the batch first."""
     from dpclip.engine.batch import batch_leaves, call_model
-    from dpclip.engine.batch_symbol import batch_size_uses, data_independent_paths
+    from dpclip.engine.batch_symbol import data_independent_paths, proof_of
+    from dpclip.engine.proved_program import ProgramMatch, describe
 
     leaves = batch_leaves(inputs, "inputs") + batch_leaves(targets, "targets")
     batch = leaves[0].shape[0]
     if batch <= 1:
         return None
-    why = batch_size_uses(model, loss_fn, inputs, targets)
+    why, program = proof_of(model, loss_fn, inputs, targets)
     if why is not None:
         return why
     tracer = SeparabilityTracer(batch)
+    # the real run must be the program the proof ran (dpclip.engine.proved_program)
+    tracer.match = ProgramMatch(program, batch, model, inputs, targets)
     for t in leaves:
         tracer.mark(t, (0, 1))
     with data_independent_paths(), torch.enable_grad(), tracer:
         losses = loss_fn(call_model(model, inputs), targets)
+        tracer.match.finish(losses)
     tracer.retire()
+    if tracer.match.mismatch is not None:
+        return describe(tracer.match.mismatch)
     if tracer.violation is not None:
         return tracer.violation
     lay = tracer.layout(losses)

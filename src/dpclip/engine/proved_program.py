@@ -1,0 +1,534 @@
+"""The step runs the program that was proved: the real forward and loss are matched, operation by
+operation, against the operations recorded while the batch-size proof traced them (issue 31).
+
+The batch-size proof (:mod:`dpclip.engine.batch_symbol`) runs the forward and the loss once per
+signature on fake tensors with a symbolic batch size; the real-batch trace
+(:mod:`dpclip.engine.separable`) runs on every step on the real tensors. Both are needed: the real
+trace cannot tell ``o / len(y)`` (the private batch size as a Python number) from ``o / 16`` (a
+public constant), the proof can. But the two runs are two executions of user Python, and user
+Python can tell them apart (``type(x) is torch.Tensor``, ``isinstance(x.shape[0], int)``,
+``torch.compiler.is_exporting()``, a call counter): a program that behaves in the proof and uses the
+batch size in the real run was accepted (hostile review: LOO 2.57-3.16 C). Checking the real run
+against the proof closes that gap:
+
+* :class:`ProgramRecorder` (a dispatch mode entered inside the proof's traced function) records
+  the ATen operations the proof executed, post-autograd, exactly as a dispatch mode sees them in an
+  eager run: each operation with its arguments, where a tensor argument is named by where it came
+  from (an input leaf, a parameter or buffer by name, the output of an earlier recorded operation,
+  a tensor that existed outside the call by identity, the value of a literal ``torch.tensor``) and
+  a size is a symbolic expression of the batch size;
+* :class:`ProgramMatch` (driven by the real-batch tracer on every step) requires the real run's
+  operations to be the same operations, in the same order, on the same tensors (by that naming),
+  with every number equal to the proof's expression evaluated at the realised batch size, and the
+  losses to be the proof's output. Any difference (another operation, another constant, a number
+  computed from ``len(y)`` where the proof had a literal, a missing or extra operation) makes the
+  step "not proven".
+
+Soundness argument: the proof establishes a property of the recorded computation at every batch
+size; a real run that matches it computes that recorded computation at its batch size (the ops are
+deterministic functions of their arguments, and every argument is tied to the same source), so
+the property holds for the step that runs. What the match does not see is what the proof and the
+real trace do not see either (public state that changed outside the call); engine code (its hooks)
+is skipped on both sides and its outputs are named by the tensors they stand for.
+
+Cost: one comparison per operation and argument (numbers are evaluated once per batch size);
+about as much as the real-batch trace's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = ["ProgramRecorder", "ProgramMatch", "ProvedProgram"]
+
+_aten = torch.ops.aten
+#: operations that read a tensor's metadata only; fake tensors with symbolic sizes dispatch some
+#: of them where an eager run reads the sizes directly: skipped on both sides
+_METADATA = frozenset({"sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
+                       "is_same_size", "is_contiguous", "is_non_overlapping_and_dense", "dim",
+                       "size", "stride", "numel", "storage_offset"})
+#: ``torch.tensor(...)`` in a forward: a fresh tensor lifted into the computation (its copying
+#: variant under the proof's fake mode); named by its value
+_LIFT = {_aten.lift_fresh.default: "lift", _aten.lift_fresh_copy.default: "lift"}
+#: operations that return their input's values unchanged (another autograd identity): the fake
+#: mode of the proof adds some that an eager run does not (before ``bernoulli``); transparent on
+#: both sides, their output named as their input. The separability and gradients of the real run
+#: are judged on the real run itself (dpclip.engine.separable), values only are matched here
+_TRANSPARENT = frozenset({_aten.detach.default, _aten.alias.default})
+_PURE: dict[Any, bool] = {}
+
+
+def _pure(func: Any) -> bool:
+    """Whether the operation has no effect but its outputs: it writes no argument and draws no
+    random numbers. Symbolic tracing and eager kernels differ in such operations whose outputs are
+    never used (an allocation when a real tensor meets a fake one, a view made to read a size):
+    unused ones are dropped from the recording, and the real run may run extra ones. An extra one
+    whose output IS used is caught where it is used: its output has no name in the proof."""
+    got = _PURE.get(func)
+    if got is None:
+        got = _PURE[func] = not func._schema.is_mutable and \
+            torch.Tag.nondeterministic_seeded not in func.tags
+    return got
+
+# argument specs: ("t", ref) a tensor by name; ("x", weakref) a tensor from outside the call by
+# identity; ("c", tensor) a lifted literal by value; ("s", expr) a symbolic number; ("l", type,
+# specs) a list or tuple; ("v", value) any other value by equality; ("?", why) not matchable
+
+
+def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether the call returns its first argument's values unchanged (``detach``, ``alias``, a
+    full slice ``x[:]``, which an eager run skips where a symbolic trace records it)."""
+    if not (isinstance(out, Tensor) and args and isinstance(args[0], Tensor)):
+        return False
+    if func in _TRANSPARENT:
+        return True
+    if func is _aten.slice.Tensor and not kwargs:
+        t = args[0]
+        dim = args[1] if len(args) > 1 else 0
+        start = args[2] if len(args) > 2 else None
+        end = args[3] if len(args) > 3 else None
+        step = args[4] if len(args) > 4 else 1
+        if type(dim) is not int or type(step) is not int or step != 1 or \
+                type(start) not in (int, type(None)) or start not in (None, 0):
+            return False
+        size = t.shape[dim]
+        if type(end) is int:
+            return end >= 2 ** 62 or (type(size) is int and end >= size)
+        # the proof: a symbolic end that is the symbolic size itself (compared as expressions,
+        # without a guard)
+        return isinstance(end, torch.SymInt) and isinstance(size, torch.SymInt) and \
+            end.node.expr == size.node.expr
+    return False
+
+
+def _skip(func: Any) -> bool:
+    ns = getattr(func, "namespace", "")
+    return ns == "prim" or func._schema.name.split("::", 1)[-1] in _METADATA
+
+
+def _is_symbolic(v: Any) -> bool:
+    return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+class ProvedProgram:
+    """The operations of one proof run: ``entries`` (``(op, args spec, kwargs spec, index)``;
+    outputs are named by the index in the recording), ``split``
+    (index of the first operation of the loss), ``model_out`` (name of the model's output, when it
+    is one tensor) and ``loss_out`` (name of the loss function's output)."""
+
+    __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, tuple, dict, int]] = []
+        self.split = 0
+        self.model_out: Any = None
+        self.loss_out: Any = None
+        #: why the recorded run cannot be matched (a fake tensor from outside the call), or None
+        self.unmatchable: str | None = None
+        self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
+
+    def at(self, batch: int) -> list[tuple[Any, tuple, dict, int]]:
+        """The entries with every symbolic number evaluated at ``batch`` (cached per batch)."""
+        got = self._at_batch.get(batch)
+        if got is None:
+            got = [(f, tuple(_concrete(s, batch) for s in a),
+                    {k: _concrete(s, batch) for k, s in kw.items()}, i)
+                   for f, a, kw, i in self.entries]
+            if len(self._at_batch) >= 32:
+                self._at_batch.clear()
+            self._at_batch[batch] = got
+        return got
+
+
+def _concrete(spec: tuple, batch: int) -> tuple:
+    kind = spec[0]
+    if kind == "s":
+        expr = spec[1]
+        value = expr.xreplace({s: batch for s in expr.free_symbols})
+        py = spec[2]
+        try:
+            return ("v", py(value))
+        except (TypeError, ValueError):  # not a number at this batch size: never equal
+            return ("?", "a symbolic number of the proof has no value here")
+    if kind == "l":
+        return ("l", spec[1], tuple(_concrete(s, batch) for s in spec[2]))
+    return spec
+
+
+class _Names:
+    """Tensor identity -> name, without keeping tensors alive (weak references checked on read,
+    as :class:`dpclip.engine.separable._IdMap`)."""
+
+    __slots__ = ("d",)
+
+    def __init__(self) -> None:
+        self.d: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, t: Tensor) -> Any:
+        e = self.d.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
+
+    def set(self, t: Tensor, name: Any) -> None:
+        self.d[id(t)] = (weakref.ref(t), name)
+
+
+def _state_names(model: Any, names: _Names) -> None:
+    """Name the parameters and buffers of ``model`` (first name of a tied tensor)."""
+    if not isinstance(model, nn.Module):
+        return
+    seen: set[int] = set()
+    for prefix, what in (("p", model.named_parameters(remove_duplicate=False)),
+                         ("b", model.named_buffers(remove_duplicate=False))):
+        for name, t in what:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                names.set(t, (prefix, name))
+
+
+def _input_names(xs: Any, ys: Any, names: _Names) -> None:
+    """Name each input leaf by the set of leaf positions its object occupies (a language model's
+    targets are often its input ids, one object; a chunk of them is two): a real input matches a
+    proof's input when the positions meet."""
+    where: dict[int, tuple[Tensor, list[int]]] = {}
+    for i, t in enumerate(pytree.tree_leaves((xs, ys))):
+        if isinstance(t, Tensor):
+            where.setdefault(id(t), (t, []))[1].append(i)
+    for t, idx in where.values():
+        names.set(t, ("in", frozenset(idx)))
+
+
+def _outputs(out: Any) -> list[Tensor | None]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o if isinstance(o, Tensor) else None for o in out]
+    return []
+
+
+class ProgramRecorder(TorchDispatchMode):
+    """Records the proof's operations (entered inside the proof's traced function, around the
+    model and the loss). ``model``: the module whose parameters and buffers are named."""
+
+    def __init__(self, model: Any, xs: Any, ys: Any) -> None:
+        super().__init__()
+        self.program = ProvedProgram()
+        self._names = _Names()
+        self._keep: list[Any] = []  # the proof's tensors stay alive while it records
+        self.paused = False
+        self._count = 0
+        self._split = 0
+        _state_names(model, self._names)
+        _input_names(xs, ys, self._names)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused or _skip(func):
+            return out
+        outs = [o for o in _outputs(out) if o is not None]
+        if outs and not any(is_fake(o) for o in outs):
+            # ran outside the proof's fake world (the tracer's own copy of a torch.tensor
+            # literal): not the program; a later use of its output would be a tensor from outside
+            # the call by identity, which no real run has
+            return out
+        if _identity(func, args, kwargs, out):
+            name = self._names.get(args[0])
+            if name is not None:
+                self._names.set(out, name)
+                self._keep.append(out)
+                return out
+        k = self._count
+        self._count += 1
+        lift = _LIFT.get(func)
+        if lift is not None:
+            func = _aten.lift_fresh.default
+        spec_args = tuple(self._spec(a, lift) for a in args)
+        spec_kwargs = {key: self._spec(v, lift) for key, v in kwargs.items()}
+        self.program.entries.append((func, spec_args, spec_kwargs, k))
+        for j, o in enumerate(_outputs(out)):
+            if o is not None:
+                self._names.set(o, ("op", k, j))
+                self._keep.append(o)
+        return out
+
+    def _spec(self, a: Any, lift: str | None) -> tuple:
+        if isinstance(a, Tensor):
+            name = self._names.get(a)
+            if name is not None:
+                return ("t", name)
+            if is_fake(a):
+                why = ("a fake tensor from outside the call (state written during an earlier "
+                       "proof)")
+                if self.program.unmatchable is None:
+                    self.program.unmatchable = why
+                return ("?", why)
+            if lift is not None:  # a real tensor: copied outside the proof's fake mode
+                with _disable_current_modes():
+                    return ("c", a.detach().clone())
+            self._keep.append(a)
+            return ("x", weakref.ref(a))
+        if _is_symbolic(a):
+            py = int if isinstance(a, torch.SymInt) else float if isinstance(a, torch.SymFloat) \
+                else bool
+            return ("s", a.node.expr, py)
+        if isinstance(a, (list, tuple)):
+            return ("l", type(a), tuple(self._spec(x, lift) for x in a))
+        return ("v", a)
+
+    @contextlib.contextmanager
+    def engine(self) -> Iterator[None]:
+        """The engine's own code in the proof (the batch-less expansion): not recorded."""
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
+
+    def alias(self, new: Tensor, old: Tensor) -> None:
+        """``new`` (made by engine code) stands for ``old`` in the user's program."""
+        name = self._names.get(old)
+        if name is not None:
+            self._names.set(new, name)
+            self._keep.append(new)
+
+    def model_output(self, out: Any) -> None:
+        self._split = self._count
+        if isinstance(out, Tensor):
+            self.program.model_out = self._names.get(out)
+
+    def loss_output(self, out: Any) -> None:
+        self.program.loss_out = self._names.get(out) if isinstance(out, Tensor) else None
+
+    def finish(self) -> ProvedProgram:
+        """The recording without its dead code: pure operations (:func:`_pure`) none of whose
+        outputs reaches the model's output, the losses or an operation that is kept."""
+        self._keep.clear()
+        prog = self.program
+        used: set[int] = set()  # indices of the operations whose outputs are used
+        _names_in(("l", tuple, tuple(("t", n) for n in (prog.model_out, prog.loss_out)
+                                     if n is not None)), used)
+        kept = []
+        for e in reversed(prog.entries):
+            func, a, kw, index = e
+            if _pure(func) and index not in used:
+                continue
+            kept.append(e)
+            for spec in list(a) + list(kw.values()):
+                _names_in(spec, used)
+        prog.entries = kept[::-1]
+        prog.split = sum(1 for e in prog.entries if e[3] < self._split)
+        return prog
+
+
+def _names_in(spec: tuple, used: set[int]) -> None:
+    """Add the indices of the recorded operations whose outputs ``spec`` names to ``used``."""
+    if spec[0] == "t":
+        if spec[1][0] == "op":
+            used.add(spec[1][1])
+    elif spec[0] == "l":
+        for s in spec[2]:
+            _names_in(s, used)
+
+
+class _NoKey(Exception):
+    """A call argument without a name or a value to key on."""
+
+
+class ProgramMatch:
+    """Matches a real run's operations against a :class:`ProvedProgram` at batch size ``batch``.
+    Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
+    :attr:`mismatch` holds the first difference, or None."""
+
+    __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
+                 "first_extra", "memo")
+
+    def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
+        self.program = program
+        self.entries = program.at(batch)
+        self.k = 0
+        self.names = _Names()
+        self.mismatch: str | None = program.unmatchable
+        self.done = False
+        self._model = model
+        #: operations of the real run without effects that matched nothing (see _pure)
+        self.extra = 0
+        self.first_extra: str | None = None
+        #: pure operations matched so far: key of the call -> index in the recording
+        self.memo: dict[Any, int] = {}
+        _state_names(model, self.names)
+        _input_names(xs, ys, self.names)
+
+    def start_at_loss(self, model_out: Tensor) -> None:
+        """The forward ran outside the match (a chain of known ``torch.nn`` modules, library code):
+        match the loss only, ``model_out`` standing for the proof's model output."""
+        if self.program.model_out is None:
+            self._fail("the proof's model output is not one tensor")
+            return
+        self.k = self.program.split
+        self.names.set(model_out, self.program.model_out)
+
+    def alias(self, new: Tensor, old: Tensor) -> None:
+        """``new`` (the engine's expansion of a batch-less output) stands for ``old``."""
+        name = self.names.get(old)
+        if name is not None:
+            self.names.set(new, name)
+
+    def _fail(self, why: str) -> None:
+        if self.mismatch is None:
+            if self.first_extra is not None:
+                why = f"{why}; first difference: {self.first_extra}"
+            self.mismatch = why
+
+    def step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.done or self.mismatch is not None or _skip(func):
+            return
+        if _identity(func, args, kwargs, out):
+            name = self.names.get(args[0])
+            if name is not None:
+                self.names.set(out, name)
+                return
+        if func in _LIFT:
+            func = _aten.lift_fresh.default
+        k = self.k
+        if k >= len(self.entries):
+            self._fail(f"operation {k} ({_short(func)}) runs after the end of the proved program")
+            return
+        want, s_args, s_kwargs, index = self.entries[k]
+        why = None
+        if want is not func:
+            why = f"operation {k} is {_short(func)}, the proof ran {_short(want)} there"
+        elif len(args) != len(s_args) or set(kwargs) != set(s_kwargs):
+            why = f"operation {k} ({_short(func)}) has other arguments than in the proof"
+        else:
+            for i, (s, a) in enumerate(zip(s_args, args)):
+                if not self._eq(s, a):
+                    why = (f"argument {i} of operation {k} ({_short(func)}) differs from the "
+                           "proof's")
+                    break
+            else:
+                for key, v in kwargs.items():
+                    if not self._eq(s_kwargs[key], v):
+                        why = (f"argument {key!r} of operation {k} ({_short(func)}) differs "
+                               "from the proof's")
+                        break
+        pure = _pure(func)
+        if why is not None:
+            if pure:
+                # the same pure operation on the same named tensors as one already matched (a
+                # layer called twice, once on a constant the proof's dead code dropped): the same
+                # values, named as that one
+                key = self._key(func, args, kwargs)
+                seen = self.memo.get(key) if key is not None else None
+                if seen is not None:
+                    for j, o in enumerate(_outputs(out)):
+                        if o is not None:
+                            self.names.set(o, ("op", seen, j))
+                    return
+                # an extra operation without effects (see _pure): its outputs get no name, so a
+                # use of them matches nothing; remembered for the message if the run then fails
+                self.extra += 1
+                if self.first_extra is None:
+                    self.first_extra = why
+                return
+            self._fail(why)
+            return
+        if pure:
+            key = self._key(func, args, kwargs)
+            if key is not None:
+                self.memo[key] = index
+        else:
+            # a write (or a draw) may change what a view of the written tensor reads: equal keys
+            # then no longer mean equal values
+            self.memo.clear()
+        for j, o in enumerate(_outputs(out)):
+            if o is not None:
+                self.names.set(o, ("op", index, j))
+        self.k = k + 1
+
+    def _key(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A hashable key of a call on named tensors and plain values, or None."""
+        try:
+            return (func, tuple(self._arg_key(a) for a in args),
+                    tuple(sorted((k, self._arg_key(v)) for k, v in kwargs.items())))
+        except (_NoKey, TypeError):
+            return None
+
+    def _arg_key(self, a: Any) -> Any:
+        if isinstance(a, Tensor):
+            name = self.names.get(a)
+            if name is None:
+                raise _NoKey
+            return ("t", name)
+        if isinstance(a, (list, tuple)):
+            return ("l", type(a), tuple(self._arg_key(x) for x in a))
+        hash(a)
+        return ("v", type(a), a)
+
+    def _eq(self, s: tuple, a: Any) -> bool:
+        kind = s[0]
+        if kind == "t":
+            if not isinstance(a, Tensor):
+                return False
+            got = self.names.get(a)
+            if got == s[1]:
+                return True
+            return got is not None and got[0] == "in" and s[1][0] == "in" and \
+                bool(got[1] & s[1][1])
+        if kind == "v":
+            v = s[1]
+            if type(a) is not type(v):  # 1 and 1.0 and True promote differently
+                return False
+            if type(v) is float:
+                return a == v or (math.isnan(a) and math.isnan(v))
+            try:
+                return a is v or bool(a == v)
+            except Exception:  # noqa: BLE001 - an object without equality: identity only
+                return False
+        if kind == "l":
+            return isinstance(a, s[1]) and len(a) == len(s[2]) and \
+                all(self._eq(x, y) for x, y in zip(s[2], a))
+        if kind == "x":
+            return isinstance(a, Tensor) and s[1]() is a and self.names.get(a) is None
+        if kind == "c":
+            c = s[1]
+            return isinstance(a, Tensor) and not is_fake(a) and a.dtype == c.dtype \
+                and a.shape == c.shape and a.device == c.device and bool(torch.equal(a, c))
+        return False  # "?": not matchable
+
+    def finish(self, losses: Any) -> None:
+        """The loss function returned ``losses``: every proved operation ran and the losses are
+        the proof's output."""
+        if self.done:
+            return
+        self.done = True
+        if self.mismatch is not None:
+            return
+        if self.k != len(self.entries):
+            self._fail(f"the real run ended after {self.k} of the proof's "
+                       f"{len(self.entries)} operations")
+        elif not isinstance(losses, Tensor) or self.program.loss_out is None or \
+                self.names.get(losses) != self.program.loss_out:
+            self._fail("the loss function returned another tensor than in the proof")
+
+
+def _short(func: Any) -> str:
+    return func._schema.name.split("::", 1)[-1]
+
+
+def describe(why: str) -> str:
+    """The user-facing reason of a mismatch."""
+    return ("the step does not run the program that the batch-size proof traced (" + why + "): "
+            "the forward or the loss behaves differently on the proof's symbolic tensors than "
+            "on real ones (e.g. it checks the tensor type, whether the size is an int, "
+            "torch.compiler.is_exporting(), or counts calls), so the proof does not cover it")
+
