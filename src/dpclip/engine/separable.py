@@ -394,6 +394,14 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if types and not self.quiet and self.violation is None:
+            # ``types`` lists the argument types with their own __torch_dispatch__: their Python
+            # runs below this mode, out of the trace's sight (and can tell fakes from real
+            # tensors), so nothing the call computes is proven
+            self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
+                              f"({', '.join(sorted(t.__name__ for t in types))}) is an argument "
+                              f"of {_name(func)}: its code runs below the trace and cannot be "
+                              "checked")
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
