@@ -110,9 +110,15 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     return False
 
 
+_SKIP: dict[Any, bool] = {}
+
+
 def _skip(func: Any) -> bool:
-    ns = getattr(func, "namespace", "")
-    return ns == "prim" or func._schema.name.split("::", 1)[-1] in _METADATA
+    got = _SKIP.get(func)
+    if got is None:
+        got = _SKIP[func] = getattr(func, "namespace", "") == "prim" or \
+            func._schema.name.split("::", 1)[-1] in _METADATA
+    return got
 
 
 def _is_symbolic(v: Any) -> bool:
@@ -181,8 +187,10 @@ class _Names:
         self.d[id(t)] = (weakref.ref(t), name)
 
 
-def _state_names(model: Any, names: _Names) -> None:
-    """Name the parameters and buffers of ``model`` (first name of a tied tensor)."""
+def _state_names(model: Any, names: _Names, only_new: bool = False) -> None:
+    """Name the parameters and buffers of ``model`` (first name of a tied tensor); with
+    ``only_new``, keep the names tensors already have (an in-place write renames a parameter to
+    the write's output, in the proof as in the run)."""
     if not isinstance(model, nn.Module):
         return
     seen: set[int] = set()
@@ -191,7 +199,8 @@ def _state_names(model: Any, names: _Names) -> None:
         for name, t in what:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                names.set(t, (prefix, name))
+                if not (only_new and names.get(t) is not None):
+                    names.set(t, (prefix, name))
 
 
 def _input_names(xs: Any, ys: Any, names: _Names) -> None:
@@ -340,17 +349,13 @@ def _names_in(spec: tuple, used: set[int]) -> None:
             _names_in(s, used)
 
 
-class _NoKey(Exception):
-    """A call argument without a name or a value to key on."""
-
-
 class ProgramMatch:
     """Matches a real run's operations against a :class:`ProvedProgram` at batch size ``batch``.
     Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
     :attr:`mismatch` holds the first difference, or None."""
 
     __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
-                 "first_extra", "memo")
+                 "first_extra", "window", "_state_done")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -360,13 +365,24 @@ class ProgramMatch:
         self.mismatch: str | None = program.unmatchable
         self.done = False
         self._model = model
+        self._state_done = False  # parameters and buffers are named on the first miss
         #: operations of the real run without effects that matched nothing (see _pure)
         self.extra = 0
         self.first_extra: str | None = None
-        #: pure operations matched so far: key of the call -> index in the recording
-        self.memo: dict[Any, int] = {}
-        _state_names(model, self.names)
+        #: position after the last write (or draw) matched: pure operations matched since then
+        #: may be recomputed (see _recomputed)
+        self.window = 0
         _input_names(xs, ys, self.names)
+
+    def _name(self, t: Tensor) -> Any:
+        """The name of ``t`` in this run; the model's parameters and buffers are named at the
+        first miss (most steps of a chain of known modules never need them)."""
+        got = self.names.get(t)
+        if got is None and not self._state_done:
+            self._state_done = True
+            _state_names(self._model, self.names, only_new=True)
+            got = self.names.get(t)
+        return got
 
     def start_at_loss(self, model_out: Tensor) -> None:
         """The forward ran outside the match (a chain of known ``torch.nn`` modules, library code):
@@ -379,7 +395,7 @@ class ProgramMatch:
 
     def alias(self, new: Tensor, old: Tensor) -> None:
         """``new`` (the engine's expansion of a batch-less output) stands for ``old``."""
-        name = self.names.get(old)
+        name = self._name(old)
         if name is not None:
             self.names.set(new, name)
 
@@ -393,7 +409,7 @@ class ProgramMatch:
         if self.done or self.mismatch is not None or _skip(func):
             return
         if _identity(func, args, kwargs, out):
-            name = self.names.get(args[0])
+            name = self._name(args[0])
             if name is not None:
                 self.names.set(out, name)
                 return
@@ -427,8 +443,7 @@ class ProgramMatch:
                 # the same pure operation on the same named tensors as one already matched (a
                 # layer called twice, once on a constant the proof's dead code dropped): the same
                 # values, named as that one
-                key = self._key(func, args, kwargs)
-                seen = self.memo.get(key) if key is not None else None
+                seen = self._recomputed(func, args, kwargs)
                 if seen is not None:
                     for j, o in enumerate(_outputs(out)):
                         if o is not None:
@@ -442,44 +457,32 @@ class ProgramMatch:
                 return
             self._fail(why)
             return
-        if pure:
-            key = self._key(func, args, kwargs)
-            if key is not None:
-                self.memo[key] = index
-        else:
-            # a write (or a draw) may change what a view of the written tensor reads: equal keys
-            # then no longer mean equal values
-            self.memo.clear()
+        if not pure:
+            # a write (or a draw) may change what a view of the written tensor reads: the same
+            # call on the same names no longer means the same values
+            self.window = k + 1
         for j, o in enumerate(_outputs(out)):
             if o is not None:
                 self.names.set(o, ("op", index, j))
         self.k = k + 1
 
-    def _key(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A hashable key of a call on named tensors and plain values, or None."""
-        try:
-            return (func, tuple(self._arg_key(a) for a in args),
-                    tuple(sorted((k, self._arg_key(v)) for k, v in kwargs.items())))
-        except (_NoKey, TypeError):
-            return None
-
-    def _arg_key(self, a: Any) -> Any:
-        if isinstance(a, Tensor):
-            name = self.names.get(a)
-            if name is None:
-                raise _NoKey
-            return ("t", name)
-        if isinstance(a, (list, tuple)):
-            return ("l", type(a), tuple(self._arg_key(x) for x in a))
-        hash(a)
-        return ("v", type(a), a)
+    def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:
+        """The recording index of an operation matched since the last write (or draw) that is
+        the same call on the same named tensors and values as this one, or None."""
+        for e in reversed(self.entries[self.window:self.k]):
+            want, s_args, s_kwargs, index = e
+            if want is func and len(args) == len(s_args) and set(kwargs) == set(s_kwargs) and \
+                    all(self._eq(x, a) for x, a in zip(s_args, args)) and \
+                    all(self._eq(s_kwargs[n], v) for n, v in kwargs.items()):
+                return index
+        return None
 
     def _eq(self, s: tuple, a: Any) -> bool:
         kind = s[0]
         if kind == "t":
             if not isinstance(a, Tensor):
                 return False
-            got = self.names.get(a)
+            got = self._name(a)
             if got == s[1]:
                 return True
             return got is not None and got[0] == "in" and s[1][0] == "in" and \
@@ -498,7 +501,7 @@ class ProgramMatch:
             return isinstance(a, s[1]) and len(a) == len(s[2]) and \
                 all(self._eq(x, y) for x, y in zip(s[2], a))
         if kind == "x":
-            return isinstance(a, Tensor) and s[1]() is a and self.names.get(a) is None
+            return isinstance(a, Tensor) and s[1]() is a and self._name(a) is None
         if kind == "c":
             c = s[1]
             return isinstance(a, Tensor) and not is_fake(a) and a.dtype == c.dtype \
@@ -517,7 +520,7 @@ class ProgramMatch:
             self._fail(f"the real run ended after {self.k} of the proof's "
                        f"{len(self.entries)} operations")
         elif not isinstance(losses, Tensor) or self.program.loss_out is None or \
-                self.names.get(losses) != self.program.loss_out:
+                self._name(losses) != self.program.loss_out:
             self._fail("the loss function returned another tensor than in the proof")
 
 

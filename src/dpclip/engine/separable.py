@@ -394,6 +394,14 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if types and not self.quiet and self.violation is None:
+            # ``types`` lists the argument types with their own __torch_dispatch__: their Python
+            # runs below this mode, out of the trace's sight (and can tell fakes from real
+            # tensors), so nothing the call computes is proven
+            self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
+                              f"({', '.join(sorted(t.__name__ for t in types))}) is an argument "
+                              f"of {_name(func)}: its code runs below the trace and cannot be "
+                              "checked")
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
@@ -751,10 +759,7 @@ def _dims(dim: Any, ndim: int) -> list[int] | None:
 
 def _reduction(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     x = args[0]
-    lay = tr.layout(x)
-    for t in _tensors(args[1:], kwargs):
-        if tr.layout(t) is not None:
-            return MIXED
+    lay = _same(tr, None, args, kwargs, None)  # the first argument; the others constant
     if lay is None or lay is MIXED:
         return lay
     d, k = lay
@@ -771,10 +776,7 @@ def _reduction(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out
 def _along_dim(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     """Ops that work along one dimension and keep the others (softmax, cumsum, sort, flip, roll)."""
     x = args[0]
-    lay = tr.layout(x)
-    for t in _tensors(args[1:], kwargs):
-        if tr.layout(t) is not None:
-            return MIXED
+    lay = _same(tr, None, args, kwargs, None)  # the first argument; the others constant
     if lay is None or lay is MIXED:
         return lay
     dims = None
@@ -994,10 +996,7 @@ def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
 
 
 def _conv(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    lay = tr.layout(args[0])
-    for t in _tensors(args[1:], kwargs):
-        if tr.layout(t) is not None:
-            return MIXED
+    lay = _same(tr, None, args, kwargs, None)  # the first argument; the others constant
     if lay is None or lay is MIXED:
         return lay
     return lay if lay[0] == 0 else MIXED
@@ -1009,10 +1008,7 @@ def _leading(spatial: Callable[[tuple, dict, Tensor], int]) -> Rule:
 
     def rule(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
         x = args[0]
-        lay = tr.layout(x)
-        for t in _tensors(args[1:], kwargs):
-            if tr.layout(t) is not None:
-                return MIXED
+        lay = _same(tr, None, args, kwargs, None)  # the first argument; the others constant
         if lay is None or lay is MIXED:
             return lay
         return lay if lay[0] < x.ndim - spatial(args, kwargs, x) else MIXED
@@ -1042,11 +1038,7 @@ def _batch_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, ou
         return MIXED
     if name in ("_native_batch_norm_legit", "_batch_norm_with_update"):
         return MIXED
-    x = args[0]
-    lay = tr.layout(x)
-    for t in _tensors(args[1:], kwargs):
-        if tr.layout(t) is not None:
-            return MIXED
+    lay = _same(tr, None, args, kwargs, None)  # the first argument; the others constant
     if lay is None or lay is MIXED:
         return lay
     return lay if lay[0] != 1 else MIXED  # per channel (dim 1) with fixed statistics
