@@ -59,44 +59,73 @@ def _has_tensor(d: dict) -> bool:
     return not types <= _PLAIN and any(issubclass(t, Tensor) for t in types - _PLAIN)
 
 
-def _walk(model: nn.Module, full: bool) -> tuple[list[tuple], list[tuple]]:
-    """``(sig, objs)``: ``sig`` lists ``(id(module), kind, key, id(object))`` for every parameter,
-    buffer, tensor attribute and child module of the tree (``None`` parameters and buffers
-    skipped), in a deterministic order; ``objs`` (when ``full``) the matching
-    ``(module name, module, object)``."""
+def _tree(model: nn.Module) -> tuple[list[tuple], list[tuple]]:
+    """``(sig, recs)``, one walk of the module tree (each module once, in a fixed depth-first
+    order). ``recs``: per module ``(name, module, params, buffers, attrs, children)``, each table a
+    tuple of its ``(key, object)`` items (``attrs``: the tensor values of the module's
+    ``__dict__``). ``sig``: per module its id and, per table, the keys and the objects' ids; two
+    walks have equal ``sig`` exactly when the tree has the same modules holding the same objects
+    under the same keys. (While ``recs`` lives it holds every object it lists, so no id it lists
+    can be reused by a new object: an object replaced by a new one always changes ``sig``.)"""
     sig: list[tuple] = []
-    objs: list[tuple] = []
+    recs: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:
         name, mod = stack.pop()
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        d = mod.__dict__
         m = id(mod)
-        for kind, table in ((_PARAM, d.get("_parameters")), (_BUFFER, d.get("_buffers"))):
-            if table:
-                for k, v in table.items():
-                    if v is not None:
-                        sig.append((m, kind, k, id(v)))
-                        if full:
-                            objs.append((name, mod, v))
-        if _has_tensor(d):
-            for k, v in d.items():
-                if isinstance(v, Tensor):
-                    sig.append((m, _ATTR, k, id(v)))
-                    if full:
-                        objs.append((name, mod, v))
-        children = d.get("_modules")
-        if children:
-            for k, c in children.items():
-                sig.append((m, _CHILD, k, id(c)))
-                if full:
-                    objs.append((name, mod, c))
-                if c is not None:
-                    stack.append((f"{name}.{k}" if name else k, c))
+        if m in seen:
+            continue
+        seen.add(m)
+        d = mod.__dict__
+        ps, bs, cs = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
+        p = tuple(ps.items()) if ps else ()
+        b = tuple(bs.items()) if bs else ()
+        c = tuple(cs.items()) if cs else ()
+        a = tuple((k, v) for k, v in d.items() if isinstance(v, Tensor)) \
+            if _has_tensor(d) else ()
+        recs.append((name, mod, p, b, a, c))
+        sig.append((m, tuple(ps) if p else (), tuple(map(id, ps.values())) if p else (),
+                    tuple(bs) if b else (), tuple(map(id, bs.values())) if b else (),
+                    tuple((k, id(v)) for k, v in a),
+                    tuple(cs) if c else (), tuple(map(id, cs.values())) if c else ()))
+        for k, ch in c:
+            if ch is not None:
+                stack.append((f"{name}.{k}" if name else k, ch))
+    return sig, recs
+
+
+def _entries(recs: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """``(sig, objs)`` of the walk ``recs`` (:func:`_tree`), one entry per object: ``sig`` lists
+    ``(id(module), kind, key, id(object))`` for every parameter, buffer, tensor attribute and
+    child module (``None`` parameters and buffers skipped), ``objs`` the matching ``(module name,
+    module, object)``."""
+    sig: list[tuple] = []
+    objs: list[tuple] = []
+    for name, mod, p, b, a, c in recs:
+        m = id(mod)
+        for kind, items in ((_PARAM, p), (_BUFFER, b), (_ATTR, a), (_CHILD, c)):
+            for k, v in items:
+                if v is not None or kind == _CHILD:
+                    sig.append((m, kind, k, id(v)))
+                    objs.append((name, mod, v))
     return sig, objs
+
+
+def _walk(model: nn.Module) -> tuple[list[tuple], list[tuple]]:
+    """:func:`_entries` of a fresh walk of ``model``."""
+    return _entries(_tree(model)[1])
+
+
+def _state_tensors(recs: list[tuple]) -> list[Tensor]:
+    """The parameters, buffers and tensor attributes of the walk ``recs``, each object once."""
+    uniq: dict[int, Tensor] = {}
+    for _, _, p, b, a, _ in recs:
+        for items in (p, b, a):
+            for _, v in items:
+                if v is not None:
+                    uniq.setdefault(id(v), v)
+    return list(uniq.values())
 
 
 class _Snapshot:
@@ -230,19 +259,21 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 79; buffers: the running
     statistics entry)."""
     with torch.no_grad():
-        before = _walk(model, True)
-        uniq = {id(o): o for s, (_, _, o) in zip(*before) if s[1] != _CHILD}
-        tensors = list(uniq.values())
+        sig, recs = _tree(model)
+        tensors = _state_tensors(recs)
         snap = _Snapshot(tensors)
     try:
         yield
     finally:
         with torch.no_grad():
             changed: list[tuple[str, str]] = []
-            if _walk(model, False)[0] != before[0]:
-                changed = _repair(before, _walk(model, True))
+            before: tuple[list, list] | None = None
+            if _tree(model)[0] != sig:
+                before = _entries(recs)
+                changed = _repair(before, _walk(model))
             bad = snap.changed()
             if bad:
+                before = before or _entries(recs)
                 names: dict[int, tuple[str, str]] = {}
                 for s, (mname, _, o) in zip(*before):
                     if s[1] != _CHILD:
