@@ -21,9 +21,11 @@ and on its ``detach()`` / view aliases, but NOT by writes through ``t.data`` (a 
 fooled, so the guard compares bytes (``NaN`` equals itself, ``-0.0`` differs from ``0.0``).
 
 Cost: one walk of the module tree before and after (no generators, no name strings unless
-something changed), and per device one concatenated byte copy of the state before and one after,
-compared with one ``torch.equal``; tensors that cannot be viewed as bytes (sparse, quantized,
-non-contiguous) are cloned and compared one by one.
+something changed: the walk records, per module, the keys and object ids of its tables), and per
+(device, dtype) one concatenated byte copy of the state before; after the block, a small state
+(up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger one is
+compared tensor by tensor against the copy (no second copy). Tensors that cannot be viewed as
+bytes (sparse, quantized) are cloned and compared one by one.
 
 What it cannot see: tensors kept outside the model (a global, a closure of the loss function) or in
 Python containers (a list attribute); the ghost engine's tracer refuses those when they are read in
@@ -40,6 +42,7 @@ from typing import Iterator
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 
 from dpclip.engine.errors import PrivateBufferError
 
@@ -59,39 +62,42 @@ def _has_tensor(d: dict) -> bool:
     return not types <= _PLAIN and any(issubclass(t, Tensor) for t in types - _PLAIN)
 
 
-def _tree(model: nn.Module) -> tuple[list[tuple], list[tuple]]:
+def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]]:
     """``(sig, recs)``, one walk of the module tree (each module once, in a fixed depth-first
-    order). ``recs``: per module ``(name, module, params, buffers, attrs, children)``, each table a
-    tuple of its ``(key, object)`` items (``attrs``: the tensor values of the module's
-    ``__dict__``). ``sig``: per module its id and, per table, the keys and the objects' ids; two
-    walks have equal ``sig`` exactly when the tree has the same modules holding the same objects
-    under the same keys. (While ``recs`` lives it holds every object it lists, so no id it lists
-    can be reused by a new object: an object replaced by a new one always changes ``sig``.)"""
+    order). ``recs`` (empty unless ``full``): per module ``(name, module, params, buffers, attrs,
+    children)``, each table a tuple of its ``(key, object)`` items (``attrs``: the tensor values of
+    the module's ``__dict__``). ``sig``: per module its id and, per table, the keys and the
+    objects' ids; two walks have equal ``sig`` exactly when the tree has the same modules holding
+    the same objects under the same keys. (While ``recs`` lives it holds every object it lists, so
+    no id it lists can be reused by a new object: an object replaced by a new one always changes
+    ``sig``.)"""
     sig: list[tuple] = []
     recs: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    pop, push, add, append = stack.pop, stack.append, seen.add, sig.append
     while stack:
-        name, mod = stack.pop()
+        name, mod = pop()
         m = id(mod)
         if m in seen:
             continue
-        seen.add(m)
+        add(m)
         d = mod.__dict__
         ps, bs, cs = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
-        p = tuple(ps.items()) if ps else ()
-        b = tuple(bs.items()) if bs else ()
-        c = tuple(cs.items()) if cs else ()
         a = tuple((k, v) for k, v in d.items() if isinstance(v, Tensor)) \
             if _has_tensor(d) else ()
-        recs.append((name, mod, p, b, a, c))
-        sig.append((m, tuple(ps) if p else (), tuple(map(id, ps.values())) if p else (),
-                    tuple(bs) if b else (), tuple(map(id, bs.values())) if b else (),
-                    tuple((k, id(v)) for k, v in a),
-                    tuple(cs) if c else (), tuple(map(id, cs.values())) if c else ()))
-        for k, ch in c:
-            if ch is not None:
-                stack.append((f"{name}.{k}" if name else k, ch))
+        append((m, tuple(ps) if ps else (), tuple(map(id, ps.values())) if ps else (),
+                tuple(bs) if bs else (), tuple(map(id, bs.values())) if bs else (),
+                tuple((k, id(v)) for k, v in a) if a else (),
+                tuple(cs) if cs else (), tuple(map(id, cs.values())) if cs else ()))
+        if full:
+            recs.append((name, mod, tuple(ps.items()) if ps else (),
+                         tuple(bs.items()) if bs else (), a,
+                         tuple(cs.items()) if cs else ()))
+        if cs:
+            for k, ch in cs.items():
+                if ch is not None:
+                    push((f"{name}.{k}" if name else k, ch))
     return sig, recs
 
 
@@ -150,7 +156,8 @@ class _Snapshot:
         """The elements of the tensors ``idx`` (one device and dtype), flat, as integers of the same
         size (so that the comparison is bitwise: NaN equals itself)."""
         ts = self.tensors
-        flat = torch.cat([ts[i].reshape(-1) for i in idx]) if len(idx) > 1 else \
+        # (flatten_dense_tensors: the concatenation of the flattened tensors in one C++ call)
+        flat = _flatten_dense_tensors([ts[i] for i in idx]) if len(idx) > 1 else \
             ts[idx[0]].detach().reshape(-1)
         return flat.view(_INT[min(flat.dtype.itemsize, 8)])
 
@@ -198,7 +205,7 @@ class _Snapshot:
 
 
 #: above this many bytes per (device, dtype) group the state is compared tensor by tensor
-_ONE_COPY_BYTES = 64 * 2 ** 20
+_ONE_COPY_BYTES = 2 ** 20
 
 #: integer dtypes by element size: the flat snapshots are compared as integers (bitwise)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -268,7 +275,7 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
         with torch.no_grad():
             changed: list[tuple[str, str]] = []
             before: tuple[list, list] | None = None
-            if _tree(model)[0] != sig:
+            if _tree(model, False)[0] != sig:
                 before = _entries(recs)
                 changed = _repair(before, _walk(model))
             bad = snap.changed()
