@@ -22,6 +22,7 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
+from dpclip.engine.known_losses import known_loss, known_loss_fn
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
@@ -113,6 +114,9 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # batch size, private, must be used only as the leading dimension (proved once per signature
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
+        known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
+        if known is not None:  # proved by the modules' and the loss's semantics: no trace
+            return known
         # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
         # the proof traces the program the engine runs
         why, program = proof_of(model, loss_fn, xs, ys, tuple(
@@ -453,6 +457,34 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
                 calls.append(c)
             h = out
     return calls, h
+
+
+def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, ys: Any,
+                       batch: int) -> tuple[list[_Call], Tensor] | None:
+    """``(calls, sum of the per-example losses)`` of a program proved per-example separable by
+    semantics alone, without a trace and without the batch-size proof: a plain chain of known
+    modules (:func:`_run_known_chain`, its run-time checks included) on a plain tensor, then a
+    known loss (:mod:`dpclip.engine.known_losses`: e.g. dpclip's ``cross_entropy_per_example`` or
+    an exact ``nn.CrossEntropyLoss(reduction='none')`` on ``(B, C)`` logits). No user code runs in
+    it, and no part of it reads the batch size as a value. ``None``: not such a program (the
+    caller traces it as before; the chain may then run a second time)."""
+    if type(xs) is not Tensor or not known_loss_fn(loss_fn):
+        return None
+    chain = _plain_chain(model, scan.by_module)
+    if chain is None or not _known_chain(chain):
+        return None
+    got = _run_known_chain(chain, scan.by_module, xs, batch)
+    if got is None or not known_loss(loss_fn, got[1], ys, batch):
+        return None
+    calls, h = got
+    with torch.enable_grad():
+        losses = _check_losses(loss_fn(h, ys), batch)
+    # as after a traced call: this batch's tensors are a past batch's data in every later trace
+    tracer = SeparabilityTracer(batch)
+    for t in (xs, ys, h, losses):
+        tracer.mark(t, (0, 1))
+    tracer.retire()
+    return calls, losses.sum()
 
 
 #: separability layouts of plain chains of built-in modules, by :func:`_chain_key`: ``(layouts of

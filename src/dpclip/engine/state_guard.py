@@ -21,9 +21,11 @@ and on its ``detach()`` / view aliases, but NOT by writes through ``t.data`` (a 
 fooled, so the guard compares bytes (``NaN`` equals itself, ``-0.0`` differs from ``0.0``).
 
 Cost: one walk of the module tree before and after (no generators, no name strings unless
-something changed), and per device one concatenated byte copy of the state before and one after,
-compared with one ``torch.equal``; tensors that cannot be viewed as bytes (sparse, quantized,
-non-contiguous) are cloned and compared one by one.
+something changed: the walk records, per module, the keys and object ids of its tables), and per
+(device, dtype) one concatenated byte copy of the state before; after the block, a small state
+(up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger one is
+compared tensor by tensor against the copy (no second copy). Tensors that cannot be viewed as
+bytes (sparse, quantized) are cloned and compared one by one.
 
 What it cannot see: tensors kept outside the model (a global, a closure of the loss function) or in
 Python containers (a list attribute); the ghost engine's tracer refuses those when they are read in
@@ -40,6 +42,7 @@ from typing import Iterator
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 
 from dpclip.engine.errors import PrivateBufferError
 
@@ -59,44 +62,76 @@ def _has_tensor(d: dict) -> bool:
     return not types <= _PLAIN and any(issubclass(t, Tensor) for t in types - _PLAIN)
 
 
-def _walk(model: nn.Module, full: bool) -> tuple[list[tuple], list[tuple]]:
-    """``(sig, objs)``: ``sig`` lists ``(id(module), kind, key, id(object))`` for every parameter,
-    buffer, tensor attribute and child module of the tree (``None`` parameters and buffers
-    skipped), in a deterministic order; ``objs`` (when ``full``) the matching
-    ``(module name, module, object)``."""
+def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]]:
+    """``(sig, recs)``, one walk of the module tree (each module once, in a fixed depth-first
+    order). ``recs`` (empty unless ``full``): per module ``(name, module, params, buffers, attrs,
+    children)``, each table a tuple of its ``(key, object)`` items (``attrs``: the tensor values of
+    the module's ``__dict__``). ``sig``: per module its id and, per table, the keys and the
+    objects' ids; two walks have equal ``sig`` exactly when the tree has the same modules holding
+    the same objects under the same keys. (While ``recs`` lives it holds every object it lists, so
+    no id it lists can be reused by a new object: an object replaced by a new one always changes
+    ``sig``.)"""
     sig: list[tuple] = []
-    objs: list[tuple] = []
+    recs: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    pop, push, add, append = stack.pop, stack.append, seen.add, sig.append
     while stack:
-        name, mod = stack.pop()
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        d = mod.__dict__
+        name, mod = pop()
         m = id(mod)
-        for kind, table in ((_PARAM, d.get("_parameters")), (_BUFFER, d.get("_buffers"))):
-            if table:
-                for k, v in table.items():
-                    if v is not None:
-                        sig.append((m, kind, k, id(v)))
-                        if full:
-                            objs.append((name, mod, v))
-        if _has_tensor(d):
-            for k, v in d.items():
-                if isinstance(v, Tensor):
-                    sig.append((m, _ATTR, k, id(v)))
-                    if full:
-                        objs.append((name, mod, v))
-        children = d.get("_modules")
-        if children:
-            for k, c in children.items():
-                sig.append((m, _CHILD, k, id(c)))
-                if full:
-                    objs.append((name, mod, c))
-                if c is not None:
-                    stack.append((f"{name}.{k}" if name else k, c))
+        if m in seen:
+            continue
+        add(m)
+        d = mod.__dict__
+        ps, bs, cs = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
+        a = tuple((k, v) for k, v in d.items() if isinstance(v, Tensor)) \
+            if _has_tensor(d) else ()
+        append((m, tuple(ps) if ps else (), tuple(map(id, ps.values())) if ps else (),
+                tuple(bs) if bs else (), tuple(map(id, bs.values())) if bs else (),
+                tuple((k, id(v)) for k, v in a) if a else (),
+                tuple(cs) if cs else (), tuple(map(id, cs.values())) if cs else ()))
+        if full:
+            recs.append((name, mod, tuple(ps.items()) if ps else (),
+                         tuple(bs.items()) if bs else (), a,
+                         tuple(cs.items()) if cs else ()))
+        if cs:
+            for k, ch in cs.items():
+                if ch is not None:
+                    push((f"{name}.{k}" if name else k, ch))
+    return sig, recs
+
+
+def _entries(recs: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """``(sig, objs)`` of the walk ``recs`` (:func:`_tree`), one entry per object: ``sig`` lists
+    ``(id(module), kind, key, id(object))`` for every parameter, buffer, tensor attribute and
+    child module (``None`` parameters and buffers skipped), ``objs`` the matching ``(module name,
+    module, object)``."""
+    sig: list[tuple] = []
+    objs: list[tuple] = []
+    for name, mod, p, b, a, c in recs:
+        m = id(mod)
+        for kind, items in ((_PARAM, p), (_BUFFER, b), (_ATTR, a), (_CHILD, c)):
+            for k, v in items:
+                if v is not None or kind == _CHILD:
+                    sig.append((m, kind, k, id(v)))
+                    objs.append((name, mod, v))
     return sig, objs
+
+
+def _walk(model: nn.Module) -> tuple[list[tuple], list[tuple]]:
+    """:func:`_entries` of a fresh walk of ``model``."""
+    return _entries(_tree(model)[1])
+
+
+def _state_tensors(recs: list[tuple]) -> list[Tensor]:
+    """The parameters, buffers and tensor attributes of the walk ``recs``, each object once."""
+    uniq: dict[int, Tensor] = {}
+    for _, _, p, b, a, _ in recs:
+        for items in (p, b, a):
+            for _, v in items:
+                if v is not None:
+                    uniq.setdefault(id(v), v)
+    return list(uniq.values())
 
 
 class _Snapshot:
@@ -121,7 +156,8 @@ class _Snapshot:
         """The elements of the tensors ``idx`` (one device and dtype), flat, as integers of the same
         size (so that the comparison is bitwise: NaN equals itself)."""
         ts = self.tensors
-        flat = torch.cat([ts[i].reshape(-1) for i in idx]) if len(idx) > 1 else \
+        # (flatten_dense_tensors: the concatenation of the flattened tensors in one C++ call)
+        flat = _flatten_dense_tensors([ts[i] for i in idx]) if len(idx) > 1 else \
             ts[idx[0]].detach().reshape(-1)
         return flat.view(_INT[min(flat.dtype.itemsize, 8)])
 
@@ -169,7 +205,7 @@ class _Snapshot:
 
 
 #: above this many bytes per (device, dtype) group the state is compared tensor by tensor
-_ONE_COPY_BYTES = 64 * 2 ** 20
+_ONE_COPY_BYTES = 2 ** 20
 
 #: integer dtypes by element size: the flat snapshots are compared as integers (bitwise)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -230,19 +266,21 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 79; buffers: the running
     statistics entry)."""
     with torch.no_grad():
-        before = _walk(model, True)
-        uniq = {id(o): o for s, (_, _, o) in zip(*before) if s[1] != _CHILD}
-        tensors = list(uniq.values())
+        sig, recs = _tree(model)
+        tensors = _state_tensors(recs)
         snap = _Snapshot(tensors)
     try:
         yield
     finally:
         with torch.no_grad():
             changed: list[tuple[str, str]] = []
-            if _walk(model, False)[0] != before[0]:
-                changed = _repair(before, _walk(model, True))
+            before: tuple[list, list] | None = None
+            if _tree(model, False)[0] != sig:
+                before = _entries(recs)
+                changed = _repair(before, _walk(model))
             bad = snap.changed()
             if bad:
+                before = before or _entries(recs)
                 names: dict[int, tuple[str, str]] = {}
                 for s, (mname, _, o) in zip(*before):
                     if s[1] != _CHILD:

@@ -70,6 +70,7 @@ from dpclip.devices import data_fits_on_device, resolve_device
 from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.known_losses import cross_entropy_per_example
 from dpclip.events import GaussianEvent
 from dpclip.inputs import check_class_targets, convert_arrays
 from dpclip.training.loop_guard import LoopGuard
@@ -374,8 +375,8 @@ class PrivateTraining:
             raise ValueError("make_private: strategy_params are for a strategy given by name; "
                              "configure a strategy instance directly")
         self.bound_based = capabilities_of(strategy).bound_based
-        self.loss_fn = loss_fn if loss_fn is not None else (
-            lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
+        # dpclip's helper: the ghost engine proves it separable without tracing it every step
+        self.loss_fn = loss_fn if loss_fn is not None else cross_entropy_per_example
         if loss_fn is None and not self.bound_based:
             check_class_targets(self.model, self._x, self._y, self.device)  # before any step
         return strategy

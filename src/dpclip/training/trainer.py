@@ -34,6 +34,7 @@ from dpclip.clipping import make_strategy
 from dpclip.clipping.capabilities import capabilities_of
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
+from dpclip.engine.known_losses import cross_entropy_per_example  # noqa: F401 (re-exported)
 from dpclip.models import build_model
 from dpclip.training.config import OPTIMIZERS, PERFORMANCE_FIELDS, TrainConfig
 from dpclip.training.distributed import init_from_env
@@ -126,8 +127,6 @@ def resolve_device(name: str) -> torch.device:
     return _resolve(name, "--device")
 
 
-def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
 @torch.no_grad()
