@@ -161,46 +161,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
             tracer.mark(t, (0, 1))
     if chain is not None:  # the same calls as the hooks would see, without hooks
-        if tracer is not None and _known_chain(chain):
-            got = _run_known_chain(chain, by_module, xs, batch)
-            if got is not None:  # proved per-example separable by the modules' semantics
-                calls, h = got
-                tracer.mark(h, (0, 1))
-                if tracer.match is not None:  # the chain is library code: the loss is matched
-                    tracer.match.start_at_loss(h)
-                with torch.enable_grad(), tracer:  # the loss is user code: traced every call
-                    losses = _user_loss(tracer, loss_fn, h, ys, batch)
-                _check_separable(tracer, calls, losses)
-                return calls, losses.sum()
-        key = _chain_key(chain, xs) if tracer is not None else None
-        cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
-        chain_tracer = tracer if cached is None else None
-        with torch.enable_grad():
-            with chain_tracer or contextlib.nullcontext():
-                h = xs
-                for mod in chain:
-                    owner = by_module.get(id(mod))
-                    if owner is None:
-                        h = mod(h)
-                    else:
-                        out = mod(h)
-                        calls.append(_engine_call(owner, h, out, chain_tracer))
-                        h = out
-            if tracer is not None:
-                if cached is not None:
-                    for c, lay in zip(calls, cached[0]):
-                        c.layouts = lay
-                    tracer.mark(h, cached[1])
-                elif key is not None and tracer.violation is None:
-                    if len(_CHAIN_LAYOUTS) >= 256:
-                        _CHAIN_LAYOUTS.clear()
-                    _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
-            if tracer is not None and chain_tracer is None and tracer.match is not None:
-                tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
-            with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
-                losses = _user_loss(tracer, loss_fn, h, ys, batch)
-        _check_separable(tracer, calls, losses)
-        return calls, losses.sum()
+        return _chain_call(tracer, chain, by_module, loss_fn, xs, ys, batch)
 
     expanded: list[str] = []  # layers whose batch-less calls were expanded
     guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
@@ -279,6 +240,56 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     finally:
         for h in handles:
             h.remove()
+    _check_separable(tracer, calls, losses)
+    return calls, losses.sum()
+
+
+def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
+                by_module: dict[int, "_Owner"], loss_fn: LossFn, xs: Tensor, ys: Any,
+                batch: int) -> tuple[list[_Call], Tensor]:
+    """:func:`_traced_call` for a plain chain (:func:`_plain_chain`): run by the engine without
+    hooks; a chain of known modules is proved by their semantics, another one traced (its layouts
+    cached per :func:`_chain_key`); the loss, user code, is traced (and matched against the proof)
+    on every call."""
+    calls: list[_Call] = []
+    if tracer is not None and _known_chain(chain):
+        got = _run_known_chain(chain, by_module, xs, batch)
+        if got is not None:  # proved per-example separable by the modules' semantics
+            calls, h = got
+            tracer.mark(h, (0, 1))
+            if tracer.match is not None:  # the chain is library code: the loss is matched
+                tracer.match.start_at_loss(h)
+            with torch.enable_grad(), tracer:  # the loss is user code: traced every call
+                losses = _user_loss(tracer, loss_fn, h, ys, batch)
+            _check_separable(tracer, calls, losses)
+            return calls, losses.sum()
+    key = _chain_key(chain, xs) if tracer is not None else None
+    cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
+    chain_tracer = tracer if cached is None else None
+    with torch.enable_grad():
+        with chain_tracer or contextlib.nullcontext():
+            h = xs
+            for mod in chain:
+                owner = by_module.get(id(mod))
+                if owner is None:
+                    h = mod(h)
+                else:
+                    out = mod(h)
+                    calls.append(_engine_call(owner, h, out, chain_tracer))
+                    h = out
+        if tracer is not None:
+            if cached is not None:
+                for c, lay in zip(calls, cached[0]):
+                    c.layouts = lay
+                tracer.mark(h, cached[1])
+            elif key is not None and tracer.violation is None:
+                if len(_CHAIN_LAYOUTS) >= 256:
+                    _CHAIN_LAYOUTS.clear()
+                _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
+        if tracer is not None and chain_tracer is None and tracer.match is not None:
+            tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
+        with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
+            losses = _user_loss(tracer, loss_fn, h, ys, batch)
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 

@@ -209,6 +209,8 @@ _METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
              "size", "stride", "numel", "storage_offset", "is_contiguous", "is_non_overlapping_and_dense"}
 
 _T = torch.Tensor
+#: the ``__torch_dispatch__`` of plain tensors and parameters
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 #: Tensor methods that take values (or raw memory) of a tensor out of the trace into Python or
 #: NumPy: on batch data, whatever is computed from the result is invisible to the layout rules
 _ESCAPES = {_T.numpy, _T.tolist, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage,
@@ -395,13 +397,15 @@ class SeparabilityTracer(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if types and not self.quiet and self.violation is None:
-            # ``types`` lists the argument types with their own __torch_dispatch__: their Python
-            # runs below this mode, out of the trace's sight (and can tell fakes from real
-            # tensors), so nothing the call computes is proven
-            self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
-                              f"({', '.join(sorted(t.__name__ for t in types))}) is an argument "
-                              f"of {_name(func)}: its code runs below the trace and cannot be "
-                              "checked")
+            # ``types`` lists argument types that take part in Python dispatch; one with its own
+            # __torch_dispatch__ runs Python below this mode, out of the trace's sight (and can
+            # tell fakes from real tensors), so nothing the call computes is proven
+            own = sorted(t.__name__ for t in types
+                         if getattr(t, "__torch_dispatch__", None) is not _PLAIN_DISPATCH)
+            if own:
+                self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
+                                  f"({', '.join(own)}) is an argument of {_name(func)}: its "
+                                  "code runs below the trace and cannot be checked")
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
