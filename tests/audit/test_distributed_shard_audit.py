@@ -75,10 +75,12 @@ def test_real_two_process_sharded_noise(tmp_path, mutated):
     r = rows[0]
     assert rows[1]["gaussian_epsilon"] == r["gaussian_epsilon"]  # every rank released the same
     assert r["claimed_epsilon"] == pytest.approx(1.993, abs=0.01)
-    if not mutated:  # seed 0: Gaussian fit 1.55 against the claim 1.99, mu_hat 0.477 for 0.5
+    if not mutated:  # seed 0: mu_hat 0.44-0.48 for 0.5 (it moves with the stream's layout)
         assert not r["violates_claim"], r
         assert r["gaussian_epsilon"] > 0.7 * r["claimed_epsilon"], r  # the audit sees the step
-        assert r["mu_hat"] == pytest.approx(1 / Z, rel=0.1)
+        # an estimate from 4000 canaries: above 1.1 / Z would be a violation; well below would
+        # mean the audit does not see the step
+        assert 0.7 / Z < r["mu_hat"] < 1.1 / Z, r
     else:  # seed 0: Gaussian fit 2.48 (1.24x the claim), mu_hat 0.695
         assert r["violates_claim"], r
         assert r["gaussian_epsilon"] > 1.1 * r["claimed_epsilon"], r

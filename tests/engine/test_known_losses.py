@@ -40,7 +40,7 @@ def traced(monkeypatch) -> dict[str, int]:
     """Counts the traced operations and the batch-size proofs of the runs in the test."""
     seen = {"ops": 0, "proofs": 0}
     orig = separable.SeparabilityTracer.__torch_dispatch__
-    proof = gf.batch_size_uses
+    proof = gf.proof_of
 
     def spy(self, func, types, args=(), kwargs=None):
         seen["ops"] += 1
@@ -51,7 +51,7 @@ def traced(monkeypatch) -> dict[str, int]:
         return proof(*a, **k)
 
     monkeypatch.setattr(separable.SeparabilityTracer, "__torch_dispatch__", spy)
-    monkeypatch.setattr(gf, "batch_size_uses", spy_proof)
+    monkeypatch.setattr(gf, "proof_of", spy_proof)
     return seen
 
 
