@@ -540,7 +540,9 @@ UNSEEN_WRITES = {
 
 #: still open: the write is accepted (strict xfail; the LOO measured is in the reason)
 _OPEN = {n: "HOLE (second hostile review): accepted by ghost and auto, LOO 3.16 C"
-         for n in UNSEEN_WRITES}
+         for n in UNSEEN_WRITES if n not in (
+             # fixed: .numpy() / .data / raw storage of ANY tensor is refused by the tracer
+             "numpy-write-outside-tensor", "numpy-write-buffer")}
 
 
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
