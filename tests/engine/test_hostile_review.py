@@ -622,3 +622,79 @@ def test_honest_in_place_writes_still_match_their_proof():
     for _ in range(2):
         _, info = clipped_sum(GhostEngine(), model, ce, x, y)
         assert info["engine"] == "ghost"
+
+
+# ---------------------------------- state the match did not compare: custom kernels, generators
+
+_STATE = {"k": 1.0}
+
+
+@torch.library.custom_op("dpclip_hostile_review::scale", mutates_args=())
+def _scale(t: Tensor) -> Tensor:
+    """A custom operation whose real kernel reads Python state (the proof runs its fake)."""
+    return t * _STATE["k"]
+
+
+@_scale.register_fake
+def _(t: Tensor) -> Tensor:
+    return torch.empty_like(t)
+
+
+def _custom_kernel_reads_state(m, h: Tensor) -> Tensor:
+    if _real(h):
+        _STATE["k"] = float(h.shape[0] - 7)
+    return h * _scale(torch.ones(6, dtype=h.dtype))  # on a constant: the tracer sees a constant
+
+
+_GEN = torch.Generator()
+
+
+def _reseed_default(m, h: Tensor) -> Tensor:
+    if _real(h):
+        torch.manual_seed(h.shape[0])
+    return h * torch.bernoulli(torch.full((1, 6), 0.5, dtype=h.dtype)).expand_as(h) * 2
+
+
+def _reseed_generator(m, h: Tensor) -> Tensor:
+    if _real(h):
+        _GEN.set_state(torch.Generator().manual_seed(h.shape[0]).get_state())
+    return h * torch.bernoulli(torch.full((1, 6), 0.5, dtype=h.dtype),
+                               generator=_GEN).expand_as(h) * 2
+
+
+HIDDEN_STATE = {
+    # accepted before: LOO 3.16 C
+    "custom-op-kernel-reads-state": _custom_kernel_reads_state,
+    # accepted before: LOO 3.83 C with every generator seeded (123) before each call: the dropout
+    # masks were a function of the private batch size
+    "manual_seed(len(x))-before-dropout": _reseed_default,
+    "generator-state-from-len(x)": _reseed_generator,
+}
+
+
+@pytest.mark.parametrize("name", list(HIDDEN_STATE))
+def test_hidden_state_in_the_real_run_never_exceeds_c(name):
+    """Refused, or LOO <= C with the randomness fixed outside the call (as
+    test_a_shared_dropout_mask_is_per_example_given_the_mask)."""
+    from dpclip.engine import batch_symbol
+
+    batch_symbol._CACHE.clear()
+    _STATE["k"] = 1.0
+    torch.manual_seed(0)
+    model = Net(HIDDEN_STATE[name]).to(DT)
+    x, y = data()
+
+    def seeded(xs, ys):
+        torch.manual_seed(123)
+        _GEN.manual_seed(123)
+        return clipped_sum(GhostEngine(), model, ce, xs, ys)[0]
+
+    try:
+        full = seeded(x, y)
+        worst = max(float((full - seeded(x[[i for i in range(8) if i != j]],
+                                         y[[i for i in range(8) if i != j]])).norm())
+                    for j in range(8)) / C
+    except UnsupportedModelError as exc:
+        assert "program that the batch-size proof traced" in str(exc)
+        return
+    assert worst <= 1 + 1e-9

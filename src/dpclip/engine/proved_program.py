@@ -116,6 +116,15 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
 
 
 _SKIP: dict[Any, bool] = {}
+_SEEDED: dict[Any, bool] = {}
+
+
+def _seeded(func: Any) -> bool:
+    """Whether the operation draws random numbers from a generator."""
+    got = _SEEDED.get(func)
+    if got is None:
+        got = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return got
 
 
 def _skip(func: Any) -> bool:
@@ -148,6 +157,15 @@ class ProvedProgram:
         self.unmatchable: str | None = None
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
         self._outside: list[Any] | None = None
+
+    def generators(self) -> list[Any]:
+        """The explicit ``generator=`` arguments of the recorded draws."""
+        found: dict[int, Any] = {}
+        for _, a, kw, _ in self.entries:
+            for spec in list(a) + list(kw.values()):
+                if spec[0] == "v" and isinstance(spec[1], torch.Generator):
+                    found[id(spec[1])] = spec[1]
+        return list(found.values())
 
     def outside(self) -> list[Any]:
         """Weak references to the tensors from outside the call that the recording uses."""
@@ -463,7 +481,7 @@ class ProgramMatch:
     :attr:`mismatch` holds the first difference, or None."""
 
     __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
-                 "first_extra", "window", "_state_done", "outside")
+                 "first_extra", "window", "_state_done", "outside", "_rng")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -489,11 +507,45 @@ class ProgramMatch:
         #: values now (their identity names them; their values must still be these at each use:
         #: a write through memory shared with NumPy from before the call shows no operation)
         self.outside: dict[int, tuple[Any, int, Tensor]] = {}
+        #: generator -> its state when the call started or after the last matched draw (see
+        #: before)
+        self._rng: dict[Any, Tensor] = {}
+        self._generators({})
+        for g in program.generators():
+            self._rng[g] = g.get_state()
         with _disable_current_modes():
             for ref in program.outside():
                 t = ref()
                 if t is not None:
                     self.outside[id(t)] = (ref, t._version, t.detach().clone())
+
+    def before(self, func: Any, kwargs: dict) -> None:
+        """Called by the tracer BEFORE each operation of user code runs: a random draw must find
+        every generator it may use as the call found it or as the last matched draw left it. The
+        proof matches the draw, not the generator's state: ``torch.manual_seed(len(x))`` (or a
+        state set from it) in the real run only made the masks a function of the private batch
+        size (second hostile review: dropout masks, LOO 3.83 C with the seed fixed outside)."""
+        if self.mismatch is not None or self.done or not _seeded(func):
+            return
+        for g in self._generators(kwargs):
+            want = self._rng.get(g)
+            if want is not None and not torch.equal(g.get_state(), want):
+                self._fail(f"a random generator's state was set in the call before "
+                           f"{_short(func)} (a seed or state the proof does not see)")
+                return
+
+    def _generators(self, kwargs: dict) -> list[Any]:
+        gens = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens += list(torch.cuda.default_generators)
+        g = kwargs.get("generator")
+        if isinstance(g, torch.Generator):
+            gens.append(g)
+        for g in gens:
+            if g not in self._rng:  # the proof's explicit generators are taken at the start
+                # of the call; another one is no argument of the proof (its draw does not match)
+                self._rng[g] = g.get_state()
+        return gens
 
     def _name(self, t: Tensor) -> Any:
         """The name of ``t`` in this run; the model's parameters and buffers are named at the
@@ -534,6 +586,13 @@ class ProgramMatch:
             if name is not None:
                 self.names.set(out, name, args[0]._version)  # a view: its base's counter
                 return
+        if getattr(func, "namespace", "aten") != "aten":
+            # a custom operation (torch.library): the proof ran its fake (meta) kernel, the real
+            # run its real kernel, Python that can read any state (second hostile review: a
+            # kernel scaling a constant by a global set from len(x): LOO 3.16 C)
+            self._fail(f"operation {self.k} ({func.namespace}::{_short(func)}) is not an ATen "
+                       "operation: the proof ran its fake kernel, not the code that runs here")
+            return
         if func in _LIFT:
             func = _aten.lift_fresh.default
         k = self.k
@@ -588,6 +647,9 @@ class ProgramMatch:
         for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs, outs))):
             if o is not None:
                 self.names.set(o, ("op", index, j), v)
+        if not pure and _seeded(func):  # a matched draw: the generators as it left them
+            for g in self._rng:
+                self._rng[g] = g.get_state()
         if not pure:
             bumps = _written(func, args, kwargs)
             if bumps:  # the counters of the written storages move once per written argument

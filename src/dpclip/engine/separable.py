@@ -402,6 +402,8 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if not self.quiet and self.match is not None:  # a draw: the generators as left
+            self.match.before(func, kwargs)
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
