@@ -698,3 +698,37 @@ def test_hidden_state_in_the_real_run_never_exceeds_c(name):
         assert "program that the batch-size proof traced" in str(exc)
         return
     assert worst <= 1 + 1e-9
+
+
+@pytest.mark.xfail(strict=True, reason="HOLE (second hostile review): an ATen kernel overridden "
+                   "from Python (torch.library.Library('aten', 'IMPL')) reads state the proof's "
+                   "fake kernel never ran: accepted by ghost, LOO 3.16 C")
+def test_an_overridden_aten_kernel_never_exceeds_c():
+    """The match names the operation ``aten::frac``, not the kernel that runs: a Python CPU
+    kernel registered over it returns a global set from ``len(x)`` in the real run."""
+    import warnings
+
+    from dpclip.engine import batch_symbol
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            lib.impl("frac", lambda t: torch.full_like(t, _STATE["k"]), "CPU")
+
+        def attack(m, h: Tensor) -> Tensor:
+            if _real(h):
+                _STATE["k"] = float(h.shape[0] - 7)
+            return h * torch.frac(torch.ones(6, dtype=h.dtype))
+
+        batch_symbol._CACHE.clear()
+        torch.manual_seed(0)
+        model = Net(attack).to(DT)
+        x, y = data()
+        try:
+            assert loo_distance(GhostEngine(), model, ce, x, y) <= 1 + 1e-9
+        except UnsupportedModelError:
+            pass
+    finally:
+        lib._destroy()
+        _STATE["k"] = 1.0
