@@ -732,3 +732,21 @@ def test_an_overridden_aten_kernel_never_exceeds_c():
     finally:
         lib._destroy()
         _STATE["k"] = 1.0
+
+
+def test_a_patched_known_module_class_is_traced_not_trusted():
+    """``nn.Tanh.forward`` patched on the class (no instance forward, exact type): the chain of
+    known modules ran it untraced as torch's Tanh, and ghost accepted a forward centring over the
+    batch (LOO 3.14 C). Now a known class whose forward is not torch's own is traced: refused."""
+    original = nn.Tanh.forward
+    nn.Tanh.forward = lambda self, x: torch.tanh(x + 3 * x.mean(0))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+        x, y = data()
+        try:
+            assert loo_distance(GhostEngine(), model, ce, x, y) <= 1 + 1e-9
+        except UnsupportedModelError as exc:
+            assert "mixes the examples" in str(exc)
+    finally:
+        nn.Tanh.forward = original
