@@ -116,6 +116,37 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
 
 
 _SKIP: dict[Any, bool] = {}
+#: (size of torch.library's ledger of Python kernels, the ATen operations with one for a key an
+#: eager run can use)
+_OVERRIDES: list[Any] = [-1, frozenset()]
+#: the dispatch keys whose kernels an eager run executes (not Meta, nor functorch's batching
+#: rules, which torch registers from Python itself); "" is torch.library's default
+_EAGER_KEYS = frozenset({
+    "", "CPU", "CUDA", "XPU", "MPS", "PrivateUse1", "CompositeImplicitAutograd",
+    "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "Autograd",
+    "AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradPrivateUse1",
+    "ADInplaceOrView", "BackendSelect"})
+
+
+def _overridden(func: Any) -> bool:
+    """Whether a Python kernel registered with ``torch.library`` (``Library('aten', 'IMPL')``)
+    replaces an eager kernel of the ATen operation ``func``: the proof ran its fake (meta) kernel,
+    the real run would run that Python, which can read any state (second hostile review: LOO
+    3.16 C). Read from torch.library's ledger (``torch.library._impls``; torch registers Meta
+    kernels there itself), recomputed when its size changes. Not seen: a kernel registered through
+    the private ``torch._C._dispatch_library`` directly, or a swap that keeps the ledger's size."""
+    impls = getattr(torch.library, "_impls", ())
+    if len(impls) != _OVERRIDES[0]:
+        names = set()
+        for key in list(impls):
+            ns, _, rest = key.partition("/")
+            name, _, dkey = rest.rpartition("/")
+            if ns == "aten" and dkey in _EAGER_KEYS:
+                names.add(name.split(".")[0])
+        _OVERRIDES[0], _OVERRIDES[1] = len(impls), frozenset(names)
+    return bool(_OVERRIDES[1]) and \
+        func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+
 _SEEDED: dict[Any, bool] = {}
 
 
@@ -525,7 +556,13 @@ class ProgramMatch:
         proof matches the draw, not the generator's state: ``torch.manual_seed(len(x))`` (or a
         state set from it) in the real run only made the masks a function of the private batch
         size (second hostile review: dropout masks, LOO 3.83 C with the seed fixed outside)."""
-        if self.mismatch is not None or self.done or not _seeded(func):
+        if self.mismatch is not None or self.done:
+            return
+        if getattr(func, "namespace", "") == "aten" and _overridden(func):
+            self._fail(f"operation {_short(func)} runs a kernel registered from Python over "
+                       "ATen's: the proof ran its fake kernel, not the code that runs here")
+            return
+        if not _seeded(func):
             return
         for g in self._generators(kwargs):
             want = self._rng.get(g)

@@ -402,7 +402,7 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.quiet and self.match is not None:  # a draw: the generators as left
+        if not self.quiet and self.match is not None:  # before: generators, kernels
             self.match.before(func, kwargs)
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
