@@ -27,9 +27,14 @@ against the proof closes that gap:
 Soundness argument: the proof establishes a property of the recorded computation at every batch
 size; a real run that matches it computes that recorded computation at its batch size (the ops are
 deterministic functions of their arguments, and every argument is tied to the same source), so
-the property holds for the step that runs. What the match does not see is what the proof and the
-real trace do not see either (public state that changed outside the call); engine code (its hooks)
-is skipped on both sides and its outputs are named by the tensors they stand for.
+the property holds for the step that runs. A name must still stand for its values: a tensor
+written since it was named by no matched operation (Python dispatch switched off) loses its name
+(version counters, :class:`_Versioned`), and a tensor from outside the call is compared by value
+with its copy at the start of the call (second hostile review: LOO 3.16 C before). What the match
+does not see is what the proof and the real trace do not see either (public state that changed
+outside the call; a parameter or buffer sharing memory with a NumPy array written in forward);
+engine code (its hooks) is skipped on both sides and its outputs are named by the tensors they
+stand for.
 
 Cost: one comparison per operation and argument (numbers are evaluated once per batch size);
 about as much as the real-batch trace's own bookkeeping.
@@ -111,6 +116,46 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
 
 
 _SKIP: dict[Any, bool] = {}
+#: (size of torch.library's ledger of Python kernels, the ATen operations with one for a key an
+#: eager run can use)
+_OVERRIDES: list[Any] = [-1, frozenset()]
+#: the dispatch keys whose kernels an eager run executes (not Meta, nor functorch's batching
+#: rules, which torch registers from Python itself); "" is torch.library's default
+_EAGER_KEYS = frozenset({
+    "", "CPU", "CUDA", "XPU", "MPS", "PrivateUse1", "CompositeImplicitAutograd",
+    "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "Autograd",
+    "AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradPrivateUse1",
+    "ADInplaceOrView", "BackendSelect"})
+
+
+def _overridden(func: Any) -> bool:
+    """Whether a Python kernel registered with ``torch.library`` (``Library('aten', 'IMPL')``)
+    replaces an eager kernel of the ATen operation ``func``: the proof ran its fake (meta) kernel,
+    the real run would run that Python, which can read any state (second hostile review: LOO
+    3.16 C). Read from torch.library's ledger (``torch.library._impls``; torch registers Meta
+    kernels there itself), recomputed when its size changes. Not seen: a kernel registered through
+    the private ``torch._C._dispatch_library`` directly, or a swap that keeps the ledger's size."""
+    impls = getattr(torch.library, "_impls", ())
+    if len(impls) != _OVERRIDES[0]:
+        names = set()
+        for key in list(impls):
+            ns, _, rest = key.partition("/")
+            name, _, dkey = rest.rpartition("/")
+            if ns == "aten" and dkey in _EAGER_KEYS:
+                names.add(name.split(".")[0])
+        _OVERRIDES[0], _OVERRIDES[1] = len(impls), frozenset(names)
+    return bool(_OVERRIDES[1]) and \
+        func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+
+_SEEDED: dict[Any, bool] = {}
+
+
+def _seeded(func: Any) -> bool:
+    """Whether the operation draws random numbers from a generator."""
+    got = _SEEDED.get(func)
+    if got is None:
+        got = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return got
 
 
 def _skip(func: Any) -> bool:
@@ -131,7 +176,8 @@ class ProvedProgram:
     (index of the first operation of the loss), ``model_out`` (name of the model's output, when it
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
-    __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch")
+    __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch",
+                 "_outside")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -141,6 +187,34 @@ class ProvedProgram:
         #: why the recorded run cannot be matched (a fake tensor from outside the call), or None
         self.unmatchable: str | None = None
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
+        self._outside: list[Any] | None = None
+
+    def generators(self) -> list[Any]:
+        """The explicit ``generator=`` arguments of the recorded draws."""
+        found: dict[int, Any] = {}
+        for _, a, kw, _ in self.entries:
+            for spec in list(a) + list(kw.values()):
+                if spec[0] == "v" and isinstance(spec[1], torch.Generator):
+                    found[id(spec[1])] = spec[1]
+        return list(found.values())
+
+    def outside(self) -> list[Any]:
+        """Weak references to the tensors from outside the call that the recording uses."""
+        if self._outside is None:
+            found: dict[int, Any] = {}
+
+            def walk(spec: tuple) -> None:
+                if spec[0] == "x":
+                    found[id(spec[1])] = spec[1]
+                elif spec[0] == "l":
+                    for x in spec[2]:
+                        walk(x)
+
+            for _, a, kw, _ in self.entries:
+                for spec in list(a) + list(kw.values()):
+                    walk(spec)
+            self._outside = list(found.values())
+        return self._outside
 
     def at(self, batch: int) -> list[tuple[Any, tuple, dict, int]]:
         """The entries with every symbolic number evaluated at ``batch`` (cached per batch)."""
@@ -185,6 +259,89 @@ class _Names:
 
     def set(self, t: Tensor, name: Any) -> None:
         self.d[id(t)] = (weakref.ref(t), name)
+
+
+#: the name of a tensor written since it was named by no matched operation (see _Versioned)
+_STALE_NAME = ("stale",)
+
+
+class _Versioned(_Names):
+    """Names of the real run, each with the tensor's version counter when it was named: a tensor
+    written since by no matched operation (an in-place call with Python dispatch or torch functions
+    switched off, which neither the trace nor the match sees) no longer stands for its name (it is
+    ``_STALE_NAME``). A matched write moves the expected version of every tensor on the written
+    storage (:meth:`written`): autograd bumps the counter once per written argument, after the
+    dispatch mode has seen the call. Second hostile review: ``h2.mul_(len(x) - 7)`` under
+    ``torch._C._DisableTorchDispatch()`` kept ``h2``'s name: LOO 3.16 C."""
+
+    __slots__ = ()
+
+    def get(self, t: Tensor) -> Any:
+        e = self.d.get(id(t))
+        if e is None or e[0]() is not t:
+            return None
+        return e[1] if e[2] == t._version else _STALE_NAME
+
+    def set(self, t: Tensor, name: Any, version: int | None = None) -> None:
+        """``version``: the counter ``t`` will have (a view made by the call being matched gets
+        its base's counter only when the call returns, after the dispatch mode)."""
+        self.d[id(t)] = (weakref.ref(t), name, t._version if version is None else version)
+
+    def written(self, bumps: dict[int, int]) -> None:
+        """A matched operation writes storages (data pointer -> number of written arguments on
+        it): the tensors on them that are in step with their counters expect that many more."""
+        for key, (ref, name, version) in list(self.d.items()):
+            t = ref()
+            if t is not None and t._version == version:
+                n = bumps.get(_storage(t))
+                if n:
+                    self.d[key] = (ref, name, version + n)
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - no storage (a fake or sparse tensor): never matched
+        return -1
+
+
+def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int | None]:
+    """The version counter each output of the call will have once it returns: a view's is its
+    base argument's (shared), else the output's own."""
+    got: list[int | None] = []
+    schema = func._schema
+    for j, o in enumerate(outs):
+        v = None
+        if o is not None:
+            v = o._version
+            ret = schema.returns[j] if j < len(schema.returns) else None
+            info = ret.alias_info if ret is not None else None
+            if info is not None:
+                for i, arg in enumerate(schema.arguments):
+                    a_info = arg.alias_info
+                    if a_info is not None and a_info.before_set & info.before_set:
+                        a = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) \
+                            else args[i]
+                        if isinstance(a, Tensor):
+                            v = a._version
+                        break
+        got.append(v)
+    return got
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
+    """Storage data pointer -> number of arguments of the call that its schema writes."""
+    bumps: dict[int, int] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        v = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, Tensor):
+                k = _storage(t)
+                bumps[k] = bumps.get(k, 0) + 1
+    return bumps
 
 
 def _state_names(model: Any, names: _Names, only_new: bool = False) -> None:
@@ -355,17 +512,17 @@ class ProgramMatch:
     :attr:`mismatch` holds the first difference, or None."""
 
     __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
-                 "first_extra", "window", "_state_done")
+                 "first_extra", "window", "_state_done", "outside", "_rng")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
         self.entries = program.at(batch)
         self.k = 0
-        self.names = _Names()
+        self.names = _Versioned()
         self.mismatch: str | None = program.unmatchable
         self.done = False
         self._model = model
-        self._state_done = False  # parameters and buffers are named on the first miss
+        self._state_done = False  # parameters and buffers: named below, before the run
         #: operations of the real run without effects that matched nothing (see _pure)
         self.extra = 0
         self.first_extra: str | None = None
@@ -373,6 +530,59 @@ class ProgramMatch:
         #: may be recomputed (see _recomputed)
         self.window = 0
         _input_names(xs, ys, self.names)
+        # named before any user code runs: a write that no operation shows, made before the
+        # first use, must not be named with the written version (see _Versioned)
+        self._state_done = True
+        _state_names(model, self.names, only_new=True)
+        #: the tensors from outside the call that the proof used, with their version counters and
+        #: values now (their identity names them; their values must still be these at each use:
+        #: a write through memory shared with NumPy from before the call shows no operation)
+        self.outside: dict[int, tuple[Any, int, Tensor]] = {}
+        #: generator -> its state when the call started or after the last matched draw (see
+        #: before)
+        self._rng: dict[Any, Tensor] = {}
+        self._generators({})
+        for g in program.generators():
+            self._rng[g] = g.get_state()
+        with _disable_current_modes():
+            for ref in program.outside():
+                t = ref()
+                if t is not None:
+                    self.outside[id(t)] = (ref, t._version, t.detach().clone())
+
+    def before(self, func: Any, kwargs: dict) -> None:
+        """Called by the tracer BEFORE each operation of user code runs: a random draw must find
+        every generator it may use as the call found it or as the last matched draw left it. The
+        proof matches the draw, not the generator's state: ``torch.manual_seed(len(x))`` (or a
+        state set from it) in the real run only made the masks a function of the private batch
+        size (second hostile review: dropout masks, LOO 3.83 C with the seed fixed outside)."""
+        if self.mismatch is not None or self.done:
+            return
+        if getattr(func, "namespace", "") == "aten" and _overridden(func):
+            self._fail(f"operation {_short(func)} runs a kernel registered from Python over "
+                       "ATen's: the proof ran its fake kernel, not the code that runs here")
+            return
+        if not _seeded(func):
+            return
+        for g in self._generators(kwargs):
+            want = self._rng.get(g)
+            if want is not None and not torch.equal(g.get_state(), want):
+                self._fail(f"a random generator's state was set in the call before "
+                           f"{_short(func)} (a seed or state the proof does not see)")
+                return
+
+    def _generators(self, kwargs: dict) -> list[Any]:
+        gens = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens += list(torch.cuda.default_generators)
+        g = kwargs.get("generator")
+        if isinstance(g, torch.Generator):
+            gens.append(g)
+        for g in gens:
+            if g not in self._rng:  # the proof's explicit generators are taken at the start
+                # of the call; another one is no argument of the proof (its draw does not match)
+                self._rng[g] = g.get_state()
+        return gens
 
     def _name(self, t: Tensor) -> Any:
         """The name of ``t`` in this run; the model's parameters and buffers are named at the
@@ -411,8 +621,15 @@ class ProgramMatch:
         if _identity(func, args, kwargs, out):
             name = self._name(args[0])
             if name is not None:
-                self.names.set(out, name)
+                self.names.set(out, name, args[0]._version)  # a view: its base's counter
                 return
+        if getattr(func, "namespace", "aten") != "aten":
+            # a custom operation (torch.library): the proof ran its fake (meta) kernel, the real
+            # run its real kernel, Python that can read any state (second hostile review: a
+            # kernel scaling a constant by a global set from len(x): LOO 3.16 C)
+            self._fail(f"operation {self.k} ({func.namespace}::{_short(func)}) is not an ATen "
+                       "operation: the proof ran its fake kernel, not the code that runs here")
+            return
         if func in _LIFT:
             func = _aten.lift_fresh.default
         k = self.k
@@ -445,9 +662,11 @@ class ProgramMatch:
                 # values, named as that one
                 seen = self._recomputed(func, args, kwargs)
                 if seen is not None:
-                    for j, o in enumerate(_outputs(out)):
+                    outs = _outputs(out)
+                    for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs,
+                                                                        outs))):
                         if o is not None:
-                            self.names.set(o, ("op", seen, j))
+                            self.names.set(o, ("op", seen, j), v)
                     return
                 # an extra operation without effects (see _pure): its outputs get no name, so a
                 # use of them matches nothing; remembered for the message if the run then fails
@@ -461,9 +680,23 @@ class ProgramMatch:
             # a write (or a draw) may change what a view of the written tensor reads: the same
             # call on the same names no longer means the same values
             self.window = k + 1
-        for j, o in enumerate(_outputs(out)):
+        outs = _outputs(out)
+        for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs, outs))):
             if o is not None:
-                self.names.set(o, ("op", index, j))
+                self.names.set(o, ("op", index, j), v)
+        if not pure and _seeded(func):  # a matched draw: the generators as it left them
+            for g in self._rng:
+                self._rng[g] = g.get_state()
+        if not pure:
+            bumps = _written(func, args, kwargs)
+            if bumps:  # the counters of the written storages move once per written argument
+                self.names.written(bumps)
+                for key, (ref, version, value) in list(self.outside.items()):
+                    t = ref()
+                    if t is not None and t._version == version and bumps.get(_storage(t)):
+                        # a matched write: later uses read the written values (its output's
+                        # name), the outside tensor itself is no longer the proof's
+                        del self.outside[key]
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:
@@ -501,7 +734,12 @@ class ProgramMatch:
             return isinstance(a, s[1]) and len(a) == len(s[2]) and \
                 all(self._eq(x, y) for x, y in zip(s[2], a))
         if kind == "x":
-            return isinstance(a, Tensor) and s[1]() is a and self._name(a) is None
+            if not (isinstance(a, Tensor) and s[1]() is a and self._name(a) is None):
+                return False
+            # still the version and the values it had when the call started (see _Versioned)
+            e = self.outside.get(id(a))
+            return e is not None and e[0]() is a and e[1] == a._version and \
+                a.dtype == e[2].dtype and a.shape == e[2].shape and bool(torch.equal(a, e[2]))
         if kind == "c":
             c = s[1]
             return isinstance(a, Tensor) and not is_fake(a) and a.dtype == c.dtype \

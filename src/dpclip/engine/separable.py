@@ -216,6 +216,12 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _ESCAPES = {_T.numpy, _T.tolist, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage,
             _T.__reduce_ex__, _T.__deepcopy__, _T.__dlpack__, _T.__repr__, _T.__format__,
             _T.__str__ if "__str__" in vars(_T) else _T.__repr__}
+#: the escapes that also give WRITABLE access to a tensor's memory outside the dispatcher (a
+#: NumPy view, a raw pointer, the storage, a DLPack capsule, ``.data``, whose writes bump another
+#: version counter): a write through them changes what the tensor's name stands for in the
+#: proved-program match without any operation; refused on EVERY tensor, constant or not (second
+#: hostile review: ``g.numpy()[:] = len(x) - 7`` on a constant, then ``h * g``: LOO 3.16 C)
+_WRITABLE = {_T.numpy, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage, _T.__dlpack__}
 #: Tensor methods that attach user code to the backward pass (the trace sees only the forward)
 _HOOKS = {_T.register_hook, _T.register_post_accumulate_grad_hook}
 
@@ -243,14 +249,16 @@ class _EscapeMode(TorchFunctionMode):
             elif kind == _K_ESCAPE:
                 t = args[0] if args else None
                 if isinstance(t, Tensor) and (tr.layout(t) is not None or
-                                              _is_get(func, "grad_fn")):
+                                              _is_get(func, "grad_fn") or
+                                              func in _WRITABLE or _is_get(func, "data")):
                     what = ("Tensor.grad_fn" if _is_get(func, "grad_fn") else "Tensor.data"
                             if _is_get(func, "data") else
                             f"Tensor.{getattr(func, '__name__', func)}()")
                     why = (f"{what} takes the values of a tensor that "
                            "depends on the batch out of the trace (to NumPy, Python or raw "
-                           "memory), or reaches its autograd node: what is computed from them "
-                           "cannot be checked")
+                           "memory), gives write access to a tensor's memory outside the "
+                           "traced operations (any tensor, constant or not), or reaches its "
+                           "autograd node: what is computed from them cannot be checked")
             if why is not None and tr.violation is None:
                 tr.violation = why
         out = func(*args, **(kwargs or {}))
@@ -406,6 +414,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
                                   f"({', '.join(own)}) is an argument of {_name(func)}: its "
                                   "code runs below the trace and cannot be checked")
+        if not self.quiet and self.match is not None:  # before: generators, kernels
+            self.match.before(func, kwargs)
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:
