@@ -11,7 +11,7 @@ nothing about real data).
 * Mutation: rank 1 draws nothing for its block (a rank that skips its draw, e.g. a bounds bug):
   half of the coordinates are released without noise, while the step still claims ``z``:
   flagged. (A generator shared by the ranks, the other way to break one draw per coordinate, is
-  refused before any draw: docs/errors.md entry 201.)
+  refused before any draw: docs/errors.md entry 93.)
 
 The companion file ``test_distributed_mutation.py`` audits the after-reduce placement of
 :class:`~dpclip.training.distributed.DistributedEngine` with a shared generator (unchanged).

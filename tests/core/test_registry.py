@@ -68,7 +68,7 @@ def test_coerce_refuses_what_does_not_convert(value: Any, hint: Any, message: st
 
 
 def test_unknown_options_and_parameters_suggest_the_closest() -> None:
-    """docs/errors.md entry 88."""
+    """docs/errors.md entry 89."""
     with pytest.raises(ValueError, match=r"^model 'mlp' has no option\(s\) hiden \(did you mean "
                                          r"'hidden'\?\); valid options: activation, hidden, "):
         build_model("mlp", (4,), 2, hiden=3)
@@ -94,7 +94,7 @@ def test_string_parameters_convert_as_before() -> None:
 
 
 def test_evidence_module_points_to_the_train_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/errors.md entry 90: the harness no longer runs the CLI (no cli <-> harness circle)."""
+    """docs/errors.md entry 91: the harness no longer runs the CLI (no cli <-> harness circle)."""
     from dpclip.harness.evidence import main
 
     assert main(["out.json", "--", "train", "--dataset", "digits"]) == 2

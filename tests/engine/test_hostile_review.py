@@ -381,8 +381,8 @@ def test_a_tensor_subclass_with_its_own_dispatch_is_not_proven():
         clipped_sum(GhostEngine(), model, ce, x, y)
 
 
-def test_error_401_names_the_fix():
-    """docs/errors.md entry 401: the message says why there is no fallback and what to do."""
+def test_error_85_names_the_fix():
+    """docs/errors.md entry 85: the message says why there is no fallback and what to do."""
     build, loss = DETECTING["fake-detection-times-B"]
     torch.manual_seed(0)
     model = build().to(DT)
@@ -781,3 +781,4 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
             assert "mixes the examples" in str(exc)
     finally:
         nn.Tanh.forward = original
+

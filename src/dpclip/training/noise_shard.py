@@ -85,7 +85,7 @@ class NoiseShard:
             raise ValueError(
                 "distributed release: the noise generator must be this rank's own stream "
                 "(NoiseShard.generator(step)); a generator shared by the ranks would repeat the "
-                "same noise on every shard (docs/errors.md entry 201)")
+                "same noise on every shard (docs/errors.md entry 93)")
         lo, hi = noise_bounds(total, self.world_size, self.rank)
         return [(lo, hi, generator)]
 

@@ -134,7 +134,7 @@ def dp_step(
     if shard is not None and (per_example or not individual):
         raise ValueError("dp_step: a sharded distributed engine runs only the engine's own sum "
                          "(unit=ic, a strategy that is not P-GRAD); train batch clipping units "
-                         "and P-GRAD strategies in one process (docs/errors.md entry 202)")
+                         "and P-GRAD strategies in one process (docs/errors.md entry 94)")
     if not individual:  # BC / GBC: inputs are (units, examples per unit, ...)
         if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
             name = getattr(unit, "unit", unit)
