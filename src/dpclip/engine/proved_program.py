@@ -177,7 +177,7 @@ class ProvedProgram:
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch",
-                 "_outside")
+                 "_outside", "_generators")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -188,15 +188,19 @@ class ProvedProgram:
         self.unmatchable: str | None = None
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
         self._outside: list[Any] | None = None
+        self._generators: list[Any] | None = None
 
     def generators(self) -> list[Any]:
-        """The explicit ``generator=`` arguments of the recorded draws."""
-        found: dict[int, Any] = {}
-        for _, a, kw, _ in self.entries:
-            for spec in list(a) + list(kw.values()):
-                if spec[0] == "v" and isinstance(spec[1], torch.Generator):
-                    found[id(spec[1])] = spec[1]
-        return list(found.values())
+        """The explicit ``generator=`` arguments of the recorded draws (read once: the entries
+        do not change after the recording, and the specs hold the generators themselves)."""
+        if self._generators is None:
+            found: dict[int, Any] = {}
+            for _, a, kw, _ in self.entries:
+                for spec in list(a) + list(kw.values()):
+                    if spec[0] == "v" and isinstance(spec[1], torch.Generator):
+                        found[id(spec[1])] = spec[1]
+            self._generators = list(found.values())
+        return self._generators
 
     def outside(self) -> list[Any]:
         """Weak references to the tensors from outside the call that the recording uses."""
