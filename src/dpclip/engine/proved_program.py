@@ -53,6 +53,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from dpclip.engine.memory_watch import MemoryWatch
+
 __all__ = ["ProgramRecorder", "ProgramMatch", "ProvedProgram"]
 
 _aten = torch.ops.aten
@@ -177,7 +179,7 @@ class ProvedProgram:
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch",
-                 "_outside", "_generators")
+                 "_outside", "_generators", "_lifted")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -189,6 +191,7 @@ class ProvedProgram:
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
         self._outside: list[Any] | None = None
         self._generators: list[Any] | None = None
+        self._lifted: frozenset[int] | None = None
 
     def generators(self) -> list[Any]:
         """The explicit ``generator=`` arguments of the recorded draws (read once: the entries
@@ -201,6 +204,14 @@ class ProvedProgram:
                         found[id(spec[1])] = spec[1]
             self._generators = list(found.values())
         return self._generators
+
+    def lifted(self) -> frozenset[int]:
+        """Positions (in :attr:`entries`) of the operations with a literal (``"c"``) argument
+        (read once, as :meth:`generators`)."""
+        if self._lifted is None:
+            self._lifted = frozenset(k for k, (_, a, kw, _) in enumerate(self.entries)
+                                     if any(s[0] == "c" for s in list(a) + list(kw.values())))
+        return self._lifted
 
     def outside(self) -> list[Any]:
         """Weak references to the tensors from outside the call that the recording uses."""
@@ -516,7 +527,8 @@ class ProgramMatch:
     :attr:`mismatch` holds the first difference, or None."""
 
     __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
-                 "first_extra", "window", "_state_done", "outside", "_rng")
+                 "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
+                 "_leaves")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -553,14 +565,42 @@ class ProgramMatch:
                 t = ref()
                 if t is not None:
                     self.outside[id(t)] = (ref, t._version, t.detach().clone())
+        #: positions of the proved operations with a literal argument (watched from first use)
+        self._lifted = program.lifted()
+        self._leaves = [t for t in pytree.tree_leaves((xs, ys)) if isinstance(t, Tensor)]
+        #: byte copies of what the step reads from before the call (memory shared with NumPy
+        #: or another owner is written by no operation: dpclip.engine.memory_watch)
+        self.watch = self._watch()
 
-    def before(self, func: Any, kwargs: dict) -> None:
-        """Called by the tracer BEFORE each operation of user code runs: a random draw must find
+    def _watch(self) -> MemoryWatch:
+        """A :class:`MemoryWatch` of the parameters, buffers, input leaves and the proof's outside
+        tensors, their bytes now the reference."""
+        watch = MemoryWatch()
+        model = self._model
+        state: list[tuple[Tensor, str]] = []
+        if isinstance(model, nn.Module):
+            state += [(t, f"parameter '{n}'")
+                      for n, t in model.named_parameters(remove_duplicate=False)]
+            state += [(t, f"buffer '{n}'") for n, t in model.named_buffers(remove_duplicate=False)
+                      if t is not None]
+        state += [(t, "an input of the batch") for t in self._leaves]
+        state += [(e[0](), "a tensor from outside the call") for e in self.outside.values()]
+        watch.add(state)
+        return watch
+
+    def before(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Called by the tracer BEFORE each operation of user code runs (with the tracer quiet).
+        Every tensor argument on a watched storage must hold the bytes it had when the call
+        started or after the last accepted write (:class:`MemoryWatch`). A random draw must find
         every generator it may use as the call found it or as the last matched draw left it. The
         proof matches the draw, not the generator's state: ``torch.manual_seed(len(x))`` (or a
         state set from it) in the real run only made the masks a function of the private batch
         size (second hostile review: dropout masks, LOO 3.83 C with the seed fixed outside)."""
         if self.mismatch is not None or self.done:
+            return
+        self.watch.check_args(args, kwargs)
+        if self.watch.changed is not None:
+            self._fail(_unseen_write(self.watch.changed, f"before {_short(func)}"))
             return
         if getattr(func, "namespace", "") == "aten" and _overridden(func):
             self._fail(f"operation {_short(func)} runs a kernel registered from Python over "
@@ -606,6 +646,8 @@ class ProgramMatch:
             return
         self.k = self.program.split
         self.names.set(model_out, self.program.model_out)
+        # the chain ran no user code: the reference is what the loss function finds
+        self.watch = self._watch()
 
     def alias(self, new: Tensor, old: Tensor) -> None:
         """``new`` (the engine's expansion of a batch-less output) stands for ``old``."""
@@ -688,6 +730,10 @@ class ProgramMatch:
         for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs, outs))):
             if o is not None:
                 self.names.set(o, ("op", index, j), v)
+        if k in self._lifted:  # a literal: its memory is watched from its first use on
+            self.watch.add((a, "a tensor literal of the call")
+                           for s, a in list(zip(s_args, args)) +
+                           [(s_kwargs[n], v) for n, v in kwargs.items()] if s[0] == "c")
         if not pure and _seeded(func):  # a matched draw: the generators as it left them
             for g in self._rng:
                 self._rng[g] = g.get_state()
@@ -695,6 +741,7 @@ class ProgramMatch:
             bumps = _written(func, args, kwargs)
             if bumps:  # the counters of the written storages move once per written argument
                 self.names.written(bumps)
+                self.watch.refresh(bumps)  # an accepted write: the new bytes are the program's
                 for key, (ref, version, value) in list(self.outside.items()):
                     t = ref()
                     if t is not None and t._version == version and bumps.get(_storage(t)):
@@ -756,14 +803,24 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
+        changed = self.watch.finish()  # (also drops the copies)
         if self.mismatch is not None:
             return
-        if self.k != len(self.entries):
+        if changed is not None:
+            self._fail(_unseen_write(changed, "before the loss function returned"))
+        elif self.k != len(self.entries):
             self._fail(f"the real run ended after {self.k} of the proof's "
                        f"{len(self.entries)} operations")
         elif not isinstance(losses, Tensor) or self.program.loss_out is None or \
                 self._name(losses) != self.program.loss_out:
             self._fail("the loss function returned another tensor than in the proof")
+
+
+def _unseen_write(what: str, when: str) -> str:
+    return (f"the memory of {what} was written in the call {when} by no operation the trace "
+            "sees (memory shared from before the call with a NumPy array or another owner: "
+            "torch.from_numpy, a .numpy() view kept at construction); the proof holds for the "
+            "values it names, not for these")
 
 
 def _short(func: Any) -> str:

@@ -414,8 +414,12 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.violation = (f"a tensor subclass with its own __torch_dispatch__ "
                                   f"({', '.join(own)}) is an argument of {_name(func)}: its "
                                   "code runs below the trace and cannot be checked")
-        if not self.quiet and self.match is not None:  # before: generators, kernels
-            self.match.before(func, kwargs)
+        if not self.quiet and self.match is not None:  # before: memory, generators, kernels
+            self.quiet = True
+            try:
+                self.match.before(func, args, kwargs)
+            finally:
+                self.quiet = False
         out = func(*args, **kwargs)
         quiet, self.quiet = self.quiet, True
         try:

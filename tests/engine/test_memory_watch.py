@@ -1,0 +1,94 @@
+"""The memory watch of the proved-program match (dpclip.engine.memory_watch): byte copies of the
+state a step reads from before the call. The attacks it closes are in test_hostile_review.py
+(``numpy-shared-*``, ``numpy-view-from-construction``, ``numpy-write-after-last-use``,
+``test_a_chain_weight_written_by_the_loss_never_exceeds_c``); these are its unit properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpclip.engine.memory_watch import MemoryWatch
+
+
+def test_an_unseen_write_is_named_and_a_clean_watch_passes():
+    a, b = np.zeros(4), np.zeros(3, dtype=np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    w = MemoryWatch()
+    w.add([(ta, "parameter 'a'"), (tb, "buffer 'b'")])
+    assert len(w) == 2
+    w.check_args((ta, [tb]), {})
+    assert w.changed is None
+    b[1] = 1e-30  # one bit pattern differs: a value comparison of 0.0 and 1e-30 would also see it
+    w.check_args((ta,), {})
+    assert w.changed is None  # only the arguments of the call are compared before it
+    w.check_args((), {"x": tb})
+    assert w.changed == "buffer 'b'"
+
+
+def test_views_share_their_storage_s_watch():
+    """A view (another tensor object, a slice, a transpose) is checked against the storage it
+    reads: the watch is by storage, not by tensor."""
+    arr = np.ones((3, 4))
+    t = torch.from_numpy(arr)
+    w = MemoryWatch()
+    w.add([(t, "the table")])
+    w.add([(t[1:], "again")])  # the same storage: not copied twice, first name kept
+    assert len(w) == 1
+    arr[2, 3] = 5.0
+    w.check_args((t.t()[0],), {})  # a view of a row that was not written: the storage was
+    assert w.changed == "the table"
+
+
+def test_a_write_restored_before_the_end_is_caught_at_its_use():
+    arr = np.ones(5)
+    t = torch.from_numpy(arr)
+    w = MemoryWatch()
+    w.add([(t, "k")])
+    arr[0] = 2.0
+    w.check_args((t,), {})  # the use between write and restore
+    arr[0] = 1.0
+    assert w.finish() == "k"
+
+
+def test_a_write_after_the_last_use_is_caught_at_the_end():
+    arr = np.ones(5)
+    t = torch.from_numpy(arr)
+    w = MemoryWatch()
+    w.add([(t, "k")])
+    w.check_args((t,), {})
+    arr[:] = 3.0
+    assert w.finish() == "k"
+
+
+def test_refresh_accepts_a_write_the_match_saw():
+    t = torch.ones(4, dtype=torch.float64)
+    w = MemoryWatch()
+    w.add([(t, "counter")])
+    t.add_(1.0)  # an accepted operation wrote it
+    w.refresh([t.untyped_storage().data_ptr()])
+    w.check_args((t,), {})
+    assert w.finish() is None
+
+
+def test_tensors_without_memory_are_ignored():
+    w = MemoryWatch()
+    w.add([(torch.empty(3, device="meta"), "meta"), (torch.empty(0), "empty"),
+           (torch.ones(2).to_sparse(), "sparse")])
+    assert len(w) == 0
+    assert w.finish() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_an_accelerator_the_checks_are_read_at_the_end():
+    t = torch.ones(1000, device="cuda")
+    w = MemoryWatch()
+    w.add([(t, "gpu buffer")])
+    w.check_args((t,), {})
+    assert w.changed is None
+    torch.cuda.synchronize()
+    t[10] = 2.0  # (a write the match did not see, as through DLPack)
+    w.check_args((t,), {})
+    assert w.changed is None  # queued, not read yet
+    assert w.finish() == "gpu buffer"
