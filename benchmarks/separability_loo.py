@@ -2,7 +2,7 @@
 (tests/engine/test_separability_attacks.py), for the ghost and auto engines of whichever ``dpclip``
 is importable: ``max_j ||S(X) - S(X without j)|| / C``; a sound per-example mechanism stays <= 1.
 
-Run ``python benchmarks/separability_loo.py [--hostile] LABEL OUT.json`` (PYTHONPATH pointing at the code to
+Run ``python benchmarks/separability_loo.py [--hostile | --unseen] LABEL OUT.json`` (PYTHONPATH pointing at the code to
 measure and at the repository root for the attack definitions); rows are appended to OUT.json and
 ``--table OUT.json`` writes the Markdown table beside it. "refused": the engine raised.
 """
@@ -47,6 +47,26 @@ def hostile_attacks() -> dict:
     fixed = {k: REFUSED[k] for k in ("einsum-ones_like(B)", "forward-hook-mixes-output")}
     was_open = ("fake-detection-forward", "symint-detection-loss")
     return {**fixed, **{f"{k} (open)" if k in was_open else k: v for k, v in DETECTING.items()}}
+
+
+def unseen_attacks() -> dict:
+    """The writes through memory shared with NumPy from before the call (second hostile review's
+    open hole and the attacks found while closing it: tests/engine/test_hostile_review.py), with
+    the shared arrays reset before each build."""
+    from tests.engine import test_hostile_review as h
+    from tests.engine.test_separability_attacks import ce
+
+    def fresh(make):
+        def build():
+            h.reset_unseen()
+            return make()
+        return build
+
+    got = {k: (fresh(v), ce) for k, v in h.UNSEEN_WRITES.items() if k.startswith(("numpy-shared",
+           "numpy-view", "numpy-write-after", "from-numpy"))}
+    got["chain-weight-written-by-the-loss"] = (fresh(h.chain_shared_with_numpy),
+                                               h._loss_writes_chain_weight)
+    return got
 
 
 def measure(label: str, attacks: dict | None = None) -> list[dict]:
@@ -109,13 +129,15 @@ if __name__ == "__main__":
         open(sys.argv[2].rsplit(".", 1)[0] + ".md", "w").write(md)
         print(md)
     else:
-        # ``--hostile LABEL OUT.json``: the hostile review's attacks instead of issue 31's
-        hostile = sys.argv[1] == "--hostile"
-        label, path = sys.argv[1 + hostile], sys.argv[2 + hostile]
+        # ``--hostile LABEL OUT.json``: the hostile review's attacks instead of issue 31's;
+        # ``--unseen``: the writes through memory shared with NumPy (the memory watch)
+        which = sys.argv[1] if sys.argv[1] in ("--hostile", "--unseen") else None
+        label, path = sys.argv[1 + bool(which)], sys.argv[2 + bool(which)]
         try:
             old = json.load(open(path))
         except FileNotFoundError:
             old = []
         old = [r for r in old if r["code"] != label] + measure(
-            label, hostile_attacks() if hostile else None)
+            label, {"--hostile": hostile_attacks, "--unseen": unseen_attacks}[which]()
+            if which else None)
         json.dump(old, open(path, "w"), indent=1)

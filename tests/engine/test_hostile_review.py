@@ -676,6 +676,16 @@ UNSEEN_WRITES = {
 }
 
 
+def reset_unseen() -> None:
+    """The shared arrays and the proof cache as a fresh process has them (the attacks write)."""
+    from dpclip.engine import batch_symbol
+
+    batch_symbol._CACHE.clear()
+    _G.fill_(1.0)
+    for a in (_G_NP, _G_NP2, _G_NP3, _G_NP4, _G_NP5, _G_NP6):
+        a[...] = 1.0
+
+
 #: still open: the write is accepted (strict xfail; the LOO measured is in the reason)
 _OPEN: dict[str, str] = {}
 
@@ -686,14 +696,7 @@ _OPEN: dict[str, str] = {}
     for n in UNSEEN_WRITES])
 def test_a_value_written_outside_the_trace_never_exceeds_c(name, engine):
     """Refused, or LOO <= C."""
-    from dpclip.engine import batch_symbol
-
-    batch_symbol._CACHE.clear()
-    _G.fill_(1.0)
-    _G_NP[:] = 1.0
-    _G_NP2[:] = 1.0
-    for a in (_G_NP3, _G_NP4, _G_NP5):
-        a[:] = 1.0
+    reset_unseen()
     torch.manual_seed(0)
     model = UNSEEN_WRITES[name]().to(DT)
     x, y = data()
@@ -704,6 +707,13 @@ def test_a_value_written_outside_the_trace_never_exceeds_c(name, engine):
 
 
 _G_NP6 = np.ones((6, 5))  # shared with the first weight of a chain of torch.nn modules
+
+
+def chain_shared_with_numpy() -> nn.Module:
+    """A chain of known modules whose first weight shares ``_G_NP6``'s memory."""
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    model[0].weight = nn.Parameter(torch.from_numpy(_G_NP6))
+    return model
 
 
 def _loss_writes_chain_weight(o: Tensor, y: Tensor) -> Tensor:
@@ -718,13 +728,9 @@ def _loss_writes_chain_weight(o: Tensor, y: Tensor) -> Tensor:
 def test_a_chain_weight_written_by_the_loss_never_exceeds_c(engine):
     """Refused (before the watch: accepted, LOO 4.00 C): the known-chain path matches the loss
     only, and the memory watch starts there."""
-    from dpclip.engine import batch_symbol
-
-    batch_symbol._CACHE.clear()
-    _G_NP6[:] = 1.0
+    reset_unseen()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
-    model[0].weight = nn.Parameter(torch.from_numpy(_G_NP6))
+    model = chain_shared_with_numpy()
     x, y = data()
     try:
         assert loo_distance(engine(), model, _loss_writes_chain_weight, x, y) <= 1 + 1e-9

@@ -163,6 +163,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             tracer.mark(t, (0, 1))
     if chain is not None:  # the same calls as the hooks would see, without hooks
         return _chain_call(tracer, chain, by_module, loss_fn, xs, ys, batch)
+    _arm(tracer)  # user code runs from here on
 
     expanded: list[str] = []  # layers whose batch-less calls were expanded
     guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
@@ -264,6 +265,7 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 losses = _user_loss(tracer, loss_fn, h, ys, batch)
             _check_separable(tracer, calls, losses)
             return calls, losses.sum()
+    _arm(tracer)  # the chain's modules may be user code
     key = _chain_key(chain, xs) if tracer is not None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
@@ -293,6 +295,12 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+def _arm(tracer: SeparabilityTracer | None) -> None:
+    """Start the match's memory watch (dpclip.engine.memory_watch) before user code runs."""
+    if tracer is not None and tracer.match is not None:
+        tracer.match.arm()
 
 
 def _user_loss(tracer: SeparabilityTracer | None, loss_fn: LossFn, out: Any, ys: Any,

@@ -67,24 +67,36 @@ def _bytes(storage: Any) -> Tensor:
 
 class _Slot:
     """One watched storage: the storage itself (kept alive for the call, so its address is not
-    reused), its byte view, the copy, and what it is (for the message)."""
+    reused), its address and size when copied, the copy (a slice of one buffer per device; on the
+    CPU compared through raw addresses, elsewhere through a byte view), and what it is."""
 
-    __slots__ = ("storage", "view", "copy", "what")
+    __slots__ = ("storage", "ptr", "n", "copy", "copy_ptr", "view", "what")
 
-    def __init__(self, storage: Any, view: Tensor, copy: Tensor, what: str) -> None:
-        self.storage, self.view, self.copy, self.what = storage, view, copy, what
+    def __init__(self, storage: Any, ptr: int, n: int, copy: Tensor, view: Tensor | None,
+                 what: str) -> None:
+        self.storage, self.ptr, self.n, self.copy, self.view, self.what = \
+            storage, ptr, n, copy, view, what
+        self.copy_ptr = copy.data_ptr()
+
+    def moved(self) -> bool:
+        """Whether the storage no longer lives where it was copied from (resized or swapped
+        without an operation the match saw): a write by definition, and its old address must not
+        be read."""
+        st = self.storage
+        return st.data_ptr() != self.ptr or st.nbytes() != self.n
 
 
 class MemoryWatch:
     """Byte copies of the storages a step reads from before the call (module docstring).
     :attr:`changed` names the first storage found written unseen, or None."""
 
-    __slots__ = ("_slots", "_flags", "changed")
+    __slots__ = ("_slots", "_flags", "_buffers", "changed")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
         #: accelerator checks queued: (flag tensor, what)
         self._flags: list[tuple[Tensor, str]] = []
+        self._buffers: list[Tensor] = []  # the copies (kept alive with their slots)
         self.changed: str | None = None
 
     def __len__(self) -> int:
@@ -97,32 +109,54 @@ class MemoryWatch:
             self._add(tensors)
 
     def _add(self, tensors: Iterable[tuple[Tensor, str]]) -> None:
-        new: dict[int, tuple[Any, Tensor, str]] = {}
+        new: dict[int, tuple[Any, int, str]] = {}
         for t, what in tensors:
             if not isinstance(t, Tensor) or t.is_meta or t.layout != torch.strided:
                 continue
             try:
                 st = t.untyped_storage()
                 key = st.data_ptr()
-            except Exception:  # noqa: BLE001 - no storage (fake, sparse, functional)
+                n = st.nbytes()
+            except Exception:  # noqa: BLE001 - no storage (fake, functional)
                 continue
-            if key == 0 or key in self._slots or key in new or st.nbytes() == 0:
+            if key == 0 or n == 0 or key in self._slots or key in new:
                 continue
-            new[key] = (st, _bytes(st), what)
-        by_device: dict[Any, list[tuple[int, Any, Tensor, str]]] = {}
-        for key, (st, view, what) in new.items():
-            by_device.setdefault(view.device, []).append((key, st, view, what))
+            new[key] = (st, n, what)
+        by_device: dict[Any, list[tuple[int, Any, int, str]]] = {}
+        for key, (st, n, what) in new.items():
+            by_device.setdefault(st.device, []).append((key, st, n, what))
         for dev, items in by_device.items():
-            flat = torch.cat([v for _, _, v, _ in items]) if len(items) > 1 else \
-                items[0][2].clone()
+            raw = dev.type == "cpu" and _MEMCMP is not None
+            buf = torch.empty(sum(n for _, _, n, _ in items), dtype=torch.uint8, device=dev)
+            self._buffers.append(buf)
             at = 0
-            for key, st, view, what in items:
-                n = view.numel()
-                self._slots[key] = _Slot(st, view, flat[at:at + n], what)
+            for key, st, n, what in items:
+                copy = buf[at:at + n]
+                if raw:
+                    ctypes.memmove(copy.data_ptr(), key, n)
+                    view = None
+                else:
+                    view = _bytes(st)
+                    copy.copy_(view)
+                self._slots[key] = _Slot(st, key, n, copy, view, what)
                 at += n
 
+    def check_args(self, args: tuple, kwargs: dict) -> None:
+        """Every tensor argument (also in lists and tuples) of a call on a watched storage must
+        still hold its bytes."""
+        with torch._C.DisableTorchFunction():
+            for a in args:
+                if isinstance(a, Tensor):
+                    self._check(a)
+                elif isinstance(a, (list, tuple)):
+                    for x in a:
+                        if isinstance(x, Tensor):
+                            self._check(x)
+            for a in kwargs.values():
+                if isinstance(a, Tensor):
+                    self._check(a)
+
     def _check(self, t: Tensor) -> None:
-        """``t``'s storage, if watched, must still hold its bytes."""
         try:
             slot = self._slots.get(t.untyped_storage().data_ptr())
         except Exception:  # noqa: BLE001 - no storage: nothing watched
@@ -130,34 +164,18 @@ class MemoryWatch:
         if slot is not None:
             self._compare(slot)
 
-    def check_args(self, args: tuple, kwargs: dict) -> None:
-        """Every tensor argument (also in lists and tuples) of a call."""
-        with torch._C.DisableTorchFunction():
-            self._check_args(args, kwargs)
-
-    def _check_args(self, args: tuple, kwargs: dict) -> None:
-        for a in args:
-            if isinstance(a, Tensor):
-                self._check(a)
-            elif isinstance(a, (list, tuple)):
-                for x in a:
-                    if isinstance(x, Tensor):
-                        self._check(x)
-        for a in kwargs.values():
-            if isinstance(a, Tensor):
-                self._check(a)
-
     def _compare(self, slot: _Slot) -> None:
-        view, copy = slot.view, slot.copy
-        if view.device.type == "cpu":
-            if _MEMCMP is not None:
-                same = _MEMCMP(view.data_ptr(), copy.data_ptr(), view.numel()) == 0
-            else:
-                same = bool(torch.equal(view, copy))
-            if not same and self.changed is None:
+        if slot.moved():
+            if self.changed is None:
+                self.changed = slot.what
+        elif slot.view is None:  # the CPU: one memcmp
+            if _MEMCMP(slot.ptr, slot.copy_ptr, slot.n) != 0 and self.changed is None:
+                self.changed = slot.what
+        elif slot.view.device.type == "cpu":  # (no C library)
+            if not torch.equal(slot.view, slot.copy) and self.changed is None:
                 self.changed = slot.what
         else:  # queued: read once in finish() (no synchronisation per operation)
-            self._flags.append((torch.ne(view, copy).any(), slot.what))
+            self._flags.append((torch.ne(slot.view, slot.copy).any(), slot.what))
 
     def refresh(self, keys: Iterable[int]) -> None:
         """Storages (data pointers) that an accepted operation wrote: their bytes now are the
@@ -165,24 +183,36 @@ class MemoryWatch:
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             for key in keys:
                 slot = self._slots.get(key)
-                if slot is not None:
+                if slot is None or slot.moved():
+                    continue  # (a moved storage stays a difference)
+                if slot.view is None:
+                    ctypes.memmove(slot.copy_ptr, slot.ptr, slot.n)
+                else:
                     slot.copy.copy_(slot.view)
+
+    def check_all(self) -> str | None:
+        """Compare every watched storage now (the copies are kept): :attr:`changed`; on an
+        accelerator the result is read in :meth:`finish`."""
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            for slot in self._slots.values():
+                self._compare(slot)
+        return self.changed
 
     def finish(self) -> str | None:
         """Compare every watched storage once more and read the queued checks: the first storage
         found written, or None. Drops the copies."""
+        self.check_all()
         with torch._C.DisableTorchFunction(), _disable_current_modes():
-            return self._finish()
-
-    def _finish(self) -> str | None:
-        for slot in self._slots.values():
-            self._compare(slot)
-        if self._flags and self.changed is None:
-            hits = torch.stack([f for f, _ in self._flags]).cpu()
-            for hit, (_, what) in zip(hits.tolist(), self._flags):
-                if hit:
-                    self.changed = what
-                    break
+            if self._flags and self.changed is None:  # one read per device
+                hit = [False] * len(self._flags)
+                by_device: dict[Any, list[int]] = {}
+                for i, (f, _) in enumerate(self._flags):
+                    by_device.setdefault(f.device, []).append(i)
+                for idx in by_device.values():
+                    for i, v in zip(idx, torch.stack([self._flags[i][0] for i in idx]).tolist()):
+                        hit[i] = v
+                self.changed = next((w for h, (_, w) in zip(hit, self._flags) if h), None)
         self._flags.clear()
         self._slots.clear()
+        self._buffers.clear()
         return self.changed

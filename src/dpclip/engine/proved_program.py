@@ -569,8 +569,16 @@ class ProgramMatch:
         self._lifted = program.lifted()
         self._leaves = [t for t in pytree.tree_leaves((xs, ys)) if isinstance(t, Tensor)]
         #: byte copies of what the step reads from before the call (memory shared with NumPy
-        #: or another owner is written by no operation: dpclip.engine.memory_watch)
-        self.watch = self._watch()
+        #: or another owner is written by no operation: dpclip.engine.memory_watch); taken by
+        #: :meth:`arm` right before user code runs, or by :meth:`start_at_loss`
+        self.watch: MemoryWatch | None = None
+
+    def arm(self) -> None:
+        """Take the memory watch's copies: called right before the forward's user code runs (a
+        path that runs a chain of known modules first arms in :meth:`start_at_loss` instead). A
+        match that was never armed refuses the step."""
+        if self.watch is None:
+            self.watch = self._watch()
 
     def _watch(self) -> MemoryWatch:
         """A :class:`MemoryWatch` of the parameters, buffers, input leaves and the proof's outside
@@ -598,9 +606,13 @@ class ProgramMatch:
         size (second hostile review: dropout masks, LOO 3.83 C with the seed fixed outside)."""
         if self.mismatch is not None or self.done:
             return
-        self.watch.check_args(args, kwargs)
-        if self.watch.changed is not None:
-            self._fail(_unseen_write(self.watch.changed, f"before {_short(func)}"))
+        watch = self.watch
+        if watch is None:
+            self._fail(_UNARMED)
+            return
+        watch.check_args(args, kwargs)
+        if watch.changed is not None:
+            self._fail(_unseen_write(watch.changed, f"before {_short(func)}"))
             return
         if getattr(func, "namespace", "") == "aten" and _overridden(func):
             self._fail(f"operation {_short(func)} runs a kernel registered from Python over "
@@ -646,8 +658,12 @@ class ProgramMatch:
             return
         self.k = self.program.split
         self.names.set(model_out, self.program.model_out)
-        # the chain ran no user code: the reference is what the loss function finds
-        self.watch = self._watch()
+        # a chain of known modules ran no user code: the watch starts here; after code that was
+        # watched, nothing may have changed in between (no copy taken anew)
+        if self.watch is None:
+            self.watch = self._watch()
+        elif self.watch.check_all() is not None:
+            self._fail(_unseen_write(self.watch.changed, "before the loss function"))
 
     def alias(self, new: Tensor, old: Tensor) -> None:
         """``new`` (the engine's expansion of a batch-less output) stands for ``old``."""
@@ -803,10 +819,12 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
-        changed = self.watch.finish()  # (also drops the copies)
+        changed = self.watch.finish() if self.watch is not None else _UNARMED  # (drops the copies)
         if self.mismatch is not None:
             return
-        if changed is not None:
+        if changed is _UNARMED:
+            self._fail(_UNARMED)
+        elif changed is not None:
             self._fail(_unseen_write(changed, "before the loss function returned"))
         elif self.k != len(self.entries):
             self._fail(f"the real run ended after {self.k} of the proof's "
@@ -814,6 +832,10 @@ class ProgramMatch:
         elif not isinstance(losses, Tensor) or self.program.loss_out is None or \
                 self._name(losses) != self.program.loss_out:
             self._fail("the loss function returned another tensor than in the proof")
+
+
+#: a match whose memory watch was never taken (an engine path that forgot :meth:`ProgramMatch.arm`)
+_UNARMED = "internal: the memory watch of the match was not started before user code ran"
 
 
 def _unseen_write(what: str, when: str) -> str:

@@ -1394,6 +1394,7 @@ def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], i
     tracer.match = ProgramMatch(program, batch, model, inputs, targets)
     for t in leaves:
         tracer.mark(t, (0, 1))
+    tracer.match.arm()
     with data_independent_paths(), torch.enable_grad(), tracer:
         losses = loss_fn(call_model(model, inputs), targets)
         tracer.match.finish(losses)
