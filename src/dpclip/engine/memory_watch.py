@@ -67,16 +67,16 @@ def _bytes(storage: Any) -> Tensor:
 
 class _Slot:
     """One watched storage: the storage itself (kept alive for the call, so its address is not
-    reused), its address and size when copied, the copy (a slice of one buffer per device; on the
-    CPU compared through raw addresses, elsewhere through a byte view), and what it is."""
+    reused), its address and size when copied, the address of its copy (in one buffer per
+    device; on the CPU compared through raw addresses, elsewhere through byte views ``copy`` and
+    ``view``), and what it is (for the message)."""
 
-    __slots__ = ("storage", "ptr", "n", "copy", "copy_ptr", "view", "what")
+    __slots__ = ("storage", "ptr", "n", "copy_ptr", "copy", "view", "what")
 
-    def __init__(self, storage: Any, ptr: int, n: int, copy: Tensor, view: Tensor | None,
-                 what: str) -> None:
-        self.storage, self.ptr, self.n, self.copy, self.view, self.what = \
-            storage, ptr, n, copy, view, what
-        self.copy_ptr = copy.data_ptr()
+    def __init__(self, storage: Any, ptr: int, n: int, copy_ptr: int, copy: Tensor | None,
+                 view: Tensor | None, what: str) -> None:
+        self.storage, self.ptr, self.n, self.copy_ptr = storage, ptr, n, copy_ptr
+        self.copy, self.view, self.what = copy, view, what
 
     def moved(self) -> bool:
         """Whether the storage no longer lives where it was copied from (resized or swapped
@@ -104,12 +104,10 @@ class MemoryWatch:
 
     def add(self, tensors: Iterable[tuple[Tensor, str]]) -> None:
         """Watch the storages of ``tensors`` (``(tensor, what)``) not watched yet: their bytes now
-        are the reference. One copy per device for all new storages."""
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            self._add(tensors)
-
-    def _add(self, tensors: Iterable[tuple[Tensor, str]]) -> None:
+        are the reference. One copy per device for all new storages. (Called outside the tracer's
+        dispatch mode or inside its handler: the one allocation is not user code.)"""
         new: dict[int, tuple[Any, int, str]] = {}
+        slots = self._slots
         for t, what in tensors:
             if not isinstance(t, Tensor) or t.is_meta or t.layout != torch.strided:
                 continue
@@ -119,7 +117,7 @@ class MemoryWatch:
                 n = st.nbytes()
             except Exception:  # noqa: BLE001 - no storage (fake, functional)
                 continue
-            if key == 0 or n == 0 or key in self._slots or key in new:
+            if key == 0 or n == 0 or key in slots or key in new:
                 continue
             new[key] = (st, n, what)
         by_device: dict[Any, list[tuple[int, Any, int, str]]] = {}
@@ -129,16 +127,15 @@ class MemoryWatch:
             raw = dev.type == "cpu" and _MEMCMP is not None
             buf = torch.empty(sum(n for _, _, n, _ in items), dtype=torch.uint8, device=dev)
             self._buffers.append(buf)
-            at = 0
+            base, at = buf.data_ptr(), 0
             for key, st, n, what in items:
-                copy = buf[at:at + n]
                 if raw:
-                    ctypes.memmove(copy.data_ptr(), key, n)
-                    view = None
+                    ctypes.memmove(base + at, key, n)
+                    slots[key] = _Slot(st, key, n, base + at, None, None, what)
                 else:
-                    view = _bytes(st)
+                    view, copy = _bytes(st), buf[at:at + n]
                     copy.copy_(view)
-                self._slots[key] = _Slot(st, key, n, copy, view, what)
+                    slots[key] = _Slot(st, key, n, base + at, copy, view, what)
                 at += n
 
     def check_args(self, args: tuple, kwargs: dict) -> None:
@@ -179,21 +176,24 @@ class MemoryWatch:
 
     def refresh(self, keys: Iterable[int]) -> None:
         """Storages (data pointers) that an accepted operation wrote: their bytes now are the
-        reference."""
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            for key in keys:
-                slot = self._slots.get(key)
-                if slot is None or slot.moved():
-                    continue  # (a moved storage stays a difference)
-                if slot.view is None:
-                    ctypes.memmove(slot.copy_ptr, slot.ptr, slot.n)
-                else:
-                    slot.copy.copy_(slot.view)
+        reference. (Called inside the tracer's dispatch handler.)"""
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None or slot.moved():
+                continue  # (a moved storage stays a difference)
+            if slot.view is None:
+                ctypes.memmove(slot.copy_ptr, slot.ptr, slot.n)
+            else:
+                slot.copy.copy_(slot.view)
 
     def check_all(self) -> str | None:
         """Compare every watched storage now (the copies are kept): :attr:`changed`; on an
         accelerator the result is read in :meth:`finish`."""
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
+        if self._flags or any(s.view is not None for s in self._slots.values()):
+            with torch._C.DisableTorchFunction(), _disable_current_modes():
+                for slot in self._slots.values():
+                    self._compare(slot)
+        else:  # the CPU: memcmp only, no torch operation
             for slot in self._slots.values():
                 self._compare(slot)
         return self.changed
@@ -202,8 +202,8 @@ class MemoryWatch:
         """Compare every watched storage once more and read the queued checks: the first storage
         found written, or None. Drops the copies."""
         self.check_all()
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            if self._flags and self.changed is None:  # one read per device
+        if self._flags and self.changed is None:  # one read per device
+            with torch._C.DisableTorchFunction(), _disable_current_modes():
                 hit = [False] * len(self._flags)
                 by_device: dict[Any, list[int]] = {}
                 for i, (f, _) in enumerate(self._flags):
@@ -211,7 +211,7 @@ class MemoryWatch:
                 for idx in by_device.values():
                     for i, v in zip(idx, torch.stack([self._flags[i][0] for i in idx]).tolist()):
                         hit[i] = v
-                self.changed = next((w for h, (_, w) in zip(hit, self._flags) if h), None)
+            self.changed = next((w for h, (_, w) in zip(hit, self._flags) if h), None)
         self._flags.clear()
         self._slots.clear()
         self._buffers.clear()

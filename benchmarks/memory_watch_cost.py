@@ -1,0 +1,94 @@
+"""Cost of the memory watch (dpclip.engine.memory_watch) per ghost step: the same step with the
+watch on and with it replaced by an empty one, interleaved in one process (min and median of
+``--rounds`` paired steps). Models: the bench's MLP (a chain of known modules: the watch starts at
+the loss) at B 256 / 1024, and the small Hugging Face configs of benchmarks/hf_models.py (every
+operation matched).
+
+    PYTHONPATH=src:. python benchmarks/memory_watch_cost.py [--rounds 30] [--out PATH]
+
+Rows go to benchmarks/results/memory_watch_cost_cpu.json (+ .md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def _mlp_case(batch: int):
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(14, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 2))
+    x = torch.randn(batch, 14, generator=g)
+    y = torch.randint(0, 2, (batch,), generator=g)
+    return model, x, y, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hf_models as hf
+    from dpclip.engine import proved_program
+    from dpclip.engine.memory_watch import MemoryWatch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--out", default=str(OUT / "memory_watch_cost_cpu.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    real = proved_program.ProgramMatch._watch
+    state = {"on": True}
+    proved_program.ProgramMatch._watch = lambda self: real(self) if state["on"] else MemoryWatch()
+    cases = {f"mlp B{b}": _mlp_case(b) for b in (256, 1024)}
+    s = hf.sizes("small")
+    for name in ("bert", "llama"):
+        cases[f"{name} small"] = hf.build(name, s, "eager")
+    rows = []
+    dev = torch.device("cpu")
+    for label, (model, x, y, loss) in cases.items():
+        step, info = hf.stepper("dpclip-ghost", model, x, y, loss, dev)
+        for _ in range(3):
+            step()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(args.rounds):
+            for on in ((True, False) if r % 2 else (False, True)):
+                state["on"] = on
+                t0 = time.perf_counter()
+                step()
+                times[on].append((time.perf_counter() - t0) * 1e3)
+        on, off = times[True], times[False]
+        row = {"case": label, "engine": (info() or {}).get("engine"),
+               "watch_on_ms_min": round(min(on), 3), "watch_off_ms_min": round(min(off), 3),
+               "watch_on_ms_median": round(statistics.median(on), 3),
+               "watch_off_ms_median": round(statistics.median(off), 3),
+               "ratio_min": round(min(on) / min(off), 4),
+               "ratio_median": round(statistics.median(on) / statistics.median(off), 4),
+               "rounds": args.rounds, "device": "cpu (shared 2-core machine, 1 thread)",
+               "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+               "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        print(row, flush=True)
+        rows.append(row)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    md = ["# Cost of the memory watch per ghost step (benchmarks/memory_watch_cost.py)", "",
+          "Paired steps, watch on / off, interleaved in one process; shared 2-core CPU "
+          f"(other jobs running), 1 thread, torch {torch.__version__}.", "",
+          "| case | engine | on ms (min) | off ms (min) | x (min) | on ms (median) | "
+          "off ms (median) | x (median) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['case']} | {r['engine']} | {r['watch_on_ms_min']} | "
+                  f"{r['watch_off_ms_min']} | {r['ratio_min']} | {r['watch_on_ms_median']} | "
+                  f"{r['watch_off_ms_median']} | {r['ratio_median']} |")
+    Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
