@@ -121,6 +121,8 @@ _SKIP: dict[Any, bool] = {}
 #: (size of torch.library's ledger of Python kernels, the ATen operations with one for a key an
 #: eager run can use)
 _OVERRIDES: list[Any] = [-1, frozenset()]
+#: operation -> whether it is overridden, valid while the ledger keeps the size in _OVERRIDES[0]
+_OVERRIDDEN: dict[Any, bool] = {}
 #: the dispatch keys whose kernels an eager run executes (not Meta, nor functorch's batching
 #: rules, which torch registers from Python itself); "" is torch.library's default
 _EAGER_KEYS = frozenset({
@@ -138,7 +140,12 @@ def _overridden(func: Any) -> bool:
     kernels there itself), recomputed when its size changes. Not seen: a kernel registered through
     the private ``torch._C._dispatch_library`` directly, or a swap that keeps the ledger's size."""
     impls = getattr(torch.library, "_impls", ())
-    if len(impls) != _OVERRIDES[0]:
+    if len(impls) == _OVERRIDES[0]:
+        got = _OVERRIDDEN.get(func)
+        if got is not None:
+            return got
+    else:
+        _OVERRIDDEN.clear()
         names = set()
         for key in list(impls):
             ns, _, rest = key.partition("/")
@@ -146,8 +153,9 @@ def _overridden(func: Any) -> bool:
             if ns == "aten" and dkey in _EAGER_KEYS:
                 names.add(name.split(".")[0])
         _OVERRIDES[0], _OVERRIDES[1] = len(impls), frozenset(names)
-    return bool(_OVERRIDES[1]) and \
+    got = _OVERRIDDEN[func] = bool(_OVERRIDES[1]) and \
         func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+    return got
 
 _SEEDED: dict[Any, bool] = {}
 
@@ -289,7 +297,14 @@ class _Versioned(_Names):
     dispatch mode has seen the call. Second hostile review: ``h2.mul_(len(x) - 7)`` under
     ``torch._C._DisableTorchDispatch()`` kept ``h2``'s name: LOO 3.16 C."""
 
-    __slots__ = ()
+    __slots__ = ("_pending", "_by_storage")
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: keys named since the last write (their storages not indexed yet)
+        self._pending: list[int] = []
+        #: storage data pointer -> keys of the names on it (indexed when a write needs them)
+        self._by_storage: dict[int, set[int]] = {}
 
     def get(self, t: Tensor) -> Any:
         e = self.d.get(id(t))
@@ -300,17 +315,30 @@ class _Versioned(_Names):
     def set(self, t: Tensor, name: Any, version: int | None = None) -> None:
         """``version``: the counter ``t`` will have (a view made by the call being matched gets
         its base's counter only when the call returns, after the dispatch mode)."""
-        self.d[id(t)] = (weakref.ref(t), name, t._version if version is None else version)
+        key = id(t)
+        self.d[key] = (weakref.ref(t), name, t._version if version is None else version)
+        self._pending.append(key)
 
     def written(self, bumps: dict[int, int]) -> None:
         """A matched operation writes storages (data pointer -> number of written arguments on
-        it): the tensors on them that are in step with their counters expect that many more."""
-        for key, (ref, name, version) in list(self.d.items()):
-            t = ref()
-            if t is not None and t._version == version:
-                n = bumps.get(_storage(t))
-                if n:
-                    self.d[key] = (ref, name, version + n)
+        it): the tensors on them that are in step with their counters expect that many more.
+        The names are indexed by storage once (a tensor's storage does not move without a write,
+        and a write by no matched operation has already made it stale)."""
+        by = self._by_storage
+        for key in self._pending:
+            e = self.d.get(key)
+            t = e[0]() if e is not None else None
+            if t is not None:
+                by.setdefault(_storage(t), set()).add(key)
+        self._pending.clear()
+        for skey, n in bumps.items():
+            for key in list(by.get(skey, ())):
+                e = self.d.get(key)
+                t = e[0]() if e is not None else None
+                if t is None or _storage(t) != skey:  # freed, or the id now names another
+                    by[skey].discard(key)
+                elif t._version == e[2]:
+                    self.d[key] = (e[0], e[1], e[2] + n)
 
 
 def _storage(t: Tensor) -> int:
@@ -320,38 +348,63 @@ def _storage(t: Tensor) -> int:
         return -1
 
 
-def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int | None]:
-    """The version counter each output of the call will have once it returns: a view's is its
-    base argument's (shared), else the output's own."""
-    got: list[int | None] = []
-    schema = func._schema
-    for j, o in enumerate(outs):
-        v = None
-        if o is not None:
-            v = o._version
-            ret = schema.returns[j] if j < len(schema.returns) else None
-            info = ret.alias_info if ret is not None else None
+#: operation -> for each return, the (position, name, keyword-only) of the argument it aliases,
+#: or None (read from the schema once per operation)
+_RET_ALIAS: dict[Any, tuple[Any, ...]] = {}
+#: operation -> the (position, name, keyword-only) of the arguments its schema writes
+_WRITES: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def _arg(spec: tuple[int, str, bool], args: tuple, kwargs: dict) -> Any:
+    i, name, kw_only = spec
+    return kwargs.get(name) if kw_only or i >= len(args) else args[i]
+
+
+def _ret_alias(func: Any) -> tuple[Any, ...]:
+    got = _RET_ALIAS.get(func)
+    if got is None:
+        schema, found = func._schema, []
+        for ret in schema.returns:
+            info, hit = ret.alias_info, None
             if info is not None:
                 for i, arg in enumerate(schema.arguments):
                     a_info = arg.alias_info
                     if a_info is not None and a_info.before_set & info.before_set:
-                        a = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) \
-                            else args[i]
-                        if isinstance(a, Tensor):
-                            v = a._version
+                        hit = (i, arg.name, arg.kwarg_only)
                         break
+            found.append(hit)
+        got = _RET_ALIAS[func] = tuple(found)
+    return got
+
+
+def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int | None]:
+    """The version counter each output of the call will have once it returns: a view's is its
+    base argument's (shared), else the output's own."""
+    got: list[int | None] = []
+    alias = _ret_alias(func)
+    for j, o in enumerate(outs):
+        v = None
+        if o is not None:
+            v = o._version
+            hit = alias[j] if j < len(alias) else None
+            if hit is not None:
+                a = _arg(hit, args, kwargs)
+                if isinstance(a, Tensor):
+                    v = a._version
         got.append(v)
     return got
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
     """Storage data pointer -> number of arguments of the call that its schema writes."""
+    specs = _WRITES.get(func)
+    if specs is None:
+        specs = _WRITES[func] = tuple(
+            (i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write)
     bumps: dict[int, int] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        v = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+    for spec in specs:
+        v = _arg(spec, args, kwargs)
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(t, Tensor):
                 k = _storage(t)
