@@ -1,7 +1,7 @@
 """Cost of the memory watch (dpclip.engine.memory_watch) per ghost step: the same step with the
 watch on and with it replaced by an empty one, interleaved in one process (min and median of
 ``--rounds`` paired steps). Models: the bench's MLP (a chain of known modules: the watch starts at
-the loss) at B 256 / 1024, and the small Hugging Face configs of benchmarks/hf_models.py (every
+the loss) at B 256 / 1024 with dpclip's known loss and with a user loss, and the small Hugging Face configs of benchmarks/hf_models.py (every
 operation matched).
 
     PYTHONPATH=src:. python benchmarks/memory_watch_cost.py [--rounds 30] [--out PATH]
@@ -23,13 +23,19 @@ from torch import nn
 OUT = Path(__file__).resolve().parent / "results"
 
 
-def _mlp_case(batch: int):
+def _mlp_case(batch: int, user_loss: bool):
+    """The bench's MLP; with dpclip's known loss (no user code in the step: no match, no watch) or
+    with the same loss written as a lambda (user code: matched, the watch starts at the loss)."""
+    from dpclip.engine.known_losses import cross_entropy_per_example
+
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(14, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 2))
     x = torch.randn(batch, 14, generator=g)
     y = torch.randint(0, 2, (batch,), generator=g)
-    return model, x, y, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none")
+    loss = (lambda o, t: nn.functional.cross_entropy(o, t, reduction="none")) if user_loss \
+        else cross_entropy_per_example
+    return model, x, y, loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     real = proved_program.ProgramMatch._watch
     state = {"on": True}
     proved_program.ProgramMatch._watch = lambda self: real(self) if state["on"] else MemoryWatch()
-    cases = {f"mlp B{b}": _mlp_case(b) for b in (256, 1024)}
+    cases = {f"mlp B{b} {'user' if u else 'known'} loss": _mlp_case(b, u)
+             for b in (256, 1024) for u in (False, True)}
     s = hf.sizes("small")
     for name in ("bert", "llama"):
         cases[f"{name} small"] = hf.build(name, s, "eager")
