@@ -65,13 +65,16 @@ _METADATA = frozenset({"sym_size", "sym_numel", "sym_stride", "sym_storage_offse
                        "size", "stride", "numel", "storage_offset"})
 #: ``torch.tensor(...)`` in a forward: a fresh tensor lifted into the computation (its copying
 #: variant under the proof's fake mode); named by its value
-_LIFT = {_aten.lift_fresh.default: "lift", _aten.lift_fresh_copy.default: "lift"}
+_LIFT_FRESH, _LIFT_FRESH_COPY = _aten.lift_fresh.default, _aten.lift_fresh_copy.default
 #: operations that return their input's values unchanged (another autograd identity): the fake
 #: mode of the proof adds some that an eager run does not (before ``bernoulli``); transparent on
 #: both sides, their output named as their input. The separability and gradients of the real run
 #: are judged on the real run itself (dpclip.engine.separable), values only are matched here
-_TRANSPARENT = frozenset({_aten.detach.default, _aten.alias.default})
-_PURE: dict[Any, bool] = {}
+_DETACH, _ALIAS = _aten.detach.default, _aten.alias.default
+#: per-operation caches below are keyed by ``id(op)`` and hold the operation itself (an
+#: OpOverload's ``__hash__`` is Python code: a dict lookup keyed by the operation cost more than
+#: the rest of the per-operation bookkeeping)
+_PURE: dict[int, tuple[Any, bool]] = {}
 
 
 def _pure(func: Any) -> bool:
@@ -80,10 +83,11 @@ def _pure(func: Any) -> bool:
     never used (an allocation when a real tensor meets a fake one, a view made to read a size):
     unused ones are dropped from the recording, and the real run may run extra ones. An extra one
     whose output IS used is caught where it is used: its output has no name in the proof."""
-    got = _PURE.get(func)
-    if got is None:
-        got = _PURE[func] = not func._schema.is_mutable and \
-            torch.Tag.nondeterministic_seeded not in func.tags
+    e = _PURE.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    got = not func._schema.is_mutable and torch.Tag.nondeterministic_seeded not in func.tags
+    _PURE[id(func)] = (func, got)
     return got
 
 # argument specs: ("t", ref) a tensor by name; ("x", weakref) a tensor from outside the call by
@@ -96,7 +100,7 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     full slice ``x[:]``, which an eager run skips where a symbolic trace records it)."""
     if not (isinstance(out, Tensor) and args and isinstance(args[0], Tensor)):
         return False
-    if func in _TRANSPARENT:
+    if func is _DETACH or func is _ALIAS:
         return True
     if func is _aten.slice.Tensor and not kwargs:
         t = args[0]
@@ -117,12 +121,12 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     return False
 
 
-_SKIP: dict[Any, bool] = {}
+_SKIP: dict[int, tuple[Any, bool]] = {}
 #: (size of torch.library's ledger of Python kernels, the ATen operations with one for a key an
 #: eager run can use)
 _OVERRIDES: list[Any] = [-1, frozenset()]
 #: operation -> whether it is overridden, valid while the ledger keeps the size in _OVERRIDES[0]
-_OVERRIDDEN: dict[Any, bool] = {}
+_OVERRIDDEN: dict[int, tuple[Any, bool]] = {}
 #: the dispatch keys whose kernels an eager run executes (not Meta, nor functorch's batching
 #: rules, which torch registers from Python itself); "" is torch.library's default
 _EAGER_KEYS = frozenset({
@@ -141,9 +145,9 @@ def _overridden(func: Any) -> bool:
     the private ``torch._C._dispatch_library`` directly, or a swap that keeps the ledger's size."""
     impls = getattr(torch.library, "_impls", ())
     if len(impls) == _OVERRIDES[0]:
-        got = _OVERRIDDEN.get(func)
-        if got is not None:
-            return got
+        e = _OVERRIDDEN.get(id(func))
+        if e is not None and e[0] is func:
+            return e[1]
     else:
         _OVERRIDDEN.clear()
         names = set()
@@ -153,26 +157,30 @@ def _overridden(func: Any) -> bool:
             if ns == "aten" and dkey in _EAGER_KEYS:
                 names.add(name.split(".")[0])
         _OVERRIDES[0], _OVERRIDES[1] = len(impls), frozenset(names)
-    got = _OVERRIDDEN[func] = bool(_OVERRIDES[1]) and \
-        func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+    got = bool(_OVERRIDES[1]) and func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+    _OVERRIDDEN[id(func)] = (func, got)
     return got
 
-_SEEDED: dict[Any, bool] = {}
+_SEEDED: dict[int, tuple[Any, bool]] = {}
 
 
 def _seeded(func: Any) -> bool:
     """Whether the operation draws random numbers from a generator."""
-    got = _SEEDED.get(func)
-    if got is None:
-        got = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    e = _SEEDED.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    got = torch.Tag.nondeterministic_seeded in func.tags
+    _SEEDED[id(func)] = (func, got)
     return got
 
 
 def _skip(func: Any) -> bool:
-    got = _SKIP.get(func)
-    if got is None:
-        got = _SKIP[func] = getattr(func, "namespace", "") == "prim" or \
-            func._schema.name.split("::", 1)[-1] in _METADATA
+    e = _SKIP.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    got = getattr(func, "namespace", "") == "prim" or \
+        func._schema.name.split("::", 1)[-1] in _METADATA
+    _SKIP[id(func)] = (func, got)
     return got
 
 
@@ -350,9 +358,9 @@ def _storage(t: Tensor) -> int:
 
 #: operation -> for each return, the (position, name, keyword-only) of the argument it aliases,
 #: or None (read from the schema once per operation)
-_RET_ALIAS: dict[Any, tuple[Any, ...]] = {}
+_RET_ALIAS: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 #: operation -> the (position, name, keyword-only) of the arguments its schema writes
-_WRITES: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+_WRITES: dict[int, tuple[Any, tuple[tuple[int, str, bool], ...]]] = {}
 
 
 def _arg(spec: tuple[int, str, bool], args: tuple, kwargs: dict) -> Any:
@@ -361,19 +369,21 @@ def _arg(spec: tuple[int, str, bool], args: tuple, kwargs: dict) -> Any:
 
 
 def _ret_alias(func: Any) -> tuple[Any, ...]:
-    got = _RET_ALIAS.get(func)
-    if got is None:
-        schema, found = func._schema, []
-        for ret in schema.returns:
-            info, hit = ret.alias_info, None
-            if info is not None:
-                for i, arg in enumerate(schema.arguments):
-                    a_info = arg.alias_info
-                    if a_info is not None and a_info.before_set & info.before_set:
-                        hit = (i, arg.name, arg.kwarg_only)
-                        break
-            found.append(hit)
-        got = _RET_ALIAS[func] = tuple(found)
+    e = _RET_ALIAS.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    schema, found = func._schema, []
+    for ret in schema.returns:
+        info, hit = ret.alias_info, None
+        if info is not None:
+            for i, arg in enumerate(schema.arguments):
+                a_info = arg.alias_info
+                if a_info is not None and a_info.before_set & info.before_set:
+                    hit = (i, arg.name, arg.kwarg_only)
+                    break
+        found.append(hit)
+    got = tuple(found)
+    _RET_ALIAS[id(func)] = (func, got)
     return got
 
 
@@ -397,11 +407,13 @@ def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
     """Storage data pointer -> number of arguments of the call that its schema writes."""
-    specs = _WRITES.get(func)
-    if specs is None:
-        specs = _WRITES[func] = tuple(
-            (i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write)
+    e = _WRITES.get(id(func))
+    if e is not None and e[0] is func:
+        specs = e[1]
+    else:
+        specs = tuple((i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
+                      if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITES[id(func)] = (func, specs)
     bumps: dict[int, int] = {}
     for spec in specs:
         v = _arg(spec, args, kwargs)
@@ -483,9 +495,9 @@ class ProgramRecorder(TorchDispatchMode):
                 return out
         k = self._count
         self._count += 1
-        lift = _LIFT.get(func)
+        lift = "lift" if func is _LIFT_FRESH or func is _LIFT_FRESH_COPY else None
         if lift is not None:
-            func = _aten.lift_fresh.default
+            func = _LIFT_FRESH
         spec_args = tuple(self._spec(a, lift) for a in args)
         spec_kwargs = {key: self._spec(v, lift) for key, v in kwargs.items()}
         self.program.entries.append((func, spec_args, spec_kwargs, k))
@@ -745,8 +757,8 @@ class ProgramMatch:
             self._fail(f"operation {self.k} ({func.namespace}::{_short(func)}) is not an ATen "
                        "operation: the proof ran its fake kernel, not the code that runs here")
             return
-        if func in _LIFT:
-            func = _aten.lift_fresh.default
+        if func is _LIFT_FRESH_COPY:
+            func = _LIFT_FRESH
         k = self.k
         if k >= len(self.entries):
             self._fail(f"operation {k} ({_short(func)}) runs after the end of the proved program")

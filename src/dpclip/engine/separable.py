@@ -119,13 +119,16 @@ class _Meta:
                 self.writes.append((i, a.name))
 
 
-_METAS: dict[Any, _Meta] = {}
+#: keyed by ``id(op)``, holding the op (an OpOverload's ``__hash__`` is Python code)
+_METAS: dict[int, tuple[Any, _Meta]] = {}
 
 
 def _meta(func: Any) -> _Meta:
-    m = _METAS.get(func)
-    if m is None:
-        m = _METAS[func] = _Meta(func)
+    e = _METAS.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    m = _Meta(func)
+    _METAS[id(func)] = (func, m)
     return m
 
 
