@@ -108,28 +108,26 @@ def _box_muller_cpu(n: int, generator: torch.Generator) -> Tensor:
     radius and a float32 angle, drawn block by block (``_PAIRS_PER_BLOCK`` pairs at a time).
 
     Per block of ``k`` pairs: ``k`` float64 uniforms ``w = k' 2**-53`` (torch's CPU sampler: 53
-    random bits ``k'``), then ``k`` float32 uniforms ``v`` (24 bits); radius
-    ``r = sqrt(-2 ln(1 - w))`` (``1 - w`` is exact and at least ``2**-53``; the logarithm in
-    float64, ``-2 ln`` rounded to float32, then the square root), angle ``2 pi v``; the block's
-    outputs are ``r cos`` (``k`` values) then ``r sin`` (``k`` values, one fewer at an odd end of
-    the draw). ``max |z| = TAIL_BOUND`` (``k' = 0`` and ``v = 0``)."""
+    random bits ``k'``), then ``k`` float32 angles ``theta = 2 pi v`` (``v``: 24 random bits,
+    the product rounded to float32); radius ``r = sqrt(-2 ln(1 - w))`` (``1 - w`` is exact and at
+    least ``2**-53``; the logarithm in float64, ``-2 ln`` rounded to float32, then the square
+    root); the block's outputs are ``r cos`` (``k`` values) then ``r sin`` (``k`` values, one
+    fewer at an odd end of the draw). ``max |z| = TAIL_BOUND`` (``k' = 0`` and ``v = 0``)."""
     out = torch.empty(n, dtype=torch.float32)
     pairs = min(_PAIRS_PER_BLOCK, (n + 1) // 2)
     w = torch.empty(pairs, dtype=torch.float64)
     v = torch.empty(pairs, dtype=torch.float32)
     r = torch.empty(pairs, dtype=torch.float32)
-    c = torch.empty(pairs, dtype=torch.float32)
     pos = 0
     while pos < n:
         k = min(pairs, (n - pos + 1) // 2)
         m = min(k, n - pos - k)  # sines used: k, or k - 1 at an odd end
-        wk, vk, rk, ck = w[:k], v[:k], r[:k], c[:k]
+        wk, vk, rk = (w, v, r) if k == pairs else (w[:k], v[:k], r[:k])
         wk.uniform_(generator=generator)  # 53 bits: k' 2**-53, k' in [0, 2**53)
-        vk.uniform_(generator=generator)  # 24 bits
-        torch.mul(wk.neg_().log1p_(), -2.0, out=rk)  # -2 ln(1 - w) in float64, stored float32
-        rk.sqrt_()
-        vk.mul_(_TWO_PI)
-        torch.mul(rk, torch.cos(vk, out=ck), out=out[pos:pos + k])
+        vk.uniform_(0.0, _TWO_PI, generator=generator)  # 24 bits: 2 pi v' 2**-24 (float32)
+        # -2 ln(1 - w): 1 - w exact, the logarithm in float64 (log1p is far slower), stored float32
+        torch.mul(wk.neg_().add_(1.0).log_(), -2.0, out=rk).sqrt_()
+        torch.mul(rk, torch.cos(vk), out=out[pos:pos + k])
         torch.mul(rk[:m], vk[:m].sin_(), out=out[pos + k:pos + k + m])
         pos += k + m
     return out
