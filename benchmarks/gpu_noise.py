@@ -15,8 +15,11 @@ Methods, timed interleaved (one round = every method once, in turn):
   copied to the GPU;
 * ``float64-cast``: ``torch.randn(float64)`` cast to float32, then added (what every draw cost from
   issue 32 until the CPU sampler);
+* ``dpclip-sampler``: :func:`dpclip.noise.standard_normal` in float32, then added (the sampler
+  alone, timed as the two rows above);
 * ``dpclip``: :func:`dpclip.noise.add_gaussian_noise_all` with the run's secret generator on the
-  device (:class:`dpclip.randomness.PrivateRandomness`), the path a step takes now.
+  device (:class:`dpclip.randomness.PrivateRandomness`), the path a step takes now (the sampler
+  plus the flat buffer's concatenation, split and views).
 
 Each row gives the median and the minimum over the rounds (``ms``, ``ms_min``) and both ratios to
 ``float32``: on a shared, noisy machine the minimum is the steadier figure. On CUDA every timing
@@ -40,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from dpclip.noise import add_gaussian_noise_all  # noqa: E402
+from dpclip.noise import add_gaussian_noise_all, standard_normal  # noqa: E402
 from dpclip.randomness import PrivateRandomness  # noqa: E402
 
 
@@ -72,10 +75,15 @@ def measure(n: int, device: torch.device, repeats: int, label: str | None = None
         z = torch.randn(n, generator=rng.noise, dtype=torch.float64, device=device)
         grads["w"].clone().add_(z.to(torch.float32), alpha=1.0)
 
+    def sampler() -> None:
+        z = standard_normal(n, rng.noise, torch.float32, device)
+        grads["w"].clone().add_(z, alpha=1.0)
+
     def dpclip() -> None:
         add_gaussian_noise_all(grads, 1.0, rng.noise, divide_by=1.0)
 
-    methods = {"float32": float32, "float64-cast": float64_cast, "dpclip": dpclip}
+    methods = {"float32": float32, "float64-cast": float64_cast, "dpclip-sampler": sampler,
+               "dpclip": dpclip}
     if device.type == "cuda":
         methods["float32-cpu-copy"] = float32_cpu_copy
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -111,9 +119,10 @@ def table(rows: list[dict]) -> str:
         "",
         "ms per noise release of one flat float32 gradient (draw + add), methods interleaved; "
         "median and minimum over the rounds (the minimum is the steadier figure on a shared "
-        "machine). `dpclip` is `dpclip.noise.add_gaussian_noise_all` now (CPU: Box-Muller with "
-        "a 53-bit float64 radius and a float32 angle, tails to 8.57 sigma; GPU: float64 then "
-        "cast); `float64-cast` is a float64 draw cast to float32 (dpclip from issue 32 until the "
+        "machine). `dpclip-sampler` is `dpclip.noise.standard_normal` then the add (CPU: "
+        "Box-Muller with a 53-bit float64 radius and a float32 angle, tails to 8.57 sigma; "
+        "GPU: float64 then cast); `dpclip` is the whole `add_gaussian_noise_all` (the sampler "
+        "plus the flat buffer's concatenation and views); `float64-cast` is a float64 draw cast to float32 (dpclip from issue 32 until the "
         "CPU sampler; tails to 8.57 sigma); `float32` is a float32 draw (capped at 5.77 sigma on "
         "the CPU, 6.66 on CUDA); `float32-cpu-copy` is the dpclip <= 0.3 path on a GPU (CPU "
         "draw, then copied).",
