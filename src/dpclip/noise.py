@@ -20,14 +20,14 @@ How (:func:`standard_normal`):
   ``u = 1 - k 2**-53`` (``k`` 53 random bits: ``u`` in ``{2**-53, ..., 1}``, exact), the angle from
   a 24-bit float32 uniform with float32 ``cos``/``sin``, and both outputs of each pair are used.
   The angle only rotates the radius between the two outputs, so a float32 angle does not cut the
-  tail (``max |z| = TAIL_BOUND``, reached at ``k = 0, theta = 0``); what it sets is the output
-  resolution (about 2**-24 relative: float32's own). Cost: about 2x a float32 draw, against
-  about 4x for a float64 draw (benchmarks/results/noise_cpu.md).
+  tail (``max |z| = TAIL_BOUND``, reached at ``k = 2**53 - 1, theta = 0``); what it sets is
+  the output resolution (about 2**-24 relative: float32's own). Cost: about 2x a float32
+  draw, against about 4-6x for a float64 draw (benchmarks/results/noise_cpu.md).
 * float64 outputs, and generators on a GPU: ``torch.randn`` in float64 on the generator's device
   (53-bit uniforms for radius and angle), then cast. On a GPU the draw is memory-bound and small
   either way.
 
-Why this keeps the distribution exact, and the resolution: docs/privacy.md ("Noise tails").
+Why this keeps the distribution exact, and the resolution: docs/privacy.md ("No float32 tail cap").
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _box_muller_cpu(n: int, generator: torch.Generator) -> Tensor:
     the product rounded to float32); radius ``r = sqrt(-2 ln(1 - w))`` (``1 - w`` is exact and at
     least ``2**-53``; the logarithm in float64, ``-2 ln`` rounded to float32, then the square
     root); the block's outputs are ``r cos`` (``k`` values) then ``r sin`` (``k`` values, one
-    fewer at an odd end of the draw). ``max |z| = TAIL_BOUND`` (``k' = 0`` and ``v = 0``)."""
+    fewer at an odd end of the draw). ``max |z| = TAIL_BOUND`` (``k' = 2**53 - 1``: all bits
+    set, and ``v = 0``)."""
     out = torch.empty(n, dtype=torch.float32)
     pairs = min(_PAIRS_PER_BLOCK, (n + 1) // 2)
     w = torch.empty(pairs, dtype=torch.float64)

@@ -138,12 +138,12 @@ def test_float32_noise_is_dpclips_sampler_and_float64_noise_a_float64_draw():
     assert torch.equal(per["a"].reshape(-1), z[:12]) and torch.equal(per["b"], z[12:])
     z64 = torch.randn(49, generator=make_generator(11), dtype=torch.float64)
     assert torch.equal(standard_normal(49, make_generator(11), torch.float64, "cpu"), z64)
-    mixed = add_gaussian_noise_all({"a": torch.zeros(12), "b": torch.zeros(37, dtype=torch.float64)},
-                                   {"a": 1.0, "b": 1.0}, make_generator(11))
+    mixed_vals = {"a": torch.zeros(12), "b": torch.zeros(37, dtype=torch.float64)}
+    mixed = add_gaussian_noise_all(mixed_vals, {"a": 1.0, "b": 1.0}, make_generator(11))
     assert torch.equal(mixed["a"], z64[:12].float()) and torch.equal(mixed["b"], z64[12:])
 
 
-# ---------------------------------------------------- the CPU sampler (float64 radius, float32 angle)
+# ------------------------------------------------ the CPU sampler (float64 radius, float32 angle)
 
 def _radius_generator(j: int, angle_bits: int = 0) -> torch.Generator:
     """A generator whose first pair has ``1 - w = j 2**-53`` (53-bit uniform ``w = k 2**-53``,

@@ -17,8 +17,9 @@ changes it here.
 Privacy: the noise std is ``noise_multiplier * sensitivity`` on the SUM (``dpclip.noise.noise_std``
 validates both), drawn from the secret device generator of ``dpclip.randomness`` with a 53-bit
 Box-Muller radius (``dpclip.noise.standard_normal``: no float32 tail cap), and the noisy sum is
-divided once by a public constant: never by the realised batch size. The event returned is the one the caller checks against its
-plan (:meth:`dpclip.training.plan.Plan.check_emitted`) and records in its ledger.
+divided once by a public constant: never by the realised batch size. The event returned is the
+one the caller checks against its plan (:meth:`dpclip.training.plan.Plan.check_emitted`) and
+records in its ledger.
 
 Two ways to draw, kept so that results stay bit for bit what they were: ``per_tensor=False`` (the
 flat-clipping step: one draw for all tensors, added on one flat buffer,
