@@ -15,16 +15,17 @@ multiplier 1. dpclip's radius always comes from a 53-bit uniform: its cap is
 ``sqrt(2 * 53 ln 2) = 8.57`` sigma (:data:`TAIL_BOUND`), where the leak is about 1e-14 per step.
 How (:func:`standard_normal`):
 
-* CPU generator, any dtype but float64 (the usual float32 gradients): dpclip's own Box-Muller
-  transform, :func:`_box_muller_cpu`. The radius is computed in float64 from a 53-bit uniform
+* CPU generator, any dtype but float64 (the usual float32 gradients), at least 2048 normals:
+  dpclip's own Box-Muller transform, :func:`_box_muller_cpu`. The radius is computed in float64 from a 53-bit uniform
   ``u = 1 - k 2**-53`` (``k`` 53 random bits: ``u`` in ``{2**-53, ..., 1}``, exact), the angle from
   a 24-bit float32 uniform with float32 ``cos``/``sin``, and both outputs of each pair are used.
   The angle only rotates the radius between the two outputs, so a float32 angle does not cut the
   tail (``max |z| = TAIL_BOUND``, reached at ``k = 2**53 - 1, theta = 0``); what it sets is
   the output resolution (about 2**-24 relative: float32's own). Cost: about 2x a float32
   draw, against about 4-6x for a float64 draw (benchmarks/results/noise_cpu.md).
-* float64 outputs, and generators on a GPU: ``torch.randn`` in float64 on the generator's device
-  (53-bit uniforms for radius and angle), then cast. On a GPU the draw is memory-bound and small
+* float64 outputs, generators on a GPU, and draws of fewer than 2048 normals (there the
+  sampler's fixed cost is larger): ``torch.randn`` in float64 on the generator's device (53-bit
+  uniforms for radius and angle), then cast. On a GPU the draw is memory-bound and small
   either way.
 
 Why this keeps the distribution exact, and the resolution: docs/privacy.md ("No float32 tail cap").
@@ -85,19 +86,23 @@ def standard_normal(n: int, generator: torch.Generator, dtype: torch.dtype,
 
     Every draw has a 53-bit radius, so its support reaches :data:`TAIL_BOUND` (8.57), not
     float32's 5.77 (module docstring): a CPU generator and any ``dtype`` but float64 use
-    :func:`_box_muller_cpu` (float64 radius, float32 angle: about 2x a float32 draw); float64
-    outputs and GPU generators use ``torch.randn`` in float64. A generator on another device
+    :func:`_box_muller_cpu` (float64 radius, float32 angle: about 2x a float32 draw) from
+    ``_SMALL_DRAW`` normals on; float64 outputs, GPU generators and smaller draws (where the
+    sampler's fixed cost of a dozen tensor operations exceeds torch's float64 draw) use
+    ``torch.randn`` in float64. A generator on another device
     than ``device`` (e.g. a CPU generator for CUDA gradients) draws where it lives and the result
     is copied. The values for a seed depend on ``n`` as a whole (a draw of ``m < n`` normals is
     not the first ``m`` of a draw of ``n``)."""
     n = int(n)
-    if generator.device.type == "cpu" and dtype != torch.float64:
+    if generator.device.type == "cpu" and dtype != torch.float64 and n >= _SMALL_DRAW:
         z = _box_muller_cpu(n, generator)
     else:
         z = torch.randn(n, generator=generator, dtype=_DRAW_DTYPE, device=generator.device)
     return z.to(device=device, dtype=dtype)
 
 
+#: smaller CPU draws use torch's float64 sampler (faster below about 2048 normals on the CPU)
+_SMALL_DRAW = 2048
 #: pairs per block of :func:`_box_muller_cpu` (bounds its temporaries: 1.25 MiB per block)
 _PAIRS_PER_BLOCK = 1 << 16
 _TWO_PI = 2.0 * math.pi
