@@ -16,9 +16,10 @@ multiplier 1. dpclip's radius always comes from a 53-bit uniform: its cap is
 How (:func:`standard_normal`):
 
 * CPU generator, any dtype but float64 (the usual float32 gradients), at least 2048 normals:
-  dpclip's own Box-Muller transform, :func:`_box_muller_cpu`. The radius is computed in float64 from a 53-bit uniform
-  ``u = 1 - k 2**-53`` (``k`` 53 random bits: ``u`` in ``{2**-53, ..., 1}``, exact), the angle from
-  a 24-bit float32 uniform with float32 ``cos``/``sin``, and both outputs of each pair are used.
+  dpclip's own Box-Muller transform, :func:`_box_muller_cpu`. The radius is computed in float64
+  from a 53-bit uniform ``u = 1 - k 2**-53`` (``k`` 53 random bits: ``u`` in
+  ``{2**-53, ..., 1}``, exact), the angle from a 24-bit float32 uniform with float32
+  ``cos``/``sin``, and both outputs of each pair are used.
   The angle only rotates the radius between the two outputs, so a float32 angle does not cut the
   tail (``max |z| = TAIL_BOUND``, reached at ``k = 2**53 - 1, theta = 0``); what it sets is
   the output resolution (about 2**-24 relative: float32's own). Cost: about 2x a float32
@@ -89,10 +90,10 @@ def standard_normal(n: int, generator: torch.Generator, dtype: torch.dtype,
     :func:`_box_muller_cpu` (float64 radius, float32 angle: about 2x a float32 draw) from
     ``_SMALL_DRAW`` normals on; float64 outputs, GPU generators and smaller draws (where the
     sampler's fixed cost of a dozen tensor operations exceeds torch's float64 draw) use
-    ``torch.randn`` in float64. A generator on another device
-    than ``device`` (e.g. a CPU generator for CUDA gradients) draws where it lives and the result
-    is copied. The values for a seed depend on ``n`` as a whole (a draw of ``m < n`` normals is
-    not the first ``m`` of a draw of ``n``)."""
+    ``torch.randn`` in float64. A generator on another device than ``device`` (e.g. a CPU
+    generator for CUDA gradients) draws where it lives and the result is copied. The values for
+    a seed depend on ``n`` as a whole (a draw of ``m < n`` normals is not the first ``m`` of a
+    draw of ``n``)."""
     n = int(n)
     if generator.device.type == "cpu" and dtype != torch.float64 and n >= _SMALL_DRAW:
         z = _box_muller_cpu(n, generator)
@@ -162,8 +163,8 @@ def add_gaussian_noise_all(
     One draw of ``sum(numel)`` standard normals from ``generator`` (:func:`standard_normal`),
     split in the mapping's order (tensors of mixed dtypes or devices: one std, a draw per tensor;
     per-tensor stds, one float64 draw cast per tensor); the additions and the division are made
-    on one flat buffer, and the results are views of it (contiguous, shaped as
-    the inputs; they share one storage without overlapping). The same distribution as calling
+    on one flat buffer, and the results are views of it (contiguous, shaped as the inputs; they
+    share one storage without overlapping). The same distribution as calling
     :func:`add_gaussian_noise` per tensor, with 4 tensor operations per step instead of 4 per
     tensor (for small models the per-operation overhead is a large part of a step).
     """
