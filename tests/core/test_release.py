@@ -26,16 +26,18 @@ from dpclip.training.sampling import FixedSizeSampler, PoissonSampler
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "dpclip"
 
-#: dpclip.noise's functions that draw (only release.py may call them)
-NOISE_DRAWS = {"add_gaussian_noise", "add_gaussian_noise_all", "standard_normal"}
-#: Gaussian samplers of torch / NumPy (any base object: ``torch.randn``, ``t.randn``, ``rng.normal``)
+#: dpclip.noise's functions that draw (only release.py may call them; ``_box_muller_cpu`` is
+#: private to dpclip.noise: its CPU sampler behind ``standard_normal``)
+NOISE_DRAWS = {"add_gaussian_noise", "add_gaussian_noise_all", "standard_normal", "_box_muller_cpu"}
+#: Gaussian samplers of torch / NumPy (any base object: ``torch.randn``, ``t.randn``, ``rng.normal``),
+#: and torch's uniform samplers (a hand-made Box-Muller turns uniforms into Gaussian noise)
 RAW_DRAWS = {"randn", "randn_like", "normal", "normal_", "standard_normal", "multivariate_normal",
-             "Normal", "MultivariateNormal"}
+             "Normal", "MultivariateNormal", "rand", "rand_like", "uniform_"}
 
 #: every module allowed to name a draw, and why (keep this short; review every addition)
 ALLOWED: dict[str, set[str]] = {
-    # the noise module itself: the float64 draw and its helpers
-    "noise.py": {"randn", "standard_normal", "add_gaussian_noise"},
+    # the noise module itself: the float64 draw, its CPU Box-Muller (uniforms) and its helpers
+    "noise.py": {"randn", "standard_normal", "add_gaussian_noise", "_box_muller_cpu", "uniform_"},
     # THE door: noise on the released sums and on the strategies' statistics
     # (and standard_normal: a distributed rank's block of the draw, training.noise_shard)
     "training/release.py": {"add_gaussian_noise", "add_gaussian_noise_all", "standard_normal"},
@@ -46,8 +48,9 @@ ALLOWED: dict[str, set[str]] = {
     "federated/tracking.py": {"randn"},  # simulated norms of the quantile-tracking figure
     "lipschitz/norms.py": {"randn"},  # power iteration's start vector (weights are public)
     # operator tables of the separability proof (names of aten ops, nothing is drawn)
-    "engine/batch_symbol.py": {"randn", "randn_like", "normal", "normal_"},
-    "engine/separable.py": {"normal_"},
+    "engine/batch_symbol.py": {"randn", "randn_like", "normal", "normal_", "rand", "rand_like",
+                               "uniform_"},
+    "engine/separable.py": {"normal_", "uniform_"},
 }
 
 
@@ -115,6 +118,8 @@ def test_only_release_draws_noise_and_every_other_draw_is_listed() -> None:
     "import torch as t\ny = x + t.randn(3, generator=g)",
     "from torch import randn\ny = randn(3)",
     "y = x.clone().normal_(0, 1)",
+    "u = torch.empty(3).uniform_(generator=g)",
+    "from dpclip.noise import _box_muller_cpu\n_box_muller_cpu(4, g)",
     "import numpy as np\nnp.random.default_rng().normal(size=3)",
     "from torch.distributions import Normal\nNormal(0, 1).sample()",
 ])
@@ -128,6 +133,7 @@ def test_the_source_check_sees_aliases_and_raw_draws(snippet: str) -> None:
     "from dpclip import noise\nnoise.standard_normal(3, g, d, 'cpu')",
     "import dpclip.noise\ndpclip.noise.standard_normal(3, g, d, 'cpu')",
     "from dpclip.noise import standard_normal\n",
+    "import dpclip.noise as n\nn._box_muller_cpu(4, g)",
 ])
 def test_the_source_check_sees_calls_of_dpclip_noise(snippet: str) -> None:
     assert calls_noise_draws(snippet), snippet

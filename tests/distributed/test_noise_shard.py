@@ -8,7 +8,9 @@ its LOCAL clipped sum, and the release all-reduces. The checks:
 * the streams: derived from (key, step, rank, world), reproducible from the seed only in
   reproducible mode, never from a seed in secure mode; a generator shared by the ranks is refused;
 * the release in one process playing W ranks equals the concatenation of each rank's own draw
-  (an independent torch.randn oracle), for the step's sums and for a strategy's statistic;
+  (the oracle draws each rank's block with dpclip.noise.standard_normal from that rank's stream:
+  the sampler itself is checked in tests/core/test_noise.py), for the step's sums and for a
+  strategy's statistic;
 * on 1, 2 and 4 gloo ranks with zero gradients (2e5 coordinates): the all-reduced noise has std
   ``z C / B`` on every rank's block (mean of squares within a 5-sigma chi-square band: two draws
   on a coordinate would double it, none would zero it), the blocks are uncorrelated (a shared
@@ -25,6 +27,7 @@ import torch
 
 from dpclip.clipping import FixedClip
 from dpclip.clipping.base import StepContext
+from dpclip.noise import standard_normal
 from dpclip.randomness import PrivateRandomness, rank_noise_generator
 from dpclip.training.distributed import DistributedContext
 from dpclip.training.noise_shard import NoiseShard, noise_bounds, noise_partition
@@ -126,11 +129,12 @@ def test_a_generator_shared_by_the_ranks_is_refused():
 
 def _expected_noise(rng: PrivateRandomness, step: int, world: int, sizes: list[int],
                     stds: list[float], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """Independent oracle: rank r's block of the concatenation, drawn by torch.randn (float64)
-    from rank r's stream, scaled by each coordinate's tensor std."""
+    """Oracle: rank r's block of the concatenation, drawn by ``standard_normal`` from rank r's
+    stream (in the tensors' dtype; float64 when they differ), scaled by each coordinate's tensor
+    std."""
     total = sum(sizes)
-    z = torch.cat([torch.randn(hi - lo, generator=rng.rank_noise(step, r, world),
-                               dtype=torch.float64)
+    draw = dtypes[0] if len(set(dtypes)) == 1 else torch.float64
+    z = torch.cat([standard_normal(hi - lo, rng.rank_noise(step, r, world), draw, "cpu")
                    for r, (lo, hi) in enumerate(noise_partition(total, world))])
     out, offset = [], 0
     for n, sd, dt in zip(sizes, stds, dtypes):
@@ -219,8 +223,8 @@ def test_reproducible_release_is_the_concatenation_of_every_ranks_own_draw(noise
     for r, (lo, hi) in enumerate(noise_partition(4 * WIDTH, world)):
         # one rank: the one-process stream, bit for bit; W ranks: rank r's own stream of step 0
         g = rng.noise if world == 1 else rng.rank_noise(0, r, world)
-        z = torch.randn(hi - lo, generator=g, dtype=torch.float64)
-        parts.append(torch.zeros(hi - lo).add_(z.float(), alpha=Z * CLIP).div_(B))
+        z = standard_normal(hi - lo, g, torch.float32, "cpu")
+        parts.append(torch.zeros(hi - lo).add_(z, alpha=Z * CLIP).div_(B))
     expected = torch.cat(parts)
     for res in out:
         assert torch.equal(res["reproducible"][0], expected)

@@ -15,10 +15,11 @@ the source), so whoever changes how noise is drawn (the generator, the dtype, a 
 changes it here.
 
 Privacy: the noise std is ``noise_multiplier * sensitivity`` on the SUM (``dpclip.noise.noise_std``
-validates both), drawn in float64 from the secret device generator of ``dpclip.randomness`` and
-cast (``dpclip.noise.standard_normal``), and the noisy sum is divided once by a public constant:
-never by the realised batch size. The event returned is the one the caller checks against its
-plan (:meth:`dpclip.training.plan.Plan.check_emitted`) and records in its ledger.
+validates both), drawn from the secret device generator of ``dpclip.randomness`` with a 53-bit
+Box-Muller radius (``dpclip.noise.standard_normal``: no float32 tail cap), and the noisy sum is
+divided once by a public constant: never by the realised batch size. The event returned is the
+one the caller checks against its plan (:meth:`dpclip.training.plan.Plan.check_emitted`) and
+records in its ledger.
 
 Two ways to draw, kept so that results stay bit for bit what they were: ``per_tensor=False`` (the
 flat-clipping step: one draw for all tensors, added on one flat buffer,
@@ -28,7 +29,7 @@ distribution.
 
 Distributed runs (``shard=``, a :class:`dpclip.training.noise_shard.NoiseShard`): ``sums`` are
 this rank's LOCAL clipped sums; the rank adds ``N(0, (z s)^2)`` on its own block of coordinates
-only (drawn in float64 from its own stream, then cast), the ranks' contributions are all-reduced
+only (``standard_normal`` from its own stream), the ranks' contributions are all-reduced
 (so every coordinate carries exactly one draw, made by the rank that owns it), and the result is
 divided once. The strategies' statistics are noised the same way (``Releaser``). Which rank draws
 what, and why the sum has std ``z s`` exactly: :mod:`dpclip.training.noise_shard`.
@@ -190,8 +191,9 @@ def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float
                         divisor: float) -> dict[str, Tensor]:
     """``(all-reduce(local sums + this rank's noise shard)) / divisor`` (the module docstring):
     the coordinates are numbered over the tensors of ``sums`` in their order; the rank draws
-    ``shard.draws(total)``'s blocks (float64, cast to each tensor's dtype) and scales each
-    coordinate by its tensor's std. New tensors; ``sums`` is not changed."""
+    ``shard.draws(total)``'s blocks (``standard_normal`` in the tensors' dtype; float64, cast to
+    each tensor's dtype, when their dtypes or devices differ) and scales each coordinate by its
+    tensor's std. New tensors; ``sums`` is not changed."""
     if not (math.isfinite(divisor) and divisor > 0):
         raise ValueError(f"divide_by must be finite and > 0, got {divisor!r}")
     names = list(sums)
