@@ -63,7 +63,7 @@ def unseen_attacks() -> dict:
         return build
 
     got = {k: (fresh(v), ce) for k, v in h.UNSEEN_WRITES.items() if k.startswith(("numpy-shared",
-           "numpy-view", "numpy-write-after", "from-numpy"))}
+           "numpy-view", "numpy-write-after", "from-numpy", "data-assignment", "set-storage"))}
     got["chain-weight-written-by-the-loss"] = (fresh(h.chain_shared_with_numpy),
                                                h._loss_writes_chain_weight)
     return got

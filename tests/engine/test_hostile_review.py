@@ -659,6 +659,30 @@ def _constant_written_after_use(m, h: Tensor) -> Tensor:
     return out
 
 
+class _MovedBuffer(Net):
+    """A buffer moved to other memory holding ``B - 7`` with no operation the match sees:
+    ``k.data = new`` (with torch functions on or off), or ``k.set_(new)`` with Python dispatch
+    off."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(lambda m, h: self._scale(h))
+        self.how = how
+        self.register_buffer("k", torch.ones(6, dtype=DT))
+
+    def _scale(self, h: Tensor) -> Tensor:
+        if _real(h):
+            new = torch.full((6,), float(h.shape[0] - 7), dtype=DT)
+            if self.how == "data":
+                self.k.data = new
+            elif self.how == "data-no-torch-function":
+                with torch._C.DisableTorchFunction():
+                    self.k.data = new
+            else:
+                with torch._C._DisableTorchDispatch():
+                    self.k.set_(new)
+        return h * self.k
+
+
 UNSEEN_WRITES = {
     "numpy-write-outside-tensor": lambda: Net(_numpy_write_global),
     "no-dispatch-fill-outside-tensor": lambda: Net(_no_dispatch_fill_global),
@@ -673,6 +697,9 @@ UNSEEN_WRITES = {
     "numpy-shared-batchless-table": _BatchlessTable,
     "numpy-write-after-last-use": _WriteAfterLastUse,
     "from-numpy-constant-written-after-use": lambda: Net(_constant_written_after_use),
+    "data-assignment-buffer": lambda: _MovedBuffer("data"),
+    "data-assignment-torch-function-off": lambda: _MovedBuffer("data-no-torch-function"),
+    "set-storage-dispatch-off": lambda: _MovedBuffer("set"),
 }
 
 

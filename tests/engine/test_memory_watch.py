@@ -92,3 +92,20 @@ def test_on_an_accelerator_the_checks_are_read_at_the_end():
     w.check_args((t,), {})
     assert w.changed is None  # queued, not read yet
     assert w.finish() == "gpu buffer"
+
+
+def test_a_tensor_moved_to_other_memory_is_caught():
+    """``t.data = other`` swaps the memory without a version bump and without writing the watched
+    bytes: the tensor no longer lives where it was copied from."""
+    t = torch.ones(4, dtype=torch.float64)
+    w = MemoryWatch()
+    w.add([(t, "buffer 'k'")])
+    with torch._C.DisableTorchFunction():
+        t.data = torch.full((4,), 3.0, dtype=torch.float64)
+    w.check_args((t,), {})
+    assert w.changed == "buffer 'k'"
+    w2 = MemoryWatch()
+    u = torch.ones(2)
+    w2.add([(u, "u")])
+    u.data = torch.zeros(2)
+    assert w2.finish() == "u"  # also when its only check is the last one

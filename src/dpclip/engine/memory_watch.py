@@ -65,6 +65,14 @@ def _bytes(storage: Any) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (n,), (1,))
 
 
+def _storage_key(t: Tensor) -> int:
+    with torch._C.DisableTorchFunction():
+        try:
+            return t.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage any more
+            return -1
+
+
 class _Slot:
     """One watched storage: the storage itself (kept alive for the call, so its address is not
     reused), its address and size when copied, the address of its copy (in one buffer per
@@ -90,10 +98,14 @@ class MemoryWatch:
     """Byte copies of the storages a step reads from before the call (module docstring).
     :attr:`changed` names the first storage found written unseen, or None."""
 
-    __slots__ = ("_slots", "_flags", "_buffers", "changed")
+    __slots__ = ("_slots", "_flags", "_buffers", "_homes", "changed")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
+        #: id(tensor) -> (tensor, its storage's data pointer) for every tensor added: a tensor
+        #: moved to other memory with no operation (``t.data = x`` with torch functions off, a
+        #: ``set_`` with Python dispatch off) reads memory nobody copied
+        self._homes: dict[int, tuple[Tensor, int]] = {}
         #: accelerator checks queued: (flag tensor, what)
         self._flags: list[tuple[Tensor, str]] = []
         self._buffers: list[Tensor] = []  # the copies (kept alive with their slots)
@@ -117,7 +129,10 @@ class MemoryWatch:
                 n = st.nbytes()
             except Exception:  # noqa: BLE001 - no storage (fake, functional)
                 continue
-            if key == 0 or n == 0 or key in slots or key in new:
+            if key == 0 or n == 0:
+                continue
+            self._homes.setdefault(id(t), (t, key))
+            if key in slots or key in new:
                 continue
             new[key] = (st, n, what)
         by_device: dict[Any, list[tuple[int, Any, int, str]]] = {}
@@ -155,9 +170,15 @@ class MemoryWatch:
 
     def _check(self, t: Tensor) -> None:
         try:
-            slot = self._slots.get(t.untyped_storage().data_ptr())
+            key = t.untyped_storage().data_ptr()
         except Exception:  # noqa: BLE001 - no storage: nothing watched
             return
+        home = self._homes.get(id(t))
+        if home is not None and home[0] is t and home[1] != key:
+            if self.changed is None:
+                self.changed = self._slots[home[1]].what
+            return
+        slot = self._slots.get(key)
         if slot is not None:
             self._compare(slot)
 
@@ -187,8 +208,12 @@ class MemoryWatch:
                 slot.copy.copy_(slot.view)
 
     def check_all(self) -> str | None:
-        """Compare every watched storage now (the copies are kept): :attr:`changed`; on an
-        accelerator the result is read in :meth:`finish`."""
+        """Compare every watched storage now (the copies are kept), and every watched tensor must
+        still live in the storage it was added with: :attr:`changed`; on an accelerator the result
+        is read in :meth:`finish`."""
+        for t, key in self._homes.values():
+            if self.changed is None and _storage_key(t) != key:
+                self.changed = self._slots[key].what
         if self._flags or any(s.view is not None for s in self._slots.values()):
             with torch._C.DisableTorchFunction(), _disable_current_modes():
                 for slot in self._slots.values():
@@ -215,4 +240,5 @@ class MemoryWatch:
         self._flags.clear()
         self._slots.clear()
         self._buffers.clear()
+        self._homes.clear()
         return self.changed

@@ -253,9 +253,11 @@ class _EscapeMode(TorchFunctionMode):
                 t = args[0] if args else None
                 if isinstance(t, Tensor) and (tr.layout(t) is not None or
                                               _is_get(func, "grad_fn") or
-                                              func in _WRITABLE or _is_get(func, "data")):
+                                              func in _WRITABLE or _is_get(func, "data") or
+                                              _is_get(func, "data", "__set__")):
                     what = ("Tensor.grad_fn" if _is_get(func, "grad_fn") else "Tensor.data"
-                            if _is_get(func, "data") else
+                            if _is_get(func, "data") else "an assignment to Tensor.data"
+                            if _is_get(func, "data", "__set__") else
                             f"Tensor.{getattr(func, '__name__', func)}()")
                     why = (f"{what} takes the values of a tensor that "
                            "depends on the batch out of the trace (to NumPy, Python or raw "
@@ -291,7 +293,8 @@ def _func_kind(func: Any) -> int:
         kind = None
     if kind is None:
         kind = _K_HOOK if func in _HOOKS else _K_ESCAPE if (
-            func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data")) else _K_PLAIN
+            func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data") or
+            _is_get(func, "data", "__set__")) else _K_PLAIN
         try:
             if len(_KINDS) >= 4096:  # functions made per call (a class defined in forward)
                 _KINDS.clear()
@@ -301,9 +304,11 @@ def _func_kind(func: Any) -> int:
     return kind
 
 
-def _is_get(func: Any, attr: str) -> bool:
-    """Whether ``func`` is the getter of the Tensor property ``attr`` (``t.grad_fn``, ``t.data``)."""
-    return getattr(func, "__name__", "") == "__get__" and \
+def _is_get(func: Any, attr: str, how: str = "__get__") -> bool:
+    """Whether ``func`` is the getter (``how="__set__"``: the setter) of the Tensor property
+    ``attr`` (``t.grad_fn``, ``t.data``; ``t.data = x`` swaps the tensor's memory without a
+    version bump: refused like the getter)."""
+    return getattr(func, "__name__", "") == how and \
         getattr(getattr(func, "__self__", None), "__name__", "") == attr
 
 
