@@ -659,6 +659,24 @@ def _constant_written_after_use(m, h: Tensor) -> Tensor:
     return out
 
 
+class _StorageKept(Net):
+    """A buffer's untyped storage kept at construction, written in forward with Python dispatch
+    and torch functions off (no operation, no version bump): LOO 3.19 C under ghost with the
+    memory watch switched off."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda m, h: self._scale(h))
+        self.register_buffer("k", torch.ones(6, dtype=DT))
+        self.__dict__["k_storage"] = self.k.untyped_storage()
+
+    def _scale(self, h: Tensor) -> Tensor:
+        if _real(h):
+            new = torch.full((6,), float(h.shape[0] - 7), dtype=DT)
+            with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+                self.k_storage.copy_(new.untyped_storage())
+        return h * self.k
+
+
 class _MovedBuffer(Net):
     """A buffer moved to other memory holding ``B - 7`` with no operation the match sees:
     ``k.data = new`` (with torch functions on or off), or ``k.set_(new)`` with Python dispatch
@@ -697,6 +715,7 @@ UNSEEN_WRITES = {
     "numpy-shared-batchless-table": _BatchlessTable,
     "numpy-write-after-last-use": _WriteAfterLastUse,
     "from-numpy-constant-written-after-use": lambda: Net(_constant_written_after_use),
+    "storage-kept-at-construction": _StorageKept,
     "data-assignment-buffer": lambda: _MovedBuffer("data"),
     "data-assignment-torch-function-off": lambda: _MovedBuffer("data-no-torch-function"),
     "set-storage-dispatch-off": lambda: _MovedBuffer("set"),
