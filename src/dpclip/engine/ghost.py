@@ -122,6 +122,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
+from dpclip.engine.saved_check import unchanged
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     check_module_windows,
@@ -288,6 +289,22 @@ def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------- the engine
+
+
+def _refuse_rewritten_inputs(live: list[_Call]) -> None:
+    """Raise :class:`_NotTheProvedProgram` if a ruled layer's input, which the engine reads now,
+    is not the tensor the layer used: rewritten after the call by a path that left no trace (an
+    in-place write with Python dispatch off, then its version counter set back: third hostile
+    review, LOO 1.54 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether the input
+    is rewritten can depend on the batch size."""
+    for c in live:
+        if c.outs is None and not unchanged(c.a, c.a_print):
+            raise _NotTheProvedProgram(
+                f"the input of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
+                "after the layer used it by a write that no operation of the trace shows and "
+                "that left its version counter unchanged (torch._C._DisableTorchDispatch, "
+                "_unsafe_set_version_counter, raw memory), so the layer's per-example gradient "
+                "would be read from values it never saw")
 
 
 def _check_options(engine: GhostEngine | AutoEngine, owner: str) -> None:
@@ -528,6 +545,7 @@ class GhostEngine:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
                     c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
+        _refuse_rewritten_inputs(live)
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 

@@ -6,6 +6,7 @@ batch-less calls of :mod:`dpclip.engine.batchless`). Where the proof cannot see,
 """
 
 from __future__ import annotations
+import collections
 import contextlib
 import os
 from typing import Any, Callable
@@ -23,7 +24,14 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
+from dpclip.engine.saved_check import fingerprint
 from dpclip.engine.known_losses import known_loss, known_loss_fn
+from dpclip.engine.plain_module import (
+    ambient_user_code,
+    global_hooks_clear,
+    instance_code,
+    plain_instance,
+)
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
@@ -53,8 +61,11 @@ _module_mod = torch.nn.modules.module
 
 
 def _no_hooks(mod: nn.Module) -> bool:
-    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
-                or mod._backward_pre_hooks)
+    """No hooks on ``mod``: its hook tables of their exact types (a dict subclass can hide its
+    hooks from a truth test and not from ``Module.__call__``) and empty."""
+    tables = (mod._forward_hooks, mod._forward_pre_hooks, mod._backward_hooks,
+              mod._backward_pre_hooks)
+    return all(type(t) in (dict, collections.OrderedDict) and not len(t) for t in tables)
 
 
 def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Module] | None:
@@ -66,8 +77,7 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
     PyTorch's slow path). ``None``: use hooks."""
     if type(model) is not nn.Sequential or not _no_hooks(model):
         return None
-    if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
-            or _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks):
+    if not global_hooks_clear():
         return None
     chain: list[nn.Module] = []
     stack = [iter(model._modules.values())]
@@ -79,12 +89,13 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
         if mod is None:  # not callable: let the ordinary forward raise its own error
             return None
         if type(mod) is nn.Sequential:
-            if not _no_hooks(mod):
+            if not _no_hooks(mod) or not plain_instance(mod):
                 return None
             stack.append(iter(mod._modules.values()))
-        elif mod._modules:  # a container of another kind: its calls are its own business
-            return None
-        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE):
+        elif type(mod._modules) is not dict or mod._modules:  # another container: its own
+            return None  # business
+        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE
+                                       or instance_code(mod) is not None):
             return None
         else:
             chain.append(mod)
@@ -102,9 +113,17 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
         return _Call(owner, a, out, None)
     quiet, tracer.quiet = tracer.quiet, True
     try:
-        return _Call(owner, a, out, tracer)
+        return _printed(_Call(owner, a, out, tracer))
     finally:
         tracer.quiet = quiet
+
+
+def _printed(c: _Call) -> _Call:
+    """``c`` with its input's fingerprint (user code runs after the call and could rewrite the
+    input without a trace: :mod:`dpclip.engine.saved_check`); a ruled layer's call only."""
+    if c.outs is None and isinstance(c.a, Tensor):
+        c.a_print = fingerprint(c.a)
+    return c
 
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
@@ -115,6 +134,12 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # batch size, private, must be used only as the leading dimension (proved once per signature
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
+        ambient = ambient_user_code()
+        if ambient is not None:  # user code on every operation, the trace's and the backward's
+            raise _RuntimeUnsupported(
+                f"{ambient} around the step: it runs user code on the forward's or backward's "
+                "operations, which the separability proof cannot see. Leave the context "
+                "(torch.device(...) is allowed) before the step, or use engine 'vmap'")
         known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
             return known
@@ -207,6 +232,11 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         # the engine's own code (it reads the autograd sequence number), not user code: the
         # tracer's Python checks pause, as in _engine_call
+        if by_module[id(mod)].rule is not _MODULE:
+            # a ruled layer: Module.__call__ has just looked its forward up (before the
+            # pre-hooks), so an instance forward installed for this call is still there
+            _refuse_instance_code(by_module[id(mod)].name, mod)
+            return None
         if tracer is None:
             return by_module[id(mod)].enter(mod, args, kwargs)
         quiet, tracer.quiet = tracer.quiet, True
@@ -219,7 +249,9 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     try:
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
-            if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
+            # the per-layer path needs the call's autograd window; a ruled layer's call must run
+            # its class's code (checked at the call: third hostile review)
+            if o.rule is _MODULE or tracer is not None:
                 handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
         try:
             with torch.enable_grad(), (tracer or contextlib.nullcontext()):
@@ -257,6 +289,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
         got = _run_known_chain(chain, by_module, xs, batch)
         if got is not None:  # proved per-example separable by the modules' semantics
             calls, h = got
+            for c in calls:  # the loss is user code: it runs after the calls
+                _printed(c)
             tracer.mark(h, (0, 1))
             if tracer.match is not None:  # the chain is library code: the loss is matched
                 tracer.match.start_at_loss(h)
@@ -275,8 +309,10 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 if owner is None:
                     h = mod(h)
                 else:
+                    _refuse_instance_code(owner.name, mod)  # installed by an earlier module
                     out = mod(h)
-                    calls.append(_engine_call(owner, h, out, chain_tracer))
+                    calls.append(_printed(_engine_call(owner, h, out, chain_tracer))
+                                 if tracer is not None else _engine_call(owner, h, out, None))
                     h = out
         if tracer is not None:
             if cached is not None:
@@ -455,12 +491,16 @@ def _batched_rank(mod: nn.Module, a: Tensor) -> bool:
 
 
 def _known_chain(chain: list[nn.Module]) -> bool:
-    """Whether every module of the chain is of a known exact class, without hooks (container
-    and global hooks are excluded by :func:`_plain_chain`) or an instance ``forward``."""
+    """Whether every module of the chain is of a known exact class with torch's own forward, a
+    plain instance (:func:`dpclip.engine.plain_module.plain_instance`: no hooks, no instance code,
+    configuration of exact built-in types, exact parameters and buffers; third hostile review),
+    no global hooks and no user code active around the call (modes, saved-tensor hooks)."""
     if _MODULE_CALL is None or (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL:
         return False
+    if not global_hooks_clear() or ambient_user_code() is not None:
+        return False
     for mod in chain:
-        if type(mod) not in _KNOWN_MODULES or not _no_hooks(mod) or "forward" in mod.__dict__ \
+        if type(mod) not in _KNOWN_MODULES or not plain_instance(mod) \
                 or _KNOWN_FORWARD.get(type(mod)) is not type(mod).forward:
             return False
     return True
@@ -523,16 +563,25 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
 #: parameters' and buffers' shapes (fixed by that configuration) and the input's shape and dtype
 #: (part of the key), never on the data; the loss function, user code, is traced on every call
 _CHAIN_LAYOUTS: dict[tuple, tuple] = {}
+#: every ``torch.nn`` module class torch defines, with its forward, taken at import
+_TORCH_FORWARD = {c: c.forward for c in vars(nn).values()
+                  if isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module
+                  and _torch_own(c.forward)}
 _SIMPLE = (int, float, bool, str, type(None))
 
 
 def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
     """The cache key of a plain chain's separability trace, or None (not cacheable: a module that
     is not a built-in ``torch.nn`` class, or public configuration that is not plain data)."""
+    if type(xs) is not Tensor or not global_hooks_clear() or ambient_user_code() is not None:
+        return None
     parts: list[Any] = [tuple(xs.shape), xs.dtype, xs.device.type]
     for mod in chain:
         cls = type(mod)
-        if not cls.__module__.startswith("torch.nn.modules."):
+        # torch's own class with torch's own forward (a user class can name its __module__
+        # "torch.nn.modules..."), a plain instance (no hooks on a layer that owns no parameters,
+        # no instance _conv_forward, ...: third hostile review, LOO 2.46-3.61 C before)
+        if _TORCH_FORWARD.get(cls) is not cls.forward or not plain_instance(mod):
             return None
         conf = []
         for k, v in mod.__dict__.items():
@@ -560,6 +609,23 @@ def _refuse_proof_leftovers(name: str, args: tuple, kwargs: dict) -> None:
                 "(the forward keeps tensors in state outside its modules: a global, a closure, a "
                 "default argument), so the step is not the program that was proved. Keep such "
                 "state in registered buffers (they are guarded), or use engine 'vmap'")
+
+
+def _refuse_instance_code(name: str, mod: nn.Module) -> None:
+    """Raise :class:`_NotTheProvedProgram` if a ruled layer's call would run code that is not its
+    class's (an instance ``forward`` or ``_conv_forward``, a parameter of a tensor subclass,
+    :func:`dpclip.engine.plain_module.instance_code`): the engine reads the layer's per-example
+    gradient from its input and output as the class's forward relates them, while an instance
+    ``forward`` may mix its output over the batch (third hostile review: installed during the
+    call and deleted by itself, accepted with LOO 2.00 C). Not a vmap fallback: whether the code
+    is installed can depend on the batch size."""
+    what = instance_code(mod)
+    if what is not None:
+        raise _NotTheProvedProgram(
+            f"layer {name!r} ({type(mod).__name__}) runs code its class does not define (its "
+            f"instance attribute {what!r} replaces the class's), so its per-example gradient is "
+            "not the one its rule reads; do not replace a layer's forward or parameters on the "
+            "instance (subclass it, or wrap it in a module of your own)")
 
 
 def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:

@@ -45,7 +45,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges")
+                 "live_idx", "fast", "oedges", "a_print")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -68,6 +68,9 @@ class _Call:
         self.rule = owner.rule
         self.a = a
         self.a_version = a._version
+        #: fingerprint of ``a``'s bytes when user code runs after the call (a traced step), read
+        #: again before ``a`` is (:mod:`dpclip.engine.saved_check`)
+        self.a_print = None
         self.out_shape = tuple(out.shape)
         self.edge = _gradient_edge(out) if out.requires_grad else None
         self.b: Tensor | None = None
@@ -94,6 +97,7 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.owner, c.mod, c.rule = owner, owner.module, owner.rule
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
+    c.a_print = None
     c.outs = outs
     # the outputs' gradient edges as the module produced them (a later in-place change of an
     # output moves the tensor's own edge; b is the gradient w.r.t. the module's output)
@@ -872,6 +876,10 @@ SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
 
 
 def _rule_for(mod: nn.Module) -> _Rule | None:
+    from dpclip.engine.plain_module import instance_code
+
+    if instance_code(mod) is not None:  # an instance forward: the per-layer path traces it
+        return None
     rule = _RULES.get(type(mod))
     if rule is not None:
         return rule
