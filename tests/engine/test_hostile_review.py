@@ -782,3 +782,355 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
     finally:
         nn.Tanh.forward = original
 
+
+
+# ============================================================================== third review
+#
+# A third hostile review (after the proved-program match): ways to make a call run user code that
+# the proof does not see, while ghost / auto accept the model. Each entry: a model (built with
+# the switch ``_SW`` off), its data and loss, and a context active around the step. The runner
+# makes the LOO's calls with the switch off (they fill the proof's cache and the chain layout
+# cache, as honest steps at these batch sizes would), turns it on, and measures LOO. Fixed here (LOO before the fix, on
+# main; benchmarks/results/hostile_review_loo.md, "third review"):
+#
+# * known chain (``ghost_forward._known_chain``) and layout cache (``_chain_key``): a module whose
+#   call runs user code: ``Softmax(dim=int subclass)`` lying to the check (1.10), BatchNorm's
+#   ``training`` an object whose ``__bool__`` lies to the engine (1.57), a parameter subclass with
+#   ``__torch_function__`` (2.00), a hook table that is a dict subclass hiding its hooks (1.80), an
+#   instance ``_conv_forward`` (2.46), a hook on a parameter-free module of a cached chain (3.61),
+#   a user class naming its ``__module__`` torch's (3.61), a tensor subclass as the input (2.00);
+#   now: plain instances only (dpclip.engine.plain_module);
+# * a known loss whose configuration is a ``str`` subclass (``reduction``) running user code that
+#   rewrites the logits in place (1.04): now plain instances only;
+# * a torch function mode left active around the step (2.94), saved-tensor hooks left active
+#   (1.55, the known program): now refused at the step;
+# * an instance ``forward`` on a ruled layer, static (2.00) or installed for the call and deleted
+#   by itself (2.00): now the per-layer path (static) or refused at the call;
+# * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
+#   set back (1.54): now its bytes are fingerprinted (dpclip.engine.saved_check).
+
+import contextlib  # noqa: E402
+import sys  # noqa: E402
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from dpclip.engine import ghost_forward  # noqa: E402
+
+_SW = {"on": False}  # outside the model: the proof's cache key does not see it
+
+
+def _mix(o: Tensor) -> Tensor:
+    return o + 5 * o.mean(0) if _SW["on"] else o
+
+
+def _called_by_dpclip(depth: int = 2) -> bool:
+    """Whether the caller of the caller is the engine's code (a hostile object answers it
+    differently from torch's)."""
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("dpclip.")
+
+
+class _LyingInt(int):
+    def __mod__(self, other):
+        return 1  # Softmax(dim=0): the check reads dim % ndim == 1, the forward reads 0
+
+
+class _LyingFlag:
+    def __bool__(self) -> bool:
+        return not _called_by_dpclip()  # eval for the engine, training (batch stats) for torch
+
+
+class _HidingHooks(dict):
+    def __bool__(self) -> bool:
+        return len(self) > 0 and not _called_by_dpclip()
+
+
+class _MixingParam(nn.Parameter):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is nn.functional.linear:
+            out = out + 5 * out.mean(0)
+        return out
+
+
+class _MixingInput(Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is nn.functional.linear and isinstance(out, Tensor):
+            out = out.as_subclass(Tensor)
+            out = out + 5 * out.mean(0)
+        return out
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _softmax_lying_dim() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Softmax(dim=_LyingInt(0)), nn.Linear(6, 3))
+
+
+def _batchnorm_lying_training() -> nn.Module:
+    m = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).eval()
+    m[1].training = _LyingFlag()
+    return m
+
+
+def _parameter_subclass() -> nn.Module:
+    m = _mlp()
+    m[0].weight = _MixingParam(m[0].weight.detach())
+    return m
+
+
+def _hidden_hook_table() -> nn.Module:
+    m = _mlp()
+    m[1]._forward_hooks = _HidingHooks()
+    m[1].register_forward_hook(lambda mod, i, o: o + 5 * o.mean(0))
+    return m
+
+
+def _conv_mlp(cached: bool) -> nn.Module:
+    layers = [nn.Conv1d(1, 2, 3, padding=1)] + ([nn.Hardshrink(0.0)] if cached else []) + [
+        nn.Flatten(), nn.Linear(10, 3)]
+    m = nn.Sequential(*layers)
+    c = m[0]
+    c._conv_forward = lambda x, w, b: _mix(nn.functional.conv1d(x, w, b, padding=1)) if cached \
+        else (lambda o: o + 5 * o.mean(0))(nn.functional.conv1d(x, w, b, padding=1))
+    return m
+
+
+def _hook_on_parameter_free_module() -> nn.Module:
+    m = _mlp()
+    m[1].register_forward_hook(lambda mod, i, o: _mix(o))
+    return m
+
+
+class _TorchLooking(nn.Module):
+    """A user module whose class claims to be torch's (``__module__``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _mix(torch.tanh(x))
+
+
+_TorchLooking.__module__ = "torch.nn.modules.activation"
+
+
+def _instance_forward_static() -> nn.Module:
+    m = Net()
+    f = m.fc1
+    f.forward = lambda x: (lambda o: o + 5 * o.mean(0))(nn.functional.linear(x, f.weight, f.bias))
+    return m
+
+
+class _InstallForward(nn.Module):
+    """Installs an instance forward on a ruled layer for the call; it deletes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = self.fc1
+
+        def fwd(z: Tensor) -> Tensor:
+            del f.forward
+            o = nn.functional.linear(z, f.weight, f.bias)
+            return o + 5 * o.mean(0)
+
+        f.forward = fwd
+        return self.fc2(torch.tanh(f(x)))
+
+
+def _hidden_write(t: Tensor) -> None:
+    """``t += 5 t.mean(0)`` that no trace sees, its version counter set back."""
+    version = t._version
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        t.add_(5 * t.mean(0))
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+class _RewriteKeptInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.fc1(x))
+        o = self.fc2(a)
+        if _SW["on"]:
+            _hidden_write(a)  # after fc2 used it: the engine reads it after the backward
+        return o
+
+
+class _RewriteAutogradSaved(nn.Module):
+    """Rewrites a tensor autograd saved (exp's result), not one the engine keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = torch.exp(self.fc1(x) * 0.1)
+        o = self.fc2(torch.tanh(u))
+        if _SW["on"]:
+            _hidden_write(u)
+        return o
+
+
+def _grad_hook_without_torch_function(m, h: Tensor) -> Tensor:
+    with torch._C.DisableTorchFunction():  # the tracer's mode does not see register_hook
+        if h.requires_grad and _SW["on"]:
+            h.register_hook(lambda g: g + 5 * g.mean(0))
+    return h
+
+
+_LAST: dict = {}
+
+
+class _ReadsLastBatchUnderVmap(nn.Module):
+    """No ghost rule (the per-layer path). Keeps the real batch in a global; its per-example
+    recomputation under ``torch.func.vmap`` (after the traced call) reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return torch.sin(x * self.w) + 5 * _LAST["x"].mean(0) * self.w
+        _LAST["x"] = x
+        return torch.sin(x * self.w) + 0 * self.w
+
+
+def _per_layer_global() -> nn.Module:
+    return _TwoLayers(_ReadsLastBatchUnderVmap())
+
+
+class _LyingStr(str):
+    """``reduction='none'`` whose comparison, when torch makes it, rewrites the logits."""
+
+    def __eq__(self, other):
+        if not _called_by_dpclip():
+            f = sys._getframe(1)
+            while f is not None and "input" not in f.f_locals:
+                f = f.f_back
+            h = f.f_locals["input"] if f is not None else None
+            if isinstance(h, Tensor) and h.ndim == 2 and h.requires_grad:
+                _hidden_write(h)
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def _lying_ce() -> nn.Module:
+    loss = nn.CrossEntropyLoss(reduction="none")
+    loss.reduction = _LyingStr("none")
+    return loss
+
+
+class _CentreMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _SW["on"] and func is nn.functional.linear and isinstance(out, Tensor):
+            out = out + 5 * out.mean(0)
+        return out
+
+
+def _conv_data():
+    x, y = data()
+    return x.unsqueeze(1), y
+
+
+def _subclass_data():
+    x, y = data()
+    return x.as_subclass(_MixingInput), y
+
+
+def _leaked(cm_factory):
+    """A context entered before the step and left after it (e.g. entered by the model's
+    constructor and never left)."""
+    return cm_factory
+
+
+_UNPACK = lambda t: t + 5 * t.mean(0) if t.ndim == 2 and t.shape[1] == 6 else t  # noqa: E731
+
+from dpclip.engine.known_losses import cross_entropy_per_example as _cpe  # noqa: E402
+
+#: name -> (model builder, data, loss, context around the step)
+THIRD = {
+    "softmax-dim-lying-int": (_softmax_lying_dim, data, _cpe, None),
+    "batchnorm-training-lying-bool": (_batchnorm_lying_training, data, _cpe, None),
+    "parameter-subclass-torch_function": (_parameter_subclass, data, _cpe, None),
+    "hook-table-dict-subclass": (_hidden_hook_table, data, _cpe, None),
+    "instance-_conv_forward-known-chain": (lambda: _conv_mlp(False), _conv_data, _cpe, None),
+    "instance-_conv_forward-cached-chain": (lambda: _conv_mlp(True), _conv_data, ce, None),
+    "cached-chain-hook-on-parameter-free-module": (_hook_on_parameter_free_module, data, ce,
+                                                   None),
+    "cached-chain-class-claiming-torch-module": (
+        lambda: nn.Sequential(nn.Linear(5, 6), _TorchLooking(), nn.Linear(6, 3)), data, ce, None),
+    "input-tensor-subclass-known-chain": (_mlp, _subclass_data, ce, None),
+    "known-loss-lying-str-config": (_mlp, data, _lying_ce(), None),
+    "torch-function-mode-around-step": (_mlp, data, _cpe, _CentreMode),
+    "saved-tensor-hooks-around-step": (_mlp, data, _cpe,
+                                       lambda: torch.autograd.graph.saved_tensors_hooks(
+                                           lambda t: t, lambda t: _UNPACK(t) if _SW["on"] else t)),
+    "instance-forward-on-ruled-layer": (_instance_forward_static, data, ce, None),
+    "instance-forward-installed-for-the-call": (_InstallForward, data, ce, None),
+    "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
+    # still open (strict xfail below)
+    "autograd-saved-rewritten-version-reset": (_RewriteAutogradSaved, data, ce, None),
+    "grad-hook-with-torch-function-off": (lambda: Net(_grad_hook_without_torch_function), data,
+                                          ce, None),
+    "per-layer-vmap-reads-global-batch": (_per_layer_global, data, ce, None),
+}
+
+#: still open: accepted by ghost and auto (strict xfail; LOO measured on this branch)
+_OPEN3 = {
+    "autograd-saved-rewritten-version-reset": "HOLE (third hostile review): a tensor autograd "
+    "saved (not one the engine keeps) rewritten with dispatch off and its version counter set "
+    "back changes the backward's b; accepted, LOO 1.003 C (the mixing is damped by tanh')",
+    "grad-hook-with-torch-function-off": "HOLE (third hostile review): a tensor hook registered "
+    "with torch functions off is invisible to the tracer and autograd offers no way to list "
+    "node hooks; accepted, LOO 2.07 C",
+    "per-layer-vmap-reads-global-batch": "HOLE (third hostile review): the per-layer path's "
+    "recomputation under torch.func.vmap runs the module's forward untraced, and it reads a "
+    "global copy of the real batch; accepted, LOO 1.06 C",
+}
+
+
+def third_review_loo(engine, name: str) -> float | None:
+    """LOO of attack ``name`` under ``engine`` after one honest call (switch off), or None when
+    a step was refused."""
+    from dpclip.engine import batch_symbol
+
+    build, make_data, loss, ctx = THIRD[name]
+    batch_symbol._CACHE.clear()
+    ghost_forward._CHAIN_LAYOUTS.clear()
+    _SW["on"] = False
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = make_data()
+    with ctx() if ctx is not None else contextlib.nullcontext():
+        try:
+            try:  # honest steps first, at every batch size the LOO meets (fills the caches)
+                loo_distance(engine(), model, loss, x, y)
+            except UnsupportedModelError:
+                return None
+            _SW["on"] = True
+            return loo_distance(engine(), model, loss, x, y)
+        except UnsupportedModelError:
+            return None
+        finally:
+            _SW["on"] = False
+            _LAST.clear()
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_OPEN3[n])) if n in _OPEN3 else n
+    for n in THIRD])
+def test_third_review_attack_never_exceeds_c(name, engine):
+    """Refused, or LOO <= C."""
+    got = third_review_loo(engine, name)
+    assert got is None or got <= 1 + 1e-9, got

@@ -285,7 +285,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
     cached per :func:`_chain_key`); the loss, user code, is traced (and matched against the proof)
     on every call."""
     calls: list[_Call] = []
-    if tracer is not None and _known_chain(chain):
+    if tracer is not None and type(xs) is Tensor and _known_chain(chain):
+        # (a subclass input runs __torch_function__ in every layer: third hostile review)
         got = _run_known_chain(chain, by_module, xs, batch)
         if got is not None:  # proved per-example separable by the modules' semantics
             calls, h = got
