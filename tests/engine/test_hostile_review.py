@@ -1134,3 +1134,105 @@ def test_third_review_attack_never_exceeds_c(name, engine):
     """Refused, or LOO <= C."""
     got = third_review_loo(engine, name)
     assert got is None or got <= 1 + 1e-9, got
+
+
+# ------------------------------------------------- third review: the refusals (docs/errors.md)
+
+
+def test_error_501_code_replaced_on_a_ruled_layer_instance():
+    """docs/errors.md entry 501: an instance forward installed for the call (and deleted by
+    itself) on a ruled layer is refused at the call, under auto too (never a vmap fallback)."""
+    for engine in (GhostEngine(), AutoEngine()):
+        torch.manual_seed(0)
+        model = _InstallForward().to(DT)
+        x, y = data()
+        with pytest.raises(UnsupportedModelError, match="runs code its class does not define "
+                           r"\(its instance attribute 'forward'"):
+            clipped_sum(engine, model, ce, x, y)
+
+
+def test_error_502_user_code_around_the_step():
+    """docs/errors.md entry 502: a torch function mode or saved-tensor hooks active when the
+    step starts: ghost refuses (naming the context), auto runs vmap; torch.device(...) is not
+    user code and stays on ghost."""
+    torch.manual_seed(0)
+    model = _mlp().to(DT)
+    x, y = data()
+    for ctx, what in ((_CentreMode, "a torch function mode \\(_CentreMode\\) is active when "
+                       "the step starts"),
+                      (lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+                       "saved-tensor hooks .* are active when the step starts")):
+        with ctx():
+            with pytest.raises(UnsupportedModelError, match=what):
+                clipped_sum(GhostEngine(), model, ce, x, y)
+            try:  # (torch.func refuses saved-tensor hooks itself: auto then refuses both)
+                assert clipped_sum(AutoEngine(), model, ce, x, y)[1]["engine"] == "vmap"
+            except UnsupportedModelError as exc:
+                assert "saved tensor hooks" in str(exc)
+    with torch.device("cpu"):
+        assert clipped_sum(GhostEngine(), model, ce, x, y)[1]["engine"] == "ghost"
+
+
+def test_error_503_kept_input_rewritten_without_a_trace():
+    """docs/errors.md entry 503: a ruled layer's input rewritten after the call, dispatch off and
+    its version counter set back, is refused under ghost and auto (never a vmap fallback)."""
+    from dpclip.engine import batch_symbol
+
+    for engine in (GhostEngine(), AutoEngine()):
+        batch_symbol._CACHE.clear()
+        torch.manual_seed(0)
+        model = _RewriteKeptInput().to(DT)
+        x, y = data()
+        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+        _SW["on"] = True
+        try:
+            with pytest.raises(UnsupportedModelError, match="input of layer 'fc2' \\(Linear\\) "
+                               "was rewritten after the layer used it"):
+                clipped_sum(engine, model, ce, x, y)
+        finally:
+            _SW["on"] = False
+
+
+def test_fingerprint_sees_any_change_and_only_a_change():
+    """The kept-input fingerprint (dpclip.engine.saved_check): equal on an equal copy (any
+    dtype), different after a row swap (same sum, same norms), a pair of sign flips (equal
+    products of odd weights would cancel 64-bit words; 32-bit words do not), one ulp, a shape
+    change."""
+    from dpclip.engine.saved_check import fingerprint, unchanged
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.complex64):
+        t = (torch.randn(6, 7, 3, generator=g) * 3).to(dt)
+        p = fingerprint(t)
+        assert unchanged(t.clone(), p) and unchanged(t, p)
+        swapped = t.clone()
+        swapped[[0, 1]] = swapped[[1, 0]]
+        assert not unchanged(swapped, p)
+    t = torch.randn(8, 6, generator=g, dtype=DT)
+    p = fingerprint(t)
+    flipped = t.clone()
+    flipped[0, 0], flipped[1, 1] = -flipped[0, 0], -flipped[1, 1]
+    assert not unchanged(flipped, p)
+    ulp = t.clone()
+    ulp[3, 2] = torch.nextafter(ulp[3, 2], torch.tensor(10.0, dtype=DT))
+    assert not unchanged(ulp, p)
+    assert not unchanged(t.reshape(6, 8), p)
+
+
+def test_plain_models_keep_their_fast_paths():
+    """The third review's checks refuse nothing an honest model does: a known chain with a known
+    loss runs untraced, a cached chain reuses its layouts, torch's own configuration types pass
+    (tuples, torch.Size, str padding)."""
+    from dpclip.engine.plain_module import plain_instance
+
+    for m in (nn.Conv1d(2, 3, 3, padding="same"), nn.Unflatten(1, torch.Size([2, 3])),
+              nn.LayerNorm((4, 5)), nn.BatchNorm1d(4).eval(), nn.Dropout(0.1), nn.Softmax(-1)):
+        assert plain_instance(m), m
+    torch.manual_seed(0)
+    model = _mlp().to(DT)
+    x, y = data()
+    chain = ghost_forward._plain_chain(model, {})
+    assert chain is not None and ghost_forward._known_chain(chain)
+    assert ghost_forward._chain_key(chain, x) is not None
+    _, info = clipped_sum(GhostEngine(), model, _cpe, x, y)
+    assert info["engine"] == "ghost"

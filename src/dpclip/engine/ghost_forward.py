@@ -137,9 +137,10 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         ambient = ambient_user_code()
         if ambient is not None:  # user code on every operation, the trace's and the backward's
             raise _RuntimeUnsupported(
-                f"{ambient} around the step: it runs user code on the forward's or backward's "
-                "operations, which the separability proof cannot see. Leave the context "
-                "(torch.device(...) is allowed) before the step, or use engine 'vmap'")
+                f"{ambient} when the step starts: user code would run on the forward's or the "
+                "backward's operations (or rewrite the tensors the backward reads), which the "
+                "separability proof cannot see. Leave the context before the step "
+                "(torch.device(...) is allowed), or use engine 'vmap'")
         known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
             return known

@@ -146,5 +146,5 @@ def ambient_user_code() -> str | None:
         hooks = "unknown"
     if hooks is not None:
         return ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) are "
-                "active: user code may rewrite the tensors that the backward pass reads")
+                "active")
     return None
