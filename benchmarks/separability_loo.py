@@ -103,8 +103,7 @@ def measure_third(label: str) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - a refusal is the measured outcome
                     ran, loo = f"refused ({type(exc).__name__})", None
                 finally:
-                    hr._SW["on"] = False
-                    hr._LAST.clear()
+                    hr.third_review_cleanup()
             open_ = " (open)" if name in hr._OPEN3 else ""
             rows.append({"attack": name + open_, "code": label, "engine": engine.name,
                          "ran_on": ran, "loo_over_C": loo, "batch_size": x.shape[0],

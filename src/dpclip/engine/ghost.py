@@ -123,6 +123,7 @@ from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import unchanged
+from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     check_module_windows,
@@ -460,6 +461,12 @@ class GhostEngine:
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
+        left = ambient_user_code() if batch > 1 else None
+        if left is not None:  # entered by the forward or loss and not left: the backward's ops
+            raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
+                f"{left} after the forward pass and loss (entered by them and not left): it "
+                "would run user code on the backward's operations, which the separability proof "
+                "cannot see. Leave every such context inside the forward or loss")
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first

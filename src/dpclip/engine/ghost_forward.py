@@ -75,7 +75,7 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
     Then running the chain ourselves sees every owner call with its input and output exactly as
     forward hooks would, at a fraction of the cost (hooks put every call of a hooked module on
     PyTorch's slow path). ``None``: use hooks."""
-    if type(model) is not nn.Sequential or not _no_hooks(model):
+    if type(model) is not nn.Sequential or not _no_hooks(model) or not plain_instance(model):
         return None
     if not global_hooks_clear():
         return None
@@ -136,7 +136,9 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     if batch > 1:
         ambient = ambient_user_code()
         if ambient is not None:  # user code on every operation, the trace's and the backward's
-            raise _RuntimeUnsupported(
+            # (not a vmap fallback: vmap would run under the same user code, which sees the whole
+            # batch there; and it may have been entered by an earlier step's loss)
+            raise _NotTheProvedProgram(
                 f"{ambient} when the step starts: user code would run on the forward's or the "
                 "backward's operations (or rewrite the tensors the backward reads), which the "
                 "separability proof cannot see. Leave the context before the step "
