@@ -807,7 +807,8 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 # * an instance ``forward`` on a ruled layer, static (2.00) or installed for the call and deleted
 #   by itself (2.00): now the per-layer path (static) or refused at the call;
 # * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
-#   set back (1.54): now its bytes are fingerprinted (dpclip.engine.saved_check);
+#   set back (1.54), a per-layer module's kept argument (1.57) or recognised scale's operand
+#   (1.56) rewritten so: now their bytes are fingerprinted (dpclip.engine.saved_check);
 # * a dispatch mode entered by the loss and not left, so that the engine's backward runs under it:
 #   refused after the forward (regression test: on 8a83764 the leaked mode traded places with the
 #   tracer's on its exit and the LOO stayed 1.0; with the check at the step's start alone, auto
@@ -967,6 +968,32 @@ class _RewriteKeptInput(nn.Module):
         return o
 
 
+class _Scale(nn.Module):
+    """No ghost rule (the per-layer path): a recognised elementwise scale (``fast``: its operand is
+    kept) or a general function of its input (its argument is kept for the recomputation)."""
+
+    def __init__(self, fast: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+        self.fast = fast
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w if self.fast else torch.sin(x * self.w)
+
+
+class _RewritePerLayerArgument(nn.Module):
+    def __init__(self, fast: bool) -> None:
+        super().__init__()
+        self.fc1, self.s, self.fc2 = nn.Linear(5, 6), _Scale(fast), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        o = self.fc2(torch.tanh(self.s(h)))
+        if _SW["on"]:
+            _hidden_write(h)  # the per-layer path reads it after the backward
+        return o
+
+
 class _RewriteAutogradSaved(nn.Module):
     """Rewrites a tensor autograd saved (exp's result), not one the engine keeps."""
 
@@ -1117,6 +1144,8 @@ THIRD = {
     "instance-forward-installed-for-the-call": (_InstallForward, data, ce, None),
     "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
+    "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),
+    "per-layer-argument-rewritten": (lambda: _RewritePerLayerArgument(False), data, ce, None),
     # still open (strict xfail below)
     "autograd-saved-rewritten-version-reset": (_RewriteAutogradSaved, data, ce, None),
     "grad-hook-with-torch-function-off": (lambda: Net(_grad_hook_without_torch_function), data,

@@ -293,15 +293,22 @@ def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
 
 
 def _refuse_rewritten_inputs(live: list[_Call]) -> None:
-    """Raise :class:`_NotTheProvedProgram` if a ruled layer's input, which the engine reads now,
-    is not the tensor the layer used: rewritten after the call by a path that left no trace (an
-    in-place write with Python dispatch off, then its version counter set back: third hostile
-    review, LOO 1.54 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether the input
-    is rewritten can depend on the batch size."""
+    """Raise :class:`_NotTheProvedProgram` if a tensor the engine is about to read (a ruled
+    layer's input; a per-layer call's arguments and scale operand, before the recomputation) is
+    not what the call used: rewritten after it by a path that left no trace (an in-place write
+    with Python dispatch off, then its version counter set back: third hostile review, LOO
+    1.54-1.57 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether it is rewritten
+    can depend on the batch size."""
     for c in live:
-        if c.outs is None and not unchanged(c.a, c.a_print):
+        # (a write that moved the version counter is refused by the version checks, with their
+        # own message; here: the bytes changed and the counter did not)
+        bad = next((t for t, v, p in c.a_print or ()
+                    if t._version == v and not unchanged(t, p)), None)
+        c.a_print = None
+        if bad is not None:
+            what = "input" if c.outs is None else "argument"
             raise _NotTheProvedProgram(
-                f"the input of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
+                f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
                 "after the layer used it by a write that no operation of the trace shows and "
                 "that left its version counter unchanged (torch._C._DisableTorchDispatch, "
                 "_unsafe_set_version_counter, raw memory), so the layer's per-example gradient "
@@ -542,6 +549,8 @@ class GhostEngine:
                     "than by the calls of the layers that own them: they are used outside their "
                     "layer's forward (e.g. F.linear(x, self.fc.weight)), which the per-layer "
                     "rules cannot see")
+            # what the per-layer recomputation reads (before it: it runs user code again)
+            _refuse_rewritten_inputs(modular)
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
                 c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
                 for pn in c.owner.pnames:

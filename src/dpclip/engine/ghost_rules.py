@@ -68,9 +68,10 @@ class _Call:
         self.rule = owner.rule
         self.a = a
         self.a_version = a._version
-        #: fingerprint of ``a``'s bytes when user code runs after the call (a traced step), read
-        #: again before ``a`` is (:mod:`dpclip.engine.saved_check`)
-        self.a_print = None
+        #: ``[(tensor, fingerprint)]`` of what the engine reads after the forward when user code
+        #: runs after the call (a traced step), checked before it is read
+        #: (:mod:`dpclip.engine.saved_check`; ``ghost_forward._printed``)
+        self.a_print: list | None = None
         self.out_shape = tuple(out.shape)
         self.edge = _gradient_edge(out) if out.requires_grad else None
         self.b: Tensor | None = None
