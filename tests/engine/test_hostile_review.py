@@ -805,7 +805,9 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 # * a torch function mode left active around the step (2.94), saved-tensor hooks left active
 #   (1.55, the known program): now refused at the step;
 # * an instance ``forward`` on a ruled layer, static (2.00) or installed for the call and deleted
-#   by itself (2.00): now the per-layer path (static) or refused at the call;
+#   by itself (2.00), or deleted by a user pre-hook after Module.__call__ looked it up (2.00), a
+#   class swapped for the call (2.00): now the per-layer path (static) or refused at the call
+#   (the engine's pre-hook runs first);
 # * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
 #   set back (1.54), a per-layer module's kept argument (1.57) or recognised scale's operand
 #   (1.56) rewritten so: now their bytes are fingerprinted (dpclip.engine.saved_check);
@@ -944,6 +946,41 @@ class _InstallForward(nn.Module):
             return o + 5 * o.mean(0)
 
         f.forward = fwd
+        return self.fc2(torch.tanh(f(x)))
+
+
+class _MixingLinear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        o = nn.functional.linear(x, self.weight, self.bias)
+        return o + 5 * o.mean(0)
+
+
+class _SwapClass(nn.Module):
+    """Gives a ruled layer a mixing class for its call, and its own class back after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.fc1.__class__ = _MixingLinear
+        h = self.fc1(x)
+        self.fc1.__class__ = nn.Linear
+        return self.fc2(torch.tanh(h))
+
+
+class _PreHookDeletesForward(_InstallForward):
+    """An instance forward installed for the call, deleted by a user pre-hook of the layer (after
+    ``Module.__call__`` looked it up, before a check in a later pre-hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.register_forward_pre_hook(lambda m, i: m.__dict__.pop("forward", None) and None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = self.fc1
+        f.forward = lambda z: (lambda o: o + 5 * o.mean(0))(
+            nn.functional.linear(z, f.weight, f.bias))
         return self.fc2(torch.tanh(f(x)))
 
 
@@ -1142,6 +1179,8 @@ THIRD = {
                                            lambda t: t, lambda t: _UNPACK(t) if _SW["on"] else t)),
     "instance-forward-on-ruled-layer": (_instance_forward_static, data, ce, None),
     "instance-forward-installed-for-the-call": (_InstallForward, data, ce, None),
+    "class-swapped-for-the-call": (_SwapClass, data, ce, None),
+    "pre-hook-deletes-instance-forward": (_PreHookDeletesForward, data, ce, None),
     "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
     "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),

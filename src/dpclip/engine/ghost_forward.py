@@ -243,9 +243,10 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         # the engine's own code (it reads the autograd sequence number), not user code: the
         # tracer's Python checks pause, as in _engine_call
         if by_module[id(mod)].rule is not _MODULE:
-            # a ruled layer: Module.__call__ has just looked its forward up (before the
-            # pre-hooks), so an instance forward installed for this call is still there
-            _refuse_instance_code(by_module[id(mod)].name, mod)
+            # a ruled layer: Module.__call__ has just looked its forward up (this pre-hook runs
+            # first, global pre-hooks are refused), so an instance forward or a class installed
+            # for this call is still there
+            _refuse_instance_code(by_module[id(mod)].name, mod, classes[id(mod)])
             return None
         if tracer is None:
             return by_module[id(mod)].enter(mod, args, kwargs)
@@ -255,6 +256,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         finally:
             tracer.quiet = quiet
 
+    classes = {id(o.module): type(o.module) for o in scan.owners}  # before any user code
     handles = []
     try:
         for o in scan.owners:
@@ -262,7 +264,8 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             # the per-layer path needs the call's autograd window; a ruled layer's call must run
             # its class's code (checked at the call: third hostile review)
             if o.rule is _MODULE or tracer is not None:
-                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
+                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True,
+                                                                  prepend=True))
         try:
             with torch.enable_grad(), (tracer or contextlib.nullcontext()):
                 try:
@@ -309,6 +312,7 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 losses = _user_loss(tracer, loss_fn, h, ys, batch)
             _check_separable(tracer, calls, losses)
             return calls, losses.sum()
+    classes = {id(m): type(m) for m in chain}  # before any user code
     key = _chain_key(chain, xs) if tracer is not None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
@@ -320,7 +324,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 if owner is None:
                     h = mod(h)
                 else:
-                    _refuse_instance_code(owner.name, mod)  # installed by an earlier module
+                    # (installed by an earlier module of the chain)
+                    _refuse_instance_code(owner.name, mod, classes[id(mod)])
                     out = mod(h)
                     calls.append(_printed(_engine_call(owner, h, out, chain_tracer))
                                  if tracer is not None else _engine_call(owner, h, out, None))
@@ -622,14 +627,27 @@ def _refuse_proof_leftovers(name: str, args: tuple, kwargs: dict) -> None:
                 "state in registered buffers (they are guarded), or use engine 'vmap'")
 
 
-def _refuse_instance_code(name: str, mod: nn.Module) -> None:
+def _refuse_instance_code(name: str, mod: nn.Module, cls: type | None = None) -> None:
     """Raise :class:`_NotTheProvedProgram` if a ruled layer's call would run code that is not its
     class's (an instance ``forward`` or ``_conv_forward``, a parameter of a tensor subclass,
     :func:`dpclip.engine.plain_module.instance_code`): the engine reads the layer's per-example
     gradient from its input and output as the class's forward relates them, while an instance
     ``forward`` may mix its output over the batch (third hostile review: installed during the
-    call and deleted by itself, accepted with LOO 2.00 C). Not a vmap fallback: whether the code
-    is installed can depend on the batch size."""
+    call and deleted by itself, accepted with LOO 2.00 C; so was a class swapped for the call,
+    ``cls``: the class when the step started). Not a vmap fallback: whether the code is installed
+    can depend on the batch size."""
+    if cls is not None and type(mod) is not cls:
+        raise _NotTheProvedProgram(
+            f"layer {name!r} was called as an instance of {type(mod).__name__}, not of its class "
+            f"{cls.__name__} (its __class__ was replaced for the call), so its per-example "
+            "gradient is not the one its rule reads; do not replace a layer's class during the "
+            "forward")
+    pre = _module_mod._global_forward_pre_hooks
+    if type(pre) not in (dict, collections.OrderedDict) or len(pre):
+        raise _NotTheProvedProgram(
+            f"a global forward pre-hook runs before layer {name!r} (after Module.__call__ looked "
+            "its forward up): it could change the code that call runs. Remove it "
+            "(torch.nn.modules.module.register_module_forward_pre_hook), or use engine 'vmap'")
     what = instance_code(mod)
     if what is not None:
         raise _NotTheProvedProgram(
