@@ -797,7 +797,7 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 #   call runs user code: ``Softmax(dim=int subclass)`` lying to the check (1.10), BatchNorm's
 #   ``training`` an object whose ``__bool__`` lies to the engine (1.57), a parameter subclass with
 #   ``__torch_function__`` (2.00), a hook table that is a dict subclass hiding its hooks (1.80), an
-#   instance ``_conv_forward`` (2.46), a hook on a parameter-free module of a cached chain (3.61),
+#   instance ``_conv_forward`` (2.46) or ``_compiled_call_impl`` (2.00), a hook on a parameter-free module of a cached chain (3.61),
 #   a user class naming its ``__module__`` torch's (3.61), a tensor subclass as the input (2.00);
 #   now: plain instances only (dpclip.engine.plain_module);
 # * a known loss whose configuration is a ``str`` subclass (``reduction``) running user code that
@@ -904,6 +904,16 @@ def _conv_mlp(cached: bool) -> nn.Module:
     c = m[0]
     c._conv_forward = lambda x, w, b: _mix(nn.functional.conv1d(x, w, b, padding=1)) if cached \
         else (lambda o: o + 5 * o.mean(0))(nn.functional.conv1d(x, w, b, padding=1))
+    return m
+
+
+def _compiled_call_impl() -> nn.Module:
+    """``Module._wrapped_call_impl`` calls an instance ``_compiled_call_impl`` in place of
+    ``_call_impl`` (what ``Module.compile`` sets)."""
+    m = _mlp()
+    f = m[0]
+    f._compiled_call_impl = lambda x: (lambda o: o + 5 * o.mean(0))(
+        nn.functional.linear(x, f.weight, f.bias))
     return m
 
 
@@ -1167,6 +1177,7 @@ THIRD = {
     "hook-table-dict-subclass": (_hidden_hook_table, data, _cpe, None),
     "instance-_conv_forward-known-chain": (lambda: _conv_mlp(False), _conv_data, _cpe, None),
     "instance-_conv_forward-cached-chain": (lambda: _conv_mlp(True), _conv_data, ce, None),
+    "instance-_compiled_call_impl-known-chain": (_compiled_call_impl, data, _cpe, None),
     "cached-chain-hook-on-parameter-free-module": (_hook_on_parameter_free_module, data, ce,
                                                    None),
     "cached-chain-class-claiming-torch-module": (

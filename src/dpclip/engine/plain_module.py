@@ -55,7 +55,7 @@ _SEQUENCES = (tuple, list, torch.Size)
 
 #: instance attributes that replace the code a layer's own class runs
 _CODE_NAMES = frozenset({"forward", "_conv_forward", "__call__", "_call_impl", "_slow_forward",
-                         "_wrapped_call_impl"})
+                         "_wrapped_call_impl", "_compiled_call_impl"})
 
 
 def _plain_value(v: Any, depth: int = 0) -> bool:
