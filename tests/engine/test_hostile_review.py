@@ -790,16 +790,18 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 # the proof does not see, while ghost / auto accept the model. Each entry: a model (built with
 # the switch ``_SW`` off), its data and loss, and a context active around the step. The runner
 # makes the LOO's calls with the switch off (they fill the proof's cache and the chain layout
-# cache, as honest steps at these batch sizes would), turns it on, and measures LOO. Fixed here (LOO before the fix, on
-# main; benchmarks/results/hostile_review_loo.md, "third review"):
+# cache, as honest steps at these batch sizes would), turns it on, and measures LOO. Fixed here
+# (LOO at C 0.5 before the fix, on main 8a83764; benchmarks/results/hostile_review_loo.md, rows
+# "third: ...", max over six C):
 #
 # * known chain (``ghost_forward._known_chain``) and layout cache (``_chain_key``): a module whose
 #   call runs user code: ``Softmax(dim=int subclass)`` lying to the check (1.10), BatchNorm's
 #   ``training`` an object whose ``__bool__`` lies to the engine (1.57), a parameter subclass with
 #   ``__torch_function__`` (2.00), a hook table that is a dict subclass hiding its hooks (1.80), an
-#   instance ``_conv_forward`` (2.46) or ``_compiled_call_impl`` (2.00), a hook on a parameter-free module of a cached chain (3.61),
-#   a user class naming its ``__module__`` torch's (3.61), a tensor subclass as the input (2.00);
-#   now: plain instances only (dpclip.engine.plain_module);
+#   instance ``_conv_forward`` (2.46) or ``_compiled_call_impl`` (2.00), a hook on a
+#   parameter-free module of a cached chain (1.80), a user class naming its ``__module__`` torch's
+#   (1.80), a tensor subclass as the input (2.00); now: plain instances only
+#   (dpclip.engine.plain_module);
 # * a known loss whose configuration is a ``str`` subclass (``reduction``) running user code that
 #   rewrites the logits in place (1.04): now plain instances only;
 # * a torch function mode left active around the step (2.94), saved-tensor hooks left active

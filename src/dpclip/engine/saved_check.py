@@ -10,14 +10,19 @@ engine would read example ``i``'s gradient from a rewritten ``a`` that mixes the
 hostile review: ``a + 5 a.mean(0)`` after the last layer, accepted with LOO 1.54 C).
 
 Only the bytes cannot be fooled, so :func:`fingerprint` reads them: the tensor's bytes as 32-bit
-(or narrower) integers, weighted by secret random 64-bit integers (one per row, one per column
-of the last dimension; drawn from a generator seeded by the OS, never exposed) and summed with
-wrap-around. Integer sums do not depend on the reduction order, so an unchanged tensor gives the
-same value on every device and thread count; a change of any bytes gives a different value except
-with probability about ``2**-32`` (for any change the writer can choose without knowing the
-weights). Cost: twice (taken, checked) an int64 copy of each kept input and one integer matrix-vector
+(or narrower) integers, weighted by random odd 64-bit integers (one per row, one per column of
+the last dimension; drawn from a generator seeded by the OS) and summed with wrap-around. Integer
+sums do not depend on the reduction order, so an unchanged tensor gives the same value on every
+device and thread count; a change of any bytes gives a different value except with probability
+about ``2**-32``, for any change chosen without knowing the weights (32-bit words: a sign bit
+flipped in two 64-bit words would cancel under odd weights). Code that reads the generator
+(``dpclip.engine.saved_check._GEN``) can solve for a change the fingerprint misses: introspection
+of the engine is outside the trust boundary (docs/engines.md, "Third hostile review").
+
+Cost: twice (taken, checked) an int64 copy of each kept input and one integer matrix-vector
 product (about 0.4-0.6 ms each for a 256 x 784 float32 input on one shared CPU core, against
-about 2 ms for the layer's matmul there; not a benchmark), only on traced steps (a chain of known modules with a known loss runs no user code that could write).
+about 2 ms for the layer's matmul there; not a benchmark), only on traced steps (a chain of known
+modules with a known loss runs no user code that could write).
 """
 
 from __future__ import annotations
