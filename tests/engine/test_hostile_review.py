@@ -808,7 +808,8 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 #   (1.55, the known program): now refused at the step;
 # * an instance ``forward`` on a ruled layer, static (2.00) or installed for the call and deleted
 #   by itself (2.00), or deleted by a user pre-hook after Module.__call__ looked it up (2.00), a
-#   class swapped for the call (2.00): now the per-layer path (static) or refused at the call
+#   class swapped for the call (2.00), a subclass keeping ``forward`` whose ``__getattribute__``
+#   hands the call another one (2.00): now the per-layer path (static) or refused at the call
 #   (the engine's pre-hook runs first);
 # * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
 #   set back (1.54), a per-layer module's kept argument (1.57) or recognised scale's operand
@@ -965,6 +966,26 @@ class _MixingLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         o = nn.functional.linear(x, self.weight, self.bias)
         return o + 5 * o.mean(0)
+
+
+class _LookupLinear(nn.Linear):
+    """Keeps ``nn.Linear.forward`` as its class attribute, but its ``__getattribute__`` hands
+    ``Module.__call__`` another forward."""
+
+    def __getattribute__(self, name: str):
+        if name == "forward":
+            return super().__getattribute__("_mixing")
+        return super().__getattribute__(name)
+
+    def _mixing(self, x: Tensor) -> Tensor:
+        o = nn.functional.linear(x, self.weight, self.bias)
+        return o + 5 * o.mean(0)
+
+
+def _lookup_model() -> nn.Module:
+    m = _TwoLayers()
+    m.fc1 = _LookupLinear(5, 6)
+    return m
 
 
 class _SwapClass(nn.Module):
@@ -1193,6 +1214,7 @@ THIRD = {
     "instance-forward-on-ruled-layer": (_instance_forward_static, data, ce, None),
     "instance-forward-installed-for-the-call": (_InstallForward, data, ce, None),
     "class-swapped-for-the-call": (_SwapClass, data, ce, None),
+    "subclass-__getattribute__-hands-another-forward": (_lookup_model, data, ce, None),
     "pre-hook-deletes-instance-forward": (_PreHookDeletesForward, data, ce, None),
     "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),

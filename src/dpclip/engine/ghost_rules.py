@@ -872,12 +872,13 @@ _RULES: dict[type, _Rule] = {
 if hasattr(nn, "RMSNorm"):
     _RULES[nn.RMSNorm] = _RMSNormRule()
 
-#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``)
+#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``,
+#: attribute lookup or the call: :func:`dpclip.engine.plain_module.same_code`)
 SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
 
 
 def _rule_for(mod: nn.Module) -> _Rule | None:
-    from dpclip.engine.plain_module import instance_code
+    from dpclip.engine.plain_module import instance_code, same_code
 
     if instance_code(mod) is not None:  # an instance forward: the per-layer path traces it
         return None
@@ -887,7 +888,7 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
     if _is_hf_conv1d(mod):
         return _CONV1D
     for base, rule in _RULES.items():
-        if isinstance(mod, base) and type(mod).forward is base.forward:
+        if isinstance(mod, base) and same_code(type(mod), base):
             return rule
     return None
 
@@ -899,7 +900,11 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
 
     pu = sys.modules.get("transformers.pytorch_utils")
     cls = getattr(pu, "Conv1D", None) if pu is not None else None
-    return cls is not None and isinstance(mod, cls) and type(mod).forward is cls.forward
+    if cls is None or not isinstance(mod, cls):
+        return False
+    from dpclip.engine.plain_module import same_code
+
+    return same_code(type(mod), cls)
 
 
 # ------------------------------------------------------------------------------ model scan
