@@ -813,7 +813,9 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 #   (the engine's pre-hook runs first);
 # * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
 #   set back (1.54), a per-layer module's kept argument (1.57) or recognised scale's operand
-#   (1.56) rewritten so: now their bytes are fingerprinted (dpclip.engine.saved_check);
+#   (1.56) rewritten so, a ruled layer's weight rewritten so for its call and restored after
+#   it (2.13): now their bytes are fingerprinted (dpclip.engine.saved_check; the weights when
+#   the step starts, checked right after each call);
 # * a dispatch mode entered by the loss and not left, so that the engine's backward runs under it:
 #   refused after the forward (regression test: on 8a83764 the leaked mode traded places with the
 #   tracer's on its exit and the LOO stayed 1.0; with the check at the step's start alone, auto
@@ -1064,6 +1066,30 @@ class _RewritePerLayerArgument(nn.Module):
         return o
 
 
+class _RewriteWeightForTheCall(nn.Module):
+    """Writes the batch mean into fc1's weight for its call, without a trace, and restores it
+    after the call (every name, the match and the state guard then see the original)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.fc1.weight
+        if not _SW["on"]:
+            return self.fc2(torch.tanh(self.fc1(x)))
+        version = w._version
+        with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            saved = w.clone()
+            w.add_(x.mean(0).expand_as(w) * 0.5)
+        torch._C._autograd._unsafe_set_version_counter((w,), (version,))
+        h = self.fc1(x)
+        with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            w.copy_(saved)
+        torch._C._autograd._unsafe_set_version_counter((w,), (version,))
+        return self.fc2(torch.tanh(h))
+
+
 class _RewriteAutogradSaved(nn.Module):
     """Rewrites a tensor autograd saved (exp's result), not one the engine keeps."""
 
@@ -1217,6 +1243,7 @@ THIRD = {
     "subclass-__getattribute__-hands-another-forward": (_lookup_model, data, ce, None),
     "pre-hook-deletes-instance-forward": (_PreHookDeletesForward, data, ce, None),
     "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
+    "weight-rewritten-for-the-call-and-restored": (_RewriteWeightForTheCall, data, ce, None),
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
     "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),
     "per-layer-argument-rewritten": (lambda: _RewritePerLayerArgument(False), data, ce, None),
@@ -1326,6 +1353,26 @@ def test_error_503_kept_input_rewritten_without_a_trace():
         try:
             with pytest.raises(UnsupportedModelError, match="input of layer 'fc2' \\(Linear\\) "
                                "was rewritten after the layer used it"):
+                clipped_sum(engine, model, ce, x, y)
+        finally:
+            _SW["on"] = False
+
+
+def test_error_504_layer_state_written_for_the_call():
+    """docs/errors.md entry 504: a ruled layer's weight written for its call without a trace and
+    restored after it is refused under ghost and auto (never a vmap fallback)."""
+    from dpclip.engine import batch_symbol
+
+    for engine in (GhostEngine(), AutoEngine()):
+        batch_symbol._CACHE.clear()
+        torch.manual_seed(0)
+        model = _RewriteWeightForTheCall().to(DT)
+        x, y = data()
+        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+        _SW["on"] = True
+        try:
+            with pytest.raises(UnsupportedModelError, match="a parameter or buffer of layer 'fc1' "
+                               r"\(Linear\) did not hold its values of the step's start"):
                 clipped_sum(engine, model, ce, x, y)
         finally:
             _SW["on"] = False
