@@ -676,7 +676,7 @@ def _layer_state(mod: nn.Module) -> list[Tensor]:
 def _state_prints(mods: Any) -> dict[int, Any]:
     """Fingerprints (:mod:`dpclip.engine.saved_check`) of the ruled layers' state when the step
     starts, before any user code runs, by tensor identity."""
-    return {id(t): (t, fingerprint(t)) for m in mods for t in _layer_state(m)}
+    return {id(t): (t, t._version, fingerprint(t)) for m in mods for t in _layer_state(m)}
 
 
 def _refuse_changed_state(name: str, mod: nn.Module, state: dict[int, Any]) -> None:
@@ -688,7 +688,10 @@ def _refuse_changed_state(name: str, mod: nn.Module, state: dict[int, Any]) -> N
     Not a vmap fallback: the write can depend on the batch size."""
     for t in _layer_state(mod):
         got = state.get(id(t))
-        if got is not None and got[0] is t and not unchanged(t, got[1]):
+        # (a write that moved the version counter is the trace's and the match's to refuse,
+        # with their own messages; here: the bytes changed and the counter did not)
+        if got is not None and got[0] is t and t._version == got[1] and \
+                not unchanged(t, got[2]):
             raise _NotTheProvedProgram(
                 f"a parameter or buffer of layer {name!r} ({type(mod).__name__}) did not hold its "
                 "values of the step's start when the layer was called (written during the "
