@@ -122,7 +122,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
-from dpclip.engine.saved_check import unchanged
+from dpclip.engine.saved_check import all_true, fingerprint, same
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
@@ -299,13 +299,16 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
     with Python dispatch off, then its version counter set back: third hostile review, LOO
     1.54-1.57 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether it is rewritten
     can depend on the batch size."""
+    # (a write that moved the version counter is refused by the version checks, with their own
+    # message; here: the bytes changed and the counter did not)
+    flags = [(c, same(fingerprint(t), p)) for c in live for t, v, p in c.a_print or ()
+             if t._version == v]
     for c in live:
-        # (a write that moved the version counter is refused by the version checks, with their
-        # own message; here: the bytes changed and the counter did not)
-        bad = next((t for t, v, p in c.a_print or ()
-                    if t._version == v and not unchanged(t, p)), None)
         c.a_print = None
-        if bad is not None:
+    if all_true([f for _, f in flags]):
+        return
+    for c, f in flags:
+        if not all_true([f]):
             what = "input" if c.outs is None else "argument"
             raise _NotTheProvedProgram(
                 f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "

@@ -19,10 +19,12 @@ flipped in two 64-bit words would cancel under odd weights). Code that reads the
 (``dpclip.engine.saved_check._GEN``) can solve for a change the fingerprint misses: introspection
 of the engine is outside the trust boundary (docs/engines.md, "Third hostile review").
 
-Cost: twice (taken, checked) an int64 copy of each kept input and one integer matrix-vector
-product (about 0.4-0.6 ms each for a 256 x 784 float32 input on one shared CPU core, against
-about 2 ms for the layer's matmul there; not a benchmark), only on traced steps (a chain of known
-modules with a known loss runs no user code that could write).
+Cost: twice (taken, checked) an int64 copy of each kept tensor and one integer matrix-vector
+product, the comparisons read with one synchronisation per check; only on traced steps (a chain
+of known modules with a known loss runs no user code that could write). On the tests'
+``transformer`` case (B 64, float64, one shared CPU thread) the ghost step went from about 13 ms
+to about 15 ms with these checks and the layer-state fingerprints
+(benchmarks/results/separability_overhead.md, rows "third: ...").
 """
 
 from __future__ import annotations
@@ -32,15 +34,24 @@ import os
 import torch
 from torch import Tensor
 
-__all__ = ["fingerprint", "unchanged"]
+__all__ = ["all_true", "fingerprint", "same", "unchanged"]
 
 _GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 _INT = {1: torch.int8, 2: torch.int16}
+#: odd random weights by (device, role: 0 rows, 1 columns), grown on demand and sliced (drawing
+#: them per tensor cost more than the fingerprint itself); rows and columns draw from separate
+#: pools (shared weights would make the sum symmetric: a swap of v_ij and v_ji would be missed)
+_POOLS: dict[tuple[str, int], Tensor] = {}
 
 
-def _weights(n: int, device: torch.device) -> Tensor:
-    w = torch.randint(-(2 ** 62), 2 ** 62, (n,), generator=_GEN, dtype=torch.int64)
-    return (w * 2 + 1).to(device)  # odd: a change in the lowest bit of one element is seen
+def _weights(n: int, device: torch.device, role: int) -> Tensor:
+    key = (str(device), role)
+    pool = _POOLS.get(key)
+    if pool is None or pool.shape[0] < n:
+        size = max(n, 1024, 2 * (pool.shape[0] if pool is not None else 0))
+        w = torch.randint(-(2 ** 62), 2 ** 62, (size,), generator=_GEN, dtype=torch.int64)
+        pool = _POOLS[key] = (w * 2 + 1).to(device)  # odd: one changed lowest bit is seen
+    return pool[:n]
 
 
 def _words(t: Tensor) -> Tensor:
@@ -50,7 +61,7 @@ def _words(t: Tensor) -> Tensor:
     u = t.detach()
     if u.is_complex():
         u = torch.view_as_real(u)
-    if u.dtype == torch.bool:
+    elif u.dtype == torch.bool:
         u = u.view(torch.int8)
     if u.ndim == 0:
         u = u.reshape(1)
@@ -60,35 +71,51 @@ def _words(t: Tensor) -> Tensor:
     return w.reshape(-1, w.shape[-1]).long() if w.numel() else w.reshape(0, 1).long()
 
 
-def _value(v: Tensor, rw: Tensor, cw: Tensor) -> Tensor:
-    """``sum_ij rw_i v_ij cw_j`` with wrap-around (exact, any reduction order)."""
+def _value(v: Tensor) -> Tensor:
+    """``sum_ij r_i v_ij c_j`` with wrap-around (exact, any reduction order); a 0-dim tensor,
+    not synchronised."""
+    rw, cw = _weights(v.shape[0], v.device, 0), _weights(v.shape[1], v.device, 1)
     if v.device.type == "cpu":
         return (torch.mv(v, cw) * rw).sum()  # (no product temporary of the full size)
     return ((v * cw).sum(1) * rw).sum()
 
 
-Print = tuple  # (value, row weights, column weights, shape, dtype)
+Print = tuple  # (value, shape, dtype)
 
 
 def fingerprint(t: Tensor) -> Print | None:
-    """``(value, row weights, column weights, shape, dtype)`` of ``t``'s bytes (module docstring),
-    or None for a tensor whose bytes cannot be viewed (sparse, quantized, meta): it is then not
-    checked. Runs with Python dispatch and torch functions off and without autograd (engine code:
-    the trace must not see it)."""
+    """``(value, shape, dtype)`` of ``t``'s bytes (module docstring; the value a 0-dim tensor on
+    ``t``'s device, not synchronised), or None for a tensor whose bytes cannot be viewed (sparse,
+    quantized, meta): it is then not checked. Runs with Python dispatch and torch functions off
+    and without autograd (engine code: the trace must not see it)."""
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        v = _words(t)
-        rw, cw = _weights(v.shape[0], t.device), _weights(v.shape[1], t.device)
-        return _value(v, rw, cw), rw, cw, tuple(t.shape), t.dtype
+        return _value(_words(t)), tuple(t.shape), t.dtype
+
+
+def same(now: Print | None, then: Print | None) -> Tensor | bool:
+    """Whether two fingerprints of one tensor agree: a bool, or a 0-dim bool tensor (not
+    synchronised; :func:`all_true` reads many at once)."""
+    if then is None:
+        return True
+    if now is None or now[1:] != then[1:]:
+        return False
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return now[0] == then[0]
+
+
+def all_true(flags: list) -> bool:
+    """Whether every flag of :func:`same` is true, with one synchronisation per device."""
+    tensors = [f for f in flags if isinstance(f, Tensor)]
+    if not all(f for f in flags if not isinstance(f, Tensor)):
+        return False
+    if not tensors:
+        return True
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return bool(torch.stack(tensors).all())
 
 
 def unchanged(t: Tensor, printed: Print | None) -> bool:
     """Whether ``t``'s bytes still give the fingerprint taken earlier (True when none was)."""
-    if printed is None:
-        return True
-    value, rw, cw, shape, dtype = printed
-    if tuple(t.shape) != shape or t.dtype != dtype:
-        return False
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        return bool(_value(_words(t), rw, cw) == value)
+    return all_true([same(fingerprint(t), printed)])
