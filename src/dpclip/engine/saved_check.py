@@ -22,9 +22,10 @@ of the engine is outside the trust boundary (docs/engines.md, "Third hostile rev
 Cost: twice (taken, checked) an int64 copy of each kept tensor and one integer matrix-vector
 product, the comparisons read with one synchronisation per check; only on traced steps (a chain
 of known modules with a known loss runs no user code that could write). On the tests'
-``transformer`` case (B 64, float64, one shared CPU thread) the ghost step went from about 13 ms
-to about 15 ms with these checks and the layer-state fingerprints
-(benchmarks/results/separability_overhead.md, rows "third: ...").
+``transformer`` case (B 64, float64, one shared CPU thread) the ghost step's median went from
+11-13 ms to 15-18 ms (p10 10-12 ms to 14-15 ms) with these checks, the layer-state fingerprints
+and the ruled layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ...";
+a tiny model, where the per-tensor Python cost dominates).
 """
 
 from __future__ import annotations
