@@ -801,7 +801,8 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 #   instance ``_conv_forward`` (2.46) or ``_compiled_call_impl`` (2.00), a hook on a
 #   parameter-free module of a cached chain (1.80), a user class naming its ``__module__`` torch's
 #   (1.80), a tensor subclass as the input (2.00); now: plain instances only
-#   (dpclip.engine.plain_module);
+#   (dpclip.engine.plain_module); a hooked layer's forward hook table whose ``values()`` hides a
+#   user hook from the engine's check (1.06): now exact tables only;
 # * a known loss whose configuration is a ``str`` subclass (``reduction``) running user code that
 #   rewrites the logits in place (1.04): now plain instances only;
 # * a torch function mode left active around the step (2.94), saved-tensor hooks left active
@@ -821,6 +822,7 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
 #   tracer's on its exit and the LOO stayed 1.0; with the check at the step's start alone, auto
 #   ran the next steps on vmap under the leaked modes, LOO 3.73).
 
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -854,6 +856,18 @@ class _LyingFlag:
 class _HidingHooks(dict):
     def __bool__(self) -> bool:
         return len(self) > 0 and not _called_by_dpclip()
+
+
+class _ValuesHidingHooks(collections.OrderedDict):
+    def values(self):  # Module.__call__ reads items()
+        return iter(())
+
+
+def _forward_hook_hidden_from_values() -> nn.Module:
+    m = _TwoLayers()
+    m.fc2._forward_hooks = _ValuesHidingHooks()
+    m.fc2.register_forward_hook(lambda mod, i, o: o + 20 * o.mean(0))
+    return m
 
 
 class _MixingParam(nn.Parameter):
@@ -1224,6 +1238,7 @@ THIRD = {
     "batchnorm-training-lying-bool": (_batchnorm_lying_training, data, _cpe, None),
     "parameter-subclass-torch_function": (_parameter_subclass, data, _cpe, None),
     "hook-table-dict-subclass": (_hidden_hook_table, data, _cpe, None),
+    "forward-hook-table-hides-values": (_forward_hook_hidden_from_values, data, ce, None),
     "instance-_conv_forward-known-chain": (lambda: _conv_mlp(False), _conv_data, _cpe, None),
     "instance-_conv_forward-cached-chain": (lambda: _conv_mlp(True), _conv_data, ce, None),
     "instance-_compiled_call_impl-known-chain": (_compiled_call_impl, data, _cpe, None),

@@ -60,6 +60,9 @@ def _check_losses(losses: Tensor, batch: int) -> Tensor:
 _module_mod = torch.nn.modules.module
 
 
+_TABLE_TYPES = (dict, collections.OrderedDict)
+
+
 def _no_hooks(mod: nn.Module) -> bool:
     """No hooks on ``mod``: its hook tables of their exact types (a dict subclass can hide its
     hooks from a truth test and not from ``Module.__call__``) and empty."""
@@ -720,7 +723,11 @@ def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
     output (``o + o.mean(0)``), and the gradient of the replacement would then be read as the
     layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before;
     benchmarks/results/hostile_review_loo.md)."""
-    if _module_mod._global_forward_hooks or any(h is not ours for h in mod._forward_hooks.values()):
+    # exact tables (a dict subclass can hide its hooks from .values() and not from
+    # Module.__call__, which reads .items(): third hostile review, LOO 1.06 C)
+    glob, own = _module_mod._global_forward_hooks, mod._forward_hooks
+    if type(glob) not in _TABLE_TYPES or type(own) not in _TABLE_TYPES or len(glob) \
+            or any(h is not ours for h in dict.values(own)):
         raise _RuntimeUnsupported(
             f"layer {name!r} ({type(mod).__name__}) has a forward hook that is not the engine's: "
             "it may replace the layer's output (e.g. mix it over the batch), so the layer's "
