@@ -2,7 +2,7 @@
 (tests/engine/test_separability_attacks.py), for the ghost and auto engines of whichever ``dpclip``
 is importable: ``max_j ||S(X) - S(X without j)|| / C``; a sound per-example mechanism stays <= 1.
 
-Run ``python benchmarks/separability_loo.py [--hostile | --unseen] LABEL OUT.json`` (PYTHONPATH pointing at the code to
+Run ``python benchmarks/separability_loo.py [--hostile | --third | --unseen] LABEL OUT.json`` (PYTHONPATH pointing at the code to
 measure and at the repository root for the attack definitions); rows are appended to OUT.json and
 ``--table OUT.json`` writes the Markdown table beside it. "refused": the engine raised.
 """
@@ -95,6 +95,44 @@ def measure(label: str, attacks: dict | None = None) -> list[dict]:
     return rows
 
 
+def measure_third(label: str) -> list[dict]:
+    """The third hostile review's attacks (tests/engine/test_hostile_review.py, ``THIRD``): each
+    first run honestly (its switch off) at every batch size the LOO meets, which fills the proof's
+    and the chain layout caches as honest steps would, then with the switch on."""
+    import contextlib
+
+    from dpclip.engine import AutoEngine, GhostEngine, batch_symbol, ghost_forward
+    from tests.engine import test_hostile_review as hr
+
+    rows = []
+    for name, (build, make_data, loss, ctx) in hr.THIRD.items():
+        for engine in (GhostEngine(), AutoEngine()):
+            batch_symbol._CACHE.clear()
+            ghost_forward._CHAIN_LAYOUTS.clear()
+            hr._SW["on"] = False
+            torch.manual_seed(0)
+            model = build().to(hr.DT)
+            x, y = make_data()
+            with ctx() if ctx is not None else contextlib.nullcontext():
+                try:
+                    loo_worst(engine, model, loss, x, y)
+                    hr._SW["on"] = True
+                    _, info = hr.clipped_sum(engine, model, loss, x, y)
+                    ran = (info or {}).get("engine", engine.name)
+                    loo = round(loo_worst(engine, model, loss, x, y), 3)
+                except Exception as exc:  # noqa: BLE001 - a refusal is the measured outcome
+                    ran, loo = f"refused ({type(exc).__name__})", None
+                finally:
+                    hr.third_review_cleanup()
+            open_ = " (open)" if name in hr._OPEN3 else ""
+            rows.append({"attack": name + open_, "code": label, "engine": engine.name,
+                         "ran_on": ran, "loo_over_C": loo, "batch_size": x.shape[0],
+                         "device": "cpu", "cpu": platform.processor() or platform.machine(),
+                         "torch": torch.__version__,
+                         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return rows
+
+
 def table(path: str) -> str:
     rows = json.load(open(path))
     attacks = list(dict.fromkeys(r["attack"] for r in rows))
@@ -130,14 +168,18 @@ if __name__ == "__main__":
         print(md)
     else:
         # ``--hostile LABEL OUT.json``: the hostile review's attacks instead of issue 31's;
-        # ``--unseen``: the writes through memory shared with NumPy (the memory watch)
-        which = sys.argv[1] if sys.argv[1] in ("--hostile", "--unseen") else None
+        # ``--third``: the third hostile review's; ``--unseen``: the writes through memory
+        # shared with NumPy (the memory watch)
+        which = sys.argv[1] if sys.argv[1] in ("--hostile", "--third", "--unseen") else None
         label, path = sys.argv[1 + bool(which)], sys.argv[2 + bool(which)]
         try:
             old = json.load(open(path))
         except FileNotFoundError:
             old = []
-        old = [r for r in old if r["code"] != label] + measure(
-            label, {"--hostile": hostile_attacks, "--unseen": unseen_attacks}[which]()
-            if which else None)
+        if which == "--third":
+            new_rows = measure_third(label)
+        else:
+            new_rows = measure(label, {"--hostile": hostile_attacks,
+                                       "--unseen": unseen_attacks}[which]() if which else None)
+        old = [r for r in old if r["code"] != label] + new_rows
         json.dump(old, open(path, "w"), indent=1)

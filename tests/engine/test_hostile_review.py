@@ -970,3 +970,657 @@ def test_a_patched_known_module_class_is_traced_not_trusted():
     finally:
         nn.Tanh.forward = original
 
+
+
+# ============================================================================== third review
+#
+# A third hostile review (after the proved-program match): ways to make a call run user code that
+# the proof does not see, while ghost / auto accept the model. Each entry: a model (built with
+# the switch ``_SW`` off), its data and loss, and a context active around the step. The runner
+# makes the LOO's calls with the switch off (they fill the proof's cache and the chain layout
+# cache, as honest steps at these batch sizes would), turns it on, and measures LOO. Fixed here
+# (LOO at C 0.5 before the fix, on main 8a83764; benchmarks/results/hostile_review_loo.md, rows
+# "third: ...", max over six C):
+#
+# * known chain (``ghost_forward._known_chain``) and layout cache (``_chain_key``): a module whose
+#   call runs user code: ``Softmax(dim=int subclass)`` lying to the check (1.10), BatchNorm's
+#   ``training`` an object whose ``__bool__`` lies to the engine (1.57), a parameter subclass with
+#   ``__torch_function__`` (2.00), a hook table that is a dict subclass hiding its hooks (1.80), an
+#   instance ``_conv_forward`` (2.46) or ``_compiled_call_impl`` (2.00), a hook on a
+#   parameter-free module of a cached chain (1.80), a user class naming its ``__module__`` torch's
+#   (1.80), a tensor subclass as the input (2.00); now: plain instances only
+#   (dpclip.engine.plain_module); a hooked layer's forward hook table whose ``values()`` hides a
+#   user hook from the engine's check (1.06): now exact tables only;
+# * a known loss whose configuration is a ``str`` subclass (``reduction``) running user code that
+#   rewrites the logits in place (1.04): now plain instances only;
+# * a torch function mode left active around the step (2.94), saved-tensor hooks left active
+#   (1.55, the known program): now refused at the step;
+# * an instance ``forward`` on a ruled layer, static (2.00) or installed for the call and deleted
+#   by itself (2.00), or deleted by a user pre-hook after Module.__call__ looked it up (2.00), a
+#   class swapped for the call (2.00), a subclass keeping ``forward`` whose ``__getattribute__``
+#   hands the call another one (2.00): now the per-layer path (static) or refused at the call
+#   (the engine's pre-hook runs first);
+# * a ruled layer's input rewritten after the call with Python dispatch off and the version counter
+#   set back (1.54), a per-layer module's kept argument (1.57) or recognised scale's operand
+#   (1.56) rewritten so, a ruled layer's weight rewritten so for its call and restored after
+#   it (2.13): now their bytes are fingerprinted (dpclip.engine.saved_check; the weights when
+#   the step starts, checked right after each call);
+# * a dispatch mode entered by the loss and not left, so that the engine's backward runs under it:
+#   refused after the forward (regression test: on 8a83764 the leaked mode traded places with the
+#   tracer's on its exit and the LOO stayed 1.0; with the check at the step's start alone, auto
+#   ran the next steps on vmap under the leaked modes, LOO 3.73).
+
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import sys  # noqa: E402
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from dpclip.engine import ghost_forward  # noqa: E402
+
+_SW = {"on": False}  # outside the model: the proof's cache key does not see it
+
+
+def _mix(o: Tensor) -> Tensor:
+    return o + 5 * o.mean(0) if _SW["on"] else o
+
+
+def _called_by_dpclip(depth: int = 2) -> bool:
+    """Whether the caller of the caller is the engine's code (a hostile object answers it
+    differently from torch's)."""
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("dpclip.")
+
+
+class _LyingInt(int):
+    def __mod__(self, other):
+        return 1  # Softmax(dim=0): the check reads dim % ndim == 1, the forward reads 0
+
+
+class _LyingFlag:
+    def __bool__(self) -> bool:
+        return not _called_by_dpclip()  # eval for the engine, training (batch stats) for torch
+
+
+class _HidingHooks(dict):
+    def __bool__(self) -> bool:
+        return len(self) > 0 and not _called_by_dpclip()
+
+
+class _ValuesHidingHooks(collections.OrderedDict):
+    def values(self):  # Module.__call__ reads items()
+        return iter(())
+
+
+def _forward_hook_hidden_from_values() -> nn.Module:
+    m = _TwoLayers()
+    m.fc2._forward_hooks = _ValuesHidingHooks()
+    m.fc2.register_forward_hook(lambda mod, i, o: o + 20 * o.mean(0))
+    return m
+
+
+class _MixingParam(nn.Parameter):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is nn.functional.linear:
+            out = out + 5 * out.mean(0)
+        return out
+
+
+class _MixingInput(Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is nn.functional.linear and isinstance(out, Tensor):
+            out = out.as_subclass(Tensor)
+            out = out + 5 * out.mean(0)
+        return out
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _softmax_lying_dim() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Softmax(dim=_LyingInt(0)), nn.Linear(6, 3))
+
+
+def _batchnorm_lying_training() -> nn.Module:
+    m = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).eval()
+    m[1].training = _LyingFlag()
+    return m
+
+
+def _parameter_subclass() -> nn.Module:
+    m = _mlp()
+    m[0].weight = _MixingParam(m[0].weight.detach())
+    return m
+
+
+def _hidden_hook_table() -> nn.Module:
+    m = _mlp()
+    m[1]._forward_hooks = _HidingHooks()
+    m[1].register_forward_hook(lambda mod, i, o: o + 5 * o.mean(0))
+    return m
+
+
+def _conv_mlp(cached: bool) -> nn.Module:
+    layers = [nn.Conv1d(1, 2, 3, padding=1)] + ([nn.Hardshrink(0.0)] if cached else []) + [
+        nn.Flatten(), nn.Linear(10, 3)]
+    m = nn.Sequential(*layers)
+    c = m[0]
+    c._conv_forward = lambda x, w, b: _mix(nn.functional.conv1d(x, w, b, padding=1)) if cached \
+        else (lambda o: o + 5 * o.mean(0))(nn.functional.conv1d(x, w, b, padding=1))
+    return m
+
+
+def _compiled_call_impl() -> nn.Module:
+    """``Module._wrapped_call_impl`` calls an instance ``_compiled_call_impl`` in place of
+    ``_call_impl`` (what ``Module.compile`` sets)."""
+    m = _mlp()
+    f = m[0]
+    f._compiled_call_impl = lambda x: (lambda o: o + 5 * o.mean(0))(
+        nn.functional.linear(x, f.weight, f.bias))
+    return m
+
+
+def _hook_on_parameter_free_module() -> nn.Module:
+    m = _mlp()
+    m[1].register_forward_hook(lambda mod, i, o: _mix(o))
+    return m
+
+
+class _TorchLooking(nn.Module):
+    """A user module whose class claims to be torch's (``__module__``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _mix(torch.tanh(x))
+
+
+_TorchLooking.__module__ = "torch.nn.modules.activation"
+
+
+def _instance_forward_static() -> nn.Module:
+    m = Net()
+    f = m.fc1
+    f.forward = lambda x: (lambda o: o + 5 * o.mean(0))(nn.functional.linear(x, f.weight, f.bias))
+    return m
+
+
+class _InstallForward(nn.Module):
+    """Installs an instance forward on a ruled layer for the call; it deletes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = self.fc1
+
+        def fwd(z: Tensor) -> Tensor:
+            del f.forward
+            o = nn.functional.linear(z, f.weight, f.bias)
+            return o + 5 * o.mean(0)
+
+        f.forward = fwd
+        return self.fc2(torch.tanh(f(x)))
+
+
+class _MixingLinear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        o = nn.functional.linear(x, self.weight, self.bias)
+        return o + 5 * o.mean(0)
+
+
+class _LookupLinear(nn.Linear):
+    """Keeps ``nn.Linear.forward`` as its class attribute, but its ``__getattribute__`` hands
+    ``Module.__call__`` another forward."""
+
+    def __getattribute__(self, name: str):
+        if name == "forward":
+            return super().__getattribute__("_mixing")
+        return super().__getattribute__(name)
+
+    def _mixing(self, x: Tensor) -> Tensor:
+        o = nn.functional.linear(x, self.weight, self.bias)
+        return o + 5 * o.mean(0)
+
+
+def _lookup_model() -> nn.Module:
+    m = _TwoLayers()
+    m.fc1 = _LookupLinear(5, 6)
+    return m
+
+
+class _SwapClass(nn.Module):
+    """Gives a ruled layer a mixing class for its call, and its own class back after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.fc1.__class__ = _MixingLinear
+        h = self.fc1(x)
+        self.fc1.__class__ = nn.Linear
+        return self.fc2(torch.tanh(h))
+
+
+class _PreHookDeletesForward(_InstallForward):
+    """An instance forward installed for the call, deleted by a user pre-hook of the layer (after
+    ``Module.__call__`` looked it up, before a check in a later pre-hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.register_forward_pre_hook(lambda m, i: m.__dict__.pop("forward", None) and None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = self.fc1
+        f.forward = lambda z: (lambda o: o + 5 * o.mean(0))(
+            nn.functional.linear(z, f.weight, f.bias))
+        return self.fc2(torch.tanh(f(x)))
+
+
+def _hidden_write(t: Tensor) -> None:
+    """``t += 5 t.mean(0)`` that no trace sees, its version counter set back."""
+    version = t._version
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        t.add_(5 * t.mean(0))
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+class _RewriteKeptInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.fc1(x))
+        o = self.fc2(a)
+        if _SW["on"]:
+            _hidden_write(a)  # after fc2 used it: the engine reads it after the backward
+        return o
+
+
+class _Scale(nn.Module):
+    """No ghost rule (the per-layer path): a recognised elementwise scale (``fast``: its operand is
+    kept) or a general function of its input (its argument is kept for the recomputation)."""
+
+    def __init__(self, fast: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+        self.fast = fast
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w if self.fast else torch.sin(x * self.w)
+
+
+class _RewritePerLayerArgument(nn.Module):
+    def __init__(self, fast: bool) -> None:
+        super().__init__()
+        self.fc1, self.s, self.fc2 = nn.Linear(5, 6), _Scale(fast), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        o = self.fc2(torch.tanh(self.s(h)))
+        if _SW["on"]:
+            _hidden_write(h)  # the per-layer path reads it after the backward
+        return o
+
+
+class _RewriteWeightForTheCall(nn.Module):
+    """Writes the batch mean into fc1's weight for its call, without a trace, and restores it
+    after the call (every name, the match and the state guard then see the original)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.fc1.weight
+        if not _SW["on"]:
+            return self.fc2(torch.tanh(self.fc1(x)))
+        version = w._version
+        with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            saved = w.clone()
+            w.add_(x.mean(0).expand_as(w) * 0.5)
+        torch._C._autograd._unsafe_set_version_counter((w,), (version,))
+        h = self.fc1(x)
+        with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            w.copy_(saved)
+        torch._C._autograd._unsafe_set_version_counter((w,), (version,))
+        return self.fc2(torch.tanh(h))
+
+
+class _RewriteAutogradSaved(nn.Module):
+    """Rewrites a tensor autograd saved (exp's result), not one the engine keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = torch.exp(self.fc1(x) * 0.1)
+        o = self.fc2(torch.tanh(u))
+        if _SW["on"]:
+            _hidden_write(u)
+        return o
+
+
+def _grad_hook_without_torch_function(m, h: Tensor) -> Tensor:
+    with torch._C.DisableTorchFunction():  # the tracer's mode does not see register_hook
+        if h.requires_grad and _SW["on"]:
+            h.register_hook(lambda g: g + 5 * g.mean(0))
+    return h
+
+
+_LAST: dict = {}
+
+
+class _ReadsLastBatchUnderVmap(nn.Module):
+    """No ghost rule (the per-layer path). Keeps the real batch in a global; its per-example
+    recomputation under ``torch.func.vmap`` (after the traced call) reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return torch.sin(x * self.w) + 5 * _LAST["x"].mean(0) * self.w
+        _LAST["x"] = x
+        return torch.sin(x * self.w) + 0 * self.w
+
+
+def _per_layer_global() -> nn.Module:
+    return _TwoLayers(_ReadsLastBatchUnderVmap())
+
+
+class _LyingStr(str):
+    """``reduction='none'`` whose comparison, when torch makes it, rewrites the logits."""
+
+    def __eq__(self, other):
+        if not _called_by_dpclip():
+            f = sys._getframe(1)
+            while f is not None and "input" not in f.f_locals:
+                f = f.f_back
+            h = f.f_locals["input"] if f is not None else None
+            if isinstance(h, Tensor) and h.ndim == 2 and h.requires_grad:
+                _hidden_write(h)
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def _lying_ce() -> nn.Module:
+    loss = nn.CrossEntropyLoss(reduction="none")
+    loss.reduction = _LyingStr("none")
+    return loss
+
+
+class _CentreMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _SW["on"] and func is nn.functional.linear and isinstance(out, Tensor):
+            out = out + 5 * out.mean(0)
+        return out
+
+
+_LEAKED: list = []
+
+
+class _MixBackward(torch.utils._python_dispatch.TorchDispatchMode):
+    """Mixes tanh's backward over the batch."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.tanh_backward.default:
+            out = out + 5 * out.mean(0)
+        return out
+
+
+def _loss_leaving_a_mode(o: Tensor, y: Tensor) -> Tensor:
+    """Cross-entropy that enters a dispatch mode and does not leave it: the engine's backward
+    would run under it."""
+    out = ce(o, y)
+    if _SW["on"] and _real(o):
+        while _LEAKED:  # (one at a time)
+            _LEAKED.pop().__exit__(None, None, None)
+        mode = _MixBackward()
+        mode.__enter__()
+        _LEAKED.append(mode)
+    return out
+
+
+def third_review_cleanup() -> None:
+    """Leave the contexts an attack entered and did not leave; the switch off."""
+    _SW["on"] = False
+    _LAST.clear()
+    while _LEAKED:
+        _LEAKED.pop().__exit__(None, None, None)
+
+
+def _conv_data():
+    x, y = data()
+    return x.unsqueeze(1), y
+
+
+def _subclass_data():
+    x, y = data()
+    return x.as_subclass(_MixingInput), y
+
+
+def _leaked(cm_factory):
+    """A context entered before the step and left after it (e.g. entered by the model's
+    constructor and never left)."""
+    return cm_factory
+
+
+_UNPACK = lambda t: t + 5 * t.mean(0) if t.ndim == 2 and t.shape[1] == 6 else t  # noqa: E731
+
+from dpclip.engine.known_losses import cross_entropy_per_example as _cpe  # noqa: E402
+
+#: name -> (model builder, data, loss, context around the step)
+THIRD = {
+    "softmax-dim-lying-int": (_softmax_lying_dim, data, _cpe, None),
+    "batchnorm-training-lying-bool": (_batchnorm_lying_training, data, _cpe, None),
+    "parameter-subclass-torch_function": (_parameter_subclass, data, _cpe, None),
+    "hook-table-dict-subclass": (_hidden_hook_table, data, _cpe, None),
+    "forward-hook-table-hides-values": (_forward_hook_hidden_from_values, data, ce, None),
+    "instance-_conv_forward-known-chain": (lambda: _conv_mlp(False), _conv_data, _cpe, None),
+    "instance-_conv_forward-cached-chain": (lambda: _conv_mlp(True), _conv_data, ce, None),
+    "instance-_compiled_call_impl-known-chain": (_compiled_call_impl, data, _cpe, None),
+    "cached-chain-hook-on-parameter-free-module": (_hook_on_parameter_free_module, data, ce,
+                                                   None),
+    "cached-chain-class-claiming-torch-module": (
+        lambda: nn.Sequential(nn.Linear(5, 6), _TorchLooking(), nn.Linear(6, 3)), data, ce, None),
+    "input-tensor-subclass-known-chain": (_mlp, _subclass_data, ce, None),
+    "known-loss-lying-str-config": (_mlp, data, _lying_ce(), None),
+    "torch-function-mode-around-step": (_mlp, data, _cpe, _CentreMode),
+    "saved-tensor-hooks-around-step": (_mlp, data, _cpe,
+                                       lambda: torch.autograd.graph.saved_tensors_hooks(
+                                           lambda t: t, lambda t: _UNPACK(t) if _SW["on"] else t)),
+    "instance-forward-on-ruled-layer": (_instance_forward_static, data, ce, None),
+    "instance-forward-installed-for-the-call": (_InstallForward, data, ce, None),
+    "class-swapped-for-the-call": (_SwapClass, data, ce, None),
+    "subclass-__getattribute__-hands-another-forward": (_lookup_model, data, ce, None),
+    "pre-hook-deletes-instance-forward": (_PreHookDeletesForward, data, ce, None),
+    "kept-input-rewritten-version-reset": (_RewriteKeptInput, data, ce, None),
+    "weight-rewritten-for-the-call-and-restored": (_RewriteWeightForTheCall, data, ce, None),
+    "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
+    "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),
+    "per-layer-argument-rewritten": (lambda: _RewritePerLayerArgument(False), data, ce, None),
+    # still open (strict xfail below)
+    "autograd-saved-rewritten-version-reset": (_RewriteAutogradSaved, data, ce, None),
+    "grad-hook-with-torch-function-off": (lambda: Net(_grad_hook_without_torch_function), data,
+                                          ce, None),
+    "per-layer-vmap-reads-global-batch": (_per_layer_global, data, ce, None),
+}
+
+#: still open: accepted by ghost and auto (strict xfail; LOO measured on this branch)
+_OPEN3 = {
+    "autograd-saved-rewritten-version-reset": "HOLE (third hostile review): a tensor autograd "
+    "saved (not one the engine keeps) rewritten with dispatch off and its version counter set "
+    "back changes the backward's b; accepted, LOO 1.003 C (the mixing is damped by tanh')",
+    "grad-hook-with-torch-function-off": "HOLE (third hostile review): a tensor hook registered "
+    "with torch functions off is invisible to the tracer and autograd offers no way to list "
+    "node hooks; accepted, LOO 2.07 C",
+    "per-layer-vmap-reads-global-batch": "HOLE (third hostile review): the per-layer path's "
+    "recomputation under torch.func.vmap runs the module's forward untraced, and it reads a "
+    "global copy of the real batch; accepted, LOO 1.06 C",
+}
+
+
+def third_review_loo(engine, name: str) -> float | None:
+    """LOO of attack ``name`` under ``engine`` after one honest call (switch off), or None when
+    a step was refused."""
+    from dpclip.engine import batch_symbol
+
+    build, make_data, loss, ctx = THIRD[name]
+    batch_symbol._CACHE.clear()
+    ghost_forward._CHAIN_LAYOUTS.clear()
+    _SW["on"] = False
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = make_data()
+    with ctx() if ctx is not None else contextlib.nullcontext():
+        try:
+            try:  # honest steps first, at every batch size the LOO meets (fills the caches)
+                loo_distance(engine(), model, loss, x, y)
+            except UnsupportedModelError:
+                return None
+            _SW["on"] = True
+            return loo_distance(engine(), model, loss, x, y)
+        except UnsupportedModelError:
+            return None
+        finally:
+            third_review_cleanup()
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_OPEN3[n])) if n in _OPEN3 else n
+    for n in THIRD])
+def test_third_review_attack_never_exceeds_c(name, engine):
+    """Refused, or LOO <= C."""
+    got = third_review_loo(engine, name)
+    assert got is None or got <= 1 + 1e-9, got
+
+
+# ------------------------------------------------- third review: the refusals (docs/errors.md)
+
+
+def test_error_501_code_replaced_on_a_ruled_layer_instance():
+    """docs/errors.md entry 501: an instance forward installed for the call (and deleted by
+    itself) on a ruled layer is refused at the call, under auto too (never a vmap fallback)."""
+    for engine in (GhostEngine(), AutoEngine()):
+        torch.manual_seed(0)
+        model = _InstallForward().to(DT)
+        x, y = data()
+        with pytest.raises(UnsupportedModelError, match="runs code its class does not define "
+                           r"\(its instance attribute 'forward'"):
+            clipped_sum(engine, model, ce, x, y)
+
+
+def test_error_502_user_code_around_the_step():
+    """docs/errors.md entry 502: a torch function mode or saved-tensor hooks active when the
+    step starts: ghost and auto refuse (naming the context; not a vmap fallback, vmap would run
+    under the same user code); torch.device(...) is not user code and stays on ghost."""
+    torch.manual_seed(0)
+    model = _mlp().to(DT)
+    x, y = data()
+    for ctx, what in ((_CentreMode, "a torch function mode \\(_CentreMode\\) is active when "
+                       "the step starts"),
+                      (lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+                       "saved-tensor hooks .* are active when the step starts")):
+        with ctx():
+            for engine in (GhostEngine(), AutoEngine()):
+                with pytest.raises(UnsupportedModelError, match=what):
+                    clipped_sum(engine, model, ce, x, y)
+    with torch.device("cpu"):
+        assert clipped_sum(GhostEngine(), model, ce, x, y)[1]["engine"] == "ghost"
+
+
+def test_error_503_kept_input_rewritten_without_a_trace():
+    """docs/errors.md entry 503: a ruled layer's input rewritten after the call, dispatch off and
+    its version counter set back, is refused under ghost and auto (never a vmap fallback)."""
+    from dpclip.engine import batch_symbol
+
+    for engine in (GhostEngine(), AutoEngine()):
+        batch_symbol._CACHE.clear()
+        torch.manual_seed(0)
+        model = _RewriteKeptInput().to(DT)
+        x, y = data()
+        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+        _SW["on"] = True
+        try:
+            with pytest.raises(UnsupportedModelError, match="input of layer 'fc2' \\(Linear\\) "
+                               "was rewritten after the layer used it"):
+                clipped_sum(engine, model, ce, x, y)
+        finally:
+            _SW["on"] = False
+
+
+def test_error_504_layer_state_written_for_the_call():
+    """docs/errors.md entry 504: a ruled layer's weight written for its call without a trace and
+    restored after it is refused under ghost and auto (never a vmap fallback)."""
+    from dpclip.engine import batch_symbol
+
+    for engine in (GhostEngine(), AutoEngine()):
+        batch_symbol._CACHE.clear()
+        torch.manual_seed(0)
+        model = _RewriteWeightForTheCall().to(DT)
+        x, y = data()
+        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+        _SW["on"] = True
+        try:
+            with pytest.raises(UnsupportedModelError, match="a parameter or buffer of layer 'fc1' "
+                               r"\(Linear\) did not hold its values of the step's start"):
+                clipped_sum(engine, model, ce, x, y)
+        finally:
+            _SW["on"] = False
+
+
+def test_fingerprint_sees_any_change_and_only_a_change():
+    """The kept-input fingerprint (dpclip.engine.saved_check): equal on an equal copy (any
+    dtype), different after a row swap (same sum, same norms), a pair of sign flips (equal
+    products of odd weights would cancel 64-bit words; 32-bit words do not), one ulp, a shape
+    change."""
+    from dpclip.engine.saved_check import fingerprint, unchanged
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.complex64):
+        t = (torch.randn(6, 7, 3, generator=g) * 3).to(dt)
+        p = fingerprint(t)
+        assert unchanged(t.clone(), p) and unchanged(t, p)
+        swapped = t.clone()
+        swapped[[0, 1]] = swapped[[1, 0]]
+        assert not unchanged(swapped, p)
+    t = torch.randn(8, 6, generator=g, dtype=DT)
+    p = fingerprint(t)
+    flipped = t.clone()
+    flipped[0, 0], flipped[1, 1] = -flipped[0, 0], -flipped[1, 1]
+    assert not unchanged(flipped, p)
+    ulp = t.clone()
+    ulp[3, 2] = torch.nextafter(ulp[3, 2], torch.tensor(10.0, dtype=DT))
+    assert not unchanged(ulp, p)
+    assert not unchanged(t.reshape(6, 8), p)
+
+
+def test_plain_models_keep_their_fast_paths():
+    """The third review's checks refuse nothing an honest model does: a known chain with a known
+    loss runs untraced, a cached chain reuses its layouts, torch's own configuration types pass
+    (tuples, torch.Size, str padding)."""
+    from dpclip.engine.plain_module import plain_instance
+
+    for m in (nn.Conv1d(2, 3, 3, padding="same"), nn.Unflatten(1, torch.Size([2, 3])),
+              nn.LayerNorm((4, 5)), nn.BatchNorm1d(4).eval(), nn.Dropout(0.1), nn.Softmax(-1)):
+        assert plain_instance(m), m
+    torch.manual_seed(0)
+    model = _mlp().to(DT)
+    x, y = data()
+    chain = ghost_forward._plain_chain(model, {})
+    assert chain is not None and ghost_forward._known_chain(chain)
+    assert ghost_forward._chain_key(chain, x) is not None
+    _, info = clipped_sum(GhostEngine(), model, _cpe, x, y)
+    assert info["engine"] == "ghost"

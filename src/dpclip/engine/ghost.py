@@ -122,6 +122,8 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
+from dpclip.engine.saved_check import all_true, fingerprint, same
+from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     check_module_windows,
@@ -290,6 +292,32 @@ def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
 # --------------------------------------------------------------------------------- the engine
 
 
+def _refuse_rewritten_inputs(live: list[_Call]) -> None:
+    """Raise :class:`_NotTheProvedProgram` if a tensor the engine is about to read (a ruled
+    layer's input; a per-layer call's arguments and scale operand, before the recomputation) is
+    not what the call used: rewritten after it by a path that left no trace (an in-place write
+    with Python dispatch off, then its version counter set back: third hostile review, LOO
+    1.54-1.57 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether it is rewritten
+    can depend on the batch size."""
+    # (a write that moved the version counter is refused by the version checks, with their own
+    # message; here: the bytes changed and the counter did not)
+    flags = [(c, same(fingerprint(t), p)) for c in live for t, v, p in c.a_print or ()
+             if t._version == v]
+    for c in live:
+        c.a_print = None
+    if all_true([f for _, f in flags]):
+        return
+    for c, f in flags:
+        if not all_true([f]):
+            what = "input" if c.outs is None else "argument"
+            raise _NotTheProvedProgram(
+                f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
+                "after the layer used it by a write that no operation of the trace shows and "
+                "that left its version counter unchanged (torch._C._DisableTorchDispatch, "
+                "_unsafe_set_version_counter, raw memory), so the layer's per-example gradient "
+                "would be read from values it never saw")
+
+
 def _check_options(engine: GhostEngine | AutoEngine, owner: str) -> None:
     """Validate the options GhostEngine and AutoEngine share (``max_physical_batch``,
     ``norm_mode``), naming ``owner`` in the error."""
@@ -443,6 +471,12 @@ class GhostEngine:
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
+        left = ambient_user_code() if batch > 1 else None
+        if left is not None:  # entered by the forward or loss and not left: the backward's ops
+            raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
+                f"{left} after the forward pass and loss (entered by them and not left): it "
+                "would run user code on the backward's operations, which the separability proof "
+                "cannot see. Leave every such context inside the forward or loss")
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
@@ -518,6 +552,8 @@ class GhostEngine:
                     "than by the calls of the layers that own them: they are used outside their "
                     "layer's forward (e.g. F.linear(x, self.fc.weight)), which the per-layer "
                     "rules cannot see")
+            # what the per-layer recomputation reads (before it: it runs user code again)
+            _refuse_rewritten_inputs(modular)
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
                 c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
                 for pn in c.owner.pnames:
@@ -528,6 +564,7 @@ class GhostEngine:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
                     c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
+        _refuse_rewritten_inputs(live)
         with torch.no_grad():
             return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
 

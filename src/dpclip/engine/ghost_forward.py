@@ -6,6 +6,7 @@ batch-less calls of :mod:`dpclip.engine.batchless`). Where the proof cannot see,
 """
 
 from __future__ import annotations
+import collections
 import contextlib
 import os
 from typing import Any, Callable
@@ -23,7 +24,14 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
+from dpclip.engine.saved_check import all_true, fingerprint, same
 from dpclip.engine.known_losses import known_loss, known_loss_fn
+from dpclip.engine.plain_module import (
+    ambient_user_code,
+    global_hooks_clear,
+    instance_code,
+    plain_instance,
+)
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
@@ -52,9 +60,15 @@ def _check_losses(losses: Tensor, batch: int) -> Tensor:
 _module_mod = torch.nn.modules.module
 
 
+_TABLE_TYPES = (dict, collections.OrderedDict)
+
+
 def _no_hooks(mod: nn.Module) -> bool:
-    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
-                or mod._backward_pre_hooks)
+    """No hooks on ``mod``: its hook tables of their exact types (a dict subclass can hide its
+    hooks from a truth test and not from ``Module.__call__``) and empty."""
+    tables = (mod._forward_hooks, mod._forward_pre_hooks, mod._backward_hooks,
+              mod._backward_pre_hooks)
+    return all(type(t) in (dict, collections.OrderedDict) and not len(t) for t in tables)
 
 
 def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Module] | None:
@@ -64,10 +78,9 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
     Then running the chain ourselves sees every owner call with its input and output exactly as
     forward hooks would, at a fraction of the cost (hooks put every call of a hooked module on
     PyTorch's slow path). ``None``: use hooks."""
-    if type(model) is not nn.Sequential or not _no_hooks(model):
+    if type(model) is not nn.Sequential or not _no_hooks(model) or not plain_instance(model):
         return None
-    if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
-            or _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks):
+    if not global_hooks_clear():
         return None
     chain: list[nn.Module] = []
     stack = [iter(model._modules.values())]
@@ -79,12 +92,13 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
         if mod is None:  # not callable: let the ordinary forward raise its own error
             return None
         if type(mod) is nn.Sequential:
-            if not _no_hooks(mod):
+            if not _no_hooks(mod) or not plain_instance(mod):
                 return None
             stack.append(iter(mod._modules.values()))
-        elif mod._modules:  # a container of another kind: its calls are its own business
-            return None
-        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE):
+        elif type(mod._modules) is not dict or mod._modules:  # another container: its own
+            return None  # business
+        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE
+                                       or instance_code(mod) is not None):
             return None
         else:
             chain.append(mod)
@@ -102,9 +116,24 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
         return _Call(owner, a, out, None)
     quiet, tracer.quiet = tracer.quiet, True
     try:
-        return _Call(owner, a, out, tracer)
+        return _printed(_Call(owner, a, out, tracer))
     finally:
         tracer.quiet = quiet
+
+
+def _printed(c: _Call) -> _Call:
+    """``c`` with the fingerprints of the tensors the engine reads after the forward (user code
+    runs after the call and could rewrite them without a trace: :mod:`dpclip.engine.saved_check`):
+    a ruled layer's input; a per-layer call's arguments and its recognised scale's operand
+    (third hostile review: rewritten, LOO 1.57 / 1.56 C)."""
+    if c.outs is None:
+        kept = [c.a] if isinstance(c.a, Tensor) else []
+    else:
+        kept = [t for t, _ in c.args[2]] if c.args is not None else []
+        if c.fast is not None:
+            kept.append(c.fast[0])
+    c.a_print = [(t, t._version, fingerprint(t)) for t in kept]
+    return c
 
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
@@ -115,6 +144,15 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # batch size, private, must be used only as the leading dimension (proved once per signature
     # with a symbolic batch size; the real forward then takes the same data-independent paths)
     if batch > 1:
+        ambient = ambient_user_code()
+        if ambient is not None:  # user code on every operation, the trace's and the backward's
+            # (not a vmap fallback: vmap would run under the same user code, which sees the whole
+            # batch there; and it may have been entered by an earlier step's loss)
+            raise _NotTheProvedProgram(
+                f"{ambient} when the step starts: user code would run on the forward's or the "
+                "backward's operations (or rewrite the tensors the backward reads), which the "
+                "separability proof cannot see. Leave the context before the step "
+                "(torch.device(...) is allowed), or use engine 'vmap'")
         known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
             return known
@@ -174,6 +212,8 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         _refuse_user_forward_hooks(owner.name, mod, hook)
         _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
+        if not per_layer and state is not None:
+            state.after_call(owner.name, mod)
         if tracer is not None and is_batchless(a, out, per_layer):
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
             # (and a ruled layer's input) as batched views, the output returned in place of the
@@ -208,6 +248,12 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         # the engine's own code (it reads the autograd sequence number), not user code: the
         # tracer's Python checks pause, as in _engine_call
+        if by_module[id(mod)].rule is not _MODULE:
+            # a ruled layer: Module.__call__ has just looked its forward up (this pre-hook runs
+            # first, global pre-hooks are refused), so an instance forward or a class installed
+            # for this call is still there
+            _refuse_instance_code(by_module[id(mod)].name, mod, classes[id(mod)])
+            return None
         if tracer is None:
             return by_module[id(mod)].enter(mod, args, kwargs)
         quiet, tracer.quiet = tracer.quiet, True
@@ -216,12 +262,18 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         finally:
             tracer.quiet = quiet
 
+    classes = {id(o.module): type(o.module) for o in scan.owners}  # before any user code
+    state = _StatePrints(o.module for o in scan.owners if o.rule is not _MODULE) \
+        if tracer is not None else None
     handles = []
     try:
         for o in scan.owners:
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
-            if o.rule is _MODULE:  # the per-layer path needs the call's autograd window
-                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True))
+            # the per-layer path needs the call's autograd window; a ruled layer's call must run
+            # its class's code (checked at the call: third hostile review)
+            if o.rule is _MODULE or tracer is not None:
+                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True,
+                                                                  prepend=True))
         try:
             with torch.enable_grad(), (tracer or contextlib.nullcontext()):
                 try:
@@ -242,6 +294,8 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     finally:
         for h in handles:
             h.remove()
+    if state is not None:
+        state.check()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 
@@ -254,10 +308,13 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
     cached per :func:`_chain_key`); the loss, user code, is traced (and matched against the proof)
     on every call."""
     calls: list[_Call] = []
-    if tracer is not None and _known_chain(chain):
+    if tracer is not None and type(xs) is Tensor and _known_chain(chain):
+        # (a subclass input runs __torch_function__ in every layer: third hostile review)
         got = _run_known_chain(chain, by_module, xs, batch)
         if got is not None:  # proved per-example separable by the modules' semantics
             calls, h = got
+            for c in calls:  # the loss is user code: it runs after the calls
+                _printed(c)
             tracer.mark(h, (0, 1))
             if tracer.match is not None:  # the chain is library code: the loss is matched
                 tracer.match.start_at_loss(h)
@@ -266,6 +323,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             _check_separable(tracer, calls, losses)
             return calls, losses.sum()
     _arm(tracer)  # the chain's modules may be user code
+    classes = {id(m): type(m) for m in chain}  # before any user code
+    state = _StatePrints(m for m in chain if id(m) in by_module) if tracer is not None else None
     key = _chain_key(chain, xs) if tracer is not None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
@@ -277,8 +336,13 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 if owner is None:
                     h = mod(h)
                 else:
+                    # (installed by an earlier module of the chain)
+                    _refuse_instance_code(owner.name, mod, classes[id(mod)])
                     out = mod(h)
-                    calls.append(_engine_call(owner, h, out, chain_tracer))
+                    if state is not None:
+                        state.after_call(owner.name, mod)
+                    calls.append(_printed(_engine_call(owner, h, out, chain_tracer))
+                                 if tracer is not None else _engine_call(owner, h, out, None))
                     h = out
         if tracer is not None:
             if cached is not None:
@@ -293,6 +357,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
         with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
+    if state is not None:
+        state.check()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 
@@ -463,12 +529,16 @@ def _batched_rank(mod: nn.Module, a: Tensor) -> bool:
 
 
 def _known_chain(chain: list[nn.Module]) -> bool:
-    """Whether every module of the chain is of a known exact class, without hooks (container
-    and global hooks are excluded by :func:`_plain_chain`) or an instance ``forward``."""
+    """Whether every module of the chain is of a known exact class with torch's own forward, a
+    plain instance (:func:`dpclip.engine.plain_module.plain_instance`: no hooks, no instance code,
+    configuration of exact built-in types, exact parameters and buffers; third hostile review),
+    no global hooks and no user code active around the call (modes, saved-tensor hooks)."""
     if _MODULE_CALL is None or (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL:
         return False
+    if not global_hooks_clear() or ambient_user_code() is not None:
+        return False
     for mod in chain:
-        if type(mod) not in _KNOWN_MODULES or not _no_hooks(mod) or "forward" in mod.__dict__ \
+        if type(mod) not in _KNOWN_MODULES or not plain_instance(mod) \
                 or _KNOWN_FORWARD.get(type(mod)) is not type(mod).forward:
             return False
     return True
@@ -531,16 +601,25 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
 #: parameters' and buffers' shapes (fixed by that configuration) and the input's shape and dtype
 #: (part of the key), never on the data; the loss function, user code, is traced on every call
 _CHAIN_LAYOUTS: dict[tuple, tuple] = {}
+#: every ``torch.nn`` module class torch defines, with its forward, taken at import
+_TORCH_FORWARD = {c: c.forward for c in vars(nn).values()
+                  if isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module
+                  and _torch_own(c.forward)}
 _SIMPLE = (int, float, bool, str, type(None))
 
 
 def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
     """The cache key of a plain chain's separability trace, or None (not cacheable: a module that
     is not a built-in ``torch.nn`` class, or public configuration that is not plain data)."""
+    if type(xs) is not Tensor or not global_hooks_clear() or ambient_user_code() is not None:
+        return None
     parts: list[Any] = [tuple(xs.shape), xs.dtype, xs.device.type]
     for mod in chain:
         cls = type(mod)
-        if not cls.__module__.startswith("torch.nn.modules."):
+        # torch's own class with torch's own forward (a user class can name its __module__
+        # "torch.nn.modules..."), a plain instance (no hooks on a layer that owns no parameters,
+        # no instance _conv_forward, ...: third hostile review, LOO 2.46-3.61 C before)
+        if _TORCH_FORWARD.get(cls) is not cls.forward or not plain_instance(mod):
             return None
         conf = []
         for k, v in mod.__dict__.items():
@@ -570,13 +649,93 @@ def _refuse_proof_leftovers(name: str, args: tuple, kwargs: dict) -> None:
                 "state in registered buffers (they are guarded), or use engine 'vmap'")
 
 
+def _refuse_instance_code(name: str, mod: nn.Module, cls: type | None = None) -> None:
+    """Raise :class:`_NotTheProvedProgram` if a ruled layer's call would run code that is not its
+    class's (an instance ``forward`` or ``_conv_forward``, a parameter of a tensor subclass,
+    :func:`dpclip.engine.plain_module.instance_code`): the engine reads the layer's per-example
+    gradient from its input and output as the class's forward relates them, while an instance
+    ``forward`` may mix its output over the batch (third hostile review: installed during the
+    call and deleted by itself, accepted with LOO 2.00 C; so was a class swapped for the call,
+    ``cls``: the class when the step started). Not a vmap fallback: whether the code is installed
+    can depend on the batch size."""
+    if cls is not None and type(mod) is not cls:
+        raise _NotTheProvedProgram(
+            f"layer {name!r} was called as an instance of {type(mod).__name__}, not of its class "
+            f"{cls.__name__} (its __class__ was replaced for the call), so its per-example "
+            "gradient is not the one its rule reads; do not replace a layer's class during the "
+            "forward")
+    pre = _module_mod._global_forward_pre_hooks
+    if type(pre) not in (dict, collections.OrderedDict) or len(pre):
+        raise _NotTheProvedProgram(
+            f"a global forward pre-hook runs before layer {name!r} (after Module.__call__ looked "
+            "its forward up): it could change the code that call runs. Remove it "
+            "(torch.nn.modules.module.register_module_forward_pre_hook), or use engine 'vmap'")
+    what = instance_code(mod)
+    if what is not None:
+        raise _NotTheProvedProgram(
+            f"layer {name!r} ({type(mod).__name__}) runs code its class does not define (its "
+            f"instance attribute {what!r} replaces the class's), so its per-example gradient is "
+            "not the one its rule reads; do not replace a layer's forward or parameters on the "
+            "instance (subclass it, or wrap it in a module of your own)")
+
+
+def _layer_state(mod: nn.Module) -> list[Tensor]:
+    """The tensors a ruled layer's call reads besides its input: its parameters, and its buffers
+    unless it is training (batch norm updates its running statistics in its call)."""
+    got = [p for p in mod._parameters.values() if p is not None]
+    if not mod.training:
+        got += [b for b in mod._buffers.values() if b is not None]
+    return got
+
+
+class _StatePrints:
+    """Fingerprints (:mod:`dpclip.engine.saved_check`) of the ruled layers' state when the step
+    starts, before any user code runs (by tensor identity), and of the state each call read, taken
+    right after the call, before user code can restore it; compared by :meth:`check` after the
+    forward (one synchronisation for all the calls)."""
+
+    def __init__(self, mods: Any) -> None:
+        self.start = {id(t): (t, t._version, fingerprint(t))
+                      for m in mods for t in _layer_state(m)}
+        self.read: list[tuple[str, nn.Module, Any]] = []
+
+    def after_call(self, name: str, mod: nn.Module) -> None:
+        for t in _layer_state(mod):
+            got = self.start.get(id(t))
+            # (a write that moved the version counter is the trace's and the match's to refuse,
+            # with their own messages; here: the bytes changed and the counter did not)
+            if got is not None and got[0] is t and t._version == got[1]:
+                self.read.append((name, mod, same(fingerprint(t), got[2])))
+
+    def check(self) -> None:
+        """Raise :class:`_NotTheProvedProgram` if a ruled layer's call read a parameter or buffer
+        whose bytes were not those of the step's start: written for the call by a path that no
+        operation shows (dispatch off, the version counter set back) and restored after it, the
+        layer's output mixed the batch while every name and the state guard saw the original
+        (third hostile review: LOO 2.13 C). Not a vmap fallback: the write can depend on the
+        batch size."""
+        read, self.read = self.read, []
+        if all_true([f for _, _, f in read]):
+            return
+        name, mod = next((n, m) for n, m, f in read if not all_true([f]))
+        raise _NotTheProvedProgram(
+            f"a parameter or buffer of layer {name!r} ({type(mod).__name__}) did not hold its "
+            "values of the step's start when the layer was called (written during the forward "
+            "by a path that no operation of the trace shows), so the layer's output is not what "
+            "its per-example gradient assumes; do not write the model's state in the forward")
+
+
 def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
     """Raise :class:`_RuntimeUnsupported` if a forward hook other than the engine's own (``ours``)
     runs on a hooked layer: a user hook registered before the engine's may replace the layer's
     output (``o + o.mean(0)``), and the gradient of the replacement would then be read as the
     layer's ``b`` while the trace marks it ``(0, 1)`` (hostile review, issue 31: accepted before;
     benchmarks/results/hostile_review_loo.md)."""
-    if _module_mod._global_forward_hooks or any(h is not ours for h in mod._forward_hooks.values()):
+    # exact tables (a dict subclass can hide its hooks from .values() and not from
+    # Module.__call__, which reads .items(): third hostile review, LOO 1.06 C)
+    glob, own = _module_mod._global_forward_hooks, mod._forward_hooks
+    if type(glob) not in _TABLE_TYPES or type(own) not in _TABLE_TYPES or len(glob) \
+            or any(h is not ours for h in dict.values(own)):
         raise _RuntimeUnsupported(
             f"layer {name!r} ({type(mod).__name__}) has a forward hook that is not the engine's: "
             "it may replace the layer's output (e.g. mix it over the batch), so the layer's "

@@ -45,7 +45,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges")
+                 "live_idx", "fast", "oedges", "a_print")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -68,6 +68,10 @@ class _Call:
         self.rule = owner.rule
         self.a = a
         self.a_version = a._version
+        #: ``[(tensor, fingerprint)]`` of what the engine reads after the forward when user code
+        #: runs after the call (a traced step), checked before it is read
+        #: (:mod:`dpclip.engine.saved_check`; ``ghost_forward._printed``)
+        self.a_print: list | None = None
         self.out_shape = tuple(out.shape)
         self.edge = _gradient_edge(out) if out.requires_grad else None
         self.b: Tensor | None = None
@@ -94,6 +98,7 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.owner, c.mod, c.rule = owner, owner.module, owner.rule
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
+    c.a_print = None
     c.outs = outs
     # the outputs' gradient edges as the module produced them (a later in-place change of an
     # output moves the tensor's own edge; b is the gradient w.r.t. the module's output)
@@ -867,18 +872,23 @@ _RULES: dict[type, _Rule] = {
 if hasattr(nn, "RMSNorm"):
     _RULES[nn.RMSNorm] = _RMSNormRule()
 
-#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``)
+#: the layer types the ghost engine supports (subclasses too, unless they override ``forward``,
+#: attribute lookup or the call: :func:`dpclip.engine.plain_module.same_code`)
 SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
 
 
 def _rule_for(mod: nn.Module) -> _Rule | None:
+    from dpclip.engine.plain_module import instance_code, same_code
+
+    if instance_code(mod) is not None:  # an instance forward: the per-layer path traces it
+        return None
     rule = _RULES.get(type(mod))
     if rule is not None:
         return rule
     if _is_hf_conv1d(mod):
         return _CONV1D
     for base, rule in _RULES.items():
-        if isinstance(mod, base) and type(mod).forward is base.forward:
+        if isinstance(mod, base) and same_code(type(mod), base):
             return rule
     return None
 
@@ -890,7 +900,11 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
 
     pu = sys.modules.get("transformers.pytorch_utils")
     cls = getattr(pu, "Conv1D", None) if pu is not None else None
-    return cls is not None and isinstance(mod, cls) and type(mod).forward is cls.forward
+    if cls is None or not isinstance(mod, cls):
+        return False
+    from dpclip.engine.plain_module import same_code
+
+    return same_code(type(mod), cls)
 
 
 # ------------------------------------------------------------------------------ model scan

@@ -34,13 +34,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.plain_module import global_hooks_clear, plain_instance
+
 __all__ = ["cross_entropy_per_example", "known_loss", "known_loss_fn"]
 
 #: bound at import: a later reassignment of ``torch.nn.functional.cross_entropy`` is not called
 _CROSS_ENTROPY = nn.functional.cross_entropy
 _CE_FORWARD = nn.CrossEntropyLoss.forward
 _MSE_FORWARD = nn.MSELoss.forward
-_module_mod = torch.nn.modules.module
 
 
 def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -53,12 +54,13 @@ def cross_entropy_per_example(outputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def _plain_module(loss: nn.Module, forward: Any) -> bool:
-    return (type(loss).forward is forward and "forward" not in loss.__dict__
+    # plain_instance: configuration of exact built-in types (a str subclass as ``reduction``
+    # answered the check "none" and ran user code inside the loss: third hostile review, LOO
+    # 1.04 C), no hooks, exact parameters and buffers
+    return (type(loss).forward is forward and plain_instance(loss)
             and not (loss._forward_hooks or loss._forward_pre_hooks or loss._backward_hooks
                      or loss._backward_pre_hooks)
-            and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
-                     or _module_mod._global_backward_hooks
-                     or _module_mod._global_backward_pre_hooks))
+            and global_hooks_clear())
 
 
 def _class_indices(h: Tensor, ys: Tensor, batch: int) -> bool:
@@ -72,6 +74,8 @@ def known_loss_fn(loss_fn: Any) -> bool:
     or dispatch mode is active. A cheap test before the forward runs."""
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return False  # user code that can rewrite what the backward reads
     if loss_fn is cross_entropy_per_example:
         return True
     cls = type(loss_fn)

@@ -1,0 +1,122 @@
+"""Whether the tensors the ghost engine keeps from the forward are unchanged when it reads them.
+
+The engine keeps each ruled layer's input ``a`` from its call and reads it after the backward
+(the per-example norms and the weighted sum). An in-place write to ``a`` after the call bumps its
+version counter, which the engine checks; but a write with Python dispatch and torch functions
+switched off (``torch._C._DisableTorchDispatch``, ``torch._C.DisableTorchFunction``: the trace
+does not see it), followed by ``torch._C._autograd._unsafe_set_version_counter`` (the counter set
+back), leaves no trace at all. The layer's output was computed from the original ``a`` and the
+engine would read example ``i``'s gradient from a rewritten ``a`` that mixes the batch (third
+hostile review: ``a + 5 a.mean(0)`` after the last layer, accepted with LOO 1.54 C).
+
+Only the bytes cannot be fooled, so :func:`fingerprint` reads them: the tensor's bytes as 32-bit
+(or narrower) integers, weighted by random odd 64-bit integers (one per row, one per column of
+the last dimension; drawn from a generator seeded by the OS) and summed with wrap-around. Integer
+sums do not depend on the reduction order, so an unchanged tensor gives the same value on every
+device and thread count; a change of any bytes gives a different value except with probability
+about ``2**-32``, for any change chosen without knowing the weights (32-bit words: a sign bit
+flipped in two 64-bit words would cancel under odd weights). Code that reads the generator
+(``dpclip.engine.saved_check._GEN``) can solve for a change the fingerprint misses: introspection
+of the engine is outside the trust boundary (docs/engines.md, "Third hostile review").
+
+Cost: twice (taken, checked) an int64 copy of each kept tensor and one integer matrix-vector
+product, the comparisons read with one synchronisation per check; only on traced steps (a chain
+of known modules with a known loss runs no user code that could write). On the tests'
+``transformer`` case (B 64, float64, one shared CPU thread) the ghost step's median went from
+11-13 ms to 15-18 ms (p10 10-12 ms to 14-15 ms) with these checks, the layer-state fingerprints
+and the ruled layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ...";
+a tiny model, where the per-tensor Python cost dominates).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["all_true", "fingerprint", "same", "unchanged"]
+
+_GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+_INT = {1: torch.int8, 2: torch.int16}
+#: odd random weights by (device, role: 0 rows, 1 columns), grown on demand and sliced (drawing
+#: them per tensor cost more than the fingerprint itself); rows and columns draw from separate
+#: pools (shared weights would make the sum symmetric: a swap of v_ij and v_ji would be missed)
+_POOLS: dict[tuple[str, int], Tensor] = {}
+
+
+def _weights(n: int, device: torch.device, role: int) -> Tensor:
+    key = (str(device), role)
+    pool = _POOLS.get(key)
+    if pool is None or pool.shape[0] < n:
+        size = max(n, 1024, 2 * (pool.shape[0] if pool is not None else 0))
+        w = torch.randint(-(2 ** 62), 2 ** 62, (size,), generator=_GEN, dtype=torch.int64)
+        pool = _POOLS[key] = (w * 2 + 1).to(device)  # odd: one changed lowest bit is seen
+    return pool[:n]
+
+
+def _words(t: Tensor) -> Tensor:
+    """``t``'s bytes as a 2-D ``(rows, last)`` int64 tensor of its 8-, 16- or 32-bit words
+    (32-bit words: a 64-bit word's sign bit, flipped in two elements, would cancel under odd
+    64-bit weights; a 32-bit word's cannot)."""
+    u = t.detach()
+    if u.is_complex():
+        u = torch.view_as_real(u)
+    elif u.dtype == torch.bool:
+        u = u.view(torch.int8)
+    if u.ndim == 0:
+        u = u.reshape(1)
+    if not u.is_contiguous():
+        u = u.contiguous()
+    w = u.view(_INT.get(u.element_size(), torch.int32))
+    return w.reshape(-1, w.shape[-1]).long() if w.numel() else w.reshape(0, 1).long()
+
+
+def _value(v: Tensor) -> Tensor:
+    """``sum_ij r_i v_ij c_j`` with wrap-around (exact, any reduction order); a 0-dim tensor,
+    not synchronised."""
+    rw, cw = _weights(v.shape[0], v.device, 0), _weights(v.shape[1], v.device, 1)
+    if v.device.type == "cpu":
+        return (torch.mv(v, cw) * rw).sum()  # (no product temporary of the full size)
+    return ((v * cw).sum(1) * rw).sum()
+
+
+Print = tuple  # (value, shape, dtype)
+
+
+def fingerprint(t: Tensor) -> Print | None:
+    """``(value, shape, dtype)`` of ``t``'s bytes (module docstring; the value a 0-dim tensor on
+    ``t``'s device, not synchronised), or None for a tensor whose bytes cannot be viewed (sparse,
+    quantized, meta): it is then not checked. Runs with Python dispatch and torch functions off
+    and without autograd (engine code: the trace must not see it)."""
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return None
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return _value(_words(t)), tuple(t.shape), t.dtype
+
+
+def same(now: Print | None, then: Print | None) -> Tensor | bool:
+    """Whether two fingerprints of one tensor agree: a bool, or a 0-dim bool tensor (not
+    synchronised; :func:`all_true` reads many at once)."""
+    if then is None:
+        return True
+    if now is None or now[1:] != then[1:]:
+        return False
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return now[0] == then[0]
+
+
+def all_true(flags: list) -> bool:
+    """Whether every flag of :func:`same` is true, with one synchronisation per device."""
+    tensors = [f for f in flags if isinstance(f, Tensor)]
+    if not all(f for f in flags if not isinstance(f, Tensor)):
+        return False
+    if not tensors:
+        return True
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return bool(torch.stack(tensors).all())
+
+
+def unchanged(t: Tensor, printed: Print | None) -> bool:
+    """Whether ``t``'s bytes still give the fingerprint taken earlier (True when none was)."""
+    return all_true([same(fingerprint(t), printed)])
