@@ -1510,8 +1510,8 @@ def test_third_review_attack_never_exceeds_c(name, engine):
 # ------------------------------------------------- third review: the refusals (docs/errors.md)
 
 
-def test_error_501_code_replaced_on_a_ruled_layer_instance():
-    """docs/errors.md entry 501: an instance forward installed for the call (and deleted by
+def test_error_95_code_replaced_on_a_ruled_layer_instance():
+    """docs/errors.md entry 95: an instance forward installed for the call (and deleted by
     itself) on a ruled layer is refused at the call, under auto too (never a vmap fallback)."""
     for engine in (GhostEngine(), AutoEngine()):
         torch.manual_seed(0)
@@ -1522,8 +1522,8 @@ def test_error_501_code_replaced_on_a_ruled_layer_instance():
             clipped_sum(engine, model, ce, x, y)
 
 
-def test_error_502_user_code_around_the_step():
-    """docs/errors.md entry 502: a torch function mode or saved-tensor hooks active when the
+def test_error_96_user_code_around_the_step():
+    """docs/errors.md entry 96: a torch function mode or saved-tensor hooks active when the
     step starts: ghost and auto refuse (naming the context; not a vmap fallback, vmap would run
     under the same user code); torch.device(...) is not user code and stays on ghost."""
     torch.manual_seed(0)
@@ -1541,8 +1541,8 @@ def test_error_502_user_code_around_the_step():
         assert clipped_sum(GhostEngine(), model, ce, x, y)[1]["engine"] == "ghost"
 
 
-def test_error_503_kept_input_rewritten_without_a_trace():
-    """docs/errors.md entry 503: a ruled layer's input rewritten after the call, dispatch off and
+def test_error_97_kept_input_rewritten_without_a_trace():
+    """docs/errors.md entry 97: a ruled layer's input rewritten after the call, dispatch off and
     its version counter set back, is refused under ghost and auto (never a vmap fallback)."""
     from dpclip.engine import batch_symbol
 
@@ -1561,8 +1561,8 @@ def test_error_503_kept_input_rewritten_without_a_trace():
             _SW["on"] = False
 
 
-def test_error_504_layer_state_written_for_the_call():
-    """docs/errors.md entry 504: a ruled layer's weight written for its call without a trace and
+def test_error_98_layer_state_written_for_the_call():
+    """docs/errors.md entry 98: a ruled layer's weight written for its call without a trace and
     restored after it is refused under ghost and auto (never a vmap fallback)."""
     from dpclip.engine import batch_symbol
 
