@@ -24,7 +24,7 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
-from dpclip.engine.saved_check import all_true, fingerprint, same
+from dpclip.engine.saved_check import fingerprint
 from dpclip.engine.known_losses import known_loss, known_loss_fn
 from dpclip.engine.plain_module import (
     ambient_user_code,
@@ -212,8 +212,6 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         _refuse_user_forward_hooks(owner.name, mod, hook)
         _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
-        if not per_layer and state is not None:
-            state.after_call(owner.name, mod)
         if tracer is not None and is_batchless(a, out, per_layer):
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
             # (and a ruled layer's input) as batched views, the output returned in place of the
@@ -263,8 +261,6 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             tracer.quiet = quiet
 
     classes = {id(o.module): type(o.module) for o in scan.owners}  # before any user code
-    state = _StatePrints(o.module for o in scan.owners if o.rule is not _MODULE) \
-        if tracer is not None else None
     handles = []
     try:
         for o in scan.owners:
@@ -294,8 +290,6 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     finally:
         for h in handles:
             h.remove()
-    if state is not None:
-        state.check()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 
@@ -324,7 +318,6 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             return calls, losses.sum()
     _arm(tracer)  # the chain's modules may be user code
     classes = {id(m): type(m) for m in chain}  # before any user code
-    state = _StatePrints(m for m in chain if id(m) in by_module) if tracer is not None else None
     key = _chain_key(chain, xs) if tracer is not None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
@@ -339,8 +332,6 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                     # (installed by an earlier module of the chain)
                     _refuse_instance_code(owner.name, mod, classes[id(mod)])
                     out = mod(h)
-                    if state is not None:
-                        state.after_call(owner.name, mod)
                     calls.append(_printed(_engine_call(owner, h, out, chain_tracer))
                                  if tracer is not None else _engine_call(owner, h, out, None))
                     h = out
@@ -357,8 +348,6 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
         with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
-    if state is not None:
-        state.check()
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 
@@ -677,52 +666,6 @@ def _refuse_instance_code(name: str, mod: nn.Module, cls: type | None = None) ->
             f"instance attribute {what!r} replaces the class's), so its per-example gradient is "
             "not the one its rule reads; do not replace a layer's forward or parameters on the "
             "instance (subclass it, or wrap it in a module of your own)")
-
-
-def _layer_state(mod: nn.Module) -> list[Tensor]:
-    """The tensors a ruled layer's call reads besides its input: its parameters, and its buffers
-    unless it is training (batch norm updates its running statistics in its call)."""
-    got = [p for p in mod._parameters.values() if p is not None]
-    if not mod.training:
-        got += [b for b in mod._buffers.values() if b is not None]
-    return got
-
-
-class _StatePrints:
-    """Fingerprints (:mod:`dpclip.engine.saved_check`) of the ruled layers' state when the step
-    starts, before any user code runs (by tensor identity), and of the state each call read, taken
-    right after the call, before user code can restore it; compared by :meth:`check` after the
-    forward (one synchronisation for all the calls)."""
-
-    def __init__(self, mods: Any) -> None:
-        self.start = {id(t): (t, t._version, fingerprint(t))
-                      for m in mods for t in _layer_state(m)}
-        self.read: list[tuple[str, nn.Module, Any]] = []
-
-    def after_call(self, name: str, mod: nn.Module) -> None:
-        for t in _layer_state(mod):
-            got = self.start.get(id(t))
-            # (a write that moved the version counter is the trace's and the match's to refuse,
-            # with their own messages; here: the bytes changed and the counter did not)
-            if got is not None and got[0] is t and t._version == got[1]:
-                self.read.append((name, mod, same(fingerprint(t), got[2])))
-
-    def check(self) -> None:
-        """Raise :class:`_NotTheProvedProgram` if a ruled layer's call read a parameter or buffer
-        whose bytes were not those of the step's start: written for the call by a path that no
-        operation shows (dispatch off, the version counter set back) and restored after it, the
-        layer's output mixed the batch while every name and the state guard saw the original
-        (third hostile review: LOO 2.13 C). Not a vmap fallback: the write can depend on the
-        batch size."""
-        read, self.read = self.read, []
-        if all_true([f for _, _, f in read]):
-            return
-        name, mod = next((n, m) for n, m, f in read if not all_true([f]))
-        raise _NotTheProvedProgram(
-            f"a parameter or buffer of layer {name!r} ({type(mod).__name__}) did not hold its "
-            "values of the step's start when the layer was called (written during the forward "
-            "by a path that no operation of the trace shows), so the layer's output is not what "
-            "its per-example gradient assumes; do not write the model's state in the forward")
 
 
 def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:

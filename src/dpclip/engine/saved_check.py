@@ -23,9 +23,10 @@ Cost: twice (taken, checked) an int64 copy of each kept tensor and one integer m
 product, the comparisons read with one synchronisation per check; only on traced steps (a chain
 of known modules with a known loss runs no user code that could write). On the tests'
 ``transformer`` case (B 64, float64, one shared CPU thread) the ghost step's median went from
-11-13 ms to 15-18 ms (p10 10-12 ms to 14-15 ms) with these checks, the layer-state fingerprints
-and the ruled layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ...";
-a tiny model, where the per-tensor Python cost dominates).
+11-13 ms to 15-18 ms (p10 10-12 ms to 14-15 ms) with these checks, fingerprints of the layers'
+state (since dropped: the proved-program match's memory watch covers that state) and the ruled
+layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ..." and "integ:
+..."; a tiny model, where the per-tensor Python cost dominates).
 """
 
 from __future__ import annotations
