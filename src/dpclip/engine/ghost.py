@@ -122,7 +122,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import call_model
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
-from dpclip.engine.saved_check import all_true, fingerprint, same
+from dpclip.engine.saved_check import all_true, still
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
@@ -301,7 +301,7 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
     can depend on the batch size."""
     # (a write that moved the version counter is refused by the version checks, with their own
     # message; here: the bytes changed and the counter did not)
-    flags = [(c, same(fingerprint(t), p)) for c in live for t, v, p in c.a_print or ()
+    flags = [(c, still(t, p)) for c in live for t, v, p in c.a_print or ()
              if t._version == v]
     for c in live:
         c.a_print = None

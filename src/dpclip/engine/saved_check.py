@@ -17,7 +17,9 @@ device and thread count; a change of any bytes gives a different value except wi
 about ``2**-32``, for any change chosen without knowing the weights (32-bit words: a sign bit
 flipped in two 64-bit words would cancel under odd weights). Code that reads the generator
 (``dpclip.engine.saved_check._GEN``) can solve for a change the fingerprint misses: introspection
-of the engine is outside the trust boundary (docs/engines.md, "Third hostile review").
+of the engine is outside the trust boundary (docs/engines.md, "Third hostile review"). On the CPU
+the print is the bytes themselves (a copy, compared with ``memcmp``: exact, and cheaper there than
+the sum); on an accelerator the sum (no copy held across the backward, one synchronisation).
 
 Cost: twice (taken, checked) an int64 copy of each kept tensor and one integer matrix-vector
 product, the comparisons read with one synchronisation per check; only on traced steps (a chain
@@ -31,12 +33,15 @@ layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ...
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
 from torch import Tensor
 
-__all__ = ["all_true", "fingerprint", "same", "unchanged"]
+from dpclip.engine.memory_watch import _MEMCMP
+
+__all__ = ["all_true", "fingerprint", "same", "still", "unchanged"]
 
 _GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 _INT = {1: torch.int8, 2: torch.int16}
@@ -82,18 +87,32 @@ def _value(v: Tensor) -> Tensor:
     return ((v * cw).sum(1) * rw).sum()
 
 
-Print = tuple  # (value, shape, dtype)
+Print = tuple  # (value, shape, dtype, kind)
+#: kinds of print: the weighted sum above (a 0-dim int64 tensor), or on the CPU the bytes
+#: themselves (a uint8 copy, compared with ``memcmp``: exact, and cheaper there than the sum's
+#: int64 copy and product; the copy lives as long as the print)
+_SUM, _BYTES = "sum", "bytes"
 
 
 def fingerprint(t: Tensor) -> Print | None:
-    """``(value, shape, dtype)`` of ``t``'s bytes (module docstring; the value a 0-dim tensor on
-    ``t``'s device, not synchronised), or None for a tensor whose bytes cannot be viewed (sparse,
-    quantized, meta): it is then not checked. Runs with Python dispatch and torch functions off
-    and without autograd (engine code: the trace must not see it)."""
+    """``(value, shape, dtype, kind)`` of ``t``'s bytes (module docstring; on an accelerator the
+    value is a 0-dim tensor on ``t``'s device, not synchronised; on the CPU a copy of the bytes),
+    or None for a tensor whose bytes cannot be viewed (sparse, quantized, meta): it is then not
+    checked. Runs with Python dispatch and torch functions off and without autograd (engine code:
+    the trace must not see it)."""
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        return _value(_words(t)), tuple(t.shape), t.dtype
+        if t.device.type == "cpu" and _MEMCMP is not None:
+            u = t.detach()
+            if not u.is_contiguous():
+                u = u.contiguous()
+            n = u.numel() * u.element_size()
+            copy = torch.empty(n, dtype=torch.uint8)
+            if n:
+                ctypes.memmove(copy.data_ptr(), u.data_ptr(), n)
+            return copy, tuple(t.shape), t.dtype, _BYTES
+        return _value(_words(t)), tuple(t.shape), t.dtype, _SUM
 
 
 def same(now: Print | None, then: Print | None) -> Tensor | bool:
@@ -103,8 +122,24 @@ def same(now: Print | None, then: Print | None) -> Tensor | bool:
         return True
     if now is None or now[1:] != then[1:]:
         return False
+    if then[3] == _BYTES:
+        a, b = now[0], then[0]
+        return a.numel() == b.numel() and (
+            a.numel() == 0 or _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0)
     with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return now[0] == then[0]
+
+
+def still(t: Tensor, then: Print | None) -> Tensor | bool:
+    """``same(fingerprint(t), then)``; on the CPU one ``memcmp`` of ``t``'s memory against the
+    copy when ``t`` is contiguous (no new copy)."""
+    if then is not None and then[3] == _BYTES and t.layout == torch.strided and \
+            t.device.type == "cpu" and (tuple(t.shape), t.dtype) == then[1:3]:
+        with torch._C.DisableTorchFunction():
+            if t.is_contiguous():
+                n = then[0].numel()
+                return n == 0 or _MEMCMP(t.data_ptr(), then[0].data_ptr(), n) == 0
+    return same(fingerprint(t), then)
 
 
 def all_true(flags: list) -> bool:
@@ -120,4 +155,4 @@ def all_true(flags: list) -> bool:
 
 def unchanged(t: Tensor, printed: Print | None) -> bool:
     """Whether ``t``'s bytes still give the fingerprint taken earlier (True when none was)."""
-    return all_true([same(fingerprint(t), printed)])
+    return all_true([still(t, printed)])
