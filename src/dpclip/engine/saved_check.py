@@ -27,8 +27,9 @@ of known modules with a known loss runs no user code that could write). On the t
 ``transformer`` case (B 64, float64, one shared CPU thread) the ghost step's median went from
 11-13 ms to 15-18 ms (p10 10-12 ms to 14-15 ms) with these checks, fingerprints of the layers'
 state (since dropped: the proved-program match's memory watch covers that state) and the ruled
-layers' pre-hooks (benchmarks/results/separability_overhead.md, rows "third: ..." and "integ:
-..."; a tiny model, where the per-tensor Python cost dominates).
+layers' pre-hooks; with the CPU byte prints and the per-operation caches of the match, 12.5-13.5
+ms again (benchmarks/results/separability_overhead.md; a tiny model, where the per-tensor Python
+cost dominates).
 """
 
 from __future__ import annotations
