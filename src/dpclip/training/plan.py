@@ -54,12 +54,17 @@ class Plan:
     ``sampler``: of examples (``dpclip.training.sampling``) or of users (the federated
     aggregator's); ``total_steps``: planned steps (or rounds); ``units_per_step``: public number of
     clipped vectors per step (default the sampler's expected batch size; BC/GBC: units);
-    ``steps_per_epoch``: default the sampler's (rounds: 1, :meth:`for_rounds`).
+    ``steps_per_epoch``: default the sampler's (rounds: 1, :meth:`for_rounds`);
+    ``prior_events``: releases made from the private data before the first step (e.g. the
+    private centre of ``centre="private"``, :mod:`dpclip.data.private_centre`), first in every
+    planned ledger, so calibration and budget count them with the steps.
     """
 
     def __init__(self, strategy: ClippingStrategy, sampler: Any, total_steps: int,
-                 units_per_step: float | None = None, steps_per_epoch: int | None = None) -> None:
+                 units_per_step: float | None = None, steps_per_epoch: int | None = None,
+                 prior_events: tuple[DpEvent, ...] = ()) -> None:
         self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
+        self.prior_events = tuple(prior_events)
         #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
         self.units = units_per_step if units_per_step is not None \
             else sampler.expected_batch_size
@@ -109,8 +114,11 @@ class Plan:
         """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
         (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
         which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
-        rejected value is never used for training (building the real plan raises)."""
+        rejected value is never used for training (building the real plan raises). The
+        ``prior_events`` come first, whatever ``steps`` (``steps=0``: those alone)."""
         led = Ledger()
+        for prior in self.prior_events:
+            led.record(prior)
         for t in range(self.total_steps if steps is None else steps):
             try:
                 led.record(self.event(t, base))
@@ -170,6 +178,13 @@ def budget_steps(plan: Plan, z: float, *, epsilon: float | None, delta: float, a
     total = plan.total_steps
     if eps(total) <= epsilon:
         return total
+    if plan.prior_events and eps(0) > epsilon:
+        raise ValueError(
+            f"{flags['epsilon']} {epsilon:g}: the releases before the first step "
+            f"({', '.join(map(str, plan.prior_events))}, e.g. a private centre) already cost "
+            f"epsilon {eps(0):.4g} at delta {delta:g} ({accountant}); raise {flags['epsilon']} or "
+            "the preprocessing's noise multiplier (e.g. the dataset option "
+            "centre_noise_multiplier)")
     lo, hi = 0, total  # eps(lo) <= cap < eps(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2

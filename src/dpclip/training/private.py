@@ -79,6 +79,7 @@ from dpclip.training.multiplicity import KCopyModel, check_multiplicity, expand_
 from dpclip.training.plan import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.training.noise_shard import ShardNoiseEngine
+from dpclip.training.preprocess import PreprocessRelease
 from dpclip.training.sampling import make_sampler
 from dpclip.training.step import StepOutput, dp_step, private_buffer_guard
 from dpclip.training.units import (
@@ -298,6 +299,7 @@ class PrivateTraining:
         data_on_device: bool | str = "auto",
         averaging: Any = None,
         augment_multiplicity: int = 1,
+        preprocess: Any = None,
     ) -> None:
         # the steps of Opacus' make_private, in order: arguments, data, privacy, the strategy and
         # its unit, the engine and loss, the sampler, the plan, the randomness, the state
@@ -319,12 +321,20 @@ class PrivateTraining:
         strategy = self._prepare_engine(strategy, engine, chunk_kw, loss_fn, input_shape)
         self._prepare_public(public_data)
         self._prepare_sampler(n, batch_size, data, verbose, sampling, accountant, distributed)
+        #: the private preprocessing release (training.preprocess), made before the first step
+        self.preprocess = PreprocessRelease(
+            preprocess, inputs=self._x, sampling=sampling,
+            distributed=self.distributed is not None) if preprocess is not None else None
         self._prepare_plan(steps, epochs)
         self._prepare_randomness(reproducible_noise, (
             strategy_name(self.strategy), self.strategy.describe(), self.unit.describe(),
             self.sampler.name, n, float(self._batch_size), self.total_steps, epsilon,
             noise_multiplier, self.delta, accountant, engine, self.seed))
         self._prepare_state(engine, chunk_kw, noise_multiplier)
+        if self.preprocess is not None:  # every input checked: the release, first in the ledger
+            for event in self.preprocess.events:
+                self.ledger.record(event)
+            self._x = self.preprocess.make(self.rng.noise)
 
     # ------------------------------------------------------------------ construction steps
 
@@ -456,7 +466,8 @@ class PrivateTraining:
             self.total_steps = epochs * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self._plan = _Plan(self.strategy, self.sampler, self.total_steps,
-                           expected_units(self.unit, self.sampler))
+                           expected_units(self.unit, self.sampler),
+                           prior_events=self.preprocess.events if self.preprocess else ())
 
     def _prepare_randomness(self, reproducible_noise: bool, run_config: tuple[Any, ...]) -> None:
         """The secret generators (on the gradient's device: CUDA Philox keyed from os.urandom);
@@ -779,6 +790,7 @@ class PrivateTraining:
             "augment": self.augment.spec if self.augment is not None else "none",
             "augment_multiplicity": self.multiplicity,
             "averaging": self.averaging.spec if self.averaging is not None else "none",
+            "preprocess_release": self.preprocess.describe() if self.preprocess else None,
         }
 
     @property
@@ -804,6 +816,8 @@ class PrivateTraining:
             "engine_fallbacks": sorted(self.fallbacks),
             "post_step_due": self._post_step_due,
             **({"averaging": self.averager.state_dict()} if self.averager is not None else {}),
+            # a DP output (public): a resumed run reuses it, never draws a second one
+            **({"preprocess_output": self.preprocess.output} if self.preprocess else {}),
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
@@ -826,9 +840,16 @@ class PrivateTraining:
             self.noise_multiplier = ck_z
             self.max_steps = self._budget_steps()
         ledger = Ledger.from_dict(ck["ledger"])
-        if ledger.steps != ck["step"]:
-            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, "
-                               f"step={ck['step']}")
+        prior = len(self._plan.prior_events)  # the preprocessing release, recorded first
+        if ledger.steps != ck["step"] + prior:
+            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} entries, "
+                               f"step={ck['step']} (+ {prior} preprocessing release(s))")
+        if ("preprocess_output" in ck) != (self.preprocess is not None):
+            raise ValueError("checkpoint was written " + ("with" if "preprocess_output" in ck
+                             else "without") + " a private preprocessing release (the dataset "
+                             "option centre='private'); resume with the same dataset options")
+        if self.preprocess is not None:
+            self._x = self.preprocess.restore(ck["preprocess_output"])
         self.model.load_state_dict(ck["model"])
         if self.optimizer is not None and ck.get("optimizer") is not None:
             self.optimizer.load_state_dict(ck["optimizer"])
