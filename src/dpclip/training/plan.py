@@ -23,7 +23,7 @@ from dpclip.clipping import ClippingStrategy, StepContext
 from dpclip.events import DpEvent, GaussianEvent
 
 __all__ = ["API_FLAGS", "CLI_FLAGS", "FEDERATED_FLAGS", "NOISE_WARNING_THRESHOLD", "Plan",
-           "PlanMismatchError", "budget_steps", "resolve_noise"]
+           "PlanMismatchError", "budget_steps", "check_prior_events", "resolve_noise"]
 
 #: a noise multiplier above this triggers a NoiseWarning (the model will not learn)
 NOISE_WARNING_THRESHOLD = 50.0
@@ -136,6 +136,22 @@ class Plan:
 NOISE_MATCH_RTOL = 1e-9
 
 
+def check_prior_events(plan: Plan, *, epsilon: float, delta: float, accountant: str,
+                       flags: Mapping[str, str] = API_FLAGS) -> None:
+    """Refuse a plan whose releases before the first step (``prior_events``: e.g. the private
+    centre of ``centre="private"``) alone reach the epsilon target: no step would fit."""
+    if not plan.prior_events:
+        return
+    e0 = ledger_epsilon(plan.ledger(1.0, steps=0), delta, accountant=accountant)
+    if e0 >= epsilon:
+        raise ValueError(
+            f"{flags['epsilon']} {epsilon:g}: the releases before the first step "
+            f"({', '.join(map(str, plan.prior_events))}, e.g. a private centre) already cost "
+            f"epsilon {e0:.4g} at delta {delta:g} ({accountant}), leaving nothing for the steps; "
+            f"raise {flags['epsilon']} or the preprocessing's noise multiplier (the dataset "
+            "option centre_noise_multiplier)")
+
+
 def resolve_noise(plan: Plan, *, epsilon: float | None, noise_multiplier: float | None,
                   delta: float, accountant: str, flags: Mapping[str, str] = API_FLAGS) -> float:
     """The given noise multiplier, or the one calibrated so that the whole plan meets
@@ -144,6 +160,8 @@ def resolve_noise(plan: Plan, *, epsilon: float | None, noise_multiplier: float 
         z = float(noise_multiplier)
     else:
         assert epsilon is not None
+        check_prior_events(plan, epsilon=epsilon, delta=delta, accountant=accountant,
+                           flags=flags)
         z = calibrate_noise_multiplier(
             epsilon, delta, lambda x: plan.ledger(x, lenient=True).to_dp_event(),
             accountant=accountant)
@@ -178,13 +196,7 @@ def budget_steps(plan: Plan, z: float, *, epsilon: float | None, delta: float, a
     total = plan.total_steps
     if eps(total) <= epsilon:
         return total
-    if plan.prior_events and eps(0) > epsilon:
-        raise ValueError(
-            f"{flags['epsilon']} {epsilon:g}: the releases before the first step "
-            f"({', '.join(map(str, plan.prior_events))}, e.g. a private centre) already cost "
-            f"epsilon {eps(0):.4g} at delta {delta:g} ({accountant}); raise {flags['epsilon']} or "
-            "the preprocessing's noise multiplier (e.g. the dataset option "
-            "centre_noise_multiplier)")
+    check_prior_events(plan, epsilon=epsilon, delta=delta, accountant=accountant, flags=flags)
     lo, hi = 0, total  # eps(lo) <= cap < eps(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2

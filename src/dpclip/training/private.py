@@ -839,15 +839,15 @@ class PrivateTraining:
             # overspend the cap, the run stops by budget before the step that would.
             self.noise_multiplier = ck_z
             self.max_steps = self._budget_steps()
+        if ("preprocess_output" in ck) != (self.preprocess is not None):
+            raise ValueError("checkpoint was written " + ("with" if "preprocess_output" in ck
+                             else "without") + " a private preprocessing release (the dataset "
+                             "option centre='private'); resume with the same dataset options")
         ledger = Ledger.from_dict(ck["ledger"])
         prior = len(self._plan.prior_events)  # the preprocessing release, recorded first
         if ledger.steps != ck["step"] + prior:
             raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} entries, "
                                f"step={ck['step']} (+ {prior} preprocessing release(s))")
-        if ("preprocess_output" in ck) != (self.preprocess is not None):
-            raise ValueError("checkpoint was written " + ("with" if "preprocess_output" in ck
-                             else "without") + " a private preprocessing release (the dataset "
-                             "option centre='private'); resume with the same dataset options")
         if self.preprocess is not None:
             self._x = self.preprocess.restore(ck["preprocess_output"])
         self.model.load_state_dict(ck["model"])
