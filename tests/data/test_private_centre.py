@@ -166,3 +166,20 @@ def test_refusals_of_the_run():
     with pytest.raises(TypeError, match="preprocess= must have"):
         _dp(x, y, centre=object())
     assert ledger_epsilon(_dp(x, y)._plan.ledger(1.0, steps=0), DELTA) > 0  # planned first
+
+
+def test_a_resumed_breast_cancer_run_keeps_one_centre_release(tmp_path):
+    from dpclip.training.trainer import TrainConfig, train
+
+    opts = {"scaling": "declared-ranges", "centre": "private", "centre_noise_multiplier": 8.0}
+    cfg = TrainConfig(dataset="breast-cancer", dataset_options=opts, model="tabular-mlp",
+                      epochs=1, batch_size=64, lr=0.01, optimizer="adam", delta=DELTA,
+                      accountant="pld", strategy="fixed", strategy_params={"clip_norm": 1.0},
+                      engine="vmap", epsilon=TARGET, seed=0)
+    first = train(cfg, checkpoint_dir=tmp_path, stop_after_steps=3, progress=False)
+    assert first.summary["interrupted"] and first.ledger.steps == 1 + 3
+    res = train(cfg, checkpoint_dir=tmp_path, progress=False)
+    centre = [(e, c) for e, c in res.ledger.entries if e == GaussianEvent(8.0)]
+    assert centre == [(GaussianEvent(8.0), 1)]  # drawn and spent once, not again on resume
+    assert res.ledger.steps == 1 + res.summary["steps"]
+    assert res.summary["epsilon"] <= TARGET + 1e-9
