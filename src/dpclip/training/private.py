@@ -257,6 +257,12 @@ class PrivateTraining:
     from the secret sampling generator (:mod:`dpclip.data.augment`: the sensitivity is unchanged);
     ``sample`` and ``loader`` yield the augmented batch.
 
+    ``preprocess`` (``None``, or a pending release such as
+    :class:`~dpclip.data.private_centre.PrivateCentre`, :mod:`dpclip.training.preprocess`): a
+    statistic of the private training inputs released before the first step (noise from the
+    secret noise generator), applied to them, recorded first in the ledger and counted by the
+    calibration; ``preprocess.apply(x)`` transforms other inputs (test) with the same release.
+
     ``device`` (``None``, ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``; :mod:`dpclip.devices`)
     is where batches are delivered; ``None`` leaves the data where it is. The secret generators
     live on ``device``, or on the model's device when it is ``None`` (CUDA: Philox keyed from
