@@ -183,3 +183,12 @@ def test_a_resumed_breast_cancer_run_keeps_one_centre_release(tmp_path):
     assert centre == [(GaussianEvent(8.0), 1)]  # drawn and spent once, not again on resume
     assert res.ledger.steps == 1 + res.summary["steps"]
     assert res.summary["epsilon"] <= TARGET + 1e-9
+
+
+def test_make_private_takes_the_centre():
+    x, y = _data()
+    model = nn.Sequential(nn.Linear(x.shape[1], 2)).double()
+    dp = P.make_private(model, None, (x, y), epsilon=TARGET, epochs=1, batch_size=32,
+                        delta=DELTA, verbose=False, preprocess=PrivateCentre(8.0))
+    assert dp.ledger.entries == ((GaussianEvent(8.0), 1),)
+    assert torch.allclose(dp.preprocess.apply(x), x - dp.preprocess.output)

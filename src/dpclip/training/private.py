@@ -1002,6 +1002,7 @@ def make_private(
     data_on_device: bool | str = "auto",
     averaging: Any = None,
     augment_multiplicity: int = 1,
+    preprocess: Any = None,
 ) -> PrivateTraining:
     """DP-SGD around your own model, optimizer and data.
 
@@ -1067,6 +1068,11 @@ def make_private(
         augment_multiplicity: K augmented copies of each sampled example, their gradients
             averaged before clipping (De et al. 2022; needs ``augment``); the sensitivity is
             unchanged.
+        preprocess: a private preprocessing release made before the first step, e.g.
+            ``dpclip.data.private_centre.PrivateCentre(8.0)`` (a DP estimate of the mean of the
+            inputs, clipped into ``[-1, 1]^d``, subtracted from them): its event is recorded first
+            in the ledger and counted by the calibration; transform other inputs with
+            ``dp.preprocess.apply(x)`` (docs/privacy.md, "Preprocessing").
 
     Raises:
         ValueError: an argument is missing, out of range or inconsistent; the message names the
@@ -1080,7 +1086,7 @@ def make_private(
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
         input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
         augment=augment, data_on_device=data_on_device, averaging=averaging,
-        augment_multiplicity=augment_multiplicity)
+        augment_multiplicity=augment_multiplicity, preprocess=preprocess)
 
 
 def _loader_batch_size(data: Any, verbose: bool) -> float:
