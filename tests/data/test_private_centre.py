@@ -192,3 +192,19 @@ def test_make_private_takes_the_centre():
                         delta=DELTA, verbose=False, preprocess=PrivateCentre(8.0))
     assert dp.ledger.entries == ((GaussianEvent(8.0), 1),)
     assert torch.allclose(dp.preprocess.apply(x), x - dp.preprocess.output)
+
+
+def test_the_centre_is_refused_where_no_private_run_makes_its_release():
+    from dpclip.audit.blackbox import blackbox_audit
+    from dpclip.federated.spec import build_data
+    from dpclip.training.trainer import TrainConfig
+
+    opts = {"centre": "private", "centre_noise_multiplier": 8.0}
+    fl = {"rounds": 2, "clients_per_round": 3, "delta": DELTA, "num_users": 10,
+          "partition": "iid", "dataset": "breast-cancer", "dataset_options": opts}
+    with pytest.raises(ValueError, match="DP-FedAvg has no user-level release"):
+        build_data(fl)
+    cfg = TrainConfig(dataset="breast-cancer", dataset_options=opts, model="tabular-mlp",
+                      epochs=1, batch_size=64, strategy="fixed", epsilon=TARGET, delta=DELTA)
+    with pytest.raises(ValueError, match="black-box audit does not support"):
+        blackbox_audit(cfg, n_canaries=8)
