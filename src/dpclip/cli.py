@@ -459,8 +459,10 @@ def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
     else:
         sampler = make_sampler(args.sampling, n, args.batch_size)
     strategy = make_strategy(args.strategy, strategy_params)
+    pending = bundle.private_preprocessing  # e.g. centre="private": its release comes first
     plan = Plan(strategy, sampler, int(args.epochs) * int(sampler.steps_per_epoch),
-                expected_units(unit, sampler))
+                expected_units(unit, sampler),
+                prior_events=(pending.event(),) if pending is not None else ())
     return float(resolve_noise(plan, epsilon=args.epsilon, noise_multiplier=None,
                                delta=args.delta, accountant=args.accountant, flags=CLI_FLAGS))
 

@@ -7,7 +7,10 @@ single entry, and the ledger is small enough to live in checkpoints and in the S
 (``to_dict`` / ``from_dict``, JSON friendly).
 
 ``len(ledger)`` and ``ledger.steps`` are the number of recorded *steps*, never the number of
-distinct groups (the Opacus ``len(accountant)`` confusion, anchors P10).
+distinct groups (the Opacus ``len(accountant)`` confusion, anchors P10). A release made before the
+first step (a private preprocessing statistic, e.g. the centre of the dataset option
+``centre="private"``) is recorded first and counts as one entry: such a run's ledger holds
+``optimizer steps + 1``.
 """
 
 from __future__ import annotations

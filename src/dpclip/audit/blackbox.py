@@ -170,6 +170,9 @@ def blackbox_audit(config: Any, *, n_canaries: int = 1000, canary: str = "ood",
     strategy = _check_no_public_split(config)
     bundle = load_dataset(config.dataset, config.data_dir, seed=config.seed,
                           **config.dataset_options)
+    if bundle.private_preprocessing is not None:  # the canaries would be scored uncentred
+        raise ValueError("the black-box audit does not support the dataset option "
+                         "centre='private' (the canaries are scored on the raw inputs); drop it")
     m = int(n_canaries)
     limit = int(bundle.test.inputs.shape[0]) if canary == "mislabelled" else 10**7
     if isinstance(n_canaries, bool) or m != n_canaries or not (8 <= m <= limit):

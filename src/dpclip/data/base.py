@@ -144,6 +144,12 @@ class DatasetBundle:
         preprocessing: how the features were scaled, for the run summary
             (:func:`dpclip.data.scaling.preprocessing_record`: ``scaling``, ``nonprivate``,
             ``detail``); empty for data without a scaling choice.
+        private_preprocessing: a PENDING private release the training run makes from the
+            private training split before its first step (e.g. the
+            :class:`~dpclip.data.private_centre.PrivateCentre` of ``centre="private"``): its
+            event is composed in the run's ledger and its output applied to train and test
+            inputs by :class:`dpclip.training.private.PrivateTraining` (``preprocess=``);
+            ``None`` (default) for none. A loader never makes the release itself.
 
     Construction validates what a training run relies on, with errors naming the split, the
     first bad example and the fix: both splits have examples of ``input_shape``, targets are
@@ -159,6 +165,7 @@ class DatasetBundle:
     source: str = field(kw_only=True)
     derived_from: tuple[str, ...] = field(default=(), kw_only=True)
     preprocessing: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    private_preprocessing: Any = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))

@@ -16,6 +16,7 @@ import torch
 
 from dpclip.data.base import DatasetBundle, TensorSplit
 from dpclip.data.idx import MNIST_MEAN, MNIST_STD
+from dpclip.data.private_centre import PrivateCentre, check_centre
 from dpclip.data.scaling import (
     FeatureRange,
     check_scaling,
@@ -96,6 +97,8 @@ def load_breast_cancer(
     *,
     test_fraction: float = 0.2,
     scaling: str = "declared-ranges",
+    centre: str = "none",
+    centre_noise_multiplier: float | None = None,
 ) -> DatasetBundle:
     """Wisconsin diagnostic breast cancer (scikit-learn): 569 examples, 30 features, 2 classes.
 
@@ -107,11 +110,19 @@ def load_breast_cancer(
     * ``"train-statistics"``: NON-PRIVATE, the old pipeline: standardised with the noiseless mean
       and population std of the train split, so every record's features depend on every training
       record. Recorded as such in ``bundle.preprocessing``.
+
+    Centring (``centre``, after the scaling): ``"none"`` (default), or ``"private"``: the private
+    run subtracts a DP estimate of the training mean from every record, train and test
+    (:class:`dpclip.data.private_centre.PrivateCentre`: records clipped into ``[-1, 1]^30``, the
+    sum noised with std ``centre_noise_multiplier * sqrt(30)``, divided by the public N; one
+    ``GaussianEvent(centre_noise_multiplier)`` composed with the DP-SGD steps, whose noise is
+    calibrated to the total epsilon). Needs ``scaling="declared-ranges"``.
     """
     from sklearn.datasets import load_breast_cancer as _sk_load_breast_cancer
 
     del data_dir
     check_scaling(scaling, "breast-cancer")
+    pending = check_centre(centre, centre_noise_multiplier, scaling, "breast-cancer")
     raw = _sk_load_breast_cancer()
     x64 = np.asarray(raw.data, dtype=np.float64)
     y = torch.from_numpy(np.asarray(raw.target, dtype=np.int64))
@@ -133,8 +144,19 @@ def load_breast_cancer(
         (30,),
         source="sklearn.datasets.load_breast_cancer (bundled)",
         derived_from=("breast-cancer",),
-        preprocessing=preprocessing_record(scaling, detail),
+        preprocessing=_with_centre(preprocessing_record(scaling, detail), pending),
+        private_preprocessing=pending,
     )
+
+
+def _with_centre(record: dict, pending: PrivateCentre | None) -> dict:
+    """The preprocessing record, with the pending private centre said (when there is one)."""
+    if pending is None:
+        return record
+    return {**record, "centre": "private", "centre_noise_multiplier": pending.noise_multiplier,
+            "detail": record["detail"] + "; then centred at a DP estimate of the training mean "
+            f"(Gaussian mechanism, noise multiplier {pending.noise_multiplier:g} on the sum of "
+            "the records clipped into [-1, 1]^d, sensitivity sqrt(d); composed in the ledger)"}
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,8 +10,10 @@ gives one, otherwise a stated generous bound), the value is clipped into it and 
 
 The old behaviour (train-split mean and std, without noise) stays available as an explicit
 option, ``scaling="train-statistics"``, labelled NON-PRIVATE in :attr:`DatasetBundle.preprocessing`
-(``"nonprivate": True``); it is never the default. DP statistics (a noisy mean/std) would need their
-own ledger event and are not offered.
+(``"nonprivate": True``); it is never the default. One DP statistic is offered, with its own ledger
+event: the private centre (dataset option ``centre="private"``, :mod:`dpclip.data.private_centre`),
+a Gaussian estimate of the training mean subtracted after the declared-range map; a noisy std is
+not offered.
 """
 
 from __future__ import annotations

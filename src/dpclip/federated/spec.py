@@ -100,6 +100,10 @@ def build_data(spec: Mapping[str, Any]) -> FederatedData:
                          "dirichlet or attribute")
     bundle = load_dataset(s["dataset"], s["data_dir"], seed=int(s["seed"]),
                           **dict(s["dataset_options"]))
+    if bundle.private_preprocessing is not None:  # its release is made by a central private run
+        raise ValueError("dataset option centre='private' is for central DP-SGD runs (dpclip "
+                         "train / run): DP-FedAvg has no user-level release of the centre; drop "
+                         "the option")
     return federate(bundle, s.get("num_users"), partition, seed=int(s["seed"]),
                     shards_per_user=int(s["shards_per_user"]), alpha=float(s["alpha"]),
                     attribute_columns=s["attribute_columns"], max_user_size=s["max_user_size"],

@@ -23,7 +23,7 @@ from dpclip.clipping import ClippingStrategy, StepContext
 from dpclip.events import DpEvent, GaussianEvent
 
 __all__ = ["API_FLAGS", "CLI_FLAGS", "FEDERATED_FLAGS", "NOISE_WARNING_THRESHOLD", "Plan",
-           "PlanMismatchError", "budget_steps", "resolve_noise"]
+           "PlanMismatchError", "budget_steps", "check_prior_events", "resolve_noise"]
 
 #: a noise multiplier above this triggers a NoiseWarning (the model will not learn)
 NOISE_WARNING_THRESHOLD = 50.0
@@ -54,12 +54,17 @@ class Plan:
     ``sampler``: of examples (``dpclip.training.sampling``) or of users (the federated
     aggregator's); ``total_steps``: planned steps (or rounds); ``units_per_step``: public number of
     clipped vectors per step (default the sampler's expected batch size; BC/GBC: units);
-    ``steps_per_epoch``: default the sampler's (rounds: 1, :meth:`for_rounds`).
+    ``steps_per_epoch``: default the sampler's (rounds: 1, :meth:`for_rounds`);
+    ``prior_events``: releases made from the private data before the first step (e.g. the
+    private centre of ``centre="private"``, :mod:`dpclip.data.private_centre`), first in every
+    planned ledger, so calibration and budget count them with the steps.
     """
 
     def __init__(self, strategy: ClippingStrategy, sampler: Any, total_steps: int,
-                 units_per_step: float | None = None, steps_per_epoch: int | None = None) -> None:
+                 units_per_step: float | None = None, steps_per_epoch: int | None = None,
+                 prior_events: tuple[DpEvent, ...] = ()) -> None:
         self.strategy, self.sampler, self.total_steps = strategy, sampler, total_steps
+        self.prior_events = tuple(prior_events)
         #: public number of clipped vectors per step (examples for IC, units for BC/GBC)
         self.units = units_per_step if units_per_step is not None \
             else sampler.expected_batch_size
@@ -109,8 +114,11 @@ class Plan:
         """The planned ledger. ``lenient`` (calibration only): where the strategy rejects ``base``
         (e.g. a noise split needs ``base < 2 sigma_b``), use the plain ``Gaussian(base)`` step,
         which keeps epsilon decreasing in ``base`` so the search can go on below the limit; a
-        rejected value is never used for training (building the real plan raises)."""
+        rejected value is never used for training (building the real plan raises). The
+        ``prior_events`` come first, whatever ``steps`` (``steps=0``: those alone)."""
         led = Ledger()
+        for prior in self.prior_events:
+            led.record(prior)
         for t in range(self.total_steps if steps is None else steps):
             try:
                 led.record(self.event(t, base))
@@ -128,6 +136,22 @@ class Plan:
 NOISE_MATCH_RTOL = 1e-9
 
 
+def check_prior_events(plan: Plan, *, epsilon: float, delta: float, accountant: str,
+                       flags: Mapping[str, str] = API_FLAGS) -> None:
+    """Refuse a plan whose releases before the first step (``prior_events``: e.g. the private
+    centre of ``centre="private"``) alone reach the epsilon target: no step would fit."""
+    if not plan.prior_events:
+        return
+    e0 = ledger_epsilon(plan.ledger(1.0, steps=0), delta, accountant=accountant)
+    if e0 >= epsilon:
+        raise ValueError(
+            f"{flags['epsilon']} {epsilon:g}: the releases before the first step "
+            f"({', '.join(map(str, plan.prior_events))}, e.g. a private centre) already cost "
+            f"epsilon {e0:.4g} at delta {delta:g} ({accountant}), leaving nothing for the steps; "
+            f"raise {flags['epsilon']} or the preprocessing's noise multiplier (the dataset "
+            "option centre_noise_multiplier)")
+
+
 def resolve_noise(plan: Plan, *, epsilon: float | None, noise_multiplier: float | None,
                   delta: float, accountant: str, flags: Mapping[str, str] = API_FLAGS) -> float:
     """The given noise multiplier, or the one calibrated so that the whole plan meets
@@ -136,6 +160,8 @@ def resolve_noise(plan: Plan, *, epsilon: float | None, noise_multiplier: float 
         z = float(noise_multiplier)
     else:
         assert epsilon is not None
+        check_prior_events(plan, epsilon=epsilon, delta=delta, accountant=accountant,
+                           flags=flags)
         z = calibrate_noise_multiplier(
             epsilon, delta, lambda x: plan.ledger(x, lenient=True).to_dp_event(),
             accountant=accountant)
@@ -170,6 +196,7 @@ def budget_steps(plan: Plan, z: float, *, epsilon: float | None, delta: float, a
     total = plan.total_steps
     if eps(total) <= epsilon:
         return total
+    check_prior_events(plan, epsilon=epsilon, delta=delta, accountant=accountant, flags=flags)
     lo, hi = 0, total  # eps(lo) <= cap < eps(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -79,6 +79,7 @@ from dpclip.training.multiplicity import KCopyModel, check_multiplicity, expand_
 from dpclip.training.plan import API_FLAGS, NOISE_MATCH_RTOL, Plan as _Plan, budget_steps, resolve_noise
 from dpclip.randomness import PrivateRandomness
 from dpclip.training.noise_shard import ShardNoiseEngine
+from dpclip.training.preprocess import PreprocessRelease
 from dpclip.training.sampling import make_sampler
 from dpclip.training.step import StepOutput, dp_step, private_buffer_guard
 from dpclip.training.units import (
@@ -256,6 +257,12 @@ class PrivateTraining:
     from the secret sampling generator (:mod:`dpclip.data.augment`: the sensitivity is unchanged);
     ``sample`` and ``loader`` yield the augmented batch.
 
+    ``preprocess`` (``None``, or a pending release such as
+    :class:`~dpclip.data.private_centre.PrivateCentre`, :mod:`dpclip.training.preprocess`): a
+    statistic of the private training inputs released before the first step (noise from the
+    secret noise generator), applied to them, recorded first in the ledger and counted by the
+    calibration; ``preprocess.apply(x)`` transforms other inputs (test) with the same release.
+
     ``device`` (``None``, ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``; :mod:`dpclip.devices`)
     is where batches are delivered; ``None`` leaves the data where it is. The secret generators
     live on ``device``, or on the model's device when it is ``None`` (CUDA: Philox keyed from
@@ -298,6 +305,7 @@ class PrivateTraining:
         data_on_device: bool | str = "auto",
         averaging: Any = None,
         augment_multiplicity: int = 1,
+        preprocess: Any = None,
     ) -> None:
         # the steps of Opacus' make_private, in order: arguments, data, privacy, the strategy and
         # its unit, the engine and loss, the sampler, the plan, the randomness, the state
@@ -319,12 +327,20 @@ class PrivateTraining:
         strategy = self._prepare_engine(strategy, engine, chunk_kw, loss_fn, input_shape)
         self._prepare_public(public_data)
         self._prepare_sampler(n, batch_size, data, verbose, sampling, accountant, distributed)
+        #: the private preprocessing release (training.preprocess), made before the first step
+        self.preprocess = PreprocessRelease(
+            preprocess, inputs=self._x, sampling=sampling,
+            distributed=self.distributed is not None) if preprocess is not None else None
         self._prepare_plan(steps, epochs)
         self._prepare_randomness(reproducible_noise, (
             strategy_name(self.strategy), self.strategy.describe(), self.unit.describe(),
             self.sampler.name, n, float(self._batch_size), self.total_steps, epsilon,
             noise_multiplier, self.delta, accountant, engine, self.seed))
         self._prepare_state(engine, chunk_kw, noise_multiplier)
+        if self.preprocess is not None:  # every input checked: the release, first in the ledger
+            for event in self.preprocess.events:
+                self.ledger.record(event)
+            self._x = self.preprocess.make(self.rng.noise)
 
     # ------------------------------------------------------------------ construction steps
 
@@ -456,7 +472,8 @@ class PrivateTraining:
             self.total_steps = epochs * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self._plan = _Plan(self.strategy, self.sampler, self.total_steps,
-                           expected_units(self.unit, self.sampler))
+                           expected_units(self.unit, self.sampler),
+                           prior_events=self.preprocess.events if self.preprocess else ())
 
     def _prepare_randomness(self, reproducible_noise: bool, run_config: tuple[Any, ...]) -> None:
         """The secret generators (on the gradient's device: CUDA Philox keyed from os.urandom);
@@ -779,6 +796,7 @@ class PrivateTraining:
             "augment": self.augment.spec if self.augment is not None else "none",
             "augment_multiplicity": self.multiplicity,
             "averaging": self.averaging.spec if self.averaging is not None else "none",
+            "preprocess_release": self.preprocess.describe() if self.preprocess else None,
         }
 
     @property
@@ -804,6 +822,8 @@ class PrivateTraining:
             "engine_fallbacks": sorted(self.fallbacks),
             "post_step_due": self._post_step_due,
             **({"averaging": self.averager.state_dict()} if self.averager is not None else {}),
+            # a DP output (public): a resumed run reuses it, never draws a second one
+            **({"preprocess_output": self.preprocess.output} if self.preprocess else {}),
         }
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
@@ -825,10 +845,17 @@ class PrivateTraining:
             # overspend the cap, the run stops by budget before the step that would.
             self.noise_multiplier = ck_z
             self.max_steps = self._budget_steps()
+        if ("preprocess_output" in ck) != (self.preprocess is not None):
+            raise ValueError("checkpoint was written " + ("with" if "preprocess_output" in ck
+                             else "without") + " a private preprocessing release (the dataset "
+                             "option centre='private'); resume with the same dataset options")
         ledger = Ledger.from_dict(ck["ledger"])
-        if ledger.steps != ck["step"]:
-            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} steps, "
-                               f"step={ck['step']}")
+        prior = len(self._plan.prior_events)  # the preprocessing release, recorded first
+        if ledger.steps != ck["step"] + prior:
+            raise RuntimeError(f"corrupt checkpoint: ledger has {ledger.steps} entries, "
+                               f"step={ck['step']} (+ {prior} preprocessing release(s))")
+        if self.preprocess is not None:
+            self._x = self.preprocess.restore(ck["preprocess_output"])
         self.model.load_state_dict(ck["model"])
         if self.optimizer is not None and ck.get("optimizer") is not None:
             self.optimizer.load_state_dict(ck["optimizer"])
@@ -975,6 +1002,7 @@ def make_private(
     data_on_device: bool | str = "auto",
     averaging: Any = None,
     augment_multiplicity: int = 1,
+    preprocess: Any = None,
 ) -> PrivateTraining:
     """DP-SGD around your own model, optimizer and data.
 
@@ -1040,6 +1068,11 @@ def make_private(
         augment_multiplicity: K augmented copies of each sampled example, their gradients
             averaged before clipping (De et al. 2022; needs ``augment``); the sensitivity is
             unchanged.
+        preprocess: a private preprocessing release made before the first step, e.g.
+            ``dpclip.data.private_centre.PrivateCentre(8.0)`` (a DP estimate of the mean of the
+            inputs, clipped into ``[-1, 1]^d``, subtracted from them): its event is recorded first
+            in the ledger and counted by the calibration; transform other inputs with
+            ``dp.preprocess.apply(x)`` (docs/privacy.md, "Preprocessing").
 
     Raises:
         ValueError: an argument is missing, out of range or inconsistent; the message names the
@@ -1053,7 +1086,7 @@ def make_private(
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
         input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
         augment=augment, data_on_device=data_on_device, averaging=averaging,
-        augment_multiplicity=augment_multiplicity)
+        augment_multiplicity=augment_multiplicity, preprocess=preprocess)
 
 
 def _loader_batch_size(data: Any, verbose: bool) -> float:

@@ -245,6 +245,11 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
     strategy = make_strategy(config.strategy, config.strategy_params)  # built once
     public_fraction = public_fraction_of(unit, strategy)
     train_split, public_split = bundle.train, None
+    pending = getattr(bundle, "private_preprocessing", None)  # e.g. centre="private"
+    if pending is not None and public_fraction > 0:
+        raise ValueError("the dataset option centre='private' (a private preprocessing release) "
+                         "cannot be combined with a public split of the training data (the "
+                         "strategy's public_fraction): drop one of the two")
     if public_fraction > 0:  # carved out once, never trained on privately, never accounted
         public_split, train_split = public_private_split(bundle.train, public_fraction, config.seed)
     n_train, n = len(train_split), len(bundle.train)
@@ -285,6 +290,7 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
         distributed=dist_ctx if dist_ctx is not None else False, augment=config.augment,
         augment_multiplicity=config.augment_multiplicity, averaging=config.averaging,
+        preprocess=pending,
     )
     # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
 
@@ -454,7 +460,9 @@ def _summary(run: _Run, history: list[dict[str, Any]], wall_seconds: float,
         **dp.rng.describe(),
         "diagnostics": {None: "off", "test": "test split",
                         "train": "training examples (NON-PRIVATE)"}[config.diagnostics_split],
-        "preprocessing": dict(getattr(run.bundle, "preprocessing", None) or {}),
+        "preprocessing": {**(getattr(run.bundle, "preprocessing", None) or {}),
+                          **({"release": facts["preprocess_release"]}
+                             if facts["preprocess_release"] else {})},
         # the engine that ran (not the one requested: "auto" resolves per model and strategy)
         "engine": facts["engine"] if dp.engines_ran
         else (dp.engine.name if dp.unit.is_individual else "unit"),
@@ -508,6 +516,9 @@ def train(
     ck = _Checkpointer(run, Path(checkpoint_dir) / "checkpoint.pt"
                        if checkpoint_dir is not None else None, checkpoint_interval_s, t_start)
     ck.resume()
+    if dp.preprocess is not None:  # the release (made now, or the checkpoint's): post-processing
+        run.x_test = dp.preprocess.apply(run.x_test)
+        run.x_train = dp.preprocess.apply(run.x_train)  # only for NON-PRIVATE diagnostics
     history = ck.history
     bar = None
     if progress and is_main:
