@@ -1450,25 +1450,18 @@ THIRD = {
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
     "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),
     "per-layer-argument-rewritten": (lambda: _RewritePerLayerArgument(False), data, ce, None),
-    # still open (strict xfail below)
+    # open until the fourth pass (test_hostile_review4.py)
     "autograd-saved-rewritten-version-reset": (_RewriteAutogradSaved, data, ce, None),
     "grad-hook-with-torch-function-off": (lambda: Net(_grad_hook_without_torch_function), data,
                                           ce, None),
     "per-layer-vmap-reads-global-batch": (_per_layer_global, data, ce, None),
 }
 
-#: still open: accepted by ghost and auto (strict xfail; LOO measured on this branch)
-_OPEN3 = {
-    "autograd-saved-rewritten-version-reset": "HOLE (third hostile review): a tensor autograd "
-    "saved (not one the engine keeps) rewritten with dispatch off and its version counter set "
-    "back changes the backward's b; accepted, LOO 1.003 C (the mixing is damped by tanh')",
-    "grad-hook-with-torch-function-off": "HOLE (third hostile review): a tensor hook registered "
-    "with torch functions off is invisible to the tracer and autograd offers no way to list "
-    "node hooks; accepted, LOO 2.07 C",
-    "per-layer-vmap-reads-global-batch": "HOLE (third hostile review): the per-layer path's "
-    "recomputation under torch.func.vmap runs the module's forward untraced, and it reads a "
-    "global copy of the real batch; accepted, LOO 1.06 C",
-}
+#: still open: accepted by ghost and auto (strict xfail). The third review's three open holes
+#: (a tensor autograd saved rewritten with its version counter reset, LOO 1.003 C; a gradient hook
+#: registered with torch functions off, 2.07 C; the per-layer recomputation reading a global copy
+#: of the real batch, 1.06 C) are refused since the fourth pass (tests/engine/test_hostile_review4.py)
+_OPEN3: dict[str, str] = {}
 
 
 def third_review_loo(engine, name: str) -> float | None:

@@ -64,6 +64,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
+
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
 #: the layout of a tensor that may mix examples
@@ -292,7 +294,7 @@ def _func_kind(func: Any) -> int:
     except TypeError:  # an unhashable callable: classify it every time
         kind = None
     if kind is None:
-        kind = _K_HOOK if func in _HOOKS else _K_ESCAPE if (
+        kind = _K_HOOK if func in _HOOKS or getattr(func, "__wrapped__", None) in _HOOKS else _K_ESCAPE if (
             func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data") or
             _is_get(func, "data", "__set__")) else _K_PLAIN
         try:
@@ -462,7 +464,7 @@ class SeparabilityTracer(TorchDispatchMode):
         mutable = meta.mutable
         if self._uninit_live or meta.uninit:
             self._check_uninit(func, meta, args, kwargs, out)
-        if any_data and _saved_tensor_hooks() is not None and self.violation is None:
+        if any_data and foreign_saved_tensor_hooks() is not None and self.violation is None:
             self.violation = ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
                               "non-reentrant checkpointing) are active: the tensors that the "
                               "backward pass reads are rewritten by user code the trace cannot "
@@ -563,6 +565,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 if o.numel():
                     uninit[o] = id(o)
                     live[id(o)] = (None, o.element_size())  # mask made when first needed
+            return
+        if func in _SHAPE_ONLY:  # reads its input's shape and dtype, never its values
             return
         ins = _tensors(args, kwargs)
         pending = [t for t in ins if uninit.get(t) in live]
@@ -1267,6 +1271,10 @@ _FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.un
                _aten.log_normal_, _aten.cauchy_}
 
 
+#: operations that read only the shape and dtype of their tensor input (``torch.func.vmap``'s
+#: per-example dropout draws ``bernoulli(empty(...).expand(...), p)``)
+_SHAPE_ONLY = {_aten.bernoulli.p}
+
 _VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
           _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
           _aten.t, _aten.unsqueeze, _aten.squeeze, _aten.alias, _aten.diagonal, _aten.unflatten,
@@ -1285,11 +1293,6 @@ def _elements(t: Tensor, n: int, size: int) -> Tensor | None:
         return None
 
 
-def _saved_tensor_hooks() -> Any:
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True)
-    except Exception:  # noqa: BLE001 - an API change: be conservative
-        return "unknown"
 
 
 _P = _aten
@@ -1403,7 +1406,7 @@ def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], i
     for t in leaves:
         tracer.mark(t, (0, 1))
     tracer.match.arm()
-    with data_independent_paths(), torch.enable_grad(), tracer:
+    with data_independent_paths(), torch.enable_grad(), tracer.match.watching(), tracer:
         losses = loss_fn(call_model(model, inputs), targets)
         tracer.match.finish(losses)
     tracer.retire()
