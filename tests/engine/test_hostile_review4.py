@@ -368,3 +368,52 @@ def test_foreign_saved_tensor_hooks_are_still_refused():
             assert foreign_saved_tensor_hooks() is not None
     with contextlib.ExitStack():
         assert foreign_saved_tensor_hooks() is None
+
+
+# ------------------------------------------------- fourth pass: the refusals (docs/errors.md)
+
+
+def _refused(build, loss, match: str) -> None:
+    """An honest call, then the attack switched on: refused under ghost and auto with ``match``."""
+    for engine in (GhostEngine(), AutoEngine()):
+        torch.manual_seed(0)
+        model = build().to(DT)
+        x, y = data()
+        try:
+            clipped_sum(engine, model, loss, x, y)
+            _SW["on"] = True
+            with pytest.raises(UnsupportedModelError, match=match):
+                clipped_sum(engine, model, loss, x, y)
+        finally:
+            third_review_cleanup()
+            _KEEP.clear()
+
+
+def test_error_99_gradient_hook_attached_unseen():
+    """docs/errors.md entry 99: a hook attached with torch functions off is refused when the loss
+    returns, under ghost and auto (never a vmap fallback)."""
+    _refused(*FOURTH["node-prehook-torch-function-off"],
+             match=r"a hook on an autograd node \(grad_fn.register_hook / register_prehook\) was "
+                   "registered in the call where the trace does not see it")
+    _refused(*FOURTH["backward-hooks-descriptor"],
+             match="a gradient hook on a tensor of the call was registered in the call")
+
+
+def test_error_100_per_layer_recomputation_not_proved():
+    """docs/errors.md entry 100: the per-layer recomputation reads a tensor it did not make."""
+    _refused(*FOURTH["per-layer-recompute-hidden-mean"],
+             match=r"module 'mid' \(_RecomputeHidden, per-layer path\): its per-example "
+                   r"recomputation under torch.func.vmap is not proved to read example i alone "
+                   r"\(mul reads a \(6,\) tensor that the recomputation did not make and that "
+                   r"is not the module's\)")
+
+
+def test_error_101_a_tensor_of_the_call_rewritten_unseen():
+    """docs/errors.md entry 101: a tensor the call computed (or autograd saved) rewritten by no
+    operation the trace sees."""
+    _refused(*FOURTH["intermediate-rewritten-before-use"],
+             match="the memory of a tensor the call computed was written or replaced in the call "
+                   "before addmm by no operation the trace sees")
+    _refused(*FOURTH["known-chain-saved-output-rewritten-after-use"],
+             match="the memory of (the model's output|a tensor autograd saved for the backward) "
+                   "was written or replaced in the call before the loss function returned")

@@ -78,13 +78,14 @@ class HookWatch:
         """:attr:`found`, after reading the hook dictionaries of ``tensors`` through torch's C
         descriptors: a tensor with a hook is a finding."""
         if self.found is None:
-            for t in tensors:
-                if not isinstance(t, Tensor):
-                    continue
-                if _BACKWARD_HOOKS.__get__(t) or (_POST_ACCUMULATE is not None
-                                                  and _POST_ACCUMULATE.__get__(t)):
-                    self.found = "a gradient hook on a tensor of the call"
-                    break
+            with torch._C.DisableTorchFunction():  # (the getters are torch functions too)
+                for t in tensors:
+                    if not isinstance(t, Tensor):
+                        continue
+                    if _BACKWARD_HOOKS.__get__(t) or (_POST_ACCUMULATE is not None
+                                                      and _POST_ACCUMULATE.__get__(t)):
+                        self.found = "a gradient hook on a tensor of the call"
+                        break
         return self.found
 
 
