@@ -1534,24 +1534,34 @@ def test_error_96_user_code_around_the_step():
         assert clipped_sum(GhostEngine(), model, ce, x, y)[1]["engine"] == "ghost"
 
 
-def test_error_97_kept_input_rewritten_without_a_trace():
-    """docs/errors.md entry 97: a ruled layer's input rewritten after the call, dispatch off and
-    its version counter set back, is refused under ghost and auto (never a vmap fallback)."""
-    from dpclip.engine import batch_symbol
+def test_error_97_kept_input_rewritten_without_a_trace(monkeypatch):
+    """docs/errors.md entry 97: a ruled layer's kept input rewritten after the layer used it,
+    without a trace, is refused under ghost and auto (never a vmap fallback). Since the fourth
+    pass the memory watch refuses it first (entry 101: the input is a tensor the call computed);
+    with the watch emptied the engine's own check of what it kept still refuses it."""
+    from dpclip.engine import proved_program
+    from dpclip.engine.memory_watch import MemoryWatch
 
-    for engine in (GhostEngine(), AutoEngine()):
-        batch_symbol._CACHE.clear()
-        torch.manual_seed(0)
-        model = _RewriteKeptInput().to(DT)
-        x, y = data()
-        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
-        _SW["on"] = True
-        try:
-            with pytest.raises(UnsupportedModelError, match="input of layer 'fc2' \\(Linear\\) "
-                               "was rewritten after the layer used it"):
-                clipped_sum(engine, model, ce, x, y)
-        finally:
-            _SW["on"] = False
+    class _Blind(MemoryWatch):
+        def add(self, tensors):
+            pass
+
+    for blind in (False, True):
+        if blind:
+            monkeypatch.setattr(proved_program.ProgramMatch, "_watch", lambda self: _Blind())
+        want = ("input of layer 'fc2' \\(Linear\\) was rewritten after the layer used it" if blind
+                else "the memory of a tensor the call computed was written or replaced")
+        for engine in (GhostEngine(), AutoEngine()):
+            torch.manual_seed(0)
+            model = _RewriteKeptInput().to(DT)
+            x, y = data()
+            clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+            _SW["on"] = True
+            try:
+                with pytest.raises(UnsupportedModelError, match=want):
+                    clipped_sum(engine, model, ce, x, y)
+            finally:
+                _SW["on"] = False
 
 
 def test_error_98_layer_state_written_for_the_call():

@@ -417,3 +417,36 @@ def test_error_101_a_tensor_of_the_call_rewritten_unseen():
     _refused(*FOURTH["known-chain-saved-output-rewritten-after-use"],
              match="the memory of (the model's output|a tensor autograd saved for the backward) "
                    "was written or replaced in the call before the loss function returned")
+
+
+def test_backward_rules_of_the_recomputation_keep_or_mix_as_they_must():
+    """The tracer's rules for the backward operations the per-layer recomputation runs under vmap:
+    ``slice_backward`` keeps the batch blocks unless it slices the batch dimension itself, and
+    ``select_backward`` moves the batch dimension past the one it puts back (adversarial: a slice
+    of the batch, written back, carries some examples' rows into other positions)."""
+    from dpclip.engine.separable import MIXED, SeparabilityTracer
+
+    aten = torch.ops.aten
+    g = torch.randn(4, 3, 5, dtype=DT)
+    for dim, start in ((1, 0), (2, 1), (0, 0)):
+        tr = SeparabilityTracer(4)
+        tr.mark(g, (0, 1))
+        sizes = list(g.shape)
+        sizes[dim] += start + (2 if dim else 0)
+        end, want = start + g.shape[dim], (0, 1)
+        with tr:
+            out = aten.slice_backward(g, sizes, dim, start, end, 1)
+        assert tr.layout(out) == want, (dim, tr.layout(out))
+    tr = SeparabilityTracer(4)
+    tr.mark(g, (0, 1))
+    with tr:
+        out = aten.slice_backward(g, [6, 3, 5], 0, 1, 5, 1)  # the batch shifted by one row
+    assert tr.layout(out) is MIXED
+    for dim, want in ((0, (1, 1)), (1, (0, 1)), (3, (0, 1))):
+        tr = SeparabilityTracer(4)
+        tr.mark(g, (0, 1))
+        sizes = list(g.shape)
+        sizes.insert(dim, 7)
+        with tr:
+            out = aten.select_backward(g, sizes, dim, 2)
+        assert tr.layout(out) == want, (dim, tr.layout(out))

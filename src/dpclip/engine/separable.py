@@ -919,6 +919,34 @@ def _slice(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: An
     return lay
 
 
+def _slice_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                    out: Any) -> Layout:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` written into zeros of
+    the sliced input's shape (the per-layer recomputation's backward under vmap). Along the batch
+    dimension only a whole slice keeps the blocks."""
+    g = args[0]
+    lay = tr.layout(g)
+    if lay is None or lay is MIXED:
+        return lay
+    o = _first_out(out)
+    dim = args[2] % o.ndim
+    if dim == lay[0] and (o.shape[dim] != g.shape[dim] or args[5] != 1):
+        return MIXED
+    return lay
+
+
+def _select_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                     out: Any) -> Layout:
+    """``select_backward(grad, input_sizes, dim, index)``: ``grad`` written into zeros with the
+    selected dimension put back: the batch dimension moves past it."""
+    g = args[0]
+    lay = tr.layout(g)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = args[2] % _first_out(out).ndim
+    return (lay[0] + (1 if dim <= lay[0] else 0), lay[1])
+
+
 def _split(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     x = args[0]
     lay = tr.layout(x)
@@ -1343,6 +1371,8 @@ _add(_unsqueeze, "unsqueeze", "unsqueeze_copy")
 _add(_squeeze, "squeeze", "squeeze_copy")
 _add(_select, "select", "select_copy")
 _add(_slice, "slice", "slice_copy", "narrow")
+_add(_slice_backward, "slice_backward")
+_add(_select_backward, "select_backward")
 _add(_split, "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split")
 _add(_cat, "cat")
 _add(_stack, "stack")
