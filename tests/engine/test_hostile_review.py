@@ -1450,25 +1450,18 @@ THIRD = {
     "dispatch-mode-left-active-by-the-loss": (Net, data, _loss_leaving_a_mode, None),
     "per-layer-scale-operand-rewritten": (lambda: _RewritePerLayerArgument(True), data, ce, None),
     "per-layer-argument-rewritten": (lambda: _RewritePerLayerArgument(False), data, ce, None),
-    # still open (strict xfail below)
+    # open until the fourth pass (test_hostile_review4.py)
     "autograd-saved-rewritten-version-reset": (_RewriteAutogradSaved, data, ce, None),
     "grad-hook-with-torch-function-off": (lambda: Net(_grad_hook_without_torch_function), data,
                                           ce, None),
     "per-layer-vmap-reads-global-batch": (_per_layer_global, data, ce, None),
 }
 
-#: still open: accepted by ghost and auto (strict xfail; LOO measured on this branch)
-_OPEN3 = {
-    "autograd-saved-rewritten-version-reset": "HOLE (third hostile review): a tensor autograd "
-    "saved (not one the engine keeps) rewritten with dispatch off and its version counter set "
-    "back changes the backward's b; accepted, LOO 1.003 C (the mixing is damped by tanh')",
-    "grad-hook-with-torch-function-off": "HOLE (third hostile review): a tensor hook registered "
-    "with torch functions off is invisible to the tracer and autograd offers no way to list "
-    "node hooks; accepted, LOO 2.07 C",
-    "per-layer-vmap-reads-global-batch": "HOLE (third hostile review): the per-layer path's "
-    "recomputation under torch.func.vmap runs the module's forward untraced, and it reads a "
-    "global copy of the real batch; accepted, LOO 1.06 C",
-}
+#: still open: accepted by ghost and auto (strict xfail). The third review's three open holes
+#: (a tensor autograd saved rewritten with its version counter reset, LOO 1.003 C; a gradient hook
+#: registered with torch functions off, 2.07 C; the per-layer recomputation reading a global copy
+#: of the real batch, 1.06 C) are refused since the fourth pass (tests/engine/test_hostile_review4.py)
+_OPEN3: dict[str, str] = {}
 
 
 def third_review_loo(engine, name: str) -> float | None:
@@ -1541,24 +1534,34 @@ def test_error_96_user_code_around_the_step():
         assert clipped_sum(GhostEngine(), model, ce, x, y)[1]["engine"] == "ghost"
 
 
-def test_error_97_kept_input_rewritten_without_a_trace():
-    """docs/errors.md entry 97: a ruled layer's input rewritten after the call, dispatch off and
-    its version counter set back, is refused under ghost and auto (never a vmap fallback)."""
-    from dpclip.engine import batch_symbol
+def test_error_97_kept_input_rewritten_without_a_trace(monkeypatch):
+    """docs/errors.md entry 97: a ruled layer's kept input rewritten after the layer used it,
+    without a trace, is refused under ghost and auto (never a vmap fallback). Since the fourth
+    pass the memory watch refuses it first (entry 101: the input is a tensor the call computed);
+    with the watch emptied the engine's own check of what it kept still refuses it."""
+    from dpclip.engine import proved_program
+    from dpclip.engine.memory_watch import MemoryWatch
 
-    for engine in (GhostEngine(), AutoEngine()):
-        batch_symbol._CACHE.clear()
-        torch.manual_seed(0)
-        model = _RewriteKeptInput().to(DT)
-        x, y = data()
-        clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
-        _SW["on"] = True
-        try:
-            with pytest.raises(UnsupportedModelError, match="input of layer 'fc2' \\(Linear\\) "
-                               "was rewritten after the layer used it"):
-                clipped_sum(engine, model, ce, x, y)
-        finally:
-            _SW["on"] = False
+    class _Blind(MemoryWatch):
+        def add(self, tensors):
+            pass
+
+    for blind in (False, True):
+        if blind:
+            monkeypatch.setattr(proved_program.ProgramMatch, "_watch", lambda self: _Blind())
+        want = ("input of layer 'fc2' \\(Linear\\) was rewritten after the layer used it" if blind
+                else "the memory of a tensor the call computed was written or replaced")
+        for engine in (GhostEngine(), AutoEngine()):
+            torch.manual_seed(0)
+            model = _RewriteKeptInput().to(DT)
+            x, y = data()
+            clipped_sum(engine, model, ce, x, y)  # honest: the proof is cached
+            _SW["on"] = True
+            try:
+                with pytest.raises(UnsupportedModelError, match=want):
+                    clipped_sum(engine, model, ce, x, y)
+            finally:
+                _SW["on"] = False
 
 
 def test_error_98_layer_state_written_for_the_call():

@@ -125,6 +125,7 @@ from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_true, still
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
+    PerLayerNotProved,
     PerLayerUnsupported,
     check_module_windows,
     module_grads,
@@ -558,6 +559,8 @@ class GhostEngine:
                 c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
                 for pn in c.owner.pnames:
                     count[pn] = count.get(pn, 0) + 1
+        except PerLayerNotProved as exc:  # (not a vmap fallback: see PerLayerNotProved)
+            raise _NotTheProvedProgram(str(exc)) from None
         except PerLayerUnsupported as exc:
             raise _RuntimeUnsupported(str(exc)) from None
         finally:

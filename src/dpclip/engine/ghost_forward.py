@@ -178,10 +178,13 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     """The traced forward; ``program``: what the batch-size proof ran, matched op by op against
     this run (:mod:`dpclip.engine.proved_program`: the step must be the program that was proved)."""
     tracer = SeparabilityTracer(batch) if batch > 1 else None
+    saved: Any = contextlib.nullcontext()
     if tracer is not None and program is not None:
         tracer.match = ProgramMatch(program, batch, model, xs, ys)
+        saved = tracer.match.watching()  # what the backward reads and runs is watched too
     try:
-        return _traced_call(tracer, model, scan, loss_fn, xs, ys, batch)
+        with saved:
+            return _traced_call(tracer, model, scan, loss_fn, xs, ys, batch)
     except BaseException:
         # a call refused or failed half-way: the batch data it already carried out of the call
         # (a closure, a global) is a past batch's data in every later trace, as after a

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 from dpclip.engine.plain_module import global_hooks_clear, plain_instance
 
 __all__ = ["cross_entropy_per_example", "known_loss", "known_loss_fn"]
@@ -74,7 +75,7 @@ def known_loss_fn(loss_fn: Any) -> bool:
     or dispatch mode is active. A cheap test before the forward runs."""
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
-    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+    if foreign_saved_tensor_hooks() is not None:
         return False  # user code that can rewrite what the backward reads
     if loss_fn is cross_entropy_per_example:
         return True

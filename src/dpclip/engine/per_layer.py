@@ -44,14 +44,17 @@ A refusal raises :class:`PerLayerUnsupported` (the ghost engine turns it into it
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from dpclip.engine.errors import quote_error
+from dpclip.engine.memory_watch import MemoryWatch
+from dpclip.engine.proved_program import _written
+from dpclip.engine.separable import SeparabilityTracer, _IdMap
 
-__all__ = ["PerLayerUnsupported", "check_module_windows", "join_layouts", "module_grads",
+__all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows", "join_layouts", "module_grads",
            "output_tensors", "seq_now"]
 
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
@@ -59,6 +62,13 @@ _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
 class PerLayerUnsupported(Exception):
     """A module on the per-layer path whose per-example gradient cannot be read from its call."""
+
+
+class PerLayerNotProved(PerLayerUnsupported):
+    """The per-layer recomputation is not proved to read example ``i`` alone
+    (:class:`RecomputeTracer`). Never turned into a vmap fallback: the module behaved differently
+    when evaluated one example at a time, and ``vmap`` evaluates it the same way, after the
+    ghost engine's forward ran it on the whole batch (what it kept from there, ``vmap`` reads)."""
 
 
 def seq_now() -> int:
@@ -283,15 +293,102 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
         _, back = vjp(f, own)
         return back(tuple(b.unsqueeze(0) for b in b_rows))[0]
 
+    allowed = list(fixed.values()) + [t for _, _, _, vs in module_state(mod) for t, _ in vs]
+    tracer = RecomputeTracer(batch, allowed + list(own.values()))
+    for t in batched + bs:
+        tracer.mark(t, (0, 1))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), tracer:
             got = vmap(one, randomness="different")(batched, bs)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) cannot be evaluated "
             f"one example at a time by torch.func.vmap ({quote_error(exc)}); make its forward "
             "free of data-dependent Python control flow, or use engine 'vmap'") from None
+    finally:
+        tracer.retire()  # what the recomputation left behind is this batch's data
+    why = tracer.verdict([got[r] for r in c.owner.roles])
+    if why is not None:
+        raise PerLayerNotProved(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its per-example "
+            f"recomputation under torch.func.vmap is not proved to read example i alone ({why}); "
+            "the forward must compute the same on one example as on the batch, from its "
+            "arguments, its own parameters, buffers and tensor attributes only, or use engine "
+            "'vmap'")
     return {r: got[r].detach() for r in c.owner.roles}
+
+
+class RecomputeTracer(SeparabilityTracer):
+    """The separability tracer around a per-layer recomputation (:func:`module_grads`; third
+    hostile review: the recomputation runs the module's forward again, under ``torch.func.vmap``,
+    where it can tell functorch's tensors from real ones and read a global copy of the real batch:
+    accepted before, LOO 1.06 C).
+
+    The operations ``vmap`` runs reach the tracer's dispatch mode on the batched tensors (its
+    batching rules applied), so the layout rules see a reduction over the examples as they do in
+    the forward. On top of the forward's rules, and because no proved program is matched here:
+
+    * every tensor argument must be known: marked (the batched arguments and output gradients),
+      allowed (the module's parameters, buffers and tensor attributes, its arguments without the
+      batch), or made by an operation this tracer saw. A tensor computed with Python dispatch
+      switched off, or any other tensor from outside, is refused (a module reading a global
+      constant tensor is refused too: conservative);
+    * every allowed tensor and every tensor the recomputation makes is watched by value
+      (:class:`~dpclip.engine.memory_watch.MemoryWatch`, as the forward's match): a write no
+      operation shows, its version counter set back, is refused;
+    * the per-example gradients it returns must have the layout ``(0, 1)``."""
+
+    def __init__(self, batch: int, allowed: Sequence[Tensor]) -> None:
+        super().__init__(batch)
+        self._known = _IdMap()
+        for t in allowed:
+            self._known[t] = True
+        self.unknown: str | None = None
+        self.watch = MemoryWatch()
+        self.watch.add((t, "a tensor of the module") for t in allowed)
+
+    def mark(self, t: Tensor, layout: Any) -> None:
+        super().mark(t, layout)
+        self._known[t] = True
+        self.watch.add(((t, "an argument of the recomputation"),))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.quiet:
+            if self.unknown is None:
+                for t in _leaves((args, kwargs)):
+                    if t not in self._known:
+                        self.unknown = (f"{func._schema.name.split('::')[-1]} reads a "
+                                        f"{tuple(t.shape)} tensor that the recomputation did not "
+                                        "make and that is not the module's")
+                        break
+            self.watch.check_args(args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not self.quiet:
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(o, Tensor)]
+            for o in outs:
+                self._known[o] = True
+            self.watch.refresh(_written(func, args, kwargs))
+            self.watch.add((o, "a tensor the recomputation made") for o in outs)
+        return out
+
+    def verdict(self, got: Sequence[Tensor]) -> str | None:
+        """Why the recomputation is not proved per-example, or None."""
+        changed = self.watch.finish()
+        if self.violation is not None:
+            return self.violation
+        if self.unknown is not None:
+            return self.unknown
+        if changed is not None:
+            return f"the memory of {changed} was written by no operation the trace sees"
+        for g in got:
+            lay = self.layout(g)
+            if lay != (0, 1):
+                first = f", first mixing operation: {self.mixers[0]}" if self.mixers else ""
+                return f"its per-example gradients have layout {lay!r}, not (0, 1){first}"
+        return None
 
 
 # ------------------------------------------------- elementwise scales (RMSNorm-like modules)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
+
 __all__ = ["ambient_user_code", "global_hooks_clear", "instance_code", "plain_instance",
            "same_code"]
 
@@ -141,11 +143,7 @@ def ambient_user_code() -> str | None:
             return f"a torch function mode ({type(mode).__name__}) is active"
     if torch._C._len_torch_dispatch_stack():
         return "a torch dispatch mode is active"
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    except Exception:  # noqa: BLE001 - an API change: be conservative
-        hooks = "unknown"
-    if hooks is not None:
+    if foreign_saved_tensor_hooks() is not None:  # (the engine's own watch is not user code)
         return ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) are "
                 "active")
     return None

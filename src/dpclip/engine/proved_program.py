@@ -53,7 +53,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from dpclip.engine.memory_watch import MemoryWatch
+from dpclip.engine.hook_watch import HookWatch
+from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
 
 __all__ = ["ProgramRecorder", "ProgramMatch", "ProvedProgram"]
 
@@ -591,7 +592,7 @@ class ProgramMatch:
     Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
     :attr:`mismatch` holds the first difference, or None."""
 
-    __slots__ = ("program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
+    __slots__ = ("_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves")
 
@@ -637,6 +638,32 @@ class ProgramMatch:
         #: or another owner is written by no operation: dpclip.engine.memory_watch); taken by
         #: :meth:`arm` right before user code runs, or by :meth:`start_at_loss`
         self.watch: MemoryWatch | None = None
+        #: tensors autograd saved before the watch was taken (a chain of known modules runs
+        #: before :meth:`start_at_loss`): watched from then on
+        self._pending: list[Tensor] = []
+        #: hooks registered while the step runs (:meth:`watching`)
+        self.hooks: HookWatch | None = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Any:
+        """Around the forward and the loss: every tensor autograd saves is watched
+        (:class:`~dpclip.engine.memory_watch.SavedTensorWatch`) and every hook registration is
+        seen (:class:`~dpclip.engine.hook_watch.HookWatch`), whatever the torch function state."""
+        self.hooks = HookWatch()
+        with SavedTensorWatch(self.saved), self.hooks:
+            yield
+
+    def saved(self, t: Tensor) -> None:
+        """Sink of the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch`: ``t``, a tensor
+        autograd saved for the backward, is watched from now until the loss returns (the backward
+        reads it after the forward's last use: a write with dispatch off and the version counter
+        set back changed only the backward, third hostile review, LOO 1.003 C)."""
+        if self.done or self.mismatch is not None:
+            return
+        if self.watch is None:
+            self._pending.append(t)
+        else:
+            self.watch.add(((t, "a tensor autograd saved for the backward"),))
 
     def arm(self) -> None:
         """Take the memory watch's copies: called right before the forward's user code runs (a
@@ -658,6 +685,8 @@ class ProgramMatch:
                       if t is not None]
         state += [(t, "an input of the batch") for t in self._leaves]
         state += [(e[0](), "a tensor from outside the call") for e in self.outside.values()]
+        state += [(t, "a tensor autograd saved for the backward") for t in self._pending]
+        self._pending = []
         watch.add(state)
         return watch
 
@@ -729,6 +758,8 @@ class ProgramMatch:
             self.watch = self._watch()
         elif self.watch.check_all() is not None:
             self._fail(_unseen_write(self.watch.changed, "before the loss function"))
+        # the chain's output, computed where no match watched it, is what the loss reads
+        self.watch.add(((model_out, "the model's output"),))
 
     def alias(self, new: Tensor, old: Tensor) -> None:
         """``new`` (the engine's expansion of a batch-less output) stands for ``old``."""
@@ -811,6 +842,11 @@ class ProgramMatch:
         for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs, outs))):
             if o is not None:
                 self.names.set(o, ("op", index, j), v)
+        # every tensor the call computes is watched from its birth: a write with dispatch off
+        # and the version counter set back, before a later use in the forward or after the last
+        # one (the backward reads it), ran the proof's operations on other values (LOO 1.63 C
+        # before the next use, 1.003 C after the last)
+        self.watch.add((o, "a tensor the call computed") for o in outs if isinstance(o, Tensor))
         if k in self._lifted:  # a literal: its memory is watched from its first use on
             self.watch.add((a, "a tensor literal of the call")
                            for s, a in list(zip(s_args, args)) +
@@ -884,8 +920,16 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
+        hook = None
+        if self.hooks is not None and self.watch is not None:
+            hook = self.hooks.check(self.watch.tensors())
         changed = self.watch.finish() if self.watch is not None else _UNARMED  # (drops the copies)
         if self.mismatch is not None:
+            return
+        if hook is not None:
+            self._fail(f"{hook} was registered in the call where the trace does not see it "
+                       "(torch functions switched off): user code in the backward pass could mix "
+                       "the examples' gradients")
             return
         if changed is _UNARMED:
             self._fail(_UNARMED)
@@ -905,8 +949,9 @@ _UNARMED = "internal: the memory watch of the match was not started before user 
 
 def _unseen_write(what: str, when: str) -> str:
     return (f"the memory of {what} was written or replaced in the call {when} by no operation "
-            "the trace sees (memory shared from before the call with a NumPy array or another "
-            "owner: torch.from_numpy, a .numpy() view kept at construction; or an assignment to "
+            "the trace sees (a write with Python dispatch off and its version counter set back; "
+            "memory shared from before the call with a NumPy array or another owner: "
+            "torch.from_numpy, a .numpy() view kept at construction; or an assignment to "
             ".data); the proof holds for the values it names, not for these")
 
 

@@ -64,6 +64,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
+
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
 #: the layout of a tensor that may mix examples
@@ -292,7 +294,7 @@ def _func_kind(func: Any) -> int:
     except TypeError:  # an unhashable callable: classify it every time
         kind = None
     if kind is None:
-        kind = _K_HOOK if func in _HOOKS else _K_ESCAPE if (
+        kind = _K_HOOK if func in _HOOKS or getattr(func, "__wrapped__", None) in _HOOKS else _K_ESCAPE if (
             func in _ESCAPES or _is_get(func, "grad_fn") or _is_get(func, "data") or
             _is_get(func, "data", "__set__")) else _K_PLAIN
         try:
@@ -462,7 +464,7 @@ class SeparabilityTracer(TorchDispatchMode):
         mutable = meta.mutable
         if self._uninit_live or meta.uninit:
             self._check_uninit(func, meta, args, kwargs, out)
-        if any_data and _saved_tensor_hooks() is not None and self.violation is None:
+        if any_data and foreign_saved_tensor_hooks() is not None and self.violation is None:
             self.violation = ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
                               "non-reentrant checkpointing) are active: the tensors that the "
                               "backward pass reads are rewritten by user code the trace cannot "
@@ -563,6 +565,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 if o.numel():
                     uninit[o] = id(o)
                     live[id(o)] = (None, o.element_size())  # mask made when first needed
+            return
+        if func in _SHAPE_ONLY:  # reads its input's shape and dtype, never its values
             return
         ins = _tensors(args, kwargs)
         pending = [t for t in ins if uninit.get(t) in live]
@@ -913,6 +917,34 @@ def _slice(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: An
         return lay if _first_out(out).shape[dim] == x.shape[dim] and \
             (_arg(func, args, kwargs, "step", 1) or 1) == 1 else MIXED
     return lay
+
+
+def _slice_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                    out: Any) -> Layout:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` written into zeros of
+    the sliced input's shape (the per-layer recomputation's backward under vmap). Along the batch
+    dimension only a whole slice keeps the blocks."""
+    g = args[0]
+    lay = tr.layout(g)
+    if lay is None or lay is MIXED:
+        return lay
+    o = _first_out(out)
+    dim = args[2] % o.ndim
+    if dim == lay[0] and (o.shape[dim] != g.shape[dim] or args[5] != 1):
+        return MIXED
+    return lay
+
+
+def _select_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                     out: Any) -> Layout:
+    """``select_backward(grad, input_sizes, dim, index)``: ``grad`` written into zeros with the
+    selected dimension put back: the batch dimension moves past it."""
+    g = args[0]
+    lay = tr.layout(g)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = args[2] % _first_out(out).ndim
+    return (lay[0] + (1 if dim <= lay[0] else 0), lay[1])
 
 
 def _split(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -1267,6 +1299,10 @@ _FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.un
                _aten.log_normal_, _aten.cauchy_}
 
 
+#: operations that read only the shape and dtype of their tensor input (``torch.func.vmap``'s
+#: per-example dropout draws ``bernoulli(empty(...).expand(...), p)``)
+_SHAPE_ONLY = {_aten.bernoulli.p}
+
 _VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
           _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
           _aten.t, _aten.unsqueeze, _aten.squeeze, _aten.alias, _aten.diagonal, _aten.unflatten,
@@ -1285,11 +1321,6 @@ def _elements(t: Tensor, n: int, size: int) -> Tensor | None:
         return None
 
 
-def _saved_tensor_hooks() -> Any:
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True)
-    except Exception:  # noqa: BLE001 - an API change: be conservative
-        return "unknown"
 
 
 _P = _aten
@@ -1340,6 +1371,8 @@ _add(_unsqueeze, "unsqueeze", "unsqueeze_copy")
 _add(_squeeze, "squeeze", "squeeze_copy")
 _add(_select, "select", "select_copy")
 _add(_slice, "slice", "slice_copy", "narrow")
+_add(_slice_backward, "slice_backward")
+_add(_select_backward, "select_backward")
 _add(_split, "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split")
 _add(_cat, "cat")
 _add(_stack, "stack")
@@ -1403,7 +1436,7 @@ def prove_separable(model: Callable[..., Any], loss_fn: Callable[..., Tensor], i
     for t in leaves:
         tracer.mark(t, (0, 1))
     tracer.match.arm()
-    with data_independent_paths(), torch.enable_grad(), tracer:
+    with data_independent_paths(), torch.enable_grad(), tracer.match.watching(), tracer:
         losses = loss_fn(call_model(model, inputs), targets)
         tracer.match.finish(losses)
     tracer.retire()
