@@ -98,7 +98,7 @@ class MemoryWatch:
     """Byte copies of the storages a step reads from before the call (module docstring).
     :attr:`changed` names the first storage found written unseen, or None."""
 
-    __slots__ = ("_slots", "_flags", "_buffers", "_homes", "changed")
+    __slots__ = ("_slots", "_flags", "_buffers", "_homes", "_arenas", "changed")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
@@ -109,6 +109,8 @@ class MemoryWatch:
         #: accelerator checks queued: (flag tensor, what)
         self._flags: list[tuple[Tensor, str]] = []
         self._buffers: list[Tensor] = []  # the copies (kept alive with their slots)
+        #: device -> [current buffer, bytes used, its address on the CPU]
+        self._arenas: dict[Any, list[Any]] = {}
         self.changed: str | None = None
 
     def __len__(self) -> int:
@@ -116,42 +118,49 @@ class MemoryWatch:
 
     def add(self, tensors: Iterable[tuple[Tensor, str]]) -> None:
         """Watch the storages of ``tensors`` (``(tensor, what)``) not watched yet: their bytes now
-        are the reference. One copy per device for all new storages. (Called outside the tracer's
-        dispatch mode or inside its handler: the one allocation is not user code.)"""
-        new: dict[int, tuple[Any, int, str]] = {}
+        are the reference. The copies go into arenas, one growing list of buffers per device (a
+        step adds one storage per operation: no allocation per storage). (Called outside the
+        tracer's dispatch mode or inside its handler: the allocations are not user code.)"""
         slots = self._slots
+        homes = self._homes
         for t, what in tensors:
-            if not isinstance(t, Tensor) or t.is_meta or t.layout != torch.strided:
+            if not isinstance(t, Tensor):
                 continue
             try:
                 st = t.untyped_storage()
                 key = st.data_ptr()
                 n = st.nbytes()
-            except Exception:  # noqa: BLE001 - no storage (fake, functional)
+            except Exception:  # noqa: BLE001 - no storage (fake, functional, sparse, meta)
                 continue
             if key == 0 or n == 0:
                 continue
-            self._homes.setdefault(id(t), (t, key))
-            if key in slots or key in new:
+            if id(t) not in homes:
+                homes[id(t)] = (t, key)
+            if key in slots:
                 continue
-            new[key] = (st, n, what)
-        by_device: dict[Any, list[tuple[int, Any, int, str]]] = {}
-        for key, (st, n, what) in new.items():
-            by_device.setdefault(st.device, []).append((key, st, n, what))
-        for dev, items in by_device.items():
-            raw = dev.type == "cpu" and _MEMCMP is not None
-            buf = torch.empty(sum(n for _, _, n, _ in items), dtype=torch.uint8, device=dev)
+            dev = st.device
+            if dev.type == "cpu" and _MEMCMP is not None:
+                at = self._reserve(dev, n)
+                ctypes.memmove(at, key, n)
+                slots[key] = _Slot(st, key, n, at, None, None, what)
+            else:
+                view = _bytes(st)
+                copy = self._reserve(dev, n)
+                copy.copy_(view)
+                slots[key] = _Slot(st, key, n, 0, copy, view, what)
+
+    def _reserve(self, dev: Any, n: int) -> Any:
+        """``n`` bytes of the device's arena: an address on the CPU, a uint8 view elsewhere."""
+        arena = self._arenas.get(dev)
+        if arena is None or arena[1] + n > arena[0].numel():
+            size = max(n, 1 << 16, 2 * arena[0].numel() if arena is not None else 0)
+            buf = torch.empty(size, dtype=torch.uint8, device=dev)
             self._buffers.append(buf)
-            base, at = buf.data_ptr(), 0
-            for key, st, n, what in items:
-                if raw:
-                    ctypes.memmove(base + at, key, n)
-                    slots[key] = _Slot(st, key, n, base + at, None, None, what)
-                else:
-                    view, copy = _bytes(st), buf[at:at + n]
-                    copy.copy_(view)
-                    slots[key] = _Slot(st, key, n, base + at, copy, view, what)
-                at += n
+            arena = [buf, 0, buf.data_ptr() if dev.type == "cpu" else 0]
+            self._arenas[dev] = arena
+        buf, used, base = arena
+        arena[1] = used + n
+        return base + used if dev.type == "cpu" and _MEMCMP is not None else buf[used:used + n]
 
     def tensors(self) -> list[Tensor]:
         """Every tensor added (the parameters, buffers, inputs and tensors of the call)."""
@@ -244,6 +253,7 @@ class MemoryWatch:
         self._flags.clear()
         self._slots.clear()
         self._buffers.clear()
+        self._arenas.clear()
         self._homes.clear()
         return self.changed
 
