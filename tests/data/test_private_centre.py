@@ -12,6 +12,7 @@ from torch import nn
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.data import load_dataset
 from dpclip.data.private_centre import PrivateCentre
+from dpclip.training.release import Releaser
 from dpclip.events import GaussianEvent, PoissonSampledEvent
 from dpclip.randomness import PrivateRandomness
 from dpclip.training import private as P
@@ -82,7 +83,7 @@ def test_the_noise_std_is_z_times_the_sensitivity_and_the_estimate_is_unbiased()
     c, n, draws = PrivateCentre(3.0), 200, 4000
     g = torch.Generator().manual_seed(1)
     clipped_mean = c.clipped_sum(x) / n
-    est = torch.stack([c.release(x, n, g) for _ in range(draws)])  # (draws, d)
+    est = torch.stack([c.release(x, n, Releaser(g, 1)) for _ in range(draws)])  # (draws, d)
     noise_of_sum = (est - clipped_mean) * n
     std = float(noise_of_sum.std())
     assert std == pytest.approx(3.0 * math.sqrt(8), rel=0.03)  # 32k samples: ~0.4 % s.e.
@@ -98,7 +99,7 @@ def test_the_release_draws_from_the_runs_secret_noise_generator():
     x, y = _data()
     dp = _dp(x, y, reproducible_noise=True, seed=5)
     g = PrivateRandomness.reproducible(5).noise
-    want = PrivateCentre(8.0).release(x, len(x), g)
+    want = PrivateCentre(8.0).release(x, len(x), Releaser(g, 1))
     assert torch.equal(dp.preprocess.output, want)
     assert torch.allclose(dp._x, x - want)
     # secure mode: two runs draw two different centres

@@ -83,22 +83,22 @@ class PrivateCentre:
         x = _as_rows(x)
         return x.to(torch.float64).clamp(-self.box, self.box).sum(dim=0)
 
-    def release(self, x: Tensor, n_public: int, generator: torch.Generator) -> Tensor:
+    def release(self, x: Tensor, n_public: int, releaser: Any) -> Tensor:
         """PRIVATE input, DP output: ``(clipped sum + N(0, (z * sensitivity)^2 I)) / n_public``.
 
         ``x``: the private training records (``(N, d)`` or ``(N, *shape)``, flattened per
         record); ``n_public``: the public number of private examples the sum is divided by;
-        ``generator``: the run's secret noise generator (the noise is drawn on its device).
-        Returns the estimate (float64, shape of one record, on the generator's device).
+        ``releaser``: the release door's callback, ``releaser(value, sensitivity, z) -> (noisy,
+        event)`` (:class:`dpclip.training.release.Releaser` on the run's secret noise generator,
+        sensitivity factor 1: add/remove). The noise is drawn there, as every release's
+        (``tests/core/test_release.py``). Returns the estimate (float64, shape of one record).
         """
         if isinstance(n_public, bool) or not isinstance(n_public, int) or n_public < 1:
             raise ValueError(f"PrivateCentre.release: n_public must be an int >= 1, got "
                              f"{n_public!r}")
-        total = self.clipped_sum(x).to(generator.device)
-        std = float(self.noise_multiplier) * self.sensitivity(total.numel())
-        noise = torch.randn(total.shape, generator=generator, device=generator.device,
-                            dtype=torch.float64)
-        return ((total + std * noise) / n_public).reshape(tuple(x.shape[1:]))
+        total = self.clipped_sum(x)
+        noisy, _ = releaser(total, self.sensitivity(total.numel()), float(self.noise_multiplier))
+        return (noisy / n_public).reshape(tuple(x.shape[1:]))
 
     @staticmethod
     def apply(x: Tensor, centre: Tensor) -> Tensor:

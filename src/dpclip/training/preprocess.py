@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpclip.training.release import Releaser
+
 __all__ = ["PreprocessRelease"]
 
 
@@ -59,7 +61,8 @@ class PreprocessRelease:
         training inputs. Called once per run (a resumed run :meth:`restore`\\ s instead)."""
         if self.output is not None:
             raise RuntimeError("privacy bug: the preprocessing release was already made")
-        self.output = self.preprocess.release(self.raw, len(self.raw), generator)
+        # through the release door (its sampler, add/remove: sensitivity factor 1)
+        self.output = self.preprocess.release(self.raw, len(self.raw), Releaser(generator, 1))
         return self.preprocess.apply(self.raw, self.output)
 
     def restore(self, output: Tensor) -> Tensor:
