@@ -498,8 +498,11 @@ class GhostEngine:
                     f"{c.a.ndim}, which it reads as ONE unbatched example (e.g. a 2-D input to "
                     "Conv1d): its first dimension is then not the batch; give it the batched "
                     "rank (B, C, ...)")
-            if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
-                    or c.out_shape[0] != batch:
+            if batch == 1 and c.a.ndim and c.out_shape and c.a.shape[0] == c.out_shape[0]:
+                c.group = c.a.shape[0]  # one example (not traced): every row is its own
+            rows = batch * c.group  # (c.group: rows per example, from the trace's layouts)
+            if c.a.ndim == 0 or c.a.shape[0] != rows or not c.out_shape \
+                    or c.out_shape[0] != rows:
                 raise _RuntimeUnsupported(  # ranks, not shapes (the batch size is private)
                     f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
                     f"{c.a.ndim} (output rank {len(c.out_shape)}) whose first dimension is not "

@@ -133,7 +133,9 @@ def k_copy_loss(loss_fn: Callable[[Any, Any], Tensor], k: int) -> Callable[[Any,
     targets -> ``(B,)``, ``mean_k loss_fn(out[:, k], y)`` (computed on the flattened copies)."""
 
     def loss(out: Any, targets: Any) -> Tensor:
-        b = int(first_tensor(out).shape[0])
+        # the batch size as a size only, never a Python int (the ghost engine's batch-size proof
+        # traces this with a symbolic batch: dpclip.engine.batch_symbol)
+        b = first_tensor(out).shape[0]
         flat_out = map_batch(lambda t: t.reshape(b * k, *t.shape[2:]), out)
         flat_y = map_batch(lambda t: t.repeat_interleave(k, dim=0), targets)
         per_copy = loss_fn(flat_out, flat_y)
