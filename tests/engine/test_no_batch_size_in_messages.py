@@ -64,15 +64,29 @@ class _UsesPos(nn.Module):
 
 
 class _FlatFirst(nn.Module):
-    """A Linear called on the batch flattened into its rows: first dimension B * 2."""
+    """A Linear called on the batch flattened into its rows: first dimension B * 2. Its rule
+    reads example i from its 2 rows (layout (0, 2), issue 36); the module without a rule after
+    it (the per-layer path) does not, and is refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: bool = True) -> None:
         super().__init__()
         self.fc = nn.Linear(3, 2)
+        self.s = _Scale() if scale else None
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.cat([x, x], 1).view(-1, 3)
-        return self.fc(h).view(x.shape[0], -1)
+        h = self.fc(torch.cat([x, x], 1).view(-1, 3))
+        if self.s is not None:
+            h = self.s(h)
+        return h.view(x.shape[0], -1)
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
 
 
 class _DeadCall(nn.Module):
@@ -98,6 +112,20 @@ def test_ghost_refusals_quote_ranks_not_shapes(make, match):
     with pytest.raises(UnsupportedModelError, match=match) as info:
         GhostEngine().compute(model, ce, x, y, clip_weights(1.0), ParamGroups.flat(model))
     _private(str(info.value))
+
+
+def test_a_linear_on_the_batch_flattened_into_its_rows_runs_on_ghost():
+    """The _FlatFirst refusal of this file before issue 36: a ruled layer reads an example that
+    owns k consecutive rows from those rows; ghost equals vmap."""
+    model = _FlatFirst(scale=False).to(DT)
+    x, y = _data()
+    groups = ParamGroups.flat(model)
+    res = GhostEngine().compute(model, ce, x, y, clip_weights(1.0), groups)
+    ref = VmapEngine().compute(model, ce, x, y, clip_weights(1.0), groups)
+    assert res.engine_info["engine"] == "ghost"
+    torch.testing.assert_close(res.norms, ref.norms)
+    for n in ref.grads:
+        torch.testing.assert_close(res.grads[n], ref.grads[n])
 
 
 def test_a_dead_call_on_a_constant_table_runs_on_ghost():
