@@ -231,10 +231,13 @@ class _Mix(nn.Module):
             x = x.reshape(-1, k, *x.shape[1:]).transpose(0, 1).reshape(x.shape)  # sizes
         elif self.how == "within":  # the copies of ONE example permuted: still per-example
             x = x.reshape(-1, k, *x.shape[1:]).roll(1, 1).reshape(x.shape)
-        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+        h = torch.tanh(self.conv(x))
+        if self.how == "roll-k-hidden":  # between the layers: the conv's output rows moved on
+            h = h.roll(k, 0)
+        return self.fc(h.flatten(1))
 
 
-@pytest.mark.parametrize("how", ["roll-k", "roll-1", "copy-major"])
+@pytest.mark.parametrize("how", ["roll-k", "roll-1", "copy-major", "roll-k-hidden"])
 def test_a_model_mixing_the_rows_of_different_examples_is_refused(how):
     k, n = 3, 6
     torch.manual_seed(0)
