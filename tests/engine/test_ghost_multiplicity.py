@@ -294,3 +294,46 @@ def test_a_per_layer_module_on_k_rows_sends_auto_to_vmap():
         _release(GhostEngine(), model, x, y, k)
     _, info = _release(AutoEngine(), model, x, y, k)
     assert info["engine"] == "vmap" and "consecutive rows" in info["fallback"]
+
+
+@pytest.mark.parametrize("mode", ["mixed", "ghost", "direct"])
+@pytest.mark.parametrize("case", ["conv_groupnorm_const_image", "conv_groupnorm_huge",
+                                  "seq_linear_const", "embedding_one_token"])
+def test_float32_contribution_of_each_example_is_within_the_clip_norm(case, mode):
+    """tests/engine/test_ghost_rounding.py with K = 3 copies of each example (scaled 1, -1/2, 2:
+    the per-position terms cancel inside every row, as there, and the rows differ): the norm that
+    sets a weight bounds the float32 vector actually summed, rounding included."""
+    from tests.engine.test_ghost_rounding import B, CASES, STRATEGIES, _norm
+    from tests.engine.test_ghost_rounding import ce as ce32
+
+    from dpclip.clipping import make_strategy
+
+    k = 3
+    build, inputs, classes = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = build().to(torch.float32)
+    x, y = inputs(g), torch.randint(0, classes, (B,), generator=g)
+    if x.is_floating_point():
+        x = torch.stack([x, -0.5 * x, 2 * x], 1)
+    else:
+        x = x.unsqueeze(1).expand(B, k, *x.shape[1:]).contiguous()
+    view, loss = KCopyModel(model, k), k_copy_loss(ce32, k)
+    groups = ParamGroups.flat(model)
+    engine = GhostEngine(norm_mode=mode)
+    for sname, (name, params) in STRATEGIES.items():
+        strat = make_strategy(name, params)
+        state = strat.init_state()
+        c = strat.sensitivity(state)
+        wf = lambda n, s=strat, st=state: s.weights(n, st)  # noqa: E731
+        full = engine.compute(view, loss, x, y, wf, groups)
+        assert full.engine_info["engine"] == "ghost"
+        for i in range(B):
+            alone = engine.compute(view, loss, x[i:i + 1], y[i:i + 1], wf, groups)
+            assert _norm(alone.grads) <= c, (sname, i, _norm(alone.grads))
+            keep = [j for j in range(B) if j != i]
+            rest = engine.compute(view, loss, x[keep], y[keep], wf, groups)
+            moved = _norm({n: full.grads[n].double() - rest.grads[n].double()
+                           for n in full.grads})
+            n_red = B * k * 64 * 9  # the longest reduction: examples x rows x positions
+            assert moved <= c + 2 * n_red * 2.0 ** -24 * B * c, (sname, i, moved)
