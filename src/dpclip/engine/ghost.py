@@ -74,7 +74,11 @@ raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or
 Separability (per call, batches of more than one example): the forward and the loss run under
 :class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
 input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
-must hold no custom ``autograd.Function``. A model that mixes examples (``x - x.mean(0)``, a softmax
+must hold no custom ``autograd.Function``. A ruled layer may receive each example in ``k``
+consecutive rows (layout ``(0, k)``: augmentation multiplicity's K copies, a batch flattened with
+another dimension): its output is marked ``(0, k)`` and its rule reads example ``i`` from those
+rows as from ``k`` times the positions (``ghost_rules._fold_rows``, ``_Call.group``); a batch of
+one reads every row of such a call as the example's. A model that mixes examples (``x - x.mean(0)``, a softmax
 or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
 ``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded). A plain
 ``nn.Sequential`` of known ``torch.nn`` classes (``_KNOWN_MODULES``) is proved from the modules'
