@@ -337,3 +337,32 @@ def test_float32_contribution_of_each_example_is_within_the_clip_norm(case, mode
                            for n in full.grads})
             n_red = B * k * 64 * 9  # the longest reduction: examples x rows x positions
             assert moved <= c + 2 * n_red * 2.0 ** -24 * B * c, (sname, i, moved)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("name", ["tied", "tied-embedding"])
+def test_tied_weights_by_cross_terms_read_the_k_rows(name, k, monkeypatch):
+    """A parameter with several uses, above the size where its per-example gradient is formed:
+    the exact norm of the sum from the uses' cross terms (dpclip.engine.tied) on the folded rows."""
+    import dpclip.engine.ghost as ghost_mod
+    from tests.engine.helpers import TiedNet
+
+    monkeypatch.setattr(ghost_mod, "_TIED_FORM_MAX_NUMEL", 0)
+    batch = 5
+    if name == "tied":
+        model, x, y = _case("tied", batch, k)
+    else:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(3)
+        model = TiedNet().to(DT)
+        x = torch.randint(0, 7, (batch, k, 4), generator=g)
+        y = torch.randint(0, N_CLASSES, (batch,), generator=g)
+    view, loss = KCopyModel(model, k), k_copy_loss(ce, k)
+    per_ex = naive_per_example_grads(view, loss, x, y)
+    groups = ParamGroups.flat(model)
+    expected = oracle_norms(per_ex, groups, batch)
+    for mode in ("mixed", "ghost", "direct"):
+        res = GhostEngine(norm_mode=mode).compute(view, loss, x, y, clip_weights(CLIP), groups)
+        assert bool((res.norms >= expected * (1 - 1e-12)).all())
+        assert_close(res.norms, expected, rtol=1e-9)
+        assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, batch), rtol=1e-9)
