@@ -366,3 +366,29 @@ def test_tied_weights_by_cross_terms_read_the_k_rows(name, k, monkeypatch):
         assert bool((res.norms >= expected * (1 - 1e-12)).all())
         assert_close(res.norms, expected, rtol=1e-9)
         assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, batch), rtol=1e-9)
+
+
+@pytest.mark.parametrize("patch_max", [0, None])
+def test_convolutions_in_slices_and_by_grouped_convolution_read_the_k_rows(patch_max,
+                                                                          monkeypatch):
+    """One example per temporary slice (_TEMP_MAX_NUMEL) and, with _PATCH_MAX_NUMEL 0, every
+    per-example conv gradient by the grouped convolution with the rows folded into the groups."""
+    import dpclip.engine.ghost_rules as rules
+
+    monkeypatch.setattr(rules, "_TEMP_MAX_NUMEL", 1)
+    if patch_max is not None:
+        monkeypatch.setattr(rules, "_PATCH_MAX_NUMEL", patch_max)
+    k, batch = 3, 4
+    for name in ("papernot-cnn", "norm-conv"):
+        model, x, y = _case(name, batch, k)
+        view, loss = KCopyModel(model, k), k_copy_loss(ce, k)
+        per_ex = naive_per_example_grads(view, loss, x, y)
+        groups = ParamGroups.per_layer(model)
+        expected = oracle_norms(per_ex, groups, batch)
+        for mode in ("mixed", "ghost", "direct"):
+            res = GhostEngine(norm_mode=mode).compute(view, loss, x, y, clip_weights(CLIP),
+                                                      groups)
+            assert bool((res.norms >= expected * (1 - 1e-12)).all())
+            assert_close(res.norms, expected, rtol=1e-9)
+            assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, batch),
+                               rtol=1e-9)

@@ -695,7 +695,8 @@ class _ConvRule(_Rule):
                 out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
                 numel = c.mod.weight.numel()
-                slices = _example_slices(batch, patches + numel)
+                # (k rows per example: the rows' gradients are formed before their sum)
+                slices = _example_slices(batch, patches + c.group * numel)
                 if c.choice == "keep":
                     if len(slices) == 1:
                         gw = self._per_example_weight(c)
