@@ -52,24 +52,23 @@ class _Call:
         if owner.rule.kind == "module":  # the per-layer path (dpclip.engine.per_layer)
             _init_module_call(self, owner, a, out, tracer)
             return
-        #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
-        #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
-        #: The output is then marked ``(0, 1)`` whatever it was: its row ``i`` carries example
-        #: ``i``'s share of the parameter gradient, so the trace must also prove that row ``i``
-        #: reaches no other example's loss (a data-independent output, e.g. of a position
-        #: embedding, flipped over the batch would otherwise pass as a constant)
         #: rows of ``a`` and ``b`` per example: 1, or ``k`` when the input has layout ``(0, k)``
         #: (example ``i`` owns rows ``[i k, (i + 1) k)``: K augmented copies, a batch flattened
         #: with another dimension); set from the layouts (``ghost_forward._check_separable``) or,
         #: for a batch of one, from the shape, and read by the rules (:func:`_fold_rows`)
         self.group = 1
+        #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
+        #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
+        #: The output is then marked ``(0, 1)`` whatever it was (``(0, k)`` for an input of
+        #: layout ``(0, k)``): its row ``i`` (block ``i``) carries example ``i``'s share of the
+        #: parameter gradient, so the trace must also prove that row ``i`` reaches no other
+        #: example's loss (a data-independent output, e.g. of a position embedding, flipped over
+        #: the batch would otherwise pass as a constant)
         if tracer is None:
             self.layouts = None
         else:
             lay_a = tracer.layout(a)
             self.layouts = (lay_a, tracer.layout(out))
-            # row block i of the output carries example i's share of the parameter gradient: the
-            # trace must prove that block reaches example i's loss alone
             k = _row_group(lay_a)
             tracer.mark(out, (0, k) if k > 1 and isinstance(out, Tensor) and out.ndim
                         and isinstance(a, Tensor) and a.ndim and out.shape[0] == a.shape[0]
