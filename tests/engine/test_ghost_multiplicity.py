@@ -392,3 +392,37 @@ def test_convolutions_in_slices_and_by_grouped_convolution_read_the_k_rows(patch
             assert_close(res.norms, expected, rtol=1e-9)
             assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, batch),
                                rtol=1e-9)
+
+
+class _PosText(nn.Module):
+    """A position Embedding called without the batch ((1, T) positions) beside K-copy rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.pos = nn.Embedding(7, 6)
+        self.head = nn.Linear(6, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self.pos(torch.arange(x.shape[1]).unsqueeze(0))
+        return self.head(torch.tanh(self.emb(x) + p).mean(1))
+
+
+def test_a_batchless_call_beside_k_rows_sends_auto_to_vmap():
+    """docs/engines.md: the batch-less call is expanded to B rows, which do not broadcast against
+    the B K rows: ghost refuses, auto runs vmap (recorded), equal to the per-example loop."""
+    k, n = 2, 5
+    torch.manual_seed(0)
+    model = _PosText().to(DT)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(0, 11, (n, k, 7), generator=g)
+    y = torch.randint(0, N_CLASSES, (n,), generator=g)
+    view, loss = KCopyModel(model, k), k_copy_loss(ce, k)
+    with pytest.raises(UnsupportedModelError, match="called without the batch dimension"):
+        GhostEngine().compute(view, loss, x, y, clip_weights(CLIP), ParamGroups.flat(model))
+    res = AutoEngine().compute(view, loss, x, y, clip_weights(CLIP), ParamGroups.flat(model))
+    assert res.engine_info["engine"] == "vmap" and res.engine_info["fallback"]
+    per_ex = naive_per_example_grads(view, loss, x, y)
+    groups = ParamGroups.flat(model)
+    assert_close(res.norms, oracle_norms(per_ex, groups, n), rtol=1e-9)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, n), rtol=1e-9)
