@@ -65,8 +65,8 @@ class _UsesPos(nn.Module):
 
 class _FlatFirst(nn.Module):
     """A Linear called on the batch flattened into its rows: first dimension B * 2. Its rule
-    reads example i from its 2 rows (layout (0, 2), issue 36); the module without a rule after
-    it (the per-layer path) does not, and is refused."""
+    reads example i from its 2 rows (layout (0, 2), issue 36), and so does the module without a
+    rule after it (the per-layer path); both were refused here before."""
 
     def __init__(self, scale: bool = True) -> None:
         super().__init__()
@@ -78,6 +78,17 @@ class _FlatFirst(nn.Module):
         if self.s is not None:
             h = self.s(h)
         return h.view(x.shape[0], -1)
+
+
+class _SeqFirst(nn.Module):
+    """A Linear called on a (2, B, 3) sequence-first tensor: the batch in dimension 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x.unsqueeze(0).expand(2, *x.shape)).sum(0)
 
 
 class _Scale(nn.Module):
@@ -105,7 +116,7 @@ class _DeadCall(nn.Module):
 
 @pytest.mark.parametrize("make,match", [
     (_UsesPos, "returned a tensor of rank 1 whose first dimension is not the batch"),
-    (_FlatFirst, "has each example in 2 consecutive rows of dimension 0")])
+    (_SeqFirst, "has the batch in dimension 1, not 0")])
 def test_ghost_refusals_quote_ranks_not_shapes(make, match):
     model = make().to(DT)
     x, y = _data()
@@ -114,10 +125,12 @@ def test_ghost_refusals_quote_ranks_not_shapes(make, match):
     _private(str(info.value))
 
 
-def test_a_linear_on_the_batch_flattened_into_its_rows_runs_on_ghost():
-    """The _FlatFirst refusal of this file before issue 36: a ruled layer reads an example that
-    owns k consecutive rows from those rows; ghost equals vmap."""
-    model = _FlatFirst(scale=False).to(DT)
+@pytest.mark.parametrize("scale", [False, True])
+def test_layers_on_the_batch_flattened_into_their_rows_run_on_ghost(scale):
+    """The _FlatFirst refusal of this file before issue 36: a ruled layer (and a module on the
+    per-layer path) reads an example that owns k consecutive rows from those rows; ghost equals
+    vmap."""
+    model = _FlatFirst(scale=scale).to(DT)
     x, y = _data()
     groups = ParamGroups.flat(model)
     res = GhostEngine().compute(model, ce, x, y, clip_weights(1.0), groups)

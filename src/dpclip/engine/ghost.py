@@ -484,7 +484,10 @@ class GhostEngine:
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
-                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
+                if batch == 1 and c.outs and c.outs[0].ndim:
+                    c.group = c.outs[0].shape[0]  # one example (not traced): all its rows
+                rows = batch * c.group
+                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != rows]
                 if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "

@@ -722,11 +722,12 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
         lay_a, lay_out = c.layouts
         # only the input: a supported layer runs its standard forward (``_rule_for`` refuses
         # subclasses that override it), which is per sample along dimension 0 of a batch-first
-        # input; its output is then marked ``(0, 1)`` (``_Call``). A ruled layer's input may
-        # hold each example in ``k`` consecutive rows, ``(0, k)`` (K augmented copies, a batch
-        # flattened with another dimension): its output is then marked ``(0, k)`` and the rule
-        # reads example i from its k rows (``ghost_rules._fold_rows``, ``c.group``)
-        if c.outs is None and isinstance(lay_a, tuple) and lay_a[0] == 0:
+        # input; its output is then marked ``(0, 1)`` (``_Call``). A layer's input (a per-layer
+        # module's outputs) may hold each example in ``k`` consecutive rows, ``(0, k)`` (K
+        # augmented copies, a batch flattened with another dimension): its output is then marked
+        # ``(0, k)`` and example i is read from its k rows (``ghost_rules._fold_rows``, the
+        # per-layer path's ``module_grads``; ``c.group``)
+        if isinstance(lay_a, tuple) and lay_a[0] == 0:
             c.group = lay_a[1]
             continue
         for what, lay in (("input", lay_a),):
@@ -735,12 +736,7 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
                        "through x.mean(0), a softmax or roll over the batch dimension, or an "
                        "operation the separability check does not know)") if lay == "mixed" \
                     else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
-                          "layout: a shape coincidence such as T == B cannot hide it)") \
-                    if lay[0] != 0 else (f"has each example in {lay[1]} consecutive rows of "
-                                         "dimension 0 (the batch flattened with another "
-                                         "dimension, e.g. x.view(-1, d), or K augmented "
-                                         "copies), not one row, which the per-layer path "
-                                         "does not read (only layers with a ghost rule do)")
+                          "layout: a shape coincidence such as T == B cannot hide it)")
                 raise _RuntimeUnsupported(
                     f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
     lay = tracer.layout(losses)

@@ -119,7 +119,10 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     sequence-number window of the call are kept until the module's per-example gradients are
     formed. Separability: the outputs must be proved row
     separable by the trace (the module's own operations are traced like any other); they are then
-    marked ``(0, 1)`` like a layer's output."""
+    marked ``(0, 1)`` like a layer's output, or ``(0, k)`` when they hold each example in ``k``
+    rows (``c.group``; the arguments must then be constants or of layout ``(0, k)``, and the
+    module is re-evaluated on each example's ``k`` rows: :func:`~dpclip.engine.per_layer.
+    module_grads`)."""
     all_outs = output_tensors(out)
     c.live_idx = [k for k, t in enumerate(all_outs) if t.requires_grad]
     outs = [all_outs[k] for k in c.live_idx]
@@ -127,7 +130,6 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
     c.a_print = None
-    c.group = 1
     c.outs = outs
     # the outputs' gradient edges as the module produced them (a later in-place change of an
     # output moves the tensor's own edge; b is the gradient w.r.t. the module's output)
@@ -146,19 +148,21 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
         got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
         c.fast = None if got is None else (got[0], got[1], got[0]._version)
+    # rows per example: k for outputs of layout (0, k) (a batch of one: set by the engine pass)
+    lay = None if tracer is None else join_layouts([tracer.layout(t) for t in outs])
+    k = c.group = _row_group(lay)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(
         c.args[0], c.args[1], None if tracer is None else tracer.layout,
-        tracer.batch if tracer is not None
-        else (outs[0].shape[0] if outs and outs[0].ndim else -1))
+        tracer.batch * k if tracer is not None
+        else (outs[0].shape[0] if outs and outs[0].ndim else -1), k)
     if tracer is None:
         c.layouts = None
     else:
-        lay = join_layouts([tracer.layout(t) for t in outs])
         for t in outs:  # (an output without the batch first is refused by the engine pass)
-            if t.ndim and t.shape[0] == tracer.batch:
-                tracer.mark(t, (0, 1))
+            if t.ndim and t.shape[0] == tracer.batch * k:
+                tracer.mark(t, (0, k))
         c.layouts = (lay, lay)
 
 
