@@ -25,7 +25,11 @@ alone (vmap evaluates each example separately: a non-finite value of another exa
 it, as it would through ``0 * nan`` in a product contracted over the batch). ``b_i`` is example
 ``i``'s own loss gradient because the trace proves the module's outputs row separable (its
 operations run under the separability tracer like every other operation) and marks them
-``(0, 1)``; an argument whose trace layout is neither constant nor batch-first is refused.
+``(0, 1)``; an argument whose trace layout is neither constant nor batch-first is refused. Outputs
+that hold each example in ``k`` consecutive rows (layout ``(0, k)``: augmentation multiplicity's
+K copies) are marked ``(0, k)``, every argument must then be constant or of layout ``(0, k)``, and
+example ``i``'s vector is the product at its ``k`` rows (the module evaluated on a batch of ``k``
+rows) with its ``k`` rows of ``b``.
 
 Exactness (the sum is the gradient), checked by :func:`check_module_windows`: every use of the
 module's parameters must lie inside one of its calls and reach that call's outputs. Autograd nodes

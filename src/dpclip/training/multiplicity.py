@@ -20,8 +20,10 @@ its separability trace like any layout), and its rule reads the example's gradie
 as from ``K`` times the positions (a Linear on ``(B K, d)`` as one on ``(B, K, d)``, a convolution
 with the copies' output positions joined; :func:`dpclip.engine.ghost_rules._fold_rows`): the norm
 is the exact norm of the summed vector, the copies' cross terms included, with the engine's
-rounding bound. Modules without a rule (the ghost engine's per-layer path) do not read such rows:
-``auto`` then runs ``vmap`` (recorded), explicit ``ghost`` refuses the model.
+rounding bound. Modules without a rule (the ghost engine's per-layer path) are re-evaluated on
+each example's ``K`` rows. What the ghost engine refuses (a batch-less position embedding beside
+the copies, a model that mixes the copies of different examples) ``auto`` runs on ``vmap``
+(recorded).
 
 Privacy: sensitivity unchanged. One example's contribution is ``[g_i]_C`` whatever its ``K``
 augmented copies are, a vector of norm ``<= C``; adding or removing the example adds or removes that
