@@ -699,8 +699,9 @@ def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
 def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
                      losses: Tensor) -> None:
     """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
-    per-example losses and every hooked layer's input have layout ``(0, 1)`` or are constant (each
-    row a function of its own example; :mod:`dpclip.engine.separable`)."""
+    per-example losses have layout ``(0, 1)`` and every hooked layer's input ``(0, k)`` or is
+    constant (each row, or block of ``k`` rows, a function of its own example; ``c.group`` is set
+    to ``k``; :mod:`dpclip.engine.separable`)."""
     if tracer is None:
         return
     tracer.retire()
