@@ -492,16 +492,16 @@ def test_cli_augment_multiplicity_without_augmentation(capsys):
             "crop:4,flip) or use K = 1") in err
 
 
-def test_cli_augment_multiplicity_on_the_ghost_engine(capsys, tmp_path):
+def test_cli_augment_multiplicity_on_the_summed_engine(capsys, tmp_path):
+    # (the ghost engine was refused here before issue 36: it now reads the K copies' rows)
     argv = ["train", "--dataset", "synthetic", "--model", "mlp", "--delta", "1e-5", "--epochs",
             "1", "--batch-size", "32", "--no-progress", "--noise-multiplier", "1",
             "--dataset-option", "n_train=128", "--dataset-option", "image_shape=1,6,6",
-            "--augment", "flip", "--augment-multiplicity", "2", "--engine", "ghost",
+            "--augment", "flip", "--augment-multiplicity", "2", "--engine", "summed",
             "--db", str(tmp_path / "r.db")]
     err = cli_error(capsys, argv)
-    assert ("--augment-multiplicity=2: the ghost engine reads example i's gradient from row i of "
-            "every layer's input, but with 2 copies example i owns 2 consecutive rows; use engine "
-            "'auto' (runs vmap, recorded) or 'vmap'") in err
+    assert ("--augment-multiplicity=2: the summed engine does not clip per example; use engine "
+            "'auto', 'ghost' or 'vmap'") in err
 
 
 def test_cli_bad_averaging(capsys):

@@ -12,7 +12,6 @@ from torch import nn
 
 from dpclip.data.augment import parse_augment
 from dpclip.engine import ParamGroups, get_engine
-from dpclip.engine.errors import UnsupportedModelError
 from dpclip.training.multiplicity import KCopyModel, expand_copies, k_copy_loss
 from dpclip.training.private import make_private
 from dpclip.randomness import seeded_generator
@@ -66,7 +65,7 @@ def test_each_example_gets_k_independent_draws_from_the_secret_sampling_generato
     assert dp.describe()["augment_multiplicity"] == K
 
 
-@pytest.mark.parametrize("engine", ["auto", "vmap", "naive"])
+@pytest.mark.parametrize("engine", ["auto", "ghost", "vmap", "naive"])
 def test_noise_free_release_is_the_clipped_mean_of_the_k_copies(engine):
     dp, x, y, m = _dp(noise_multiplier=0.0, steps=1, engine=engine)
     xb, yb = dp.sample()
@@ -88,9 +87,9 @@ def test_noise_free_release_is_the_clipped_mean_of_the_k_copies(engine):
     for n in ref:
         torch.testing.assert_close(released[n], ref[n] / 8.0, rtol=1e-9, atol=1e-12)
     info = dp.engine_info
-    assert info["engine"] == ("naive" if engine == "naive" else "vmap")
-    if engine == "auto":
-        assert info["fallback"] == ["augmentation multiplicity: K copies per example run on vmap"]
+    # auto runs ghost since issue 36 (it ran vmap, recorded as a fallback, before)
+    assert info["engine"] == {"auto": "ghost"}.get(engine, engine)
+    assert info["fallback"] is None
 
 
 def _release(engine, x, y, model, k):
@@ -102,7 +101,7 @@ def _release(engine, x, y, model, k):
     return torch.cat([res.grads[n].flatten() for n, _ in model.named_parameters()])
 
 
-@pytest.mark.parametrize("engine_name", ["vmap", "naive"])
+@pytest.mark.parametrize("engine_name", ["vmap", "naive", "ghost", "auto"])
 def test_neighbour_removing_one_example_moves_the_release_by_at_most_c(engine_name):
     engine = get_engine(engine_name)
     model = _model()
@@ -126,17 +125,20 @@ def test_neighbour_removing_one_example_moves_the_release_by_at_most_c(engine_na
     assert moved > 1.5 * CLIP
 
 
-def test_ghost_cannot_read_k_copy_rows_and_is_refused():
+def test_ghost_reads_the_k_copy_rows():
+    """Refused before issue 36 (the rows of one example were not (0, 1) separable); now the
+    ghost rules read example i from its K rows: equal to vmap, also for a batch of one."""
     model = _model()
+    aug = parse_augment("crop:1,flip")
     x, y = _images(6)
-    xk = expand_copies(x, K)
-    with pytest.raises(UnsupportedModelError):  # the rows of one example: not (0, 1) separable
-        _release(get_engine("ghost"), xk, y, model, K)
-    with pytest.raises(UnsupportedModelError, match="first dimension is not the batch"):
-        _release(get_engine("ghost"), xk[:1], y[:1], model, K)  # one example: K rows, batch 1
-    with pytest.raises(ValueError, match=r"augment_multiplicity=3: the ghost engine reads "
-                                         r"example i's gradient from row i"):
-        _dp(engine="ghost")
+    xk = aug.apply(expand_copies(x, K), aug.draw(6 * K, torch.Generator().manual_seed(3)))
+    for rows in (slice(None), slice(0, 1)):
+        got = _release(get_engine("ghost"), xk[rows], y[rows], model, K)
+        want = _release(get_engine("vmap"), xk[rows], y[rows], model, K)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    dp, _, _, _ = _dp(engine="ghost")
+    dp.step(*dp.sample())
+    assert dp.engine_info["engine"] == "ghost" and dp.engine_info["fallback"] is None
 
 
 def test_ledger_is_that_of_k_equal_one():
@@ -216,8 +218,7 @@ def test_trainconfig_and_train_with_multiplicity(tmp_path):
     assert cfg.fingerprint() != TrainConfig(**BASE, augment="crop:1,flip").fingerprint()
     full = train(cfg, progress=False)
     assert full.summary["augment_multiplicity"] == 2
-    assert full.summary["engine_fallback"] == [
-        "augmentation multiplicity: K copies per example run on vmap"]
+    assert full.summary["engine_fallback"] is None  # auto runs ghost (issue 36)
     train(cfg, checkpoint_dir=tmp_path, progress=False, stop_after_steps=5)
     resumed = train(cfg, checkpoint_dir=tmp_path, progress=False)
     assert resumed.ledger == full.ledger

@@ -64,15 +64,40 @@ class _UsesPos(nn.Module):
 
 
 class _FlatFirst(nn.Module):
-    """A Linear called on the batch flattened into its rows: first dimension B * 2."""
+    """A Linear called on the batch flattened into its rows: first dimension B * 2. Its rule
+    reads example i from its 2 rows (layout (0, 2), issue 36), and so does the module without a
+    rule after it (the per-layer path); both were refused here before."""
+
+    def __init__(self, scale: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.s = _Scale() if scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(torch.cat([x, x], 1).view(-1, 3))
+        if self.s is not None:
+            h = self.s(h)
+        return h.view(x.shape[0], -1)
+
+
+class _SeqFirst(nn.Module):
+    """A Linear called on a (2, B, 3) sequence-first tensor: the batch in dimension 1."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(3, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.cat([x, x], 1).view(-1, 3)
-        return self.fc(h).view(x.shape[0], -1)
+        return self.fc(x.unsqueeze(0).expand(2, *x.shape)).sum(0)
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
 
 
 class _DeadCall(nn.Module):
@@ -91,13 +116,29 @@ class _DeadCall(nn.Module):
 
 @pytest.mark.parametrize("make,match", [
     (_UsesPos, "returned a tensor of rank 1 whose first dimension is not the batch"),
-    (_FlatFirst, "has each example in 2 consecutive rows of dimension 0")])
+    (_SeqFirst, "has the batch in dimension 1, not 0")])
 def test_ghost_refusals_quote_ranks_not_shapes(make, match):
     model = make().to(DT)
     x, y = _data()
     with pytest.raises(UnsupportedModelError, match=match) as info:
         GhostEngine().compute(model, ce, x, y, clip_weights(1.0), ParamGroups.flat(model))
     _private(str(info.value))
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_layers_on_the_batch_flattened_into_their_rows_run_on_ghost(scale):
+    """The _FlatFirst refusal of this file before issue 36: a ruled layer (and a module on the
+    per-layer path) reads an example that owns k consecutive rows from those rows; ghost equals
+    vmap."""
+    model = _FlatFirst(scale=scale).to(DT)
+    x, y = _data()
+    groups = ParamGroups.flat(model)
+    res = GhostEngine().compute(model, ce, x, y, clip_weights(1.0), groups)
+    ref = VmapEngine().compute(model, ce, x, y, clip_weights(1.0), groups)
+    assert res.engine_info["engine"] == "ghost"
+    torch.testing.assert_close(res.norms, ref.norms)
+    for n in ref.grads:
+        torch.testing.assert_close(res.grads[n], ref.grads[n])
 
 
 def test_a_dead_call_on_a_constant_table_runs_on_ghost():

@@ -74,7 +74,11 @@ raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or
 Separability (per call, batches of more than one example): the forward and the loss run under
 :class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
 input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
-must hold no custom ``autograd.Function``. A model that mixes examples (``x - x.mean(0)``, a softmax
+must hold no custom ``autograd.Function``. A ruled layer may receive each example in ``k``
+consecutive rows (layout ``(0, k)``: augmentation multiplicity's K copies, a batch flattened with
+another dimension): its output is marked ``(0, k)`` and its rule reads example ``i`` from those
+rows as from ``k`` times the positions (``ghost_rules._fold_rows``, ``_Call.group``); a batch of
+one reads every row of such a call as the example's. A model that mixes examples (``x - x.mean(0)``, a softmax
 or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
 ``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded). A plain
 ``nn.Sequential`` of known ``torch.nn`` classes (``_KNOWN_MODULES``) is proved from the modules'
@@ -481,7 +485,10 @@ class GhostEngine:
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
-                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != batch]
+                if batch == 1 and c.outs and c.outs[0].ndim:
+                    c.group = c.outs[0].shape[0]  # one example (not traced): all its rows
+                rows = batch * c.group
+                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != rows]
                 if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "
@@ -499,8 +506,11 @@ class GhostEngine:
                     f"{c.a.ndim}, which it reads as ONE unbatched example (e.g. a 2-D input to "
                     "Conv1d): its first dimension is then not the batch; give it the batched "
                     "rank (B, C, ...)")
-            if c.a.ndim == 0 or c.a.shape[0] != batch or not c.out_shape \
-                    or c.out_shape[0] != batch:
+            if batch == 1 and c.a.ndim and c.out_shape and c.a.shape[0] == c.out_shape[0]:
+                c.group = c.a.shape[0]  # one example (not traced): every row is its own
+            rows = batch * c.group  # (c.group: rows per example, from the trace's layouts)
+            if c.a.ndim == 0 or c.a.shape[0] != rows or not c.out_shape \
+                    or c.out_shape[0] != rows:
                 raise _RuntimeUnsupported(  # ranks, not shapes (the batch size is private)
                     f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
                     f"{c.a.ndim} (output rank {len(c.out_shape)}) whose first dimension is not "

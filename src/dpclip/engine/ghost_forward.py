@@ -229,7 +229,8 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
-        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
+        if not per_layer and not _rows_of_one(tracer, a, out) \
+                and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user = tuple(out.shape)
@@ -353,6 +354,15 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
+
+
+def _rows_of_one(tracer: SeparabilityTracer | None, a: Any, out: Any) -> bool:
+    """A batch of one (not traced): a call whose input and output have the same leading size is
+    read as that example's rows (the rule sums over them, ``ghost_rules._fold_rows``: K augmented
+    copies, or a constant input, whose gradient is the example's too), not expanded as
+    batch-less."""
+    return tracer is None and isinstance(a, Tensor) and isinstance(out, Tensor) and a.ndim > 0 \
+        and out.ndim > 0 and a.shape[0] == out.shape[0]
 
 
 def _arm(tracer: SeparabilityTracer | None) -> None:
@@ -692,8 +702,9 @@ def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
 def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
                      losses: Tensor) -> None:
     """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
-    per-example losses and every hooked layer's input have layout ``(0, 1)`` or are constant (each
-    row a function of its own example; :mod:`dpclip.engine.separable`)."""
+    per-example losses have layout ``(0, 1)`` and every hooked layer's input ``(0, k)`` or is
+    constant (each row, or block of ``k`` rows, a function of its own example; ``c.group`` is set
+    to ``k``; :mod:`dpclip.engine.separable`)."""
     if tracer is None:
         return
     tracer.retire()
@@ -715,17 +726,21 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
         lay_a, lay_out = c.layouts
         # only the input: a supported layer runs its standard forward (``_rule_for`` refuses
         # subclasses that override it), which is per sample along dimension 0 of a batch-first
-        # input; its output is then marked ``(0, 1)`` (``_Call``)
+        # input; its output is then marked ``(0, 1)`` (``_Call``). A layer's input (a per-layer
+        # module's outputs) may hold each example in ``k`` consecutive rows, ``(0, k)`` (K
+        # augmented copies, a batch flattened with another dimension): its output is then marked
+        # ``(0, k)`` and example i is read from its k rows (``ghost_rules._fold_rows``, the
+        # per-layer path's ``module_grads``; ``c.group``)
+        if isinstance(lay_a, tuple) and lay_a[0] == 0:
+            c.group = lay_a[1]
+            continue
         for what, lay in (("input", lay_a),):
             if lay is not None and lay != (0, 1):
                 how = ("mixes the examples of the batch (it depends on several examples, e.g. "
                        "through x.mean(0), a softmax or roll over the batch dimension, or an "
                        "operation the separability check does not know)") if lay == "mixed" \
                     else (f"has the batch in dimension {lay[0]}, not 0 (a sequence-first "
-                          "layout: a shape coincidence such as T == B cannot hide it)") \
-                    if lay[0] != 0 else (f"has each example in {lay[1]} consecutive rows of "
-                                         "dimension 0 (the batch flattened with another "
-                                         "dimension, e.g. x.view(-1, d)), not one row")
+                          "layout: a shape coincidence such as T == B cannot hide it)")
                 raise _RuntimeUnsupported(
                     f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) {how}{fix}")
     lay = tracer.layout(losses)

@@ -45,24 +45,34 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges", "a_print")
+                 "live_idx", "fast", "oedges", "a_print", "group")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
         if owner.rule.kind == "module":  # the per-layer path (dpclip.engine.per_layer)
             _init_module_call(self, owner, a, out, tracer)
             return
+        #: rows of ``a`` and ``b`` per example: 1, or ``k`` when the input has layout ``(0, k)``
+        #: (example ``i`` owns rows ``[i k, (i + 1) k)``: K augmented copies, a batch flattened
+        #: with another dimension); set from the layouts (``ghost_forward._check_separable``) or,
+        #: for a batch of one, from the shape, and read by the rules (:func:`_fold_rows`)
+        self.group = 1
         #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
         #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
-        #: The output is then marked ``(0, 1)`` whatever it was: its row ``i`` carries example
-        #: ``i``'s share of the parameter gradient, so the trace must also prove that row ``i``
-        #: reaches no other example's loss (a data-independent output, e.g. of a position
-        #: embedding, flipped over the batch would otherwise pass as a constant)
+        #: The output is then marked ``(0, 1)`` whatever it was (``(0, k)`` for an input of
+        #: layout ``(0, k)``): its row ``i`` (block ``i``) carries example ``i``'s share of the
+        #: parameter gradient, so the trace must also prove that row ``i`` reaches no other
+        #: example's loss (a data-independent output, e.g. of a position embedding, flipped over
+        #: the batch would otherwise pass as a constant)
         if tracer is None:
             self.layouts = None
         else:
-            self.layouts = (tracer.layout(a), tracer.layout(out))
-            tracer.mark(out, (0, 1))
+            lay_a = tracer.layout(a)
+            self.layouts = (lay_a, tracer.layout(out))
+            k = _row_group(lay_a)
+            tracer.mark(out, (0, k) if k > 1 and isinstance(out, Tensor) and out.ndim
+                        and isinstance(a, Tensor) and a.ndim and out.shape[0] == a.shape[0]
+                        else (0, 1))
         self.owner = owner
         self.mod = owner.module
         self.rule = owner.rule
@@ -83,6 +93,24 @@ class _Call:
         self.outs: list[Tensor] | None = None
 
 
+def _row_group(layout: Any) -> int:
+    """``k`` for an input layout ``(0, k)`` (``k`` rows per example in dimension 0), else 1."""
+    if isinstance(layout, tuple) and len(layout) == 2 and layout[0] == 0 and layout[1] >= 1:
+        return int(layout[1])
+    return 1
+
+
+def _fold_rows(c: _Call) -> None:
+    """``(B k, ...) -> (B, k, ...)`` for ``c.a`` and ``c.b`` of a call with ``k = c.group > 1``
+    rows per example: the rows of one example become one more leading position dimension, so
+    that every rule reads example ``i`` from index ``i`` of dimension 0 (its gradient is the sum
+    over its ``k`` rows, exactly as over the positions of a sequence)."""
+    k = c.group
+    if k > 1:
+        c.a = c.a.reshape(c.a.shape[0] // k, k, *c.a.shape[1:])
+        c.b = c.b.reshape(c.b.shape[0] // k, k, *c.b.shape[1:])
+
+
 def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
                       tracer: SeparabilityTracer | None) -> None:
     """A call of a module on the per-layer path (no rule for its type,
@@ -91,7 +119,10 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     sequence-number window of the call are kept until the module's per-example gradients are
     formed. Separability: the outputs must be proved row
     separable by the trace (the module's own operations are traced like any other); they are then
-    marked ``(0, 1)`` like a layer's output."""
+    marked ``(0, 1)`` like a layer's output, or ``(0, k)`` when they hold each example in ``k``
+    rows (``c.group``; the arguments must then be constants or of layout ``(0, k)``, and the
+    module is re-evaluated on each example's ``k`` rows: :func:`~dpclip.engine.per_layer.
+    module_grads`)."""
     all_outs = output_tensors(out)
     c.live_idx = [k for k, t in enumerate(all_outs) if t.requires_grad]
     outs = [all_outs[k] for k in c.live_idx]
@@ -117,19 +148,21 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
         got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
         c.fast = None if got is None else (got[0], got[1], got[0]._version)
+    # rows per example: k for outputs of layout (0, k) (a batch of one: set by the engine pass)
+    lay = None if tracer is None else join_layouts([tracer.layout(t) for t in outs])
+    k = c.group = _row_group(lay)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace, else the batch-first shape
     c.arg_dims = None if c.args is None else arg_batch_dims(
         c.args[0], c.args[1], None if tracer is None else tracer.layout,
-        tracer.batch if tracer is not None
-        else (outs[0].shape[0] if outs and outs[0].ndim else -1))
+        tracer.batch * k if tracer is not None
+        else (outs[0].shape[0] if outs and outs[0].ndim else -1), k)
     if tracer is None:
         c.layouts = None
     else:
-        lay = join_layouts([tracer.layout(t) for t in outs])
         for t in outs:  # (an output without the batch first is refused by the engine pass)
-            if t.ndim and t.shape[0] == tracer.batch:
-                tracer.mark(t, (0, 1))
+            if t.ndim and t.shape[0] == tracer.batch * k:
+                tracer.mark(t, (0, k))
         c.layouts = (lay, lay)
 
 
@@ -240,7 +273,9 @@ class _Rule:
         return None
 
     def prepare(self, c: _Call) -> None:
-        """Normalise ``c.a`` / ``c.b`` (flatten, pad) once ``c.b`` is known."""
+        """Normalise ``c.a`` / ``c.b`` (flatten, pad) once ``c.b`` is known; the rows of one
+        example (``c.group > 1``) are folded into dimension 1 (:func:`_fold_rows`)."""
+        _fold_rows(c)
 
     def dims(self, c: _Call) -> tuple[int, int, int, int] | None:
         """``(T, d_in, d_out, groups)`` of a matmul layer on positions (None: no choice to make)."""
@@ -410,6 +445,7 @@ class _LinearRule(_Rule):
             lambda rows: _store_formed(c, rows, torch.bmm(b[rows].transpose(1, 2), a[rows])))
 
     def prepare(self, c: _Call) -> None:
+        _fold_rows(c)  # k rows per example: k more positions, (B, k, ..., d)
         if c.a.ndim != 2:
             batch = c.a.shape[0]
             c.a = c.a.reshape(batch, -1, c.a.shape[-1])
@@ -497,7 +533,12 @@ class _LinearRule(_Rule):
 
 class _ConvRule(_Rule):
     """Conv1d / Conv2d. When the layer pads by itself (a padding mode other than zeros, or string
-    padding), :meth:`prepare` pads ``c.a`` the same way and the formulas use padding 0."""
+    padding), :meth:`prepare` pads ``c.a`` the same way and the formulas use padding 0.
+
+    With ``k = c.group > 1`` rows per example, ``c.a`` / ``c.b`` are ``(B, k, C, *spatial)`` after
+    :meth:`prepare` (:func:`_fold_rows`): the ``k`` rows' output positions are the example's
+    positions (``k L`` of them, ordered row-major), in the patch and output-gradient matrices,
+    the Gram matrices and the rounding bounds; the convolutions themselves run on the rows."""
 
     kind = "matmul"
 
@@ -505,23 +546,57 @@ class _ConvRule(_Rule):
     def _padding(c: _Call) -> tuple[int, ...]:
         mod = c.mod
         if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
-            return (0,) * (c.a.ndim - 2)
+            return (0,) * len(mod.kernel_size)
         return tuple(mod.padding)
+
+    @staticmethod
+    def _flat(c: _Call, t: Tensor) -> Tensor:
+        """The rows of ``t`` (examples, or a slice of them): ``(n k, C, *spatial)``."""
+        return t.flatten(0, 1) if c.group > 1 else t
+
+    @staticmethod
+    def _positions(c: _Call) -> int:
+        """Output positions of one example: ``k`` rows times the output's spatial size."""
+        return c.group * math.prod(c.b.shape[c.b.ndim - len(c.mod.kernel_size):])
+
+    @staticmethod
+    def _by_example(c: _Call, t: Tensor, n: int) -> Tensor:
+        """``(n k, g, ..., L) -> (n, g, ..., k L)``: per-row, per-group position vectors (the last
+        dimension) joined per example (identity for ``k = 1``)."""
+        k = c.group
+        if k == 1:
+            return t
+        t = t.reshape(n, k, *t.shape[1:])
+        return t.movedim(1, -2).reshape(n, *t.shape[2:-1], k * t.shape[-1])
+
+    def _grad_rows(self, c: _Call, b: Tensor) -> Tensor:
+        """The output gradients of examples ``b`` as ``(n g, C_out/g, k L)`` matrices (same position
+        order as :meth:`_unfold`)."""
+        n, g = b.shape[0], c.mod.groups
+        rows = self._flat(c, b)
+        bb = rows.reshape(rows.shape[0], g, rows.shape[1] // g, -1)
+        return self._by_example(c, bb, n).reshape(n * g, bb.shape[2], -1)
+
+    def _bias_grads(self, c: _Call, b: Tensor) -> Tensor:
+        """Per-example bias gradients ``(B, C_out)``: the output gradient summed over positions."""
+        return b.flatten(3).sum((1, 3)) if c.group > 1 else b.flatten(2).sum(2)
 
     def prepare(self, c: _Call) -> None:
         mod = c.mod
         if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
             mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
             c.a = F.pad(c.a, mod._reversed_padding_repeated_twice, mode=mode)
+        _fold_rows(c)  # (on the rows: F.pad's modes take the layer's own rank)
 
     def dims(self, c: _Call) -> tuple[int, int, int, int]:
         mod = c.mod
-        positions = math.prod(c.b.shape[2:])
+        positions = self._positions(c)
         return positions, mod.in_channels * math.prod(mod.kernel_size), mod.out_channels, mod.groups
 
     def _unfold(self, c: _Call, a: Tensor) -> tuple[Tensor, bool]:
         """``(patches, channels_last)``: ``patches`` of shape ``(B * groups, L, fan_in)``, one row
-        per output position, ``fan_in = C_in/groups * K`` ordered ``(C, *kernel)`` or, when
+        per output position (``k L`` of them with ``k`` rows per example: :meth:`_by_example`),
+        ``fan_in = C_in/groups * K`` ordered ``(C, *kernel)`` or, when
         ``channels_last`` (groups == 1), ``(*kernel, C)``.
 
         Built as a strided view of the (padded) input and copied once by ``reshape`` (``F.unfold``,
@@ -529,6 +604,8 @@ class _ConvRule(_Rule):
         channels-last first, so that the copy moves runs of ``C`` contiguous values. ``a`` is
         ``c.a`` or a slice of its examples."""
         mod = c.mod
+        n = a.shape[0]
+        a = self._flat(c, a)
         pad = self._padding(c)
         if any(pad):
             a = F.pad(a, [q for p in reversed(pad) for q in (p, p)])
@@ -549,16 +626,17 @@ class _ConvRule(_Rule):
             o_stride.append(sp_stride[i] * st)
         positions = math.prod(o_size)
         fan_in = channels // g * math.prod(mod.kernel_size)
-        if channels_last:  # (B, *out, *kernel, C)
+        if channels_last:  # (B, *out, *kernel, C); the k rows of an example are consecutive
             view = a.as_strided([batch] + o_size + k_size + [channels],
                                 [a.stride(0)] + o_stride + k_stride + [a.stride(-1)],
                                 a.storage_offset())
-            return view.reshape(batch, positions, fan_in), True
+            return view.reshape(n, batch // n * positions, fan_in), True
         # (B, g, C/g, *kernel, *out) -> (B * g, L, fan_in)
         view = a.as_strided([batch, g, channels // g] + k_size + o_size,
                             [a.stride(0), a.stride(1) * (channels // g), a.stride(1)] + k_stride
                             + o_stride, a.storage_offset())
-        return view.reshape(batch * g, fan_in, positions).transpose(1, 2), False
+        u = self._by_example(c, view.reshape(batch, g, fan_in, positions), n)
+        return u.reshape(n * g, fan_in, -1).transpose(1, 2), False
 
     def _weight_grad(self, c: _Call, inp: Tensor, grad_out: Tensor, shape: Sequence[int],
                      groups: int) -> Tensor:
@@ -571,7 +649,7 @@ class _ConvRule(_Rule):
     def _patch_numel(self, c: _Call) -> int:
         """Floats of one example's patch matrix (fan-in x positions)."""
         mod = c.mod
-        return mod.in_channels * math.prod(mod.kernel_size) * math.prod(c.b.shape[2:])
+        return mod.in_channels * math.prod(mod.kernel_size) * self._positions(c)
 
     def _per_example_weight(self, c: _Call, a: Tensor | None = None,
                             b: Tensor | None = None) -> Tensor:
@@ -581,20 +659,24 @@ class _ConvRule(_Rule):
         b = c.b if b is None else b
         batch, g = a.shape[0], mod.groups
         cin_g = mod.in_channels // g
-        if cin_g > 1 and cin_g * math.prod(mod.kernel_size) * math.prod(b.shape[2:]) \
+        if cin_g > 1 and cin_g * math.prod(mod.kernel_size) * self._positions(c) \
                 <= _PATCH_MAX_NUMEL:
             # small patch matrices: copy them, then one batched matmul per (example, group)
             u, channels_last = self._unfold(c, a)
-            bb = b.reshape(batch * g, mod.out_channels // g, -1)
-            gw = torch.bmm(bb, u)
+            gw = torch.bmm(self._grad_rows(c, b), u)
             if channels_last:  # (B, C_out, *kernel, C_in) -> (B, C_out, C_in, *kernel)
                 gw = gw.view(batch, mod.out_channels, *mod.kernel_size, cin_g).movedim(-1, 2)
                 return gw.contiguous()
-        else:  # a grouped convolution weight-gradient with the batch folded into the groups
-            x = a.reshape(1, batch * a.shape[1], *a.shape[2:])
-            go = b.reshape(1, batch * b.shape[1], *b.shape[2:])
-            gw = self._weight_grad(c, x, go, (batch * mod.out_channels, cin_g, *mod.kernel_size),
-                                   batch * g)
+        else:  # a grouped convolution weight-gradient with the rows folded into the groups
+            a, b = self._flat(c, a), self._flat(c, b)
+            rows = a.shape[0]
+            x = a.reshape(1, rows * a.shape[1], *a.shape[2:])
+            go = b.reshape(1, rows * b.shape[1], *b.shape[2:])
+            gw = self._weight_grad(c, x, go, (rows * mod.out_channels, cin_g, *mod.kernel_size),
+                                   rows * g)
+            if rows != batch:  # the k rows of an example summed
+                return gw.view(batch, rows // batch, mod.out_channels, cin_g,
+                               *mod.kernel_size).sum(1)
         return gw.view(batch, mod.out_channels, cin_g, *mod.kernel_size)
 
     def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
@@ -602,21 +684,22 @@ class _ConvRule(_Rule):
         batch = c.a.shape[0]
         if "weight" in roles:
             a, b = c.a, c.b
-            positions = math.prod(b.shape[2:])
+            positions = self._positions(c)
             patches = self._patch_numel(c)
             if c.choice == "ghost":  # Gram matrices of the patches and of the output gradients
                 parts = []
                 for sl in _example_slices(batch, patches + 2 * positions * positions):
                     u, _ = self._unfold(c, a[sl])
                     ga = torch.bmm(u, u.transpose(1, 2))
-                    bb = b[sl].reshape(u.shape[0], -1, u.shape[1])
+                    bb = self._grad_rows(c, b[sl])
                     gb = torch.bmm(bb.transpose(1, 2), bb)
                     n = b[sl].shape[0]
                     parts.append(_gram_dot(ga, gb, ga.shape[0] // n))
                 out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
                 numel = c.mod.weight.numel()
-                slices = _example_slices(batch, patches + numel)
+                # (k rows per example: the rows' gradients are formed before their sum)
+                slices = _example_slices(batch, patches + c.group * numel)
                 if c.choice == "keep":
                     if len(slices) == 1:
                         gw = self._per_example_weight(c)
@@ -630,31 +713,34 @@ class _ConvRule(_Rule):
                     out["weight"] = torch.cat([_sq(self._per_example_weight(c, a[sl], b[sl]))
                                                for sl in slices])
         if "bias" in roles:
-            gb = c.b.flatten(2).sum(2)
+            gb = self._bias_grads(c, c.b)
             c.kept["bias"] = gb
             out["bias"] = _sq(gb)
         return out
 
     def per_example(self, c: _Call, role: str) -> Tensor:
         if role == "bias":
-            return c.b.flatten(2).sum(2)
+            return self._bias_grads(c, c.b)
         return self._per_example_weight(c)
 
     def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
         if c.choice == "keep":
             return None
         mod, a, b = c.mod, c.a, c.b
-        batch, g, nd = a.shape[0], mod.groups, a.ndim - 2
+        fa, fb = self._flat(c, a), self._flat(c, b)  # the rows
+        batch, rows, g, nd = a.shape[0], fa.shape[0], mod.groups, fa.ndim - 2
         # ||patch_t||^2 per group: the squares summed over the group's channels, then over each
         # kernel window (a convolution with a kernel of ones, same geometry as the layer)
-        a2 = a.square().reshape(batch, g, a.shape[1] // g, *a.shape[2:]).sum(2)
+        a2 = fa.square().reshape(rows, g, fa.shape[1] // g, *fa.shape[2:]).sum(2)
         ones = a2.new_ones((g, 1, *mod.kernel_size))
         conv = F.conv1d if nd == 1 else F.conv2d
         pa2 = conv(a2, ones, None, mod.stride, self._padding(c), mod.dilation, g)
-        na = pa2.clamp(min=0).sqrt().reshape(batch, g, -1)
-        nb = torch.linalg.vector_norm(b.reshape(batch, g, b.shape[1] // g, -1), dim=2)
+        # (B, g, k L): the positions of an example's k rows
+        na = self._by_example(c, pa2.clamp(min=0).sqrt().reshape(rows, g, -1), batch)
+        nb = self._by_example(c, torch.linalg.vector_norm(
+            fb.reshape(rows, g, fb.shape[1] // g, -1), dim=2), batch)
         positions = na.shape[2]
-        fan_in = a.shape[1] // g * math.prod(mod.kernel_size)
+        fan_in = fa.shape[1] // g * math.prod(mod.kernel_size)
         p = mod.out_channels // g
         abs_sum = (na * nb).sum((1, 2)).to(sq.dtype) * (1 + rnd.gp(fan_in + p + positions * g + 8))
         gram = rnd.gp(fan_in) + rnd.gp(p) + rnd.gp(fan_in) * rnd.gp(p) \
@@ -671,11 +757,12 @@ class _ConvRule(_Rule):
             wc, formed = _split_formed(c, w.col(groups["weight"]))
             bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
-                c, c.a[sl], bw[sl], c.mod.weight.shape, c.mod.groups))
+                c, self._flat(c, c.a[sl]), self._flat(c, bw[sl]), c.mod.weight.shape,
+                c.mod.groups))
             if formed is not None:
                 out["weight"].add_(formed.view(c.mod.weight.shape))
         if "bias" in groups:
-            out["bias"] = w.col(groups["bias"]) @ b.flatten(2).sum(2)
+            out["bias"] = w.col(groups["bias"]) @ self._bias_grads(c, b)
         return out
 
 
@@ -683,7 +770,7 @@ class _Sub:
     """The rows ``rows`` of a call's ``a`` and ``b`` (for a rule's ``per_example``)."""
 
     def __init__(self, c: _Call, rows: Tensor) -> None:
-        self.a, self.b, self.mod = c.a[rows], c.b[rows], c.mod
+        self.a, self.b, self.mod, self.group = c.a[rows], c.b[rows], c.mod, c.group
 
 
 class _EmbeddingRule(_Rule):
@@ -699,6 +786,7 @@ class _EmbeddingRule(_Rule):
         return None
 
     def prepare(self, c: _Call) -> None:
+        _fold_rows(c)  # k rows per example: k times the positions
         batch = c.a.shape[0]
         c.a = c.a.reshape(batch, -1)
         b = c.b.reshape(batch, c.a.shape[1], -1)
@@ -787,6 +875,15 @@ class _RMSNormRule(_TrailingNormRule):
 class _ChannelNormRule(_AffineNormRule):
     def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
         return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        if c.group == 1:
+            return super().per_example(c, role)
+        # (B, k, C, ...): the statistics are per row (the channel dimension is dimension 1 of a
+        # row), the gradient of example i the sum over its k rows
+        a, b = c.a, c.b
+        t = b if role == "bias" else b * self._xhat(c.mod, a.flatten(0, 1)).view_as(b)
+        return t.reshape(t.shape[0], t.shape[1], t.shape[2], -1).sum((1, 3))
 
 
 class _GroupNormRule(_ChannelNormRule):

@@ -25,7 +25,11 @@ alone (vmap evaluates each example separately: a non-finite value of another exa
 it, as it would through ``0 * nan`` in a product contracted over the batch). ``b_i`` is example
 ``i``'s own loss gradient because the trace proves the module's outputs row separable (its
 operations run under the separability tracer like every other operation) and marks them
-``(0, 1)``; an argument whose trace layout is neither constant nor batch-first is refused.
+``(0, 1)``; an argument whose trace layout is neither constant nor batch-first is refused. Outputs
+that hold each example in ``k`` consecutive rows (layout ``(0, k)``: augmentation multiplicity's
+K copies) are marked ``(0, k)``, every argument must then be constant or of layout ``(0, k)``, and
+example ``i``'s vector is the product at its ``k`` rows (the module evaluated on a batch of ``k``
+rows) with its ``k`` rows of ``b``.
 
 Exactness (the sum is the gradient), checked by :func:`check_module_windows`: every use of the
 module's parameters must lie inside one of its calls and reach that call's outputs. Autograd nodes
@@ -212,15 +216,18 @@ def _leaves(x: Any) -> list[Tensor]:
     return []
 
 
-def arg_batch_dims(args: tuple, kwargs: dict, layout: Any, batch: int) -> list[Any]:
+def arg_batch_dims(args: tuple, kwargs: dict, layout: Any, batch: int,
+                   group: int = 1) -> list[Any]:
     """For every tensor of the call's arguments (in :func:`_leaves` order): ``0`` when it is sliced
     per example (batch-first: example data, or a constant with ``batch`` rows, which the batched
     call combined row-wise with the examples), ``None`` when it is passed whole (a constant without
-    the batch dimension), ``"bad"`` when the trace saw the batch in another dimension or mixed."""
+    the batch dimension), ``"bad"`` when the trace saw the batch in another dimension or mixed.
+    ``group``: rows per example of the call (``batch`` counts rows then), example data must have
+    layout ``(0, group)``."""
     out: list[Any] = []
     for t in _leaves((args, kwargs)):
         lay = layout(t) if layout is not None else None
-        if lay is not None and lay != (0, 1):
+        if lay is not None and lay != (0, group):
             out.append("bad")
         elif t.ndim and t.shape[0] == batch:
             out.append(0)
@@ -239,6 +246,12 @@ def _rebuild(x: Any, it: Any) -> Any:
         return type(x)(_rebuild(v, it) for v in x) if not hasattr(x, "_fields") else \
             type(x)(*(_rebuild(v, it) for v in x))
     return x
+
+
+def _examples(t: Tensor, batch: int, group: int) -> Tensor:
+    """``(batch group, ...) -> (batch, group, ...)``: the rows of each example, which the module is
+    evaluated on (a batch of ``group`` rows; of one row, ``(batch, 1, ...)``, for ``group`` 1)."""
+    return t.reshape(batch, group, *t.shape[1:])
 
 
 def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
@@ -274,15 +287,17 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
             "tensor with the batch in a dimension other than 0; give it batch-first inputs")
     leaves = [t for t, _ in vers]
-    batched = [t for t, d in zip(leaves, dims) if d == 0]
+    group = c.group  # rows per example: each example is evaluated on its own rows
+    batched = [_examples(t, batch, group) for t, d in zip(leaves, dims) if d == 0]
     fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d != 0}
     own = {r: getattr(mod, r) for r in c.owner.roles}
     live_idx = c.live_idx
-    bs = [b if b is not None else torch.zeros_like(t) for t, b in zip(c.outs, c.bs)]
+    bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group)
+          for t, b in zip(c.outs, c.bs)]
 
     def one(rows: list[Tensor], b_rows: list[Tensor]) -> dict[str, Tensor]:
         rit = iter(rows)
-        vals = iter([fixed[k] if k in fixed else next(rit).unsqueeze(0)
+        vals = iter([fixed[k] if k in fixed else next(rit)
                      for k in range(len(leaves))])
         a_i, kw_i = _rebuild(args, vals), _rebuild(kwargs, vals)
 
@@ -291,7 +306,7 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
             return tuple(outs[k] for k in live_idx)
 
         _, back = vjp(f, own)
-        return back(tuple(b.unsqueeze(0) for b in b_rows))[0]
+        return back(tuple(b_rows))[0]
 
     allowed = list(fixed.values()) + [t for _, _, _, vs in module_state(mod) for t, _ in vs]
     tracer = RecomputeTracer(batch, allowed + list(own.values()))

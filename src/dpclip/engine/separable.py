@@ -28,7 +28,9 @@ are constant. In-place writes that change a tensor's layout taint the tensor's s
 views of it read as ``MIXED``. Reading batch data into Python (``.item()``, ``nonzero``, a ``bool``
 of a tensor: ops tagged ``data_dependent_output`` / ``dynamic_output_shape``) from a non-constant
 tensor is a violation (the value could steer anything). The engine then requires the per-example
-losses and every hooked layer's input and output to have layout ``(0, 1)``.
+losses and every hooked layer's input and output to have layout ``(0, 1)``, or, for a layer with
+a ghost rule, ``(0, k)`` (example ``i`` in rows ``[i k, (i + 1) k)``: its rule sums them;
+:func:`dpclip.engine.ghost_rules._fold_rows`).
 
 Position: a constant operand that spans the batch dimension of example data pairs row ``i`` with
 example ``i``'s POSITION (``x + pe[:x.size(0)]``, ``h * arange(B)``); it is accepted only when it is

@@ -13,7 +13,17 @@ model on the ``B K`` copies (``(B K, *example)``, the model never sees the copy 
 reshapes its output to ``(B, K, ...)``; :func:`k_copy_loss` averages the user's per-example loss
 over the copies. To the engines each example is then ONE input of shape ``(K, *example)`` with ONE
 loss: the per-example engines (``vmap``, the ``naive`` oracle, AdaClip's materialised gradients)
-compute exactly ``g_i`` above and clip it, with no change to any engine.
+compute exactly ``g_i`` above and clip it, with no change to any engine. The ``ghost`` engine (and
+so ``auto``) runs the model once on the ``B K`` rows: every layer with a ghost rule sees example
+``i`` in rows ``[i K, (i + 1) K)`` (layout ``(0, K)`` of :mod:`dpclip.engine.separable`, proved by
+its separability trace like any layout), and its rule reads the example's gradient from those rows
+as from ``K`` times the positions (a Linear on ``(B K, d)`` as one on ``(B, K, d)``, a convolution
+with the copies' output positions joined; :func:`dpclip.engine.ghost_rules._fold_rows`): the norm
+is the exact norm of the summed vector, the copies' cross terms included, with the engine's
+rounding bound. Modules without a rule (the ghost engine's per-layer path) are re-evaluated on
+each example's ``K`` rows. What the ghost engine refuses (a batch-less position embedding beside
+the copies, a model that mixes the copies of different examples) ``auto`` runs on ``vmap``
+(recorded).
 
 Privacy: sensitivity unchanged. One example's contribution is ``[g_i]_C`` whatever its ``K``
 augmented copies are, a vector of norm ``<= C``; adding or removing the example adds or removes that
@@ -32,10 +42,7 @@ Where it does not hold or is not built, it is refused (``check_multiplicity``):
   norm bound and the weights, and the ``summed`` engine runs one plain batched backward; the
   K-copy mean would need the certificate re-derived for a mean loss (it holds, being a convex
   combination, but dpclip does not certify it yet);
-* the ``ghost`` engine: its layer rules read example ``i``'s gradient from ROW ``i`` of each
-  layer's input; with K copies a layer sees ``B K`` rows and example ``i`` owns rows
-  ``[i K, (i+1) K)`` (layout ``(0, K)`` in :mod:`dpclip.engine.separable`), which the rules do not
-  handle. ``engine="auto"`` runs ``vmap`` (recorded as a fallback); explicit ``ghost`` is refused;
+* the ``summed`` engine: it does not clip per example;
 * distributed runs (not built: the shared augmentation draws would have to be sharded by copy).
 """
 
@@ -81,14 +88,9 @@ def check_multiplicity(k: int, *, augment: Any, unit_is_individual: bool, bound_
             f"{where}={k}: bound-based strategies (Lip-DP-SGD) certify the sensitivity of ONE "
             "input's gradient; dpclip does not certify the K-copy mean yet; use K = 1 or a "
             "norm-based strategy")
-    if engine == "ghost":
-        raise ValueError(
-            f"{where}={k}: the ghost engine reads example i's gradient from row i of every layer's "
-            f"input, but with {k} copies example i owns {k} consecutive rows; use engine 'auto' "
-            "(runs vmap, recorded) or 'vmap'")
     if engine == "summed":
         raise ValueError(f"{where}={k}: the summed engine does not clip per example; use engine "
-                         "'auto' or 'vmap'")
+                         "'auto', 'ghost' or 'vmap'")
     if distributed:
         raise ValueError(f"{where}={k} is not built for distributed runs; train in one process or "
                          "use K = 1")
@@ -133,7 +135,9 @@ def k_copy_loss(loss_fn: Callable[[Any, Any], Tensor], k: int) -> Callable[[Any,
     targets -> ``(B,)``, ``mean_k loss_fn(out[:, k], y)`` (computed on the flattened copies)."""
 
     def loss(out: Any, targets: Any) -> Tensor:
-        b = int(first_tensor(out).shape[0])
+        # the batch size as a size only, never a Python int (the ghost engine's batch-size proof
+        # traces this with a symbolic batch: dpclip.engine.batch_symbol)
+        b = first_tensor(out).shape[0]
         flat_out = map_batch(lambda t: t.reshape(b * k, *t.shape[2:]), out)
         flat_y = map_batch(lambda t: t.repeat_interleave(k, dim=0), targets)
         per_copy = loss_fn(flat_out, flat_y)

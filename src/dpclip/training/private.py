@@ -91,7 +91,6 @@ from dpclip.training.units import (
     public_unit_norms,
     resolve_unit,
 )
-from dpclip.engine.vmap import VmapEngine
 from dpclip.errors import EngineFallbackWarning
 
 __all__ = ["BudgetExhausted", "PrivateTraining", "default_delta", "make_private",
@@ -336,7 +335,7 @@ class PrivateTraining:
             strategy_name(self.strategy), self.strategy.describe(), self.unit.describe(),
             self.sampler.name, n, float(self._batch_size), self.total_steps, epsilon,
             noise_multiplier, self.delta, accountant, engine, self.seed))
-        self._prepare_state(engine, chunk_kw, noise_multiplier)
+        self._prepare_state(engine, noise_multiplier)
         if self.preprocess is not None:  # every input checked: the release, first in the ledger
             for event in self.preprocess.events:
                 self.ledger.record(event)
@@ -491,8 +490,7 @@ class PrivateTraining:
             # local clipped sums; each rank noises its own coordinates (training.noise_shard)
             self._step_engine = ShardNoiseEngine(self.engine, self.distributed, self.rng)
 
-    def _prepare_state(self, engine: str, chunk_kw: dict[str, Any],
-                       noise_multiplier: float | None) -> None:
+    def _prepare_state(self, engine: str, noise_multiplier: float | None) -> None:
         """The ledger, the strategy state, the loop guard and the noise multiplier (given, or
         calibrated to the epsilon target), checked against the strategy and the accountant."""
         self.ledger = Ledger()
@@ -503,7 +501,7 @@ class PrivateTraining:
         self.fallbacks: set[str] = set()
         #: modules that took the ghost engine's per-layer path (public: module names)
         self.per_layer: set[str] = set()
-        self._setup_multiplicity_and_averaging(engine, chunk_kw)
+        self._setup_multiplicity_and_averaging(engine)
         self.noise_multiplier = self._resolve_noise(noise_multiplier)
         # the strategy must accept the noise, the accountant the events (clear errors, up front)
         ledger_epsilon(self._plan.ledger(self.noise_multiplier, steps=1), self.delta,
@@ -886,7 +884,7 @@ class PrivateTraining:
 
     # --------------------------------------- augmentation multiplicity and weight averaging
 
-    def _setup_multiplicity_and_averaging(self, engine: str, chunk_kw: dict[str, Any]) -> None:
+    def _setup_multiplicity_and_averaging(self, engine: str) -> None:
         """Checks and engine choice for augmentation multiplicity (``dpclip.training.multiplicity``) and
         the weight averager (``dpclip.training.averaging``); called once from ``__init__``."""
         check_multiplicity(self.multiplicity, augment=self.augment,
@@ -895,12 +893,9 @@ class PrivateTraining:
                            distributed=self.distributed is not None,
                            where=self._flags.get("augment_multiplicity", "augment_multiplicity"))
         k = self.multiplicity
+        # the engines see each example as ONE input (K, *example) with one loss; ghost and auto
+        # read example i from the K rows its copies occupy in every layer (layout (0, K))
         self._step_loss = k_copy_loss(self.loss_fn, k) if k > 1 else self.loss_fn
-        if k > 1 and engine == "auto" \
-                and not capabilities_of(self.strategy).per_example_grads:
-
-            self._step_engine = VmapEngine(**chunk_kw)  # ghost's rules are per row (one copy)
-            self.fallbacks.add("augmentation multiplicity: K copies per example run on vmap")
         self.averager = WeightAverager(self.model, self.averaging) \
             if self.averaging is not None else None
         self._average_due = False
