@@ -1467,9 +1467,15 @@ _OPEN3: dict[str, str] = {}
 def third_review_loo(engine, name: str) -> float | None:
     """LOO of attack ``name`` under ``engine`` after one honest call (switch off), or None when
     a step was refused."""
+    return switched_loo(engine, *THIRD[name])
+
+
+def switched_loo(engine, build, make_data, loss, ctx) -> float | None:
+    """LOO of a switched attack (``_SW``) under ``engine`` after one honest call (switch off), or
+    None when a step was refused; the caches of the proof cleared first, the attack's leftovers
+    after (:func:`third_review_cleanup`)."""
     from dpclip.engine import batch_symbol
 
-    build, make_data, loss, ctx = THIRD[name]
     batch_symbol._CACHE.clear()
     ghost_forward._CHAIN_LAYOUTS.clear()
     _SW["on"] = False

@@ -37,16 +37,16 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine
-from dpclip.engine import batch_symbol, ghost_forward
 from dpclip.engine.errors import UnsupportedModelError
 from tests.engine.helpers import DT
 from tests.engine.test_hostile_review import (
     _SW,
     _TwoLayers,
     _hidden_write,
+    switched_loo,
     third_review_cleanup,
 )
-from tests.engine.test_separability_attacks import Net, ce, clipped_sum, data, loo_distance
+from tests.engine.test_separability_attacks import Net, ce, clipped_sum, data
 
 
 class _RewriteBeforeUse(nn.Module):
@@ -262,23 +262,9 @@ def fourth_loo(engine, name: str) -> float | None:
     """LOO of attack ``name`` under ``engine`` after honest calls (switch off), or None when a
     step was refused."""
     build, loss = FOURTH[name]
-    batch_symbol._CACHE.clear()
-    ghost_forward._CHAIN_LAYOUTS.clear()
-    _SW["on"] = False
-    torch.manual_seed(0)
-    model = build().to(DT)
-    x, y = data()
     try:
-        try:
-            loo_distance(engine(), model, loss, x, y)
-        except UnsupportedModelError:
-            return None
-        _SW["on"] = True
-        return loo_distance(engine(), model, loss, x, y)
-    except UnsupportedModelError:
-        return None
+        return switched_loo(engine, build, data, loss, None)
     finally:
-        third_review_cleanup()
         _KEEP.clear()
         _STASH.clear()
 
