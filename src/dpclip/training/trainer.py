@@ -33,6 +33,7 @@ from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.clipping.capabilities import capabilities_of
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
+from dpclip.data.features import check_features_augment
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
 from dpclip.engine.known_losses import cross_entropy_per_example  # noqa: F401 (re-exported)
 from dpclip.models import build_model
@@ -240,6 +241,8 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
     )
     _check_bundle(bundle)
+    # augmentation crops images, not the coefficients of a feature map (dataset option features)
+    check_features_augment(bundle.preprocessing, config.augment)
     unit = config.unit_config
     check_unit_sampling(unit, config.sampling)
     strategy = make_strategy(config.strategy, config.strategy_params)  # built once
