@@ -3,13 +3,14 @@
 # Table 2 (TAN) spec as reproductions/shard.py cells under CUDA MPS until a deadline, then every
 # cell's database and checkpoints packed into $OUT (15 MB pieces) to be merged and resumed on the
 # CPU (docs/tuning.md, "On a GPU machine"). Run from the repository root; the machine needs torch,
-# the wheels of dp-accounting, dm-tree and mlxtend in .whl/ and Fashion-MNIST under .gpu/data.
+# the wheels of dp-accounting, dm-tree, mlxtend and kymatio (+ appdirs, configparser: the
+# ScatterNet+AugMult8 row of fmnist_best_eps27.toml) in .whl/ and Fashion-MNIST under .gpu/data.
 #   END_DL: seconds after the start at which the cells are stopped (default 505)
 #   EPS: the Lin levels to run (default "1.5 4.5"); DEV: cuda (cpu for a dry run)
 #   JOB: "lin" (default: the Lin / Xia TAN cells above) or "issue36": the rows issue 36 still
 #        needs, as shard.py cells: the Auto-V column of xia_table2_tan.toml (--only Auto-V), the
 #        re-run Lin columns of lin_table2_rerun.toml (AdaClip with batch noise, Andrew with an lr
-#        space for its moving threshold) and fmnist_best_eps27.toml (EMA / multiplicity); or
+#        space for its moving threshold) and fmnist_best_eps27.toml (the multiplicity rows); or
 #        "autov", "rerun", "best": one of these three alone
 # This is what produced the eps 1.5 / 4.5 rows of lin-table2-fmnist-tan and xia-table2-fmnist-tan,
 # except --workers: the call that ran used 3 final-run workers in every cell, which put ~80
@@ -56,8 +57,10 @@ if [ $JOB = issue36 ] || [ $JOB = rerun ]; then
   pids+=($!)
 fi
 if [ $JOB = issue36 ] || [ $JOB = best ]; then
+  # the rows not run yet (the others have 3 CPU seeds each in reproductions/results.db)
   timeout $TO python3 reproductions/shard.py reproductions/fmnist_best_eps27.toml \
-    --db $W/best.db --work $W/w_best --jobs 5 --workers 1 "${COMMON[@]}" > $W/best.log 2>&1 &
+    --only ScatterNet+AugMult8 --only Yu+EMA+AugMult8 --only Yu+AugMult8 --only Yu+Aug+EMA \
+    --db $W/best.db --work $W/w_best --jobs 4 --workers 1 "${COMMON[@]}" > $W/best.log 2>&1 &
   pids+=($!)
 fi
 if [ $JOB = lin ]; then

@@ -137,7 +137,7 @@ def test_scatter_linear_is_groupnorm_then_linear():
 
 
 # ------------------------------------------------------------------ augmentation is refused
-def test_augmenting_coefficients_is_refused():
+def test_augmenting_a_coefficient_dataset_is_refused():
     check_features_augment({"features": "x"}, None)
     check_features_augment({"features": "x"}, "none")
     check_features_augment({}, "flip")
@@ -160,5 +160,52 @@ def test_a_private_run_on_coefficients(tmp_path):
     assert "scattering" in s["preprocessing"]["features"]
     assert s["epsilon"] == pytest.approx(3.0, rel=1e-3)
     assert s["test_accuracy"] > 0.5  # 10 classes: far above chance after one private epoch
+    # a bundle that already holds coefficients is never augmented
+    coefficients = load_dataset("mnist-5k", features="scattering")
     with pytest.raises(ValueError, match="crops and flips IMAGES"):
-        train(TrainConfig(**base, augment="flip"), progress=False)
+        train(TrainConfig(**base, augment="flip"), data=coefficients, progress=False)
+
+
+def test_augmented_run_maps_each_drawn_batch_after_augmentation():
+    """With an augmentation, `dpclip train` keeps the images and maps each drawn batch (its K
+    copies each) after augmenting it; the summary says so."""
+    from dpclip.training.config import TrainConfig
+    from dpclip.training.trainer import train
+
+    cfg = TrainConfig(dataset="mnist-5k", dataset_options={"features": "scattering"},
+                      model="scatter-linear", strategy="fixed", strategy_params={"clip_norm": 0.1},
+                      epsilon=3.0, delta=1e-5, epochs=1, batch_size=1000, lr=4.0,
+                      optimizer="momentum", augment="flip", augment_multiplicity=2)
+    res = train(cfg, progress=False)
+    s = res.summary
+    assert "after its augmentation" in s["preprocessing"]["features"]
+    assert s["augment_multiplicity"] == 2 and s["engine"] == "ghost"
+    assert s["epsilon"] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_sampled_rows_are_coefficients_of_augmented_images():
+    """Oracle: with a flip-only augmentation every drawn row equals the transform of one training
+    image or of its mirror image (a map applied BEFORE the augmentation would flip coefficient
+    maps instead, which matches neither)."""
+    from dpclip.training.private import PrivateTraining
+
+    images = load_dataset("mnist-5k").train.inputs[:48]
+    y = torch.arange(48) % 10
+    model = build_model("scatter-linear", (81, 7, 7), 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = PrivateTraining(model, opt, (images, y), noise_multiplier=1.0, epochs=1,
+                         batch_size=24, strategy="fixed", strategy_params={"clip_norm": 1.0},
+                         delta=1e-5, augment="flip", features=Scattering(), verbose=False)
+    x, _ = dp.sample()
+    assert x.shape[1:] == (81, 7, 7) and len(x) > 0
+    candidates = torch.cat([Scattering().transform(images),
+                            Scattering().transform(images.flip(-1))]).flatten(1)
+    exact = "donot_use_mm_for_euclid_dist"  # (the matmul form loses ~1e-2 to cancellation)
+    gaps = torch.cdist(x.flatten(1), candidates, compute_mode=exact).amin(1)
+    assert gaps.max() < 1e-3
+    wrong_order = Scattering().transform(images).flip(-1).flatten(1)  # flipped coefficient maps
+    assert torch.cdist(wrong_order, candidates[48:], compute_mode=exact).amin(1).min() > 1e-2
+    with pytest.raises(TypeError, match="features= must be .scattering. or a dpclip.data.features.Scattering"):
+        PrivateTraining(model, opt, (images, y), noise_multiplier=1.0, epochs=1, batch_size=24,
+                        strategy="fixed", strategy_params={"clip_norm": 1.0}, delta=1e-5,
+                        features=lambda t: t, verbose=False)

@@ -305,6 +305,7 @@ class PrivateTraining:
         averaging: Any = None,
         augment_multiplicity: int = 1,
         preprocess: Any = None,
+        features: Any = None,
     ) -> None:
         # the steps of Opacus' make_private, in order: arguments, data, privacy, the strategy and
         # its unit, the engine and loss, the sampler, the plan, the randomness, the state
@@ -313,6 +314,10 @@ class PrivateTraining:
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
         n = self._prepare_data(data, verbose, device, data_on_device, augment,
                                augment_multiplicity, averaging)
+        #: a fixed per-example feature map applied to each drawn batch AFTER its augmentation
+        #: (dpclip.data.features.Scattering; `dpclip train` with the dataset option features and
+        #: an augmentation), or None
+        self.features = self._prepare_features(features)
         self.delta = resolve_delta(delta, n, where="make_private", verbose=verbose,
                                    flag=flags.get("delta", "delta="))
         self.accountant = accountant
@@ -589,9 +594,31 @@ class PrivateTraining:
             batch = (expand_copies(batch[0], self.multiplicity), batch[1])
         if params is not None:
             batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
+        if self.features is not None:  # the fixed per-example map, after the augmentation
+            batch = (self.features.transform_images(batch[0]), batch[1])
         self._pending = batch
         self.loop_guard.record_draw(batch)
         return batch
+
+    def _prepare_features(self, features: Any) -> Any:
+        """Checks of ``features`` (its text, a :class:`dpclip.data.features.Scattering` or None):
+        only the library's tested per-example maps are accepted (an arbitrary callable could mix
+        the batch), on one tensor of images."""
+        from dpclip.data.features import Scattering, parse_features
+
+        if isinstance(features, str):
+            features = parse_features(features, self._flags.get("features", "features="))
+        if features is None:
+            return None
+        if not isinstance(features, Scattering):
+            raise TypeError(f"features= must be 'scattering' or a dpclip.data.features.Scattering "
+                            f"(a fixed per-example map the library tests), got {features!r}; put "
+                            "other transforms in the model or in the data")
+        if not isinstance(self._x, Tensor):
+            raise ValueError("features= needs the training inputs as one tensor of images, got "
+                             f"{type(self._x).__name__}")
+        features.output_shape(tuple(self._x.shape[1:]))  # refuses non-images, bad sizes
+        return features
 
     def _draw_augmentation(self, idx: Tensor) -> Tensor:
         """The augmentation parameters of the drawn examples, from the SECRET sampling generator.
@@ -998,6 +1025,7 @@ def make_private(
     averaging: Any = None,
     augment_multiplicity: int = 1,
     preprocess: Any = None,
+    features: Any = None,
 ) -> PrivateTraining:
     """DP-SGD around your own model, optimizer and data.
 
@@ -1068,6 +1096,13 @@ def make_private(
             inputs, clipped into ``[-1, 1]^d``, subtracted from them): its event is recorded first
             in the ledger and counted by the calibration; transform other inputs with
             ``dp.preprocess.apply(x)`` (docs/privacy.md, "Preprocessing").
+        features: a fixed per-example feature map applied to every drawn batch after its
+            augmentation: ``"scattering"`` (Tramer & Boneh's scattering coefficients, 81 x 7 x 7
+            for 28x28 images; ``"scattering:J"``, ``"scattering:J:L"``) or a
+            :class:`dpclip.data.features.Scattering`; the inputs stay images, the model receives
+            coefficients (map your evaluation data with ``dp.features.transform(x)``). No privacy
+            cost (docs/privacy.md). Without augmentation, transform the data once instead
+            (``load_dataset(..., features="scattering")``).
 
     Raises:
         ValueError: an argument is missing, out of range or inconsistent; the message names the
@@ -1081,7 +1116,7 @@ def make_private(
         reproducible_noise=reproducible_noise, seed=seed, public_data=public_data,
         input_shape=input_shape, device=device, verbose=verbose, distributed=distributed,
         augment=augment, data_on_device=data_on_device, averaging=averaging,
-        augment_multiplicity=augment_multiplicity, preprocess=preprocess)
+        augment_multiplicity=augment_multiplicity, preprocess=preprocess, features=features)
 
 
 def _loader_batch_size(data: Any, verbose: bool) -> float:

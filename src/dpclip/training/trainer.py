@@ -33,7 +33,7 @@ from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.clipping.capabilities import capabilities_of
 from dpclip.data import DatasetBundle, load_dataset, public_private_split
-from dpclip.data.features import check_features_augment
+from dpclip.data.features import check_features_augment, parse_features
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
 from dpclip.engine.known_losses import cross_entropy_per_example  # noqa: F401 (re-exported)
 from dpclip.models import build_model
@@ -211,6 +211,8 @@ class _Run:
     x_pub: Tensor | None
     y_pub: Tensor | None
     bn_mode: str
+    #: the feature map applied to each drawn (augmented) batch; x_train holds the images
+    features: Any = None
 
     @property
     def n_train(self) -> int:
@@ -237,12 +239,15 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
     # torchrun: one private run across the ranks (dpclip.training.distributed); None in one process
     dist_ctx = init_from_env()
     is_main = dist_ctx is None or dist_ctx.is_main
-    bundle = data or load_dataset(
-        config.dataset, config.data_dir, seed=config.seed, **config.dataset_options
-    )
+    options, fmap = dict(config.dataset_options), None
+    if data is None and _augments(config.augment) and parse_features(options.get("features")):
+        # augment the images, then map each drawn batch (dpclip.data.features): not the bundle
+        fmap = parse_features(options.pop("features"))
+    bundle = data or load_dataset(config.dataset, config.data_dir, seed=config.seed, **options)
     _check_bundle(bundle)
     # augmentation crops images, not the coefficients of a feature map (dataset option features)
     check_features_augment(bundle.preprocessing, config.augment)
+    input_shape = bundle.input_shape if fmap is None else fmap.output_shape(bundle.input_shape)
     unit = config.unit_config
     check_unit_sampling(unit, config.sampling)
     strategy = make_strategy(config.strategy, config.strategy_params)  # built once
@@ -253,6 +258,10 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         raise ValueError("the dataset option centre='private' (a private preprocessing release) "
                          "cannot be combined with a public split of the training data (the "
                          "strategy's public_fraction): drop one of the two")
+    if fmap is not None and public_fraction > 0:
+        raise ValueError("the dataset option features with an augmentation maps each drawn batch; "
+                         "a public split of the training data (the strategy's public_fraction) "
+                         "is not built with it: drop the augmentation or the public split")
     if public_fraction > 0:  # carved out once, never trained on privately, never accounted
         public_split, train_split = public_private_split(bundle.train, public_fraction, config.seed)
     n_train, n = len(train_split), len(bundle.train)
@@ -265,13 +274,15 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         device = dist_ctx.device  # each rank on its own GPU (cuda:LOCAL_RANK)
     x_train, y_train = train_split.inputs.to(device), train_split.targets.to(device)
     x_test, y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
+    if fmap is not None:  # the test split once (public post-processing of nothing private)
+        x_test = fmap.transform(x_test, progress=f"{bundle.name} test: {fmap.spec}")
     x_pub = y_pub = None
     if public_split is not None:
         x_pub, y_pub = public_split.inputs.to(device), public_split.targets.to(device)
 
     torch.manual_seed(config.seed)  # public randomness: model initialisation (and dropout)
     model = build_model(
-        config.model, bundle.input_shape, bundle.num_classes, **config.model_options
+        config.model, input_shape, bundle.num_classes, **config.model_options
     ).to(device)
     model.train()
     bn_mode = unit.bn_stats if unit.bn_stats != "auto" else (
@@ -290,10 +301,10 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
         max_physical_batch=config.max_physical_batch,
         reproducible_noise=config.reproducible_noise, seed=config.seed,
         public_data=(x_pub, y_pub) if x_pub is not None else None,
-        input_shape=bundle.input_shape, verbose=False, flags=CLI_FLAGS,
+        input_shape=input_shape, verbose=False, flags=CLI_FLAGS,
         distributed=dist_ctx if dist_ctx is not None else False, augment=config.augment,
         augment_multiplicity=config.augment_multiplicity, averaging=config.averaging,
-        preprocess=pending,
+        preprocess=pending, features=fmap,
     )
     # the learning-rate schedule: post-processing of the noisy gradient (no privacy effect)
 
@@ -302,7 +313,13 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
     scheduler = build_lr_scheduler(optimizer, schedule=config.lr_schedule, **lr_kwargs,
                                    steps_per_epoch=dp.steps_per_epoch, total_steps=dp.total_steps)
     return _Run(config, bundle, is_main, device, model, optimizer, dp, scheduler, lr_kwargs,
-                x_train, y_train, x_test, y_test, x_pub, y_pub, bn_mode)
+                x_train, y_train, x_test, y_test, x_pub, y_pub, bn_mode, fmap)
+
+
+def _augments(augment: Any) -> bool:
+    """Whether the config's ``augment`` asks for an augmentation."""
+    return augment is not None and str(getattr(augment, "spec", augment)).strip().lower() not in (
+        "", "none")
 
 
 @dataclass
@@ -426,6 +443,8 @@ def _epoch_row(run: _Run, step: int, lr_used: float, wall_seconds: float,
         else:  # private training examples: NON-PRIVATE, only when asked for
             idx = torch.arange(min(256, run.n_train), device=run.device)
             xd, yd, prefix = run.x_train[idx], run.y_train[idx], "nonprivate/"
+            if run.features is not None:  # images -> the model's coefficients
+                xd = run.features.transform(xd)
         with private_buffer_guard(run.model, "diagnostics"):
             diag = nonprivate_diagnostics(run.model, cross_entropy_per_example, xd, yd,
                                           dp.strategy, dp.state, dp.groups)
@@ -465,7 +484,10 @@ def _summary(run: _Run, history: list[dict[str, Any]], wall_seconds: float,
                         "train": "training examples (NON-PRIVATE)"}[config.diagnostics_split],
         "preprocessing": {**(getattr(run.bundle, "preprocessing", None) or {}),
                           **({"release": facts["preprocess_release"]}
-                             if facts["preprocess_release"] else {})},
+                             if facts["preprocess_release"] else {}),
+                          **({"features": run.features.describe() + "; applied to each drawn "
+                              "batch after its augmentation"} if run.features is not None
+                             else {})},
         # the engine that ran (not the one requested: "auto" resolves per model and strategy)
         "engine": facts["engine"] if dp.engines_ran
         else (dp.engine.name if dp.unit.is_individual else "unit"),
