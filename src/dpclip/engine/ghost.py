@@ -344,9 +344,6 @@ class _Verdict:
 #: the engine ``fallback="vmap"`` (``auto``) chose for each model, on a public probe batch,
 #: before the model saw private data; kept for the life of the model object
 _VERDICTS: "weakref.WeakKeyDictionary[nn.Module, _Verdict]" = weakref.WeakKeyDictionary()
-#: the models whose code the ghost engine has run on a private batch (one that ``auto`` may not
-#: switch to vmap afterwards: vmap would read what the model kept from those batches)
-_RAN_ON_PRIVATE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 #: the probe's batch size: public, and more than one example so that the step is traced
 _PROBE_BATCH = 2
 
@@ -424,17 +421,16 @@ class GhostEngine:
         if self.fallback == "vmap":
             return self._decided(model, loss_fn, inputs, targets, weight_fn, groups)
         try:
-            return self._run(model, loss_fn, inputs, targets, weight_fn, groups, probe=False)
+            return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
         except _Refused as exc:
             raise self._refusal_error(exc.reason) from None
 
     # ------------------------------------------------------------------------------ helpers
 
     def _run(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
-             weight_fn: WeightFn, groups: ParamGroups, *, probe: bool) -> EngineResult:
+             weight_fn: WeightFn, groups: ParamGroups) -> EngineResult:
         """One step on the ghost engine; a refusal of the model raises :class:`_Refused` (the
-        caller decides: an error, or the verdict of a probe). ``probe``: the batch is public
-        (:func:`_public_probe`), so the model is not marked as having seen private data."""
+        caller decides: an error, or the verdict of a probe)."""
         batch = check_batch(inputs, targets, self.name)
         scan = _scan(model)
         if scan.batchnorm:
@@ -444,8 +440,6 @@ class GhostEngine:
             groups.validate(model)  # raises, naming the missing / unknown / repeated names
         if scan.reasons:
             raise _Refused("unsupported layer(s): " + "; ".join(scan.reasons))
-        if batch and not probe:  # user code is about to see private data (see _decided)
-            _RAN_ON_PRIVATE.add(model)
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
             with torch.no_grad():
@@ -499,7 +493,7 @@ class GhostEngine:
         if verdict.reason is not None:
             return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups, verdict.reason)
         try:
-            return self._run(model, loss_fn, inputs, targets, weight_fn, groups, probe=False)
+            return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
         except _Refused as exc:
             raise UnsupportedModelError(
                 f"{self.name} engine: the ghost engine refused a private step at run time "
@@ -520,7 +514,7 @@ class GhostEngine:
             model.buffers()) + batch_leaves(inputs, engine=self.name) if t.is_cuda})
         with torch.random.fork_rng(devices=cuda):
             try:
-                self._run(model, loss_fn, xs, ys, _unit_weights, groups, probe=True)
+                self._run(model, loss_fn, xs, ys, _unit_weights, groups)
                 reason = None
             except _Refused as exc:
                 reason = exc.reason
@@ -529,13 +523,6 @@ class GhostEngine:
             except (RuntimeError, IndexError) as exc:  # the model cannot take the probe's values
                 reason = ("the ghost engine could not run the public probe batch (every input "
                           f"and target zero): {quote_error(exc)}")
-        if reason is not None and model in _RAN_ON_PRIVATE:
-            raise UnsupportedModelError(
-                f"{self.name} engine: the ghost engine refuses this model ({reason}), but the "
-                "model has already run on the ghost engine on private data in this process: "
-                "switching it to vmap now would let vmap read what the model kept from those "
-                "private batches. Build the model again and use engine 'vmap' (or 'auto' before "
-                "any other engine) from the first step")
         return _Verdict(reason)
 
     def _info(self, fallback: str | None, per_layer: tuple[str, ...] = ()) -> dict[str, Any]:
