@@ -67,9 +67,12 @@ otherwise get part of its gradient silently dropped); and a captured input must 
 modified in place after its layer used it (an in-place change of a layer's OUTPUT, e.g.
 ``ReLU(inplace=True)`` right after it, is fine: ``b`` is taken at the layer's own autograd node,
 before the change). A violation
-raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or with
-``fallback="vmap"`` runs the ``vmap`` engine on the whole batch and says so in
-``EngineResult.engine_info``.
+raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer. With
+``fallback="vmap"`` (``auto``) the engine is decided once per model on a PUBLIC probe batch
+before the model sees private data (``GhostEngine._decided``): a refused probe runs the ``vmap``
+engine from the first step, recorded in ``EngineResult.engine_info``; a private step refused
+after an accepted probe stops the run (docs/engines.md, "The engine is decided before the model
+sees private data").
 
 Separability (per call, batches of more than one example): the forward and the loss run under
 :class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
@@ -388,8 +391,11 @@ class GhostEngine:
         norm_mode: ``"mixed"`` (default: per-layer choice by cost), ``"ghost"`` or ``"direct"``
             (see :data:`NORM_MODES`).
         fallback: ``None`` (default): a model with a layer the engine does not support raises
-            :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: such a
-            batch is computed by the ``vmap`` engine instead, and ``engine_info`` says so.
+            :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: the
+            engine is decided once per model on a public probe batch (two examples of zeros)
+            before the model sees private data; a model refused there runs on ``vmap`` from the
+            first step and ``engine_info`` says so; a private step refused after an accepted
+            probe stops the run (never a vmap fallback).
 
     Privacy: each example contributes a vector ``V_i`` with ``||V_i|| <= w_i n_i``, ``n_i`` the
     reported norm: an upper bound of the norm of what is actually summed, rounding included, so
@@ -990,10 +996,16 @@ class AutoEngine:
     ``engine_info["per_layer"]``), or the vmap engine where the ghost engine refuses the model;
     ``EngineResult.engine_info`` records which one ran and why.
 
-    It is :class:`GhostEngine` with ``fallback="vmap"``: models that are supported by their layer
-    types but fail a run-time check (a parameter used outside its layer, an in-place change of a
-    hooked layer's input after the layer used it, a layer applied without the batch dimension first) also run on ``vmap``,
-    recorded. Options as :class:`GhostEngine`.
+    It is :class:`GhostEngine` with ``fallback="vmap"``: the engine is decided once per model, on
+    its first call, by the ghost engine on a PUBLIC probe batch (the first batch's structure and
+    trailing shapes, two examples, zeros) before the model sees private data. Models that are
+    supported by their layer types but fail a run-time check there (a mixing operation, a
+    parameter used outside its layer, an in-place change of a hooked layer's input after the
+    layer used it, a layer applied without the batch dimension first) run on ``vmap`` from the
+    first step, recorded. A private step that the ghost engine refuses after the probe chose it
+    stops the run (docs/errors.md entry 301): its forward has run the model on the private
+    batch, and a fallback's vmap would read what the model kept there. Options as
+    :class:`GhostEngine`.
     """
 
     name: ClassVar[str] = "auto"
