@@ -166,3 +166,52 @@ def test_error_301_a_private_refusal_after_the_probe_stops_the_run():
     finally:
         third_review_cleanup()
         _STASH.clear()
+
+
+class _ShiftyIdentity(_KeepsThenMixes):
+    """The switched attack whose ``__hash__`` / ``__eq__`` change on every call: a verdict kept by
+    hash would be looked up in vain, and a new probe (with the switch on: refused, so vmap)
+    would come after private steps on ghost."""
+
+    _n = 0
+
+    def __hash__(self) -> int:
+        type(self)._n += 1
+        return type(self)._n
+
+    def __eq__(self, other) -> bool:
+        return False
+
+
+def test_the_verdict_is_kept_by_identity_not_by_hash(monkeypatch):
+    calls = _count_probes(monkeypatch)
+    torch.manual_seed(0)
+    model = _ShiftyIdentity(_keep_numpy, _read_numpy).to(DT)
+    x, y = data()
+    try:
+        for _ in range(2):
+            _, info = clipped_sum(AutoEngine(), model, ce, x, y)
+            assert info["engine"] == "ghost"
+        _SW["on"] = True
+        with pytest.raises(UnsupportedModelError, match="refused a private step at run time"):
+            clipped_sum(AutoEngine(), model, ce, x, y)
+    finally:
+        third_review_cleanup()
+        _STASH.clear()
+    assert len(calls) == 1
+
+
+def test_the_verdict_is_dropped_with_its_model():
+    import gc
+
+    from dpclip.engine import ghost
+
+    torch.manual_seed(0)
+    model = _Honest().to(DT)
+    x, y = data()
+    clipped_sum(AutoEngine(), model, ce, x, y)
+    key = id(model)
+    assert ghost._verdict_of(model) is not None
+    del model
+    gc.collect()
+    assert key not in ghost._VERDICTS

@@ -345,8 +345,27 @@ class _Verdict:
 
 
 #: the engine ``fallback="vmap"`` (``auto``) chose for each model, on a public probe batch,
-#: before the model saw private data; kept for the life of the model object
-_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, _Verdict]" = weakref.WeakKeyDictionary()
+#: before the model saw private data; kept for the life of the model object. Keyed by IDENTITY
+#: (``id`` and a weak reference), never by the model's ``__hash__`` / ``__eq__``: user code that
+#: made them vary would otherwise get a new probe after private steps on ghost, and with it a
+#: vmap verdict that reads what those steps left
+_VERDICTS: dict[int, tuple["weakref.ref[nn.Module]", _Verdict]] = {}
+
+
+def _verdict_of(model: nn.Module) -> _Verdict | None:
+    got = _VERDICTS.get(id(model))
+    return got[1] if got is not None and got[0]() is model else None
+
+
+def _keep_verdict(model: nn.Module, verdict: _Verdict) -> None:
+    key = id(model)
+    _VERDICTS[key] = (weakref.ref(model, lambda _, key=key: _drop_verdict(key)), verdict)
+
+
+def _drop_verdict(key: int) -> None:
+    got = _VERDICTS.get(key)
+    if got is not None and got[0]() is None:  # (not a newer model that reuses the id)
+        del _VERDICTS[key]
 #: the probe's batch size: public, and more than one example so that the step is traced
 _PROBE_BATCH = 2
 
@@ -492,10 +511,10 @@ class GhostEngine:
         the start, recorded. A probe it accepts: ``ghost``, and a refusal of a private step
         later stops the run (never a vmap fallback: the ghost forward has then run the model on
         the whole private batch, and what it kept there ``vmap`` would read)."""
-        verdict = _VERDICTS.get(model)
+        verdict = _verdict_of(model)
         if verdict is None:
             verdict = self._probe(model, loss_fn, inputs, targets, groups)
-            _VERDICTS[model] = verdict
+            _keep_verdict(model, verdict)
         if verdict.reason is not None:
             return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups, verdict.reason)
         try:
