@@ -28,9 +28,11 @@ sound per-example mechanism has LOO <= 1. Each attack below was accepted on 690e
   before the model sees private data; a run-time refusal of a private step stops the run
   (``auto-fallback-*``; a switched model lets the probe and the first steps run on ghost).
 
-Still open (a strict xfail, LOO measured): a hook attached through torch's C primitives directly
+Still open (strict xfails, LOO measured): a hook attached through torch's C primitives directly
 (``TensorBase._backward_hooks.__set__`` + ``grad_fn._register_hook_dict`` + clearing the
-descriptor), which autograd gives Python no way to list (2.07 C).
+descriptor), which autograd gives Python no way to list (2.07 C); with a C callable as the hook
+(``functools.partial(torch.roll, shifts=1, dims=0)``: 2.25 C) no Python frame runs in the
+backward either, so a profiler over the engine's backward is no fix.
 """
 
 from __future__ import annotations
@@ -127,6 +129,17 @@ def _descriptor_hook(h: Tensor) -> None:
 
 def _descriptor_hook_cleared(h: Tensor) -> None:
     _descriptor_hook(h)
+    torch._C.TensorBase._backward_hooks.__set__(h, None)
+
+
+def _descriptor_hook_cleared_c_callable(h: Tensor) -> None:
+    """The same, with a hook that runs no Python frame (a C callable: rows rolled over the
+    batch), so no profiler over the backward would see it either."""
+    import functools
+
+    torch._C.TensorBase._backward_hooks.__set__(
+        h, {0: functools.partial(torch.roll, shifts=1, dims=0)})
+    h.grad_fn._register_hook_dict(h)
     torch._C.TensorBase._backward_hooks.__set__(h, None)
 
 
@@ -295,6 +308,8 @@ FOURTH = {
     "per-layer-recompute-writes-born-tensor": (lambda: _TwoLayers(_RecomputeWritesBorn()), ce),
     # still open (strict xfail below)
     "backward-hooks-descriptor-cleared": (_off(_descriptor_hook_cleared), ce),
+    "backward-hooks-descriptor-cleared-c-callable": (_off(_descriptor_hook_cleared_c_callable),
+                                                     ce),
     "auto-fallback-reads-the-ghost-runs-copy": (lambda: _StashThenMix(), ce),
     # closed by the public probe (auto's engine is decided before the model sees private data):
     # the switch lets the probe and the first steps run on ghost, then the refusal stops the run
@@ -321,6 +336,7 @@ ACCEPTED_BEFORE = {
     "per-layer-recompute-hidden-mean": 1.06,
     "per-layer-recompute-writes-born-tensor": 1.025,
     "backward-hooks-descriptor-cleared": 2.07,  # (still accepted: the strict xfail)
+    "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; strict xfail)
     "auto-fallback-reads-the-ghost-runs-copy": 1.29,  # auto only (1.96 on b6642d1)
     # auto only, measured on b6642d1 (ghost refuses them)
     "auto-fallback-after-ghost-steps-tensor-copy": 1.96,
@@ -333,6 +349,9 @@ _OPEN4 = {
     "backward-hooks-descriptor-cleared": "HOLE (fourth pass): a hook dictionary set through "
     "torch._C.TensorBase._backward_hooks, attached with grad_fn._register_hook_dict and the "
     "descriptor cleared again: autograd keeps the node's hook and lets Python list none of it",
+    "backward-hooks-descriptor-cleared-c-callable": "HOLE (fourth pass): the same with a C "
+    "callable hook (functools.partial(torch.roll, shifts=1, dims=0)): no Python frame runs in "
+    "the backward, so a profiler over it would not see it either: LOO 2.25 C",
 }
 #: open under auto only (ghost refuses the model); closed by auto's public probe (issue 31)
 _OPEN4_AUTO: dict[str, str] = {}
