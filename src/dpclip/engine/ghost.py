@@ -366,6 +366,8 @@ def _drop_verdict(key: int) -> None:
     got = _VERDICTS.get(key)
     if got is not None and got[0]() is None:  # (not a newer model that reuses the id)
         del _VERDICTS[key]
+
+
 #: the probe's batch size: public, and more than one example so that the step is traced
 _PROBE_BATCH = 2
 
@@ -442,8 +444,8 @@ class GhostEngine:
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         weight_fn = check_weight_fn(weight_fn, self.name)
-        check_batch(inputs, targets, self.name)
         if self.fallback == "vmap":
+            check_batch(inputs, targets, self.name)  # (bad input: an error before the probe)
             return self._decided(model, loss_fn, inputs, targets, weight_fn, groups)
         try:
             return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
