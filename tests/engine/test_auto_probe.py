@@ -215,3 +215,16 @@ def test_the_verdict_is_dropped_with_its_model():
     del model
     gc.collect()
     assert key not in ghost._VERDICTS
+
+
+def test_the_verdict_does_not_depend_on_the_private_batch():
+    """The same model met first with batches of different sizes and values gets the same
+    verdict and the same recorded reason (the probe is two zero examples either way)."""
+    got = set()
+    for b, seed in ((3, 0), (9, 1), (0, 2)):
+        torch.manual_seed(0)
+        model = _Centred().to(DT)
+        x, y = data(b=b, seed=seed)
+        _, info = clipped_sum(AutoEngine(), model, ce, x, y)
+        got.add((info["engine"], info["fallback"]))
+    assert len(got) == 1 and next(iter(got))[0] == "vmap"
