@@ -5,7 +5,8 @@
              LayerNorm, RMSNorm, GroupNorm, eval-mode BatchNorm); other layers raise
              ``UnsupportedModelError`` unless built with ``fallback="vmap"``;
 ``auto``   - ``ghost`` when the model is supported and proven separable, else ``vmap`` (recorded in
-             ``engine_info``); the default of ``dpclip train`` and ``make_private``;
+             ``engine_info``), decided once per model on a public probe batch before the model
+             sees private data; the default of ``dpclip train`` and ``make_private``;
 ``naive``  - explicit per-example loop (the test oracle; slow);
 ``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
              clipping).

@@ -67,9 +67,12 @@ otherwise get part of its gradient silently dropped); and a captured input must 
 modified in place after its layer used it (an in-place change of a layer's OUTPUT, e.g.
 ``ReLU(inplace=True)`` right after it, is fine: ``b`` is taken at the layer's own autograd node,
 before the change). A violation
-raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer, or with
-``fallback="vmap"`` runs the ``vmap`` engine on the whole batch and says so in
-``EngineResult.engine_info``.
+raises :class:`~dpclip.engine.errors.UnsupportedModelError` naming the layer. With
+``fallback="vmap"`` (``auto``) the engine is decided once per model on a PUBLIC probe batch
+before the model sees private data (``GhostEngine._decided``): a refused probe runs the ``vmap``
+engine from the first step, recorded in ``EngineResult.engine_info``; a private step refused
+after an accepted probe stops the run (docs/engines.md, "The engine is decided before the model
+sees private data").
 
 Separability (per call, batches of more than one example): the forward and the loss run under
 :class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
@@ -107,6 +110,7 @@ weighted sum of a chunk: ``_GroupNorms``, ``_weighted_sums``) and :class:`AutoEn
 
 from __future__ import annotations
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 import torch
@@ -123,7 +127,7 @@ from dpclip.engine._common import (
     check_weight_fn,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
-from dpclip.engine.batch import call_model
+from dpclip.engine.batch import batch_leaves, call_model, map_batch
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_true, still
@@ -323,6 +327,65 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
                 "would be read from values it never saw")
 
 
+class _Refused(Exception):
+    """The ghost engine refuses the model (a static reason, or a run-time one: not proven
+    separable, a parameter used outside its layer, ...); ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """``fallback="vmap"``'s choice for one model, made on a public probe batch: ``reason`` None
+    (ghost) or the ghost engine's refusal of the probe (vmap, recorded)."""
+
+    reason: str | None
+
+
+#: the engine ``fallback="vmap"`` (``auto``) chose for each model, on a public probe batch,
+#: before the model saw private data; kept for the life of the model object. Keyed by IDENTITY
+#: (``id`` and a weak reference), never by the model's ``__hash__`` / ``__eq__``: user code that
+#: made them vary would otherwise get a new probe after private steps on ghost, and with it a
+#: vmap verdict that reads what those steps left
+_VERDICTS: dict[int, tuple["weakref.ref[nn.Module]", _Verdict]] = {}
+
+
+def _verdict_of(model: nn.Module) -> _Verdict | None:
+    got = _VERDICTS.get(id(model))
+    return got[1] if got is not None and got[0]() is model else None
+
+
+def _keep_verdict(model: nn.Module, verdict: _Verdict) -> None:
+    key = id(model)
+    _VERDICTS[key] = (weakref.ref(model, lambda _, key=key: _drop_verdict(key)), verdict)
+
+
+def _drop_verdict(key: int) -> None:
+    got = _VERDICTS.get(key)
+    if got is not None and got[0]() is None:  # (not a newer model that reuses the id)
+        del _VERDICTS[key]
+
+
+#: the probe's batch size: public, and more than one example so that the step is traced
+_PROBE_BATCH = 2
+
+
+def _public_probe(tree: Any) -> Any:
+    """A public batch of ``tree``'s structure: every tensor leaf replaced by zeros (``False``) of
+    its dtype, device and trailing shape, with ``_PROBE_BATCH`` rows. Zeros are a valid index of
+    every embedding table and class of every label; no value of the private batch, and not its
+    size, reaches it."""
+    return map_batch(lambda t: torch.zeros((_PROBE_BATCH, *t.shape[1:]), dtype=t.dtype,
+                                           device=t.device), tree)
+
+
+def _unit_weights(norms: Tensor) -> Tensor:
+    """The probe's weight function (the strategy's is not called on the probe)."""
+    return torch.ones_like(norms)
+
+
 def _check_options(engine: GhostEngine | AutoEngine, owner: str) -> None:
     """Validate the options GhostEngine and AutoEngine share (``max_physical_batch``,
     ``norm_mode``), naming ``owner`` in the error."""
@@ -349,8 +412,11 @@ class GhostEngine:
         norm_mode: ``"mixed"`` (default: per-layer choice by cost), ``"ghost"`` or ``"direct"``
             (see :data:`NORM_MODES`).
         fallback: ``None`` (default): a model with a layer the engine does not support raises
-            :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: such a
-            batch is computed by the ``vmap`` engine instead, and ``engine_info`` says so.
+            :class:`~dpclip.engine.errors.UnsupportedModelError` naming it; ``"vmap"``: the
+            engine is decided once per model on a public probe batch (two examples of zeros)
+            before the model sees private data; a model refused there runs on ``vmap`` from the
+            first step and ``engine_info`` says so; a private step refused after an accepted
+            probe stops the run (never a vmap fallback).
 
     Privacy: each example contributes a vector ``V_i`` with ``||V_i|| <= w_i n_i``, ``n_i`` the
     reported norm: an upper bound of the norm of what is actually summed, rounding included, so
@@ -378,6 +444,20 @@ class GhostEngine:
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         weight_fn = check_weight_fn(weight_fn, self.name)
+        if self.fallback == "vmap":
+            check_batch(inputs, targets, self.name)  # (bad input: an error before the probe)
+            return self._decided(model, loss_fn, inputs, targets, weight_fn, groups)
+        try:
+            return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
+        except _Refused as exc:
+            raise self._refusal_error(exc.reason) from None
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _run(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+             weight_fn: WeightFn, groups: ParamGroups) -> EngineResult:
+        """One step on the ghost engine; a refusal of the model raises :class:`_Refused` (the
+        caller decides: an error, or the verdict of a probe)."""
         batch = check_batch(inputs, targets, self.name)
         scan = _scan(model)
         if scan.batchnorm:
@@ -386,8 +466,7 @@ class GhostEngine:
         if not _partitions(groups, params):
             groups.validate(model)  # raises, naming the missing / unknown / repeated names
         if scan.reasons:
-            return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups,
-                                     "unsupported layer(s): " + "; ".join(scan.reasons))
+            raise _Refused("unsupported layer(s): " + "; ".join(scan.reasons))
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
             with torch.no_grad():
@@ -419,14 +498,59 @@ class GhostEngine:
                 "be chosen by it); the run stops here. Make the forward and loss compute the same "
                 "operations on every call, or use engine 'vmap' for this model") from None
         except _RuntimeUnsupported as exc:
-            return self._unsupported(model, loss_fn, inputs, targets, weight_fn, groups, str(exc))
+            raise _Refused(str(exc)) from None
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
         return EngineResult(sums, norms, weights, loss_sum, self._info(None, scan.per_layer),
                             params)
 
-    # ------------------------------------------------------------------------------ helpers
+    def _decided(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                 weight_fn: WeightFn, groups: ParamGroups) -> EngineResult:
+        """``fallback="vmap"`` (``auto``): the engine is decided once per model, on a PUBLIC probe
+        batch, before the model sees private data (docs/engines.md, "The engine is decided
+        before the model sees private data"). A probe the ghost engine refuses: ``vmap`` from
+        the start, recorded. A probe it accepts: ``ghost``, and a refusal of a private step
+        later stops the run (never a vmap fallback: the ghost forward has then run the model on
+        the whole private batch, and what it kept there ``vmap`` would read)."""
+        verdict = _verdict_of(model)
+        if verdict is None:
+            verdict = self._probe(model, loss_fn, inputs, targets, groups)
+            _keep_verdict(model, verdict)
+        if verdict.reason is not None:
+            return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups, verdict.reason)
+        try:
+            return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
+        except _Refused as exc:
+            raise UnsupportedModelError(
+                f"{self.name} engine: the ghost engine refused a private step at run time "
+                f"({exc.reason}), after the public probe batch had chosen it for this model. "
+                "This is not turned into a vmap fallback: the ghost forward has already run the "
+                "model's code on the whole private batch, and whatever it kept there (a tensor, "
+                "a Python number, a NumPy copy) vmap would read when it evaluates each example "
+                "alone; the run stops here. Use engine 'vmap' for this model from the start "
+                "(its fallback is decided on public data only before the first step)") from None
+
+    def _probe(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+               groups: ParamGroups) -> _Verdict:
+        """Run the ghost engine once on a public batch of the structure of ``inputs`` /
+        ``targets`` (:func:`_public_probe`), with unit weights and the random generators
+        restored after it; its refusal (a static one, a run-time one) is the verdict."""
+        xs, ys = _public_probe(inputs), _public_probe(targets)
+        cuda = sorted({t.device.index or 0 for t in list(model.parameters()) + list(
+            model.buffers()) + batch_leaves(inputs, engine=self.name) if t.is_cuda})
+        with torch.random.fork_rng(devices=cuda):
+            try:
+                self._run(model, loss_fn, xs, ys, _unit_weights, groups)
+                reason = None
+            except _Refused as exc:
+                reason = exc.reason
+            except UnsupportedModelError:
+                raise  # the refusals that stop a run stop it on the probe too
+            except (RuntimeError, IndexError) as exc:  # the model cannot take the probe's values
+                reason = ("the ghost engine could not run the public probe batch (every input "
+                          f"and target zero): {quote_error(exc)}")
+        return _Verdict(reason)
 
     def _info(self, fallback: str | None, per_layer: tuple[str, ...] = ()) -> dict[str, Any]:
         info = {"engine": "vmap" if fallback else "ghost", "requested": self.name,
@@ -435,25 +559,27 @@ class GhostEngine:
             info["per_layer"] = per_layer
         return info
 
-    def _unsupported(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
-                     weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
-        if self.fallback == "vmap":
-            try:  # the same data-independent library paths as the proof (transformers masks)
-                with data_independent_paths():
-                    res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
-                        model, loss_fn, inputs, targets, weight_fn, groups)
-            except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
-                raise UnsupportedModelError(
-                    f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
-                    f"vmap fallback failed too ({quote_error(exc)}). "
-                    "vmap evaluates each example alone and cannot run data-dependent Python "
-                    "control flow (e.g. `if mask.all():`) or in-place updates of unbatched "
-                    "buffers; make the forward batch-first and free of such branches, or use "
-                    "engine 'naive' (a per-example loop, slow)"
-                ) from exc
-            res.engine_info = self._info(reason)
-            return res
-        raise UnsupportedModelError(
+    def _vmap(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+              weight_fn: WeightFn, groups: ParamGroups, reason: str) -> EngineResult:
+        """The vmap engine on the whole batch, with ``reason`` (the probe's) recorded."""
+        try:  # the same data-independent library paths as the proof (transformers masks)
+            with data_independent_paths():
+                res = VmapEngine(max_physical_batch=self.max_physical_batch or 256).compute(
+                    model, loss_fn, inputs, targets, weight_fn, groups)
+        except RuntimeError as exc:  # vmap cannot run the model either: say both reasons
+            raise UnsupportedModelError(
+                f"{self.name} engine: the ghost engine refused the model ({reason}) and the "
+                f"vmap fallback failed too ({quote_error(exc)}). "
+                "vmap evaluates each example alone and cannot run data-dependent Python "
+                "control flow (e.g. `if mask.all():`) or in-place updates of unbatched "
+                "buffers; make the forward batch-first and free of such branches, or use "
+                "engine 'naive' (a per-example loop, slow)"
+            ) from exc
+        res.engine_info = self._info(reason)
+        return res
+
+    def _refusal_error(self, reason: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
             f"{self.name} engine: {reason}. The ghost engine has rules for "
             f"{', '.join(t.__name__ for t in SUPPORTED_LAYERS)}, transformers Conv1D (BatchNorm "
             "in eval mode only); other modules with parameters take its per-layer path; every "
@@ -891,10 +1017,16 @@ class AutoEngine:
     ``engine_info["per_layer"]``), or the vmap engine where the ghost engine refuses the model;
     ``EngineResult.engine_info`` records which one ran and why.
 
-    It is :class:`GhostEngine` with ``fallback="vmap"``: models that are supported by their layer
-    types but fail a run-time check (a parameter used outside its layer, an in-place change of a
-    hooked layer's input after the layer used it, a layer applied without the batch dimension first) also run on ``vmap``,
-    recorded. Options as :class:`GhostEngine`.
+    It is :class:`GhostEngine` with ``fallback="vmap"``: the engine is decided once per model, on
+    its first call, by the ghost engine on a PUBLIC probe batch (the first batch's structure and
+    trailing shapes, two examples, zeros) before the model sees private data. Models that are
+    supported by their layer types but fail a run-time check there (a mixing operation, a
+    parameter used outside its layer, an in-place change of a hooked layer's input after the
+    layer used it, a layer applied without the batch dimension first) run on ``vmap`` from the
+    first step, recorded. A private step that the ghost engine refuses after the probe chose it
+    stops the run (docs/errors.md entry 301): its forward has run the model on the private
+    batch, and a fallback's vmap would read what the model kept there. Options as
+    :class:`GhostEngine`.
     """
 
     name: ClassVar[str] = "auto"

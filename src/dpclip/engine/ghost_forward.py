@@ -2,7 +2,8 @@
 layer's call, and the separability proof around it (:class:`~dpclip.engine.separable.SeparabilityTracer`
 on every step, :func:`~dpclip.engine.batch_symbol.batch_size_uses` once per signature; the
 batch-less calls of :mod:`dpclip.engine.batchless`). Where the proof cannot see, the answer is
-"not proven": :class:`_RuntimeUnsupported`, which ``auto`` turns into a recorded vmap fallback.
+"not proven": :class:`_RuntimeUnsupported`, which ``auto`` turns into a recorded vmap fallback
+when it is met on its public probe batch (and into a stop on a private step after it).
 """
 
 from __future__ import annotations
