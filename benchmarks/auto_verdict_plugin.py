@@ -1,7 +1,7 @@
 """Diagnostic pytest plugin (issue 31, auto's public probe): for every first call of ``auto`` /
 ``GhostEngine(fallback="vmap")`` that the probe sends to vmap, whether the ghost engine would have
 accepted the PRIVATE batch (on a deep copy of the model: a probe verdict that costs speed), and
-every error 301 (a private step stopped after the probe chose ghost). One JSON line each.
+every error 106 (a private step stopped after the probe chose ghost). One JSON line each.
 
     PYTHONPATH=src:benchmarks python -m pytest -p auto_verdict_plugin tests/engine/... 
 
@@ -28,7 +28,7 @@ def _decided(self, model, loss_fn, inputs, targets, weight_fn, groups):
     except G.UnsupportedModelError as exc:
         if "refused a private step at run time" in str(exc):
             with open(LOG, "a") as f:
-                f.write(json.dumps({"test": _cur["test"], "kind": "301", "msg": str(exc)[:300]}) + "\n")
+                f.write(json.dumps({"test": _cur["test"], "kind": "106", "msg": str(exc)[:300]}) + "\n")
         raise
     v = G._verdict_of(model)
     if fresh and v is not None and v.reason is not None:

@@ -2,7 +2,7 @@
 batch, before the model sees private data (issue 31, docs/engines.md "The engine is decided before
 the model sees private data"). The attacks it closes are in ``test_hostile_review4.py``
 (``auto-fallback-*``); here: the contract (once per model, the verdict recorded, the generators
-untouched, no private value reaches the model before the verdict) and error 301."""
+untouched, no private value reaches the model before the verdict) and error 106."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def test_a_model_that_cannot_take_the_probe_runs_on_vmap_recorded():
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
-def test_error_301_a_private_refusal_after_the_probe_stops_the_run():
-    """docs/errors.md entry 301: a private step refused at run time after the probe chose ghost
+def test_error_106_a_private_refusal_after_the_probe_stops_the_run():
+    """docs/errors.md entry 106: a private step refused at run time after the probe chose ghost
     stops (never a vmap fallback: the ghost forward has run the model on the private batch)."""
     torch.manual_seed(0)
     model = _KeepsThenMixes(_keep_numpy, _read_numpy).to(DT)

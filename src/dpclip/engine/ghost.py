@@ -1024,7 +1024,7 @@ class AutoEngine:
     parameter used outside its layer, an in-place change of a hooked layer's input after the
     layer used it, a layer applied without the batch dimension first) run on ``vmap`` from the
     first step, recorded. A private step that the ghost engine refuses after the probe chose it
-    stops the run (docs/errors.md entry 301): its forward has run the model on the private
+    stops the run (docs/errors.md entry 106): its forward has run the model on the private
     batch, and a fallback's vmap would read what the model kept there. Options as
     :class:`GhostEngine`.
     """
