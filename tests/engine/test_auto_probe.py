@@ -228,3 +228,23 @@ def test_the_verdict_does_not_depend_on_the_private_batch():
         _, info = clipped_sum(AutoEngine(), model, ce, x, y)
         got.add((info["engine"], info["fallback"]))
     assert len(got) == 1 and next(iter(got))[0] == "vmap"
+
+
+def test_a_fresh_k_copy_view_every_step_gets_no_fresh_probe(monkeypatch):
+    """Augmentation multiplicity builds a new ``KCopyModel`` view of the model for every step.
+    Keyed by the view, each step would probe again AFTER the model had run on private data under
+    ghost: a model that stashes a private batch, then turns a later probe into a vmap verdict
+    (say, by mixing when it sees zeros), would have vmap read the stash. The verdict belongs to
+    the viewed model (``register_view``): one probe for the run, ghost on every step."""
+    from dpclip.training.multiplicity import KCopyModel, expand_copies, k_copy_loss
+
+    calls = _count_probes(monkeypatch)
+    torch.manual_seed(0)
+    model = _Honest().to(DT)
+    x, y = data()
+    loss = k_copy_loss(ce, 2)
+    for step in range(3):
+        xs = expand_copies(x + step, 2)
+        _, info = clipped_sum(AutoEngine(), KCopyModel(model, 2), loss, xs, y)
+        assert info["engine"] == "ghost" and not info["fallback"]
+    assert len(calls) == 1

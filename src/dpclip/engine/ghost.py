@@ -168,7 +168,8 @@ from dpclip.engine.ghost_forward import (
     _forward,
 )
 
-__all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support"]
+__all__ = ["AutoEngine", "GhostEngine", "NORM_MODES", "SUPPORTED_LAYERS", "ghost_support",
+           "register_view"]
 
 #: per-layer norm strategies: ``mixed`` (cost rule, default), ``ghost`` (Gram matrices wherever a
 #: layer has a ghost rule) and ``direct`` (per-example gradients formed and kept); results agree to
@@ -352,12 +353,38 @@ class _Verdict:
 _VERDICTS: dict[int, tuple["weakref.ref[nn.Module]", _Verdict]] = {}
 
 
+#: exact types of the views the library builds around a model for ONE step, and the attribute
+#: holding the model they view (the K-copy view of augmentation multiplicity,
+#: ``dpclip.training.multiplicity.KCopyModel``, registers itself): a fresh view every step must
+#: not get a fresh probe after the model it views has run on private data, so the verdict belongs
+#: to that model. Exact types only: a user class cannot name itself a view.
+_VIEW_TYPES: dict[type, str] = {}
+
+
+def register_view(cls: type, attr: str) -> None:
+    """Declare ``cls`` a per-step view of the model held in its attribute ``attr`` (the verdict
+    of ``fallback="vmap"`` is then kept for that model)."""
+    _VIEW_TYPES[cls] = attr
+
+
+def _owner(model: nn.Module) -> nn.Module:
+    """The model whose verdict applies: ``model``, or the model a library view wraps."""
+    for _ in range(8):
+        attr = _VIEW_TYPES.get(type(model))
+        if attr is None:
+            break
+        model = object.__getattribute__(model, attr)
+    return model
+
+
 def _verdict_of(model: nn.Module) -> _Verdict | None:
+    model = _owner(model)
     got = _VERDICTS.get(id(model))
     return got[1] if got is not None and got[0]() is model else None
 
 
 def _keep_verdict(model: nn.Module, verdict: _Verdict) -> None:
+    model = _owner(model)
     key = id(model)
     _VERDICTS[key] = (weakref.ref(model, lambda _, key=key: _drop_verdict(key)), verdict)
 

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch import first_tensor, map_batch
+from dpclip.engine.ghost import register_view
 
 __all__ = ["KCopyModel", "check_multiplicity", "expand_copies", "k_copy_loss",
            "parse_multiplicity"]
@@ -128,6 +129,10 @@ class KCopyModel(nn.Module):
         b = x.shape[0]
         out = self._inner(x.reshape(b * self.k, *x.shape[2:]))
         return map_batch(lambda t: t.reshape(b, self.k, *t.shape[1:]), out)
+
+
+# a fresh view is built every step: auto's engine verdict belongs to the model it views
+register_view(KCopyModel, "_inner")
 
 
 def k_copy_loss(loss_fn: Callable[[Any, Any], Tensor], k: int) -> Callable[[Any, Tensor], Tensor]:
