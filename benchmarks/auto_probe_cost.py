@@ -53,16 +53,6 @@ def _mixing_case(batch: int):
     return _Mixing(), x, y, loss
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except OSError:
-        return ""
-
-
 def _ms(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -74,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hf_models as hf
+    from memory_watch_cost import _commit  # (the revision the figures come from)
     from dpclip.engine import (AutoEngine, GhostEngine, ParamGroups, VmapEngine, batch_symbol,
                                ghost_forward)
 
