@@ -576,7 +576,7 @@ def test_backward_rules_of_the_recomputation_keep_or_mix_as_they_must():
         assert tr.layout(out) == want, (dim, tr.layout(out))
 
 
-# ------------------------------------------- found while closing auto's fallback: still open
+# ------------------------------------------- found while closing auto's fallback (closed)
 
 
 _PREV: dict = {}
@@ -598,14 +598,12 @@ class _ReadsThePreviousChunk(nn.Module):
         return self.fc2(torch.tanh(h))
 
 
-@pytest.mark.xfail(strict=True, reason="HOLE (found by autofb, issue 31): a chunk of one example "
-                   "is not traced ('it cannot mix'), but chunks share Python state: with "
-                   "max_physical_batch=1 a model that reads the previous chunk's input from a "
-                   "global is accepted by ghost and auto (LOO 2.70 C on b6642d1 and here; "
-                   "max_physical_batch=2 refuses it). The same root: a step of one example "
-                   "leaves its input to the next step's trace as an unmarked constant")
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
 def test_chunks_of_one_cannot_read_each_other(engine):
+    """Found by autofb: with ``max_physical_batch=1`` a chunk of one example was not traced ("it
+    cannot mix"), and the model that reads the previous chunk's input from a global was accepted
+    by ghost and auto (LOO 2.70 C on b6642d1 and 26a8926; max_physical_batch=2 refuses it). Now
+    refused: ``dpclip.engine.one_example`` (more scenarios: tests/engine/test_chunks_of_one.py)."""
     from tests.engine.test_separability_attacks import loo_distance
 
     torch.manual_seed(0)

@@ -161,6 +161,7 @@ from dpclip.engine.ghost_rules import (
     _sq,
 )
 from dpclip.engine.ghost_forward import (
+    _CarriesAcrossCalls,
     _NotTheProvedProgram,
     _RuntimeUnsupported,
     _batched_rank,
@@ -516,6 +517,13 @@ class GhostEngine:
                 all_norms.append(norms)
                 all_weights.append(weights)
                 loss_sum += loss
+        except _CarriesAcrossCalls as exc:  # never a fallback: vmap would read the same state
+            raise UnsupportedModelError(
+                f"{self.name} engine: {exc}. This is not turned into a vmap fallback (vmap runs "
+                "the model on chunks too and would read the same state); the run stops here. "
+                "Keep no batch data between calls: no tensor, Python number or NumPy copy of "
+                "the inputs kept in a global, a closure or a module attribute and read later, "
+                "no hooks registered in the forward or loss") from None
         except _NotTheProvedProgram as exc:
             # never a fallback: the match can depend on the realised batch size, and the
             # fallback's per-example function is the real program's, not the proved one
@@ -629,7 +637,7 @@ class GhostEngine:
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
-        left = ambient_user_code() if batch > 1 else None
+        left = ambient_user_code()  # (a chunk of one too: dpclip.engine.one_example)
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
                 f"{left} after the forward pass and loss (entered by them and not left): it "
