@@ -32,7 +32,12 @@ Still open (strict xfails, LOO measured): a hook attached through torch's C prim
 (``TensorBase._backward_hooks.__set__`` + ``grad_fn._register_hook_dict`` + clearing the
 descriptor), which autograd gives Python no way to list (2.07 C); with a C callable as the hook
 (``functools.partial(torch.roll, shifts=1, dims=0)``: 2.25 C) no Python frame runs in the
-backward either, so a profiler over the engine's backward is no fix.
+backward either, so a profiler over the engine's backward is no fix; with
+``functools.partial(next, iter([t]))``, ``t`` computed in the forward from the whole batch, no
+torch function or ATen operation runs in the backward either (1.26 C), so no torch function or
+dispatch mode over the backward is a fix. A backward that calls each node itself (``node(grad)``
+runs none of the node's hooks) would be one, at the cost of the parameter-gradient products that
+``torch.autograd.grad`` on the layer outputs skips (open, issue 31).
 """
 
 from __future__ import annotations
@@ -139,6 +144,20 @@ def _descriptor_hook_cleared_c_callable(h: Tensor) -> None:
 
     torch._C.TensorBase._backward_hooks.__set__(
         h, {0: functools.partial(torch.roll, shifts=1, dims=0)})
+    h.grad_fn._register_hook_dict(h)
+    torch._C.TensorBase._backward_hooks.__set__(h, None)
+
+
+def _descriptor_hook_cleared_precomputed(h: Tensor) -> None:
+    """The same, with a hook that computes nothing in the backward: ``next`` on an iterator of a
+    tensor the forward computed from the whole batch (returned in place of the gradient, the
+    gradient passed as ``next``'s default). No Python frame, no torch function and no ATen
+    operation runs in the backward: no profiler, torch function mode or dispatch mode over the
+    backward could see it (found by seal, issue 31)."""
+    import functools
+
+    t = (h + 0.5 * h.sum(0)).detach()
+    torch._C.TensorBase._backward_hooks.__set__(h, {0: functools.partial(next, iter([t] * 64))})
     h.grad_fn._register_hook_dict(h)
     torch._C.TensorBase._backward_hooks.__set__(h, None)
 
@@ -310,6 +329,8 @@ FOURTH = {
     "backward-hooks-descriptor-cleared": (_off(_descriptor_hook_cleared), ce),
     "backward-hooks-descriptor-cleared-c-callable": (_off(_descriptor_hook_cleared_c_callable),
                                                      ce),
+    "backward-hooks-descriptor-cleared-precomputed": (
+        _off(_descriptor_hook_cleared_precomputed), ce),
     "auto-fallback-reads-the-ghost-runs-copy": (lambda: _StashThenMix(), ce),
     # closed by the public probe (auto's engine is decided before the model sees private data):
     # the switch lets the probe and the first steps run on ghost, then the refusal stops the run
@@ -337,6 +358,7 @@ ACCEPTED_BEFORE = {
     "per-layer-recompute-writes-born-tensor": 1.025,
     "backward-hooks-descriptor-cleared": 2.07,  # (still accepted: the strict xfail)
     "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; strict xfail)
+    "backward-hooks-descriptor-cleared-precomputed": 1.26,  # (seal, 660bede; strict xfail)
     "auto-fallback-reads-the-ghost-runs-copy": 1.29,  # auto only (1.96 on b6642d1)
     # auto only, measured on b6642d1 (ghost refuses them)
     "auto-fallback-after-ghost-steps-tensor-copy": 1.96,
@@ -352,6 +374,9 @@ _OPEN4 = {
     "backward-hooks-descriptor-cleared-c-callable": "HOLE (fourth pass): the same with a C "
     "callable hook (functools.partial(torch.roll, shifts=1, dims=0)): no Python frame runs in "
     "the backward, so a profiler over it would not see it either: LOO 2.25 C",
+    "backward-hooks-descriptor-cleared-precomputed": "HOLE (fourth pass, seal): the same with "
+    "functools.partial(next, iter([t])), t computed in the forward from the whole batch: the "
+    "backward runs no Python frame, torch function or ATen operation for it: LOO 1.26 C",
 }
 #: open under auto only (ghost refuses the model); closed by auto's public probe (issue 31)
 _OPEN4_AUTO: dict[str, str] = {}
