@@ -28,16 +28,17 @@ sound per-example mechanism has LOO <= 1. Each attack below was accepted on 690e
   before the model sees private data; a run-time refusal of a private step stops the run
   (``auto-fallback-*``; a switched model lets the probe and the first steps run on ghost).
 
-Still open (strict xfails, LOO measured): a hook attached through torch's C primitives directly
-(``TensorBase._backward_hooks.__set__`` + ``grad_fn._register_hook_dict`` + clearing the
-descriptor), which autograd gives Python no way to list (2.07 C); with a C callable as the hook
-(``functools.partial(torch.roll, shifts=1, dims=0)``: 2.25 C) no Python frame runs in the
-backward either, so a profiler over the engine's backward is no fix; with
-``functools.partial(next, iter([t]))``, ``t`` computed in the forward from the whole batch, no
-torch function or ATen operation runs in the backward either (1.26 C), so no torch function or
-dispatch mode over the backward is a fix. A backward that calls each node itself (``node(grad)``
-runs none of the node's hooks) would be one, at the cost of the parameter-gradient products that
-``torch.autograd.grad`` on the layer outputs skips (open, issue 31).
+* a hook attached through torch's C primitives directly (``TensorBase._backward_hooks.__set__`` +
+  ``grad_fn._register_hook_dict`` + clearing the descriptor), which autograd gives Python no way to
+  list (2.07 C); with a C callable as the hook (``functools.partial(torch.roll, shifts=1,
+  dims=0)``: 2.25 C) no Python frame runs in the backward either; with
+  ``functools.partial(next, iter([t]))``, ``t`` computed in the forward from the whole batch, no
+  torch function or ATen operation runs for it either (1.26 C; so no profiler or mode over the
+  backward is a fix). Closed by the hook-free backward (``dpclip.engine.hook_free``): the engine
+  calls each node of the graph itself, which runs none of the nodes' hooks.
+
+Found while closing auto's fallback, closed: chunks of one example read each other
+(``test_chunks_of_one_cannot_read_each_other``; ``dpclip.engine.one_example``).
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ FOURTH = {
     "saved-tensor-watch-popped-by-the-forward": (_pops_the_watch_then_rewrites_saved, ce),
     "per-layer-recompute-hidden-mean": (lambda: _TwoLayers(_RecomputeHidden()), ce),
     "per-layer-recompute-writes-born-tensor": (lambda: _TwoLayers(_RecomputeWritesBorn()), ce),
-    # still open (strict xfail below)
+    # closed by the hook-free backward (dpclip.engine.hook_free)
     "backward-hooks-descriptor-cleared": (_off(_descriptor_hook_cleared), ce),
     "backward-hooks-descriptor-cleared-c-callable": (_off(_descriptor_hook_cleared_c_callable),
                                                      ce),
@@ -356,9 +357,9 @@ ACCEPTED_BEFORE = {
     "saved-tensor-watch-popped-by-the-forward": 1.003,
     "per-layer-recompute-hidden-mean": 1.06,
     "per-layer-recompute-writes-born-tensor": 1.025,
-    "backward-hooks-descriptor-cleared": 2.07,  # (still accepted: the strict xfail)
-    "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; strict xfail)
-    "backward-hooks-descriptor-cleared-precomputed": 1.26,  # (seal, 660bede; strict xfail)
+    "backward-hooks-descriptor-cleared": 2.07,  # (closed by dpclip.engine.hook_free)
+    "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; closed: hook_free)
+    "backward-hooks-descriptor-cleared-precomputed": 1.26,  # (seal, 660bede; closed: hook_free)
     "auto-fallback-reads-the-ghost-runs-copy": 1.29,  # auto only (1.96 on b6642d1)
     # auto only, measured on b6642d1 (ghost refuses them)
     "auto-fallback-after-ghost-steps-tensor-copy": 1.96,
@@ -367,17 +368,9 @@ ACCEPTED_BEFORE = {
     "auto-fallback-after-ghost-steps-rng-seeded-by-the-batch": 4.07,
 }
 
-_OPEN4 = {
-    "backward-hooks-descriptor-cleared": "HOLE (fourth pass): a hook dictionary set through "
-    "torch._C.TensorBase._backward_hooks, attached with grad_fn._register_hook_dict and the "
-    "descriptor cleared again: autograd keeps the node's hook and lets Python list none of it",
-    "backward-hooks-descriptor-cleared-c-callable": "HOLE (fourth pass): the same with a C "
-    "callable hook (functools.partial(torch.roll, shifts=1, dims=0)): no Python frame runs in "
-    "the backward, so a profiler over it would not see it either: LOO 2.25 C",
-    "backward-hooks-descriptor-cleared-precomputed": "HOLE (fourth pass, seal): the same with "
-    "functools.partial(next, iter([t])), t computed in the forward from the whole batch: the "
-    "backward runs no Python frame, torch function or ATen operation for it: LOO 1.26 C",
-}
+#: none open: the cleared-descriptor hooks are closed by the hook-free backward
+#: (dpclip.engine.hook_free; LOO in ACCEPTED_BEFORE)
+_OPEN4: dict[str, str] = {}
 #: open under auto only (ghost refuses the model); closed by auto's public probe (issue 31)
 _OPEN4_AUTO: dict[str, str] = {}
 #: models that mix with the switch off too (auto runs them on vmap from the first step)

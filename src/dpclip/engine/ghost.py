@@ -160,6 +160,7 @@ from dpclip.engine.ghost_rules import (
     _rule_for,
     _sq,
 )
+from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.ghost_forward import (
     _CarriesAcrossCalls,
     _NotTheProvedProgram,
@@ -686,7 +687,7 @@ class GhostEngine:
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
-                bs = torch.autograd.grad(total, inputs, allow_unused=True)
+                bs = hook_free_grad(total, inputs)  # (no hook of the graph runs)
                 k = 0
                 for c in live:
                     c.edge = None  # the graph is freed: no node references left behind
