@@ -101,7 +101,7 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
     """``{id(target node): {input number: gradient}}``: the graph below ``root`` evaluated node by
     node, as autograd's engine does, without the hooks."""
     post, children = _graph(root)
-    needed = set(targets)  # the nodes on a path to a target
+    needed = {k for k in targets if k in children}  # the nodes on a path to a target
     for n in post:  # (post-order: a node's children are decided before it)
         if any(id(c) in needed for c, _ in children[id(n)]):
             needed.add(id(n))
