@@ -1,4 +1,5 @@
-"""Chunks (and steps) of one example cannot read each other (issue 31, ``dpclip.engine.one_example``).
+"""Chunks (and steps) of one example cannot read each other (issue 31,
+``dpclip.engine.one_example``).
 
 A chunk of one example is not traced for layouts (it cannot mix examples inside it), but chunks
 and steps share Python state. Each attack below keeps something of its example on every call and

@@ -52,10 +52,10 @@ class _NotTheProvedProgram(_RuntimeUnsupported):
 
 
 class _CarriesAcrossCalls(_NotTheProvedProgram):
-    """A chunk of one example that may carry data between calls (:mod:`dpclip.engine.one_example`).
-    Never turned into a vmap fallback: vmap runs the same model on chunks too, and would read the
-    same state (``VmapEngine(max_physical_batch=1)``: LOO 2.70 C on the model that reads the previous
-    chunk's input)."""
+    """A chunk of one example that may carry data between calls
+    (:mod:`dpclip.engine.one_example`). Never turned into a vmap fallback: vmap runs the same
+    model on chunks too, and would read the same state (``VmapEngine(max_physical_batch=1)``:
+    LOO 2.70 C on the model that reads the previous chunk's input)."""
 
 
 def _check_losses(losses: Tensor, batch: int) -> Tensor:

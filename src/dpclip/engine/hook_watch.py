@@ -24,9 +24,9 @@ dictionary through the ``torch._C.TensorBase._backward_hooks`` descriptor, attac
 ``grad_fn._register_hook_dict(t)`` and clearing the descriptor again, leaves no trace that autograd
 lets Python read. The ghost engine's backward runs no hook of the graph at all
 (:mod:`dpclip.engine.hook_free`), so such a hook is never called; this watch still refuses the
-hooks it sees, with a message that names them. As for the memory watch, patches of torch itself are outside too. The
-wrapped functions are process-wide while a step runs: a registration by another thread in that
-window refuses this step (never the reverse).
+hooks it sees, with a message that names them. As for the memory watch, patches of torch itself
+are outside too. The wrapped functions are process-wide while a step runs: a registration by
+another thread in that window refuses this step (never the reverse).
 """
 
 from __future__ import annotations
