@@ -27,6 +27,7 @@ the backward's peak memory can rise by up to the activations autograd saved
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Sequence
 
 import torch
@@ -113,9 +114,12 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
                 deps[id(c)] = deps.get(id(c), 0) + 1
     buf: dict[int, dict[int, Tensor]] = {id(root): {0: root_grad}}
     got: dict[int, dict[int, Tensor]] = {}
-    ready = [root]
+    # autograd's order: the ready node made last in the forward first (its sequence number), so
+    # that the gradients reaching a node are summed in the engine's order
+    ready = [(-root._sequence_nr(), 0, root)]
+    pushed = 1
     while ready:
-        n = ready.pop()
+        n = heapq.heappop(ready)[2]
         k = id(n)
         ins = buf.pop(k, {})
         if k in targets:
@@ -135,7 +139,8 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
                 _add(buf.setdefault(id(c), {}), nr, _fit(g, c._input_metadata[nr]))
             deps[id(c)] -= 1
             if not deps[id(c)]:
-                ready.append(c)
+                heapq.heappush(ready, (-c._sequence_nr(), pushed, c))
+                pushed += 1
     return got
 
 
