@@ -181,9 +181,16 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                 "batch size) outside loss_fn, or use engine 'vmap'")
         return got
     watch = OneExampleWatch(model, xs, ys)
-    with data_independent_paths(), watch:  # (the same library paths as a batch takes)
-        got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
-    why = watch.verdict()
+    try:
+        with data_independent_paths(), watch:  # (the same library paths as a batch takes)
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
+    except RuntimeError as exc:  # the watch holds autograd's saved-tensor hook slot
+        if "register_hooks on a saved tensor" not in str(exc):
+            raise
+        why = ("a saved-tensor hook was registered in the call (grad_fn._raw_saved_*."
+               "register_hooks): its unpack hook would hand the backward another call's tensor")
+    else:
+        why = watch.verdict()
     if why is not None:
         raise _CarriesAcrossCalls(
             f"a chunk of one example may carry data between calls: {why}. A chunk of one "

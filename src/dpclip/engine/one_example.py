@@ -17,7 +17,9 @@ input to the next step's trace as an unmarked constant.
 * the tracer's violations hold as in a batch: values taken to Python or NumPy (``.item()``,
   ``.tolist()``, ``bool(t)``, ``.numpy()``), batch data written in place into a tensor from before
   the call, gradient hooks registered (also with torch functions off:
-  :class:`~dpclip.engine.hook_watch.HookWatch`), saved-tensor hooks, tensor subclasses.
+  :class:`~dpclip.engine.hook_watch.HookWatch`), saved-tensor hooks (the engine's own
+  :class:`~dpclip.engine.memory_watch.SavedTensorWatch` holds autograd's slot, so an unpack hook
+  registered on a saved tensor of the chunk raises), tensor subclasses.
 
 Not covered here (stated; the batch path covers them with its proved-program match and memory
 watch, which need the batch-size proof): a value computed from the example with torch functions
@@ -33,6 +35,7 @@ from torch import nn
 
 from dpclip.engine.batch import batch_leaves
 from dpclip.engine.hook_watch import HookWatch
+from dpclip.engine.memory_watch import SavedTensorWatch
 from dpclip.engine.separable import SeparabilityTracer
 
 __all__ = ["OneExampleWatch", "quiet_one"]
@@ -56,6 +59,10 @@ class OneExampleWatch:
         for t in self._leaves:
             self.tracer.mark(t, (0, 1))
         with contextlib.ExitStack() as stack:
+            # the engine's own saved-tensor hooks: a saved tensor of the chunk then refuses the
+            # user's (``grad_fn._raw_saved_result.register_hooks(pack, unpack)``: an unpack hook
+            # that hands the backward another call's tensor)
+            stack.enter_context(SavedTensorWatch(_ignore))
             stack.enter_context(self.hooks)
             stack.enter_context(self.tracer)
             self._stack = stack.pop_all()
@@ -85,6 +92,10 @@ class OneExampleWatch:
             return (f"{hook} was registered in the call: user code in the backward pass could "
                     "carry another example's data into this one's gradient")
         return None
+
+
+def _ignore(t: object) -> None:
+    """The chunk's saved-tensor sink (the watch is there to hold autograd's hook slot)."""
 
 
 @contextlib.contextmanager
