@@ -135,3 +135,25 @@ def test_no_graph_and_no_edges():
     y = (x * 2).sum()
     other = torch.randn(3, dtype=DT, requires_grad=True) * 3
     assert hook_free_grad(y, [get_gradient_edge(other)]) == [None]
+
+
+def test_saved_tensors_are_let_go_once_their_node_ran():
+    """Under the step's SavedTensorWatch the walk frees each node's saved tensors after the node
+    ran (autograd's engine does; a node called from Python does not): the backward's peak memory
+    stays the engine's. The gradients are unchanged."""
+    from dpclip.engine.memory_watch import SavedTensorWatch
+
+    torch.manual_seed(0)
+    fc = nn.Linear(5, 6).to(DT)
+    x = torch.randn(4, 5, dtype=DT)
+    with SavedTensorWatch(lambda t: None):
+        o = fc(x)
+        t = torch.tanh(o * 1.0)
+        total = (t * t).sum()
+    node = t.grad_fn  # TanhBackward0: saves its result
+    assert torch.equal(node._saved_result, t)
+    (got,) = hook_free_grad(total, [get_gradient_edge(o)])
+    with pytest.raises(RuntimeError, match="freed by dpclip's hook-free backward"):
+        node._saved_result
+    want = 2 * t * (1 - t ** 2)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)

@@ -19,10 +19,13 @@ walk runs inside a graph task of ``torch.autograd.grad(..., edges)`` (the backwa
 the gradients that lead to the edges: the parameter-gradient products are skipped as before, and
 the operations are the engine's (tests/engine/test_hook_free.py counts them).
 
-Costs: the graph is walked in Python (a few microseconds per node); the saved tensors are freed
-when the walk ends rather than node by node (autograd's engine frees each node's as it goes), so
-the backward's peak memory can rise by up to the activations autograd saved
-(benchmarks/results/hook_free_cost.json).
+Costs: the graph is walked in Python (a few microseconds per node;
+benchmarks/results/hook_free_cost_cpu.md). Memory: autograd's engine frees a node's saved tensors
+once the node has run; a node called from Python does not, so the walk lets go of the tensors a
+node unpacked through the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch` right after
+it ran (``call_releasing``; every traced step saves through it). Where no such watch packed them
+(a chain of known modules proved without a trace, whose loss is known too: no user code ran),
+they are freed with the graph at the end of the chunk instead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from dpclip.engine.memory_watch import call_releasing
 
 __all__ = ["hook_free_grad"]
 
@@ -129,7 +134,7 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
         args = [ins.get(i) for i in range(len(n._input_metadata))]
         outs: Any = (None,) * len(n.next_functions)
         if any(a is not None for a in args):
-            outs = n(*args)
+            outs = call_releasing(n, *args)  # (its saved tensors let go after it ran)
             if not isinstance(outs, (tuple, list)):
                 outs = (outs,)
         for (c, nr), g in zip(n.next_functions, outs):
