@@ -82,10 +82,10 @@ class _Root(torch.autograd.Function):
         raise _Stop
 
 
-def _graph(root: Any) -> tuple[list[Any], dict[int, list[tuple[Any, int]]]]:
+def _graph(root: Any) -> tuple[list[Any], dict[int, tuple[tuple[Any, int], ...]]]:
     """The nodes reachable from ``root`` in post-order (every node after all it leads to) and
-    each node's ``(next node, input number)`` edges."""
-    children: dict[int, list[tuple[Any, int]]] = {}
+    each node's ``next_functions`` (``(next node or None, input number)`` per output)."""
+    children: dict[int, tuple[tuple[Any, int], ...]] = {}
     post: list[Any] = []
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
@@ -96,10 +96,10 @@ def _graph(root: Any) -> tuple[list[Any], dict[int, list[tuple[Any, int]]]]:
             continue
         if k in children:
             continue
-        ch = [(c, nr) for c, nr in n.next_functions if c is not None]
+        ch = n.next_functions
         children[k] = ch
         stack.append((n, True))
-        stack.extend((c, False) for c, _ in ch if id(c) not in children)
+        stack.extend((c, False) for c, _ in ch if c is not None and id(c) not in children)
     return post, children
 
 
@@ -132,12 +132,12 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
         if k not in called:
             continue
         args = [ins.get(i) for i in range(len(n._input_metadata))]
-        outs: Any = (None,) * len(n.next_functions)
+        outs: Any = (None,) * len(children[k])
         if any(a is not None for a in args):
             outs = call_releasing(n, *args)  # (its saved tensors let go after it ran)
             if not isinstance(outs, (tuple, list)):
                 outs = (outs,)
-        for (c, nr), g in zip(n.next_functions, outs):
+        for (c, nr), g in zip(children[k], outs):
             if c is None or id(c) not in needed:
                 continue
             if g is not None:
