@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
           f"Later steps of GhostEngine, medians of {args.steady} alternating rounds; shared 2-core "
           f"CPU (other jobs running), 1 thread, torch {torch.__version__}, commit "
           f"{rows[0]['commit'] if rows else ''}. `backward`: the hook-free walk against "
-          "`torch.autograd.grad` (same ATen operations: tests/engine/test_hook_free.py); the "
-          "walk also keeps the saved tensors until it ends (not measured here: peak memory on "
-          "a GPU). `chunks of one`: `max_physical_batch=1` on 16 examples, the chunk traced for "
+          "`torch.autograd.grad` (same ATen operations: tests/engine/test_hook_free.py; a node's "
+          "saved tensors are let go once it ran, as autograd does; peak memory not measured "
+          "here: a GPU run). `chunks of one`: `max_physical_batch=1` on 16 examples, the chunk traced for "
           "what crosses calls against untraced.", "",
           "| case | what | new ms | before ms | new / before |", "|---|---|---|---|---|"]
     for r in rows:
