@@ -37,6 +37,7 @@ restored before the next use and before the loss returns (nothing reads it in be
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any, Iterable
 
 import torch
@@ -294,8 +295,8 @@ class SavedTensorWatch:
             raise RuntimeError(
                 "Trying to backward through the graph a second time: the saved tensors of this "
                 "node were freed by dpclip's hook-free backward once the node ran")
-        if _RELEASE:
-            _RELEASE[-1].append(packed)
+        if _RELEASE.stack:
+            _RELEASE.stack[-1].append(packed)
         if d._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -319,8 +320,15 @@ class SavedTensorWatch:
 
 
 _ACTIVE: list[SavedTensorWatch] = []
-#: the packed tensors unpacked by the node :func:`call_releasing` is running
-_RELEASE: list[list[list]] = []
+class _Releasing(threading.local):
+    """Per thread (autograd runs a device's nodes on its own thread): the packed tensors unpacked
+    by the node :func:`call_releasing` is running."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[list]] = []
+
+
+_RELEASE = _Releasing()
 
 
 def call_releasing(node: Any, *args: Any) -> Any:
@@ -329,11 +337,11 @@ def call_releasing(node: Any, *args: Any) -> Any:
     frees a node's saved tensors once it has run: the backward's peak memory stays the engine's.
     Each saved tensor belongs to one node, which the walk calls once."""
     got: list[list] = []
-    _RELEASE.append(got)
+    _RELEASE.stack.append(got)
     try:
         return node(*args)
     finally:
-        _RELEASE.pop()
+        _RELEASE.stack.pop()
         for packed in got:
             packed[0] = None
 
