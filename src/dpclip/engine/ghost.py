@@ -8,10 +8,12 @@ One call of :meth:`GhostEngine.compute` does, per physical chunk of the batch:
    autograd gradient edge of its output (not the output tensor: see ``_Call``). A plain
    ``nn.Sequential`` chain (``_plain_chain``) is run entry by entry instead, recording the same
    calls without hooks;
-2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, edges)``,
-   that asks for the gradients ``b`` with respect to the layers' OUTPUTS only: autograd then skips
-   every parameter-gradient product, which is exactly the work that book-keeping redoes with weights
-   (Bu et al. 2023, "book-keeping");
+2. ONE backward pass of the summed per-example loss, as ``torch.autograd.grad(sum_i loss_i,
+   edges)`` computes it, that asks for the gradients ``b`` with respect to the layers' OUTPUTS
+   only: autograd then skips every parameter-gradient product, which is exactly the work that
+   book-keeping redoes with weights (Bu et al. 2023, "book-keeping"). The engine calls the graph's
+   nodes itself (:mod:`dpclip.engine.hook_free`), so that no hook attached to a node by the
+   forward or the loss runs (autograd lets Python list none of them);
 3. per-example squared norms of every parameter's gradient from ``a`` and ``b`` (the layer rules
    below), reduced to flat or per-group norms; ``weights = weight_fn(norms)``;
 4. ``sum_i w_i g_i`` for every parameter from the same ``a`` and ``b`` with the weights folded into
