@@ -127,7 +127,8 @@ def test_zoo_runs_on_ghost_equal_to_the_loop(zoo, name):
     for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
         expected = oracle_norms(per_ex, groups, B)
         for engine in (AutoEngine(), GhostEngine(norm_mode="ghost"),
-                       GhostEngine(norm_mode="direct"), GhostEngine(max_physical_batch=2)):
+                       GhostEngine(norm_mode="direct"), GhostEngine(max_physical_batch=2),
+                       GhostEngine(max_physical_batch=1)):  # (chunks of one: watched, issue 31)
             res = engine.compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0),
                                  groups)
             assert res.engine_info["engine"] == "ghost", res.engine_info
@@ -208,12 +209,13 @@ def test_as_the_tokenizer_gives_it_runs_on_ghost(name, attn):
     """``input_ids`` and a 2-D ``attention_mask`` only (BERT's and GPT-2's position embeddings
     then run on a ``(1, T)`` buffer: a batch-less call, :mod:`dpclip.engine.batchless`), eager and
     SDPA attention: auto on ghost with no fallback, flat and per-layer norms equal to the float64
-    per-example loop, the sum exactly weighted."""
+    per-example loop, the sum exactly weighted; also in chunks of one (watched: issue 31)."""
     model, x, y, loss_fn = _as_the_tokenizer_gives(name, attn)
     per_ex = naive_per_example_grads(model, loss_fn, x, y)
-    for groups in (ParamGroups.flat(model), ParamGroups.per_layer(model)):
-        res = AutoEngine().compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0),
-                                   groups)
+    for groups, engine in ((ParamGroups.flat(model), AutoEngine()),
+                           (ParamGroups.per_layer(model), AutoEngine()),
+                           (ParamGroups.flat(model), AutoEngine(max_physical_batch=1))):
+        res = engine.compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0), groups)
         assert res.engine_info["engine"] == "ghost", res.engine_info
         assert res.engine_info["fallback"] is None
         torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9,

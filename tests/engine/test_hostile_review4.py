@@ -28,11 +28,17 @@ sound per-example mechanism has LOO <= 1. Each attack below was accepted on 690e
   before the model sees private data; a run-time refusal of a private step stops the run
   (``auto-fallback-*``; a switched model lets the probe and the first steps run on ghost).
 
-Still open (strict xfails, LOO measured): a hook attached through torch's C primitives directly
-(``TensorBase._backward_hooks.__set__`` + ``grad_fn._register_hook_dict`` + clearing the
-descriptor), which autograd gives Python no way to list (2.07 C); with a C callable as the hook
-(``functools.partial(torch.roll, shifts=1, dims=0)``: 2.25 C) no Python frame runs in the
-backward either, so a profiler over the engine's backward is no fix.
+* a hook attached through torch's C primitives directly (``TensorBase._backward_hooks.__set__`` +
+  ``grad_fn._register_hook_dict`` + clearing the descriptor), which autograd gives Python no way to
+  list (2.07 C); with a C callable as the hook (``functools.partial(torch.roll, shifts=1,
+  dims=0)``: 2.25 C) no Python frame runs in the backward either; with
+  ``functools.partial(next, iter([t]))``, ``t`` computed in the forward from the whole batch, no
+  torch function or ATen operation runs for it either (1.26 C; so no profiler or mode over the
+  backward is a fix). Closed by the hook-free backward (``dpclip.engine.hook_free``): the engine
+  calls each node of the graph itself, which runs none of the nodes' hooks.
+
+Found while closing auto's fallback, closed: chunks of one example read each other
+(``test_chunks_of_one_cannot_read_each_other``; ``dpclip.engine.one_example``).
 """
 
 from __future__ import annotations
@@ -139,6 +145,20 @@ def _descriptor_hook_cleared_c_callable(h: Tensor) -> None:
 
     torch._C.TensorBase._backward_hooks.__set__(
         h, {0: functools.partial(torch.roll, shifts=1, dims=0)})
+    h.grad_fn._register_hook_dict(h)
+    torch._C.TensorBase._backward_hooks.__set__(h, None)
+
+
+def _descriptor_hook_cleared_precomputed(h: Tensor) -> None:
+    """The same, with a hook that computes nothing in the backward: ``next`` on an iterator of a
+    tensor the forward computed from the whole batch (returned in place of the gradient, the
+    gradient passed as ``next``'s default). No Python frame, no torch function and no ATen
+    operation runs in the backward: no profiler, torch function mode or dispatch mode over the
+    backward could see it (found by seal, issue 31)."""
+    import functools
+
+    t = (h + 0.5 * h.sum(0)).detach()
+    torch._C.TensorBase._backward_hooks.__set__(h, {0: functools.partial(next, iter([t] * 64))})
     h.grad_fn._register_hook_dict(h)
     torch._C.TensorBase._backward_hooks.__set__(h, None)
 
@@ -306,10 +326,12 @@ FOURTH = {
     "saved-tensor-watch-popped-by-the-forward": (_pops_the_watch_then_rewrites_saved, ce),
     "per-layer-recompute-hidden-mean": (lambda: _TwoLayers(_RecomputeHidden()), ce),
     "per-layer-recompute-writes-born-tensor": (lambda: _TwoLayers(_RecomputeWritesBorn()), ce),
-    # still open (strict xfail below)
+    # closed by the hook-free backward (dpclip.engine.hook_free)
     "backward-hooks-descriptor-cleared": (_off(_descriptor_hook_cleared), ce),
     "backward-hooks-descriptor-cleared-c-callable": (_off(_descriptor_hook_cleared_c_callable),
                                                      ce),
+    "backward-hooks-descriptor-cleared-precomputed": (
+        _off(_descriptor_hook_cleared_precomputed), ce),
     "auto-fallback-reads-the-ghost-runs-copy": (lambda: _StashThenMix(), ce),
     # closed by the public probe (auto's engine is decided before the model sees private data):
     # the switch lets the probe and the first steps run on ghost, then the refusal stops the run
@@ -335,8 +357,9 @@ ACCEPTED_BEFORE = {
     "saved-tensor-watch-popped-by-the-forward": 1.003,
     "per-layer-recompute-hidden-mean": 1.06,
     "per-layer-recompute-writes-born-tensor": 1.025,
-    "backward-hooks-descriptor-cleared": 2.07,  # (still accepted: the strict xfail)
-    "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; strict xfail)
+    "backward-hooks-descriptor-cleared": 2.07,  # (closed by dpclip.engine.hook_free)
+    "backward-hooks-descriptor-cleared-c-callable": 2.25,  # (b6642d1 + autofb; closed: hook_free)
+    "backward-hooks-descriptor-cleared-precomputed": 1.26,  # (seal, 660bede; closed: hook_free)
     "auto-fallback-reads-the-ghost-runs-copy": 1.29,  # auto only (1.96 on b6642d1)
     # auto only, measured on b6642d1 (ghost refuses them)
     "auto-fallback-after-ghost-steps-tensor-copy": 1.96,
@@ -345,14 +368,9 @@ ACCEPTED_BEFORE = {
     "auto-fallback-after-ghost-steps-rng-seeded-by-the-batch": 4.07,
 }
 
-_OPEN4 = {
-    "backward-hooks-descriptor-cleared": "HOLE (fourth pass): a hook dictionary set through "
-    "torch._C.TensorBase._backward_hooks, attached with grad_fn._register_hook_dict and the "
-    "descriptor cleared again: autograd keeps the node's hook and lets Python list none of it",
-    "backward-hooks-descriptor-cleared-c-callable": "HOLE (fourth pass): the same with a C "
-    "callable hook (functools.partial(torch.roll, shifts=1, dims=0)): no Python frame runs in "
-    "the backward, so a profiler over it would not see it either: LOO 2.25 C",
-}
+#: none open: the cleared-descriptor hooks are closed by the hook-free backward
+#: (dpclip.engine.hook_free; LOO in ACCEPTED_BEFORE)
+_OPEN4: dict[str, str] = {}
 #: open under auto only (ghost refuses the model); closed by auto's public probe (issue 31)
 _OPEN4_AUTO: dict[str, str] = {}
 #: models that mix with the switch off too (auto runs them on vmap from the first step)
@@ -576,7 +594,7 @@ def test_backward_rules_of_the_recomputation_keep_or_mix_as_they_must():
         assert tr.layout(out) == want, (dim, tr.layout(out))
 
 
-# ------------------------------------------- found while closing auto's fallback: still open
+# ------------------------------------------- found while closing auto's fallback (closed)
 
 
 _PREV: dict = {}
@@ -598,14 +616,12 @@ class _ReadsThePreviousChunk(nn.Module):
         return self.fc2(torch.tanh(h))
 
 
-@pytest.mark.xfail(strict=True, reason="HOLE (found by autofb, issue 31): a chunk of one example "
-                   "is not traced ('it cannot mix'), but chunks share Python state: with "
-                   "max_physical_batch=1 a model that reads the previous chunk's input from a "
-                   "global is accepted by ghost and auto (LOO 2.70 C on b6642d1 and here; "
-                   "max_physical_batch=2 refuses it). The same root: a step of one example "
-                   "leaves its input to the next step's trace as an unmarked constant")
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
 def test_chunks_of_one_cannot_read_each_other(engine):
+    """Found by autofb: with ``max_physical_batch=1`` a chunk of one example was not traced ("it
+    cannot mix"), and the model that reads the previous chunk's input from a global was accepted
+    by ghost and auto (LOO 2.70 C on b6642d1 and 26a8926; max_physical_batch=2 refuses it). Now
+    refused: ``dpclip.engine.one_example`` (more scenarios: tests/engine/test_chunks_of_one.py)."""
     from tests.engine.test_separability_attacks import loo_distance
 
     torch.manual_seed(0)

@@ -8,10 +8,12 @@ One call of :meth:`GhostEngine.compute` does, per physical chunk of the batch:
    autograd gradient edge of its output (not the output tensor: see ``_Call``). A plain
    ``nn.Sequential`` chain (``_plain_chain``) is run entry by entry instead, recording the same
    calls without hooks;
-2. ONE backward pass of the summed per-example loss, ``torch.autograd.grad(sum_i loss_i, edges)``,
-   that asks for the gradients ``b`` with respect to the layers' OUTPUTS only: autograd then skips
-   every parameter-gradient product, which is exactly the work that book-keeping redoes with weights
-   (Bu et al. 2023, "book-keeping");
+2. ONE backward pass of the summed per-example loss, as ``torch.autograd.grad(sum_i loss_i,
+   edges)`` computes it, that asks for the gradients ``b`` with respect to the layers' OUTPUTS
+   only: autograd then skips every parameter-gradient product, which is exactly the work that
+   book-keeping redoes with weights (Bu et al. 2023, "book-keeping"). The engine calls the graph's
+   nodes itself (:mod:`dpclip.engine.hook_free`), so that no hook attached to a node by the
+   forward or the loss runs (autograd lets Python list none of them);
 3. per-example squared norms of every parameter's gradient from ``a`` and ``b`` (the layer rules
    below), reduced to flat or per-group norms; ``weights = weight_fn(norms)``;
 4. ``sum_i w_i g_i`` for every parameter from the same ``a`` and ``b`` with the weights folded into
@@ -160,7 +162,9 @@ from dpclip.engine.ghost_rules import (
     _rule_for,
     _sq,
 )
+from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.ghost_forward import (
+    _CarriesAcrossCalls,
     _NotTheProvedProgram,
     _RuntimeUnsupported,
     _batched_rank,
@@ -516,6 +520,13 @@ class GhostEngine:
                 all_norms.append(norms)
                 all_weights.append(weights)
                 loss_sum += loss
+        except _CarriesAcrossCalls as exc:  # never a fallback: vmap would read the same state
+            raise UnsupportedModelError(
+                f"{self.name} engine: {exc}. This is not turned into a vmap fallback (vmap runs "
+                "the model on chunks too and would read the same state); the run stops here. "
+                "Keep no batch data between calls: no tensor, Python number or NumPy copy of "
+                "the inputs kept in a global, a closure or a module attribute and read later, "
+                "no hooks registered in the forward or loss") from None
         except _NotTheProvedProgram as exc:
             # never a fallback: the match can depend on the realised batch size, and the
             # fallback's per-example function is the real program's, not the proved one
@@ -629,7 +640,7 @@ class GhostEngine:
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
-        left = ambient_user_code() if batch > 1 else None
+        left = ambient_user_code()  # (a chunk of one too: dpclip.engine.one_example)
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
                 f"{left} after the forward pass and loss (entered by them and not left): it "
@@ -678,7 +689,7 @@ class GhostEngine:
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
-                bs = torch.autograd.grad(total, inputs, allow_unused=True)
+                bs = hook_free_grad(total, inputs)  # (no hook of the graph runs)
                 k = 0
                 for c in live:
                     c.edge = None  # the graph is freed: no node references left behind

@@ -24,6 +24,7 @@ from dpclip.engine.batchless import (
     is_batchless,
     is_unbatched,
 )
+from dpclip.engine.one_example import OneExampleWatch, quiet_one
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
 from dpclip.engine.saved_check import fingerprint
 from dpclip.engine.known_losses import known_loss, known_loss_fn
@@ -48,6 +49,13 @@ class _NotTheProvedProgram(_RuntimeUnsupported):
     matches can depend on the realised batch size (a program built to coincide with the proof at
     one size), so a fallback would choose the engine, and with it the per-example function, from
     the private batch size."""
+
+
+class _CarriesAcrossCalls(_NotTheProvedProgram):
+    """A chunk of one example that may carry data between calls
+    (:mod:`dpclip.engine.one_example`). Never turned into a vmap fallback: vmap runs the same
+    model on chunks too, and would read the same state (``VmapEngine(max_physical_batch=1)``:
+    LOO 2.70 C on the model that reads the previous chunk's input)."""
 
 
 def _check_losses(losses: Tensor, batch: int) -> Tensor:
@@ -114,7 +122,8 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
     """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
     ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
     if tracer is None:
-        return _Call(owner, a, out, None)
+        with quiet_one():  # (a chunk of one example: dpclip.engine.one_example)
+            return _Call(owner, a, out, None)
     quiet, tracer.quiet = tracer.quiet, True
     try:
         return _printed(_Call(owner, a, out, tracer))
@@ -141,19 +150,20 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
     ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
-    # a batch of one example cannot mix examples; otherwise every operation is traced, and the
-    # batch size, private, must be used only as the leading dimension (proved once per signature
-    # with a symbolic batch size; the real forward then takes the same data-independent paths)
+    # a batch of one example cannot mix examples, but it can carry its example into later calls
+    # (dpclip.engine.one_example); otherwise every operation is traced, and the batch size,
+    # private, must be used only as the leading dimension (proved once per signature with a
+    # symbolic batch size; the real forward then takes the same data-independent paths)
+    ambient = ambient_user_code()
+    if ambient is not None:  # user code on every operation, the trace's and the backward's
+        # (not a vmap fallback: vmap would run under the same user code, which sees the whole
+        # batch there; and it may have been entered by an earlier step's loss)
+        raise _NotTheProvedProgram(
+            f"{ambient} when the step starts: user code would run on the forward's or the "
+            "backward's operations (or rewrite the tensors the backward reads), which the "
+            "separability proof cannot see. Leave the context before the step "
+            "(torch.device(...) is allowed), or use engine 'vmap'")
     if batch > 1:
-        ambient = ambient_user_code()
-        if ambient is not None:  # user code on every operation, the trace's and the backward's
-            # (not a vmap fallback: vmap would run under the same user code, which sees the whole
-            # batch there; and it may have been entered by an earlier step's loss)
-            raise _NotTheProvedProgram(
-                f"{ambient} when the step starts: user code would run on the forward's or the "
-                "backward's operations (or rewrite the tensors the backward reads), which the "
-                "separability proof cannot see. Leave the context before the step "
-                "(torch.device(...) is allowed), or use engine 'vmap'")
         known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
             return known
@@ -170,7 +180,23 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                 "realised batch size is private: normalise by a public constant (the expected "
                 "batch size) outside loss_fn, or use engine 'vmap'")
         return got
-    return _forward_traced(model, scan, loss_fn, xs, ys, batch)
+    watch = OneExampleWatch(model, xs, ys)
+    try:
+        with data_independent_paths(), watch:  # (the same library paths as a batch takes)
+            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
+    except RuntimeError as exc:  # the watch holds autograd's saved-tensor hook slot
+        if "register_hooks on a saved tensor" not in str(exc):
+            raise
+        why = ("a saved-tensor hook was registered in the call (grad_fn._raw_saved_*."
+               "register_hooks): its unpack hook would hand the backward another call's tensor")
+    else:
+        why = watch.verdict()
+    if why is not None:
+        raise _CarriesAcrossCalls(
+            f"a chunk of one example may carry data between calls: {why}. A chunk of one "
+            "(max_physical_batch=1, or a batch of one) cannot mix examples inside it, but the "
+            "chunks and steps share Python state")
+    return got
 
 
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
@@ -258,7 +284,8 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             _refuse_instance_code(by_module[id(mod)].name, mod, classes[id(mod)])
             return None
         if tracer is None:
-            return by_module[id(mod)].enter(mod, args, kwargs)
+            with quiet_one():
+                return by_module[id(mod)].enter(mod, args, kwargs)
         quiet, tracer.quiet = tracer.quiet, True
         try:
             by_module[id(mod)].enter(mod, args, kwargs)

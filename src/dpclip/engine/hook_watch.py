@@ -19,13 +19,14 @@ examples' gradients in the backward was accepted (LOO 2.07 C).
   parameters, buffers and inputs (read through torch's C descriptors, not through attributes a
   subclass or a patch could override) must be empty.
 
-Trust boundary, stated (a strict xfail in ``tests/engine/test_hostile_review.py`` measures it): a
-forward that calls torch's C primitives directly, setting a hook dictionary through the
-``torch._C.TensorBase._backward_hooks`` descriptor, attaching it with
-``grad_fn._register_hook_dict(t)`` and clearing the descriptor again, leaves no trace that
-autograd lets Python read. As for the memory watch, patches of torch itself are outside too. The
-wrapped functions are process-wide while a step runs: a registration by another thread in that
-window refuses this step (never the reverse).
+What this watch cannot see: a forward that calls torch's C primitives directly, setting a hook
+dictionary through the ``torch._C.TensorBase._backward_hooks`` descriptor, attaching it with
+``grad_fn._register_hook_dict(t)`` and clearing the descriptor again, leaves no trace that autograd
+lets Python read. The ghost engine's backward runs no hook of the graph at all
+(:mod:`dpclip.engine.hook_free`), so such a hook is never called; this watch still refuses the
+hooks it sees, with a message that names them. As for the memory watch, patches of torch itself
+are outside too. The wrapped functions are process-wide while a step runs: a registration by
+another thread in that window refuses this step (never the reverse).
 """
 
 from __future__ import annotations

@@ -335,6 +335,10 @@ class SeparabilityTracer(TorchDispatchMode):
         self._layouts: _IdMap = _IdMap()
         self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
         self.violation: str | None = None
+        #: whether a tensor an earlier traced call retired was read (a batch reads it as MIXED; a
+        #: chunk of one example, whose layouts are not checked, is refused for it:
+        #: :mod:`dpclip.engine.one_example`)
+        self.stale_read = False
         #: the operations that first turned row-separable inputs into a MIXED result (for the
         #: error message), in order, at most a few
         self.mixers: list[str] = []
@@ -391,6 +395,7 @@ class SeparabilityTracer(TorchDispatchMode):
         carries other examples into this batch."""
         lay = self._layouts.get(t)
         if lay is None and t in _STALE:
+            self.stale_read = True
             return MIXED
         if self._taint:
             try:

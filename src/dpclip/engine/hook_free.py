@@ -1,0 +1,168 @@
+"""The ghost engine's backward without the graph's hooks (issue 31, fourth pass's open holes).
+
+``torch.autograd.grad(total, edges)`` runs every hook attached to a node of the graph. The forward
+and loss are user code, and autograd lets Python list none of a node's hooks: a hook dictionary
+set through ``torch._C.TensorBase._backward_hooks``, attached with ``grad_fn._register_hook_dict``
+and the descriptor cleared again, stays on the node unseen (LOO 2.07 C with a Python hook, 2.25 C
+with ``functools.partial(torch.roll, ...)``, 1.26 C with ``functools.partial(next, iter([t]))``
+returning a tensor the forward computed from the whole batch: no Python frame, torch function or
+ATen operation runs for it in the backward, so no profiler or mode over the backward could see
+it). Its registration cannot be seen either: ``_register_hook_dict`` is a C method, and a call
+from C (``map``, ``functools.partial``) reaches no profiler.
+
+:func:`hook_free_grad` computes the same gradients without running any hook: it calls each node
+of the graph itself (``node(*grads)`` runs the node's formula only; autograd's engine runs the
+hooks around it), in a topological order, summing the gradients that reach a node and reducing
+each to the shape and dtype its input expects (what the engine's ``validate_outputs`` does). The
+walk runs inside a graph task of ``torch.autograd.grad(..., edges)`` (the backward of a root
+``Function`` of the engine's own, which then stops the task), so that every node computes only
+the gradients that lead to the edges: the parameter-gradient products are skipped as before, and
+the operations are the engine's (tests/engine/test_hook_free.py counts them).
+
+Costs: the graph is walked in Python (a few microseconds per node;
+benchmarks/results/hook_free_cost_cpu.md). Memory: autograd's engine frees a node's saved tensors
+once the node has run; a node called from Python does not, so the walk lets go of the tensors a
+node unpacked through the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch` right after
+it ran (``call_releasing``; every traced step saves through it). Where no such watch packed them
+(a chain of known modules proved without a trace, whose loss is known too: no user code ran),
+they are freed with the graph at the end of the chunk instead.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from dpclip.engine.memory_watch import call_releasing
+
+__all__ = ["hook_free_grad"]
+
+
+class _Stop(Exception):
+    """Raised by the root's backward after the walk: the graph task stops there, so that
+    autograd's engine runs no node (and no hook) of the user's graph."""
+
+
+def hook_free_grad(total: Tensor, edges: Sequence[Any]) -> list[Tensor | None]:
+    """The gradients of the scalar ``total`` with respect to ``edges``
+    (``torch.autograd.graph.GradientEdge``), as ``torch.autograd.grad(total, edges,
+    allow_unused=True)`` returns them, computed without running any hook of the graph (module
+    docstring). An edge that ``total`` does not reach gets None."""
+    if total.grad_fn is None or not edges:
+        return [None] * len(edges)
+    box: dict[str, Any] = {"root": total.grad_fn, "edges": list(edges)}
+    out = _Root.apply(total, box)
+    try:
+        torch.autograd.grad(out, list(edges), allow_unused=True)
+    except _Stop:
+        pass
+    got = box.get("got")
+    if got is None:  # (the root's backward did not run: nothing reaches the edges)
+        return [None] * len(edges)
+    return [got.get(id(e.node), {}).get(e.output_nr) for e in edges]
+
+
+class _Root(torch.autograd.Function):
+    """``total`` as the root of the graph task; its backward is the walk (:func:`_walk`)."""
+
+    @staticmethod
+    def forward(ctx: Any, total: Tensor, box: dict) -> Tensor:  # type: ignore[override]
+        ctx.box = box
+        return total.view_as(total)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
+        box = ctx.box
+        targets = {id(e.node): e.node for e in box["edges"]}
+        with torch.no_grad():
+            box["got"] = _walk(box["root"], g, targets)
+        raise _Stop
+
+
+def _graph(root: Any) -> tuple[list[Any], dict[int, tuple[tuple[Any, int], ...]]]:
+    """The nodes reachable from ``root`` in post-order (every node after all it leads to) and
+    each node's ``next_functions`` (``(next node or None, input number)`` per output)."""
+    children: dict[int, tuple[tuple[Any, int], ...]] = {}
+    post: list[Any] = []
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        n, done = stack.pop()
+        k = id(n)
+        if done:
+            post.append(n)
+            continue
+        if k in children:
+            continue
+        ch = n.next_functions
+        children[k] = ch
+        stack.append((n, True))
+        stack.extend((c, False) for c, _ in ch if c is not None and id(c) not in children)
+    return post, children
+
+
+def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, dict[int, Tensor]]:
+    """``{id(target node): {input number: gradient}}``: the graph below ``root`` evaluated node by
+    node, as autograd's engine does, without the hooks."""
+    post, children = _graph(root)
+    needed = {k for k in targets if k in children}  # the nodes on a path to a target
+    for n in post:  # (post-order: a node's children are decided before it)
+        if any(id(c) in needed for c, _ in children[id(n)]):
+            needed.add(id(n))
+    called = {k for k in needed if any(id(c) in needed for c, _ in children[k])}
+    deps: dict[int, int] = {}
+    for k in called:
+        for c, _ in children[k]:
+            if id(c) in needed:
+                deps[id(c)] = deps.get(id(c), 0) + 1
+    buf: dict[int, dict[int, Tensor]] = {id(root): {0: root_grad}}
+    got: dict[int, dict[int, Tensor]] = {}
+    # autograd's order: the ready node made last in the forward first (its sequence number), so
+    # that the gradients reaching a node are summed in the engine's order
+    ready = [(-root._sequence_nr(), 0, root)]
+    pushed = 1
+    while ready:
+        n = heapq.heappop(ready)[2]
+        k = id(n)
+        ins = buf.pop(k, {})
+        if k in targets:
+            got[k] = ins
+        if k not in called:
+            continue
+        args = [ins.get(i) for i in range(len(n._input_metadata))]
+        outs: Any = (None,) * len(children[k])
+        if any(a is not None for a in args):
+            outs = call_releasing(n, *args)  # (its saved tensors let go after it ran)
+            if not isinstance(outs, (tuple, list)):
+                outs = (outs,)
+        for (c, nr), g in zip(children[k], outs):
+            if c is None or id(c) not in needed:
+                continue
+            if g is not None:
+                _add(buf.setdefault(id(c), {}), nr, _fit(g, c._input_metadata[nr]))
+            deps[id(c)] -= 1
+            if not deps[id(c)]:
+                heapq.heappush(ready, (-c._sequence_nr(), pushed, c))
+                pushed += 1
+    return got
+
+
+def _fit(g: Tensor, meta: Any) -> Tensor:
+    """``g`` as the node's input expects it (autograd's ``validate_outputs``): summed to its
+    shape (a broadcast in the forward), in its dtype and on its device."""
+    shape = tuple(meta.shape)
+    if tuple(g.shape) != shape:
+        g = g.sum_to_size(shape)
+    if g.dtype != meta.dtype:
+        g = torch.real(g).to(meta.dtype) if g.is_complex() and not meta.dtype.is_complex \
+            else g.to(meta.dtype)
+    if g.device != meta.device:
+        g = g.to(meta.device)
+    return g
+
+
+def _add(into: dict[int, Tensor], nr: int, g: Tensor) -> None:
+    old = into.get(nr)
+    into[nr] = g if old is None else old + g

@@ -1,0 +1,321 @@
+"""Chunks (and steps) of one example cannot read each other (issue 31,
+``dpclip.engine.one_example``).
+
+A chunk of one example is not traced for layouts (it cannot mix examples inside it), but chunks
+and steps share Python state. Each attack below keeps something of its example on every call and
+adds ``5 *`` what the previous call kept; on main (26a8926) ghost accepted every attack at
+``max_physical_batch=1`` and over steps of one example, auto at ``max_physical_batch=1``, with the
+LOO in ``ACCEPTED_BEFORE`` (units of C). Now each is refused (one open case under auto is the vmap
+engine's: ``_VMAP_OPEN``); a batch step after a step of one (how far its release moves when the
+first step's example is replaced; sound: 0) stays refused; an honest model runs on ghost at
+``max_physical_batch=1`` as before (a batch reduction included: the vmap semantics of a chunk of
+one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine
+from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.helpers import DT
+from tests.engine.test_separability_attacks import C, ce, clipped_sum, data, loo_distance
+
+_G: dict = {}
+
+
+class _Carries(nn.Module):
+    """``fc1 -> (+ 5 * read()) -> tanh -> fc2``; ``keep(self, x)`` on every call."""
+
+    def __init__(self, keep, read) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.register_buffer("buf", torch.zeros(5))
+        self._keep, self._read = keep, read
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        got = self._read(self, h)
+        if got is not None:
+            h = h + 5 * got
+        self._keep(self, x)
+        return self.fc2(torch.tanh(h))
+
+
+def _keep_attr(m, x: Tensor) -> None:
+    m.prev = x.detach().clone()
+
+
+def _read_attr(m, h: Tensor):
+    return m.prev.mean() if getattr(m, "prev", None) is not None else None
+
+
+def _keep_float(m, x: Tensor) -> None:
+    m.prev_f = float(x.sum())
+
+
+def _read_float(m, h: Tensor):
+    return getattr(m, "prev_f", None)
+
+
+def _keep_numpy(m, x: Tensor) -> None:
+    _G["np"] = x.detach().numpy().copy()
+
+
+def _read_numpy(m, h: Tensor):
+    return torch.from_numpy(_G["np"]).mean() if "np" in _G else None
+
+
+def _keep_buffer(m, x: Tensor) -> None:
+    with torch.no_grad():
+        m.buf.copy_(x.mean(0))
+
+
+def _read_buffer(m, h: Tensor):
+    return m.buf.mean()
+
+
+def _keep_global(m, x: Tensor) -> None:
+    _G["x"] = x.detach().clone()
+
+
+def _read_in_backward(m, h: Tensor):
+    """A hook (attached with torch functions off) that adds the previous call's mean to the
+    gradient: it runs in the backward, after the forward's trace."""
+    if "x" in _G and h.requires_grad:
+        prev = _G["x"]
+        with torch._C.DisableTorchFunction():
+            h.register_hook(lambda g: g + 5 * prev.mean())
+    return None
+
+
+ATTACKS = {
+    "module-attribute": (_keep_attr, _read_attr),
+    "python-float": (_keep_float, _read_float),
+    "numpy-copy": (_keep_numpy, _read_numpy),
+    "buffer-written-in-place": (_keep_buffer, _read_buffer),
+    "hook-reads-the-previous-call": (_keep_global, _read_in_backward),
+}
+
+#: on 26a8926, (ghost, auto): LOO at max_physical_batch=1 and LOO over steps of one example (None:
+#: refused); a batch step after a step of one was refused by both there (the proved-program match:
+#: kept here as a regression test)
+ACCEPTED_BEFORE = {
+    "module-attribute": ((2.70, 2.70), (2.70, 2.70)),
+    "python-float": ((3.32, 3.32), (3.32, None)),
+    "numpy-copy": ((2.70, 2.70), (2.70, None)),
+    "buffer-written-in-place": ((2.70, 2.70), (2.70, None)),
+    "hook-reads-the-previous-call": ((2.31, 2.31), (2.31, None)),
+}
+
+
+def _build(name: str) -> nn.Module:
+    _G.clear()
+    torch.manual_seed(0)
+    return _Carries(*ATTACKS[name]).to(DT)
+
+
+def steps_of_one_loo(engine, model, x, y) -> float:
+    """``max_j ||S(X) - S(X without j)|| / C`` where every example is its own step."""
+
+    def total(idx):
+        return sum(clipped_sum(engine, model, ce, x[i:i + 1], y[i:i + 1])[0] for i in idx)
+
+    full = total(range(x.shape[0]))
+    return max(float((full - total([i for i in range(x.shape[0]) if i != j])).norm()) / C
+               for j in range(x.shape[0]))
+
+
+def one_then_batch_moved(engine, model, x, y) -> float:
+    """How far a batch step's release moves when the step of one before it changes its example."""
+    got = []
+    for first in (0, 1):
+        clipped_sum(engine, model, ce, x[first:first + 1], y[first:first + 1])
+        got.append(clipped_sum(engine, model, ce, x[2:], y[2:])[0])
+    return float((got[0] - got[1]).norm()) / C
+
+
+SCENARIOS = {
+    "chunks": lambda e, m, x, y: loo_distance(e(max_physical_batch=1), m, ce, x, y),
+    "steps": lambda e, m, x, y: steps_of_one_loo(e(), m, x, y),
+    "one-then-batch": lambda e, m, x, y: one_then_batch_moved(e(), m, x, y),
+}
+
+
+#: auto's public probe (a batch: the proof runs) is refused for another reason (the model reads
+#: the proof's fake tensor it kept: a fallback reason), and the vmap engine reads the kept input
+#: of the previous step (a hole of the vmap engine, not of ghost: ``VmapEngine`` evaluates each
+#: example alone only within a call)
+_VMAP_OPEN = {("module-attribute", "steps"): "HOLE (vmap engine): auto falls back to vmap on "
+              "its public probe (the model reads a tensor kept from the proof) and vmap reads "
+              "the previous step's input kept in a module attribute: LOO 2.70 C"}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(ATTACKS))
+@pytest.mark.parametrize("engine", [GhostEngine, pytest.param(AutoEngine, id="AutoEngine")])
+def test_one_example_calls_cannot_carry_data(engine, name, scenario, request):
+    """Refused (an error that stops the run), or within the bound."""
+    if engine is AutoEngine and (name, scenario) in _VMAP_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_VMAP_OPEN[name, scenario]))
+    x, y = data()
+    try:
+        got = SCENARIOS[scenario](engine, _build(name), x, y)
+    except UnsupportedModelError:
+        got = None
+    finally:
+        _G.clear()
+    bound = 1e-9 if scenario == "one-then-batch" else 1 + 1e-9
+    assert got is None or got <= bound, got
+
+
+def test_carrying_refusal_names_the_reason_and_is_no_fallback():
+    """docs/errors.md entry 321: under ghost and auto (never a vmap fallback: vmap runs the model
+    on chunks too, ``VmapEngine(max_physical_batch=1)`` reads the kept input: LOO 2.70 C)."""
+    x, y = data()
+    for engine in (GhostEngine, AutoEngine):
+        with pytest.raises(UnsupportedModelError,
+                           match=r"a chunk of one example may carry data between calls: it reads "
+                                 r"a tensor that depended on the examples of an earlier call .*"
+                                 r"This is not turned into a vmap fallback"):
+            clipped_sum(engine(max_physical_batch=1), _build("module-attribute"), ce, x, y)
+    with pytest.raises(UnsupportedModelError, match="a gradient hook .* was registered in the "
+                       "call: user code in the backward pass could carry another example's data"):
+        steps_of_one_loo(GhostEngine(), _build("hook-reads-the-previous-call"), x, y)
+    _G.clear()
+
+
+class _UnpackSwap(nn.Module):
+    """An unpack hook on the saved result of its tanh, registered with torch functions off: the
+    backward reads the previous call's tanh output instead (no hook door of HookWatch; the engine's
+    own saved-tensor hooks hold the slot, so the registration raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = torch.tanh(self.fc1(x))
+        prev = _G.get("t")
+        if prev is not None and prev.shape == t.shape:
+            with torch._C.DisableTorchFunction():
+                t.grad_fn._raw_saved_result.register_hooks(lambda _: None, lambda _: prev + 0.5)
+        _G["t"] = t.detach().clone()
+        return self.fc2(t)
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_unpack_hook_of_a_saved_tensor_cannot_read_the_previous_chunk(engine):
+    """Accepted on 26a8926 at max_physical_batch=1: LOO 2.26 C (ghost), 2.52 C (auto). Refused
+    now, under auto too (a raw RuntimeError in its probe would have been a vmap verdict, and vmap
+    reads the previous call's tensor as well)."""
+    torch.manual_seed(0)
+    model = _UnpackSwap().to(DT)
+    x, y = data()
+    try:
+        got = loo_distance(engine(max_physical_batch=1), model, ce, x, y)
+    except UnsupportedModelError:
+        got = None
+    finally:
+        _G.clear()
+    assert got is None or got <= 1 + 1e-9, got
+
+
+class _Honest(nn.Module):
+    """Per example at batch size one: a batch reduction (the vmap semantics of a chunk of one), a
+    constant cached on the first call and read on every later one, and the last output kept for
+    logging (never read by the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.table: Tensor | None = None
+        self.last: Tensor | None = None
+        self.centre = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 6, dtype=x.dtype)
+        h = torch.tanh(self.fc1(x - x.mean(0) if self.centre else x) + self.table)
+        out = self.fc2(h)
+        self.last = out.detach()
+        return out
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_honest_chunks_of_one_still_run_on_ghost(engine):
+    """The float64 per-example loop (naive: each example alone) is the oracle."""
+    torch.manual_seed(0)
+    model = _Honest().to(DT)
+    x, y = data()
+    for _ in range(2):  # the second call reads the cached table and keeps the last output
+        got, info = clipped_sum(engine(max_physical_batch=1), model, ce, x, y)
+        want, _ = clipped_sum(NaiveEngine(), model, ce, x, y)
+        assert info["engine"] == "ghost"
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    for i in range(3):  # steps of one example, then a batch step
+        got, info = clipped_sum(engine(), model, ce, x[i:i + 1], y[i:i + 1])
+        assert info["engine"] == "ghost"
+    model.centre = False  # (a batch reduction mixes a batch)
+    got, info = clipped_sum(engine(), model, ce, x, y)
+    assert info["engine"] == "ghost"
+
+
+class _ModesOff(nn.Module):
+    """Reads the previous call's input, and keeps its own, with torch functions AND Python
+    dispatch switched off: the chunk's tracer sees neither, and the sum arrives as an unknown
+    tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            if "x" in _G:
+                h = h + 5 * _G["x"].mean()
+            _G["x"] = x.detach().clone()
+        return self.fc2(torch.tanh(h))
+
+
+class _BufferWrittenOff(nn.Module):
+    """Adds its buffer's mean, then writes the example's mean into the buffer with torch functions
+    and Python dispatch off and the version counter set back: the next call reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.register_buffer("buf", torch.zeros(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x) + 5 * self.buf.mean()
+        v = self.buf._version
+        with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            self.buf.copy_(x.mean(0))
+        torch._C._autograd._unsafe_set_version_counter((self.buf,), (v,))
+        return self.fc2(torch.tanh(h))
+
+
+@pytest.mark.xfail(strict=True, reason="HOLE (open, seal): at a batch of one, a value computed "
+                   "with torch functions and Python dispatch both off from a tensor kept by the "
+                   "previous call is read as an unknown constant (LOO 2.70 C, ghost and auto). "
+                   "A batch refuses it through the proved-program match (the tensor has no name "
+                   "in the proof); a chunk of one has no proof (export specialises size 1). The "
+                   "same with a buffer written so (2.70 C; a batch's memory watch refuses it, at "
+                   "the cost of a copy of the parameters and buffers per call)")
+@pytest.mark.parametrize("build", [_ModesOff, _BufferWrittenOff])
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_modes_off_at_a_batch_of_one(engine, build):
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = data()
+    try:
+        got = loo_distance(engine(max_physical_batch=1), model, ce, x, y)
+    except UnsupportedModelError:
+        got = None
+    finally:
+        _G.clear()
+    assert got is None or got <= 1 + 1e-9, got
