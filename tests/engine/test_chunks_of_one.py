@@ -172,7 +172,7 @@ def test_one_example_calls_cannot_carry_data(engine, name, scenario, request):
 
 
 def test_carrying_refusal_names_the_reason_and_is_no_fallback():
-    """docs/errors.md entry 321: under ghost and auto (never a vmap fallback: vmap runs the model
+    """docs/errors.md entry 107: under ghost and auto (never a vmap fallback: vmap runs the model
     on chunks too, ``VmapEngine(max_physical_batch=1)`` reads the kept input: LOO 2.70 C)."""
     x, y = data()
     for engine in (GhostEngine, AutoEngine):
