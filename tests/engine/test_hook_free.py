@@ -157,3 +157,36 @@ def test_saved_tensors_are_let_go_once_their_node_ran():
         node._saved_result
     want = 2 * t * (1 - t ** 2)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def _engine_backwards(monkeypatch, model, loss_fn) -> int:
+    """How many times one ghost step walked the graph itself (``hook_free_grad``)."""
+    import dpclip.engine.ghost as ghost_mod
+    from dpclip.engine import GhostEngine, ParamGroups
+    from tests.engine.helpers import clip_weights
+    from tests.engine.test_separability_attacks import data
+
+    walks = []
+
+    def counted(total, edges):
+        walks.append(len(edges))
+        return hook_free_grad(total, edges)
+
+    monkeypatch.setattr(ghost_mod, "hook_free_grad", counted)
+    x, y = data()
+    GhostEngine().compute(model, loss_fn, x, y, clip_weights(1.0), ParamGroups.flat(model))
+    return len(walks)
+
+
+def test_walk_only_where_user_code_ran(monkeypatch):
+    """A chain of known modules with a known loss (no user code between the graph's nodes and
+    the backward, so no hook can be on them) runs on autograd's engine; a user loss, or a model
+    with its own forward, is walked (its code could have attached a hook the engine cannot list)."""
+    from dpclip.engine.known_losses import cross_entropy_per_example
+    from tests.engine.test_separability_attacks import Net, ce
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    assert _engine_backwards(monkeypatch, chain, cross_entropy_per_example) == 0
+    assert _engine_backwards(monkeypatch, chain, ce) == 1
+    assert _engine_backwards(monkeypatch, Net().to(DT), cross_entropy_per_example) == 1

@@ -639,7 +639,7 @@ class GhostEngine:
         weight_fn: WeightFn,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
-        calls, total = _forward(model, scan, loss_fn, xs, ys, batch)
+        calls, total, user_code = _forward(model, scan, loss_fn, xs, ys, batch)
         left = ambient_user_code()  # (a chunk of one too: dpclip.engine.one_example)
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
@@ -689,7 +689,10 @@ class GhostEngine:
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
-                bs = hook_free_grad(total, inputs)  # (no hook of the graph runs)
+                if user_code:  # no hook of the graph runs (dpclip.engine.hook_free)
+                    bs = hook_free_grad(total, inputs)
+                else:  # known modules and loss: no user code could reach the graph's nodes
+                    bs = list(torch.autograd.grad(total, inputs, allow_unused=True))
                 k = 0
                 for c in live:
                     c.edge = None  # the graph is freed: no node references left behind

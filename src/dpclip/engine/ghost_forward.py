@@ -147,9 +147,13 @@ def _printed(c: _Call) -> _Call:
 
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
-             ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
-    """The hooked forward pass: ``(calls, sum of the per-example losses)``; hooks removed after.
-    ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`)."""
+             ys: Any, batch: int) -> tuple[list[_Call], Tensor, bool]:
+    """The hooked forward pass: ``(calls, sum of the per-example losses, user_code)``; hooks
+    removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
+    ``user_code`` is False only for a program of known modules and a known loss
+    (:func:`_run_known_program`): no user code ran between the creation of its autograd nodes and
+    the engine's backward, so none could attach a hook to them (the backward may then run on
+    autograd's own engine; :mod:`dpclip.engine.hook_free`)."""
     # a batch of one example cannot mix examples, but it can carry its example into later calls
     # (dpclip.engine.one_example); otherwise every operation is traced, and the batch size,
     # private, must be used only as the leading dimension (proved once per signature with a
@@ -166,7 +170,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     if batch > 1:
         known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
-            return known
+            return (*known, False)
         # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
         # the proof traces the program the engine runs
         why, program = proof_of(model, loss_fn, xs, ys, tuple(
@@ -179,7 +183,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                 f"the forward pass and loss are not proved per-example separable: {why}. The "
                 "realised batch size is private: normalise by a public constant (the expected "
                 "batch size) outside loss_fn, or use engine 'vmap'")
-        return got
+        return (*got, True)
     watch = OneExampleWatch(model, xs, ys)
     try:
         with data_independent_paths(), watch:  # (the same library paths as a batch takes)
@@ -196,7 +200,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             f"a chunk of one example may carry data between calls: {why}. A chunk of one "
             "(max_physical_batch=1, or a batch of one) cannot mix examples inside it, but the "
             "chunks and steps share Python state")
-    return got
+    return (*got, True)
 
 
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,

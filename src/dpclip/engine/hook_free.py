@@ -19,6 +19,10 @@ walk runs inside a graph task of ``torch.autograd.grad(..., edges)`` (the backwa
 the gradients that lead to the edges: the parameter-gradient products are skipped as before, and
 the operations are the engine's (tests/engine/test_hook_free.py counts them).
 
+The ghost engine walks only where user code ran in the forward or loss (a traced step, a chunk
+of one); a program of known modules and a known loss, where no user code runs between the
+creation of its nodes and the backward, keeps ``torch.autograd.grad``.
+
 Costs: the graph is walked in Python (a few microseconds per node;
 benchmarks/results/hook_free_cost_cpu.md). Memory: autograd's engine frees a node's saved tensors
 once the node has run; a node called from Python does not, so the walk lets go of the tensors a
