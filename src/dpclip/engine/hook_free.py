@@ -27,8 +27,7 @@ Costs: the graph is walked in Python (a few microseconds per node;
 benchmarks/results/hook_free_cost_cpu.md). Memory: autograd's engine frees a node's saved tensors
 once the node has run; a node called from Python does not, so the walk lets go of the tensors a
 node unpacked through the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch` right after
-it ran (``call_releasing``; every traced step saves through it). Where no such watch packed them
-(a chain of known modules proved without a trace, whose loss is known too: no user code ran),
+it ran (``call_releasing``; every traced step saves through it). Where no such watch packed them,
 they are freed with the graph at the end of the chunk instead.
 """
 
