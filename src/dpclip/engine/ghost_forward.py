@@ -33,10 +33,11 @@ from dpclip.engine.plain_module import (
     global_hooks_clear,
     instance_code,
     plain_instance,
+    python_callbacks,
 )
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
-from dpclip.engine.ghost_rules import _Call, _MODULE, _Owner, _Scan
+from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _Owner, _Scan
 
 
 class _RuntimeUnsupported(Exception):
@@ -354,7 +355,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
             return calls, losses.sum()
     _arm(tracer)  # the chain's modules may be user code
     classes = {id(m): type(m) for m in chain}  # before any user code
-    key = _chain_key(chain, xs) if tracer is not None else None
+    # (no cache under interpreter callbacks: user code then runs inside the modules' forwards)
+    key = _chain_key(chain, xs) if tracer is not None and python_callbacks() is None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
     with torch.enable_grad():
@@ -376,7 +378,8 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                 for c, lay in zip(calls, cached[0]):
                     c.layouts = lay
                 tracer.mark(h, cached[1])
-            elif key is not None and tracer.violation is None:
+            elif key is not None and tracer.violation is None \
+                    and all(c.layouts[1] != REWRITTEN for c in calls):
                 if len(_CHAIN_LAYOUTS) >= 256:
                     _CHAIN_LAYOUTS.clear()
                 _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
@@ -566,10 +569,12 @@ def _known_chain(chain: list[nn.Module]) -> bool:
     """Whether every module of the chain is of a known exact class with torch's own forward, a
     plain instance (:func:`dpclip.engine.plain_module.plain_instance`: no hooks, no instance code,
     configuration of exact built-in types, exact parameters and buffers; third hostile review),
-    no global hooks and no user code active around the call (modes, saved-tensor hooks)."""
+    no global hooks and no user code active around the call (modes, saved-tensor hooks, trace
+    and profile functions, ``sys.monitoring`` tools, GC callbacks: :func:`python_callbacks`)."""
     if _MODULE_CALL is None or (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL:
         return False
-    if not global_hooks_clear() or ambient_user_code() is not None:
+    if not global_hooks_clear() or ambient_user_code() is not None \
+            or python_callbacks() is not None:
         return False
     for mod in chain:
         if type(mod) not in _KNOWN_MODULES or not plain_instance(mod) \
@@ -756,6 +761,17 @@ def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
         fix = f" (first mixing operation: {tracer.mixers[0]})" + fix
     for c in calls:
         lay_a, lay_out = c.layouts
+        if lay_out == REWRITTEN:
+            # the engine marks a ruled layer's output (0, k) below, for what its standard forward
+            # computes; the trace saw it mix the examples BETWEEN that forward and the engine's
+            # record of the call (a trace or profile function at the forward's return, a hook
+            # running before the engine's: a Linear output rewritten in place with its batch
+            # mean, LOO 2.00 C before)
+            raise _RuntimeUnsupported(
+                f"the output of layer {c.owner.name!r} ({type(c.mod).__name__}) was changed "
+                "after the layer computed it and before the engine recorded the call, so that "
+                "it mixes the examples (a sys.settrace / sys.setprofile function, or a hook that "
+                f"runs at the layer's return){fix}")
         # only the input: a supported layer runs its standard forward (``_rule_for`` refuses
         # subclasses that override it), which is per sample along dimension 0 of a batch-first
         # input; its output is then marked ``(0, 1)`` (``_Call``). A layer's input (a per-layer

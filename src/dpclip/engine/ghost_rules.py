@@ -68,7 +68,10 @@ class _Call:
             self.layouts = None
         else:
             lay_a = tracer.layout(a)
-            self.layouts = (lay_a, tracer.layout(out))
+            # (REWRITTEN: an in-place write the trace saw made the output mix the examples after
+            # the layer computed it: refused by ghost_forward._check_separable)
+            self.layouts = (lay_a, REWRITTEN if tracer.rewritten_to_mix(out)
+                            else tracer.layout(out))
             k = _row_group(lay_a)
             tracer.mark(out, (0, k) if k > 1 and isinstance(out, Tensor) and out.ndim
                         and isinstance(a, Tensor) and a.ndim and out.shape[0] == a.shape[0]
@@ -91,6 +94,10 @@ class _Call:
         #: not by book-keeping (terms that cancel: ``_position_bound_sq``)
         self.formed: tuple[Tensor, Tensor] | None = None
         self.outs: list[Tensor] | None = None
+
+
+#: the output layout of a call whose output an in-place write made MIXED after the layer computed it
+REWRITTEN = "rewritten"
 
 
 def _row_group(layout: Any) -> int:

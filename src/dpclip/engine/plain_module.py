@@ -131,6 +131,29 @@ def global_hooks_clear() -> bool:
     return True
 
 
+def python_callbacks() -> str | None:
+    """Interpreter-level user code that would run INSIDE library code, or None: a trace or
+    profile function (``sys.settrace`` / ``sys.setprofile``: a debugger, a profiler, coverage),
+    a ``sys.monitoring`` tool (Python 3.12+), a garbage-collector callback. Each sees the frames of
+    the code it interrupts (their locals: the layers' inputs and outputs), so a program of known
+    modules is not "no user code" while one is set: the engine then traces it like user code
+    (a trace function that rewrote ``nn.Linear``'s output in place with its batch mean inside an
+    untraced known chain: LOO 2.00 C before)."""
+    import gc
+    import sys
+
+    if sys.gettrace() is not None:
+        return "a trace function (sys.settrace) is set"
+    if sys.getprofile() is not None:
+        return "a profile function (sys.setprofile) is set"
+    mon = getattr(sys, "monitoring", None)
+    if mon is not None and any(mon.get_tool(i) is not None for i in range(6)):
+        return "a sys.monitoring tool is registered"
+    if gc.callbacks:
+        return "a garbage-collector callback (gc.callbacks) is set"
+    return None
+
+
 def ambient_user_code() -> str | None:
     """User code active around the engine's call that runs on the forward's or backward's
     operations, or None: a torch function mode (other than ``torch.device(...)``'s own), a torch

@@ -334,6 +334,7 @@ class SeparabilityTracer(TorchDispatchMode):
         self.batch = batch
         self._layouts: _IdMap = _IdMap()
         self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
+        self._mixed_in_place: set[int] = set()  # storages an in-place write made MIXED
         self.violation: str | None = None
         #: whether a tensor an earlier traced call retired was read (a batch reads it as MIXED; a
         #: chunk of one example, whose layouts are not checked, is refused for it:
@@ -380,6 +381,7 @@ class SeparabilityTracer(TorchDispatchMode):
             return
         if ptr:
             self._born.add(ptr)
+            self._mixed_in_place.discard(ptr)  # (a new storage at a freed one's address)
 
     def retire(self) -> None:
         """End of the traced call: every tensor that depends on the batch and is still alive is
@@ -688,6 +690,11 @@ class SeparabilityTracer(TorchDispatchMode):
                         "into the next one")
             if new == old:
                 continue
+            if new is MIXED and old is not MIXED:  # (read by the ghost engine: rewritten_to_mix)
+                try:
+                    self._mixed_in_place.add(t.untyped_storage().data_ptr())
+                except Exception:  # noqa: BLE001
+                    pass
             if new is None:
                 self._layouts.pop(t, None)
             else:
@@ -697,6 +704,19 @@ class SeparabilityTracer(TorchDispatchMode):
             except Exception:  # noqa: BLE001
                 if self.violation is None:
                     self.violation = f"in-place {_name(func)} on a tensor without storage"
+
+
+    def rewritten_to_mix(self, t: Any) -> bool:
+        """Whether an in-place write this trace saw turned a tensor of ``t``'s storage from
+        separable (or constant) to MIXED: what the ghost engine checks on a ruled layer's output
+        before marking it ``(0, 1)`` for what the layer's own forward computes (a trace function
+        at the forward's return rewriting it with its batch mean: LOO 2.00 C before)."""
+        if not isinstance(t, Tensor) or not self._mixed_in_place:
+            return False
+        try:
+            return t.untyped_storage().data_ptr() in self._mixed_in_place
+        except Exception:  # noqa: BLE001
+            return False
 
 
 # ----------------------------------------------------------------------------------- rules
