@@ -570,7 +570,7 @@ def _known_chain(chain: list[nn.Module]) -> bool:
     plain instance (:func:`dpclip.engine.plain_module.plain_instance`: no hooks, no instance code,
     configuration of exact built-in types, exact parameters and buffers; third hostile review),
     no global hooks and no user code active around the call (modes, saved-tensor hooks, trace
-    and profile functions, ``sys.monitoring`` tools, GC callbacks: :func:`python_callbacks`)."""
+    and profile functions, ``sys.monitoring`` tools: :func:`python_callbacks`)."""
     if _MODULE_CALL is None or (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL:
         return False
     if not global_hooks_clear() or ambient_user_code() is not None \

@@ -134,12 +134,14 @@ def global_hooks_clear() -> bool:
 def python_callbacks() -> str | None:
     """Interpreter-level user code that would run INSIDE library code, or None: a trace or
     profile function (``sys.settrace`` / ``sys.setprofile``: a debugger, a profiler, coverage),
-    a ``sys.monitoring`` tool (Python 3.12+), a garbage-collector callback. Each sees the frames of
+    a ``sys.monitoring`` tool (Python 3.12+). Each sees the frames of
     the code it interrupts (their locals: the layers' inputs and outputs), so a program of known
     modules is not "no user code" while one is set: the engine then traces it like user code
     (a trace function that rewrote ``nn.Linear``'s output in place with its batch mean inside an
-    untraced known chain: LOO 2.00 C before)."""
-    import gc
+    untraced known chain: LOO 2.00 C before). Garbage-collector callbacks and finalizers can
+    reach frames too (``sys._getframe``), but they run whenever the collector does, are installed
+    by ordinary libraries (hypothesis keeps one) and cannot all be listed (``__del__``): they stay
+    outside the trust boundary (docs/engines.md)."""
     import sys
 
     if sys.gettrace() is not None:
@@ -149,8 +151,6 @@ def python_callbacks() -> str | None:
     mon = getattr(sys, "monitoring", None)
     if mon is not None and any(mon.get_tool(i) is not None for i in range(6)):
         return "a sys.monitoring tool is registered"
-    if gc.callbacks:
-        return "a garbage-collector callback (gc.callbacks) is set"
     return None
 
 
