@@ -295,7 +295,8 @@ class _Plan:
     model snapshots without the plan). ``ok`` is False for a state the fast path cannot read
     (the probe is kept so that the next step need not look again)."""
 
-    __slots__ = ("probe", "ok", "keep", "ptrs", "sizes", "offs", "total", "buf", "lock")
+    __slots__ = ("probe", "ok", "keep", "ptrs", "sizes", "offs", "total", "buf", "bptrs",
+                 "lock")
 
     def __init__(self, tensors: list[Tensor], probe: list[tuple]) -> None:
         self.probe = probe
@@ -310,9 +311,15 @@ class _Plan:
             off += n
         self.total = off
         self.buf = self._new_buffer() if self.ok and off <= _KEEP_BUFFER_BYTES else None
+        self.bptrs = self._addresses(self.buf) if self.buf is not None else None
 
     def _new_buffer(self) -> Tensor:
         return torch.empty(max(self.total, 1), dtype=torch.uint8)
+
+    def _addresses(self, buf: Tensor) -> list[int]:
+        """Where each tensor's copy starts in ``buf``."""
+        base = buf.data_ptr()
+        return [base + o for o in self.offs]
 
 
 #: per model (weakly: the entry goes with the model) its :class:`_Plan`
@@ -353,9 +360,11 @@ class _PlanSnapshot:
 
     def __init__(self, plan: _Plan, tensors: list[Tensor]) -> None:
         self.plan, self.tensors = plan, tensors
-        self.buf = plan.buf if plan.buf is not None else plan._new_buffer()
-        base = self.buf.data_ptr()
-        self.bptrs = [base + o for o in plan.offs]
+        if plan.buf is not None:
+            self.buf, self.bptrs = plan.buf, plan.bptrs
+        else:
+            self.buf = plan._new_buffer()
+            self.bptrs = plan._addresses(self.buf)
         for dst, src, n in zip(self.bptrs, plan.ptrs, plan.sizes):
             if n:
                 _MEMMOVE(dst, src, n)
