@@ -58,7 +58,7 @@ TARGET = {"parameter-replaced": lambda m: m.lin.weight, "attribute-added": lambd
 def test_a_warm_plan_still_catches_a_write_after_a_change_between_steps(change):
     """A plan that kept the address it first saw for each tensor object (no fresh ``data_ptr``
     in the probe) compares the old storage after ``new-storage-via-data`` or
-    ``narrowed-same-address`` and misses the write (checked: with such a probe 10 tests of this
+    ``narrowed-same-address`` and misses the write (checked: with such a probe 11 tests of this
     file fail, these among them)."""
     torch.manual_seed(0)
     m = Base()
@@ -157,3 +157,25 @@ def test_a_state_the_plan_cannot_read_is_compared_as_before():
     with pytest.raises(PrivateBufferError, match="'t'"):
         with private_buffer_guard(m):
             m.t.data.add_(1.0)
+
+
+@pytest.mark.parametrize("flip", ["conj", "neg"])
+def test_a_view_that_reads_the_same_bytes_differently_is_seen(flip):
+    """A conjugate or negative view has the same address, shape, strides, dtype and bytes, but
+    other values: the probe holds both bits (without them the warm plan passed these swaps)."""
+    m = Base()
+    if flip == "conj":
+        m.register_buffer("c", torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+        swap = lambda: setattr(m.c, "data", m.c.data.conj())  # noqa: E731
+        target = lambda: m.c  # noqa: E731
+    else:
+        with torch.no_grad():
+            m.stat.copy_(torch.arange(4.0) + 1)
+        swap = lambda: setattr(m.stat, "data", torch._neg_view(m.stat.data))  # noqa: E731
+        target = lambda: m.stat  # noqa: E731
+    before = target().detach().clone().resolve_conj().resolve_neg()
+    _clean_steps(m)
+    with pytest.raises(PrivateBufferError):
+        with private_buffer_guard(m):
+            swap()
+    assert torch.equal(target().detach().resolve_conj().resolve_neg(), before)

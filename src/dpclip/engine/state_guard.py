@@ -262,12 +262,12 @@ _KEEP_BUFFER_BYTES = 64 * 2 ** 20
 
 
 def _probe(tensors: list[Tensor]) -> list[tuple] | None:
-    """Per tensor ``(type, data_ptr, shape, stride, dtype, is_cpu, is_neg)``: where the bytes
-    of a contiguous CPU tensor lie and how they are read (``None`` when a tensor has no address:
-    sparse, MKL-DNN, ...)."""
+    """Per tensor ``(type, data_ptr, shape, stride, dtype, is_cpu, is_neg, is_conj)``: where the
+    bytes of a contiguous CPU tensor lie and how they are read (``None`` when a tensor has no
+    address: sparse, MKL-DNN, ...)."""
     try:
-        return [(type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg())
-                for t in tensors]
+        return [(type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg(),
+                 t.is_conj()) for t in tensors]
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         return None
 
@@ -284,27 +284,27 @@ class _Plan:
     """What the guard keeps per model between steps (:data:`_PLANS`) on the CPU fast path: the
     probe (:func:`_probe`) of the state tensors, their addresses and sizes, and a copy buffer.
 
-    A plan is used only for tensors whose fresh probe equals ``probe``, position by position. It
-    holds a detached alias of every tensor it was made for (``keep``): each original storage
-    stays allocated, so no other storage can be given its addresses, and an equal ``data_ptr``
-    (with equal shape, strides and dtype) means the same bytes. A tensor replaced by another one
-    (a new parameter, ``p.data = ...``, ``set_``, a resize) has another address, or another
-    shape, stride, dtype or type: the probe differs and the plan is rebuilt. The plan holds no
-    module and no state tensor object (only storages): it never keeps the model alive.
+    A plan is used only for tensors whose fresh probe equals ``probe``, position by position:
+    the tensor now at position ``i`` is then an exact Tensor/Parameter, contiguous (the plan's
+    strides are), on the CPU, without negative or conjugate bit, and its elements are exactly
+    the ``sizes[i]`` bytes at ``ptrs[i]``, read as ``dtype``; those bytes are what is copied
+    and compared, whatever object holds them (a tensor replaced between steps, ``p.data =
+    ...``, ``set_``, a resize: another address, shape, stride, dtype or type, the probe differs
+    and the plan is made anew; the same address and layout: the same bytes). The probe is taken
+    fresh at the guard's entry and again at its exit. The plan holds no module, tensor or
+    storage: it never keeps the model or its memory alive.
     ``lock``: one guard at a time uses the buffer (a nested or concurrent guard on the same
     model snapshots without the plan). ``ok`` is False for a state the fast path cannot read
     (the probe is kept so that the next step need not look again)."""
 
-    __slots__ = ("probe", "ok", "keep", "ptrs", "sizes", "offs", "total", "buf", "bptrs",
-                 "lock")
+    __slots__ = ("probe", "ok", "ptrs", "sizes", "offs", "total", "buf", "bptrs", "lock")
 
     def __init__(self, tensors: list[Tensor], probe: list[tuple]) -> None:
         self.probe = probe
         self.ok = all(map(_fast_ok, tensors))
         self.lock = threading.Lock()
-        self.keep = [t.detach() for t in tensors] if self.ok else []
         self.ptrs = [p[1] for p in probe]
-        self.sizes = [t.numel() * t.element_size() for t in self.keep]
+        self.sizes = [t.numel() * t.element_size() for t in tensors] if self.ok else []
         self.offs, off = [], 0
         for n in self.sizes:
             self.offs.append(off)
@@ -381,11 +381,11 @@ class _PlanSnapshot:
     def _orig(self, i: int) -> Tensor:
         """Tensor ``i`` as it was (a new tensor, its original shape and dtype)."""
         o, n = self.plan.offs[i], self.plan.sizes[i]
-        _, _, shape, _, dtype, _, _ = self.plan.probe[i]
+        shape, dtype = self.plan.probe[i][2], self.plan.probe[i][4]
         return self.buf[o:o + n].clone().view(dtype).view(shape)
 
     def _same(self, i: int, t: Tensor) -> bool:
-        _, _, shape, _, dtype, _, _ = self.plan.probe[i]
+        shape, dtype = self.plan.probe[i][2], self.plan.probe[i][4]
         try:
             if (t.shape, t.dtype, t.device.type) != (shape, dtype, "cpu"):
                 return False
