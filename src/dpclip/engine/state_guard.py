@@ -21,11 +21,18 @@ and on its ``detach()`` / view aliases, but NOT by writes through ``t.data`` (a 
 fooled, so the guard compares bytes (``NaN`` equals itself, ``-0.0`` differs from ``0.0``).
 
 Cost: one walk of the module tree before and after (no generators, no name strings unless
-something changed: the walk records, per module, the keys and object ids of its tables), and per
-(device, dtype) one concatenated byte copy of the state before; after the block, a small state
-(up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger one is
-compared tensor by tensor against the copy (no second copy). Tensors that cannot be viewed as
-bytes (sparse, quantized) are cloned and compared one by one.
+something changed: the walk records, per module, the keys and object ids of its tables), then the
+bytes. On the CPU, when every state tensor is an exact Tensor/Parameter, contiguous, without
+conjugate or negative bit (the usual model), the guard keeps per model a plan
+(:class:`_Plan`: each tensor's address, shape, strides and dtype, and a copy buffer of the
+state's size) and copies the bytes into that buffer with ``memmove`` before the block and
+compares them with ``memcmp`` after it; the plan is reused only while a fresh probe of every
+tensor, taken at entry and again at exit, equals it (anything that moved, was replaced or is
+read differently makes it anew, or sends the comparison through the slow path below). Otherwise,
+per (device, dtype) one concatenated byte copy of the state before; after the block, a small
+state (up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger
+one is compared tensor by tensor against the copy (no second copy). Tensors that cannot be
+viewed as bytes (sparse, quantized) are cloned and compared one by one.
 
 What it cannot see: tensors kept outside the model (a global, a closure of the loss function) or in
 Python containers (a list attribute); the ghost engine's tracer refuses those when they are read in
