@@ -21,11 +21,18 @@ and on its ``detach()`` / view aliases, but NOT by writes through ``t.data`` (a 
 fooled, so the guard compares bytes (``NaN`` equals itself, ``-0.0`` differs from ``0.0``).
 
 Cost: one walk of the module tree before and after (no generators, no name strings unless
-something changed: the walk records, per module, the keys and object ids of its tables), and per
-(device, dtype) one concatenated byte copy of the state before; after the block, a small state
-(up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger one is
-compared tensor by tensor against the copy (no second copy). Tensors that cannot be viewed as
-bytes (sparse, quantized) are cloned and compared one by one.
+something changed: the walk records, per module, the keys and object ids of its tables), then the
+bytes. On the CPU, when every state tensor is an exact Tensor/Parameter, contiguous, without
+conjugate or negative bit (the usual model), the guard keeps per model a plan
+(:class:`_Plan`: each tensor's address, shape, strides and dtype, and a copy buffer of the
+state's size) and copies the bytes into that buffer with ``memmove`` before the block and
+compares them with ``memcmp`` after it; the plan is reused only while a fresh probe of every
+tensor, taken at entry and again at exit, equals it (anything that moved, was replaced or is
+read differently makes it anew, or sends the comparison through the slow path below). Otherwise,
+per (device, dtype) one concatenated byte copy of the state before; after the block, a small
+state (up to :data:`_ONE_COPY_BYTES`) is concatenated again and compared in one call, a larger
+one is compared tensor by tensor against the copy (no second copy). Tensors that cannot be
+viewed as bytes (sparse, quantized) are cloned and compared one by one.
 
 What it cannot see: tensors kept outside the model (a global, a closure of the loss function) or in
 Python containers (a list attribute); the ghost engine's tracer refuses those when they are read in
@@ -37,6 +44,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
+import sys
+import threading
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -230,6 +242,177 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
         return False
 
 
+def _libc_memcmp():
+    """libc's ``memcmp`` through ctypes (``None`` where it cannot be loaded: the CPU fast path
+    is then off and every state is compared as :class:`_Snapshot` does)."""
+    try:
+        lib = ctypes.cdll.msvcrt if sys.platform == "win32" else \
+            ctypes.CDLL(ctypes.util.find_library("c"))
+        fn = lib.memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MEMCMP = _libc_memcmp()
+_MEMMOVE = ctypes.memmove
+
+#: the tensor types the CPU fast path reads by address (exact types: a subclass may override
+#: ``data_ptr``, ``shape`` or ``stride`` through ``__torch_function__``)
+_FAST_TYPES = (Tensor, nn.Parameter)
+
+#: the largest state (bytes) whose copy buffer a model's plan keeps between steps; a larger state
+#: gets a new buffer every step (the copy then costs far more than the allocation)
+_KEEP_BUFFER_BYTES = 64 * 2 ** 20
+
+
+def _probe(tensors: list[Tensor]) -> list[tuple] | None:
+    """Per tensor ``(type, data_ptr, shape, stride, dtype, is_cpu, is_neg, is_conj)``: where the
+    bytes of a contiguous CPU tensor lie and how they are read (``None`` when a tensor has no
+    address: sparse, MKL-DNN, ...)."""
+    try:
+        return [(type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg(),
+                 t.is_conj()) for t in tensors]
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _fast_ok(t: Tensor) -> bool:
+    """Whether ``t``'s bytes are the ``numel * element_size`` bytes at ``t.data_ptr()``, read as
+    plain values: an exact Tensor/Parameter, dense and contiguous on the CPU, no conjugate or
+    negative bit, not quantized."""
+    return (type(t) in _FAST_TYPES and t.is_cpu and t.layout is torch.strided
+            and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.is_contiguous())
+
+
+class _Plan:
+    """What the guard keeps per model between steps (:data:`_PLANS`) on the CPU fast path: the
+    probe (:func:`_probe`) of the state tensors, their addresses and sizes, and a copy buffer.
+
+    A plan is used only for tensors whose fresh probe equals ``probe``, position by position:
+    the tensor now at position ``i`` is then an exact Tensor/Parameter, contiguous (the plan's
+    strides are), on the CPU, without negative or conjugate bit, and its elements are exactly
+    the ``sizes[i]`` bytes at ``ptrs[i]``, read as ``dtype``; those bytes are what is copied
+    and compared, whatever object holds them (a tensor replaced between steps, ``p.data =
+    ...``, ``set_``, a resize: another address, shape, stride, dtype or type, the probe differs
+    and the plan is made anew; the same address and layout: the same bytes). The probe is taken
+    fresh at the guard's entry and again at its exit. The plan holds no module, tensor or
+    storage: it never keeps the model or its memory alive.
+    ``lock``: one guard at a time uses the buffer (a nested or concurrent guard on the same
+    model snapshots without the plan). ``ok`` is False for a state the fast path cannot read
+    (the probe is kept so that the next step need not look again)."""
+
+    __slots__ = ("probe", "ok", "ptrs", "sizes", "offs", "total", "buf", "bptrs", "lock")
+
+    def __init__(self, tensors: list[Tensor], probe: list[tuple]) -> None:
+        self.probe = probe
+        self.ok = all(map(_fast_ok, tensors))
+        self.lock = threading.Lock()
+        self.ptrs = [p[1] for p in probe]
+        self.sizes = [t.numel() * t.element_size() for t in tensors] if self.ok else []
+        self.offs, off = [], 0
+        for n in self.sizes:
+            self.offs.append(off)
+            off += n
+        self.total = off
+        self.buf = self._new_buffer() if self.ok and off <= _KEEP_BUFFER_BYTES else None
+        self.bptrs = self._addresses(self.buf) if self.buf is not None else None
+
+    def _new_buffer(self) -> Tensor:
+        return torch.empty(max(self.total, 1), dtype=torch.uint8)
+
+    def _addresses(self, buf: Tensor) -> list[int]:
+        """Where each tensor's copy starts in ``buf``."""
+        base = buf.data_ptr()
+        return [base + o for o in self.offs]
+
+
+#: per model (weakly: the entry goes with the model) its :class:`_Plan`
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+
+
+def _plan_for(model: nn.Module, tensors: list[Tensor]) -> _Plan | None:
+    """The model's plan, made anew unless the cached one's probe equals ``tensors``' probe, and
+    locked for this guard; ``None`` (compare as :class:`_Snapshot`) without memcmp, for a state
+    the fast path cannot read, an unhashable model or a plan in use."""
+    if _MEMCMP is None:
+        return None
+    probe = _probe(tensors)
+    if probe is None:
+        return None
+    try:
+        plan = _PLANS.get(model)
+    except TypeError:  # a module class that is not hashable or not weakly referenceable
+        return None
+    if plan is None or plan.probe != probe:
+        plan = _Plan(tensors, probe)
+        try:
+            _PLANS[model] = plan
+        except TypeError:
+            pass
+    if not plan.ok or not plan.lock.acquire(blocking=False):
+        return None
+    return plan
+
+
+class _PlanSnapshot:
+    """:class:`_Snapshot`'s interface on a :class:`_Plan`: the state's bytes copied with
+    ``memmove`` into the plan's buffer, compared with ``memcmp`` (bitwise: NaN equals itself,
+    ``-0.0`` differs from ``0.0``), after a fresh probe equal to the plan's (the tensors still at
+    the same addresses, read the same way). Anything else (a probe that differs, bytes that
+    differ) goes tensor by tensor through :meth:`changed`'s slow path, which compares values as
+    they are now (whatever the tensor's layout) against the saved bytes."""
+
+    def __init__(self, plan: _Plan, tensors: list[Tensor]) -> None:
+        self.plan, self.tensors = plan, tensors
+        if plan.buf is not None:
+            self.buf, self.bptrs = plan.buf, plan.bptrs
+        else:
+            self.buf = plan._new_buffer()
+            self.bptrs = plan._addresses(self.buf)
+        for dst, src, n in zip(self.bptrs, plan.ptrs, plan.sizes):
+            if n:
+                _MEMMOVE(dst, src, n)
+
+    def changed(self) -> list[int]:
+        """Indices of the tensors whose type, shape, dtype, device or bytes differ from the
+        snapshot."""
+        plan = self.plan
+        if _probe(self.tensors) == plan.probe and not any(
+                n and _MEMCMP(a, b, n) for a, b, n in zip(plan.ptrs, self.bptrs, plan.sizes)):
+            return []
+        return [i for i, t in enumerate(self.tensors) if not self._same(i, t)]
+
+    def _orig(self, i: int) -> Tensor:
+        """Tensor ``i`` as it was (a new tensor, its original shape and dtype)."""
+        o, n = self.plan.offs[i], self.plan.sizes[i]
+        shape, dtype = self.plan.probe[i][2], self.plan.probe[i][4]
+        return self.buf[o:o + n].clone().view(dtype).view(shape)
+
+    def _same(self, i: int, t: Tensor) -> bool:
+        shape, dtype = self.plan.probe[i][2], self.plan.probe[i][4]
+        try:
+            if (t.shape, t.dtype, t.device.type) != (shape, dtype, "cpu"):
+                return False
+            now = t.detach().resolve_neg().resolve_conj().reshape(-1).view(torch.uint8)
+            o, n = self.plan.offs[i], self.plan.sizes[i]
+            return bool(torch.equal(now, self.buf[o:o + n]))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+
+    def restore(self, i: int) -> None:
+        """Put tensor ``i``'s original shape, dtype and bytes back (the object stays the same)."""
+        t, orig = self.tensors[i], self._orig(i)
+        with torch.no_grad():
+            if (t.shape, t.dtype, t.device) == (orig.shape, orig.dtype, orig.device) and \
+                    t.layout is torch.strided:
+                t.detach().copy_(orig)
+            else:
+                t.data = orig
+
+
 def _table(mod: nn.Module, kind: str) -> dict:
     if kind == _ATTR:
         return mod.__dict__
@@ -268,26 +451,50 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     with torch.no_grad():
         sig, recs = _tree(model)
         tensors = _state_tensors(recs)
-        snap = _Snapshot(tensors)
+        plan = _plan_for(model, tensors)
+        try:
+            snap = _Snapshot(tensors) if plan is None else _PlanSnapshot(plan, tensors)
+        except BaseException:
+            if plan is not None:
+                plan.lock.release()
+            raise
     try:
         yield
     finally:
-        with torch.no_grad():
-            changed: list[tuple[str, str]] = []
-            before: tuple[list, list] | None = None
-            if _tree(model, False)[0] != sig:
-                before = _entries(recs)
-                changed = _repair(before, _walk(model))
-            bad = snap.changed()
-            if bad:
-                before = before or _entries(recs)
-                names: dict[int, tuple[str, str]] = {}
-                for s, (mname, _, o) in zip(*before):
-                    if s[1] != _CHILD:
-                        names.setdefault(id(o), (s[1], f"{mname}.{s[2]}" if mname else s[2]))
-                for i in bad:
-                    snap.restore(i)
-                    changed.append(names[id(tensors[i])])
+        try:
+            changed = _check(model, sig, recs, tensors, snap)
+        finally:
+            if plan is not None:
+                plan.lock.release()
+    if changed:
+        _refuse(changed, where)
+
+
+def _check(model: nn.Module, sig: list[tuple], recs: list[tuple], tensors: list[Tensor],
+           snap: "_Snapshot | _PlanSnapshot") -> list[tuple[str, str]]:
+    """After the block: repair the tree's structure and restore the tensors that changed (see
+    :func:`state_guard`); the (kind, name) of what changed."""
+    with torch.no_grad():
+        changed: list[tuple[str, str]] = []
+        before: tuple[list, list] | None = None
+        if _tree(model, False)[0] != sig:
+            before = _entries(recs)
+            changed = _repair(before, _walk(model))
+        bad = snap.changed()
+        if bad:
+            before = before or _entries(recs)
+            names: dict[int, tuple[str, str]] = {}
+            for s, (mname, _, o) in zip(*before):
+                if s[1] != _CHILD:
+                    names.setdefault(id(o), (s[1], f"{mname}.{s[2]}" if mname else s[2]))
+            for i in bad:
+                snap.restore(i)
+                changed.append(names[id(tensors[i])])
+    return changed
+
+
+def _refuse(changed: list[tuple[str, str]], where: str) -> None:
+    """Raise the guard's error naming what ``changed``."""
     if changed:
         seen: dict[str, str] = {}
         for kind, n in changed:

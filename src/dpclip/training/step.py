@@ -19,11 +19,10 @@ noisy sum is divided by the expected batch size as always and mapped back by
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +34,7 @@ from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
+from dpclip.engine.state_guard import state_guard
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
 from dpclip.training.release import Released, release
@@ -53,8 +53,7 @@ __all__ = [
 ]
 
 
-@contextlib.contextmanager
-def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
+def private_buffer_guard(model: nn.Module, where: str = "dp_step") -> ContextManager[None]:
     """Refuse any change of the model's state made while private data flows through ``model``:
     every buffer (running statistics of InstanceNorm / BatchNorm with ``track_running_stats=True``,
     counters, caches), every parameter's data (trainable or not: a ``nn.Parameter(requires_grad=
@@ -65,10 +64,7 @@ def private_buffer_guard(model: nn.Module, where: str = "dp_step"):
     (:func:`dpclip.engine.state_guard.state_guard`, docs/errors.md entry 79). Buffers that a
     context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
     pass. Nothing leaves: the model is as it was before the block."""
-    from dpclip.engine.state_guard import state_guard
-
-    with state_guard(model, where):
-        yield
+    return state_guard(model, where)
 
 
 @dataclass
