@@ -23,18 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 OUT = Path(__file__).resolve().parent / "results"
-
-
-def _mlp_case(batch: int):
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(14, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 2))
-    x = torch.randn(batch, 14, generator=g)
-    y = torch.randint(0, 2, (batch,), generator=g)
-    return model, x, y, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none")
 
 
 class _NoWatch:
@@ -78,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hf_models as hf
+    from auto_probe_cost import _mlp_case  # (the bench MLP, a user loss)
     from memory_watch_cost import _commit
     from dpclip.engine import GhostEngine, ParamGroups, ghost, ghost_forward
 
