@@ -15,14 +15,7 @@ from torch import Tensor, nn
 
 import dpclip.engine.state_guard as sg
 from dpclip.training.step import PrivateBufferError, private_buffer_guard
-
-
-class Base(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.register_buffer("stat", torch.zeros(4))
-        self.frozen = nn.Parameter(torch.zeros(4), requires_grad=False)
+from tests.core.test_state_guard import Base  # (a buffer, a frozen parameter, a Linear)
 
 
 def _clean_steps(m: nn.Module, n: int = 2) -> None:

@@ -30,6 +30,19 @@ def _rewrite(out: Tensor) -> None:
         out.add_(5 * out.mean(0))
 
 
+def _rewrite_a_view(out: Tensor) -> None:
+    """Through a view of the output (the tracer keys the rewrite by storage)."""
+    with torch.no_grad():
+        out[:, :3].add_(5 * out[:, :3].mean(0))
+
+
+def _rewrite_then_scale(out: Tensor) -> None:
+    """A second in-place write after the mixing one (the rewrite stays recorded)."""
+    with torch.no_grad():
+        out.add_(5 * out.mean(0))
+        out.mul_(1.0)
+
+
 def _c_hook(out: Tensor) -> None:
     """A hook no Python code can list, attached to the output's node (the fourth pass's
     attack), rolling the gradient's rows over the batch."""
@@ -61,7 +74,8 @@ def _first_linear_return(act):
 
 
 @pytest.mark.parametrize("how", ["settrace", "setprofile"])
-@pytest.mark.parametrize("act", [_rewrite, _c_hook], ids=["rewrite", "c-hook"])
+@pytest.mark.parametrize("act", [_rewrite, _rewrite_a_view, _rewrite_then_scale, _c_hook],
+                         ids=["rewrite", "rewrite-a-view", "rewrite-then-scale", "c-hook"])
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
 def test_callback_inside_a_known_chain_never_exceeds_c(engine, act, how):
     torch.manual_seed(0)
