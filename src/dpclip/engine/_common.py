@@ -27,6 +27,7 @@ from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = [
+    "StepWeights",
     "ChunkReducer",
     "MaterializingEngine",
     "apply_weight_fn",
@@ -79,6 +80,22 @@ def check_weight_fn(weight_fn: WeightFn | None, engine: str) -> WeightFn:
             "bound-based strategies and batch clipping."
         )
     return weight_fn
+
+
+class StepWeights:
+    """A strategy's weight function as :func:`dpclip.training.step.dp_step` hands it to an engine
+    that guards the model's state itself (``GhostEngine`` and ``AutoEngine``: the state guard of
+    :mod:`dpclip.engine.state_guard` is then entered by the engine, which knows whether any user
+    code runs in the step). ``closed``: the strategy's weight function runs no user code
+    (``dp_step``'s ``_closed_weights``)."""
+
+    __slots__ = ("fn", "closed")
+
+    def __init__(self, fn: WeightFn, closed: bool) -> None:
+        self.fn, self.closed = fn, bool(closed)
+
+    def __call__(self, norms: Tensor) -> Tensor:
+        return self.fn(norms)
 
 
 def check_per_example_model(model: nn.Module, engine: str) -> None:

@@ -111,6 +111,7 @@ weighted sum of a chunk: ``_GroupNorms``, ``_weighted_sums``) and :class:`AutoEn
 """
 
 from __future__ import annotations
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.engine._common import (
     ChunkReducer,
+    StepWeights,
     _Rounding,
     apply_weight_fn,
     batch_chunks,
@@ -163,8 +165,11 @@ from dpclip.engine.ghost_rules import (
     _sq,
 )
 from dpclip.engine.hook_free import hook_free_grad
+from dpclip.engine.library_code import library_changed
+from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _CarriesAcrossCalls,
+    _closed_chain,
     _NotTheProvedProgram,
     _RuntimeUnsupported,
     _batched_rank,
@@ -243,6 +248,16 @@ def _scan(model: nn.Module) -> _Scan:
             reasons.append(f"{where!r} ({type(mod).__name__}: {why})")
             continue
         owners.append(_Owner(where, mod, rule, tuple(roles), tuple(pnames)))
+    # a ruled layer's output is its own per-example result only while what its forward looks
+    # up by name is torch's own (a replaced F.linear runs inside it untraced)
+    ruled = {type(o.module) for o in owners if o.rule is not _MODULE}
+    if ruled and library_changed(ruled) is not None:
+        for o in owners:
+            why = library_changed((type(o.module),)) if o.rule is not _MODULE else None
+            if why:
+                reasons.append(f"{o.name!r} ({type(o.module).__name__}: {why})")
+        owners = [o for o in owners if o.rule is _MODULE or not library_changed(
+            (type(o.module),))]
     return _Scan(params, tuple(owners), tuple(reasons), batchnorm,
                  {id(o.module): o for o in owners}, by_param,
                  tuple(o.name for o in owners if o.rule is _MODULE))
@@ -498,6 +513,23 @@ class GhostEngine:
             groups.validate(model)  # raises, naming the missing / unknown / repeated names
         if scan.reasons:
             raise _Refused("unsupported layer(s): " + "; ".join(scan.reasons))
+        # dp_step's weight function: this engine guards the model's state itself, except in a
+        # closed program (known modules, a known loss, a strategy of dpclip's own: no user code
+        # runs in the step, so none can write private data into the model's state)
+        step = type(weight_fn) is StepWeights
+        chain = _closed_chain(model, scan, loss_fn, inputs, targets) \
+            if step and weight_fn.closed else None  # type: ignore[union-attr]
+        with state_guard(model, "dp_step") if step and chain is None \
+                else contextlib.nullcontext():
+            return self._guarded(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
+                                 chain)
+
+    def _guarded(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                 weight_fn: WeightFn, groups: ParamGroups, batch: int, scan: Any,
+                 chain: list[nn.Module] | None) -> EngineResult:
+        """:meth:`_run` after the static checks; ``chain``: a closed program's known chain
+        (checked once for the step: nothing else runs between its chunks)."""
+        params = scan.params
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
             with torch.no_grad():
@@ -511,7 +543,7 @@ class GhostEngine:
         try:
             for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
                 part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn)
+                    model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn, chain)
                 if sums is None:
                     sums = part
                 else:
@@ -553,10 +585,16 @@ class GhostEngine:
         the whole private batch, and what it kept there ``vmap`` would read)."""
         verdict = _verdict_of(model)
         if verdict is None:
-            verdict = self._probe(model, loss_fn, inputs, targets, groups)
+            # (dp_step's: the probe runs the model's code too; its state is guarded as the step's)
+            with state_guard(model, "dp_step") if type(weight_fn) is StepWeights \
+                    else contextlib.nullcontext():
+                verdict = self._probe(model, loss_fn, inputs, targets, groups)
             _keep_verdict(model, verdict)
         if verdict.reason is not None:
-            return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups, verdict.reason)
+            with state_guard(model, "dp_step") if type(weight_fn) is StepWeights \
+                    else contextlib.nullcontext():
+                return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups,
+                                  verdict.reason)
         try:
             return self._run(model, loss_fn, inputs, targets, weight_fn, groups)
         except _Refused as exc:
@@ -637,9 +675,10 @@ class GhostEngine:
         ys: Any,
         batch: int,
         weight_fn: WeightFn,
+        chain: list[nn.Module] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
-        calls, total, user_code = _forward(model, scan, loss_fn, xs, ys, batch)
+        calls, total, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain)
         left = ambient_user_code()  # (a chunk of one too: dpclip.engine.one_example)
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)

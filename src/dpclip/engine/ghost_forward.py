@@ -27,6 +27,7 @@ from dpclip.engine.batchless import (
 from dpclip.engine.one_example import OneExampleWatch, quiet_one
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
 from dpclip.engine.saved_check import fingerprint
+from dpclip.engine.library_code import library_changed
 from dpclip.engine.known_losses import known_loss, known_loss_fn
 from dpclip.engine.plain_module import (
     ambient_user_code,
@@ -148,13 +149,15 @@ def _printed(c: _Call) -> _Call:
 
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
-             ys: Any, batch: int) -> tuple[list[_Call], Tensor, bool]:
+             ys: Any, batch: int, chain: list[nn.Module] | None = None
+             ) -> tuple[list[_Call], Tensor, bool]:
     """The hooked forward pass: ``(calls, sum of the per-example losses, user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
     (:func:`_run_known_program`): no user code ran between the creation of its autograd nodes and
     the engine's backward, so none could attach a hook to them (the backward may then run on
-    autograd's own engine; :mod:`dpclip.engine.hook_free`)."""
+    autograd's own engine; :mod:`dpclip.engine.hook_free`). ``chain``: the step's closed
+    program (:func:`_closed_chain`), checked once for all its chunks."""
     # a batch of one example cannot mix examples, but it can carry its example into later calls
     # (dpclip.engine.one_example); otherwise every operation is traced, and the batch size,
     # private, must be used only as the leading dimension (proved once per signature with a
@@ -169,7 +172,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             "separability proof cannot see. Leave the context before the step "
             "(torch.device(...) is allowed), or use engine 'vmap'")
     if batch > 1:
-        known = _run_known_program(model, scan, loss_fn, xs, ys, batch)
+        known = _run_known_program(model, scan, loss_fn, xs, ys, batch, chain)
         if known is not None:  # proved by the modules' and the loss's semantics: no trace
             return (*known, False)
         # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
@@ -580,7 +583,8 @@ def _known_chain(chain: list[nn.Module]) -> bool:
         if type(mod) not in _KNOWN_MODULES or not plain_instance(mod) \
                 or _KNOWN_FORWARD.get(type(mod)) is not type(mod).forward:
             return False
-    return True
+    # what their forwards look up by name (F.linear, torch.tanh) is torch's own too
+    return library_changed({type(mod) for mod in chain}) is None
 
 
 def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs: Tensor,
@@ -607,7 +611,8 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
 
 
 def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, ys: Any,
-                       batch: int) -> tuple[list[_Call], Tensor] | None:
+                       batch: int, chain: list[nn.Module] | None = None
+                       ) -> tuple[list[_Call], Tensor] | None:
     """``(calls, sum of the per-example losses)`` of a program proved per-example separable by
     semantics alone, without a trace and without the batch-size proof: a plain chain of known
     modules (:func:`_run_known_chain`, its run-time checks included) on a plain tensor, then a
@@ -615,11 +620,12 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
     an exact ``nn.CrossEntropyLoss(reduction='none')`` on ``(B, C)`` logits). No user code runs in
     it, and no part of it reads the batch size as a value. ``None``: not such a program (the
     caller traces it as before; the chain may then run a second time)."""
-    if type(xs) is not Tensor or not known_loss_fn(loss_fn):
-        return None
-    chain = _plain_chain(model, scan.by_module)
-    if chain is None or not _known_chain(chain):
-        return None
+    if chain is None:  # (given: the step's closed program, checked by _closed_chain)
+        if type(xs) is not Tensor or not known_loss_fn(loss_fn):
+            return None
+        chain = _plain_chain(model, scan.by_module)
+        if chain is None or not _known_chain(chain):
+            return None
     got = _run_known_chain(chain, scan.by_module, xs, batch)
     if got is None or not known_loss(loss_fn, got[1], ys, batch):
         return None
@@ -632,6 +638,23 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
         tracer.mark(t, (0, 1))
     tracer.retire()
     return calls, losses.sum()
+
+
+def _closed_chain(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
+                  ys: Any) -> list[nn.Module] | None:
+    """The chain of a closed program, or None: plain tensors in, a known loss, and a plain
+    chain of known modules (:func:`_run_known_program`'s conditions, :func:`_known_chain`'s
+    included: no global hooks, modes, saved-tensor hooks or interpreter callbacks, and what the
+    modules' forwards look up is torch's own). With a strategy of dpclip's own (the caller's
+    ``StepWeights.closed``) no user code runs anywhere in the step: the engine then skips the
+    state guard (nothing but torch's modules and dpclip's code could write the model's state,
+    and none of them does) and checks the chain once for all chunks."""
+    if type(xs) is not Tensor or type(ys) is not Tensor or not known_loss_fn(loss_fn):
+        return None
+    chain = _plain_chain(model, scan.by_module)
+    if chain is None or not _known_chain(chain):
+        return None
+    return chain
 
 
 #: separability layouts of plain chains of built-in modules, by :func:`_chain_key`: ``(layouts of
@@ -671,6 +694,8 @@ def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
                 return None
             conf.append((k, v))
         parts.append((cls, tuple(conf)))
+    if library_changed({type(mod) for mod in chain}) is not None:  # (a replaced F.linear, ...)
+        return None
     return tuple(parts)
 
 

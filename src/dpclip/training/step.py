@@ -29,7 +29,9 @@ from torch import Tensor, nn
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
-from dpclip.engine._common import check_per_example_model, trainable_params
+from dpclip.clipping.fixed import FixedClip
+from dpclip.engine._common import StepWeights, check_per_example_model, trainable_params
+from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
@@ -65,6 +67,22 @@ def private_buffer_guard(model: nn.Module, where: str = "dp_step") -> ContextMan
     context inside the block restores itself (``units.frozen_bn_buffers`` under batch clipping)
     pass. Nothing leaves: the model is as it was before the block."""
     return state_guard(model, where)
+
+
+#: the engines (exact classes) that enter the state guard themselves when dp_step hands them a
+#: :class:`~dpclip.engine._common.StepWeights`
+_SELF_GUARDING = (GhostEngine, AutoEngine)
+_FIXED_WEIGHTS = FixedClip.weights
+
+
+def _closed_weights(strategy: ClippingStrategy) -> bool:
+    """Whether ``strategy.weights`` runs no user code: exactly dpclip's ``FixedClip`` with its own
+    ``weights`` (it reads only ``clip_norm``) and a plain ``clip_norm``; nothing else on the
+    instance. Other strategies keep the state guard (a subclass, a patched method, or a value
+    whose type has user methods could run user code with the norms)."""
+    return (type(strategy) is FixedClip and FixedClip.weights is _FIXED_WEIGHTS
+            and type(vars(strategy)) is dict and set(vars(strategy)) == {"clip_norm"}
+            and type(strategy.clip_norm) in (float, int))
 
 
 @dataclass
@@ -148,12 +166,18 @@ def dp_step(
         denom = expected_units(unit, sampler)  # type: ignore[arg-type]
         n_examples = int(inputs.shape[0] * inputs.shape[1]) if inputs.dim() > 1 else 0
     else:
-        with private_buffer_guard(model):
-            if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
-                result = transformed_sum(
-                    engine, strategy, state, model, loss_fn, inputs, targets, groups)
-            else:
-                result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
+        if not per_example and type(engine) in _SELF_GUARDING:
+            # the engine enters the state guard itself (it skips it for a closed program: no
+            # user code in the step; dpclip.engine.ghost)
+            result = engine.compute(model, loss_fn, inputs, targets,
+                                    StepWeights(weight_fn, _closed_weights(strategy)), groups)
+        else:
+            with private_buffer_guard(model):
+                if per_example:  # P-GRAD (AdaClip): clip transformed per-example gradients
+                    result = transformed_sum(
+                        engine, strategy, state, model, loss_fn, inputs, targets, groups)
+                else:
+                    result = engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
         factor = sampler.sensitivity_factor
         denom = sampler.expected_batch_size
         n_examples = check_batch(inputs, targets, "dp_step")

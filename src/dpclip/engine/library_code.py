@@ -1,0 +1,355 @@
+"""Is the torch code that the ghost engine trusts without tracing still torch's own?
+
+The engine proves some of a model by the semantics of torch's modules, without tracing them: a
+plain chain of known modules (``ghost_forward._run_known_chain``), a chain whose layouts are
+cached (``ghost_forward._chain_key``), and every ruled layer (``nn.Linear``, ``nn.Conv2d``, ...),
+whose output the trace marks as the layer's own per-example result whatever ran inside it. Each
+of these checks that the module's class and its ``forward`` are torch's own. But ``forward`` runs
+more of torch's Python code, looked up by name when it runs: ``F.linear`` in
+``nn.Linear.forward``, ``torch.tanh`` in ``nn.Tanh.forward``, ``self._conv_forward`` and then
+``F.conv2d`` and ``F.pad`` in ``nn.Conv2d.forward``, ``input.dim`` on the tensor class. A library
+that replaces one of those names (a fake-quantization ``F.linear`` that scales activations by the
+batch's maximum, a fused kernel patched into ``torch.nn.functional``) runs its code inside the
+proved layer, untraced: a replaced ``F.linear`` that adds the batch mean to every row was
+accepted with a leave-one-out distance of 2.25 C (tests/engine/test_library_code.py).
+
+:func:`library_changed` answers, for a set of module classes, whether every name that their
+``forward`` (and the torch functions it reaches, :data:`_DEPTH` calls deep, and
+``nn.Module.__call__``) looks up still resolves to the object it resolved to when first seen, and
+whether that object was torch's own then (a Python function in torch's files, a builtin of torch's
+C modules under the name it is looked up by, a module of torch, a class, a Python builtin): a
+replacement made before dpclip first looked (the replaced object is not torch's own, or a torch
+builtin under another name) and one made after (another object) both answer "changed". The
+lookups of a class are found once, from the bytecode (``dis``): a global name, an attribute of
+what a global name gave (``F.linear``, ``torch._C._nn.linear``), an attribute of ``self`` that the
+class defines (``self._conv_forward``: a class-level patch), an attribute of a local that the
+tensor class defines (``input.dim``, ``input.flatten``: ``torch.Tensor.flatten = ...``) and the
+class's ``__getattr__`` (``self.weight``), and a closure cell; then checked on every call
+(identity only: about 0.1 us a name).
+
+What it does not cover: names looked up by torch's C++ code (none that a Python assignment can
+change), code more than :data:`_DEPTH` Python calls below a forward (torch's internals, which
+nothing but torch calls), and dpclip's own code (a user that patches dpclip's or torch's internals
+deliberately can do anything; this check is for libraries that patch torch's public functions)."""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import os
+import sys
+import types
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["library_changed"]
+
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+#: how many Python calls below a forward the lookups are followed
+_DEPTH = 3
+#: what the refusals tell the user to do
+_FIX = ("; the ghost engine proves this layer by torch's own code, untraced: restore the "
+        "original, or use engine 'vmap'")
+_LOAD_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
+_LOAD_ATTR = {"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"}
+_MISSING = object()
+_BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+                  types.MethodDescriptorType, types.MethodWrapperType,
+                  types.ClassMethodDescriptorType, types.GetSetDescriptorType,
+                  types.MemberDescriptorType)
+
+
+def _file_of(obj: Any) -> str | None:
+    code = getattr(obj, "__code__", None)
+    return os.path.realpath(code.co_filename) if code is not None else None
+
+
+#: the folders whose Python code counts as the library's own: torch's, and the package of a
+#: ruled layer whose forward is not torch's (transformers' Conv1D)
+_TRUSTED_DIRS = [_TORCH_DIR]
+
+
+def _torch_file(obj: Any) -> bool:
+    f = _file_of(obj)
+    return f is not None and f.startswith(tuple(_TRUSTED_DIRS))
+
+
+def _package_dir(fn: types.FunctionType) -> str | None:
+    """The folder of the top-level package that defines ``fn`` (None for a lone module)."""
+    top = sys.modules.get((fn.__module__ or "").split(".")[0])
+    path = getattr(top, "__path__", None)
+    return os.path.realpath(list(path)[0]) + os.sep if path else None
+
+
+def _own(name: str, obj: Any) -> bool:
+    """Whether ``obj``, found under ``name``, is torch's own (or Python's): see the module
+    docstring."""
+    if obj is _MISSING or obj is None or isinstance(obj, (bool, int, float, str, bytes, tuple,
+                                                           frozenset, dict, torch.dtype)):
+        return True
+    if isinstance(obj, type):
+        return True  # a class: what its methods do is looked up by name again
+    if isinstance(obj, types.ModuleType):
+        return _root_ok(obj.__name__)
+    if getattr(builtins, name, _MISSING) is obj:
+        return True
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+        # (a function wrapped by a standard decorator, contextlib.contextmanager: the wrapped one)
+        while not _torch_file(fn) and _stdlib_file(fn) and \
+                isinstance(getattr(fn, "__wrapped__", None), types.FunctionType):
+            fn = fn.__wrapped__
+        return _torch_file(fn) or _stdlib_file(fn)  # (the standard library's: not followed)
+    if isinstance(obj, (staticmethod, classmethod)):
+        return _own(name, obj.__func__)
+    if isinstance(obj, property):
+        return all(f is None or _own(name, f) for f in (obj.fget, obj.fset))
+    if isinstance(obj, _BUILTIN_TYPES):
+        # a builtin of torch's C modules under its own name (another torch builtin put under this
+        # name, F.linear = torch.add, is a replacement), or a method of a Python builtin type
+        owner = getattr(obj, "__self__", None)
+        mod = getattr(obj, "__module__", None) or getattr(
+            getattr(obj, "__objclass__", None), "__module__", None) or (
+            getattr(owner, "__name__", None) if isinstance(owner, types.ModuleType) else
+            type(owner).__module__ if owner is not None else None)
+        if not isinstance(mod, str):
+            return False
+        if mod.split(".")[0] != "torch":
+            return _root_ok(mod)
+        own_name = getattr(obj, "__name__", None)
+        return own_name is None or _plain_name(own_name) == _plain_name(name)
+    wrapped = getattr(obj, "__wrapped__", None)  # functools.lru_cache, ...
+    if wrapped is not None and _root_ok(type(obj).__module__) and \
+            type(obj).__module__.split(".")[0] != "torch":
+        return _own(name, wrapped)
+    if type(obj).__module__.split(".")[0] == "torch":  # an object of a torch class
+        return True
+    # data of the standard library (a typing.ParamSpec); a callable one (functools.partial of a
+    # replacement) is not torch's own
+    return not callable(obj) and _root_ok(type(obj).__module__)
+
+
+_STDLIB_DIR = os.path.dirname(os.path.realpath(os.__file__)) + os.sep
+
+
+def _stdlib_file(obj: Any) -> bool:
+    f = _file_of(obj)
+    return f is not None and f.startswith(_STDLIB_DIR) and "site-packages" not in f
+
+
+def _root_ok(module_name: str) -> bool:
+    """A module of torch's or of Python's standard library (by name)."""
+    root = module_name.split(".")[0]
+    return root == "torch" or root in sys.stdlib_module_names
+
+
+def _plain_name(name: str) -> str:
+    """``name`` without underscores, lower case: torch's aliases of its builtins
+    (``F.logsigmoid`` is ``torch._C._nn.log_sigmoid``, ``has_torch_function_unary`` is
+    ``torch._C._has_torch_function_unary``) have the same plain name."""
+    return name.replace("_", "").lower()
+
+
+def _code_objects(code: types.CodeType) -> Iterable[types.CodeType]:
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _code_objects(c)
+
+
+def _function(obj: Any) -> types.FunctionType | None:
+    """The Python function behind ``obj`` (a function, a method, a static or class method, a
+    property's getter), when it is torch's own code; else None (not followed)."""
+    if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+        obj = obj.__func__
+    elif isinstance(obj, property):
+        obj = obj.fget
+    return obj if isinstance(obj, types.FunctionType) and _torch_file(obj) else None
+
+
+class _Lookups:
+    """The ``(container, name, object)`` lookups of a set of functions (module docstring)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, str, Any, bool]] = []  # (container, name, object, is_dict)
+        self.seen: set[tuple[int, str]] = set()
+        self.done: set[types.CodeType] = set()
+        self.bad: str | None = None
+
+    def add(self, container: Any, name: str, obj: Any, is_dict: bool, where: str) -> None:
+        key = (id(container), name)
+        if key in self.seen or key in _WATCHED:
+            return
+        self.seen.add(key)
+        if isinstance(container, type):  # a class: the object its MRO holds (a classmethod,
+            obj = _static(container, name)  # not the bound method made anew on each lookup)
+        self.items.append((container, name, obj, is_dict))
+        if self.bad is None and not _own(name, obj):
+            self.bad = (f"{where}: {name!r} is {_describe(obj)}, not torch's own (a library "
+                        f"replaced it{_FIX})")
+
+    def follow(self, fn: types.FunctionType, cls: type | None, depth: int) -> None:
+        if fn.__code__ in self.done:
+            return
+        self.done.add(fn.__code__)
+        glb = fn.__globals__
+        where = f"{fn.__module__}.{fn.__qualname__}"
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        callees: list[tuple[Any, type | None]] = []
+        for code in _code_objects(fn.__code__):
+            cur: Any = _MISSING
+            local_self = False
+            for ins in dis.get_instructions(code):
+                op, arg = ins.opname, ins.argval
+                if op in _LOAD_GLOBAL and isinstance(arg, str):
+                    if arg in glb:
+                        cur = glb[arg]
+                        self.add(glb, arg, cur, True, where)
+                    else:
+                        cur = getattr(builtins, arg, _MISSING)
+                        self.add(glb, arg, _MISSING, True, where)
+                    callees.append((cur, None))
+                    local_self = False
+                elif op == "LOAD_DEREF" and arg in cells:
+                    try:
+                        cur = cells[arg].cell_contents
+                    except ValueError:
+                        cur = _MISSING
+                    self.add(cells[arg], "cell_contents", cur, False, where)
+                    callees.append((cur, None))
+                    local_self = False
+                elif op in _LOAD_ATTR and isinstance(arg, str):
+                    if cur is not _MISSING:
+                        nxt = getattr(cur, arg, _MISSING)
+                        if not isinstance(cur, (type, types.ModuleType)) and \
+                                getattr(cur, arg, _MISSING) is not nxt:
+                            # an instance's attribute made anew on each lookup (a bound method):
+                            # its class's
+                            nxt = getattr(type(cur), arg, _MISSING)
+                            self.add(type(cur), arg, nxt, False, where)
+                            callees.append((nxt, type(cur)))
+                            cur = _MISSING
+                            local_self = False
+                            continue
+                        self.add(cur, arg, nxt, False, where)
+                        callees.append((nxt, cur if isinstance(cur, type) else None))
+                        cur = nxt
+                    else:  # an attribute of a local: the module itself, or a tensor
+                        if local_self and cls is not None:
+                            got = getattr(cls, arg, _MISSING)
+                            if got is not _MISSING:
+                                self.add(cls, arg, got, False, where)
+                                callees.append((got, cls))
+                            else:  # an instance attribute, or Module.__getattr__ (parameters)
+                                self.add(cls, "__getattr__", getattr(cls, "__getattr__",
+                                                                     _MISSING), False, where)
+                        t = getattr(torch.Tensor, arg, _MISSING)
+                        if t is not _MISSING:
+                            self.add(torch.Tensor, arg, t, False, where)
+                            callees.append((t, None))
+                    local_self = False
+                else:
+                    local_self = op == "LOAD_FAST" and arg == "self"
+                    cur = _MISSING
+        if depth >= _DEPTH:
+            return
+        for obj, owner in callees:
+            f = _function(obj)
+            if f is not None:
+                self.follow(f, owner if owner is not None else cls, depth + 1)
+
+    def changed(self) -> str | None:
+        if self.bad is not None:
+            return self.bad
+        for container, name, obj, is_dict in self.items:
+            now = container.get(name, _MISSING) if is_dict else _static(container, name) \
+                if isinstance(container, type) else getattr(container, name, _MISSING)
+            if now is not obj:
+                return (f"{_describe(container)}.{name} was replaced after dpclip first "
+                        f"looked (now {_describe(now)}{_FIX})")
+        return None
+
+
+def _static(cls: type, name: str) -> Any:
+    """``name`` as the class ``cls`` holds it (``inspect.getattr_static`` for a class attribute:
+    the first class of the MRO whose ``__dict__`` has it; the metaclass is not consulted)."""
+    for c in cls.__mro__:
+        d = c.__dict__
+        if name in d:
+            return d[name]
+    return _MISSING
+
+
+def _watched() -> set[tuple[int, str]]:
+    """The hook registration doors that dpclip's own :class:`~dpclip.engine.hook_watch.HookWatch`
+    wraps while a traced step runs (``Tensor.register_hook``, ...): not compared here (the watch
+    refuses any registration through them, and outside a watch no user code runs in a proved
+    chain)."""
+    from dpclip.engine.hook_watch import _DOORS
+    return {(id(owner), name) for owner, name, _ in _DOORS}
+
+
+_WATCHED = _watched()
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, dict) and "__name__" in obj:
+        return f"module {obj['__name__']}"
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    mod = getattr(obj, "__module__", None)
+    return f"{mod}.{name}" if name and mod else type(obj).__name__
+
+
+#: per module class, its lookups (found the first time the class is asked about)
+_BY_CLASS: dict[type, _Lookups] = {}
+#: nn.Module.__call__'s own lookups (every module call runs them)
+_CALL: _Lookups | None = None
+
+
+def _lookups_of(cls: type) -> _Lookups:
+    got = _BY_CLASS.get(cls)
+    if got is None or got.bad is not None:  # (looked at again: a replacement may be undone)
+        got = _Lookups()
+        fwd = getattr(cls, "forward", None)
+        raw = fwd.__func__ if isinstance(fwd, types.MethodType) else fwd
+        if isinstance(raw, types.FunctionType) and not _torch_file(raw) and \
+                not _stdlib_file(raw):  # a ruled layer of another library (transformers)
+            pkg = _package_dir(raw)
+            if pkg is not None and pkg not in _TRUSTED_DIRS and "site-packages" in pkg:
+                _TRUSTED_DIRS.append(pkg)
+        f = _function(fwd)
+        if f is None:
+            got.bad = f"{cls.__qualname__}.forward is not torch's own code"
+        else:
+            got.follow(f, cls, 0)
+        _BY_CLASS[cls] = got
+    return got
+
+
+def library_changed(classes: Iterable[type]) -> str | None:
+    """None when every name that the ``forward`` of each class of ``classes`` (torch's
+    ``torch.nn`` classes: the caller checks that the forward is torch's own) and
+    ``nn.Module.__call__`` look up is still torch's own object (module docstring); else a
+    sentence naming the first replaced one."""
+    global _CALL
+    if _CALL is None or _CALL.bad is not None:
+        call = _Lookups()
+        for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl):
+            fn = _function(f)
+            if fn is not None:
+                call.follow(fn, nn.Module, _DEPTH - 1)
+        _CALL = call
+    why = _CALL.changed()
+    if why is not None:
+        return why
+    for cls in classes:
+        why = _lookups_of(cls).changed()
+        if why is not None:
+            return why
+    return None
