@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# MKL (inside torch's CPU wheel) picks its code path by CPU maker: an AMD and an Intel machine add
+# up a matrix product in different orders, and the bit-for-bit invariance tests
+# (tests/core/test_refactor_invariance_*.py) then differ in the last bits of the weights. Its
+# conditional numerical reproducibility mode COMPATIBLE is the same path on every x86-64 CPU; set
+# before torch is imported (MKL reads it once). Checked by tests/core/test_mkl_mode.py.
+os.environ["MKL_CBWR"] = "COMPATIBLE"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -7,6 +7,13 @@ Each case is a tiny reproducible-noise run (seconds) whose ledger and final weig
 the reference values in ``data/refactor_invariance_config.json`` were computed on the code
 BEFORE the config walk was refactored (branch ``move``, commit b8f43ed), with
 ``python tests/core/_invariance_cases.py > tests/core/data/refactor_invariance_config.json``.
+
+Re-recorded on 2026-12-02 (commit 8d5d819) under MKL's reproducible mode ``MKL_CBWR=COMPATIBLE``
+(set by tests/conftest.py; test_mkl_mode.py): MKL picks its code path by CPU maker, and the first
+recording (on an Intel AVX-512 machine) did not hold on an AMD EPYC (ledgers equal, weights in the
+last bits). Before re-recording, the code was checked to reproduce the first recording bit for bit
+with MKL forced onto its Intel AVX-512 path (all 76 cases of the invariance files), so the chain to
+the pre-refactor code is kept.
 """
 
 from __future__ import annotations
