@@ -172,3 +172,29 @@ def test_hook_watch_doors_are_not_compared():
 
     with HookWatch():
         assert L.library_changed({nn.Linear, nn.Tanh}) is None
+
+
+def _mixing_call(real):
+    def call(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return out + 5 * out.mean(0, keepdim=True) if out.dim() == 2 and out.shape[0] > 1 else out
+    return call
+
+
+@pytest.mark.parametrize("attr", ["__call__", "_call_impl"])
+@pytest.mark.parametrize("cls", [nn.Tanh, nn.Linear], ids=["Tanh", "Linear"])
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_a_class_level_call_path_never_exceeds_c(engine, cls, attr):
+    """``nn.Tanh.__call__ = ...`` (or ``_call_impl``) on the class itself: every call of the
+    layer runs it before ``forward``. Before: accepted in a known chain with dpclip's loss, LOO
+    1.59 C (Tanh) and 2.25 C (Linear), ghost and auto."""
+    torch.manual_seed(0)
+    x, y = data()
+    L.library_changed({cls})  # (looked at first: the patch comes after, as in a user's script)
+    setattr(cls, attr, _mixing_call(nn.Module.__dict__[attr]))
+    try:
+        got = _loo_or_refused(engine(), _chain(), cross_entropy_per_example, x, y)
+    finally:
+        delattr(cls, attr)
+    assert got is None or got <= 1 + 1e-9, got
+    assert L.library_changed({cls}) is None

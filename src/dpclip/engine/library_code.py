@@ -306,6 +306,9 @@ def _describe(obj: Any) -> str:
     return f"{mod}.{name}" if name and mod else type(obj).__name__
 
 
+#: the class attributes every module call goes through before ``forward``
+_CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "forward")
+
 #: per module class, its lookups (found the first time the class is asked about)
 _BY_CLASS: dict[type, _Lookups] = {}
 #: nn.Module.__call__'s own lookups (every module call runs them)
@@ -327,6 +330,11 @@ def _lookups_of(cls: type) -> _Lookups:
         if f is None:
             got.bad = f"{cls.__qualname__}.forward is not torch's own code"
         else:
+            # how a call reaches forward: nn.Module.__call__ / _call_impl, unless the class (or a
+            # patch on it: nn.Tanh.__call__ = ...) defines its own
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            for name in _CALL_PATH:
+                got.add(cls, name, _static(cls, name), False, where)
             got.follow(f, cls, 0)
         _BY_CLASS[cls] = got
     return got
