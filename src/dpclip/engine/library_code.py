@@ -119,7 +119,10 @@ def _own(name: str, obj: Any) -> bool:
         if mod.split(".")[0] != "torch":
             return _root_ok(mod)
         own_name = getattr(obj, "__name__", None)
-        return own_name is None or _plain_name(own_name) == _plain_name(name)
+        # (an operator method of torch's tensor class may be another method under its own name:
+        # __itruediv__ is TensorBase.__idiv__)
+        return own_name is None or _plain_name(own_name) == _plain_name(name) or (
+            name.startswith("__") and name.endswith("__"))  # (__pos__ is TensorBase.positive)
     wrapped = getattr(obj, "__wrapped__", None)  # functools.lru_cache, ...
     if wrapped is not None and _root_ok(type(obj).__module__) and \
             type(obj).__module__.split(".")[0] != "torch":
@@ -251,6 +254,10 @@ class _Lookups:
                             callees.append((t, None))
                     local_self = False
                 else:
+                    for dunder in _operator_methods(ins):  # x / y on tensors: the tensor
+                        got = _static(torch.Tensor, dunder)  # class's operator methods
+                        if got is not _MISSING:
+                            self.add(torch.Tensor, dunder, got, False, where)
                     local_self = op == "LOAD_FAST" and arg == "self"
                     cur = _MISSING
         if depth >= _DEPTH:
@@ -304,6 +311,34 @@ def _describe(obj: Any) -> str:
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
     mod = getattr(obj, "__module__", None)
     return f"{mod}.{name}" if name and mod else type(obj).__name__
+
+
+_BINARY = {"+": "add", "-": "sub", "*": "mul", "/": "truediv", "//": "floordiv", "%": "mod",
+           "**": "pow", "@": "matmul", "&": "and", "|": "or", "^": "xor", "<<": "lshift",
+           ">>": "rshift"}
+_COMPARE = {"<": ("__lt__", "__gt__"), "<=": ("__le__", "__ge__"), ">": ("__gt__", "__lt__"),
+            ">=": ("__ge__", "__le__"), "==": ("__eq__",), "!=": ("__ne__",)}
+_UNARY = {"UNARY_NEGATIVE": ("__neg__",), "UNARY_POSITIVE": ("__pos__",),
+          "UNARY_INVERT": ("__invert__",), "UNARY_NOT": ("__bool__", "__len__"),
+          "BINARY_SUBSCR": ("__getitem__",), "STORE_SUBSCR": ("__setitem__",),
+          "BINARY_SLICE": ("__getitem__",), "STORE_SLICE": ("__setitem__",),
+          "CONTAINS_OP": ("__contains__",), "POP_JUMP_FORWARD_IF_TRUE": ("__bool__",),
+          "POP_JUMP_FORWARD_IF_FALSE": ("__bool__",), "POP_JUMP_IF_TRUE": ("__bool__",),
+          "POP_JUMP_IF_FALSE": ("__bool__",)}
+
+
+def _operator_methods(ins: dis.Instruction) -> tuple[str, ...]:
+    """The operator methods an instruction may call on a tensor operand (``x / y``: the tensor
+    class's ``__truediv__``, ``__rtruediv__``; ``x /= y``: ``__itruediv__`` too)."""
+    op = ins.opname
+    if op == "BINARY_OP":
+        sym = str(ins.argrepr).rstrip("=") if ins.argrepr not in ("==", "<=", ">=", "!=") \
+            else ins.argrepr
+        base = _BINARY.get(sym)
+        return (f"__{base}__", f"__r{base}__", f"__i{base}__") if base else ()
+    if op == "COMPARE_OP":
+        return _COMPARE.get(str(ins.argval), ())
+    return _UNARY.get(op, ())
 
 
 #: the class attributes every module call goes through before ``forward``
