@@ -13,12 +13,8 @@ wrappers (``from_params``) and a federated grid cell of a harness spec.
 
 Bit-exact float32 weights can depend on the CPU's vector kernels: the runs use one thread.
 
-Re-recorded on 2026-12-02 (commit 8d5d819) under MKL's reproducible mode ``MKL_CBWR=COMPATIBLE``
-(set by tests/conftest.py; test_mkl_mode.py): MKL picks its code path by CPU maker, and the first
-recording (on an Intel AVX-512 machine) did not hold on an AMD EPYC (ledgers equal, weights in the
-last bits). Before re-recording, the code was checked to reproduce the first recording bit for bit
-with MKL forced onto its Intel AVX-512 path (all 76 cases of the invariance files), so the chain to
-the pre-refactor code is kept.
+Re-recorded on 2026-12-02 under ``MKL_CBWR=COMPATIBLE`` (why, and how the chain to the
+pre-refactor code was kept: tests/core/_invariance_cases.py).
 """
 
 from __future__ import annotations
