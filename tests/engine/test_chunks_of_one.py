@@ -1,15 +1,16 @@
-"""Chunks (and steps) of one example cannot read each other (issue 31,
-``dpclip.engine.one_example``).
+"""Chunks (and steps) of one example cannot read each other (issue 31).
 
-A chunk of one example is not traced for layouts (it cannot mix examples inside it), but chunks
-and steps share Python state. Each attack below keeps something of its example on every call and
-adds ``5 *`` what the previous call kept; on main (26a8926) ghost accepted every attack at
+Chunks and steps share Python state. Each attack below keeps something of its example on every
+call and adds ``5 *`` what the previous call kept; on main (26a8926) ghost accepted every attack at
 ``max_physical_batch=1`` and over steps of one example, auto at ``max_physical_batch=1``, with the
-LOO in ``ACCEPTED_BEFORE`` (units of C). Now each is refused (one open case under auto is the vmap
-engine's: ``_VMAP_OPEN``); a batch step after a step of one (how far its release moves when the
-first step's example is replaced; sound: 0) stays refused; an honest model runs on ghost at
-``max_physical_batch=1`` as before (a batch reduction included: the vmap semantics of a chunk of
-one).
+LOO in ``ACCEPTED_BEFORE`` (units of C). A chunk of one example now runs as a batch of two (the
+example and its copy, weighted 0: ``dpclip.engine.ghost``, module docstring), so the batch path's
+proof, proved-program match, memory watch and tracer cover it; ``auto``'s ``vmap`` fallback runs
+under the state guard on every call. Each attack is refused; a batch step after a step of one
+(how far its release moves when the first step's example is replaced; sound: 0) stays refused; an
+honest model runs on ghost at ``max_physical_batch=1`` and equals the per-example loop; a batch
+reduction is refused at every chunk size. One strict xfail is the ``vmap`` engine's limit
+(``_VMAP_GLOBAL``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine
-from dpclip.engine.errors import UnsupportedModelError
-from tests.engine.helpers import DT
+from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, ParamGroups
+from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError
+from tests.engine.helpers import DT, clip_weights
 from tests.engine.test_separability_attacks import C, ce, clipped_sum, data, loo_distance
 
 _G: dict = {}
@@ -122,7 +123,7 @@ def _assert_refused_or_within_c(engine, model) -> None:
     x, y = data()
     try:
         got = loo_distance(engine(max_physical_batch=1), model, ce, x, y)
-    except UnsupportedModelError:
+    except (UnsupportedModelError, PrivateBufferError):
         got = None
     finally:
         _G.clear()
@@ -156,26 +157,15 @@ SCENARIOS = {
 }
 
 
-#: auto's public probe (a batch: the proof runs) is refused for another reason (the model reads
-#: the proof's fake tensor it kept: a fallback reason), and the vmap engine reads the kept input
-#: of the previous step (a hole of the vmap engine, not of ghost: ``VmapEngine`` evaluates each
-#: example alone only within a call)
-_VMAP_OPEN = {("module-attribute", "steps"): "HOLE (vmap engine): auto falls back to vmap on "
-              "its public probe (the model reads a tensor kept from the proof) and vmap reads "
-              "the previous step's input kept in a module attribute: LOO 2.70 C"}
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", list(ATTACKS))
 @pytest.mark.parametrize("engine", [GhostEngine, pytest.param(AutoEngine, id="AutoEngine")])
-def test_one_example_calls_cannot_carry_data(engine, name, scenario, request):
+def test_one_example_calls_cannot_carry_data(engine, name, scenario):
     """Refused (an error that stops the run), or within the bound."""
-    if engine is AutoEngine and (name, scenario) in _VMAP_OPEN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=_VMAP_OPEN[name, scenario]))
     x, y = data()
     try:
         got = SCENARIOS[scenario](engine, _build(name), x, y)
-    except UnsupportedModelError:
+    except (UnsupportedModelError, PrivateBufferError):
         got = None
     finally:
         _G.clear()
@@ -183,19 +173,21 @@ def test_one_example_calls_cannot_carry_data(engine, name, scenario, request):
     assert got is None or got <= bound, got
 
 
-def test_carrying_refusal_names_the_reason_and_is_no_fallback():
-    """docs/errors.md entry 107: under ghost and auto (never a vmap fallback: vmap runs the model
-    on chunks too, ``VmapEngine(max_physical_batch=1)`` reads the kept input: LOO 2.70 C)."""
+def test_carrying_refusals_name_the_reason():
+    """The batch path's refusals, now that a chunk of one runs as a batch of two: the forward
+    reads the tensor the proof left in the attribute (never a vmap fallback: vmap would read the
+    attribute from one call to the next); a hook registered with torch functions off is not the
+    proved program (never a fallback)."""
     x, y = data()
     for engine in (GhostEngine, AutoEngine):
-        with pytest.raises(UnsupportedModelError,
-                           match=r"a chunk of one example may carry data between calls: it reads "
-                                 r"a tensor that depended on the examples of an earlier call .*"
-                                 r"This is not turned into a vmap fallback"):
+        with pytest.raises(UnsupportedModelError, match=r"layer 'fc2' was called on a tensor left "
+                           r"over from the separability proof .*not turned into a vmap fallback"):
             clipped_sum(engine(max_physical_batch=1), _build("module-attribute"), ce, x, y)
-    with pytest.raises(UnsupportedModelError, match="a gradient hook .* was registered in the "
-                       "call: user code in the backward pass could carry another example's data"):
-        steps_of_one_loo(GhostEngine(), _build("hook-reads-the-previous-call"), x, y)
+    for engine in (GhostEngine, AutoEngine):
+        with pytest.raises(UnsupportedModelError, match="the step does not run the program that "
+                           "the batch-size proof traced .a gradient hook .* was registered in "
+                           "the call"):
+            steps_of_one_loo(engine(), _build("hook-reads-the-previous-call"), x, y)
     _G.clear()
 
 
@@ -222,35 +214,42 @@ class _UnpackSwap(nn.Module):
 def test_unpack_hook_of_a_saved_tensor_cannot_read_the_previous_chunk(engine):
     """Accepted on 26a8926 at max_physical_batch=1: LOO 2.26 C (ghost), 2.52 C (auto). Refused
     now, under auto too (a raw RuntimeError in its probe would have been a vmap verdict, and vmap
-    reads the previous call's tensor as well)."""
+    reads the previous call's tensor as well), with the reason."""
     torch.manual_seed(0)
     _assert_refused_or_within_c(engine, _UnpackSwap().to(DT))
+    x, y = data()
+    with pytest.raises(UnsupportedModelError, match=r"a saved-tensor hook was registered in the "
+                       r"call .*This is not turned into a vmap fallback"):
+        clipped_sum(engine(max_physical_batch=1), _UnpackSwap().to(DT), ce, x, y)
+    _G.clear()
 
 
 class _Honest(nn.Module):
-    """Per example at batch size one: a batch reduction (the vmap semantics of a chunk of one), a
-    constant cached on the first call and read on every later one, and the last output kept for
-    logging (never read by the model)."""
+    """Per example: a constant cached on the first call and read on every later one, and the last
+    output kept for logging (never read by the model); ``centre``: a batch reduction."""
 
-    def __init__(self) -> None:
+    def __init__(self, centre: bool = False, log: bool = True) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
         self.table: Tensor | None = None
         self.last: Tensor | None = None
-        self.centre = True
+        self.centre, self.log = centre, log
 
     def forward(self, x: Tensor) -> Tensor:
         if self.table is None:
             self.table = torch.linspace(0, 1, 6, dtype=x.dtype)
         h = torch.tanh(self.fc1(x - x.mean(0) if self.centre else x) + self.table)
         out = self.fc2(h)
-        self.last = out.detach()
+        if self.log:
+            self.last = out.detach()
         return out
 
 
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
 def test_honest_chunks_of_one_still_run_on_ghost(engine):
-    """The float64 per-example loop (naive: each example alone) is the oracle."""
+    """The float64 per-example loop (naive: each example alone) is the oracle, at
+    ``max_physical_batch=1`` (each chunk runs as the example and its copy, weighted 0), over steps
+    of one example, and for a batch step after them."""
     torch.manual_seed(0)
     model = _Honest().to(DT)
     x, y = data()
@@ -259,12 +258,56 @@ def test_honest_chunks_of_one_still_run_on_ghost(engine):
         want, _ = clipped_sum(NaiveEngine(), model, ce, x, y)
         assert info["engine"] == "ghost"
         assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
-    for i in range(3):  # steps of one example, then a batch step
+    for i in range(3):  # steps of one example
         got, info = clipped_sum(engine(), model, ce, x[i:i + 1], y[i:i + 1])
+        want, _ = clipped_sum(NaiveEngine(), model, ce, x[i:i + 1], y[i:i + 1])
         assert info["engine"] == "ghost"
-    model.centre = False  # (a batch reduction mixes a batch)
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
     got, info = clipped_sum(engine(), model, ce, x, y)
     assert info["engine"] == "ghost"
+
+
+def test_a_chunk_of_one_reports_its_own_norm_weight_and_loss():
+    """The copy is not seen: one norm, one weight, the example's loss (not the pair's), each equal
+    to the per-example loop's."""
+    torch.manual_seed(0)
+    model = _Honest(log=False).to(DT)
+    x, y = data()
+    groups = ParamGroups.flat(model)
+    for i in range(2):
+        got = GhostEngine().compute(model, ce, x[i:i + 1], y[i:i + 1], clip_weights(C), groups)
+        want = NaiveEngine().compute(model, ce, x[i:i + 1], y[i:i + 1], clip_weights(C), groups)
+        assert got.norms.shape == got.weights.shape == (1,)
+        assert float(got.norms[0]) >= float(want.norms[0]) * (1 - 1e-12)
+        assert torch.allclose(got.norms, want.norms, rtol=1e-9)
+        assert torch.allclose(got.weights, want.weights, rtol=1e-9)
+        assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-12)
+
+
+def test_a_batch_reduction_is_refused_at_every_chunk_size():
+    """A chunk of one is proved as a batch (of two): ``x - x.mean(0)`` is refused by ghost at
+    ``max_physical_batch=1`` and over steps of one as at a batch (it ran before, with the vmap
+    semantics of one example alone), so the verdict does not depend on how many examples a chunk
+    holds; ``auto`` runs it on ``vmap`` from the probe, recorded."""
+    torch.manual_seed(0)
+    model = _Honest(centre=True, log=False).to(DT)
+    x, y = data()
+    for engine, xs, ys in ((GhostEngine(max_physical_batch=1), x, y),
+                           (GhostEngine(), x[:1], y[:1]), (GhostEngine(), x, y)):
+        with pytest.raises(UnsupportedModelError, match="the input of layer 'fc1' .* mixes the "
+                           "examples of the batch"):
+            clipped_sum(engine, model, ce, xs, ys)
+    _, info = clipped_sum(AutoEngine(max_physical_batch=1), model, ce, x, y)
+    assert info["engine"] == "vmap" and "mixes the examples" in info["fallback"]
+
+
+#: the ``vmap`` engine's limit (not a chunk of one's): the proof cannot trace a program run with
+#: Python dispatch off (not proven), so ``auto`` runs ``vmap``; vmap evaluates each example alone
+#: within a call only, and a Python global written and read with torch functions and Python
+#: dispatch off is outside every check (the guard sees the model's own state only)
+_VMAP_GLOBAL = ("HOLE (vmap engine): auto runs vmap (the proof cannot trace with dispatch off); "
+                "at max_physical_batch=1 vmap reads the previous chunk's input kept in a Python "
+                "global with torch functions and dispatch off: LOO 2.70 C")
 
 
 class _ModesOff(nn.Module):
@@ -303,15 +346,13 @@ class _BufferWrittenOff(nn.Module):
         return self.fc2(torch.tanh(h))
 
 
-@pytest.mark.xfail(strict=True, reason="HOLE (open, seal): at a batch of one, a value computed "
-                   "with torch functions and Python dispatch both off from a tensor kept by the "
-                   "previous call is read as an unknown constant (LOO 2.70 C, ghost and auto). "
-                   "A batch refuses it through the proved-program match (the tensor has no name "
-                   "in the proof); a chunk of one has no proof (export specialises size 1). The "
-                   "same with a buffer written so (2.70 C; a batch's memory watch refuses it, at "
-                   "the cost of a copy of the parameters and buffers per call)")
 @pytest.mark.parametrize("build", [_ModesOff, _BufferWrittenOff])
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
-def test_modes_off_at_a_batch_of_one(engine, build):
+def test_modes_off_at_a_batch_of_one(engine, build, request):
+    """Accepted by ghost and auto at ``max_physical_batch=1`` before (LOO 2.70 C each: a chunk of
+    one had no proof); refused now that it runs as a batch of two, except where ``auto`` runs
+    ``vmap`` (below)."""
+    if engine is AutoEngine and build is _ModesOff:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_VMAP_GLOBAL))
     torch.manual_seed(0)
     _assert_refused_or_within_c(engine, build().to(DT))

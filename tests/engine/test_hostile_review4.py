@@ -38,7 +38,7 @@ sound per-example mechanism has LOO <= 1. Each attack below was accepted on 690e
   calls each node of the graph itself, which runs none of the nodes' hooks.
 
 Found while closing auto's fallback, closed: chunks of one example read each other
-(``test_chunks_of_one_cannot_read_each_other``; ``dpclip.engine.one_example``).
+(``test_chunks_of_one_cannot_read_each_other``; a chunk of one now runs as a batch of two).
 """
 
 from __future__ import annotations
@@ -621,7 +621,8 @@ def test_chunks_of_one_cannot_read_each_other(engine):
     """Found by autofb: with ``max_physical_batch=1`` a chunk of one example was not traced ("it
     cannot mix"), and the model that reads the previous chunk's input from a global was accepted
     by ghost and auto (LOO 2.70 C on b6642d1 and 26a8926; max_physical_batch=2 refuses it). Now
-    refused: ``dpclip.engine.one_example`` (more scenarios: tests/engine/test_chunks_of_one.py)."""
+    refused: a chunk of one runs as a batch of two, the copy weighted 0 (``dpclip.engine.ghost``;
+    more scenarios: tests/engine/test_chunks_of_one.py)."""
     from tests.engine.test_separability_attacks import loo_distance
 
     torch.manual_seed(0)

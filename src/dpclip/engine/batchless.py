@@ -43,8 +43,8 @@ the arguments): their per-example gradient is recomputed per example from the ar
 output gradient's row ``i``; the outputs' trace layouts are read before the view is marked, so an
 output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
 
-Edge cases: a batch of one example is an ordinary call (nothing is expanded; the shapes agree). A
-call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
+Edge cases: the ghost engine runs a chunk of one example as a batch of two (its copy weighted 0),
+so every call here sees at least two rows. A call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
 expanded with an EXTRA leading dimension and every use of its output guarded
 (:class:`BroadcastGuard`, below). Code after the layer that cannot take the expanded tensor (a
 ``view(1, -1)``) raises in the engine's forward; the engine refuses the model then (``auto`` falls
@@ -152,7 +152,7 @@ class NotBroadcast(Exception):
 
 def is_unbatched(a: Any, out: Any, batch: int, constant: Callable[[], bool]) -> bool:
     """Whether a ruled layer's call is batch-less without a leading 1: ``a`` a constant tensor
-    (``constant()``, asked last: its trace layout is ``None``; a batch of one is not traced),
+    (``constant()``, asked last: its trace layout is ``None``),
     ``out`` a tensor of rank >= 1 whose leading size is neither 1 nor the batch size (when it is
     the batch size, the call is an ordinary batched call and the trace judges it; a (1, ...)
     output is :func:`is_batchless`'s). Deciding wrongly costs no soundness: the expanded output

@@ -76,14 +76,13 @@ engine from the first step, recorded in ``EngineResult.engine_info``; a private 
 after an accepted probe stops the run (docs/engines.md, "The engine is decided before the model
 sees private data").
 
-Separability (per call, batches of more than one example): the forward and the loss run under
+Separability (per call): the forward and the loss run under
 :class:`~dpclip.engine.separable.SeparabilityTracer`; the per-example losses and every hooked layer's
 input must be proved row separable (batch in dimension 0, no example mixing), and the autograd graph
 must hold no custom ``autograd.Function``. A ruled layer may receive each example in ``k``
 consecutive rows (layout ``(0, k)``: augmentation multiplicity's K copies, a batch flattened with
 another dimension): its output is marked ``(0, k)`` and its rule reads example ``i`` from those
-rows as from ``k`` times the positions (``ghost_rules._fold_rows``, ``_Call.group``); a batch of
-one reads every row of such a call as the example's. A model that mixes examples (``x - x.mean(0)``, a softmax
+rows as from ``k`` times the positions (``ghost_rules._fold_rows``, ``_Call.group``). A model that mixes examples (``x - x.mean(0)``, a softmax
 or roll over the batch) or hands a layer the batch in another dimension (sequence-first, even with
 ``T == B``) is refused or, with ``fallback="vmap"``, run on ``vmap`` (recorded). A plain
 ``nn.Sequential`` of known ``torch.nn`` classes (``_KNOWN_MODULES``) is proved from the modules'
@@ -92,6 +91,16 @@ semantics instead, at every batch size, with configuration and input rank checke
 
 Inputs and targets may be tensors or tuples/dicts of tensors (:mod:`dpclip.engine.batch`); every
 leaf is marked as example data for the trace.
+
+A chunk of one example (``max_physical_batch=1``, a realised batch of one, the last chunk of a
+batch) runs as a batch of two: the example and a copy of it (``torch.cat([t, t])`` for every leaf).
+The copy is weighted 0 and the strategy never sees its norm; the reported loss is half the pair's.
+So a chunk of one is proved, matched against the proof and watched exactly as a batch is (the
+batch-size proof cannot run at one row: export specialises size 1), and the engine's verdict on a
+model does not depend on whether a chunk has one example: a model that keeps a value computed from
+the example with torch functions and Python dispatch both off, or writes it so into a buffer, is
+refused at one example as at many (it was accepted at one: LOO 2.70 C), and a batch reduction
+(``x - x.mean(0)``) is refused at every chunk size. The cost is a second row per chunk of one.
 
 Rounding: the norms passed to ``weight_fn`` (and reported) are upper bounds of the norms of the
 vectors actually summed, rounding included (:class:`_Rounding`, ``_Rule.bound_sq``,
@@ -168,7 +177,6 @@ from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
-    _CarriesAcrossCalls,
     _closed_chain,
     _NotTheProvedProgram,
     _RuntimeUnsupported,
@@ -427,6 +435,12 @@ def _public_probe(tree: Any) -> Any:
                                            device=t.device), tree)
 
 
+def _twice(t: Tensor) -> Tensor:
+    """One example's leaf as a batch of two: the example and its copy (a chunk of one runs so,
+    module docstring)."""
+    return torch.cat([t, t])
+
+
 def _unit_weights(norms: Tensor) -> Tensor:
     """The probe's weight function (the strategy's is not called on the probe)."""
     return torch.ones_like(norms)
@@ -552,13 +566,6 @@ class GhostEngine:
                 all_norms.append(norms)
                 all_weights.append(weights)
                 loss_sum += loss
-        except _CarriesAcrossCalls as exc:  # never a fallback: vmap would read the same state
-            raise UnsupportedModelError(
-                f"{self.name} engine: {exc}. This is not turned into a vmap fallback (vmap runs "
-                "the model on chunks too and would read the same state); the run stops here. "
-                "Keep no batch data between calls: no tensor, Python number or NumPy copy of "
-                "the inputs kept in a global, a closure or a module attribute and read later, "
-                "no hooks registered in the forward or loss") from None
         except _NotTheProvedProgram as exc:
             # never a fallback: the match can depend on the realised batch size, and the
             # fallback's per-example function is the real program's, not the proved one
@@ -591,8 +598,10 @@ class GhostEngine:
                 verdict = self._probe(model, loss_fn, inputs, targets, groups)
             _keep_verdict(model, verdict)
         if verdict.reason is not None:
-            with state_guard(model, "dp_step") if type(weight_fn) is StepWeights \
-                    else contextlib.nullcontext():
+            # guarded on every call, dp_step's or not: vmap has no tracer, and a model that keeps
+            # a tensor in an attribute would carry one chunk's or step's examples into the next
+            # (a module attribute read by the next step of one example: LOO 2.70 C)
+            with state_guard(model, "dp_step"):
                 return self._vmap(model, loss_fn, inputs, targets, weight_fn, groups,
                                   verdict.reason)
         try:
@@ -678,8 +687,11 @@ class GhostEngine:
         chain: list[nn.Module] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
+        real = batch
+        if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
+            xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
         calls, total, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain)
-        left = ambient_user_code()  # (a chunk of one too: dpclip.engine.one_example)
+        left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
                 f"{left} after the forward pass and loss (entered by them and not left): it "
@@ -688,8 +700,6 @@ class GhostEngine:
         for c in calls:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
-                if batch == 1 and c.outs and c.outs[0].ndim:
-                    c.group = c.outs[0].shape[0]  # one example (not traced): all its rows
                 rows = batch * c.group
                 bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != rows]
                 if bad:  # ranks, not shapes: a size could be the (private) batch size
@@ -709,8 +719,6 @@ class GhostEngine:
                     f"{c.a.ndim}, which it reads as ONE unbatched example (e.g. a 2-D input to "
                     "Conv1d): its first dimension is then not the batch; give it the batched "
                     "rank (B, C, ...)")
-            if batch == 1 and c.a.ndim and c.out_shape and c.a.shape[0] == c.out_shape[0]:
-                c.group = c.a.shape[0]  # one example (not traced): every row is its own
             rows = batch * c.group  # (c.group: rows per example, from the trace's layouts)
             if c.a.ndim == 0 or c.a.shape[0] != rows or not c.out_shape \
                     or c.out_shape[0] != rows:
@@ -785,7 +793,8 @@ class GhostEngine:
                     c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
         _refuse_rewritten_inputs(live)
         with torch.no_grad():
-            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total)
+            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total,
+                                real)
 
     def _reduce(
         self,
@@ -797,8 +806,11 @@ class GhostEngine:
         batch: int,
         weight_fn: WeightFn,
         total: Tensor,
+        real: int,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
-        """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``."""
+        """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``;
+        ``real < batch``: a chunk of one run as a batch of two, whose copy (row 1) the strategy
+        never sees and whose weight is 0."""
         for c in live:
             c.rule.prepare(c)
         self._choose(live, batch)
@@ -832,8 +844,13 @@ class GhostEngine:
             all_finite = bool(finite.all())
             if not all_finite:
                 norms = torch.where(finite if flat else finite[:, None], norms, math.inf)
+        if real < batch:
+            norms = norms[:real]
         weights = apply_weight_fn(weight_fn, norms, self.name)
-        wts = _Weights(weights if weights.dtype == dtype else weights.to(dtype), flat)
+        summed = weights
+        if real < batch:  # the copy's weight: exactly 0 (its gradient is the example's: finite)
+            summed = torch.cat([weights, weights.new_zeros((batch - real, *weights.shape[1:]))])
+        wts = _Weights(summed if summed.dtype == dtype else summed.to(dtype), flat)
         if finite is not None and not all_finite:
             acc.mask(live, finite)
         sums = _weighted_sums(live, count, params, group_of, acc, wts)
@@ -845,7 +862,8 @@ class GhostEngine:
             elif g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
                 g = g.reshape(p.shape).to(p.dtype).contiguous()
             out[pn] = g
-        return out, norms, weights, total.item()
+        loss = total.item()
+        return out, norms, weights, loss if real == batch else loss / 2
 
     def _choose(self, calls: list[_Call], batch: int) -> None:
         """Per-call choice ``ghost`` / ``direct`` / ``keep`` (see the module docstring)."""

@@ -24,7 +24,6 @@ from dpclip.engine.batchless import (
     is_batchless,
     is_unbatched,
 )
-from dpclip.engine.one_example import OneExampleWatch, quiet_one
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
 from dpclip.engine.saved_check import fingerprint
 from dpclip.engine.library_code import library_changed
@@ -51,13 +50,6 @@ class _NotTheProvedProgram(_RuntimeUnsupported):
     matches can depend on the realised batch size (a program built to coincide with the proof at
     one size), so a fallback would choose the engine, and with it the per-example function, from
     the private batch size."""
-
-
-class _CarriesAcrossCalls(_NotTheProvedProgram):
-    """A chunk of one example that may carry data between calls
-    (:mod:`dpclip.engine.one_example`). Never turned into a vmap fallback: vmap runs the same
-    model on chunks too, and would read the same state (``VmapEngine(max_physical_batch=1)``:
-    LOO 2.70 C on the model that reads the previous chunk's input)."""
 
 
 def _check_losses(losses: Tensor, batch: int) -> Tensor:
@@ -123,9 +115,8 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None) -> _Call:
     """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
     ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
-    if tracer is None:
-        with quiet_one():  # (a chunk of one example: dpclip.engine.one_example)
-            return _Call(owner, a, out, None)
+    if tracer is None:  # (a chain whose layouts are cached: _chain_call)
+        return _Call(owner, a, out, None)
     quiet, tracer.quiet = tracer.quiet, True
     try:
         return _printed(_Call(owner, a, out, tracer))
@@ -158,10 +149,13 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     the engine's backward, so none could attach a hook to them (the backward may then run on
     autograd's own engine; :mod:`dpclip.engine.hook_free`). ``chain``: the step's closed
     program (:func:`_closed_chain`), checked once for all its chunks."""
-    # a batch of one example cannot mix examples, but it can carry its example into later calls
-    # (dpclip.engine.one_example); otherwise every operation is traced, and the batch size,
-    # private, must be used only as the leading dimension (proved once per signature with a
-    # symbolic batch size; the real forward then takes the same data-independent paths)
+    # every operation is traced, and the batch size, private, must be used only as the leading
+    # dimension (proved once per signature with a symbolic batch size; the real forward then
+    # takes the same data-independent paths). The engine runs a chunk of one example as a batch
+    # of two (GhostEngine._chunk), so that a chunk of one is proved and matched as a batch is
+    if batch < 2:
+        raise AssertionError("ghost_forward._forward: a chunk of one reaches the forward (the "
+                             "engine runs it as a batch of two)")
     ambient = ambient_user_code()
     if ambient is not None:  # user code on every operation, the trace's and the backward's
         # (not a vmap fallback: vmap would run under the same user code, which sees the whole
@@ -171,39 +165,31 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             "backward's operations (or rewrite the tensors the backward reads), which the "
             "separability proof cannot see. Leave the context before the step "
             "(torch.device(...) is allowed), or use engine 'vmap'")
-    if batch > 1:
-        known = _run_known_program(model, scan, loss_fn, xs, ys, batch, chain)
-        if known is not None:  # proved by the modules' and the loss's semantics: no trace
-            return (*known, False)
-        # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
-        # the proof traces the program the engine runs
-        why, program = proof_of(model, loss_fn, xs, ys, tuple(
-            (o.module, o.rule is _MODULE) for o in scan.owners))
-        with data_independent_paths():  # first: an error of the user's own code surfaces as is
+    known = _run_known_program(model, scan, loss_fn, xs, ys, batch, chain)
+    if known is not None:  # proved by the modules' and the loss's semantics: no trace
+        return (*known, False)
+    # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
+    # the proof traces the program the engine runs
+    why, program = proof_of(model, loss_fn, xs, ys, tuple(
+        (o.module, o.rule is _MODULE) for o in scan.owners))
+    with data_independent_paths():  # first: an error of the user's own code surfaces as is
+        try:
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch,
                                   program if why is None else None)
-        if why is not None:
-            raise _RuntimeUnsupported(
-                f"the forward pass and loss are not proved per-example separable: {why}. The "
-                "realised batch size is private: normalise by a public constant (the expected "
-                "batch size) outside loss_fn, or use engine 'vmap'")
-        return (*got, True)
-    watch = OneExampleWatch(model, xs, ys)
-    try:
-        with data_independent_paths(), watch:  # (the same library paths as a batch takes)
-            got = _forward_traced(model, scan, loss_fn, xs, ys, batch)
-    except RuntimeError as exc:  # the watch holds autograd's saved-tensor hook slot
-        if "register_hooks on a saved tensor" not in str(exc):
-            raise
-        why = ("a saved-tensor hook was registered in the call (grad_fn._raw_saved_*."
-               "register_hooks): its unpack hook would hand the backward another call's tensor")
-    else:
-        why = watch.verdict()
+        except RuntimeError as exc:  # the step's saved-tensor watch holds autograd's hook slot
+            if "register_hooks on a saved tensor" not in str(exc):
+                raise
+            # (not a vmap fallback: vmap would run the hook, which may hand the backward another
+            # call's tensor: LOO 2.26 C at max_physical_batch=1)
+            raise _NotTheProvedProgram(
+                "a saved-tensor hook was registered in the call (grad_fn._raw_saved_*."
+                "register_hooks): its unpack hook would hand the backward a tensor the "
+                "separability proof cannot see (another call's, another example's)") from None
     if why is not None:
-        raise _CarriesAcrossCalls(
-            f"a chunk of one example may carry data between calls: {why}. A chunk of one "
-            "(max_physical_batch=1, or a batch of one) cannot mix examples inside it, but the "
-            "chunks and steps share Python state")
+        raise _RuntimeUnsupported(
+            f"the forward pass and loss are not proved per-example separable: {why}. The "
+            "realised batch size is private: normalise by a public constant (the expected "
+            "batch size) outside loss_fn, or use engine 'vmap'")
     return (*got, True)
 
 
@@ -212,9 +198,9 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                     ) -> tuple[list[_Call], Tensor]:
     """The traced forward; ``program``: what the batch-size proof ran, matched op by op against
     this run (:mod:`dpclip.engine.proved_program`: the step must be the program that was proved)."""
-    tracer = SeparabilityTracer(batch) if batch > 1 else None
+    tracer = SeparabilityTracer(batch)
     saved: Any = contextlib.nullcontext()
-    if tracer is not None and program is not None:
+    if program is not None:
         tracer.match = ProgramMatch(program, batch, model, xs, ys)
         saved = tracer.match.watching()  # what the backward reads and runs is watched too
     try:
@@ -224,19 +210,17 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         # a call refused or failed half-way: the batch data it already carried out of the call
         # (a closure, a global) is a past batch's data in every later trace, as after a
         # finished call (_check_separable retires the tracer there)
-        if tracer is not None:
-            tracer.retire()
+        tracer.retire()
         raise
 
 
-def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Scan,
+def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
                  loss_fn: LossFn, xs: Any, ys: Any, batch: int) -> tuple[list[_Call], Tensor]:
     calls: list[_Call] = []
     by_module = scan.by_module
     chain = _plain_chain(model, by_module) if isinstance(xs, Tensor) else None
-    if tracer is not None:  # every leaf of the inputs and targets is example data, batch first
-        for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
-            tracer.mark(t, (0, 1))
+    for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
+        tracer.mark(t, (0, 1))  # every leaf of the inputs and targets: example data, batch first
     if chain is not None:  # the same calls as the hooks would see, without hooks
         return _chain_call(tracer, chain, by_module, loss_fn, xs, ys, batch)
     _arm(tracer)  # user code runs from here on
@@ -250,7 +234,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
         _refuse_user_forward_hooks(owner.name, mod, hook)
         _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
-        if tracer is not None and is_batchless(a, out, per_layer):
+        if is_batchless(a, out, per_layer):
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
             # (and a ruled layer's input) as batched views, the output returned in place of the
             # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
@@ -264,8 +248,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
-        if not per_layer and not _rows_of_one(tracer, a, out) \
-                and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
+        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user = tuple(out.shape)
@@ -291,9 +274,6 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             # for this call is still there
             _refuse_instance_code(by_module[id(mod)].name, mod, classes[id(mod)])
             return None
-        if tracer is None:
-            with quiet_one():
-                return by_module[id(mod)].enter(mod, args, kwargs)
         quiet, tracer.quiet = tracer.quiet, True
         try:
             by_module[id(mod)].enter(mod, args, kwargs)
@@ -307,11 +287,10 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
             handles.append(o.module.register_forward_hook(hook, with_kwargs=True))
             # the per-layer path needs the call's autograd window; a ruled layer's call must run
             # its class's code (checked at the call: third hostile review)
-            if o.rule is _MODULE or tracer is not None:
-                handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True,
-                                                                  prepend=True))
+            handles.append(o.module.register_forward_pre_hook(enter, with_kwargs=True,
+                                                              prepend=True))
         try:
-            with torch.enable_grad(), (tracer or contextlib.nullcontext()):
+            with torch.enable_grad(), tracer:
                 try:
                     losses = _user_loss(tracer, loss_fn, call_model(model, xs), ys, batch)
                 finally:
@@ -334,7 +313,7 @@ def _traced_call(tracer: SeparabilityTracer | None, model: nn.Module, scan: _Sca
     return calls, losses.sum()
 
 
-def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
+def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
                 by_module: dict[int, "_Owner"], loss_fn: LossFn, xs: Tensor, ys: Any,
                 batch: int) -> tuple[list[_Call], Tensor]:
     """:func:`_traced_call` for a plain chain (:func:`_plain_chain`): run by the engine without
@@ -342,7 +321,7 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
     cached per :func:`_chain_key`); the loss, user code, is traced (and matched against the proof)
     on every call."""
     calls: list[_Call] = []
-    if tracer is not None and type(xs) is Tensor and _known_chain(chain):
+    if type(xs) is Tensor and _known_chain(chain):
         # (a subclass input runs __torch_function__ in every layer: third hostile review)
         got = _run_known_chain(chain, by_module, xs, batch)
         if got is not None:  # proved per-example separable by the modules' semantics
@@ -359,7 +338,7 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
     _arm(tracer)  # the chain's modules may be user code
     classes = {id(m): type(m) for m in chain}  # before any user code
     # (no cache under interpreter callbacks: user code then runs inside the modules' forwards)
-    key = _chain_key(chain, xs) if tracer is not None and python_callbacks() is None else None
+    key = _chain_key(chain, xs) if python_callbacks() is None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
     with torch.enable_grad():
@@ -373,59 +352,45 @@ def _chain_call(tracer: SeparabilityTracer | None, chain: list[nn.Module],
                     # (installed by an earlier module of the chain)
                     _refuse_instance_code(owner.name, mod, classes[id(mod)])
                     out = mod(h)
-                    calls.append(_printed(_engine_call(owner, h, out, chain_tracer))
-                                 if tracer is not None else _engine_call(owner, h, out, None))
+                    calls.append(_printed(_engine_call(owner, h, out, chain_tracer)))
                     h = out
-        if tracer is not None:
-            if cached is not None:
-                for c, lay in zip(calls, cached[0]):
-                    c.layouts = lay
-                tracer.mark(h, cached[1])
-            elif key is not None and tracer.violation is None \
-                    and all(c.layouts[1] != REWRITTEN for c in calls):
-                if len(_CHAIN_LAYOUTS) >= 256:
-                    _CHAIN_LAYOUTS.clear()
-                _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
-        if tracer is not None and chain_tracer is None and tracer.match is not None:
+        if cached is not None:
+            for c, lay in zip(calls, cached[0]):
+                c.layouts = lay
+            tracer.mark(h, cached[1])
+        elif key is not None and tracer.violation is None \
+                and all(c.layouts[1] != REWRITTEN for c in calls):
+            if len(_CHAIN_LAYOUTS) >= 256:
+                _CHAIN_LAYOUTS.clear()
+            _CHAIN_LAYOUTS[key] = (tuple(c.layouts for c in calls), tracer.layout(h))
+        if chain_tracer is None and tracer.match is not None:
             tracer.match.start_at_loss(h)  # the chain ran untraced (library code, cached)
-        with tracer or contextlib.nullcontext():  # the loss is user code: traced every call
+        with tracer:  # the loss is user code: traced every call
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
     _check_separable(tracer, calls, losses)
     return calls, losses.sum()
 
 
-def _rows_of_one(tracer: SeparabilityTracer | None, a: Any, out: Any) -> bool:
-    """A batch of one (not traced): a call whose input and output have the same leading size is
-    read as that example's rows (the rule sums over them, ``ghost_rules._fold_rows``: K augmented
-    copies, or a constant input, whose gradient is the example's too), not expanded as
-    batch-less."""
-    return tracer is None and isinstance(a, Tensor) and isinstance(out, Tensor) and a.ndim > 0 \
-        and out.ndim > 0 and a.shape[0] == out.shape[0]
-
-
-def _arm(tracer: SeparabilityTracer | None) -> None:
+def _arm(tracer: SeparabilityTracer) -> None:
     """Start the match's memory watch (dpclip.engine.memory_watch) before user code runs."""
-    if tracer is not None and tracer.match is not None:
+    if tracer.match is not None:
         tracer.match.arm()
 
 
-def _user_loss(tracer: SeparabilityTracer | None, loss_fn: LossFn, out: Any, ys: Any,
+def _user_loss(tracer: SeparabilityTracer, loss_fn: LossFn, out: Any, ys: Any,
                batch: int) -> Tensor:
     """``loss_fn(out, ys)`` (user code, traced and matched against the proof), then the engine's
     shape check (not user code: after the match has ended)."""
     raw = loss_fn(out, ys)
-    if tracer is not None and tracer.match is not None:
+    if tracer.match is not None:
         tracer.match.finish(raw)
     return _check_losses(raw, batch)
 
 
 @contextlib.contextmanager
-def _engine_code(tracer: SeparabilityTracer | None) -> Any:
+def _engine_code(tracer: SeparabilityTracer) -> Any:
     """The engine's own operations inside the traced forward: the tracer's Python checks and the
     proved-program match pause (layouts are still tracked)."""
-    if tracer is None:
-        yield
-        return
     quiet, tracer.quiet = tracer.quiet, True
     try:
         yield
@@ -433,18 +398,16 @@ def _engine_code(tracer: SeparabilityTracer | None) -> Any:
         tracer.quiet = quiet
 
 
-def _alias(tracer: SeparabilityTracer | None, new: Tensor, old: Tensor) -> None:
+def _alias(tracer: SeparabilityTracer, new: Tensor, old: Tensor) -> None:
     """The engine's expansion ``new`` stands, in the user's program, for the layer output ``old``
     (the proof's recorder aliases its own expansion the same way)."""
-    if tracer is not None and tracer.match is not None:
+    if tracer.match is not None:
         tracer.match.alias(new, old)
 
 
-def _constant(tracer: SeparabilityTracer | None, a: Tensor) -> bool:
-    """Whether ``a`` is constant for the trace (True without a trace: a batch of one); the
-    engine's own read, with the tracer's Python checks paused (it reads the storage)."""
-    if tracer is None:
-        return True
+def _constant(tracer: SeparabilityTracer, a: Tensor) -> bool:
+    """Whether ``a`` is constant for the trace; the engine's own read, with the tracer's Python
+    checks paused (it reads the storage)."""
     quiet, tracer.quiet = tracer.quiet, True
     try:
         return tracer.layout(a) is None
@@ -700,17 +663,21 @@ def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
 
 
 def _refuse_proof_leftovers(name: str, args: tuple, kwargs: dict) -> None:
-    """Raise :class:`_RuntimeUnsupported` if a layer of the real run is called on a fake tensor of
-    the batch-size proof: the forward kept a tensor of the proof's trace in state outside its
+    """Raise :class:`_NotTheProvedProgram` if a layer of the real run is called on a fake tensor
+    of the batch-size proof: the forward kept a tensor of the proof's trace in state outside its
     modules (a global, a closure; written during the proof, read now), so the run is not the
-    program that was proved (hostile review, issue 31: it crashed the step before)."""
+    program that was proved (hostile review, issue 31: it crashed the step before). Never a vmap
+    fallback: vmap would read what the forward keeps there from one call to the next, which no
+    check sees (the state guard covers the model's own state; a chunk of one reading the previous
+    chunk's input from a global: 2.70 C under ``auto`` when this was a fallback reason)."""
     for t in list(args) + list(kwargs.values()):
         if isinstance(t, Tensor) and is_fake(t):
-            raise _RuntimeUnsupported(
+            raise _NotTheProvedProgram(
                 f"layer {name!r} was called on a tensor left over from the separability proof "
                 "(the forward keeps tensors in state outside its modules: a global, a closure, a "
-                "default argument), so the step is not the program that was proved. Keep such "
-                "state in registered buffers (they are guarded), or use engine 'vmap'")
+                "default argument, which vmap would read from one call to the next too), so the "
+                "step is not the program that was proved. Keep such state in registered buffers "
+                "(they are guarded) or compute it in the call")
 
 
 def _refuse_instance_code(name: str, mod: nn.Module, cls: type | None = None) -> None:
@@ -761,14 +728,12 @@ def _refuse_user_forward_hooks(name: str, mod: nn.Module, ours: Any) -> None:
             "model's forward instead), or use engine 'vmap'")
 
 
-def _check_separable(tracer: SeparabilityTracer | None, calls: list[_Call],
+def _check_separable(tracer: SeparabilityTracer, calls: list[_Call],
                      losses: Tensor) -> None:
     """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
     per-example losses have layout ``(0, 1)`` and every hooked layer's input ``(0, k)`` or is
     constant (each row, or block of ``k`` rows, a function of its own example; ``c.group`` is set
     to ``k``; :mod:`dpclip.engine.separable`)."""
-    if tracer is None:
-        return
     tracer.retire()
     match = tracer.match
     if match is not None and match.mismatch is None and not match.done:

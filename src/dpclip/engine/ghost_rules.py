@@ -54,8 +54,8 @@ class _Call:
             return
         #: rows of ``a`` and ``b`` per example: 1, or ``k`` when the input has layout ``(0, k)``
         #: (example ``i`` owns rows ``[i k, (i + 1) k)``: K augmented copies, a batch flattened
-        #: with another dimension); set from the layouts (``ghost_forward._check_separable``) or,
-        #: for a batch of one, from the shape, and read by the rules (:func:`_fold_rows`)
+        #: with another dimension); set from the layouts (``ghost_forward._check_separable``) and
+        #: read by the rules (:func:`_fold_rows`)
         self.group = 1
         #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
         #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
@@ -155,22 +155,18 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
         got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
         c.fast = None if got is None else (got[0], got[1], got[0]._version)
-    # rows per example: k for outputs of layout (0, k) (a batch of one: set by the engine pass)
-    lay = None if tracer is None else join_layouts([tracer.layout(t) for t in outs])
+    # rows per example: k for outputs of layout (0, k)
+    assert tracer is not None  # (a per-layer call is always traced: ghost_forward._plain_chain)
+    lay = join_layouts([tracer.layout(t) for t in outs])
     k = c.group = _row_group(lay)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
-    # per-example gradient is formed): example data by the trace, else the batch-first shape
+    # per-example gradient is formed): example data by the trace
     c.arg_dims = None if c.args is None else arg_batch_dims(
-        c.args[0], c.args[1], None if tracer is None else tracer.layout,
-        tracer.batch * k if tracer is not None
-        else (outs[0].shape[0] if outs and outs[0].ndim else -1), k)
-    if tracer is None:
-        c.layouts = None
-    else:
-        for t in outs:  # (an output without the batch first is refused by the engine pass)
-            if t.ndim and t.shape[0] == tracer.batch * k:
-                tracer.mark(t, (0, k))
-        c.layouts = (lay, lay)
+        c.args[0], c.args[1], tracer.layout, tracer.batch * k, k)
+    for t in outs:  # (an output without the batch first is refused by the engine pass)
+        if t.ndim and t.shape[0] == tracer.batch * k:
+            tracer.mark(t, (0, k))
+    c.layouts = (lay, lay)
 
 
 class _Weights:
@@ -440,7 +436,7 @@ class _LinearRule(_Rule):
         if c.a.ndim == 2 or c.choice == "keep":
             return None
         a, b = c.a, c.b
-        batch, t, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+        t, d, p = a.shape[1], a.shape[2], b.shape[2]
         na = torch.linalg.vector_norm(a, dim=2)
         nb = torch.linalg.vector_norm(b, dim=2)
         abs_sum = _vecdot(na, nb).to(sq.dtype) * (1 + rnd.gam(max(d, p) + t + 4))

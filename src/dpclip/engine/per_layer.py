@@ -48,7 +48,7 @@ A refusal raises :class:`PerLayerUnsupported` (the ghost engine turns it into it
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -216,7 +216,7 @@ def _leaves(x: Any) -> list[Tensor]:
     return []
 
 
-def arg_batch_dims(args: tuple, kwargs: dict, layout: Any, batch: int,
+def arg_batch_dims(args: tuple, kwargs: dict, layout: Callable[[Tensor], Any], batch: int,
                    group: int = 1) -> list[Any]:
     """For every tensor of the call's arguments (in :func:`_leaves` order): ``0`` when it is sliced
     per example (batch-first: example data, or a constant with ``batch`` rows, which the batched
@@ -226,7 +226,7 @@ def arg_batch_dims(args: tuple, kwargs: dict, layout: Any, batch: int,
     layout ``(0, group)``."""
     out: list[Any] = []
     for t in _leaves((args, kwargs)):
-        lay = layout(t) if layout is not None else None
+        lay = layout(t)
         if lay is not None and lay != (0, group):
             out.append("bad")
         elif t.ndim and t.shape[0] == batch:

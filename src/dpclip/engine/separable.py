@@ -336,9 +336,7 @@ class SeparabilityTracer(TorchDispatchMode):
         self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
         self._mixed_in_place: set[int] = set()  # storages an in-place write made MIXED
         self.violation: str | None = None
-        #: whether a tensor an earlier traced call retired was read (a batch reads it as MIXED; a
-        #: chunk of one example, whose layouts are not checked, is refused for it:
-        #: :mod:`dpclip.engine.one_example`)
+        #: whether a tensor an earlier traced call retired was read (a batch reads it as MIXED)
         self.stale_read = False
         #: the operations that first turned row-separable inputs into a MIXED result (for the
         #: error message), in order, at most a few
