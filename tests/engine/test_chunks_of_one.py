@@ -15,9 +15,12 @@ reduction is refused at every chunk size. One strict xfail is the ``vmap`` engin
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, ParamGroups
 from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError
@@ -356,3 +359,43 @@ def test_modes_off_at_a_batch_of_one(engine, build, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=_VMAP_GLOBAL))
     torch.manual_seed(0)
     _assert_refused_or_within_c(engine, build().to(DT))
+
+
+_ROWS: list = []
+
+
+class _DropLog(nn.Module):
+    """``h + log|dropout(h)|``: a dropped unit makes its row's loss non-finite; the rows of a
+    chunk of one draw different masks, so the copy (row 1) can be non-finite while the example
+    (row 0) is not. The rows' finiteness is kept for the test (the real run's, not the proof's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = h + torch.log(nn.functional.dropout(h, 0.2).abs())
+        if not is_fake(h):
+            _ROWS.append(torch.isfinite(h.detach()).all(1))
+        return self.fc2(h)
+
+
+def test_the_reported_loss_is_the_examples_not_the_copys():
+    """Found by the hostile review of the chunk of one: the loss was half the pair's, NaN when
+    only the copy was non-finite. Now the example's own: finite whenever the example's row is,
+    non-finite (and the norm infinite) when it is not."""
+    torch.manual_seed(0)
+    model = _DropLog().to(DT)
+    x, y = data()
+    seen = set()
+    for seed in range(40):
+        _ROWS.clear()
+        torch.manual_seed(seed)
+        got = GhostEngine().compute(model, ce, x[:1], y[:1], clip_weights(C),
+                                    ParamGroups.flat(model))
+        rows = _ROWS[-1].tolist()
+        assert len(rows) == 2
+        seen.add(tuple(rows))
+        assert math.isfinite(got.loss_sum) == rows[0] == math.isfinite(float(got.norms[0]))
+    assert (True, False) in seen  # the case the fix is about occurred

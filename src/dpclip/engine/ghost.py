@@ -94,7 +94,8 @@ leaf is marked as example data for the trace.
 
 A chunk of one example (``max_physical_batch=1``, a realised batch of one, the last chunk of a
 batch) runs as a batch of two: the example and a copy of it (``torch.cat([t, t])`` for every leaf).
-The copy is weighted 0 and the strategy never sees its norm; the reported loss is half the pair's.
+The copy is weighted 0 and the strategy never sees its norm or its loss (the reported loss is
+the example's: the copy's may differ, by dropout, or be non-finite).
 So a chunk of one is proved, matched against the proof and watched exactly as a batch is (the
 batch-size proof cannot run at one row: export specialises size 1), and the engine's verdict on a
 model does not depend on whether a chunk has one example: a model that keeps a value computed from
@@ -175,6 +176,7 @@ from dpclip.engine.ghost_rules import (
 )
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
+from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _closed_chain,
@@ -556,8 +558,11 @@ class GhostEngine:
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
             for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
-                part, norms, weights, loss = self._chunk(
-                    model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn, chain)
+                # user code runs under generators of the chunk's own (a closed program has none)
+                with OwnGenerators() if chain is None else contextlib.nullcontext() as gens:
+                    part, norms, weights, loss = self._chunk(
+                        model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
+                        chain, gens)
                 if sums is None:
                     sums = part
                 else:
@@ -685,12 +690,14 @@ class GhostEngine:
         batch: int,
         weight_fn: WeightFn,
         chain: list[nn.Module] | None = None,
+        gens: OwnGenerators | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
-        calls, total, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain)
+        calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens)
+        total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
             raise _NotTheProvedProgram(  # would run it (third hostile review: LOO 3.73 C)
@@ -779,6 +786,8 @@ class GhostEngine:
                     "rules cannot see")
             # what the per-layer recomputation reads (before it: it runs user code again)
             _refuse_rewritten_inputs(modular)
+            if modular and gens is not None:  # (the forward's code may have set the generators)
+                gens.reseed()
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
                 c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
                 for pn in c.owner.pnames:
@@ -793,7 +802,8 @@ class GhostEngine:
                     c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
         _refuse_rewritten_inputs(live)
         with torch.no_grad():
-            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, total,
+            loss = float(total if real == batch else losses[:real].sum())
+            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, loss,
                                 real)
 
     def _reduce(
@@ -805,12 +815,12 @@ class GhostEngine:
         n_groups: int,
         batch: int,
         weight_fn: WeightFn,
-        total: Tensor,
+        loss: float,
         real: int,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``;
         ``real < batch``: a chunk of one run as a batch of two, whose copy (row 1) the strategy
-        never sees and whose weight is 0."""
+        never sees and whose weight is 0; ``loss``: the sum of the real examples' losses."""
         for c in live:
             c.rule.prepare(c)
         self._choose(live, batch)
@@ -862,8 +872,7 @@ class GhostEngine:
             elif g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
                 g = g.reshape(p.shape).to(p.dtype).contiguous()
             out[pn] = g
-        loss = total.item()
-        return out, norms, weights, loss if real == batch else loss / 2
+        return out, norms, weights, loss
 
     def _choose(self, calls: list[_Call], batch: int) -> None:
         """Per-call choice ``ghost`` / ``direct`` / ``keep`` (see the module docstring)."""

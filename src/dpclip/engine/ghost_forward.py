@@ -37,6 +37,7 @@ from dpclip.engine.plain_module import (
 )
 from dpclip.engine.separable import SeparabilityTracer
 from torch._subclasses.fake_tensor import is_fake
+from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _Owner, _Scan
 
 
@@ -140,20 +141,22 @@ def _printed(c: _Call) -> _Call:
 
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
-             ys: Any, batch: int, chain: list[nn.Module] | None = None
-             ) -> tuple[list[_Call], Tensor, bool]:
-    """The hooked forward pass: ``(calls, sum of the per-example losses, user_code)``; hooks
+             ys: Any, batch: int, chain: list[nn.Module] | None = None,
+             gens: OwnGenerators | None = None) -> tuple[list[_Call], Tensor, bool]:
+    """The hooked forward pass: ``(calls, the per-example losses (B,), user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
     (:func:`_run_known_program`): no user code ran between the creation of its autograd nodes and
     the engine's backward, so none could attach a hook to them (the backward may then run on
     autograd's own engine; :mod:`dpclip.engine.hook_free`). ``chain``: the step's closed
-    program (:func:`_closed_chain`), checked once for all its chunks."""
+    program (:func:`_closed_chain`), checked once for all its chunks. ``gens``: the chunk's own
+    generators (:mod:`dpclip.engine.generators`), which adopt the explicit generators that the
+    proved program draws from."""
     # every operation is traced, and the batch size, private, must be used only as the leading
     # dimension (proved once per signature with a symbolic batch size; the real forward then
     # takes the same data-independent paths). The engine runs a chunk of one example as a batch
     # of two (GhostEngine._chunk), so that a chunk of one is proved and matched as a batch is
-    if batch < 2:
+    if batch < 2:  # (internal)
         raise AssertionError("ghost_forward._forward: a chunk of one reaches the forward (the "
                              "engine runs it as a batch of two)")
     ambient = ambient_user_code()
@@ -172,6 +175,8 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # the proof traces the program the engine runs
     why, program = proof_of(model, loss_fn, xs, ys, tuple(
         (o.module, o.rule is _MODULE) for o in scan.owners))
+    if gens is not None and program is not None:
+        gens.adopt(program.generators())
     with data_independent_paths():  # first: an error of the user's own code surfaces as is
         try:
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch,
@@ -310,7 +315,7 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
         for h in handles:
             h.remove()
     _check_separable(tracer, calls, losses)
-    return calls, losses.sum()
+    return calls, losses
 
 
 def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
@@ -334,7 +339,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
             with torch.enable_grad(), tracer:  # the loss is user code: traced every call
                 losses = _user_loss(tracer, loss_fn, h, ys, batch)
             _check_separable(tracer, calls, losses)
-            return calls, losses.sum()
+            return calls, losses
     _arm(tracer)  # the chain's modules may be user code
     classes = {id(m): type(m) for m in chain}  # before any user code
     # (no cache under interpreter callbacks: user code then runs inside the modules' forwards)
@@ -368,7 +373,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
         with tracer:  # the loss is user code: traced every call
             losses = _user_loss(tracer, loss_fn, h, ys, batch)
     _check_separable(tracer, calls, losses)
-    return calls, losses.sum()
+    return calls, losses
 
 
 def _arm(tracer: SeparabilityTracer) -> None:
@@ -576,7 +581,7 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
 def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, ys: Any,
                        batch: int, chain: list[nn.Module] | None = None
                        ) -> tuple[list[_Call], Tensor] | None:
-    """``(calls, sum of the per-example losses)`` of a program proved per-example separable by
+    """``(calls, the per-example losses (B,))`` of a program proved per-example separable by
     semantics alone, without a trace and without the batch-size proof: a plain chain of known
     modules (:func:`_run_known_chain`, its run-time checks included) on a plain tensor, then a
     known loss (:mod:`dpclip.engine.known_losses`: e.g. dpclip's ``cross_entropy_per_example`` or
@@ -600,7 +605,7 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
     for t in (xs, ys, h, losses):
         tracer.mark(t, (0, 1))
     tracer.retire()
-    return calls, losses.sum()
+    return calls, losses
 
 
 def _closed_chain(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
