@@ -228,24 +228,37 @@ def test_unpack_hook_of_a_saved_tensor_cannot_read_the_previous_chunk(engine):
 
 
 class _Honest(nn.Module):
-    """Per example: a constant cached on the first call and read on every later one, and the last
-    output kept for logging (never read by the model); ``centre``: a batch reduction."""
+    """Per example: a constant table (made in ``__init__``; ``lazy``: on the first call, and the
+    last output kept for logging, never read by the model); ``centre``: a batch reduction."""
 
-    def __init__(self, centre: bool = False, log: bool = True) -> None:
+    def __init__(self, centre: bool = False, lazy: bool = False) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
-        self.table: Tensor | None = None
+        self.table: Tensor | None = None if lazy else torch.linspace(0, 1, 6)
         self.last: Tensor | None = None
-        self.centre, self.log = centre, log
+        self.centre, self.lazy = centre, lazy
 
     def forward(self, x: Tensor) -> Tensor:
         if self.table is None:
             self.table = torch.linspace(0, 1, 6, dtype=x.dtype)
-        h = torch.tanh(self.fc1(x - x.mean(0) if self.centre else x) + self.table)
+        h = torch.tanh(self.fc1(x - x.mean(0) if self.centre else x) + self.table.to(x.dtype))
         out = self.fc2(h)
-        if self.log:
+        if self.lazy:
             self.last = out.detach()
         return out
+
+
+def test_attributes_set_in_the_call_are_refused_and_put_back():
+    """A lazily made table and a kept output change the model's Python attributes (``None`` ->
+    a tensor) in the call: the next call's proof is chosen by them, so they are refused (as the
+    state guard of ``dp_step`` refused them already) and put back (dpclip.engine.isolation)."""
+    torch.manual_seed(0)
+    model = _Honest(lazy=True).to(DT)
+    x, y = data()
+    with pytest.raises(UnsupportedModelError, match="changed the model's Python attribute 'last', "
+                       "the model's Python attribute 'table' during a private step"):
+        clipped_sum(GhostEngine(), model, ce, x, y)
+    assert model.table is None and model.last is None
 
 
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
@@ -256,7 +269,7 @@ def test_honest_chunks_of_one_still_run_on_ghost(engine):
     torch.manual_seed(0)
     model = _Honest().to(DT)
     x, y = data()
-    for _ in range(2):  # the second call reads the cached table and keeps the last output
+    for _ in range(2):
         got, info = clipped_sum(engine(max_physical_batch=1), model, ce, x, y)
         want, _ = clipped_sum(NaiveEngine(), model, ce, x, y)
         assert info["engine"] == "ghost"
@@ -274,7 +287,7 @@ def test_a_chunk_of_one_reports_its_own_norm_weight_and_loss():
     """The copy is not seen: one norm, one weight, the example's loss (not the pair's), each equal
     to the per-example loop's."""
     torch.manual_seed(0)
-    model = _Honest(log=False).to(DT)
+    model = _Honest().to(DT)
     x, y = data()
     groups = ParamGroups.flat(model)
     for i in range(2):
@@ -293,7 +306,7 @@ def test_a_batch_reduction_is_refused_at_every_chunk_size():
     semantics of one example alone), so the verdict does not depend on how many examples a chunk
     holds; ``auto`` runs it on ``vmap`` from the probe, recorded."""
     torch.manual_seed(0)
-    model = _Honest(centre=True, log=False).to(DT)
+    model = _Honest(centre=True).to(DT)
     x, y = data()
     for engine, xs, ys in ((GhostEngine(max_physical_batch=1), x, y),
                            (GhostEngine(), x[:1], y[:1]), (GhostEngine(), x, y)):

@@ -18,7 +18,6 @@ from dpclip.engine import (
     UnsupportedModelError,
     naive_per_example_grads,
 )
-from dpclip.engine.errors import PrivateBufferError
 from dpclip.engine.ghost import _scan
 from tests.engine.helpers import (
     DT,
@@ -224,17 +223,18 @@ def test_per_layer_refuses_what_one_call_cannot_show(build, needle):
     """Attacks on the per-layer path: a parameter also used outside its module, a module applied
     to its own output (the product would count the first call twice), a derived tensor kept for
     later. Refused by ghost, run on vmap by auto (equal to the loop; the kept tensor is refused
-    there by the state guard that auto's vmap runs under)."""
+    there: each chunk runs isolated, dpclip.engine.isolation)."""
     torch.manual_seed(0)
     model = build().to(DT)
     x, y = _data((3,))
     groups = ParamGroups.flat(model)
     with pytest.raises(UnsupportedModelError, match=needle):
         GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
-    if build is KeepsDerived:  # auto's vmap runs under the state guard: the kept tensor is
-        # model state written from the batch (docs/errors.md entry 79), refused and restored
-        with pytest.raises(PrivateBufferError, match="tensor attribute.s. 'c.kept'"):
+    if build is KeepsDerived:  # auto's vmap runs each chunk isolated: the kept tensor is a
+        # Python attribute set in the call (docs/errors.md entry 109), refused and put back
+        with pytest.raises(UnsupportedModelError, match="Python attribute 'c.kept'"):
             AutoEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert model.c.kept is None
         return
     res, _ = check_against_oracle(AutoEngine(), model, x, y, ce, groups, clip_weights(0.3))
     assert res.engine_info["engine"] == "vmap" and needle in res.engine_info["fallback"]

@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.generators import OwnGenerators
+from dpclip.engine.isolation import Isolated
 
 __all__ = [
     "StepWeights",
@@ -338,7 +338,7 @@ class MaterializingEngine(ABC):
         reducer = self._reducer(params, groups, weight_fn, inputs)
         chunk_grads = self._chunk_grads(model, loss_fn, params)
         for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
-            with OwnGenerators():  # (what the model writes into a generator ends with the chunk)
+            with Isolated(model):  # (what a chunk leaves in process state: dpclip.engine.isolation)
                 got = chunk_grads(xs, ys, rows)
             reducer.add_chunk(*got)
         grads, norms, weights, loss_sum = reducer.result()

@@ -177,6 +177,7 @@ from dpclip.engine.ghost_rules import (
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.generators import OwnGenerators
+from dpclip.engine.isolation import Isolated
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _closed_chain,
@@ -558,11 +559,13 @@ class GhostEngine:
         all_norms, all_weights, loss_sum = [], [], 0.0
         try:
             for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
-                # user code runs under generators of the chunk's own (a closed program has none)
-                with OwnGenerators() if chain is None else contextlib.nullcontext() as gens:
+                # user code runs isolated: generators of the chunk's own, and nothing it leaves
+                # in the model's Python attributes or torch's settings (dpclip.engine.isolation;
+                # a closed program runs no user code)
+                with Isolated(model) if chain is None else contextlib.nullcontext() as iso:
                     part, norms, weights, loss = self._chunk(
                         model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
-                        chain, gens)
+                        chain, iso.gens if iso is not None else None)
                 if sums is None:
                     sums = part
                 else:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from dpclip.engine._common import batch_chunks, check_batch, check_chunk_size, trainable_params
 from dpclip.engine.batch import call_model
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
+from dpclip.engine.isolation import Isolated
 
 __all__ = ["SummedEngine"]
 
@@ -60,16 +61,18 @@ class SummedEngine:
         loss_sum = 0.0
         with torch.enable_grad():
             for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
-                losses = loss_fn(call_model(model, xs), ys)
-                if losses.ndim == 0 or losses.shape[0] != rows:
-                    from dpclip.engine.errors import loss_shape_error
+                # nothing a chunk leaves in process state reaches the next (dpclip.engine.isolation)
+                with Isolated(model):
+                    losses = loss_fn(call_model(model, xs), ys)
+                    if losses.ndim == 0 or losses.shape[0] != rows:
+                        from dpclip.engine.errors import loss_shape_error
 
-                    raise loss_shape_error(losses.ndim, "summed engine: ")
-                total = losses.sum()
-                loss_sum += float(total.detach())
-                if not params or not total.requires_grad:
-                    continue
-                gs = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+                        raise loss_shape_error(losses.ndim, "summed engine: ")
+                    total = losses.sum()
+                    loss_sum += float(total.detach())
+                    if not params or not total.requires_grad:
+                        continue
+                    gs = torch.autograd.grad(total, list(params.values()), allow_unused=True)
                 for name, g in zip(params, gs):
                     if g is not None:
                         grads[name] += g
