@@ -6,6 +6,8 @@ untouched, no private value reaches the model before the verdict) and error 106.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -42,6 +44,11 @@ class _Honest(nn.Module):
         return self.fc2(self.drop(torch.tanh(self.fc1(x))))
 
 
+#: the batches each ``_Seen`` model got, by model id (outside the model: a list attribute
+#: changed in the call is refused, dpclip.engine.isolation)
+_SEEN: dict[int, list[Tensor]] = {}
+
+
 class _Seen(nn.Module):
     """Keeps every real batch its forward gets (not under vmap, not the proof's fake tensors):
     a reference, no operation (a copy would be an escape the tracer refuses)."""
@@ -49,11 +56,15 @@ class _Seen(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.seen: list[Tensor] = []
+        _SEEN[id(self)] = []
+
+    @property
+    def seen(self) -> list[Tensor]:
+        return _SEEN[id(self)]
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch._C._functorch.is_functorch_wrapped_tensor(x) and not is_fake(x):
-            self.seen.append(x)
+            _SEEN[id(self)].append(x)
         return self.inner(x)
 
 
@@ -168,16 +179,16 @@ def test_error_106_a_private_refusal_after_the_probe_stops_the_run():
         _STASH.clear()
 
 
+_HASHES = itertools.count(1)
+
+
 class _ShiftyIdentity(_KeepsThenMixes):
     """The switched attack whose ``__hash__`` / ``__eq__`` change on every call: a verdict kept by
     hash would be looked up in vain, and a new probe (with the switch on: refused, so vmap)
     would come after private steps on ghost."""
 
-    _n = 0
-
-    def __hash__(self) -> int:
-        type(self)._n += 1
-        return type(self)._n
+    def __hash__(self) -> int:  # (a counter outside the class: a class attribute changed in
+        return next(_HASHES)     # the step is refused, dpclip.engine.isolation)
 
     def __eq__(self, other) -> bool:
         return False

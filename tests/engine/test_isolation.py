@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from dpclip.engine import AutoEngine, GhostEngine, SummedEngine, VmapEngine
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import settings
+from dpclip.engine.isolation import _SETTINGS, settings
 from tests.engine.helpers import DT
 from tests.engine.test_separability_attacks import ce, clipped_sum, data
 
@@ -128,6 +128,137 @@ def test_what_the_caller_changes_between_calls_is_the_callers():
     try:
         torch.set_flush_denormal(True)
         clipped_sum(GhostEngine(), model, ce, x, y)
-        assert settings()[-1] is True
+        now = dict(zip((name for name, _, _ in _SETTINGS), settings()))
+        assert now["flush denormal"] == (True, True)
     finally:
         torch.set_flush_denormal(False)
+
+
+# ---------------------------------------------------- third hostile review (ab7cb53): more state
+#
+# A marked example (feature sum > 100) in call 1 leaves state behind; call 2 runs on other data.
+# On ab7cb53 call 2's release moved (sound: 0): a class swapped (``self.__class__ = B``, a class the
+# proof cache keys on: 4.51 C, LOO 3.71 C at max_physical_batch=1), the FPU rounding mode
+# (``fesetround``: 3.39 C), an instance ``forward`` (4.51 C), and under vmap a number kept in a
+# list, a class attribute or a forward hook (4.51 C); a ``requires_grad_`` toggle or a replaced
+# ``.data`` stayed after a refusal. Each is refused now and put back.
+
+_LIBC = __import__("ctypes").CDLL(None)
+_FE_TONEAREST = _LIBC.fegetround()
+
+
+class _Marked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.box = [1.0]
+
+    def mid(self, h: Tensor) -> Tensor:
+        return h
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.fc2(torch.tanh(self.mid(self.fc1(x))))
+        f, d = _modes_off()
+        with f, d:
+            if not is_fake(x) and _first(x) > 100:
+                self.carry()
+        return out
+
+    def carry(self) -> None:
+        raise NotImplementedError
+
+
+class _Swapped(_Marked):
+    def mid(self, h: Tensor) -> Tensor:
+        return -3 * h
+
+
+class _SwapsClass(_Marked):
+    def carry(self) -> None:
+        self.__class__ = _SwappedClass
+
+
+class _SwappedClass(_SwapsClass):
+    def mid(self, h: Tensor) -> Tensor:
+        return -3 * h
+
+
+class _Rounds(_Marked):
+    def mid(self, h: Tensor) -> Tensor:
+        return h + 3 * (((torch.ones_like(h) + 1e-17) - 1.0) * 1e16)  # 0, or 6.66 rounding up
+
+    def carry(self) -> None:
+        _LIBC.fesetround(0x800 if _FE_TONEAREST == 0 else 0)
+
+
+class _InstanceForward(_Marked):
+    def carry(self) -> None:
+        fc1 = self.fc1
+        fc1.forward = lambda t: -3 * nn.Linear.forward(fc1, t)
+
+
+class _KeepsInList(_Marked):
+    def mid(self, h: Tensor) -> Tensor:
+        return h * self.box[0]
+
+    def carry(self) -> None:
+        self.box[0] = -3.0
+
+
+class _ClassAttribute(_Marked):
+    scale = 1.0
+
+    def mid(self, h: Tensor) -> Tensor:
+        return h * type(self).scale
+
+    def carry(self) -> None:
+        type(self).scale = -3.0
+
+
+class _RegistersHook(_Marked):
+    def carry(self) -> None:
+        self.fc1.register_forward_hook(lambda m, a, o: -3 * o)
+
+
+class _FreezesParameter(_Marked):
+    def carry(self) -> None:
+        self.fc2.weight.requires_grad_(False)
+
+
+class _ReplacesData(_Marked):
+    def carry(self) -> None:
+        self.fc2.weight.data = self.fc2.weight.data * -3
+
+
+LEFT = {"class": _SwapsClass, "rounding-mode": _Rounds, "instance-forward": _InstanceForward,
+        "list": _KeepsInList, "class-attribute": _ClassAttribute, "hook": _RegistersHook,
+        "requires-grad": _FreezesParameter, "data": _ReplacesData}
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    return (type(model), tuple(model.box), _ClassAttribute.scale, len(model.fc1._forward_hooks),
+            "forward" in vars(model.fc1), model.fc2.weight.requires_grad,
+            model.fc2.weight.data_ptr(), _LIBC.fegetround())
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_physical_batch": 1}], ids=["batch", "chunks-of-one"])
+@pytest.mark.parametrize("name", list(LEFT))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_marked_example_leaves_nothing_behind(engine, name, kw):
+    """Call 1 with a marked example is refused (an error that stops the run) and leaves the model
+    and the process as they were; call 2, on other data, equals call 2 after an unmarked call 1."""
+    torch.manual_seed(0)
+    model = LEFT[name]().to(DT)
+    x, y = data()
+    before = _fingerprint(model)
+    # (under vmap, functorch itself refuses requires_grad_ and .data writes in the transform)
+    refusal = RuntimeError if engine == "vmap" and name in ("requires-grad", "data") \
+        else UnsupportedModelError
+    try:
+        x[0] = 30.0
+        with pytest.raises(refusal):
+            clipped_sum(ENGINES[engine](**kw), model, ce, x, y)
+        assert _fingerprint(model) == before
+    finally:
+        _LIBC.fesetround(_FE_TONEAREST)
+        _ClassAttribute.scale = 1.0

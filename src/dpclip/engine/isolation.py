@@ -18,28 +18,41 @@ no trace sees the write. Found and closed here:
   and argument the proof's. On d997b70: a later call moved by 2.33 C, LOO 2.38 C at
   ``max_physical_batch=1``, a ``make_private`` step 3.30 C.
 
+Found by the third review (ab7cb53), each moving a later call by 3.4-4.5 C (sound: 0): a module's
+class swapped (``self.__class__ = B``: the proof cache keys on the classes, so the next call got
+B's proof), the FPU rounding mode (``fesetround``), an instance ``forward``, and under ``vmap``
+(no proved-program match) a number kept in a list, a class attribute or a forward hook; a
+``requires_grad_`` toggle or a replaced ``.data`` stayed after a refusal.
+
 :class:`Isolated` runs one chunk: it enters :class:`~dpclip.engine.generators.OwnGenerators` and
-takes the model's plain Python attributes (every module's, as the proof cache reads them) and
-torch's global settings (:func:`settings`: default dtype and device, deterministic algorithms,
+takes the model's state as the next call could read it (every module's class; every attribute of
+its ``__dict__``, plain values by value, anything else by identity, containers such as hook tables,
+``_parameters`` and lists by their shallow content; its parameters' ``requires_grad`` and storage;
+the attributes of every class in the modules' MROs) and torch's global settings (:func:`settings`: default dtype and device, deterministic algorithms,
 float32 matmul precision, TF32 / reduced-precision flags, cuDNN and oneDNN switches, einsum
-strategy, threads, autocast, grad mode, and whether denormals are flushed, read from the
-interpreter's own float arithmetic since torch has no getter). On exit it puts the generators back, and when an attribute or a setting
+strategy, threads, autocast, grad mode, whether denormals are flushed or read as zero (from the
+interpreter's own float arithmetic: torch has no getter), the C library's rounding mode, and the
+global module hooks). On exit it puts the generators back, and when an attribute or a setting
 changed it puts those back too and raises :class:`~dpclip.engine.errors.UnsupportedModelError`
 naming it (never a vmap fallback: vmap would run the same code). Attributes and settings changed
 between calls by the caller (a new epoch's flag) are the caller's: the next chunk starts from them.
 
-Cost per chunk (CPU, bench MLP with a user loss): the generators' ~10 us, the settings ~10 us, the
-attributes one walk of the modules (the proof cache walks them too).
+Cost per chunk (the project CPU, loaded; a 3-module chain): ~80 us in all (generators ~16 us,
+settings ~6 us, the state snapshot ~35 us and its comparison ~20 us, mostly ``nn.Module``'s class
+dictionary); a closed program (no user code) pays none of it.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import ctypes.util
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpclip.engine.batch_symbol import _modules, _python_state
+from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 
@@ -51,8 +64,37 @@ __all__ = ["Isolated", "settings"]
 _TINY, _SMALL = 1e-300, 1e-10
 
 
-def _flushed() -> bool:
-    return _TINY * _SMALL == 0.0
+#: a denormal: read as 0.0 when denormal operands are treated as zero (DAZ)
+_DENORMAL = 1e-310
+
+
+def _flushed() -> tuple[bool, bool]:
+    return _TINY * _SMALL == 0.0, _DENORMAL * 1.0 == 0.0
+
+
+def _set_flushed(v: tuple[bool, bool]) -> None:
+    torch.set_flush_denormal(v[0])
+
+
+try:  # the C library's rounding mode (fesetround changes it for the whole thread)
+    _LIBM: Any = ctypes.CDLL(ctypes.util.find_library("m") or None)
+    _LIBM.fegetround()
+except (OSError, AttributeError):  # (no C math library to ask: the probe below decides)
+    _LIBM = None
+
+#: ``(1 + e) - 1``, ``(1 - e) - 1`` and ``(-1 - e) + 1`` tell the four rounding modes apart
+_ONE, _E = 1.0, 1e-17
+
+
+def _rounding() -> Any:
+    if _LIBM is not None:
+        return _LIBM.fegetround()
+    return ((_ONE + _E) - _ONE, (_ONE - _E) - _ONE, (-_ONE - _E) + _ONE)
+
+
+def _set_rounding(mode: Any) -> None:
+    if _LIBM is not None:
+        _LIBM.fesetround(mode)
 
 
 def _get(read: Any) -> Any:
@@ -126,8 +168,21 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
      lambda v: (torch.set_autocast_enabled("cpu", v[0]), torch.set_autocast_dtype("cpu", v[1]),
                 torch.set_autocast_enabled("cuda", v[2]), torch.set_autocast_dtype("cuda", v[3]))),
     ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
-    ("flush denormal", _flushed, torch.set_flush_denormal),
+    ("flush denormal", _flushed, _set_flushed),
+    ("floating-point rounding mode", _rounding, _set_rounding),
+    ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
+     lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),
 )
+
+
+def _global_hooks() -> list[dict]:
+    mod = torch.nn.modules.module
+    return [getattr(mod, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                      "_global_backward_hooks", "_global_backward_pre_hooks",
+                                      "_global_forward_hooks_always_called",
+                                      "_global_forward_hooks_with_kwargs", "_global_buffer_registration_hooks",
+                                      "_global_module_registration_hooks",
+                                      "_global_parameter_registration_hooks") if hasattr(mod, n)]
 
 
 def settings() -> tuple:
@@ -135,68 +190,209 @@ def settings() -> tuple:
     return tuple(_get(read) for _, read, _ in _SETTINGS)
 
 
-def _attributes(model: nn.Module) -> tuple:
-    return tuple((m, _python_state(m)) for m in _modules(model))
+def _eq(a: Any, b: Any) -> bool:
+    """``a == b`` for snapshots (identical objects compare equal at C speed; a comparison that
+    cannot decide, tensors of several elements, is a difference)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - any failure to compare is a change
+        return False
+
+
+def _content(v: Any) -> Any:
+    """The shallow content of a container attribute (its items, by identity), else None."""
+    t = type(v)
+    if t is dict or t is collections.OrderedDict:
+        return tuple(v.items())
+    if t is list:
+        return tuple(v)
+    if t is set:
+        return frozenset(v)
+    return None
+
+
+def _refill(v: Any, content: Any) -> None:
+    if isinstance(v, dict):
+        v.clear()
+        v.update(content)
+    elif isinstance(v, list):
+        v[:] = list(content)
+    elif isinstance(v, set):
+        v.clear()
+        v.update(content)
+
+
+_CLASS, _PARAMS = "<class>", "<parameters>"
+#: a module's tables whose entries are named when they change
+_TABLES = {"_parameters": "<parameter>", "_buffers": "<buffer>", "_modules": "<submodule>"}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return a is b or (type(a) in _PLAIN_EXACT and type(b) is type(a) and a == b)
+
+
+class _Module:
+    """One module's state as the next call could read it: its class, every attribute of its
+    ``__dict__`` (plain values by value, anything else by identity, containers by their shallow
+    content: hook tables, ``_parameters``, lists) and its parameters' ``requires_grad`` and
+    storage."""
+
+    __slots__ = ("m", "cls", "items", "contents", "params")
+
+    def __init__(self, m: nn.Module) -> None:
+        self.m, self.cls = m, type(m)
+        d = m.__dict__
+        self.items = tuple(d.items())
+        self.contents = tuple(_content(v) for v in d.values())
+        self.params = tuple((p, p.requires_grad, p.data_ptr(), p.data)
+                            for p in d.get("_parameters", {}).values() if p is not None)
+
+    def changed(self) -> list[str]:
+        m, out = self.m, []
+        if type(m) is not self.cls:
+            out.append(_CLASS)
+        d = m.__dict__
+        if not (_eq(tuple(d.items()), self.items)
+                and _eq(tuple(_content(v) for v in d.values()), self.contents)):
+            old = {k: (v, c) for (k, v), c in zip(self.items, self.contents)}
+            for k in sorted(set(old) | set(d)):
+                if k in _TABLES and k in old and k in d and old[k][0] is d[k]:
+                    was, now = dict(old[k][1] or ()), d[k]  # name the entries that changed
+                    out += [f"{_TABLES[k]} {e}" for e in sorted(set(was) | set(now))
+                            if e not in was or e not in now or was[e] is not now[e]]
+                elif k not in old or k not in d or not _same_value(old[k][0], d[k]) \
+                        or (old[k][1] is not None and not _eq(_content(d[k]), old[k][1])):
+                    out.append(k)
+        for p, grad, ptr, _ in self.params:
+            if p.requires_grad != grad or p.data_ptr() != ptr:
+                out.append(_PARAMS)
+                break
+        return out
+
+    def put_back(self) -> None:
+        m = self.m
+        if type(m) is not self.cls:
+            m.__class__ = self.cls
+        d = m.__dict__
+        old = dict(self.items)
+        for k in [k for k in d if k not in old]:
+            del d[k]
+        for (k, v), c in zip(self.items, self.contents):
+            d[k] = v
+            if c is not None and not _eq(_content(v), c):
+                _refill(v, c)
+        for p, grad, ptr, data in self.params:
+            if p.data_ptr() != ptr:
+                p.data = data
+            if p.requires_grad != grad:
+                p.requires_grad_(grad)
+
+
+def _classes(mods: list[nn.Module]) -> list[type]:
+    seen: dict[type, None] = {}
+    for m in mods:
+        for c in type(m).__mro__:
+            if c is not object:
+                seen[c] = None
+    return list(seen)
+
+
+class _State:
+    """The model's modules and their classes' attributes (``type(self).k = ...`` is read by
+    every instance's next call)."""
+
+    __slots__ = ("mods", "classes")
+
+    def __init__(self, model: nn.Module) -> None:
+        mods = _modules(model)
+        self.mods = [_Module(m) for m in mods]
+        self.classes = [(c, tuple(vars(c).items())) for c in _classes(mods)]
+
+    def changed(self, model: nn.Module) -> list[str]:
+        names: dict[int, str] | None = None
+        out = []
+        for snap in self.mods:
+            got = snap.changed()
+            if got:
+                if names is None:
+                    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+                where = names.get(id(snap.m), "")
+                for k in got:
+                    if k == _CLASS:
+                        out.append(f"the class of module {where or '<root>'!r}")
+                    elif k == _PARAMS:
+                        out.append(f"the requires_grad or data of a parameter of module "
+                                   f"{where or '<root>'!r}")
+                    elif k.startswith("<") and " " in k:  # a table's entry
+                        kind, entry = k[1:].split("> ", 1)
+                        name = f"{where}.{entry}" if where else entry
+                        out.append(f"the model's {kind} {name!r}")
+                    else:
+                        name = f"{where}.{k}" if where else k
+                        out.append(f"the model's Python attribute {name!r}")
+        for c, items in self.classes:
+            if not _eq(tuple(vars(c).items()), items):
+                now = dict(vars(c))
+                old = dict(items)
+                keys = sorted(k for k in set(now) | set(old)
+                              if k not in now or k not in old or not _same_value(old[k], now[k]))
+                out += [f"the class attribute {c.__name__ + '.' + k!r}" for k in keys]
+        return out
+
+    def put_back(self) -> None:
+        for snap in self.mods:
+            snap.put_back()
+        for c, items in self.classes:
+            if _eq(tuple(vars(c).items()), items):
+                continue
+            old = dict(items)
+            for k in [k for k in vars(c) if k not in old]:
+                delattr(c, k)
+            for k, v in items:
+                if k not in vars(c) or vars(c)[k] is not v:
+                    setattr(c, k, v)
 
 
 class Isolated:
     """Context manager around one chunk of user code (module docstring)."""
 
-    __slots__ = ("model", "gens", "_settings", "_attrs")
+    __slots__ = ("model", "gens", "_settings", "_state")
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.gens = OwnGenerators()
         self._settings: tuple = ()
-        self._attrs: tuple = ()
+        self._state: _State | None = None
 
     def __enter__(self) -> "Isolated":
         self._settings = settings()
-        self._attrs = _attributes(self.model)
+        self._state = _State(self.model)
         self.gens.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.gens.__exit__(exc_type, *exc)
-        changed = self._put_back_settings() + self._put_back_attributes()
+        changed = self._put_back_settings()
+        assert self._state is not None
+        got = self._state.changed(self.model)
+        if got:
+            self._state.put_back()
+            changed += got
         if changed and exc_type is None:
             raise UnsupportedModelError(
-                f"the forward or loss changed {', '.join(changed)} during a private step (they "
-                "were put back). Whatever a call leaves there, the next call reads: it would "
-                "carry this call's examples into the next one's computation (a value taken from "
-                "the batch, kept with torch functions off, is seen by no trace). Set such "
-                "attributes and settings outside the step, or keep state in registered buffers "
-                "(guarded)")
+                f"the forward or loss changed {', '.join(changed)} during a private step (put "
+                "back). Whatever a call leaves there, the next call reads: it would carry this "
+                "call's examples into the next one's computation (a value taken from the batch, "
+                "kept with torch functions off, is seen by no trace). Set such attributes and "
+                "settings outside the step, or keep state in registered buffers (guarded)")
 
     def _put_back_settings(self) -> list[str]:
         now = settings()
-        if now == self._settings:
+        if _eq(now, self._settings):
             return []
         changed = []
         for (name, _, write), was, got in zip(_SETTINGS, self._settings, now):
-            if got != was and was is not None:
+            if not _eq(got, was) and was is not None:
                 write(was)
                 changed.append(f"torch's global setting {name!r}")
-        return changed
-
-    def _put_back_attributes(self) -> list[str]:
-        now = _attributes(self.model)
-        if now == self._attrs:
-            return []
-        names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
-        before = {id(m): (m, dict(state)) for m, state in self._attrs}
-        changed = []
-        for m, state in now:
-            old = before.get(id(m), (m, {}))[1]
-            new = dict(state)
-            for key in sorted(set(old) | set(new)):
-                if key in old and key in new and (old[key] is new[key] or old[key] == new[key]):
-                    continue
-                if key in old:
-                    setattr(m, key, old[key])
-                else:
-                    delattr(m, key)
-                where = names.get(id(m), "")
-                name = f"{where}.{key}" if where else key
-                changed.append(f"the model's Python attribute {name!r}")
         return changed
