@@ -28,7 +28,8 @@ B's proof), the FPU rounding mode (``fesetround``), an instance ``forward``, and
 takes the model's state as the next call could read it (every module's class; every attribute of
 its ``__dict__``, plain values by value, anything else by identity, containers such as hook tables,
 ``_parameters`` and lists by their shallow content; its parameters' ``requires_grad`` and storage;
-the attributes of every class in the modules' MROs) and torch's global settings (:func:`settings`: default dtype and device, deterministic algorithms,
+the attributes of every class in the modules' MROs but torch's, transformers' and peft's) and
+torch's global settings (:func:`settings`: default dtype and device, deterministic algorithms,
 float32 matmul precision, TF32 / reduced-precision flags, cuDNN and oneDNN switches, einsum
 strategy, threads, autocast, grad mode, whether denormals are flushed or read as zero (from the
 interpreter's own float arithmetic: torch has no getter), the C library's rounding mode, and the
@@ -37,9 +38,11 @@ changed it puts those back too and raises :class:`~dpclip.engine.errors.Unsuppor
 naming it (never a vmap fallback: vmap would run the same code). Attributes and settings changed
 between calls by the caller (a new epoch's flag) are the caller's: the next chunk starts from them.
 
-Cost per chunk (the project CPU, loaded; a 3-module chain): ~80 us in all (generators ~16 us,
-settings ~6 us, the state snapshot ~35 us and its comparison ~20 us, mostly ``nn.Module``'s class
-dictionary); a closed program (no user code) pays none of it.
+Cost per chunk (benchmarks/results/isolation_cost_cpu.md, 2-core CPU, 1 thread, medians of 30
+paired steps): the bench MLP with a user loss +0.17 ms at B 256 (x1.10) and +0.32 ms at B 1024
+(x1.12); small Hugging Face BERT +1.15 ms (x1.03) and Llama +1.86 ms (x1.04). The context alone
+measures ~70 us on the 6-module MLP (the state snapshot ~4 us a module, its comparison, the
+settings and the generators). A closed program (no user code: the bench's MLP cell) pays none.
 """
 
 from __future__ import annotations
@@ -199,16 +202,26 @@ def _eq(a: Any, b: Any) -> bool:
         return False
 
 
+_DICTS = (dict, collections.OrderedDict)
+_CONTAINERS = frozenset({dict, collections.OrderedDict, list, set})
+
+
 def _content(v: Any) -> Any:
     """The shallow content of a container attribute (its items, by identity), else None."""
     t = type(v)
-    if t is dict or t is collections.OrderedDict:
+    if t in _DICTS:
         return tuple(v.items())
     if t is list:
         return tuple(v)
     if t is set:
         return frozenset(v)
     return None
+
+
+def _contents(d: dict) -> dict:
+    """``{key: shallow content}`` of the container attributes of a module's ``__dict__``."""
+    return {k: (tuple(v.items()) if t in _DICTS else tuple(v) if t is list else frozenset(v))
+            for k, v in d.items() if (t := type(v)) in _CONTAINERS}
 
 
 def _refill(v: Any, content: Any) -> None:
@@ -243,7 +256,7 @@ class _Module:
         self.m, self.cls = m, type(m)
         d = m.__dict__
         self.items = tuple(d.items())
-        self.contents = tuple(_content(v) for v in d.values())
+        self.contents = _contents(d)
         self.params = tuple((p, p.requires_grad, p.data_ptr(), p.data)
                             for p in d.get("_parameters", {}).values() if p is not None)
 
@@ -252,9 +265,8 @@ class _Module:
         if type(m) is not self.cls:
             out.append(_CLASS)
         d = m.__dict__
-        if not (_eq(tuple(d.items()), self.items)
-                and _eq(tuple(_content(v) for v in d.values()), self.contents)):
-            old = {k: (v, c) for (k, v), c in zip(self.items, self.contents)}
+        if not (_eq(tuple(d.items()), self.items) and _eq(_contents(d), self.contents)):
+            old = {k: (v, self.contents.get(k)) for k, v in self.items}
             for k in sorted(set(old) | set(d)):
                 if k in _TABLES and k in old and k in d and old[k][0] is d[k]:
                     was, now = dict(old[k][1] or ()), d[k]  # name the entries that changed
@@ -277,8 +289,9 @@ class _Module:
         old = dict(self.items)
         for k in [k for k in d if k not in old]:
             del d[k]
-        for (k, v), c in zip(self.items, self.contents):
+        for k, v in self.items:
             d[k] = v
+            c = self.contents.get(k)
             if c is not None and not _eq(_content(v), c):
                 _refill(v, c)
         for p, grad, ptr, data in self.params:
@@ -288,11 +301,19 @@ class _Module:
                 p.requires_grad_(grad)
 
 
+#: the libraries whose classes are not snapshot: their dictionaries are large (thousands of
+#: entries over the MROs of a Hugging Face model: ~2 ms a chunk for a small BERT) and a value
+#: written into them is a global of the library (docs/engines.md, "Trust boundary": what no check
+#: sees under vmap; under ghost the proved-program match compares what the program reads, and
+#: dpclip.engine.library_code what a ruled layer's forward looks up)
+_LIBRARIES = ("torch.", "transformers.", "peft.")
+
+
 def _classes(mods: list[nn.Module]) -> list[type]:
     seen: dict[type, None] = {}
     for m in mods:
         for c in type(m).__mro__:
-            if c is not object:
+            if c is not object and not c.__module__.startswith(_LIBRARIES):
                 seen[c] = None
     return list(seen)
 
