@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import hf_models as hf
-    from memory_watch_cost import _commit, _mlp_case
+    from memory_watch_cost import _commit, _mlp_case, paired_times
 
     from dpclip.engine import ghost
 
@@ -63,15 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for label, (model, x, y, loss) in cases.items():
             step, info = hf.stepper("dpclip-ghost", model, x, y, loss, dev)
-            for _ in range(3):
-                step()
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for r in range(args.rounds):
-                for on in ((True, False) if r % 2 else (False, True)):
-                    ghost.Isolated = real if on else _Off  # type: ignore[misc]
-                    t0 = time.perf_counter()
-                    step()
-                    times[on].append((time.perf_counter() - t0) * 1e3)
+            times = paired_times(step, lambda on: setattr(ghost, "Isolated", real if on else _Off),
+                                 args.rounds)
             ghost.Isolated = real  # type: ignore[misc]
             on, off = times[True], times[False]
             row = {"case": label, "engine": (info() or {}).get("engine"),

@@ -38,6 +38,21 @@ def _mlp_case(batch: int, user_loss: bool):
     return model, x, y, loss
 
 
+def paired_times(step, switch, rounds: int) -> dict[bool, list[float]]:
+    """Three warm-up steps, then ``rounds`` pairs of steps, on and off in alternating order
+    (``switch(on)`` before each): ``{True: [ms, ...], False: [ms, ...]}``."""
+    for _ in range(3):
+        step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 else (False, True)):
+            switch(on)
+            t0 = time.perf_counter()
+            step()
+            times[on].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def _commit() -> str:
     import subprocess
 
@@ -78,15 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cpu")
     for label, (model, x, y, loss) in cases.items():
         step, info = hf.stepper("dpclip-ghost", model, x, y, loss, dev)
-        for _ in range(3):
-            step()
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(args.rounds):
-            for on in ((True, False) if r % 2 else (False, True)):
-                state["on"] = on
-                t0 = time.perf_counter()
-                step()
-                times[on].append((time.perf_counter() - t0) * 1e3)
+        times = paired_times(step, lambda on: state.update(on=on), args.rounds)
         on, off = times[True], times[False]
         row = {"case": label, "engine": (info() or {}).get("engine"),
                "watch_on_ms_min": round(min(on), 3), "watch_off_ms_min": round(min(off), 3),
