@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from tests.core._invariance_cases import (ledger_hash, record, reproduction_test, train_digits,
-                                          weights_hash)
+                                          weights_hash, weights_probe)
 
 REFERENCE = Path(__file__).with_name("refactor_invariance_release.json")
 
@@ -37,6 +37,7 @@ def _train(**kw: Any) -> dict[str, Any]:
     res = train_digits(**{"batch_size": 256, **kw})
     return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
             "weights": weights_hash(res.model),
+            "weights_probe": weights_probe(res.model),
             "noise_multiplier": float(res.summary["noise_multiplier"])}
 
 
@@ -48,7 +49,9 @@ def _greedy() -> dict[str, Any]:
     res = greedy_search(cfg, progress=False)
     return {"thresholds": [float(t) for t in res.thresholds],
             "candidates": [[c["clip_norm"], c["accuracy"], c["digest"]] for c in res.candidates],
-            "weights": weights_hash(res.model)}
+            "candidates_probe": [[c["clip_norm"], c["accuracy"]] for c in res.candidates],
+            "weights": weights_hash(res.model),
+            "weights_probe": weights_probe(res.model)}
 
 
 def _fedavg(strategy: str, **kw: Any) -> dict[str, Any]:
@@ -69,6 +72,7 @@ def _fedavg(strategy: str, **kw: Any) -> dict[str, Any]:
     res = run_fedavg(fed, model, strat, FedAvgConfig(**base))
     return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
             "weights": weights_hash(res.model),
+            "weights_probe": weights_probe(res.model),
             "clip_history": [float(c) for c in res.clip_history],
             "noise_multiplier": float(res.summary["noise_multiplier"])}
 

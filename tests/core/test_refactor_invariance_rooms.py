@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 
 from tests.core._invariance_cases import (ledger_hash, record, reproduction_test, train_digits,
-                                          weights_hash)
+                                          weights_hash, weights_probe)
 
 REFERENCE = Path(__file__).with_name("refactor_invariance_rooms.json")
 
@@ -78,7 +78,8 @@ params = { initial_clip_norm = "0.1", target_quantile = "0.5", count_noise_std =
 
 def _result(res: Any) -> dict[str, Any]:
     return {"steps": res.ledger.steps, "ledger": ledger_hash(res.ledger),
-            "weights": weights_hash(res.model)}
+            "weights": weights_hash(res.model),
+            "weights_probe": weights_probe(res.model)}
 
 
 def _train(**kw: Any) -> dict[str, Any]:

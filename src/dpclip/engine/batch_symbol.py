@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import operator
 import re
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
@@ -302,7 +304,114 @@ def _python_state(mod: nn.Module) -> tuple:
             continue
         elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
                                                                      for x in v)):
-            got.append((k, v))
+            got.append((k, _plain(v)))  # (a subclass's own __hash__ / __eq__ never decide)
+    return tuple(got)
+
+
+def _plain(v: Any) -> Any:
+    """A plain attribute (an ``int`` / ``float`` / ``str`` subclass, an enum, a tuple of them) in
+    the key by its type and its builtin value, read with the builtin's own method: never by its
+    ``__dict__``, which the isolation does not compare (seventh hostile review: ``self.tag.k =
+    example`` on an ``int`` subclass changed the key, a fresh proof took the carried value: LOO
+    2.51 C), nor by a ``__hash__`` / ``__eq__`` of its own."""
+    t = type(v)
+    if t is tuple or isinstance(v, tuple):
+        return (t, tuple(_plain(x) for x in v))
+    if isinstance(v, bool) or t in _PLAIN_EXACT:
+        return (t, v.hex() if t is float else v)
+    if isinstance(v, int):
+        return (t, int.__index__(v))
+    if isinstance(v, float):
+        return (t, float.hex(float.__float__(v)))
+    if isinstance(v, str):
+        return (t, str.__str__(v))
+    return _Same(v)
+
+
+class _Same:
+    """An object in a proof-cache key by identity: its own ``__hash__`` and ``__eq__`` are never
+    called (fifth hostile review: an ``int`` subclass whose hash changed on every call, or a loss
+    without a hash, got a fresh proof on every call; the proof then took the previous call's
+    example, left in a global, as a public constant: a later call moved by 0.75 C, LOO 2.51 C at
+    ``max_physical_batch=1``). Keeps the object alive, so that its ``id`` is not reused."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+
+_MAPS = (dict, collections.OrderedDict)
+
+
+def _canon(v: Any, depth: int = 4) -> Any:
+    """``v`` as a proof-cache key part that user code cannot make miss at will: exact builtin
+    scalars by value, tuples, lists and dicts by their canonical items, a function by its code,
+    globals, defaults and closure, a bound method or ``functools.partial`` by its parts, an
+    object with a ``__dict__`` (a loss object, a ``torch.nn`` loss module) by its type and
+    canonical attributes (``__slots__`` too), sets by their canonical items, anything else (a
+    tensor, what lies deeper than ``depth``) by identity. Used after the identity of the loss
+    (:func:`proof_of`): an object reused from call to call hits by identity whatever its state
+    now (its changed state then fails the match); a new loss object each step built from the same
+    constants (``nn.CrossEntropyLoss()``, ``functools.partial(F.cross_entropy, ...)``) hits by
+    this form (seventh hostile review: with its containers by identity it missed every step and a
+    fresh proof took a carried global as a constant, 0.75 C).
+
+    A key that hits reuses a proof, and the real run must then still match that proof's program
+    operation by operation, constants included (:mod:`dpclip.engine.proved_program`): a coarse
+    key can only refuse a step, never accept another program. A key that misses is the danger: a
+    fresh proof takes whatever Python values the forward reads then as public constants. So
+    two calls that pass equal but distinct objects (a new ``lambda`` or loss object each step)
+    reuse one proof."""
+    t = type(v)
+    if t in _PLAIN_EXACT:
+        return (t, v.hex()) if t is float else (t, v)  # (hex: one NaN equals another)
+    if depth <= 0:
+        return _Same(v)
+    d = depth - 1
+    if t is tuple or t is list:
+        return (t, tuple(_canon(x, d) for x in v))
+    if t in _MAPS:
+        return (t, tuple((_canon(k, d), _canon(x, d)) for k, x in v.items()))
+    if t is set or t is frozenset:
+        return (t, frozenset(_canon(x, d) for x in v))
+    if t is types.FunctionType:
+        cells = []
+        for c in v.__closure__ or ():
+            try:
+                cells.append(_canon(c.cell_contents, d))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return ("function", v.__code__, _Same(v.__globals__), _canon(v.__defaults__, d),
+                _canon(v.__kwdefaults__, d), tuple(cells))
+    if t is types.MethodType:
+        return ("method", _canon(v.__func__, d), _canon(v.__self__, d))
+    if t is functools.partial:
+        return ("partial", _canon(v.func, d), _canon(v.args, d), _canon(v.keywords, d))
+    if isinstance(v, (Tensor, type, types.ModuleType, types.BuiltinFunctionType)):
+        return _Same(v)
+    attrs = getattr(v, "__dict__", None)
+    slots = _slots(t)
+    if type(attrs) is dict or (attrs is None and slots):
+        return ("object", t,
+                tuple((k, _canon(x, d)) for k, x in (attrs or {}).items()),
+                tuple((n, _canon(getattr(v, n, _Same), d)) for n in slots))
+    return _Same(v)
+
+
+def _slots(t: type) -> tuple[str, ...]:
+    """The ``__slots__`` names of a class and its bases (a loss class without ``__dict__``)."""
+    got: list[str] = []
+    for c in t.__mro__:
+        names = c.__dict__.get("__slots__", ())
+        got += [names] if isinstance(names, str) else [n for n in names if n not in
+                                                         ("__dict__", "__weakref__")]
     return tuple(got)
 
 
@@ -336,7 +445,33 @@ def _signature(model: Any, xs: Any, ys: Any) -> tuple:
     return (str(spec), sig, mods)
 
 
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, _Proofs]" = weakref.WeakKeyDictionary()
+def _identity(fn: Any) -> Any:
+    """``fn`` by identity; a bound method by its function's and its object's (``obj.loss`` is a
+    new method object at each access: by its canonical form, the object's state carried from the
+    last call would make every call miss)."""
+    if type(fn) is types.MethodType:
+        return ("method", _Same(fn.__func__), _Same(fn.__self__))
+    return _Same(fn)
+
+
+class _Proofs:
+    """One model's proofs: by the loss object's identity (the last 64 objects) and by its
+    canonical form (:func:`proof_of`)."""
+
+    __slots__ = ("by_identity", "alike")
+
+    def __init__(self) -> None:
+        self.by_identity: collections.OrderedDict = collections.OrderedDict()
+        self.alike: dict = {}
+
+    def clear(self) -> None:
+        self.by_identity.clear()
+        self.alike.clear()
+
+
+#: the proofs of models that are plain callables, by their canonical form (:func:`_canon`)
+_CALLABLES: dict[Any, _Proofs] = {}
 
 
 def batch_size_uses(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
@@ -364,18 +499,35 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     the real run must match operation by operation
     (:class:`~dpclip.engine.proved_program.ProgramMatch`): user Python can tell the proof's fake
     tensors from real ones, so the verdict alone says nothing about a different real run."""
-    per_model = _CACHE.setdefault(model, {})
-    key = (loss_fn, _signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
-    try:
-        if key in per_model:
-            return per_model[key]
-    except TypeError:  # an unhashable loss function: not cached
-        key = None
-    got = _export_check(model, loss_fn, xs, ys, expand)
-    if key is not None:
-        if len(per_model) >= 64:
-            per_model.clear()
-        per_model[key] = got
+    if isinstance(model, nn.Module):
+        per_model = _CACHE.get(model)
+        if per_model is None:
+            per_model = _CACHE[model] = _Proofs()
+    else:  # a plain callable: by its canonical form (a new lambda each step is the same model)
+        if len(_CALLABLES) > 64:
+            _CALLABLES.clear()
+        per_model = _CALLABLES.setdefault(_canon(model), _Proofs())
+    # no user __hash__ / __eq__ decides whether a key hits: the loss by identity first (the same
+    # object as before hits whatever it holds now: a state it carried from the last call then
+    # fails the match, sixth hostile review: keyed by its attributes' values, every call missed
+    # and a fresh proof took the carried value as a constant, 0.74 C), then by its canonical form
+    # (a new lambda or loss object each step reuses the proof: fifth review)
+    rest = (_signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
+    key = (_identity(loss_fn),) + rest
+    got = per_model.by_identity.get(key)
+    if got is not None:
+        return got
+    alike = (_canon(loss_fn),) + rest
+    got = per_model.alike.get(alike)
+    if got is None:
+        got = _export_check(model, loss_fn, xs, ys, expand)
+        if len(per_model.alike) >= 64:
+            per_model.alike.clear()
+        per_model.alike[alike] = got
+    ids = per_model.by_identity
+    ids[key] = got
+    while len(ids) > 64:  # (the oldest loss objects: a new lambda each step leaves one a step)
+        ids.popitem(last=False)
     return got
 
 

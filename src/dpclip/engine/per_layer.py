@@ -378,7 +378,7 @@ class RecomputeTracer(SeparabilityTracer):
                                         f"{tuple(t.shape)} tensor that the recomputation did not "
                                         "make and that is not the module's")
                         break
-            self.watch.check_args(args, kwargs)
+            self.watch.check_args(args, kwargs, func)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if not self.quiet:
             outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))

@@ -393,17 +393,24 @@ def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int 
     base argument's (shared), else the output's own."""
     got: list[int | None] = []
     alias = _ret_alias(func)
-    for j, o in enumerate(outs):
-        v = None
-        if o is not None:
-            v = o._version
-            hit = alias[j] if j < len(alias) else None
-            if hit is not None:
-                a = _arg(hit, args, kwargs)
-                if isinstance(a, Tensor):
-                    v = a._version
-        got.append(v)
+    try:
+        for j, o in enumerate(outs):
+            v = None
+            if o is not None:
+                v = o._version
+                hit = alias[j] if j < len(alias) else None
+                if hit is not None:
+                    a = _arg(hit, args, kwargs)
+                    if isinstance(a, Tensor):
+                        v = a._version
+            got.append(v)
+    except RuntimeError as exc:  # "Inference tensors do not track version counter"
+        raise _NoVersion(str(exc)) from exc
     return got
+
+
+class _NoVersion(Exception):
+    """A tensor of the call has no version counter (an inference tensor)."""
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
@@ -704,7 +711,7 @@ class ProgramMatch:
         if watch is None:
             self._fail(_UNARMED)
             return
-        watch.check_args(args, kwargs)
+        watch.check_args(args, kwargs, func)
         if watch.changed is not None:
             self._fail(_unseen_write(watch.changed, f"before {_short(func)}"))
             return
@@ -776,6 +783,15 @@ class ProgramMatch:
     def step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self.done or self.mismatch is not None or _skip(func):
             return
+        try:
+            self._step(func, args, kwargs, out)
+        except _NoVersion:
+            # (sixth hostile review: a literal made under torch.inference_mode crashed the step)
+            self._fail(f"operation {self.k} ({_short(func)}) made or read an inference tensor "
+                       "(torch.inference_mode in the forward or loss): it has no version counter, "
+                       "so a write to it cannot be seen; run the forward without inference mode")
+
+    def _step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if _identity(func, args, kwargs, out):
             name = self._name(args[0])
             if name is not None:
