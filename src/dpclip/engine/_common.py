@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import Isolated
+from dpclip.engine.isolation import Isolated, check_structure
 
 __all__ = [
     "StepWeights",
@@ -330,6 +330,7 @@ class MaterializingEngine(ABC):
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
         group, ``(B, G)`` otherwise."""
+        check_structure(model, self.name)  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         batch = check_batch(inputs, targets, self.name)
         check_per_example_model(model, self.name)

@@ -177,7 +177,7 @@ from dpclip.engine.ghost_rules import (
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.generators import OwnGenerators
-from dpclip.engine.isolation import Isolated
+from dpclip.engine.isolation import Isolated, check_structure
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _closed_chain,
@@ -506,6 +506,7 @@ class GhostEngine:
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
+        check_structure(model, self.name)  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         if self.fallback == "vmap":
             check_batch(inputs, targets, self.name)  # (bad input: an error before the probe)

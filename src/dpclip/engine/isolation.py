@@ -56,6 +56,9 @@ import ctypes
 import ctypes.util
 import platform
 import struct
+import sys
+import types
+import weakref
 from typing import Any
 
 import torch
@@ -65,7 +68,7 @@ from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 
-__all__ = ["Isolated", "settings"]
+__all__ = ["Isolated", "check_structure", "origin", "settings"]
 
 #: two floats whose product is a denormal, 0.0 when denormals are flushed (the flag
 #: ``torch.set_flush_denormal`` sets, FTZ / DAZ, applies to the interpreter's float arithmetic too;
@@ -560,13 +563,103 @@ class _Module:
 _LIBRARIES = ("torch.", "transformers.", "peft.")
 
 
+_ROOTS = tuple(p.rstrip(".") for p in _LIBRARIES)
+#: a class's own namespace and MRO, read past any metaclass (which can define ``__dict__`` or
+#: ``__mro__`` on its classes)
+_NAMESPACE = type.__dict__["__dict__"].__get__
+_MRO = type.__dict__["__mro__"].__get__
+_QUALNAME = type.__dict__["__qualname__"].__get__
+#: class -> the top-level package that really defines it ("" for none): see :func:`origin`
+_ORIGIN: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
+
+
+def origin(c: type) -> str:
+    """The top-level package (``"torch"``, ``"transformers"``, ...) whose module holds class ``c``
+    under its qualified name, or ``""``. A class's ``__module__`` is only a name it gives itself
+    (``class M(nn.Module): __module__ = "torch.nn"`` took a user class for torch's and left its
+    attributes out of the snapshot: eighth hostile review); the module it names must hold that
+    very class (read from the modules' and classes' own namespaces: no code runs). A class made
+    inside a function (``<locals>`` in its name) is nobody's."""
+    try:
+        return _ORIGIN[c]
+    except KeyError:
+        pass
+    except TypeError:  # (not weakly referenceable: a builtin type)
+        return ""
+    got = ""
+    name = _NAMESPACE(c).get("__module__")
+    qual = _QUALNAME(c)
+    mod = sys.modules.get(name) if type(name) is str else None
+    if mod is not None and "<" not in qual:
+        obj: Any = vars(mod) if type(mod) is types.ModuleType else getattr(
+            mod, "__dict__", {})
+        found: Any = None
+        for part in qual.split("."):
+            found = obj.get(part) if isinstance(obj, dict) else \
+                _NAMESPACE(obj).get(part) if isinstance(obj, type) else None
+            obj = found
+        if found is c:
+            got = name.split(".")[0]
+    _ORIGIN[c] = got
+    return got
+
+
 def _classes(mods: list[nn.Module]) -> list[type]:
     seen: dict[type, None] = {}
     for m in mods:
-        for c in type(m).__mro__:
-            if c is not object and not c.__module__.startswith(_LIBRARIES):
+        for c in _MRO(type(m)):
+            if c is not object and origin(c) not in _ROOTS:
                 seen[c] = None
     return list(seen)
+
+
+#: ``torch.nn.Module`` methods and attribute machinery that dpclip's engines (and ``dp_step``)
+#: call on the model outside the chunks of user code: the structure (parameters, buffers,
+#: modules) and attribute lookup. A user class that defines one runs its code where no chunk's
+#: isolation and no proved-program match sees it (eighth hostile review: a ``named_parameters``
+#: override wrote a value the previous call had carried out of the forward into a global tensor
+#: the proof reads, before the step's memory watch took its copies: the next call moved by
+#: 0.75 C, LOO 2.06 C at ``max_physical_batch=1``, on ghost, auto and vmap alike)
+_STRUCTURE = frozenset((
+    "named_parameters", "parameters", "named_buffers", "buffers", "named_modules", "modules",
+    "named_children", "children", "_named_members", "state_dict", "load_state_dict",
+    "get_submodule", "get_parameter", "get_buffer", "__getattr__", "__getattribute__",
+    "__setattr__", "__delattr__", "__dir__", "__class__", "__dict__"))
+#: libraries whose classes may define them (their own code, as in :data:`_LIBRARIES`; dpclip's)
+_STRUCTURE_ROOTS = _ROOTS + ("dpclip",)
+
+
+def check_structure(model: Any, engine: str) -> None:
+    """Refuse a model whose module classes (their MROs, but torch's, transformers', peft's and
+    dpclip's classes) define one of :data:`_STRUCTURE`: the engine reads the model's parameters,
+    buffers and modules outside the chunks, and user code there is outside every check. Each
+    class is checked before its instance's own dictionary is read."""
+    if not issubclass(type(model), nn.Module):
+        return
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", model)]
+    while stack:
+        where, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for c in _MRO(type(m)):
+            if c is object or origin(c) in _STRUCTURE_ROOTS:
+                continue
+            ns = _NAMESPACE(c)
+            bad = sorted(k for k in _STRUCTURE.intersection(ns)
+                         if not (k == "__dict__" and type(ns[k]) is types.GetSetDescriptorType))
+            if bad:
+                raise UnsupportedModelError(
+                    f"{engine} engine: class {_QUALNAME(c)} of module {where or '<root>'!r} "
+                    f"defines {', '.join(bad)}: the engine reads the model's parameters, buffers "
+                    "and modules (and looks their attributes up) outside the calls it checks, so "
+                    "user code there could carry one step's examples into the next unseen. Keep "
+                    "torch.nn.Module's own versions (wrap the model instead of overriding them)")
+        children = vars(m).get("_modules")
+        if children:
+            stack.extend((f"{where}.{k}" if where else k, c)
+                         for k, c in reversed(list(children.items())) if c is not None)
 
 
 class _State:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from dpclip.engine._common import batch_chunks, check_batch, check_chunk_size, trainable_params
 from dpclip.engine.batch import call_model
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
-from dpclip.engine.isolation import Isolated
+from dpclip.engine.isolation import Isolated, check_structure
 
 __all__ = ["SummedEngine"]
 
@@ -54,6 +54,7 @@ class SummedEngine:
                 "(e.g. Lip-DP-SGD) and batch clipping. Use the 'vmap' engine for norm-based "
                 "strategies."
             )
+        check_structure(model, self.name)  # (before any of the model's methods runs)
         batch = check_batch(inputs, targets, self.name)
         groups.validate(model)
         params = trainable_params(model)
