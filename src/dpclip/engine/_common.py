@@ -330,7 +330,7 @@ class MaterializingEngine(ABC):
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
         group, ``(B, G)`` otherwise."""
-        check_structure(model, self.name)  # (before any of the model's methods runs)
+        check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         batch = check_batch(inputs, targets, self.name)
         check_per_example_model(model, self.name)

@@ -506,7 +506,7 @@ class GhostEngine:
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
-        check_structure(model, self.name)  # (before any of the model's methods runs)
+        check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         if self.fallback == "vmap":
             check_batch(inputs, targets, self.name)  # (bad input: an error before the probe)

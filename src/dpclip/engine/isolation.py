@@ -569,6 +569,7 @@ _ROOTS = tuple(p.rstrip(".") for p in _LIBRARIES)
 _NAMESPACE = type.__dict__["__dict__"].__get__
 _MRO = type.__dict__["__mro__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
+_MODULE = type.__dict__["__module__"].__get__
 #: class -> the top-level package that really defines it ("" for none): see :func:`origin`
 _ORIGIN: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
 
@@ -587,7 +588,7 @@ def origin(c: type) -> str:
     except TypeError:  # (not weakly referenceable: a builtin type)
         return ""
     got = ""
-    name = _NAMESPACE(c).get("__module__")
+    name = _MODULE(c)
     qual = _QUALNAME(c)
     mod = sys.modules.get(name) if type(name) is str else None
     if mod is not None and "<" not in qual:
@@ -629,9 +630,11 @@ _STRUCTURE = frozenset((
 _STRUCTURE_ROOTS = _ROOTS + ("dpclip",)
 
 
-def check_structure(model: Any, engine: str) -> None:
+def check_structure(model: Any, owner: str) -> None:
     """Refuse a model whose module classes (their MROs, but torch's, transformers', peft's and
-    dpclip's classes) define one of :data:`_STRUCTURE`: the engine reads the model's parameters,
+    dpclip's classes) define one of :data:`_STRUCTURE`, whose tables (``_parameters``,
+    ``_modules``, the hook tables, ...) are not plain dicts or sets, or whose parameters and
+    buffers are of a tensor class of the model's own: the engine reads the model's parameters,
     buffers and modules outside the chunks, and user code there is outside every check. Each
     class is checked before its instance's own dictionary is read."""
     if not issubclass(type(model), nn.Module):
@@ -651,15 +654,39 @@ def check_structure(model: Any, engine: str) -> None:
                          if not (k == "__dict__" and type(ns[k]) is types.GetSetDescriptorType))
             if bad:
                 raise UnsupportedModelError(
-                    f"{engine} engine: class {_QUALNAME(c)} of module {where or '<root>'!r} "
+                    f"{owner}: class {_QUALNAME(c)} of module {where or '<root>'!r} "
                     f"defines {', '.join(bad)}: the engine reads the model's parameters, buffers "
                     "and modules (and looks their attributes up) outside the calls it checks, so "
                     "user code there could carry one step's examples into the next unseen. Keep "
                     "torch.nn.Module's own versions (wrap the model instead of overriding them)")
-        children = vars(m).get("_modules")
+        own = vars(m)
+        for k in _TABLES.intersection(own):
+            if type(own[k]) not in _TABLE_TYPES:
+                raise UnsupportedModelError(
+                    f"{owner}: the table {k} of module {where or '<root>'!r} is a "
+                    f"{type(own[k]).__name__}, not a plain dict or set: the engine reads it "
+                    "outside the calls it checks, so its methods could carry one step's examples "
+                    "into the next unseen (ninth hostile review). Keep torch.nn.Module's own "
+                    "tables")
+        for kind, table in (("parameter", own.get("_parameters")), ("buffer", own.get("_buffers"))):
+            for k, t in dict.items(table or {}):
+                if t is not None and any(c is not object and origin(c) not in _STRUCTURE_ROOTS
+                                         for c in _MRO(type(t))):
+                    raise UnsupportedModelError(
+                        f"{owner}: {kind} {k!r} of module {where or '<root>'!r} is a "
+                        f"{_QUALNAME(type(t))}, a tensor class of the model's own: the engine "
+                        "reads its attributes (requires_grad, data, ...) outside the calls it "
+                        "checks, where its code could carry one step's examples into the next "
+                        "unseen (ninth hostile review). Use torch.nn.Parameter and plain tensors")
+        children = own.get("_modules")
         if children:
             stack.extend((f"{where}.{k}" if where else k, c)
-                         for k, c in reversed(list(children.items())) if c is not None)
+                         for k, c in reversed(list(dict.items(children))) if c is not None)
+
+
+#: the tables torch keeps in a module's ``__dict__`` (parameters, buffers, modules, hooks, ...)
+_TABLES = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
+_TABLE_TYPES = (dict, collections.OrderedDict, set)
 
 
 class _State:

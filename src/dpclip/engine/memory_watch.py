@@ -126,6 +126,11 @@ class _Slot:
         return st.data_ptr() != self.ptr or st.nbytes() != self.n
 
 
+def _geometry(t: Tensor) -> tuple:
+    """What decides which elements of its storage ``t`` reads: sizes, strides, offset."""
+    return t.shape, t.stride(), t.storage_offset()
+
+
 class MemoryWatch:
     """Byte copies of the storages a step reads from before the call (module docstring).
     :attr:`changed` names the first storage found written unseen, or None."""
@@ -134,10 +139,13 @@ class MemoryWatch:
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
-        #: id(tensor) -> (tensor, its storage's data pointer) for every tensor added: a tensor
-        #: moved to other memory with no operation (``t.data = x`` with torch functions off, a
-        #: ``set_`` with Python dispatch off) reads memory nobody copied
-        self._homes: dict[int, tuple[Tensor, int]] = {}
+        #: id(tensor) -> (tensor, its storage's data pointer, its geometry) for every tensor
+        #: added: a tensor moved to other memory with no operation (``t.data = x`` with torch
+        #: functions off, a ``set_`` with Python dispatch off) reads memory nobody copied; one
+        #: restrided in place with no operation (``as_strided_`` with dispatch off and its version
+        #: set back, ``torch._C._swap_tensor_impl``) reads other elements of the same bytes, other
+        #: examples' (ninth hostile review: LOO 3.70 C)
+        self._homes: dict[int, tuple[Tensor, int, tuple]] = {}
         #: accelerator checks queued: (flag tensor, what)
         self._flags: list[tuple[Tensor, str]] = []
         self._buffers: list[Tensor] = []  # the copies (kept alive with their slots)
@@ -166,8 +174,11 @@ class MemoryWatch:
                 continue
             if key == 0 or n == 0:
                 continue
-            if id(t) not in homes:
-                homes[id(t)] = (t, key)
+            home = homes.get(id(t))
+            if home is None or home[0] is t and home[1] == key:
+                # (new, or the output of an operation the trace saw: its geometry now is the
+                # program's, also after an in-place view operation)
+                homes[id(t)] = (t, key, _geometry(t))
             if key in slots:
                 continue
             dev = st.device
@@ -201,7 +212,7 @@ class MemoryWatch:
 
     def tensors(self) -> list[Tensor]:
         """Every tensor added (the parameters, buffers, inputs and tensors of the call)."""
-        return [t for t, _ in self._homes.values()]
+        return [h[0] for h in self._homes.values()]
 
     def check_args(self, args: tuple, kwargs: dict, func: Any = None) -> None:
         """Every tensor argument (also in lists and tuples) of a call on a watched storage must
@@ -228,7 +239,7 @@ class MemoryWatch:
         except Exception:  # noqa: BLE001 - no storage: nothing watched
             return
         home = self._homes.get(id(t))
-        if home is not None and home[0] is t and home[1] != key:
+        if home is not None and home[0] is t and (home[1] != key or home[2] != _geometry(t)):
             if self.changed is None:
                 self.changed = self._slots[home[1]].what
             return
@@ -269,8 +280,8 @@ class MemoryWatch:
         """Compare every watched storage now (the copies are kept), and every watched tensor must
         still live in the storage it was added with: :attr:`changed`; on an accelerator the result
         is read in :meth:`finish`."""
-        for t, key in self._homes.values():
-            if self.changed is None and _storage_key(t) != key:
+        for t, key, geometry in self._homes.values():
+            if self.changed is None and (_storage_key(t) != key or _geometry(t) != geometry):
                 self.changed = self._slots[key].what
         if self._flags or any(s.view is not None for s in self._slots.values()):
             with torch._C.DisableTorchFunction(), _disable_current_modes():

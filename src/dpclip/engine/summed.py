@@ -54,7 +54,7 @@ class SummedEngine:
                 "(e.g. Lip-DP-SGD) and batch clipping. Use the 'vmap' engine for norm-based "
                 "strategies."
             )
-        check_structure(model, self.name)  # (before any of the model's methods runs)
+        check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
         batch = check_batch(inputs, targets, self.name)
         groups.validate(model)
         params = trainable_params(model)

@@ -70,6 +70,7 @@ from dpclip.devices import data_fits_on_device, resolve_device
 from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.isolation import check_structure
 from dpclip.engine.known_losses import cross_entropy_per_example
 from dpclip.events import GaussianEvent
 from dpclip.inputs import check_class_targets, convert_arrays
@@ -1108,6 +1109,7 @@ def make_private(
         ValueError: an argument is missing, out of range or inconsistent; the message names the
             argument and the fix (docs/errors.md).
     """
+    check_structure(model, "make_private")  # (before any of the model's methods runs)
     return PrivateTraining(
         model, optimizer, data, loss_fn=loss_fn, strategy=strategy,
         strategy_params=strategy_params, unit=unit, miniset_size=miniset_size, epsilon=epsilon, noise_multiplier=noise_multiplier,

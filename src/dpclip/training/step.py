@@ -37,6 +37,7 @@ from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_bat
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.state_guard import state_guard
+from dpclip.engine.isolation import check_structure
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
 from dpclip.training.release import Released, release
@@ -128,6 +129,8 @@ def dp_step(
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """
+    # before any of the model's methods runs: user code in them is outside every check
+    check_structure(model, "dp_step")
     if capabilities_of(strategy).bound_based:  # Lip-DP-SGD: sensitivity from the weights
         return bound_step(
             model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
