@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, SummedEngine, VmapEngine
 from dpclip.engine.base import ParamGroups
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import check_structure, origin
 from tests.engine.helpers import DT
 from tests.engine.test_isolation import _first, _modes_off
 from tests.engine.test_separability_attacks import C, ce, clipped_sum, data
@@ -109,6 +108,8 @@ def test_the_summed_engine_refuses_it_too():
 @pytest.mark.parametrize("name", ["__getattr__", "__getattribute__", "parameters", "modules",
                                   "state_dict", "__class__", "__dict__"])
 def test_each_structure_name_is_refused_in_a_submodule(name):
+    from dpclip.engine.isolation import check_structure
+
     body = {"__getattr__": lambda self, k: nn.Module.__getattr__(self, k),
             "__getattribute__": lambda self, k: object.__getattribute__(self, k),
             "parameters": lambda self, recurse=True: nn.Module.parameters(self, recurse),
@@ -123,6 +124,8 @@ def test_each_structure_name_is_refused_in_a_submodule(name):
 
 
 def test_library_classes_and_plain_user_models_pass():
+    from dpclip.engine.isolation import check_structure, origin
+
     class Plain(nn.Module):  # a forward of its own, nothing else: the common case
         def __init__(self) -> None:
             super().__init__()
@@ -138,6 +141,8 @@ def test_library_classes_and_plain_user_models_pass():
 
 
 def test_origin_knows_transformers_classes():
+    from dpclip.engine.isolation import origin
+
     modeling = pytest.importorskip("transformers.models.bert.modeling_bert")
     assert origin(modeling.BertModel) == "transformers"
     assert origin(modeling.BertSelfAttention) == "transformers"

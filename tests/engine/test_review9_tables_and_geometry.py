@@ -29,7 +29,6 @@ from dpclip.clipping import FixedClip, StepContext
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, VmapEngine
 from dpclip.engine.base import ParamGroups
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import check_structure
 from dpclip.noise import make_generator
 from dpclip.training.sampling import PoissonSampler
 from dpclip.training.step import dp_step
@@ -145,6 +144,8 @@ def test_dp_step_refuses_it_before_any_walk(engine):
 
 
 def test_plain_tables_torch_hooks_and_torch_parameters_pass():
+    from dpclip.engine.isolation import check_structure
+
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
     model.register_forward_hook(lambda m, i, o: None)  # (torch's own hook table: a plain dict)
     model.register_buffer("b", torch.zeros(2, dtype=DT))
