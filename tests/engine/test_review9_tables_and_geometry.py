@@ -187,3 +187,38 @@ def test_a_tensor_restrided_unseen_is_refused(engine, swap):
         assert "restrided" in str(exc)
     else:
         assert loo <= 1.0 + 1e-9, f"LOO {loo:.4f} C"
+
+
+def test_the_check_runs_no_code_of_the_model():
+    """Classes and tables are compared by identity: a metaclass's ``__hash__`` or ``__eq__``
+    (user code, run wherever a class is a dict key or compared) is never called."""
+    from dpclip.engine.isolation import check_structure
+
+    calls: list[str] = []
+
+    class Meta(type):
+        def __hash__(cls):
+            calls.append("hash")
+            return 0
+
+        def __eq__(cls, other):
+            calls.append("eq")
+            return True
+
+    class M(nn.Module, metaclass=Meta):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(x)
+
+    class Table(dict, metaclass=Meta):
+        pass
+
+    check_structure(M(), "vmap engine")  # no error
+    model = M()
+    object.__setattr__(model, "_buffers", Table())
+    with pytest.raises(UnsupportedModelError, match="the table _buffers of module '<root>'"):
+        check_structure(model, "vmap engine")
+    assert calls == []

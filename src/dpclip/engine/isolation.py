@@ -58,7 +58,6 @@ import platform
 import struct
 import sys
 import types
-import weakref
 from typing import Any
 
 import torch
@@ -570,8 +569,9 @@ _NAMESPACE = type.__dict__["__dict__"].__get__
 _MRO = type.__dict__["__mro__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
-#: class -> the top-level package that really defines it ("" for none): see :func:`origin`
-_ORIGIN: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
+#: id(class) -> (class, the top-level package that really defines it, "" for none): see
+#: :func:`origin` (by identity: a metaclass's ``__hash__`` is user code)
+_ORIGIN: dict[int, tuple[type, str]] = {}
 
 
 def origin(c: type) -> str:
@@ -581,12 +581,9 @@ def origin(c: type) -> str:
     attributes out of the snapshot: eighth hostile review); the module it names must hold that
     very class (read from the modules' and classes' own namespaces: no code runs). A class made
     inside a function (``<locals>`` in its name) is nobody's."""
-    try:
-        return _ORIGIN[c]
-    except KeyError:
-        pass
-    except TypeError:  # (not weakly referenceable: a builtin type)
-        return ""
+    hit = _ORIGIN.get(id(c))
+    if hit is not None and hit[0] is c:
+        return hit[1]
     got = ""
     name = _MODULE(c)
     qual = _QUALNAME(c)
@@ -601,7 +598,7 @@ def origin(c: type) -> str:
             obj = found
         if found is c:
             got = name.split(".")[0]
-    _ORIGIN[c] = got
+    _ORIGIN[id(c)] = (c, got)
     return got
 
 
@@ -636,57 +633,96 @@ def check_structure(model: Any, owner: str) -> None:
     ``_modules``, the hook tables, ...) are not plain dicts or sets, or whose parameters and
     buffers are of a tensor class of the model's own: the engine reads the model's parameters,
     buffers and modules outside the chunks, and user code there is outside every check. Each
-    class is checked before its instance's own dictionary is read."""
+    class is checked before its instance's own dictionary is read, and the check itself runs no
+    code of the model's (classes and tables are compared by identity: a metaclass's ``__eq__`` or
+    ``__hash__`` is never called). Runs on every step: 1-1.5 ms for a 12-layer BERT (231 modules,
+    201 parameters) on the loaded 2-core CPU."""
     if not issubclass(type(model), nn.Module):
         return
+    why = _structure(model)
+    if why is not None:
+        raise UnsupportedModelError(f"{owner}: {why}")
+
+
+def _own_classes(cls: type, cache: dict, roots: tuple) -> tuple:
+    """The classes of ``cls``'s MRO that are no library's (:func:`origin`), cached by identity
+    while the MRO stays the same tuple (assigning ``__bases__`` makes a new one)."""
+    mro = _MRO(cls)
+    got = cache.get(id(cls))
+    if got is None or got[0] is not cls or got[1] is not mro:
+        got = (cls, mro, tuple(c for c in mro if c is not object and origin(c) not in roots))
+        cache[id(cls)] = got
+    return got[2]
+
+
+_MODULE_CLASSES: dict[int, tuple] = {}
+_TENSOR_CLASSES: dict[int, tuple] = {}
+
+
+def _structure(model: nn.Module) -> str | None:
     seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", model)]
+    stack: list[tuple[Any, Any]] = [(model, None)]
+    names: dict[int, tuple[Any, str]] = {}  # id(module) -> (parent, key): names only on failure
+
+    def where(m: Any) -> str:
+        parts = []
+        while id(m) in names:
+            m, k = names[id(m)]
+            parts.append(k)
+        return ".".join(reversed(parts)) or "<root>"
+
     while stack:
-        where, m = stack.pop()
+        m, _ = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        for c in _MRO(type(m)):
-            if c is object or origin(c) in _STRUCTURE_ROOTS:
-                continue
+        for c in _own_classes(type(m), _MODULE_CLASSES, _STRUCTURE_ROOTS):
             ns = _NAMESPACE(c)
-            bad = sorted(k for k in _STRUCTURE.intersection(ns)
-                         if not (k == "__dict__" and type(ns[k]) is types.GetSetDescriptorType))
+            bad = [k for k in _STRUCTURE_ORDER if k in ns and not (
+                k == "__dict__" and type(ns[k]) is types.GetSetDescriptorType)]
             if bad:
-                raise UnsupportedModelError(
-                    f"{owner}: class {_QUALNAME(c)} of module {where or '<root>'!r} "
-                    f"defines {', '.join(bad)}: the engine reads the model's parameters, buffers "
-                    "and modules (and looks their attributes up) outside the calls it checks, so "
-                    "user code there could carry one step's examples into the next unseen. Keep "
-                    "torch.nn.Module's own versions (wrap the model instead of overriding them)")
+                return (f"class {_QUALNAME(c)} of module {where(m)!r} defines {', '.join(bad)}: "
+                        "the engine reads the model's parameters, buffers and modules (and looks "
+                        "their attributes up) outside the calls it checks, so user code there "
+                        "could carry one step's examples into the next unseen. Keep "
+                        "torch.nn.Module's own versions (wrap the model instead of overriding "
+                        "them)")
         own = vars(m)
-        for k in _TABLES.intersection(own):
-            if type(own[k]) not in _TABLE_TYPES:
-                raise UnsupportedModelError(
-                    f"{owner}: the table {k} of module {where or '<root>'!r} is a "
-                    f"{type(own[k]).__name__}, not a plain dict or set: the engine reads it "
-                    "outside the calls it checks, so its methods could carry one step's examples "
-                    "into the next unseen (ninth hostile review). Keep torch.nn.Module's own "
-                    "tables")
-        for kind, table in (("parameter", own.get("_parameters")), ("buffer", own.get("_buffers"))):
-            for k, t in dict.items(table or {}):
-                if t is not None and any(c is not object and origin(c) not in _STRUCTURE_ROOTS
-                                         for c in _MRO(type(t))):
-                    raise UnsupportedModelError(
-                        f"{owner}: {kind} {k!r} of module {where or '<root>'!r} is a "
-                        f"{_QUALNAME(type(t))}, a tensor class of the model's own: the engine "
-                        "reads its attributes (requires_grad, data, ...) outside the calls it "
-                        "checks, where its code could carry one step's examples into the next "
-                        "unseen (ninth hostile review). Use torch.nn.Parameter and plain tensors")
+        if not _TABLE_TYPE_IDS.issuperset(map(id, map(type, map(own.get, _TABLE_ORDER)))):
+            for k in _TABLE_ORDER:  # (which one: the message)
+                t = type(own.get(k))
+                if id(t) not in _TABLE_TYPE_IDS:
+                    return (f"the table {k} of module {where(m)!r} is a {_QUALNAME(t)}, not a "
+                            "plain dict or set: the engine reads it outside the calls it "
+                            "checks, so its methods could carry one step's examples into the "
+                            "next unseen (ninth hostile review). Keep torch.nn.Module's own "
+                            "tables")
+        for kind, table in (("parameter", own.get("_parameters")),
+                            ("buffer", own.get("_buffers"))):
+            if table is None:
+                continue
+            for k, t in dict.items(table):
+                if t is not None and _own_classes(type(t), _TENSOR_CLASSES, _STRUCTURE_ROOTS):
+                    return (f"{kind} {k!r} of module {where(m)!r} is a {_QUALNAME(type(t))}, a "
+                            "tensor class of the model's own: the engine reads its attributes "
+                            "(requires_grad, data, ...) outside the calls it checks, where its "
+                            "code could carry one step's examples into the next unseen (ninth "
+                            "hostile review). Use torch.nn.Parameter and plain tensors")
         children = own.get("_modules")
         if children:
-            stack.extend((f"{where}.{k}" if where else k, c)
-                         for k, c in reversed(list(dict.items(children))) if c is not None)
+            for k, c in dict.items(children):
+                if c is not None and id(c) not in seen:
+                    if id(c) not in names:
+                        names[id(c)] = (m, k)
+                    stack.append((c, None))
+    return None
 
 
 #: the tables torch keeps in a module's ``__dict__`` (parameters, buffers, modules, hooks, ...)
-_TABLES = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
-_TABLE_TYPES = (dict, collections.OrderedDict, set)
+_TABLE_ORDER = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
+_STRUCTURE_ORDER = tuple(sorted(_STRUCTURE))
+#: the table types allowed, by identity (a metaclass's ``__eq__`` or ``__hash__`` is user code)
+_TABLE_TYPE_IDS = frozenset(map(id, (dict, collections.OrderedDict, set, type(None))))
 
 
 class _State:
