@@ -149,7 +149,9 @@ def test_dp_step_and_a_resumed_run_on_the_same_optimizer():
     x, y = dp.sample()
     dp.step(x, y)
     ck = dp.state_dict()
-    dp2 = make_private(model, opt, (torch.randn(200, 5), torch.zeros(200).long()),
+    g = torch.Generator().manual_seed(0)  # the same data (a resume on other data is refused)
+    xs = torch.randn(200, 5, generator=g)
+    dp2 = make_private(model, opt, (xs, (xs[:, 0] > 0).long()),
                        noise_multiplier=1.0, steps=10, batch_size=10, verbose=False)
     dp2.load_state_dict(ck)
     x, y = dp2.sample()

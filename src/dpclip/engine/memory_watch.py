@@ -161,6 +161,10 @@ class MemoryWatch:
         are the reference. The copies go into arenas, one growing list of buffers per device (a
         step adds one storage per operation: no allocation per storage). (Called outside the
         tracer's dispatch mode or inside its handler: the allocations are not user code.)"""
+        with torch._C.DisableTorchFunction():  # (the geometry's reads are not user code)
+            self._add(tensors)
+
+    def _add(self, tensors: Iterable[tuple[Tensor, str]]) -> None:
         slots = self._slots
         homes = self._homes
         for t, what in tensors:
@@ -280,9 +284,10 @@ class MemoryWatch:
         """Compare every watched storage now (the copies are kept), and every watched tensor must
         still live in the storage it was added with: :attr:`changed`; on an accelerator the result
         is read in :meth:`finish`."""
-        for t, key, geometry in self._homes.values():
-            if self.changed is None and (_storage_key(t) != key or _geometry(t) != geometry):
-                self.changed = self._slots[key].what
+        with torch._C.DisableTorchFunction():
+            for t, key, geometry in self._homes.values():
+                if self.changed is None and (_storage_key(t) != key or _geometry(t) != geometry):
+                    self.changed = self._slots[key].what
         if self._flags or any(s.view is not None for s in self._slots.values()):
             with torch._C.DisableTorchFunction(), _disable_current_modes():
                 for slot in self._slots.values():

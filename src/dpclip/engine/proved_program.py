@@ -1001,9 +1001,9 @@ _UNARMED = "internal: the memory watch of the match was not started before user 
 
 
 def _unseen_write(what: str, when: str) -> str:
-    return (f"the memory of {what} was written, replaced or restrided in the call {when} by no "
-            "operation "
+    return (f"the memory of {what} was written or replaced in the call {when} by no operation "
             "the trace sees (a write with Python dispatch off and its version counter set back; "
+            "a tensor restrided in place with no operation, as_strided_ or swap_tensor_impl; "
             "memory shared from before the call with a NumPy array or another owner: "
             "torch.from_numpy, a .numpy() view kept at construction; or an assignment to "
             ".data); the proof holds for the values it names, not for these")

@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.isolation import Isolated
 from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
 
@@ -349,9 +350,13 @@ def unit_sum(
                 for n in names:
                     per_unit[n].append(torch.zeros_like(params[n]))
                 continue
-            loss_vec = loss_fn(model(x), y)
-            loss = loss_vec.mean()
-            gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+            # nothing a unit leaves in process state reaches the next unit or call
+            # (dpclip.engine.isolation; tenth hostile review: a float attribute carried between
+            # units moved a GBC release 2.90 C against the declared 2 C, a BC step 2.00 C)
+            with Isolated(model):
+                loss_vec = loss_fn(model(x), y)
+                loss = loss_vec.mean()
+                gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for n, g in zip(names, gs):
                 per_unit[n].append(torch.zeros_like(params[n]) if g is None else g.detach())
             losses[j] = float(loss_vec.detach().sum())
