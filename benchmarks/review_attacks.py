@@ -1,4 +1,4 @@
-"""The eighth and ninth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth, ninth and tenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -7,7 +7,7 @@ engine raised (the first words of its error are kept).
 Run ``PYTHONPATH=<src to measure>:. python benchmarks/review_attacks.py LABEL OUT.json`` (rows
 appended, replacing LABEL's), then ``python benchmarks/review_attacks.py --table OUT.json`` for the
 Markdown table beside it. The attacks are the tests' models (tests/engine/test_review8_*.py,
-test_review9_*.py).
+test_review9_*.py, tests/core/test_review10_mechanisms.py).
 """
 
 from __future__ import annotations
@@ -21,14 +21,25 @@ import torch
 
 
 def _attacks():
-    from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, VmapEngine
+    import dpclip
+    from torch import nn
+
+    from dpclip.clipping.adaclip import AdaClip
+    from dpclip.clipping.fixed import FixedClip
+    from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, ParamGroups, VmapEngine
+    from dpclip.engine.summed import SummedEngine
+    from dpclip.lipschitz.strategy import LipDpSgd
+    from dpclip.training.sampling import PoissonSampler
+    from dpclip.training.step import bound_step
+    from dpclip.training.units import UnitConfig
     from tests.engine import test_review8_carry as r8
     from tests.engine import test_review8_rounding as r8r
     from tests.engine import test_review9_tables_and_geometry as r9
     from tests.engine.helpers import DT
     from tests.engine.test_separability_attacks import C, ce, clipped_sum, data, loo_distance
 
-    engines = {"ghost": GhostEngine, "auto": AutoEngine, "vmap": VmapEngine, "naive": NaiveEngine}
+    engines = {"ghost": GhostEngine, "auto": AutoEngine, "vmap": VmapEngine, "naive": NaiveEngine,
+               "summed": SummedEngine}
 
     def moved_r9(cls):
         def run(engine):
@@ -84,8 +95,109 @@ def _attacks():
             return loo_distance(eng, model, ce, x, y), clipped_sum(eng, model, ce, x, y)[1]
         return run
 
+    from tests.core import test_review10_mechanisms as r10
+
+    def flat_groups(engine):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+        names = [n for n, _ in model.named_parameters()]
+        groups = ParamGroups(tuple(names), tuple((n,) for n in names))
+        x, y = data()
+        full, out = r10._step(engine(), model, x, y, FixedClip(C), groups)
+        worst = max(float((full - r10._step(engine(), model, x[keep], y[keep], FixedClip(C),
+                                             groups)[0]).norm())
+                    for keep in ([i for i in range(8) if i != j] for j in range(8)))
+        return worst / out.sensitivity, out.engine_info
+
+    def bc_carry(engine):
+        g = torch.Generator().manual_seed(0)
+        xb = torch.randn(1, 4, 5, generator=g, dtype=DT)
+        xb[..., 0] = 1.0
+        xn = xb.clone()
+        xn[0, 0, 0] = -10.0  # the first call's neighbour
+        yb = torch.zeros(1, 4, dtype=torch.long)
+        rel = []
+        for first in (xb, xn):
+            torch.manual_seed(0)
+            m = r10._Carry().to(DT)
+            kw = dict(loss=r10._linear_loss, unit=UnitConfig(unit="bc"),
+                      sampler=PoissonSampler(1000, 4))
+            r10._step(engine(), m, first, yb, FixedClip(C), ParamGroups.flat(m), ebs=1.0, **kw)
+            r, out = r10._step(engine(), m, xb, yb, FixedClip(C), ParamGroups.flat(m), ebs=1.0,
+                               **kw)
+            rel.append(r)
+        return float((rel[0] - rel[1]).norm()) / C, out.engine_info
+
+    def adaclip_carry(engine):
+        x, y = data()
+        x[0] = x[0].abs() + 4.0  # example 0's feature sum > 10 flips the next call
+        xn = x.clone()
+        xn[0] = 0.0
+        rel = []
+        for first in (x, xn):
+            torch.manual_seed(0)
+            m = r10._KeepsAttr().to(DT)
+            r10._step(engine(), m, first, y, AdaClip(C), ParamGroups.flat(m))
+            r, out = r10._step(engine(), m, x, y, AdaClip(C), ParamGroups.flat(m))
+            rel.append(r)
+        return float((rel[0] - rel[1]).norm()) / out.sensitivity, out.engine_info
+
+    def lip_prehook(engine):
+        m = r10._lip_model("pre-hook")
+        strat = LipDpSgd(input_norm=1.0).bind(m, (5,))
+        x, y = data()
+
+        def released(xs, ys):
+            state = strat.begin_step(strat.init_state(), r10._ctx())
+            out = bound_step(m, xs, ys, loss_fn=strat.loss(), strategy=strat, state=state,
+                             engine=engine(), groups=ParamGroups.flat(m),
+                             sampler=PoissonSampler(1000, 8.0), base_noise_multiplier=0.0,
+                             ctx=r10._ctx(), generator=torch.Generator().manual_seed(0))
+            return torch.cat([g.reshape(-1) for g in out.grads.values()]) * 8.0, out
+
+        full, out = released(x, y)
+        worst = max(float((full - released(x[keep], y[keep])[0]).norm())
+                    for keep in ([i for i in range(8) if i != j] for j in range(8)))
+        return worst / out.sensitivity, out.engine_info
+
+    def resume_neighbour(engine_cls):
+        g = torch.Generator().manual_seed(0)
+        xs = torch.randn(16, 5, generator=g, dtype=DT)
+        ys = torch.randint(0, 3, (16,), generator=g)
+        other = xs.clone()
+        other[0] = 5 * other[0]
+
+        def build():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+
+        def run(d):
+            return dpclip.make_private(build(), None, (d, ys), noise_multiplier=1.0, steps=50,
+                                       batch_size=15, engine=engine_cls.name, verbose=False)
+
+        dp = run(xs)
+        bx, by = dp.sample()
+        dp.backward(bx, by)
+        ck = dp.state_dict()
+        outs = []
+        for d in (xs, other):
+            dp2 = run(d)
+            dp2.load_state_dict(ck)
+            bx, by = dp2.sample()
+            dp2.backward(bx, by)
+            outs.append(torch.cat([p.grad.reshape(-1) for p in dp2.model.parameters()]) * 15)
+        return float((outs[0] - outs[1]).norm()) / dp.strategy.clip_norm, {"engine": engine_cls.name}
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("10: flat strategy, 4 parameter groups (LOO / S)", flat_groups, four),
+        ("10: batch clipping unit carry, next call (moved / C)", bc_carry, ("vmap",)),
+        ("10: AdaClip chunk carry, next call (moved / sensitivity)", adaclip_carry,
+         ("auto", "vmap")),
+        ("10: Lip-DP-SGD forward pre-hook x50 (LOO / certified sensitivity)", lip_prehook,
+         ("summed",)),
+        ("10: make_private resume on a neighbouring dataset (noise-free difference / C)",
+         resume_neighbour, ("ghost", "vmap")),
         ("8: structure-method override carries (moved)", moved_r8(r8._Override), four),
         ("8: loop writes a global between steps (moved)", moved_r8(r8._Carries, r8._release),
          ("ghost", "auto")),
@@ -120,9 +232,10 @@ def measure(label: str) -> list[dict]:
 def table(path: str) -> str:
     rows = json.load(open(path))
     codes = list(dict.fromkeys(r["code"] for r in rows))
-    cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive")
+    cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth and ninth hostile reviews' attacks (benchmarks/review_attacks.py)", "",
+    out = ["# The eighth, ninth and tenth hostile reviews' attacks (benchmarks/review_attacks.py)",
+           "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
            "(sound: 0); float64, C 0.5, CPU, torch " + rows[0]["torch"] + ". `refused`: the "
