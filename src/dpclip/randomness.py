@@ -236,7 +236,7 @@ class PrivateRandomness:
     nothing else may draw private randomness. The ``repr`` shows the mode only.
     """
 
-    __slots__ = ("_noise_key", "mode", "noise", "sampling", "seed")
+    __slots__ = ("_model_count", "_model_key", "_noise_key", "mode", "noise", "sampling", "seed")
 
     def __init__(self, mode: str, sampling: torch.Generator, noise: torch.Generator,
                  seed: int | None = None) -> None:
@@ -249,6 +249,35 @@ class PrivateRandomness:
         #: PRIVATE: the secret of the per-rank noise streams of a distributed run (None until
         #: :meth:`noise_key` is first asked: one-process runs never create it)
         self._noise_key: bytes | None = None
+        #: PRIVATE: the key of the model's own randomness (dropout masks, ``randn`` in a forward):
+        #: every chunk of user code is seeded from it (:meth:`chunk_seed`); from ``os.urandom`` in
+        #: secure mode, from the seed in reproducible mode; and how many seeds were drawn
+        self._model_key: bytes = os.urandom(32) if mode == "secure" else hashlib.sha256(
+            f"dpclip model randomness {seed}".encode()).digest()
+        self._model_count = 0
+
+    def set_model_key(self, key: bytes) -> None:
+        """Take ``key`` (32 bytes) as the model randomness' key (a distributed run: rank 0's)."""
+        if len(key) != 32:
+            raise ValueError("PrivateRandomness: the model key must be 32 bytes")
+        self._model_key = bytes(key)
+
+    def model_key(self) -> bytes:
+        """PRIVATE: the key :meth:`chunk_seed` derives from (for the process group only)."""
+        return self._model_key
+
+    def chunk_seed(self) -> int:
+        """PRIVATE: the next 62-bit seed of a chunk's own generators
+        (:class:`dpclip.engine.generators.OwnGenerators`): a hash of the model key and a counter.
+        Secret in secure mode, so the masks a chunk draws are secret and independent of the data
+        whichever rows the examples take (the public default generator gave every chunk its seed:
+        an example's dropout mask depended on its position in the batch, LOO 3.1-3.3 C with the
+        seed known, and the number of chunks, hence the realised batch sizes, could be read off
+        the generator's state: eleventh hostile review)."""
+        k = self._model_count
+        self._model_count = k + 1
+        digest = hashlib.blake2b(self._model_key + k.to_bytes(8, "little"), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
     @property
     def device(self) -> torch.device:
@@ -345,6 +374,8 @@ class PrivateRandomness:
                "sampling": self.sampling.get_state(), "noise": self.noise.get_state()}
         if self._noise_key is not None:  # a distributed run: every rank's noise derives from it
             out["noise_key"] = torch.frombuffer(bytearray(self._noise_key), dtype=torch.uint8)
+        out["model_key"] = torch.frombuffer(bytearray(self._model_key), dtype=torch.uint8)
+        out["model_count"] = self._model_count
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,6 +393,12 @@ class PrivateRandomness:
         if "noise_key" in state:  # written by a distributed run (absent: keep this run's key)
             key = state["noise_key"]
             self.set_noise_key(bytes(key.numpy().tobytes()) if isinstance(key, Tensor) else key)
+        if "model_key" in state:  # (absent, a checkpoint before it: this run's fresh key)
+            key = state["model_key"]
+            key = bytes(key.numpy().tobytes()) if isinstance(key, Tensor) else bytes(key)
+            if len(key) != 32:
+                raise ValueError("checkpoint randomness: the model key must be 32 bytes")
+            self._model_key, self._model_count = key, int(state.get("model_count", 0))
         if self.device.type == "cuda":
             # torch also accepts an 8-byte state (seed only) and silently restarts the offset at
             # 0: a resume must continue the stream exactly, so only the full 16 bytes are taken

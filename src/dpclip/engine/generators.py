@@ -23,11 +23,18 @@ every kept generator again from another seed derived from ``s`` (before the engi
 that follow user code: the per-layer recomputation's dropout masks). Derived seeds are
 ``s`` mixed with a public counter (a 64-bit LCG step), so they are data-independent as ``s`` is.
 
-Reproducibility: a seeded run stays reproducible (``s`` comes from the caller's default
-generator); its draws inside the engine differ from an unguarded call's. The randomness of the
-model's draws is not secret (DP-SGD's analysis does not need dropout masks to be secret, only
-independent of the data); the noise of a release comes from :mod:`dpclip.randomness`, never
-from these generators.
+Where ``s`` comes from: inside :func:`seed_source` (``make_private`` and ``dpclip train`` wrap
+every step in it) from the run's private randomness (:meth:`dpclip.randomness.PrivateRandomness.
+chunk_seed`: secret in secure mode, from the seed in reproducible mode, and in the private
+checkpoint so that a resume continues it); in a direct ``dp_step`` from the noise generator it is
+given (one draw per chunk); in a direct ``engine.compute`` from the caller's default generator
+(which the caller seeds). The masks must be secret, not only independent of the data:
+a chunk's masks are given to its rows by position, so with a public seed an example's mask
+depended on which other examples were drawn before it (eleventh hostile review: LOO 3.1-3.3 C with
+the seed fixed), and the number of draws from a public stream (one per chunk) showed the realised
+batch sizes. Secret i.i.d. masks are exchangeable: which row an example takes does not change the
+distribution of its mask. The noise of a release comes from :mod:`dpclip.randomness`, never from
+these generators.
 
 Not covered: generators the engine does not know (a generator held by the model whose draws the
 proof did not record: its draws then do not match the proof and the step is refused), Python's
@@ -38,11 +45,37 @@ explicit generators.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["OwnGenerators"]
+__all__ = ["OwnGenerators", "current_seed_source", "seed_source"]
+
+#: where the chunks' seeds come from while a private run steps (None: the default generator)
+_SOURCE: contextvars.ContextVar[Callable[[], int] | None] = contextvars.ContextVar(
+    "dpclip_chunk_seed_source", default=None)
+
+
+def current_seed_source() -> Callable[[], int] | None:
+    """The source :func:`seed_source` set, or None (the default generator)."""
+    return _SOURCE.get()
+
+
+@contextlib.contextmanager
+def seed_source(draw: Callable[[], int] | None) -> Iterator[None]:
+    """Within this context every :class:`OwnGenerators` takes its seed from ``draw()`` instead of
+    the caller's default generator. ``make_private`` and ``dpclip train`` pass their private
+    randomness' :meth:`~dpclip.randomness.PrivateRandomness.chunk_seed` around each step: a
+    seed drawn from the public default generator gave an example's dropout mask by its position
+    in the batch (with the seed known, LOO 3.1-3.3 C), and the number of draws, one per chunk,
+    showed the realised batch sizes in the generator's state (eleventh hostile review)."""
+    token = _SOURCE.set(draw)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
 
 _MASK = (1 << 62) - 1
 
@@ -70,10 +103,14 @@ class OwnGenerators:
         self._k = 0
 
     def __enter__(self) -> "OwnGenerators":
-        # the one draw from the caller's stream, before its state is kept (so that the next chunk
-        # draws another seed)
-        self._seed = int(torch.randint(0, _MASK, (), dtype=torch.int64,
-                                       generator=torch.default_generator))
+        source = _SOURCE.get()
+        if source is not None:  # a private run's secret seeds (seed_source)
+            self._seed = int(source()) & _MASK
+        else:
+            # the one draw from the caller's stream, before its state is kept (so that the next
+            # chunk draws another seed)
+            self._seed = int(torch.randint(0, _MASK, (), dtype=torch.int64,
+                                           generator=torch.default_generator))
         self._kept = []
         self._k = 0
         self.adopt(_defaults())

@@ -149,8 +149,9 @@ def k_copy_loss(loss_fn: Callable[[Any, Any], Tensor], k: int) -> Callable[[Any,
         if per_copy.ndim != 1 or per_copy.shape[0] != b * k:
             raise ValueError(
                 "loss_fn must return one loss per example (reduction 'none'), shape (B,); with "
-                f"augmentation multiplicity it got {b * k} copies and returned shape "
-                f"{tuple(per_copy.shape)}")
+                f"augmentation multiplicity {k} it got B x {k} copies and returned a "
+                f"{per_copy.ndim}-d tensor of another length (sizes left out: B is the private "
+                "realised batch size)")
         return per_copy.reshape(b, k).mean(1)
 
     return loss

@@ -39,6 +39,7 @@ Privacy contract:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import sys
@@ -70,6 +71,7 @@ from dpclip.devices import data_fits_on_device, resolve_device
 from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.generators import seed_source
 from dpclip.engine.isolation import check_structure
 from dpclip.engine.known_losses import cross_entropy_per_example
 from dpclip.events import GaussianEvent
@@ -337,10 +339,21 @@ class PrivateTraining:
             preprocess, inputs=self._x, sampling=sampling,
             distributed=self.distributed is not None) if preprocess is not None else None
         self._prepare_plan(steps, epochs)
-        self._prepare_randomness(reproducible_noise, (
+        run_config = (
             strategy_name(self.strategy), self.strategy.describe(), self.unit.describe(),
             self.sampler.name, n, float(self._batch_size), self.total_steps, epsilon,
-            noise_multiplier, self.delta, accountant, engine, self.seed))
+            noise_multiplier, self.delta, accountant, engine, self.seed)
+        self._prepare_randomness(reproducible_noise, run_config)
+        #: PRIVATE checkpoint field: what defines the released function besides the data and the
+        #: model's code (strategy and its parameters, unit, sampler, plan, engine, augmentation,
+        #: multiplicity, features, preprocessing, the loss's name; not the weight averaging, which
+        #: is post-processing and checked on its own): a resume with
+        #: other settings would continue the same noise on another function (eleventh hostile
+        #: review: a resume at another clip norm released S_2 - 2 S_1 without noise)
+        self._settings_fp = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", repr((
+            run_config, repr(augment), int(augment_multiplicity),
+            repr(features), repr(preprocess), reproducible_noise,
+            getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)))).encode()).hexdigest()
         self._prepare_state(engine, noise_multiplier)
         if self.preprocess is not None:  # every input checked: the release, first in the ledger
             for event in self.preprocess.events:
@@ -700,13 +713,16 @@ class PrivateTraining:
         z = self.noise_multiplier
         ctx = self._plan.ctx(step, z)
         try:
-            out = dp_step(
-                self._step_model(), inputs, targets, loss_fn=self._step_loss,
-                strategy=self.strategy, state=self.state, engine=self._step_engine, groups=self.groups,
-                sampler=self.sampler, base_noise_multiplier=z, ctx=ctx,
-                generator=self._noise_generator(step),
-                unit=self.unit,
-            )
+            # the model's own randomness (dropout) from the run's private key, never from the
+            # public default generator (dpclip.engine.generators.seed_source)
+            with seed_source(self.rng.chunk_seed):
+                out = dp_step(
+                    self._step_model(), inputs, targets, loss_fn=self._step_loss,
+                    strategy=self.strategy, state=self.state, engine=self._step_engine,
+                    groups=self.groups, sampler=self.sampler, base_noise_multiplier=z, ctx=ctx,
+                    generator=self._noise_generator(step),
+                    unit=self.unit,
+                )
         except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300 chars
             from dpclip.hf import with_hf_recipe
 
@@ -715,10 +731,12 @@ class PrivateTraining:
                 raise
             raise short from exc
         self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
-        if out.engine_info is not None and out.batch_size >= 2:
-            # public record: batches of fewer than 2 examples are trivially separable (ghost can
-            # run them where it refuses larger ones), so they are left out, and the reasons lose
-            # every shape (a shape's first dimension is the private realised batch size)
+        if out.engine_info is not None:
+            # public record, from every step: the engine is decided by the requested name or, for
+            # auto, on a public probe batch, whatever the step's size (leaving out the steps of
+            # fewer than 2 examples made the summary's engine tell whether any batch had 2:
+            # eleventh hostile review); the reasons lose every shape (a shape's first dimension
+            # is the private realised batch size)
             self.engines_ran.add(str(out.engine_info.get("engine")))
             if out.engine_info.get("fallback"):
                 reason = public_reason(str(out.engine_info["fallback"]))
@@ -854,6 +872,7 @@ class PrivateTraining:
             # run on the same data (tenth hostile review: the same checkpoint resumed on a
             # neighbouring dataset released the noise-free difference, 0.91 C)
             "data_fingerprint": self._data_fingerprint(),
+            "settings_fingerprint": self._settings_fp,
         }
 
     def _data_fingerprint(self) -> str:
@@ -894,6 +913,14 @@ class PrivateTraining:
                                f"step={ck['step']} (+ {prior} preprocessing release(s))")
         if self.preprocess is not None:
             self._x = self.preprocess.restore(ck["preprocess_output"])
+        if not finished and ck.get("settings_fingerprint") != self._settings_fp:
+            raise ValueError(
+                "checkpoint was written by a run with other settings (strategy or its parameters "
+                "such as the clip norm, unit, sampling, steps, epsilon, engine, augmentation, "
+                "multiplicity, features, preprocessing or loss), or by an older dpclip: "
+                "a resumed run continues the checkpoint's secret noise stream, and the same noise "
+                "on another function releases the difference without noise. Resume with exactly "
+                "the settings it was written with, or start a new run")
         if not finished and ck.get("data_fingerprint") != self._data_fingerprint():
             raise ValueError(
                 "checkpoint was written for other training data (or by an older dpclip, without "

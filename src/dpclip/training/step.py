@@ -19,6 +19,7 @@ noisy sum is divided by the expected batch size as always and mapped back by
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,7 @@ from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_bat
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.state_guard import state_guard
+from dpclip.engine.generators import current_seed_source, seed_source
 from dpclip.engine.isolation import Isolated, check_structure
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
@@ -129,6 +131,15 @@ def dp_step(
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """
+    if current_seed_source() is None:
+        # the chunks' own generators (dropout masks) seeded from the caller's noise generator
+        # (secret in a secure run), never from torch's public default generator
+        # (dpclip.engine.generators.seed_source; eleventh hostile review)
+        with seed_source(_SeedsOf(generator)):
+            return dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy,
+                           state=state, engine=engine, groups=groups, sampler=sampler,
+                           base_noise_multiplier=base_noise_multiplier, ctx=ctx,
+                           generator=generator, unit=unit)
     # before any of the model's methods runs: user code in them is outside every check
     check_structure(model, "dp_step")
     if not capabilities_of(strategy).per_group and not groups.is_flat:
@@ -331,6 +342,24 @@ def _noise_scale(strategy: Any, ctx: StepContext) -> float:
             f">= 1 (the step's event Gaussian(z) assumes at least z * S noise), got {scale!r}"
         )
     return scale
+
+
+class _SeedsOf:
+    """A direct ``dp_step``'s chunk seeds: a hash of its noise generator's state (secret when the
+    generator is) and a counter. Nothing is drawn from the generator: the noise stays the stream
+    the caller gave (``make_private`` passes its own key instead: PrivateRandomness.chunk_seed)."""
+
+    __slots__ = ("_key", "_k")
+
+    def __init__(self, generator: torch.Generator) -> None:
+        state = generator.get_state()
+        self._key = hashlib.blake2b(state.numpy().tobytes(), digest_size=32).digest()
+        self._k = 0
+
+    def __call__(self) -> int:
+        k, self._k = self._k, self._k + 1
+        digest = hashlib.blake2b(self._key + k.to_bytes(8, "little"), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 def transformed_sum(

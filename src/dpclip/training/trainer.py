@@ -368,7 +368,8 @@ class _Checkpointer:
         if run.scheduler is not None:  # the schedule continues where it stopped
             run.scheduler.load_state_dict(ck["lr_scheduler"])
         self.history = ck["history"]
-        torch.set_rng_state(ck["torch_rng"])
+        if "torch_rng" in ck:  # (a finished checkpoint has none: it resumes into no step)
+            torch.set_rng_state(ck["torch_rng"])
         self.elapsed_before = ck["elapsed"]
         if run.is_main:
             print(f"dpclip: resumed from step {run.dp.steps} (epsilon so far "
