@@ -97,7 +97,7 @@ FL_SUMMARY: dict[str, str] = {
 FL_HISTORY: dict[str, str] = {
     "round": "public", "test_accuracy": "heldout", "test_loss": "heldout",
     "clip_norm": "accounted", "next_clip_norm": "accounted", "epsilon": "accounted",
-    "wall_seconds": "timing", "nonprivate/*": "nonprivate",
+    "nonprivate/*": "nonprivate",  # the time per round too (which users were sampled shows)
 }
 
 #: public fields that are the dataset size or a function of it and the configuration (the plan):

@@ -71,6 +71,8 @@ def test_every_fl_field_is_classified_and_removing_the_largest_user_changes_noth
     assert _unclassified(full.summary, P.FL_SUMMARY) == []
     for row in full.history:
         assert _unclassified(row, P.FL_HISTORY) == []
+        # twelfth hostile review: a round's time showed which users were sampled
+        assert not any("seconds" in k and not k.startswith("nonprivate/") for k in row)
     sizes = fed.user_sizes()
     largest = max(range(len(sizes)), key=sizes.__getitem__)
     near_fed = dataclasses.replace(fed, users=tuple(u for i, u in enumerate(fed.users)

@@ -152,19 +152,32 @@ def _lip_model(kind: str) -> nn.Module:
     return m
 
 
+def _lip_step(m: nn.Module, strat, xs: Tensor, ys: Tensor):
+    state = strat.begin_step(strat.init_state(), _ctx())
+    out = bound_step(m, xs, ys, loss_fn=strat.loss(), strategy=strat, state=state,
+                     engine=SummedEngine(), groups=ParamGroups.flat(m),
+                     sampler=PoissonSampler(1000, 8.0), base_noise_multiplier=0.0,
+                     ctx=_ctx(), generator=torch.Generator().manual_seed(0))
+    return torch.cat([g.reshape(-1) for g in out.grads.values()]) * 8.0, out
+
+
 @pytest.mark.parametrize("kind", ["pre-hook", "forward-hook", "instance-forward"])
 def test_the_lipschitz_bound_refuses_code_beside_the_layer_class(kind):
     m = _lip_model(kind)
+    strat = LipDpSgd(input_norm=1.0).bind(m, (5,))
+    x, y = _data()
     with pytest.raises(UnsupportedLayerError, match="not supported by the Lipschitz bound"):
-        LipDpSgd(input_norm=1.0).bind(m, (5,))
+        _lip_step(m, strat, x, y)
 
 
 def test_the_lipschitz_bound_refuses_a_global_module_hook():
     m = _lip_model("none")
+    strat = LipDpSgd(input_norm=1.0).bind(m, (5,))
+    x, y = _data()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, a, o: None)
     try:
         with pytest.raises(UnsupportedLayerError, match="a global module hook"):
-            LipDpSgd(input_norm=1.0).bind(m, (5,))
+            _lip_step(m, strat, x, y)
     finally:
         handle.remove()
 
@@ -176,12 +189,7 @@ def test_the_lipschitz_bound_holds_without_them():
     x, y = _data()
 
     def released(xs, ys):
-        state = strat.begin_step(strat.init_state(), _ctx())
-        out = bound_step(m, xs, ys, loss_fn=strat.loss(), strategy=strat, state=state,
-                         engine=SummedEngine(), groups=ParamGroups.flat(m),
-                         sampler=PoissonSampler(1000, 8.0), base_noise_multiplier=0.0,
-                         ctx=_ctx(), generator=torch.Generator().manual_seed(0))
-        return torch.cat([g.reshape(-1) for g in out.grads.values()]) * 8.0, out
+        return _lip_step(m, strat, xs, ys)
 
     full, out = released(x, y)
     worst = max(float((full - released(x[[i for i in range(8) if i != j]],

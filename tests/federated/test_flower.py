@@ -86,7 +86,7 @@ def test_flower_run_matches_in_process_simulation(tmp_path):
                 p.kill()
             p.wait(timeout=10)
     result = json.loads(out.read_text())
-    assert result["rounds"] == SPEC["rounds"] and result["failures"] == []
+    assert result["rounds"] == SPEC["rounds"] and "failures" not in result
 
     # the same plan in process: same users, same noise, same ledger, same parameters
     _assert_matches_simulation(result, SPEC)
@@ -162,7 +162,7 @@ def test_flower_deployment_engine_superlink_supernodes_flwr_run(tmp_path):
     finally:
         _stop(procs)
     result = json.loads(out.read_text())
-    assert result["rounds"] == DEPLOY_SPEC["rounds"] and result["failures"] == []
+    assert result["rounds"] == DEPLOY_SPEC["rounds"] and "failures" not in result
     _assert_matches_simulation(result, DEPLOY_SPEC)
 
 

@@ -202,8 +202,9 @@ def _flower_deployment(args: argparse.Namespace) -> int:
         acc = summary.get("test_accuracy")
         print(f"user-level DP-FedAvg on Flower: {summary['rounds']} rounds, test accuracy "
               f"{'-' if acc is None else f'{100 * acc:.2f} %'}, epsilon {summary['epsilon']:.3f} "
-              f"at delta {run.spec['delta']:g}; {len(summary.get('failures') or [])} client "
-              f"failures; stored as run {rid}")
+              f"at delta {run.spec['delta']:g}"
+              + (f"; NON-PRIVATE: {len(summary['nonprivate/failures'])} client failures"
+                 if "nonprivate/failures" in summary else "") + f"; stored as run {rid}")
     return 0
 
 

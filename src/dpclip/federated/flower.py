@@ -149,8 +149,10 @@ class DPFedAvgStrategy(Strategy):
                                for _, a in got]) if got else torch.zeros(0, d))
         out = self.server.finish_round(deltas, [u for u, _ in got])
         self.round_clips.append(out.clip_norm)
+        # no failure count: whether a client failed shows that it was (secretly) sampled, and
+        # a failure can depend on its data (twelfth hostile review); kept only as NON-PRIVATE
         print(f"dpclip fl: round {self.server.round_index}/{self.config.rounds} done, clip "
-              f"{out.clip_norm:.4g}, {len(failures)} client failure(s)", flush=True)
+              f"{out.clip_norm:.4g}", flush=True)
         return self._parameters(), {"clip_norm": out.clip_norm}
 
     # -- no federated evaluation (centralised evaluation is done by the caller) ----------------
@@ -281,7 +283,10 @@ def _result(fl_strategy: DPFedAvgStrategy, config: FedAvgConfig) -> dict[str, An
     return {"ledger": server.aggregator.ledger.to_dict(), "epsilon": eps,
             "test_accuracy": acc, "test_loss": loss,
             "clip_history": server.clip_history, "rounds": server.round_index,
-            "theta": server.theta.tolist(), "failures": fl_strategy.failures,
+            "theta": server.theta.tolist(),
+            # NON-PRIVATE (opt-in): the failures reveal which rounds a failing user was sampled in
+            **({"nonprivate/failures": fl_strategy.failures}
+               if getattr(fl_strategy.config, "log_nonprivate", False) else {}),
             **server.describe()}
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine.plain_module import global_hooks_clear, instance_code, plain_instance
 from dpclip.lipschitz.layers import GroupSort, LipGroupNorm, LipResidual
 from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.lipschitz.losses import (
@@ -324,15 +323,6 @@ def _tensor_norm(t: Tensor) -> float:
     return robust_norm(t) * (1.0 + NUMERICAL_SLACK)
 
 
-def _check_global_hooks() -> None:
-    if not global_hooks_clear():
-        raise UnsupportedLayerError(
-            "a global module hook is registered (torch.nn.modules.module."
-            "register_module_forward_hook / _pre_hook / backward_hook): it runs in every layer's "
-            "call, so the model may compute another function than the one the Lipschitz bound is "
-            "proven for; remove it while training")
-
-
 def _unsupported(name: str, module: nn.Module, reason: str) -> UnsupportedLayerError:
     return UnsupportedLayerError(
         f"layer {_display(name)!r} ({type(module).__name__}) is not supported by the Lipschitz "
@@ -616,17 +606,6 @@ def _walk(module: nn.Module, name: str, shape: tuple[int, ...], x: float, ctx: _
             "both: tied parameters are bounded by the sum of their per-use bounds)",
         )
     ctx.seen.add(id(module))
-    if not plain_instance(module):
-        # the bound is for what the layer's class computes; a hook or an instance attribute that
-        # replaces its code changes the function (tenth hostile review: a forward pre-hook x50,
-        # LOO 9.3 times the certified Delta; an instance forward, 37 times)
-        why = instance_code(module)
-        raise _unsupported(
-            name, module,
-            f"its instance attribute {why!r} replaces code of its class" if why else
-            "it has a module hook, a table of another type, a parameter or buffer of a tensor "
-            "subclass or an attribute that is not plain data: its call may compute another "
-            "function than the one the bound is proven for; remove the hook or attribute")
     kind = type(module)
     if kind is nn.Sequential:
         nodes: list[_Node] = []
@@ -794,7 +773,6 @@ def module_lipschitz(
     ``||x|| <= input_norm_bound``: its Lipschitz constant, the bound on its output norm and the
     trace of every layer. Raises :class:`UnsupportedLayerError` on a layer without a proven rule.
     """
-    _check_global_hooks()
     shape = _check_inputs(input_shape, input_norm_bound, conv_norm)
     nodes = _walk(module, "", shape, float(input_norm_bound), _Ctx(conv_norm, set()))
     out_shape = nodes[-1].bound.output_shape if nodes else shape
@@ -858,7 +836,6 @@ def lipschitz_bounds(
             f"{', '.join(SUPPORTED_LOSSES)} (from dpclip.lipschitz); e.g. "
             "TemperedCrossEntropy(temperature=1.0) instead of nn.CrossEntropyLoss"
         )
-    _check_global_hooks()
     shape = _check_inputs(input_shape, input_norm_bound, conv_norm)
     x0 = float(input_norm_bound)
     nodes = _walk(model, "", shape, x0, _Ctx(conv_norm, set(), reuse_norms))

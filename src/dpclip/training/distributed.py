@@ -317,7 +317,8 @@ def shared_randomness(rng: PrivateRandomness, ctx: DistributedContext | None) ->
     rng.set_noise_key(bytes(key.cpu().numpy().tobytes()))
     key = torch.frombuffer(bytearray(rng.model_key()), dtype=torch.uint8).clone()
     _broadcast_(key, ctx)  # (the model's own randomness: one key for every rank)
-    rng.set_model_key(bytes(key.cpu().numpy().tobytes()))
+    rng.set_model_key(bytes(key.cpu().numpy().tobytes()),
+                      salt=f"rank {ctx.rank} of {ctx.world_size}".encode())
     check_same(ctx, _rng_digest(rng), "the private generator states")
 
 

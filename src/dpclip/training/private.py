@@ -39,6 +39,7 @@ Privacy contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -715,7 +716,7 @@ class PrivateTraining:
         try:
             # the model's own randomness (dropout) from the run's private key, never from the
             # public default generator (dpclip.engine.generators.seed_source)
-            with seed_source(self.rng.chunk_seed):
+            with seed_source(functools.partial(self.rng.chunk_seed, step)):
                 out = dp_step(
                     self._step_model(), inputs, targets, loss_fn=self._step_loss,
                     strategy=self.strategy, state=self.state, engine=self._step_engine,
