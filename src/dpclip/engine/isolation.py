@@ -50,6 +50,8 @@ settings and the generators). A closed program (no user code: the bench's MLP ce
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import operator
 import threading
 import ctypes
@@ -58,7 +60,7 @@ import platform
 import struct
 import sys
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -627,6 +629,22 @@ _STRUCTURE = frozenset((
 _STRUCTURE_ROOTS = _ROOTS + ("dpclip",)
 
 
+#: the model whose structure the running ``dp_step`` checked (its engine need not check again)
+_CHECKED: contextvars.ContextVar[Any] = contextvars.ContextVar("dpclip_structure_checked",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def structure_checked(model: Any) -> Iterator[None]:
+    """Within this context (``dp_step``, right after its own :func:`check_structure`), the
+    engines skip the check for ``model``: only dpclip code runs between the two."""
+    token = _CHECKED.set(model)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
 def check_structure(model: Any, owner: str) -> None:
     """Refuse a model whose module classes (their MROs, but torch's, transformers', peft's and
     dpclip's classes) define one of :data:`_STRUCTURE`, whose tables (``_parameters``,
@@ -637,7 +655,7 @@ def check_structure(model: Any, owner: str) -> None:
     code of the model's (classes and tables are compared by identity: a metaclass's ``__eq__`` or
     ``__hash__`` is never called). Runs on every step: 1-1.5 ms for a 12-layer BERT (231 modules,
     201 parameters) on the loaded 2-core CPU."""
-    if not issubclass(type(model), nn.Module):
+    if not issubclass(type(model), nn.Module) or _CHECKED.get() is model:
         return
     why = _structure(model)
     if why is not None:

@@ -39,7 +39,7 @@ from dpclip.engine.errors import PrivateBufferError  # defined below the engine 
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.generators import current_seed_source, seed_source
-from dpclip.engine.isolation import Isolated, check_structure
+from dpclip.engine.isolation import Isolated, check_structure, structure_checked
 from dpclip.engine.plain_module import global_hooks_clear, instance_code, plain_instance
 from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
@@ -141,8 +141,32 @@ def dp_step(
                            state=state, engine=engine, groups=groups, sampler=sampler,
                            base_noise_multiplier=base_noise_multiplier, ctx=ctx,
                            generator=generator, unit=unit)
-    # before any of the model's methods runs: user code in them is outside every check
+    # before any of the model's methods runs: user code in them is outside every check (the
+    # engine this step calls does not check again: structure_checked)
     check_structure(model, "dp_step")
+    with structure_checked(model):
+        return _dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
+                        engine=engine, groups=groups, sampler=sampler,
+                        base_noise_multiplier=base_noise_multiplier, ctx=ctx,
+                        generator=generator, unit=unit)
+
+
+def _dp_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    *,
+    loss_fn: LossFn,
+    strategy: ClippingStrategy,
+    state: State,
+    engine: Engine,
+    groups: ParamGroups,
+    sampler: Sampler,
+    base_noise_multiplier: float,
+    ctx: StepContext,
+    generator: torch.Generator,
+    unit: UnitConfig | None = None,
+) -> StepOutput:
     if not capabilities_of(strategy).per_group and not groups.is_flat:
         # a flat strategy's weights act elementwise: with per-group norms (B, G) each group would
         # be clipped to C while the sensitivity stays C (tenth hostile review: sqrt(G) C)
@@ -377,14 +401,17 @@ class _SeedsOf:
     generator is) and a counter. Nothing is drawn from the generator: the noise stays the stream
     the caller gave (``make_private`` passes its own key instead: PrivateRandomness.chunk_seed)."""
 
-    __slots__ = ("_key", "_k")
+    __slots__ = ("_generator", "_key", "_k")
 
     def __init__(self, generator: torch.Generator) -> None:
-        state = generator.get_state()
-        self._key = hashlib.blake2b(state.numpy().tobytes(), digest_size=32).digest()
-        self._k = 0
+        self._generator = generator
+        self._key: bytes | None = None  # (taken at the first chunk of user code: a closed
+        self._k = 0                     # program asks for none)
 
     def __call__(self) -> int:
+        if self._key is None:
+            state = self._generator.get_state()
+            self._key = hashlib.blake2b(state.numpy().tobytes(), digest_size=32).digest()
         k, self._k = self._k, self._k + 1
         digest = hashlib.blake2b(self._key + k.to_bytes(8, "little"), digest_size=8).digest()
         return int.from_bytes(digest, "little") & ((1 << 62) - 1)
