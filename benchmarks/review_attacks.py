@@ -30,7 +30,6 @@ def _attacks():
     from dpclip.engine.summed import SummedEngine
     from dpclip.lipschitz.strategy import LipDpSgd
     from dpclip.training.sampling import PoissonSampler
-    from dpclip.training.step import bound_step
     from dpclip.training.units import UnitConfig
     from tests.engine import test_review8_carry as r8
     from tests.engine import test_review8_rounding as r8r
@@ -146,17 +145,9 @@ def _attacks():
         m = r10._lip_model("pre-hook")
         strat = LipDpSgd(input_norm=1.0).bind(m, (5,))
         x, y = data()
-
-        def released(xs, ys):
-            state = strat.begin_step(strat.init_state(), r10._ctx())
-            out = bound_step(m, xs, ys, loss_fn=strat.loss(), strategy=strat, state=state,
-                             engine=engine(), groups=ParamGroups.flat(m),
-                             sampler=PoissonSampler(1000, 8.0), base_noise_multiplier=0.0,
-                             ctx=r10._ctx(), generator=torch.Generator().manual_seed(0))
-            return torch.cat([g.reshape(-1) for g in out.grads.values()]) * 8.0, out
-
-        full, out = released(x, y)
-        worst = max(float((full - released(x[keep], y[keep])[0]).norm())
+        step = r10._lip_step
+        full, out = step(m, strat, x, y, engine())
+        worst = max(float((full - step(m, strat, x[keep], y[keep], engine())[0]).norm())
                     for keep in ([i for i in range(8) if i != j] for j in range(8)))
         return worst / out.sensitivity, out.engine_info
 

@@ -34,6 +34,7 @@ from dpclip.lipschitz.strategy import LipDpSgd
 from dpclip.training.sampling import PoissonSampler
 from dpclip.training.step import bound_step, dp_step
 from dpclip.training.units import MiniSetSampler, UnitConfig
+from tests.engine.test_isolation import _first
 
 DT = torch.float64
 C = 0.5
@@ -121,10 +122,7 @@ class _KeepsAttr(nn.Module):
         h = self.fc1(x) * (-3.0 if self.k > 10 else 1.0)
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             if not is_fake(x):
-                u = x
-                while torch._C._functorch.is_functorch_wrapped_tensor(u):
-                    u = torch._C._functorch.get_unwrapped(u)
-                self.k = float(u.reshape(u.shape[0], -1)[0].sum())
+                self.k = _first(x)
         return self.fc2(torch.tanh(h))
 
 
@@ -152,10 +150,10 @@ def _lip_model(kind: str) -> nn.Module:
     return m
 
 
-def _lip_step(m: nn.Module, strat, xs: Tensor, ys: Tensor):
+def _lip_step(m: nn.Module, strat, xs: Tensor, ys: Tensor, engine=None):
     state = strat.begin_step(strat.init_state(), _ctx())
     out = bound_step(m, xs, ys, loss_fn=strat.loss(), strategy=strat, state=state,
-                     engine=SummedEngine(), groups=ParamGroups.flat(m),
+                     engine=engine or SummedEngine(), groups=ParamGroups.flat(m),
                      sampler=PoissonSampler(1000, 8.0), base_noise_multiplier=0.0,
                      ctx=_ctx(), generator=torch.Generator().manual_seed(0))
     return torch.cat([g.reshape(-1) for g in out.grads.values()]) * 8.0, out

@@ -19,6 +19,7 @@ noisy sum is divided by the expected batch size as always and mapped back by
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -132,19 +133,15 @@ def dp_step(
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """
-    if current_seed_source() is None:
-        # the chunks' own generators (dropout masks) seeded from the caller's noise generator
-        # (secret in a secure run), never from torch's public default generator
-        # (dpclip.engine.generators.seed_source; eleventh hostile review)
-        with seed_source(_SeedsOf(generator)):
-            return dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy,
-                           state=state, engine=engine, groups=groups, sampler=sampler,
-                           base_noise_multiplier=base_noise_multiplier, ctx=ctx,
-                           generator=generator, unit=unit)
-    # before any of the model's methods runs: user code in them is outside every check (the
-    # engine this step calls does not check again: structure_checked)
+    # the chunks' own generators (dropout masks) seeded from the caller's noise generator (secret
+    # in a secure run), never from torch's public default generator, unless the caller set a
+    # source (make_private: its private key; dpclip.engine.generators.seed_source; eleventh
+    # hostile review). The structure is checked before any of the model's methods runs: user code
+    # in them is outside every check (the engine this step calls does not check again)
     check_structure(model, "dp_step")
-    with structure_checked(model):
+    seeds = seed_source(_SeedsOf(generator)) if current_seed_source() is None \
+        else contextlib.nullcontext()
+    with seeds, structure_checked(model):
         return _dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
                         engine=engine, groups=groups, sampler=sampler,
                         base_noise_multiplier=base_noise_multiplier, ctx=ctx,
