@@ -352,10 +352,10 @@ class _Np(nn.Module):
 def test_error_92_not_vmappable():
     model = nn.Sequential(_Np(), nn.Linear(3, 3)).to(DT)
     msg = _refusal(model)
-    assert ("ghost engine: module '0' (_Np, per-layer path) cannot be evaluated one example at a "
-            "time by torch.func.vmap (" in msg and "make its forward free of data-dependent "
-            "Python control flow, or use engine 'vmap'" in msg) or \
-        "not per-example separable" in msg  # once the separability check sees .numpy()
+    assert ("ghost engine: module '0' (_Np, per-layer path): its proved operations cannot be "
+            "evaluated one example at a time by torch.func.vmap (" in msg and
+            "; use engine 'vmap'" in msg) or \
+        "not per-example separable" in msg  # the separability proof cannot trace .numpy()
 
 
 class _Pos(nn.Module):

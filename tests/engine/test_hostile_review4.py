@@ -420,22 +420,24 @@ def test_every_attack_is_honest_when_switched_off(name):
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
-def test_per_layer_recompute_refusal_is_not_a_vmap_fallback():
-    """auto stops (vmap would run the same module the same way, after the ghost forward ran it
-    on the whole batch), naming the module and the reason."""
+@pytest.mark.parametrize("build", [_RecomputeHidden, _RecomputeWritesBorn])
+def test_per_layer_recompute_attacks_never_run(build):
+    """The per-layer path no longer runs the module's Python again (thirteenth review: it replays
+    the call's proved operations, tests/engine/test_review13_recompute.py): the attacks' branch for
+    functorch's tensors is never taken, so with the switch on the release is the honest one, on
+    ghost under auto (before: refused as entry 100)."""
     torch.manual_seed(0)
-    model = _TwoLayers(_RecomputeHidden()).to(DT)
+    model = _TwoLayers(build()).to(DT)
     x, y = data()
     try:
-        clipped_sum(AutoEngine(), model, ce, x, y)  # honest: the call on the batch keeps it
+        honest, _ = clipped_sum(AutoEngine(), model, ce, x, y)
         _SW["on"] = True
-        with pytest.raises(UnsupportedModelError, match=r"module 'mid' \(_RecomputeHidden, "
-                           r"per-layer path\): its per-example recomputation under "
-                           r"torch\.func\.vmap is not proved to read example i alone"):
-            clipped_sum(AutoEngine(), model, ce, x, y)
+        got, info = clipped_sum(AutoEngine(), model, ce, x, y)
     finally:
         _SW["on"] = False
         _KEEP.clear()
+    assert info["engine"] == "ghost" and info["per_layer"] == ("mid",)
+    assert torch.equal(got, honest)
 
 
 def test_saved_tensor_watch_keeps_autograds_version_check():
@@ -539,15 +541,6 @@ def test_error_99_gradient_hook_attached_unseen():
                    "registered in the call where the trace does not see it")
     _refused(*FOURTH["backward-hooks-descriptor"],
              match="a gradient hook on a tensor of the call was registered in the call")
-
-
-def test_error_100_per_layer_recomputation_not_proved():
-    """docs/errors.md entry 100: the per-layer recomputation reads a tensor it did not make."""
-    _refused(*FOURTH["per-layer-recompute-hidden-mean"],
-             match=r"module 'mid' \(_RecomputeHidden, per-layer path\): its per-example "
-                   r"recomputation under torch.func.vmap is not proved to read example i alone "
-                   r"\(mul reads a \(6,\) tensor that the recomputation did not make and that "
-                   r"is not the module's\)")
 
 
 def test_error_101_a_tensor_of_the_call_rewritten_unseen():

@@ -803,7 +803,7 @@ class GhostEngine:
         finally:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
-                    c.outs, c.bs, c.args, c.fast, c.oedges = [], [], None, None, []
+                    c.outs, c.bs, c.args, c.fast, c.oedges, c.call = [], [], None, None, [], None
         _refuse_rewritten_inputs(live)
         with torch.no_grad():
             loss = float(total if real == batch else losses[:real].sum())

@@ -134,6 +134,8 @@ def _printed(c: _Call) -> _Call:
         kept = [c.a] if isinstance(c.a, Tensor) else []
     else:
         kept = [t for t, _ in c.args[2]] if c.args is not None else []
+        if c.call is not None:  # the tensors its replay reads from outside the call
+            kept += [t for t, _ in c.call.fixed.values()]
         if c.fast is not None:
             kept.append(c.fast[0])
     c.a_print = [(t, t._version, fingerprint(t)) for t in kept]
@@ -281,7 +283,7 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
             return None
         quiet, tracer.quiet = tracer.quiet, True
         try:
-            by_module[id(mod)].enter(mod, args, kwargs)
+            by_module[id(mod)].enter(mod, args, kwargs, tracer.match)
         finally:
             tracer.quiet = quiet
 

@@ -20,6 +20,7 @@ from dpclip.engine._common import _Rounding
 from dpclip.engine.per_layer import (
     arg_batch_dims,
     capture_args,
+    settle_call,
     elementwise_scale,
     join_layouts,
     output_tensors,
@@ -45,7 +46,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges", "a_print", "group")
+                 "live_idx", "fast", "oedges", "a_print", "group", "call")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -148,7 +149,7 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.choice = "keep"
     c.kept = {}
     c.formed = None
-    start, c.args = owner.starts.pop() if owner.starts else (None, None)
+    start, c.args, c.call = owner.starts.pop() if owner.starts else (None, None, None)
     c.window = (start, seq_now())
     # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
     c.fast = None
@@ -163,6 +164,9 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # per-example gradient is formed): example data by the trace
     c.arg_dims = None if c.args is None else arg_batch_dims(
         c.args[0], c.args[1], tracer.layout, tracer.batch * k, k)
+    if c.call is not None:  # the call's proved operations: what the per-layer path replays
+        tracer.match.close_call(c.call, outs)
+        settle_call(c.call, tracer.layout, tracer.batch * k)
     for t in outs:  # (an output without the batch first is refused by the engine pass)
         if t.ndim and t.shape[0] == tracer.batch * k:
             tracer.mark(t, (0, k))
@@ -1026,10 +1030,14 @@ class _Owner:
         #: call in progress (``enter``), taken by the call's ``_Call``
         self.starts: list[tuple[int, Any]] = []
 
-    def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of a per-layer module: where its call's autograd window starts, and
-        its arguments (with their tensors' versions, checked after the forward)."""
-        self.starts.append((seq_now(), capture_args(args, kwargs, mod)))
+    def enter(self, mod: nn.Module, args: tuple, kwargs: dict, match: Any = None) -> None:
+        """Forward pre-hook of a per-layer module: where its call's autograd window starts, its
+        arguments (with their tensors' versions, checked after the forward) and, with the step's
+        :class:`~dpclip.engine.proved_program.ProgramMatch`, where its proved operations start."""
+        captured = capture_args(args, kwargs, mod)
+        call = None if match is None else match.open_call(
+            [t for t, _ in captured[2]], {r: getattr(mod, r) for r in self.roles})
+        self.starts.append((seq_now(), captured, call))
 
 
 @dataclass(frozen=True)

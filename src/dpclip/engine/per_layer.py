@@ -58,8 +58,8 @@ from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
 from dpclip.engine.separable import SeparabilityTracer, _IdMap
 
-__all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows", "join_layouts", "module_grads",
-           "output_tensors", "seq_now"]
+__all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
+           "join_layouts", "module_grads", "output_tensors", "replay", "seq_now", "settle_call"]
 
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
@@ -254,33 +254,210 @@ def _examples(t: Tensor, batch: int, group: int) -> Tensor:
     return t.reshape(batch, group, *t.shape[1:])
 
 
+def _is_arg(name: Any, arg_names: dict[Any, int]) -> int | None:
+    """The position of the argument leaf that ``name`` (a name of the proved program) stands for,
+    or None. An input of the batch is named by its leaf positions, which meet (ProgramMatch._eq)."""
+    got = arg_names.get(name)
+    if got is not None or name[0] != "in":
+        return got
+    for n, i in arg_names.items():
+        if n[0] == "in" and n[1] & name[1]:
+            return i
+    return None
+
+
+def _written_specs(func: Any, a: tuple, kw: dict) -> list[tuple]:
+    """The argument specs an operation's schema writes."""
+    got = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            spec = kw.get(arg.name) if arg.kwarg_only or i >= len(a) else a[i]
+            if spec is not None:
+                got.append(spec)
+    return got
+
+
+def settle_call(w: Any, layout: Callable[[Tensor], Any], rows: int) -> None:
+    """At the end of a per-layer call (its forward hook): what the replay of its proved operations
+    (:class:`~dpclip.engine.proved_program.CallWindow`) may read. Every name it reads must be made
+    by the call's own operations, an argument, an own trainable parameter, or a tensor from outside
+    the call that carries no example data by the trace (a parameter or buffer of another module, a
+    constant of the forward without the batch rows), kept by identity with its version
+    (``w.fixed``: an in-place change before the replay is refused). Every operation that writes
+    must write a tensor the call made (the replay must not write the model's tensors)."""
+    if w.why is not None or w.end is None:
+        return
+    entries = w.program.entries[w.start:w.end]
+    inside = {e[3] for e in entries}
+    args = {n: i for i, n in enumerate(w.arg_names) if n is not None}
+
+    def made(name: Any) -> bool:
+        return name[0] == "op" and name[1] in inside
+
+    for func, a, kw, _ in entries:
+        if func._schema.is_mutable:
+            for spec in _written_specs(func, a, kw):
+                specs = spec[2] if spec[0] == "l" else (spec,)
+                if not all(x[0] == "t" and made(x[1]) for x in specs):
+                    w.why = (f"its operation {func._schema.name.split('::')[-1]} writes in place "
+                             "a tensor it did not make (an argument, a parameter, a buffer or a "
+                             "tensor from outside the call)")
+                    return
+        for spec in list(a) + list(kw.values()):
+            if spec[0] in ("x", "?") or (spec[0] == "l" and any(x[0] in ("x", "?")
+                                                                 for x in spec[2])):
+                w.why = ("it reads a tensor from outside the model (a global or closure tensor), "
+                         "or one the proof could not name")
+                return
+    for name, t in w.reads.items():
+        if made(name) or name in w.own_names or _is_arg(name, args) is not None:
+            continue
+        state = name[0] in ("p", "b")  # a parameter or buffer of the model (not of the batch)
+        if layout(t) is not None or name[0] == "in" or \
+                (not state and t.ndim and t.shape[0] == rows):
+            w.why = ("it reads a tensor of the forward that carries example data and is not one "
+                     "of its arguments (a closure or attribute set from the batch)")
+            return
+        w.fixed[name] = (t, t._version)
+    for name in w.out_names:
+        if name is None or not (made(name) or name in w.own_names or
+                                _is_arg(name, args) is not None):
+            w.why = "an output of its call is not made by its proved operations"
+            return
+
+
+def _lookup(env: dict[Any, Any], name: Any) -> Any:
+    got = env.get(name)
+    if got is not None or name[0] != "in":
+        return got
+    for n, v in env.items():
+        if n[0] == "in" and n[1] & name[1]:
+            return v
+    return None
+
+
+class _Unreplayable(Exception):
+    pass
+
+
+def _value(spec: tuple, env: dict[Any, Any]) -> Any:
+    kind = spec[0]
+    if kind == "t":
+        got = _lookup(env, spec[1])
+        if got is None:
+            raise _Unreplayable("an operation reads a tensor the replay does not have")
+        return got
+    if kind == "v":
+        return spec[1]
+    if kind == "c":
+        return spec[1]
+    if kind == "l":
+        return spec[1](_value(x, env) for x in spec[2])
+    raise _Unreplayable(spec[1] if kind == "?" else "a tensor from outside the model")
+
+
+def _literals(entries: list[tuple[Any, tuple, dict, int]]) -> list[Tensor]:
+    found: list[Tensor] = []
+
+    def walk(spec: tuple) -> None:
+        if spec[0] == "c":
+            found.append(spec[1])
+        elif spec[0] == "l":
+            for x in spec[2]:
+                walk(x)
+
+    for _, a, kw, _ in entries:
+        for spec in list(a) + list(kw.values()):
+            walk(spec)
+    return found
+
+
+def _cut(x: Any, key: Any, cut: frozenset[Any] | None) -> Any:
+    if not cut:
+        return x
+    if isinstance(x, Tensor):
+        return x.detach() if key in cut else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(v.detach() if (key, j) in cut and isinstance(v, Tensor) else v
+                       for j, v in enumerate(x))
+    return x
+
+
+def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
+           cuts: Sequence[frozenset[Any] | None], env: dict[Any, Any],
+           outs: Sequence[Any]) -> tuple[Any, ...]:
+    """Run the proved operations ``entries`` (numbers already evaluated) on the tensors ``env``
+    (name -> tensor: the call's arguments, own parameters and fixed reads), each in the grad mode
+    it ran in and with the arguments the real run read detached (``cuts``) detached; return the
+    tensors named ``outs``. No user code runs: ATen operations only."""
+    for (func, a, kw, index), grad, cut in zip(entries, grads, cuts):
+        args = tuple(_cut(_value(s, env), i, cut) for i, s in enumerate(a))
+        kwargs = {k: _cut(_value(s, env), k, cut) for k, s in kw.items()}
+        with torch.set_grad_enabled(grad):
+            out = func(*args, **kwargs)
+        if isinstance(out, Tensor):
+            env[("op", index, 0)] = out
+        elif isinstance(out, (tuple, list)):
+            for j, o in enumerate(out):
+                if isinstance(o, Tensor):
+                    env[("op", index, j)] = o
+    got = []
+    for n in outs:
+        v = _lookup(env, n)
+        if v is None:
+            raise _Unreplayable("an output of the call is not made by the replay")
+        got.append(v)
+    return tuple(got)
+
+
 def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     """Per-example gradients ``(B, *param.shape)`` of the module's own trainable parameters from
-    one call: ``torch.func.vmap`` over the examples of the vector-Jacobian product of the module's
-    forward (its own parameters only; its inputs, frozen parameters, buffers and children held
-    fixed) at example ``i``'s arguments, with example ``i``'s row of the output gradients ``c.bs``.
+    one call: ``torch.func.vmap`` over the examples of the vector-Jacobian product of the call's
+    PROVED OPERATIONS (:class:`~dpclip.engine.proved_program.CallWindow`: the ATen operations the
+    forward ran inside the call, matched against the batch-size proof, their numbers evaluated for
+    one example), with the module's own parameters as the variables (its inputs, frozen
+    parameters, buffers and children held fixed), at example ``i``'s arguments, with example
+    ``i``'s row of the output gradients ``c.bs``.
+
+    The module's Python does not run again: a replay of its Python read whatever the forward kept
+    (a Python number such as the realised batch size, in an attribute or a global; thirteenth
+    hostile review: LOO 3.13 C), which no tensor check sees. The replay's every number is the
+    proof's (a function of the batch size that the proof allowed, evaluated at one example), its
+    every tensor an argument row, an own parameter, a tensor it made or a public tensor the call
+    read (:func:`settle_call`).
 
     Each example's product is evaluated on that example alone, so a non-finite value of one
     example cannot reach another's gradient (a batched product through the retained graph would
     contract ``0 * nan`` over the batch). Dropout inside the module draws fresh masks
     (``randomness="different"``): the vector is still a function of the example alone and is the
     very vector whose norm is taken and summed."""
-    from torch.func import functional_call, vjp, vmap
+    from torch.func import vjp, vmap
 
     mod = c.mod
     if c.args is None:
         raise PerLayerUnsupported(
             f"the call of module {c.owner.name!r} ({type(mod).__name__}) was not seen entering "
             "(its forward pre-hook did not run); call it through its module")
+    w = c.call
+    if w is None or w.end is None:
+        raise PerLayerNotProved(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its call was not "
+            "matched against the step's proved program, so its per-example gradients cannot be "
+            "replayed from proved operations; use engine 'vmap'")
     args, kwargs, vers, state = c.args
     if state is not None:
         check_state(state, mod, c.owner.name)
-    for t, v in vers:
+    if w.why is not None:
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its per-example "
+            f"gradients are replayed from the call's proved operations, and {w.why}; use engine "
+            "'vmap'")
+    for t, v in vers + list(w.fixed.values()):
         if t._version != v:
             raise PerLayerUnsupported(
-                f"an argument of module {c.owner.name!r} ({type(mod).__name__}, per-layer path) "
-                "was modified in place after the call (e.g. x.mul_(2) on a tensor the module "
-                "consumed); use out-of-place operations")
+                f"an argument of module {c.owner.name!r} ({type(mod).__name__}, per-layer path), "
+                "or a tensor its forward read, was modified in place after the call (e.g. "
+                "x.mul_(2) on a tensor the module consumed); use out-of-place operations")
     dims = c.arg_dims
     if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
@@ -291,45 +468,55 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     batched = [_examples(t, batch, group) for t, d in zip(leaves, dims) if d == 0]
     fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d != 0}
     own = {r: getattr(mod, r) for r in c.owner.roles}
-    live_idx = c.live_idx
     bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group)
           for t, b in zip(c.outs, c.bs)]
+    entries = w.program.at(1)[w.start:w.end]  # the proof's numbers for one example
+    grads, cuts = list(w.grad), list(w.cuts)
+    arg_at = [(n, i) for i, n in enumerate(w.arg_names) if n is not None]
+    reads = {n: t for n, (t, _) in w.fixed.items()}
+    own_at = list(w.own_names.items())
+    outs = list(w.out_names)
 
     def one(rows: list[Tensor], b_rows: list[Tensor]) -> dict[str, Tensor]:
         rit = iter(rows)
-        vals = iter([fixed[k] if k in fixed else next(rit)
-                     for k in range(len(leaves))])
-        a_i, kw_i = _rebuild(args, vals), _rebuild(kwargs, vals)
+        vals = [fixed[k] if k in fixed else next(rit) for k in range(len(leaves))]
 
         def f(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            outs = output_tensors(functional_call(mod, p, a_i, kw_i, strict=False))
-            return tuple(outs[k] for k in live_idx)
+            env: dict[Any, Any] = dict(reads)
+            for n, i in arg_at:
+                env[n] = vals[i]
+            for n, r in own_at:
+                env[n] = p[r]
+            return replay(entries, grads, cuts, env, outs)
 
         _, back = vjp(f, own)
         return back(tuple(b_rows))[0]
 
-    allowed = list(fixed.values()) + [t for _, _, _, vs in module_state(mod) for t, _ in vs]
+    allowed = list(fixed.values()) + [t for _, _, _, vs in module_state(mod) for t, _ in vs] + \
+        list(reads.values()) + _literals(entries)
     tracer = RecomputeTracer(batch, allowed + list(own.values()))
     for t in batched + bs:
         tracer.mark(t, (0, 1))
     try:
         with torch.enable_grad(), tracer:
             got = vmap(one, randomness="different")(batched, bs)
+    except _Unreplayable as exc:
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its proved "
+            f"operations cannot be replayed for one example ({exc}); use engine 'vmap'") from None
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise PerLayerUnsupported(
-            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) cannot be evaluated "
-            f"one example at a time by torch.func.vmap ({quote_error(exc)}); make its forward "
-            "free of data-dependent Python control flow, or use engine 'vmap'") from None
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its proved "
+            "operations cannot be evaluated one example at a time by torch.func.vmap "
+            f"({quote_error(exc)}); use engine 'vmap'") from None
     finally:
         tracer.retire()  # what the recomputation left behind is this batch's data
     why = tracer.verdict([got[r] for r in c.owner.roles])
     if why is not None:
         raise PerLayerNotProved(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): its per-example "
-            f"recomputation under torch.func.vmap is not proved to read example i alone ({why}); "
-            "the forward must compute the same on one example as on the batch, from its "
-            "arguments, its own parameters, buffers and tensor attributes only, or use engine "
-            "'vmap'")
+            f"replay under torch.func.vmap is not proved to read example i alone ({why}); "
+            "use engine 'vmap'")
     return {r: got[r].detach() for r in c.owner.roles}
 
 
