@@ -1,4 +1,4 @@
-"""The eighth, ninth and tenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to fourteenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -7,7 +7,8 @@ engine raised (the first words of its error are kept).
 Run ``PYTHONPATH=<src to measure>:. python benchmarks/review_attacks.py LABEL OUT.json`` (rows
 appended, replacing LABEL's), then ``python benchmarks/review_attacks.py --table OUT.json`` for the
 Markdown table beside it. The attacks are the tests' models (tests/engine/test_review8_*.py,
-test_review9_*.py, tests/core/test_review10_mechanisms.py).
+test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
+test_review14_replay_shapes.py).
 """
 
 from __future__ import annotations
@@ -179,8 +180,60 @@ def _attacks():
             outs.append(torch.cat([p.grad.reshape(-1) for p in dp2.model.parameters()]) * 15)
         return float((outs[0] - outs[1]).norm()) / dp.strategy.clip_norm, {"engine": engine_cls.name}
 
+    from tests.engine import test_review13_recompute as r13
+
+    def global_carry(engine):
+        torch.manual_seed(0)
+        model = r13._model(r13._GlobalB(3))
+        x, y = data()
+        try:
+            clipped_sum(engine(), model, ce, x, y)  # leaves the batch size 8 in the global
+            after, info = clipped_sum(engine(), model, ce, x[1:], y[1:])
+            r13._G.clear()
+            clean, _ = clipped_sum(engine(), model, ce, x[1:], y[1:])
+        finally:
+            r13._G.clear()
+        return float((after - clean).norm()) / C, info
+
+    def loo13(build):
+        def run(engine):
+            torch.manual_seed(0)
+            model = r13._model(build(3))
+            x, y = data()
+            try:
+                return loo_distance(engine(), model, ce, x, y), \
+                    clipped_sum(engine(), model, ce, x, y)[1]
+            finally:
+                r13._G.clear()
+        return run
+
+    from tests.engine import test_review14_replay_shapes as r14
+
+    def loo14(name):
+        def run(engine):
+            torch.manual_seed(0)
+            model = r14.CASES[name]().to(DT)
+            x, y = data()
+            try:
+                return loo_distance(engine(), model, ce, x, y), \
+                    clipped_sum(engine(), model, ce, x, y)[1]
+            finally:
+                r14._G.clear()
+        return run
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("14: replay reads zeros(1, B, d) whole, prod (LOO)", loo14("argument-prod"),
+         ("ghost", "auto")),
+        ("14: replay reads zeros(1, B, d) from a global, prod (LOO)", loo14("global-prod"),
+         ("ghost", "auto")),
+        ("14: as_strided of a (1, 1) slice of zeros(8, B) (LOO)", loo14("as_strided-of-a-slice"),
+         ("ghost", "auto")),
+        ("13: per-layer re-run reads the batch size from an attribute (LOO)", loo13(r13._KeepsB),
+         ("ghost", "auto")),
+        ("13: per-layer re-run reads the batch size from a global (LOO)", loo13(r13._GlobalB),
+         ("ghost", "auto")),
+        ("13: a global from the previous call (moved)", global_carry, ("ghost", "auto")),
         ("10: flat strategy, 4 parameter groups (LOO / S)", flat_groups, four),
         ("10: batch clipping unit carry, next call (moved / C)", bc_carry, ("vmap",)),
         ("10: AdaClip chunk carry, next call (moved / sensitivity)", adaclip_carry,
@@ -225,7 +278,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth, ninth and tenth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to fourteenth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

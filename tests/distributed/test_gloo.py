@@ -88,7 +88,7 @@ def _reference(name: str, cfg: dict, world: int = 1) -> dict:
 def world_runs(request, tmp_path_factory):
     world = request.param
     workdir = tmp_path_factory.mktemp(f"gloo{world}")
-    results = launch(_run_all, world, workdir, str(workdir), timeout=55.0)
+    results = launch(_run_all, world, workdir, str(workdir), timeout=180.0)
     return world, str(workdir), results
 
 
@@ -147,7 +147,7 @@ def test_zero_gradients_give_noise_std_z_c_over_b(tmp_path):
     by one rank (its block); a rank noising every coordinate would give sqrt(2) times that, a
     local divisor twice. The 1/2/4-rank std test per block: tests/distributed/test_noise_shard.py."""
     z, clip, b = 1.3, 1.0, 10.0
-    out = launch(S.zero_grad_noise, 2, tmp_path, 2000, z, clip, b, timeout=55.0)
+    out = launch(S.zero_grad_noise, 2, tmp_path, 2000, z, clip, b, timeout=180.0)
     assert torch.equal(out[0], out[1])  # one draw, the same on every rank
     noise = out[0]
     target = z * clip / b
@@ -168,7 +168,7 @@ def test_torchrun_launch_gives_the_single_process_epsilon(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(script), str(out)],
-        env=env, capture_output=True, text=True, timeout=55)
+        env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     ref = S.train(None)
@@ -180,7 +180,7 @@ def test_torchrun_launch_gives_the_single_process_epsilon(tmp_path):
 def test_ranks_that_disagree_are_refused(tmp_path):
     """A rank with another batch size, or one that loaded another checkpoint, stops every rank
     (digests compared; no secret is shown in the message)."""
-    out = launch(S.mismatches, 2, tmp_path, timeout=55.0)
+    out = launch(S.mismatches, 2, tmp_path, timeout=180.0)
     for res in out:
         assert "ranks [1] disagree with rank 0 on the run's configuration" in res["config"]
         assert "ranks [1] disagree with rank 0 on the private generator states" in res["resume"]

@@ -19,7 +19,9 @@ dimension is ONE symbol ``B``, every other dimension static; every use of ``B`` 
   combined elementwise with ``B``-free constants, drawn from at random, or combined with example data
   (the real-batch tracer then requires it to be the same for every example, a fresh i.i.d. draw, or
   ``arange(B)`` used as the identity index); a reduction or any other operation on it
-  (``ones(B).sum()`` is ``B``) is refused;
+  (``ones(B).sum()`` is ``B``) is refused, and so is cutting it to a shape without ``B`` (a slice
+  or view of ``zeros(8, B)`` flattened, or a ``(1, 1)`` slice read with ``as_strided``: which
+  elements remain depends on ``B`` once ``B`` is folded with another dimension);
 * whatever cannot be traced on fake tensors (``.numpy()``, ``.tolist()``, ``.item()`` on data,
   data-dependent Python control flow) is "not proven".
 
@@ -236,6 +238,14 @@ def _check_graph(ep: Any) -> str | None:
                 return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
                         f"used by {name}: its values can carry the batch size (e.g. "
                         "ones(B).sum(), arange(B).max())")
+            if packet not in _SHAPE_ONLY and isinstance(val, Tensor) and not _has_sym_shape(val):
+                # cut to a shape without B: which of its elements it keeps depends on B once
+                # B is folded with other dimensions (zeros(8, B) with row 0 filled, flattened,
+                # element 7; or as_strided from a (1, 1) slice: fourteenth hostile review, LOO
+                # 2.81 C). Positions are the examples' only while B stays a dimension
+                return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
+                        f"cut by {name} to a shape without it: which of its elements remain can "
+                        "depend on the batch size (e.g. zeros(8, B).flatten()[7:8])")
         if _has_sym_shape(val) or (isinstance(val, (tuple, list)) and
                                    any(_has_sym_shape(v) for v in val)):
             shaped.add(node.name)

@@ -318,6 +318,13 @@ def settle_call(w: Any, layout: Callable[[Tensor], Any], rows: int) -> None:
             w.why = ("it reads a tensor of the forward that carries example data and is not one "
                      "of its arguments (a closure or attribute set from the batch)")
             return
+        if w.program.symbolic(name):
+            # public, but shaped by the batch size elsewhere than in its rows (zeros(1, B, d)):
+            # read whole by one example's replay it would carry B_real into it (fourteenth
+            # hostile review: a product over the broadcast rows, LOO 3.09 C)
+            w.why = ("it reads a tensor of the forward whose shape involves the batch size "
+                     "other than as its rows")
+            return
         w.fixed[name] = (t, t._version)
     for name in w.out_names:
         if name is None or not (made(name) or name in w.own_names or
@@ -385,22 +392,29 @@ def _cut(x: Any, key: Any, cut: frozenset[Any] | None) -> Any:
 
 def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
            cuts: Sequence[frozenset[Any] | None], env: dict[Any, Any],
-           outs: Sequence[Any]) -> tuple[Any, ...]:
+           outs: Sequence[Any], shapes: Sequence[list[Any]]) -> tuple[Any, ...]:
     """Run the proved operations ``entries`` (numbers already evaluated) on the tensors ``env``
     (name -> tensor: the call's arguments, own parameters and fixed reads), each in the grad mode
     it ran in and with the arguments the real run read detached (``cuts``) detached; return the
-    tensors named ``outs``. No user code runs: ATen operations only."""
-    for (func, a, kw, index), grad, cut in zip(entries, grads, cuts):
+    tensors named ``outs``. No user code runs: ATen operations only. Every output must have the
+    shape the proof's tensor has at one example (``shapes``; fourteenth hostile review: a tensor
+    read whole with the real batch size in a broadcast dimension made one example's replay a
+    product over B rows): the replay is then the proof's program at a batch of one."""
+    for (func, a, kw, index), grad, cut, want in zip(entries, grads, cuts, shapes):
         args = tuple(_cut(_value(s, env), i, cut) for i, s in enumerate(a))
         kwargs = {k: _cut(_value(s, env), k, cut) for k, s in kw.items()}
         with torch.set_grad_enabled(grad):
             out = func(*args, **kwargs)
-        if isinstance(out, Tensor):
-            env[("op", index, 0)] = out
-        elif isinstance(out, (tuple, list)):
-            for j, o in enumerate(out):
-                if isinstance(o, Tensor):
-                    env[("op", index, j)] = o
+        got = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (tuple, list)) \
+            else []
+        for j, o in enumerate(got):
+            if isinstance(o, Tensor):
+                w = want[j] if j < len(want) else None
+                if w is None or tuple(o.shape) != w:
+                    raise _Unreplayable(
+                        f"operation {func._schema.name.split('::')[-1]} gives a tensor of shape "
+                        f"{tuple(o.shape)} where the proof's has {w} at one example")
+                env[("op", index, j)] = o
     got = []
     for n in outs:
         v = _lookup(env, n)
@@ -470,7 +484,19 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     own = {r: getattr(mod, r) for r in c.owner.roles}
     bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group)
           for t, b in zip(c.outs, c.bs)]
-    entries = w.program.at(1)[w.start:w.end]  # the proof's numbers for one example
+    prog = w.program
+    entries = prog.at(1)[w.start:w.end]  # the proof's numbers for one example
+    shapes = [[prog.shape(("op", e[3], j), 1) for j in range(len(prog.shapes.get(e[3], ())))]
+              for e in entries]
+    for n, (t, d) in zip(w.arg_names, zip(leaves, dims)):
+        want = None if n is None else prog.shape(n, 1)
+        have = (group, *t.shape[1:]) if d == 0 else tuple(t.shape)
+        if n is not None and n[0] == "op" and want != tuple(have):
+            raise PerLayerUnsupported(
+                f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): an argument of "
+                f"shape {tuple(t.shape)} has shape {want} in the proof at one example (its shape "
+                "involves the batch size other than as its rows); pass it batch-first, or use "
+                "engine 'vmap'")
     grads, cuts = list(w.grad), list(w.cuts)
     arg_at = [(n, i) for i, n in enumerate(w.arg_names) if n is not None]
     reads = {n: t for n, (t, _) in w.fixed.items()}
@@ -487,7 +513,7 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 env[n] = vals[i]
             for n, r in own_at:
                 env[n] = p[r]
-            return replay(entries, grads, cuts, env, outs)
+            return replay(entries, grads, cuts, env, outs, shapes)
 
         _, back = vjp(f, own)
         return back(tuple(b_rows))[0]

@@ -197,10 +197,13 @@ class ProvedProgram:
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch",
-                 "_outside", "_generators", "_lifted")
+                 "_outside", "_generators", "_lifted", "shapes")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
+        #: recording index -> the shape of each tensor output as the proof saw it (a size: an int,
+        #: or ``(sympy expression, int)`` for a symbolic one), None for a non-tensor output
+        self.shapes: dict[int, list[tuple[Any, ...] | None]] = {}
         self.split = 0
         self.model_out: Any = None
         self.loss_out: Any = None
@@ -249,6 +252,32 @@ class ProvedProgram:
             self._outside = list(found.values())
         return self._outside
 
+    def shape(self, name: Any, batch: int) -> tuple[int, ...] | None:
+        """The shape the proof's tensor ``name`` (an operation's output) has at ``batch``, or None
+        (not an operation's output, or a size that has no value there)."""
+        if name[0] != "op":
+            return None
+        outs = self.shapes.get(name[1])
+        if outs is None or name[2] >= len(outs) or outs[name[2]] is None:
+            return None
+        got = []
+        for d in outs[name[2]]:
+            if isinstance(d, int):
+                got.append(d)
+                continue
+            try:
+                got.append(int(d[0].xreplace({s: batch for s in d[0].free_symbols})))
+            except (TypeError, ValueError):
+                return None
+        return tuple(got)
+
+    def symbolic(self, name: Any) -> bool:
+        """Whether the shape of the proof's tensor ``name`` involves the batch size."""
+        outs = self.shapes.get(name[1]) if name[0] == "op" else None
+        if outs is None or name[2] >= len(outs) or outs[name[2]] is None:
+            return False
+        return any(not isinstance(d, int) for d in outs[name[2]])
+
     def at(self, batch: int) -> list[tuple[Any, tuple, dict, int]]:
         """The entries with every symbolic number evaluated at ``batch`` (cached per batch)."""
         got = self._at_batch.get(batch)
@@ -260,6 +289,18 @@ class ProvedProgram:
                 self._at_batch.clear()
             self._at_batch[batch] = got
         return got
+
+
+def _shape_spec(t: Tensor) -> tuple[Any, ...]:
+    """A tensor's shape in the proof: ints, and ``(expression, int)`` for symbolic sizes."""
+    got: list[Any] = []
+    for d in t.shape:
+        if isinstance(d, torch.SymInt):
+            expr = d.node.expr
+            got.append((expr, int) if expr.free_symbols else int(expr))
+        else:
+            got.append(int(d))
+    return tuple(got)
 
 
 def _concrete(spec: tuple, batch: int) -> tuple:
@@ -510,6 +551,7 @@ class ProgramRecorder(TorchDispatchMode):
         spec_args = tuple(self._spec(a, lift) for a in args)
         spec_kwargs = {key: self._spec(v, lift) for key, v in kwargs.items()}
         self.program.entries.append((func, spec_args, spec_kwargs, k))
+        self.program.shapes[k] = [None if o is None else _shape_spec(o) for o in _outputs(out)]
         for j, o in enumerate(_outputs(out)):
             if o is not None:
                 self._names.set(o, ("op", k, j))
