@@ -472,11 +472,21 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 f"an argument of module {c.owner.name!r} ({type(mod).__name__}, per-layer path), "
                 "or a tensor its forward read, was modified in place after the call (e.g. "
                 "x.mul_(2) on a tensor the module consumed); use out-of-place operations")
-    dims = c.arg_dims
+    dims = list(c.arg_dims)
     if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
             "tensor with the batch in a dimension other than 0; give it batch-first inputs")
+    prog = w.program
+    for k, n in enumerate(w.arg_names):
+        # sliced per example only where the proof has the batch as its rows: a parameter or buffer
+        # never, an operation's output where the proof's first size involves the batch (fifteenth
+        # hostile review: a public (T, d) buffer passed as an argument was sliced when T equalled
+        # the batch size, so one example's replay read one row of it: LOO 3.55 C)
+        if n is not None and n[0] in ("p", "b"):
+            dims[k] = None
+        elif n is not None and n[0] == "op":
+            dims[k] = 0 if prog.leading_symbolic(n) else None
     leaves = [t for t, _ in vers]
     group = c.group  # rows per example: each example is evaluated on its own rows
     batched = [_examples(t, batch, group) for t, d in zip(leaves, dims) if d == 0]
@@ -484,7 +494,6 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     own = {r: getattr(mod, r) for r in c.owner.roles}
     bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group)
           for t, b in zip(c.outs, c.bs)]
-    prog = w.program
     entries = prog.at(1)[w.start:w.end]  # the proof's numbers for one example
     shapes = [[prog.shape(("op", e[3], j), 1) for j in range(len(prog.shapes.get(e[3], ())))]
               for e in entries]

@@ -271,6 +271,14 @@ class ProvedProgram:
                 return None
         return tuple(got)
 
+    def leading_symbolic(self, name: Any) -> bool:
+        """Whether the proof's tensor ``name`` (an operation's output) has a first size that
+        involves the batch size (its rows are the examples')."""
+        outs = self.shapes.get(name[1]) if name[0] == "op" else None
+        if outs is None or name[2] >= len(outs) or outs[name[2]] is None or not outs[name[2]]:
+            return False
+        return not isinstance(outs[name[2]][0], int)
+
     def symbolic(self, name: Any) -> bool:
         """Whether the shape of the proof's tensor ``name`` involves the batch size."""
         outs = self.shapes.get(name[1]) if name[0] == "op" else None
