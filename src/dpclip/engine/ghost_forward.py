@@ -200,6 +200,23 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     return (*got, True)
 
 
+def _proof_free(tracer: SeparabilityTracer, t: Any) -> bool:
+    """Whether the step's proved program shows ``t`` (an operation's output) with a shape free of
+    the batch size (engine code: the tracer's checks pause)."""
+    match = tracer.match
+    if match is None or not isinstance(t, Tensor):
+        return False
+    quiet, tracer.quiet = tracer.quiet, True
+    try:
+        name = match.names.get(t)
+    finally:
+        tracer.quiet = quiet
+    if name is not None and name[0] == "detached":
+        name = name[1]
+    return name is not None and name[0] == "op" and name[1] in match.program.shapes and \
+        not match.program.symbolic(name)
+
+
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                     ys: Any, batch: int, program: ProvedProgram | None = None
                     ) -> tuple[list[_Call], Tensor]:
@@ -255,7 +272,8 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             return out
-        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a)):
+        if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a),
+                                          _proof_free(tracer, out)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user = tuple(out.shape)

@@ -20,6 +20,7 @@ from dpclip.engine._common import _Rounding
 from dpclip.engine.per_layer import (
     arg_batch_dims,
     capture_args,
+    scale_holds,
     settle_call,
     elementwise_scale,
     join_layouts,
@@ -153,12 +154,13 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.window = (start, seq_now())
     # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
     c.fast = None
-    if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
-        got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
-        c.fast = None if got is None else (got[0], got[1], got[0]._version)
     # rows per example: k for outputs of layout (0, k)
     assert tracer is not None  # (a per-layer call is always traced: ghost_forward._plain_chain)
     lay = join_layouts([tracer.layout(t) for t in outs])
+    if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
+        got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        if got is not None and scale_holds(got, c.call):
+            c.fast = (got[0], got[1], got[0]._version)
     k = c.group = _row_group(lay)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace

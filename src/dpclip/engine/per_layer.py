@@ -59,7 +59,8 @@ from dpclip.engine.proved_program import _written
 from dpclip.engine.separable import SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
-           "join_layouts", "module_grads", "output_tensors", "replay", "seq_now", "settle_call"]
+           "join_layouts", "module_grads", "output_tensors", "replay", "scale_holds", "seq_now",
+           "settle_call"]
 
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
@@ -672,17 +673,17 @@ def _uses_param(root: Any, param: Tensor, start: int | None, end: int) -> bool:
     return False
 
 
-def elementwise_scale(out: Tensor, param: Tensor,
-                      window: tuple[int | None, int]) -> tuple[Tensor, torch.dtype] | None:
+def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]
+                      ) -> tuple[Tensor, torch.dtype, Tensor] | None:
     """Recognise an RMSNorm-like call by what it computes: ``out = y * h(param)`` with ``param`` a
     vector of the output's last width acting elementwise on the last dimension, ``h`` a chain of
     casts and constant additions (derivative 1: LlamaRMSNorm, T5LayerNorm, Qwen/Mistral norms
     ``weight * y``, Gemma's ``y * (1 + weight.float())``), ``y`` of the output's shape and free of
     ``param``, possibly followed by a cast of the product. Read from the call's autograd graph
-    (the ``MulBackward0`` node and its saved operands), not from the class name. Returns ``y`` and
+    (the ``MulBackward0`` node and its saved operands), not from the class name. Returns ``y``,
     the product's dtype (the per-example gradient is then ``sum over positions of b * y`` in that
-    dtype, as autograd forms it), or None when the call does not fit (it then takes the general
-    per-layer path)."""
+    dtype, as autograd forms it) and ``h(param)``, or None when the call does not fit (it then
+    takes the general per-layer path). The caller checks :func:`scale_holds`."""
     if param.ndim != 1 or out.ndim < 2 or out.shape[-1] != param.shape[0]:
         return None
     node = out.grad_fn  # (called from the forward hook: the module's own output node)
@@ -705,7 +706,22 @@ def elementwise_scale(out: Tensor, param: Tensor,
         return None
     if _uses_param(edges[1 - k][0], param, window[0], window[1]):
         return None
-    return y, torch.promote_types(y.dtype, hw.dtype)
+    return y, torch.promote_types(y.dtype, hw.dtype), hw
+
+
+def scale_holds(got: tuple[Tensor, torch.dtype, Tensor], call: Any) -> bool:
+    """Whether a recognised scale's saved operand ``y`` still holds what the product read: no
+    operation of the call wrote its storage (``call``: the call's
+    :class:`~dpclip.engine.proved_program.CallWindow`; a write with dispatch off is the memory
+    watch's, ``y`` being saved for the backward). A write through a ``set_`` alias, which has its
+    own version counter, left ``y`` mixing the batch while the output stayed row separable
+    (sixteenth hostile review: LOO 9.82 C); such a call takes the general per-layer path, whose
+    replay refuses the write."""
+    from dpclip.engine.proved_program import storage_key
+
+    if call is None or call.why is not None:
+        return False
+    return storage_key(got[0]) not in call.written
 
 
 def scale_grads(c: Any, batch: int) -> dict[str, Tensor]:

@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dpclip.engine.hook_watch import HookWatch
 from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
 
-__all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram"]
+__all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram", "storage_key"]
 
 _aten = torch.ops.aten
 #: operations that read a tensor's metadata only; fake tensors with symbolic sizes dispatch some
@@ -398,6 +398,11 @@ class _Versioned(_Names):
                     by[skey].discard(key)
                 elif t._version == e[2]:
                     self.d[key] = (e[0], e[1], e[2] + n)
+
+
+def storage_key(t: Tensor) -> int:
+    """The key of ``t``'s storage in :attr:`CallWindow.written` (its data pointer)."""
+    return _storage(t)
 
 
 def _storage(t: Tensor) -> int:
@@ -981,6 +986,8 @@ class ProgramMatch:
                 self._rng[g] = g.get_state()
         if not pure:
             bumps = _written(func, args, kwargs)
+            for w in self.calls:  # (what the call wrote: CallWindow.written)
+                w.written.update(bumps)
             if bumps:  # the counters of the written storages move once per written argument
                 self.names.written(bumps)
                 self.watch.refresh(bumps)  # an accepted write: the new bytes are the program's
@@ -1132,7 +1139,7 @@ class CallWindow:
     replayed, or None."""
 
     __slots__ = ("program", "start", "first", "end", "arg_names", "own_names", "reads", "grad",
-                 "cuts", "out_names", "why", "fixed")
+                 "cuts", "out_names", "why", "fixed", "written")
 
     def __init__(self, program: ProvedProgram, start: int) -> None:
         self.program = program
@@ -1150,6 +1157,8 @@ class CallWindow:
         #: name -> (tensor, version): what the replay reads from outside the call that is neither
         #: an argument nor an own parameter (set by ``per_layer.settle_call``)
         self.fixed: dict[Any, tuple[Tensor, int]] = {}
+        #: the storages (data pointers) the call's matched operations wrote
+        self.written: set[int] = set()
 
 
 def _equal(a: Tensor, b: Tensor) -> bool:
