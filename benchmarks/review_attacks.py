@@ -1,14 +1,15 @@
-"""The eighth to fourteenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to sixteenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
 engine raised (the first words of its error are kept).
 
-Run ``PYTHONPATH=<src to measure>:. python benchmarks/review_attacks.py LABEL OUT.json`` (rows
-appended, replacing LABEL's), then ``python benchmarks/review_attacks.py --table OUT.json`` for the
+Run ``PYTHONPATH=<src to measure>:. python benchmarks/review_attacks.py LABEL OUT.json [PREFIXES]``
+(rows appended, replacing LABEL's for the attacks measured; PREFIXES such as ``15:,16:`` measure
+only those attacks), then ``python benchmarks/review_attacks.py --table OUT.json`` for the
 Markdown table beside it. The attacks are the tests' models (tests/engine/test_review8_*.py,
 test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
-test_review14_replay_shapes.py).
+test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py).
 """
 
 from __future__ import annotations
@@ -221,8 +222,35 @@ def _attacks():
                 r14._G.clear()
         return run
 
+    from tests.engine import test_review15_rows_coincide as r15
+    from tests.engine import test_review16_scale_alias as r16
+
+    def loo15(how):
+        def run(engine):
+            torch.manual_seed(0)
+            model = r15._Net(how).to(DT)
+            x, y = r15._data(6, 4 if how == "sum" else r15.T)
+            full, res = r15._sum(engine(), model, x, y)
+            worst = max(float((full - r15._sum(engine(), model, x[keep], y[keep])[0]).norm())
+                        for keep in ([i for i in range(6) if i != j] for j in range(6)))
+            return worst / r15.C, res.engine_info
+        return run
+
+    def loo16(engine):
+        torch.manual_seed(0)
+        x = torch.randn(6, 5, 4, dtype=DT)
+        y = torch.randint(0, 3, (6,))
+        model = r16._Model(1000.0)
+        full = r16._release(engine(), model, x, y)
+        worst = max(float((full - r16._release(engine(), model, x[keep], y[keep])).norm())
+                    for keep in ([i for i in range(6) if i != j] for j in range(6)))
+        return worst / r16.C, {"engine": getattr(engine, "name", None)}
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("15: a (6, d) buffer argument sliced at B = 6 (LOO)", loo15("sum"), ("ghost", "auto")),
+        ("15: a (T, d) table argument sliced at B = T (LOO)", loo15("table"), ("ghost", "auto")),
+        ("16: scale operand rewritten through a set_ alias (LOO)", loo16, ("ghost", "auto")),
         ("14: replay reads zeros(1, B, d) whole, prod (LOO)", loo14("argument-prod"),
          ("ghost", "auto")),
         ("14: replay reads zeros(1, B, d) from a global, prod (LOO)", loo14("global-prod"),
@@ -254,10 +282,12 @@ def _attacks():
     ]
 
 
-def measure(label: str) -> list[dict]:
+def measure(label: str, only: str | None = None) -> list[dict]:
     engines, attacks = _attacks()
     rows = []
     for name, run, which in attacks:
+        if only is not None and not name.startswith(tuple(only.split(","))):
+            continue
         for e in which:
             row = {"attack": name, "code": label, "engine": e, "device": "cpu",
                    "cpu": platform.machine(), "torch": torch.__version__,
@@ -278,7 +308,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to fourteenth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to sixteenth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
@@ -304,9 +334,12 @@ if __name__ == "__main__":
         print(md)
     else:
         label, path = sys.argv[1], sys.argv[2]
+        only = sys.argv[3] if len(sys.argv) > 3 else None  # attack prefixes, e.g. "15:,16:"
         try:
             old = json.load(open(path))
         except FileNotFoundError:
             old = []
-        old = [r for r in old if r["code"] != label] + measure(label)
+        new = measure(label, only)
+        done = {(r["code"], r["attack"], r["engine"]) for r in new}
+        old = [r for r in old if (r["code"], r["attack"], r["engine"]) not in done] + new
         json.dump(old, open(path, "w"), indent=1)
