@@ -135,3 +135,56 @@ def test_positions_run_on_ghost_at_every_batch_size_including_t(batch):
     for engine in (GhostEngine(), auto):
         res = engine.compute(model, _seq_loss, x, y, clip_weights(C), ParamGroups.flat(model))
         assert res.engine_info["engine"] == "ghost"
+
+
+class _Stashes(nn.Module):
+    """Keeps a tensor computed from its weight for a use after the call (a cast, an addition or a
+    product: the fast path and the general path)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.weight = nn.Parameter(0.1 * torch.randn(4, generator=g, dtype=DT) + 1)
+        self.mode = mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.mode == "cast":
+            hw = self.weight.to(torch.float32)
+            self.__dict__["hw"] = hw
+            return y * hw.to(DT)
+        hw = self.weight * 2.0
+        self.__dict__["hw"] = hw
+        return torch.tanh(y * hw)
+
+
+class _UsesStash(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4).to(DT)
+        self.norm = _Stashes(mode)
+        self.head = nn.Linear(4, 3).to(DT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.fc(x))
+        hw = self.norm.__dict__.pop("hw")
+        return self.head(h + 3.0 * x * hw.to(DT))  # a second use of the weight, after the call
+
+
+@pytest.mark.parametrize("mode", ["cast", "general"])
+def test_a_tensor_derived_from_the_weight_and_used_after_the_call_is_refused(mode):
+    """20bbb81 dropped the gradient through the later use silently (norm.weight's sum
+    [-0.69, 2.28, ...] against the loop's [3.16, 5.27, ...]); now refused, and auto runs vmap,
+    equal to the loop."""
+    from dpclip.engine import naive_per_example_grads
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4, dtype=DT)
+    y = torch.randint(0, 3, (6,))
+    model = _UsesStash(mode)
+    with pytest.raises(UnsupportedModelError, match="is used after the call"):
+        GhostEngine().compute(model, _loss, x, y, clip_weights(1e9), ParamGroups.flat(model))
+    res = AutoEngine().compute(model, _loss, x, y, clip_weights(1e9), ParamGroups.flat(model))
+    assert res.engine_info["engine"] == "vmap"
+    per_ex = naive_per_example_grads(model, _loss, x, y)
+    torch.testing.assert_close(res.grads["norm.weight"], per_ex["norm.weight"].sum(0))

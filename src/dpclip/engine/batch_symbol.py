@@ -15,6 +15,10 @@ dimension is ONE symbol ``B``, every other dimension static; every use of ``B`` 
 * ``B`` as a symbolic value in the graph (``o / x.shape[0]``, ``full((d,), B)``, ``x[B - 1]``) is
   allowed only as a size: in the size list of a view, reshape, expand or factory, as the end of
   ``arange`` or the bounds of a ``slice``; any other use is refused;
+* example data has ``B`` once in its shape (``(B, ...)``, ``(B * T, d)``, ``(T, B, d)``): data copied
+  along another dimension of size ``B`` (``x[:, None].expand(-1, B, -1)``, a broadcast against a
+  ``(1, B, 1)`` constant) is refused, since a product or scan along the copies makes ``B`` a value
+  (``(-1) ** B``) that the row-separable layout of the copies does not show;
 * a constant whose shape involves ``B`` (``arange(B)``, ``ones(B)``, ``pe[:B]``) may only be reshaped,
   combined elementwise with ``B``-free constants, drawn from at random, or combined with example data
   (the real-batch tracer then requires it to be the same for every example, a fresh i.i.d. draw, or
@@ -134,6 +138,28 @@ def _has_sym_shape(v: Any) -> bool:
                                          bool(s.node.expr.free_symbols) for s in v.shape)
 
 
+def _batch_degree(val: Any) -> int:
+    """The degree in the batch symbol of a tensor's number of elements (tensors in a tuple or
+    list: the largest): 1 for example data ``(B, ...)``, ``(B * T, d)``, ``(T, B, d)``; 2 once the
+    data is copied along another dimension of size B."""
+    if isinstance(val, (tuple, list)):
+        return max((_batch_degree(v) for v in val), default=0)
+    if not isinstance(val, Tensor):
+        return 0
+    total = 0
+    for size in val.shape:
+        if isinstance(size, torch.SymInt):
+            expr = size.node.expr
+            if expr.free_symbols:
+                try:
+                    import sympy
+
+                    total += int(sympy.Poly(expr, *expr.free_symbols).total_degree())
+                except Exception:  # noqa: BLE001 - not a polynomial (a floor division): once
+                    total += 1
+    return total
+
+
 def _sym_arith(target: Any) -> bool:
     """Python / SymPy arithmetic on symbolic sizes (``B * T``, ``B // 2``): its result is another
     symbolic node, whose own uses are checked."""
@@ -206,6 +232,14 @@ def _check_graph(ep: Any) -> str | None:
                     return f"the batch size is used as a value by {name} (argument {k})"
         # 2. constants shaped by the batch size
         from_shaped = [a for a in ins if a.name in shaped]
+        if is_data and _batch_degree(val) > 1:
+            # example data copied along a dimension of size B (expand / repeat / broadcast
+            # against a (1, B, 1) constant): each row holds its own example only, so the trace
+            # sees it row separable, but a product, sum or scan along the copies makes B a value
+            # ((-1) ** B: seventeenth hostile review, LOO 7.35 C). Examples' data has B once
+            return (f"example data is given a dimension of the batch size besides its rows by "
+                    f"{name} (e.g. x[:, None].expand(-1, B, -1)): a reduction along it can carry "
+                    "the batch size")
         if is_data:
             if from_shaped and not _combines_positionwise(target, packet):
                 # e.g. einsum('bi,ci->bi', x, ones_like(x)) sums B ones into every row: the

@@ -289,13 +289,17 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
 _CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
 
 
-def _graph_param_uses(root: Any, wanted: dict[int, str]) -> dict[str, int]:
-    """How many autograd edges lead into each wanted parameter's AccumulateGrad node.
+def _graph_param_uses(root: Any, wanted: dict[int, str],
+                      indeg: dict[Any, int] | None = None) -> dict[str, int]:
+    """How many autograd edges lead into each wanted parameter's AccumulateGrad node (``indeg``:
+    filled with every node's number of incoming edges, when given).
 
     Raises :class:`_RuntimeUnsupported` on a node of a custom ``torch.autograd.Function`` (or a
     module backward hook, which is one): its backward is user code that the separability trace of
     the forward cannot see, and it could mix the examples' gradients."""
-    indeg: dict[Any, int] = {root: 0}
+    if indeg is None:
+        indeg = {}
+    indeg[root] = 0
     stack = [root]
     leaves = []
     pop, push, add_leaf = stack.pop, stack.append, leaves.append
@@ -743,7 +747,9 @@ class GhostEngine:
         modular = [c for c in live if c.outs is not None]
         try:
             if total.requires_grad and live:
-                uses = _graph_param_uses(total.grad_fn, scan.by_param)
+                indeg: dict[Any, int] = {}
+                uses = _graph_param_uses(total.grad_fn, scan.by_param,
+                                         indeg if modular else None)
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
@@ -776,7 +782,7 @@ class GhostEngine:
                 mod_names = {pn for c in modular for pn in c.owner.pnames}
                 check_module_windows(modular, {pn: uses.get(pn, 0) for pn in mod_names},
                                      {pn: n for pn, n in count.items() if pn in mod_names},
-                                     scan.by_param)
+                                     scan.by_param, indeg)
                 uses = {pn: n for pn, n in uses.items() if pn not in mod_names}
                 count_ruled = {pn: n for pn, n in count.items() if pn not in mod_names}
             else:

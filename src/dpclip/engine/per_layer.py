@@ -111,13 +111,17 @@ def _accumulate_var(fn: Any) -> Any:
 
 
 def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
-                         ruled: dict[str, int], by_param: dict[int, str]) -> None:
+                         ruled: dict[str, int], by_param: dict[int, str],
+                         indeg: dict[Any, int] | None = None) -> None:
     """Check that the per-layer calls' vector-Jacobian products give the per-example gradients of
     their modules' parameters (module docstring). ``calls``: the live per-layer calls (``outs``,
     ``bs``, ``window``, ``owner``); ``uses``: edges into each parameter's ``AccumulateGrad`` node in
     the whole graph; ``ruled``: the number of ruled layer calls using each parameter (tied with a
-    ruled layer); ``by_param``: canonical names by ``id(param)``. Raises
-    :class:`PerLayerUnsupported`."""
+    ruled layer); ``by_param``: canonical names by ``id(param)``; ``indeg``: every node's number
+    of incoming edges in the whole graph (an intermediate of a call that depends on its
+    parameters and is used after the call, e.g. ``self.hw = self.weight.float()`` read later,
+    carries a gradient the call's product misses: refused; sixteenth hostile review, silently
+    dropped before). Raises :class:`PerLayerUnsupported`."""
     counted: dict[str, int] = dict(ruled)
     for c in calls:
         name = c.owner.name
@@ -132,24 +136,40 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
         roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None
                  and start < e.node._sequence_nr() < end]
         seen: set[Any] = set()
+        inner: dict[Any, int] = {}  # edges into each node of the call from the call's nodes
+        below: dict[Any, list[Any]] = {}  # the call's nodes each node leads to
+        touches: set[Any] = set()  # nodes with an edge into an own parameter
         stack = list(roots)
         while stack:
             node = stack.pop()
             if node in seen:
                 continue
             seen.add(node)
+            kids = below[node] = []
             for n, _ in node.next_functions:
                 if n is None:
                     continue
                 var = _accumulate_var(n)
                 if var is not None:
                     if id(var) in own:
+                        touches.add(node)
                         pn = by_param.get(id(var))
                         if pn is not None:
                             counted[pn] = counted.get(pn, 0) + 1
                     continue
                 if start < n._sequence_nr() < end:  # created by this call
+                    inner[n] = inner.get(n, 0) + 1
+                    kids.append(n)
                     stack.append(n)
+        if indeg is not None:
+            outs = {e.node for e in c.oedges if e.node is not None}
+            escaped = [n for n in seen if n not in outs and indeg.get(n, 0) > inner.get(n, 0)]
+            if escaped and _reaches(escaped, below, touches):
+                raise PerLayerUnsupported(
+                    f"module {name!r} ({type(c.mod).__name__}, per-layer path): a tensor its call "
+                    "computed from its parameters is used after the call (kept in an attribute or "
+                    "returned where the module's outputs are not seen): the gradient through "
+                    "that use cannot be read from the call; return it, or use engine 'vmap'")
     names = {by_param[id(getattr(c.mod, r))] for c in calls for r in c.owner.roles
              if id(getattr(c.mod, r)) in by_param}
     bad = sorted(pn for pn in names if counted.get(pn, 0) != uses.get(pn, 0))
@@ -159,6 +179,21 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             "the modules that own them (e.g. read by another module, or a tensor derived from "
             "them kept for later): their per-example gradient cannot be read from the module's "
             "calls; use the parameter only inside its module's forward, or engine 'vmap'")
+
+
+def _reaches(starts: list[Any], below: dict[Any, list[Any]], touches: set[Any]) -> bool:
+    """Whether a node of ``starts`` leads, through the call's nodes, to an own parameter."""
+    seen: set[Any] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in touches:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(below.get(node, ()))
+    return False
 
 
 def capture_args(args: tuple, kwargs: dict,
