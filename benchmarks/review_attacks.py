@@ -1,4 +1,4 @@
-"""The eighth to sixteenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to seventeenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -9,7 +9,8 @@ Run ``PYTHONPATH=<src to measure>:. python benchmarks/review_attacks.py LABEL OU
 only those attacks), then ``python benchmarks/review_attacks.py --table OUT.json`` for the
 Markdown table beside it. The attacks are the tests' models (tests/engine/test_review8_*.py,
 test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
-test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py).
+test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
+test_review17_batch_in_data_dim.py).
 """
 
 from __future__ import annotations
@@ -246,8 +247,22 @@ def _attacks():
                     for keep in ([i for i in range(6) if i != j] for j in range(6)))
         return worst / r16.C, {"engine": getattr(engine, "name", None)}
 
+    from tests.engine import test_review17_batch_in_data_dim as r17
+
+    def loo17(engine):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 3, generator=g, dtype=DT) * 2
+        y = torch.zeros(8, dtype=torch.long)
+        model = r17._Net("expand_prod")
+        full, res = r17._release(engine(), model, x, y)
+        worst = max(float((full - r17._release(engine(), model, x[keep], y[keep])[0]).norm())
+                    for keep in ([i for i in range(8) if i != j] for j in range(8)))
+        return worst / r17.C, res.engine_info
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("17: example data copied along a B-sized dimension, prod (LOO)", loo17,
+         ("ghost", "auto")),
         ("15: a (6, d) buffer argument sliced at B = 6 (LOO)", loo15("sum"), ("ghost", "auto")),
         ("15: a (T, d) table argument sliced at B = T (LOO)", loo15("table"), ("ghost", "auto")),
         ("16: scale operand rewritten through a set_ alias (LOO)", loo16, ("ghost", "auto")),
@@ -308,7 +323,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to sixteenth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to seventeenth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
