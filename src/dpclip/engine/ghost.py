@@ -716,7 +716,8 @@ class GhostEngine:
             o = c.owner
             if c.outs is not None:  # per-layer path: every output batch-first
                 rows = batch * c.group
-                bad = [t.ndim for t in c.outs if t.ndim == 0 or t.shape[0] != rows]
+                bad = [t.ndim for t, first in zip(c.outs, c.batch_first)
+                       if not first or t.shape[0] != rows]
                 if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "

@@ -47,7 +47,7 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges", "a_print", "group", "call")
+                 "live_idx", "fast", "oedges", "a_print", "group", "call", "batch_first")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -169,8 +169,19 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if c.call is not None:  # the call's proved operations: what the per-layer path replays
         tracer.match.close_call(c.call, outs)
         settle_call(c.call, tracer.layout, tracer.batch * k)
-    for t in outs:  # (an output without the batch first is refused by the engine pass)
-        if t.ndim and t.shape[0] == tracer.batch * k:
+    # which outputs hold the examples in their rows: by the proof's shapes where the call was
+    # matched (a real first size equal to B * k would make a public (T, d) output batch-first at
+    # B * k == T only, a refusal that told the batch size: eighteenth hostile review)
+    rows = tracer.batch * k
+    names = c.call.out_names if c.call is not None else None
+    if names is not None and len(names) == len(outs):
+        prog = c.call.program
+        c.batch_first = [n is not None and n[0] == "op" and prog.leading_symbolic(n)
+                         and t.ndim > 0 and t.shape[0] == rows for n, t in zip(names, outs)]
+    else:
+        c.batch_first = [t.ndim > 0 and t.shape[0] == rows for t in outs]
+    for t, first in zip(outs, c.batch_first):  # (the others are refused by the engine pass)
+        if first:
             tracer.mark(t, (0, k))
     c.layouts = (lay, lay)
 
