@@ -256,3 +256,42 @@ def test_llama_rmsnorm_is_recognised_as_an_elementwise_scale(zoo, monkeypatch):
     res = GhostEngine().compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0), groups)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+class _WithHidden(nn.Module):
+    """Calls the model with ``output_hidden_states=True`` (and ``output_attentions=True``) and
+    returns logits that use the last hidden state and the attentions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, attention_mask):
+        out = self.m(input_ids=input_ids, attention_mask=attention_mask,
+                     output_hidden_states=True, output_attentions=True)
+        extra = out.hidden_states[-1].pow(2).mean(-1) + out.attentions[-1].mean((1, 3))
+        return out.logits + extra.mean(1).view(-1, *([1] * (out.logits.ndim - 1)))
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_output_hidden_states_runs_on_ghost_on_the_first_private_step(name):
+    """transformers (>= 5) installs its output-capturing forward hooks on the first call that asks
+    for hidden states or attentions: inside a private step the state guard refused that change of
+    the model under every engine (fef86b2). Installed before the step's snapshot
+    (``dpclip.hf.prime``): a fresh model runs on ghost at its first step, equal to the loop (the
+    loop runs after the engine, so the engine is the model's first call)."""
+    model, x, y, loss_fn = _as_the_tokenizer_gives(name, "eager")
+    wrapped = _WithHidden(model)
+    loss = cls_loss if name == "bert" else lm_loss
+
+    def wrapped_loss(out, t):
+        return loss(type("O", (), {"logits": out})(), t)
+
+    groups = ParamGroups.flat(wrapped)
+    res = AutoEngine().compute(wrapped, wrapped_loss, (x["input_ids"], x["attention_mask"]), y,
+                               lambda n: (0.05 / n).clamp(max=1.0), groups)
+    assert res.engine_info["engine"] == "ghost", res.engine_info
+    per_ex = naive_per_example_grads(wrapped, wrapped_loss, (x["input_ids"], x["attention_mask"]),
+                                     y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))

@@ -356,8 +356,8 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
             what = "input" if c.outs is None else "argument"
             raise _NotTheProvedProgram(
                 f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
-                "after the layer used it by a write that no operation of the trace shows and "
-                "that left its version counter unchanged (torch._C._DisableTorchDispatch, "
+                "after the layer used it by a write that left its version counter unchanged "
+                "(through an alias made with set_, or unseen: torch._C._DisableTorchDispatch, "
                 "_unsafe_set_version_counter, raw memory), so the layer's per-example gradient "
                 "would be read from values it never saw")
 

@@ -10,6 +10,7 @@ actually summed, rounding included). Supported layers: ``SUPPORTED_LAYERS`` in
 """
 
 from __future__ import annotations
+import collections
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -551,6 +552,33 @@ class _LinearRule(_Rule):
         return out
 
 
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _built_padding(mod: nn.Module) -> tuple[int, ...] | None:
+    """The ``_reversed_padding_repeated_twice`` that ``torch.nn`` convolutions build from their
+    ``padding`` (ints, or ``"valid"`` / ``"same"``), ``kernel_size`` and ``dilation``; None for
+    values the constructor would refuse."""
+    k, d, pad = mod.kernel_size, mod.dilation, mod.padding
+    if type(k) is not tuple or type(d) is not tuple or len(d) != len(k) or \
+            not all(type(v) is int and v > 0 for v in k + d):
+        return None
+    if isinstance(pad, str):
+        if pad == "valid":
+            return (0,) * (2 * len(k))
+        if pad != "same":
+            return None
+        got = []
+        for di, ki in zip(reversed(d), reversed(k)):
+            total = di * (ki - 1)
+            got += [total // 2, total - total // 2]
+        return tuple(got)
+    if type(pad) is not tuple or len(pad) != len(k) or \
+            not all(type(v) is int and v >= 0 for v in pad):
+        return None
+    return tuple(v for v in reversed(pad) for _ in range(2))
+
+
 class _ConvRule(_Rule):
     """Conv1d / Conv2d. When the layer pads by itself (a padding mode other than zeros, or string
     padding), :meth:`prepare` pads ``c.a`` the same way and the formulas use padding 0.
@@ -561,6 +589,23 @@ class _ConvRule(_Rule):
     the Gram matrices and the rounding bounds; the convolutions themselves run on the rows."""
 
     kind = "matmul"
+
+    def unsupported(self, mod: nn.Module) -> str | None:
+        """The padding the forward applies must be what the class builds from ``padding``,
+        ``kernel_size`` and ``dilation``, on the spatial dimensions only (nineteenth hostile
+        review: ``padding_mode = "constant"`` and ``_reversed_padding_repeated_twice = (1, 1, 0,
+        0, 1, -1)`` set after construction made the layer's own ``F.pad`` shift the batch by one
+        row, and this rule pads the same way: LOO 2.20 C under ghost and auto)."""
+        if mod.padding_mode not in _PADDING_MODES:
+            return (f"padding_mode={mod.padding_mode!r} is not one of torch's "
+                    f"({', '.join(_PADDING_MODES)}); build the layer with a supported mode")
+        want = _built_padding(mod)
+        got = getattr(mod, "_reversed_padding_repeated_twice", None)
+        if want is None or type(got) not in (list, tuple) or tuple(got) != want:
+            return ("its padding list (_reversed_padding_repeated_twice) is not the one its "
+                    "padding, kernel_size and dilation give (changed after construction); "
+                    "build the layer with the padding it should apply")
+        return None
 
     @staticmethod
     def _padding(c: _Call) -> tuple[int, ...]:
@@ -1027,16 +1072,44 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
 # ------------------------------------------------------------------------------ model scan
 
 
+def layer_config(mod: nn.Module) -> list[tuple[str, Any]]:
+    """A ruled layer's plain attributes (its configuration: ``padding``, ``stride``, ``eps``, the
+    padding list, ...; not ``training``, its parameter / buffer / hook dictionaries or tensors):
+    values of plain types as they are, anything else by identity. The rule reads them after the
+    backward; a forward that changed them for the layer's call and put them back (nineteenth
+    hostile review: a padding list that shifts the batch) ran another layer than the rule reads."""
+    got = []
+    for k, v in vars(mod).items():
+        if k == "training" or type(v) in (dict, collections.OrderedDict) or \
+                isinstance(v, torch.Tensor):
+            continue
+        got.append((k, _frozen(v)))
+    return got
+
+
+def _frozen(v: Any, depth: int = 4) -> Any:
+    """``v`` as a value that later changes of ``v`` do not change: plain values as they are,
+    tuples and lists of them copied (with their type), anything else by identity."""
+    if type(v) in (int, float, str, bool, type(None)):
+        return v
+    if depth > 0 and type(v) in (tuple, list):
+        return (type(v).__name__, tuple(_frozen(x, depth - 1) for x in v))
+    return ("id", type(v), id(v))
+
+
 class _Owner:
     """A module that owns trainable parameters directly, with the rule for its type."""
 
-    __slots__ = ("name", "module", "rule", "roles", "pnames", "starts")
+    __slots__ = ("name", "module", "rule", "roles", "pnames", "starts", "config")
 
     def __init__(self, name: str, module: nn.Module, rule: _Rule, roles: tuple[str, ...],
                  pnames: tuple[str, ...]) -> None:
         self.name = name
         self.module = module
         self.rule = rule
+        #: a ruled layer's configuration when the step started (checked at its calls: the rule
+        #: reads the layer's padding, stride, eps, ... after the backward, as they are then)
+        self.config = layer_config(module) if rule.kind != "module" else None
         self.roles = roles  #: attribute names of its trainable parameters
         self.pnames = pnames  #: their canonical names (as in ``model.named_parameters()``)
         #: per-layer path: ``(autograd sequence number, captured arguments)`` at the entry of each

@@ -68,6 +68,7 @@ from torch import nn
 from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
+from dpclip.hf import prime
 
 __all__ = ["Isolated", "check_structure", "origin", "settings"]
 
@@ -813,6 +814,7 @@ class Isolated:
 
     def __enter__(self) -> "Isolated":
         self._settings = settings()
+        prime(self.model)  # (transformers' output-capturing hooks: installed before the snapshot)
         self._state = _State(self.model)
         self._threads = frozenset(map(id, threading.enumerate()))
         self.gens.__enter__()

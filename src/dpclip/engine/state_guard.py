@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
 from dpclip.engine.errors import PrivateBufferError
+from dpclip.hf import prime
 
 __all__ = ["state_guard"]
 
@@ -448,6 +449,7 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     tensor attributes and the module tree itself (see the module docstring). Raises
     :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 79; buffers: the running
     statistics entry)."""
+    prime(model)  # (transformers' output-capturing hooks: installed before the snapshot)
     with torch.no_grad():
         sig, recs = _tree(model)
         tensors = _state_tensors(recs)
