@@ -1,4 +1,4 @@
-"""The eighth to seventeenth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to twentieth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -10,7 +10,8 @@ only those attacks), then ``python benchmarks/review_attacks.py --table OUT.json
 Markdown table beside it. The attacks are the tests' models (tests/engine/test_review8_*.py,
 test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
 test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
-test_review17_batch_in_data_dim.py).
+test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
+test_review20_swaps_and_finalizers.py).
 """
 
 from __future__ import annotations
@@ -259,8 +260,39 @@ def _attacks():
                     for keep in ([i for i in range(8) if i != j] for j in range(8)))
         return worst / r17.C, res.engine_info
 
+    from tests.engine import test_review19_layer_config as r19
+
+    def loo19(make):
+        def run(engine):
+            g = torch.Generator().manual_seed(4)
+            x = 3 * torch.randn(4, 2, 4, generator=g, dtype=DT)
+            y = torch.randint(0, 3, (4,), generator=g)
+            return r19._loo(engine, make, x, y), {"engine": getattr(engine, "name", None)}
+        return run
+
+    from tests.engine import test_review20_swaps_and_finalizers as r20
+
+    def loo20(make, shape, b=8, outlier=False):
+        def run(engine):
+            g = torch.Generator().manual_seed(0 if outlier else 4)
+            x = (1 if outlier else 3) * torch.randn(b, *shape, generator=g, dtype=DT)
+            if outlier:
+                x[0] *= 50
+            y = torch.randint(0, 3, (b,), generator=g)
+            return r20._loo(engine, make, x, y), {"engine": getattr(engine, "name", None)}
+        return run
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("20: eval BatchNorm fed the batch's statistics for its call (LOO)",
+         loo20(lambda: r20._BatchStats("batch"), (5,), outlier=True), ("ghost", "auto")),
+        ("20: Conv padding list held by the class, set for the call (LOO)",
+         loo20(r20._ClassPadding, (2, 4)), ("ghost", "auto")),
+        ("20: __del__ rewrites a layer input after the backward (LOO)",
+         loo20(lambda: r20._DropsATrigger(False), (5,), b=4), ("ghost", "auto")),
+        ("19: Conv padding list that shifts the batch (LOO)", loo19(r19._chain), ("ghost", "auto")),
+        ("19: the same padding set for the conv's call only (LOO)", loo19(r19._SwitchesPadding),
+         ("ghost", "auto")),
         ("17: example data copied along a B-sized dimension, prod (LOO)", loo17,
          ("ghost", "auto")),
         ("15: a (6, d) buffer argument sliced at B = 6 (LOO)", loo15("sum"), ("ghost", "auto")),

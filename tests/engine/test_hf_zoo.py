@@ -295,3 +295,26 @@ def test_output_hidden_states_runs_on_ghost_on_the_first_private_step(name):
                                      y)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+def test_gemma_scaled_embedding_runs_on_ghost_equal_to_the_loop():
+    """Gemma's word embedding is an Embedding subclass with its own forward (``embedding(ids) *
+    embed_scale``, ``padding_idx`` 0): the per-layer path, whose replay batches the lookup's
+    gradient with offsets per example (``per_layer.RecomputeTracer``); refused before, and ``auto``
+    stopped the run. Tied to ``lm_head``."""
+    torch.manual_seed(0)
+    model = T.GemmaForCausalLM(T.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=16,
+        attn_implementation="eager")).to(DT).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    ids[0, :2] = 0  # padding tokens
+    x = {"input_ids": ids}
+    groups = ParamGroups.flat(model)
+    res = AutoEngine().compute(model, lm_loss, x, ids, lambda n: (0.05 / n).clamp(max=1.0), groups)
+    assert res.engine_info["engine"] == "ghost", res.engine_info
+    assert "model.embed_tokens" in res.engine_info["per_layer"]
+    per_ex = naive_per_example_grads(model, lm_loss, x, ids)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))

@@ -343,8 +343,20 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
     with Python dispatch off, then its version counter set back: third hostile review, LOO
     1.54-1.57 C; :mod:`dpclip.engine.saved_check`). Not a vmap fallback: whether it is rewritten
     can depend on the batch size."""
-    # (a write that moved the version counter is refused by the version checks, with their own
-    # message; here: the bytes changed and the counter did not)
+    # (a write that moved the version counter before the backward is refused by the version
+    # checks, with their own message; one that moved it later, by user code that ran after the
+    # forward, e.g. the __del__ of an object the engine dropped after the backward (twentieth
+    # hostile review: LOO 1.84 C), is refused here; then the bytes, with the counter unchanged)
+    # (a per-layer call's kept tensors have their own version checks where they are read)
+    for c in live:
+        for t, v, _ in (c.a_print or ()) if c.outs is None else ():
+            if t._version != v:
+                raise _NotTheProvedProgram(
+                    f"the input of layer {c.owner.name!r} ({type(c.mod).__name__}) was modified "
+                    "in place after the layer used it, by code that ran after the forward pass "
+                    "and loss (e.g. a __del__ or a weakref finalizer of an object the step "
+                    "dropped), so the layer's per-example gradient would be read from values it "
+                    "never saw")
     flags = [(c, still(t, p)) for c in live for t, v, p in c.a_print or ()
              if t._version == v]
     for c in live:

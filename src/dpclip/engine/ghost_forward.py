@@ -25,7 +25,7 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
-from dpclip.engine.saved_check import covered
+from dpclip.engine.saved_check import fingerprint
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.known_losses import known_loss, known_loss_fn
 from dpclip.engine.plain_module import (
@@ -119,32 +119,26 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
     if owner.config is not None and layer_config(owner.module) != owner.config:
         raise _NotTheProvedProgram(
             f"layer {owner.name!r} ({type(owner.module).__name__}) ran with another configuration "
-            "(padding, stride, eps, ... set in the forward) than it had when the step started: "
+            "(padding, stride, eps, ..., or a parameter or buffer swapped or written, in the "
+            "forward) than it had when the step started: "
             "its rule reads the per-example gradient as the configuration is after the backward "
             "and is checked for it when the step starts. Configure layers outside the step")
     if tracer is None:  # (a chain whose layouts are cached: _chain_call)
         return _Call(owner, a, out, None)
     quiet, tracer.quiet = tracer.quiet, True
     try:
-        return _printed(_Call(owner, a, out, tracer), _watch_of(tracer))
+        return _printed(_Call(owner, a, out, tracer))
     finally:
         tracer.quiet = quiet
 
 
-def _watch_of(tracer: SeparabilityTracer | None) -> Any:
-    """The memory watch of the step's proved-program match, or None."""
-    match = tracer.match if tracer is not None else None
-    return match.watch if match is not None else None
-
-
-def _printed(c: _Call, watch: Any = None) -> _Call:
+def _printed(c: _Call) -> _Call:
     """``c`` with the fingerprints of the tensors the engine reads after the forward (user code
     runs after the call and could rewrite them without a trace: :mod:`dpclip.engine.saved_check`):
     a ruled layer's input; a per-layer call's arguments and its recognised scale's operand
-    (third hostile review: rewritten, LOO 1.57 / 1.56 C). A tensor whose storage the match's
-    memory ``watch`` holds needs no copy of its own: the watch compares those bytes when the loss
-    returns (:func:`~dpclip.engine.saved_check.covered`; a copy and a comparison of every layer's
-    input, ~5 % of a transformer's ghost step on the CPU)."""
+    (third hostile review: rewritten, LOO 1.57 / 1.56 C). The copies are needed although the
+    match's memory watch compares the same bytes when the loss returns: user code can run after
+    that (the ``__del__`` of an object the engine drops, twentieth hostile review)."""
     if c.outs is None:
         kept = [c.a] if isinstance(c.a, Tensor) else []
     else:
@@ -153,7 +147,7 @@ def _printed(c: _Call, watch: Any = None) -> _Call:
             kept += [t for t, _ in c.call.fixed.values()]
         if c.fast is not None:
             kept.append(c.fast[0])
-    c.a_print = [(t, t._version, covered(t, watch)) for t in kept]
+    c.a_print = [(t, t._version, fingerprint(t)) for t in kept]
     return c
 
 
@@ -393,8 +387,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
                     _refuse_instance_code(owner.name, mod, classes[id(mod)])
                     out = mod(h)
                     c = _engine_call(owner, h, out, chain_tracer)  # (printed when traced)
-                    calls.append(c if chain_tracer is not None else
-                                 _printed(c, _watch_of(tracer)))
+                    calls.append(c if chain_tracer is not None else _printed(c))
                     h = out
         if cached is not None:
             for c, lay in zip(calls, cached[0]):

@@ -177,14 +177,26 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     names = c.call.out_names if c.call is not None else None
     if names is not None and len(names) == len(outs):
         prog = c.call.program
-        c.batch_first = [n is not None and n[0] == "op" and prog.leading_symbolic(n)
-                         and t.ndim > 0 and t.shape[0] == rows for n, t in zip(names, outs)]
+        c.batch_first = [_batch_first(prog, n, t, rows) for n, t in zip(names, outs)]
     else:
         c.batch_first = [t.ndim > 0 and t.shape[0] == rows for t in outs]
     for t, first in zip(outs, c.batch_first):  # (the others are refused by the engine pass)
         if first:
             tracer.mark(t, (0, k))
     c.layouts = (lay, lay)
+
+
+def _batch_first(prog: Any, name: Any, t: Tensor, rows: int) -> bool:
+    """Whether a per-layer call's output ``t`` (the proof's ``name``) holds the examples in its
+    ``rows`` rows: the proof's first size involves the batch size, or it is 1 and the engine
+    expanded the output to the batch (a batch-less call, ``dpclip.engine.batchless``: rows that
+    are all the same, stride 0)."""
+    if t.ndim == 0 or t.shape[0] != rows or name is None or name[0] != "op":
+        return False
+    if prog.leading_symbolic(name):
+        return True
+    shape = prog.shape(name, 2)
+    return shape is not None and len(shape) == t.ndim and shape[0] == 1 and t.stride(0) == 0
 
 
 class _Weights:
@@ -1040,7 +1052,7 @@ SUPPORTED_LAYERS: tuple[type, ...] = tuple(_RULES)
 
 
 def _rule_for(mod: nn.Module) -> _Rule | None:
-    from dpclip.engine.plain_module import instance_code, same_code
+    from dpclip.engine.plain_module import class_data, instance_code, same_code
 
     if instance_code(mod) is not None:  # an instance forward: the per-layer path traces it
         return None
@@ -1050,7 +1062,8 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
     if _is_hf_conv1d(mod):
         return _CONV1D
     for base, rule in _RULES.items():
-        if isinstance(mod, base) and same_code(type(mod), base):
+        if isinstance(mod, base) and same_code(type(mod), base) and \
+                class_data(type(mod), base) is None:
             return rule
     return None
 
@@ -1064,9 +1077,9 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
     cls = getattr(pu, "Conv1D", None) if pu is not None else None
     if cls is None or not isinstance(mod, cls):
         return False
-    from dpclip.engine.plain_module import same_code
+    from dpclip.engine.plain_module import class_data, same_code
 
-    return same_code(type(mod), cls)
+    return same_code(type(mod), cls) and class_data(type(mod), cls) is None
 
 
 # ------------------------------------------------------------------------------ model scan
@@ -1074,17 +1087,47 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
 
 def layer_config(mod: nn.Module) -> list[tuple[str, Any]]:
     """A ruled layer's plain attributes (its configuration: ``padding``, ``stride``, ``eps``, the
-    padding list, ...; not ``training``, its parameter / buffer / hook dictionaries or tensors):
-    values of plain types as they are, anything else by identity. The rule reads them after the
+    padding list, ...; not ``training`` or its hook dictionaries): values of plain types as they
+    are, anything else by identity; its own parameters and buffers by identity and version; an
+    attribute a data descriptor of its class hides, by that descriptor; its class's
+    ``__getattribute__``. The rule reads them after the
     backward; a forward that changed them for the layer's call and put them back (nineteenth
     hostile review: a padding list that shifts the batch) ran another layer than the rule reads."""
-    got = []
+    got: list[tuple[str, Any]] = []
+    cls = type(mod)
     for k, v in vars(mod).items():
+        if k in ("_parameters", "_buffers"):
+            # its own tensors by identity and version: a buffer swapped for the call (eval
+            # BatchNorm fed the batch's own statistics as running_mean / running_var, twentieth
+            # hostile review: LOO 2.23 C) or written in place and written back
+            got.append((k, tuple((n, id(t), t._version if t is not None else None)
+                                 for n, t in v.items())))
+            continue
         if k == "training" or type(v) in (dict, collections.OrderedDict) or \
                 isinstance(v, torch.Tensor):
             continue
-        got.append((k, _frozen(v)))
+        # (a data descriptor of the class, e.g. a property set on it for the call, would hide the
+        # instance's value: twentieth hostile review, padding read through the class)
+        shadow = _data_descriptor(cls, k)
+        got.append((k, _frozen(v) if shadow is None else ("shadowed", id(shadow))))
+    got.append(("__getattribute__", id(_class_attr(cls, "__getattribute__"))))
     return got
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            return c.__dict__[name]
+    return None
+
+
+def _data_descriptor(cls: type, name: str) -> Any:
+    """The data descriptor (a property, ...) that class ``cls`` holds for ``name``, or None."""
+    got = _class_attr(cls, name)
+    if got is None:
+        return None
+    kind = type(got)
+    return got if hasattr(kind, "__set__") or hasattr(kind, "__delete__") else None
 
 
 def _frozen(v: Any, depth: int = 4) -> Any:

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Cover", "MemoryWatch", "SavedTensorWatch", "foreign_saved_tensor_hooks", "reads_no_values",
+__all__ = ["MemoryWatch", "SavedTensorWatch", "foreign_saved_tensor_hooks", "reads_no_values",
            "release_pool"]
 
 
@@ -111,14 +111,12 @@ class _Slot:
     device; on the CPU compared through raw addresses, elsewhere through byte views ``copy`` and
     ``view``), and what it is (for the message)."""
 
-    __slots__ = ("storage", "ptr", "n", "copy_ptr", "copy", "view", "what", "gen")
+    __slots__ = ("storage", "ptr", "n", "copy_ptr", "copy", "view", "what")
 
     def __init__(self, storage: Any, ptr: int, n: int, copy_ptr: int, copy: Tensor | None,
                  view: Tensor | None, what: str) -> None:
         self.storage, self.ptr, self.n, self.copy_ptr = storage, ptr, n, copy_ptr
         self.copy, self.view, self.what = copy, view, what
-        #: how many times an accepted operation's write refreshed the copy (:class:`Cover`)
-        self.gen = 0
 
     def moved(self) -> bool:
         """Whether the storage no longer lives where it was copied from (resized or swapped
@@ -133,33 +131,11 @@ def _geometry(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.storage_offset()
 
 
-class Cover:
-    """A tensor's values as its watch holds them (:meth:`MemoryWatch.cover`): they are the values
-    it had when covered as long as the watch finished with no storage written unseen, no accepted
-    operation wrote the tensor's storage since (not even through an alias with its own version
-    counter, as in the sixteenth hostile review), and the tensor still lives where and as it was
-    (same storage, sizes, strides, offset). Stands in for a fingerprint of the tensor
-    (:mod:`dpclip.engine.saved_check`) taken inside a watched call: the watch compared the same
-    bytes when the loss returned, and no user code runs between that and the engine's read."""
-
-    __slots__ = ("watch", "slot", "gen", "geometry")
-
-    def __init__(self, watch: "MemoryWatch", slot: _Slot, geometry: tuple) -> None:
-        self.watch, self.slot, self.gen, self.geometry = watch, slot, slot.gen, geometry
-
-    def holds(self, t: Tensor) -> bool:
-        w, slot = self.watch, self.slot
-        if not w.finished or w.changed is not None or slot.gen != self.gen or slot.moved():
-            return False
-        with torch._C.DisableTorchFunction():
-            return _storage_key(t) == slot.ptr and _geometry(t) == self.geometry
-
-
 class MemoryWatch:
     """Byte copies of the storages a step reads from before the call (module docstring).
     :attr:`changed` names the first storage found written unseen, or None."""
 
-    __slots__ = ("_slots", "_flags", "_buffers", "_homes", "_arenas", "changed", "finished")
+    __slots__ = ("_slots", "_flags", "_buffers", "_homes", "_arenas", "changed")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
@@ -176,8 +152,6 @@ class MemoryWatch:
         #: device -> [current buffer, bytes used, its address on the CPU]
         self._arenas: dict[Any, list[Any]] = {}
         self.changed: str | None = None
-        #: whether :meth:`finish` has compared every storage and read every queued check
-        self.finished = False
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -240,16 +214,6 @@ class MemoryWatch:
         arena[1] = used + n
         return base + used if dev.type == "cpu" and _MEMCMP is not None else buf[used:used + n]
 
-    def cover(self, t: Tensor) -> Cover | None:
-        """A :class:`Cover` of ``t`` when its storage is watched (and has not moved), else None."""
-        if self.finished or not isinstance(t, Tensor):
-            return None
-        with torch._C.DisableTorchFunction():
-            slot = self._slots.get(_storage_key(t))
-            if slot is None or slot.moved():
-                return None
-            return Cover(self, slot, _geometry(t))
-
     def tensors(self) -> list[Tensor]:
         """Every tensor added (the parameters, buffers, inputs and tensors of the call)."""
         return [h[0] for h in self._homes.values()]
@@ -311,7 +275,6 @@ class MemoryWatch:
             slot = self._slots.get(key)
             if slot is None or slot.moved():
                 continue  # (a moved storage stays a difference)
-            slot.gen += 1
             if slot.view is None:
                 ctypes.memmove(slot.copy_ptr, slot.ptr, slot.n)
             else:
@@ -348,7 +311,6 @@ class MemoryWatch:
                     for i, v in zip(idx, torch.stack([self._flags[i][0] for i in idx]).tolist()):
                         hit[i] = v
             self.changed = next((w for h, (_, w) in zip(hit, self._flags) if h), None)
-        self.finished = True
         self._flags.clear()
         self._slots.clear()
         _keep(self._buffers, self._arenas)

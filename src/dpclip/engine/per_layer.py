@@ -593,6 +593,24 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     return {r: got[r].detach() for r in c.owner.roles}
 
 
+def _plain_number(v: Any) -> bool:
+    return type(v) in (int, float, bool)
+
+
+def _block_offsets(off: Any, b: int) -> int | None:
+    """``V`` when ``off`` is ``arange(0, b V, V)`` shaped ``(b, 1, ..., 1)`` (integers, ``V > 0``),
+    else None."""
+    if not isinstance(off, Tensor) or off.is_floating_point() or off.is_complex() or \
+            off.dtype == torch.bool or tuple(off.shape) != (b,) + (1,) * (off.ndim - 1):
+        return None
+    flat = off.reshape(b)
+    v = int(flat[1]) - int(flat[0])
+    if v <= 0 or not torch.equal(flat, torch.arange(0, b * v, v, dtype=off.dtype,
+                                                     device=off.device)):
+        return None
+    return v
+
+
 class RecomputeTracer(SeparabilityTracer):
     """The separability tracer around a per-layer recomputation (:func:`module_grads`; third
     hostile review: the recomputation runs the module's forward again, under ``torch.func.vmap``,
@@ -611,10 +629,27 @@ class RecomputeTracer(SeparabilityTracer):
     * every allowed tensor and every tensor the recomputation makes is watched by value
       (:class:`~dpclip.engine.memory_watch.MemoryWatch`, as the forward's match): a write no
       operation shows, its version counter set back, is refused;
-    * the per-example gradients it returns must have the layout ``(0, 1)``."""
+    * the per-example gradients it returns must have the layout ``(0, 1)``.
+
+    One batching rule of ``vmap`` is recognised as a whole (:meth:`_embedding_blocks`): the
+    gradient of an embedding lookup (``F.embedding`` in a module on this path: Gemma's scaled word
+    embedding, a custom embedding wrapper) is batched by offsetting example ``i``'s indices by
+    ``i V`` (``arange(0, B V, V)``) and running ONE ``embedding_dense_backward`` over ``B V`` rows,
+    then viewed as ``(B, V, d)``. The offset indices depend on the example's position (refused as
+    such), but with every index in ``[0, V)`` (checked) example ``i``'s rows land in block ``i``
+    only: the backward's output has layout ``(0, V)`` (``V`` rows per example), and the view makes
+    it ``(0, 1)``. Any other use of the offset indices stays mixing."""
 
     def __init__(self, batch: int, allowed: Sequence[Tensor]) -> None:
         super().__init__(batch)
+        #: indices offset by ``arange(0, B V, V)`` (example ``i``'s in block ``i``) -> ``(V,
+        #: their version)``: :meth:`_embedding_blocks`
+        self._blocked = _IdMap()
+        #: the backward's outputs (-> V), their (B, V, d) views (-> V), and the padding rows of
+        #: those views (-> (view, version)): F.embedding's padding_idx under vmap
+        self._block_outs = _IdMap()
+        self._block_views = _IdMap()
+        self._pad_rows = _IdMap()
         self._known = _IdMap()
         for t in allowed:
             self._known[t] = True
@@ -639,8 +674,10 @@ class RecomputeTracer(SeparabilityTracer):
                                         "make and that is not the module's")
                         break
             self.watch.check_args(args, kwargs, func)
+        pad = not self.quiet and self._pad_write(func, args)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if not self.quiet:
+            self._embedding_blocks(func, args, kwargs, out, pad)
             outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
                     if isinstance(o, Tensor)]
             for o in outs:
@@ -648,6 +685,76 @@ class RecomputeTracer(SeparabilityTracer):
             self.watch.refresh(_written(func, args, kwargs))
             self.watch.add((o, "a tensor the recomputation made") for o in outs)
         return out
+
+    def _pad_write(self, func: Any, args: tuple) -> bool:
+        """Whether ``func`` sets a padding row of an embedding's per-example blocks to a constant
+        (:meth:`_embedding_blocks`), both the row and its blocks still of layout ``(0, 1)`` and
+        their storage written by nothing else the tracer saw (checked before the write)."""
+        aten = torch.ops.aten
+        if func not in (aten.fill_.Scalar, aten.zero_.default) or not args or \
+                not isinstance(args[0], Tensor) or args[0] not in self._pad_rows:
+            return False
+        if func is aten.fill_.Scalar and not (len(args) == 2 and _plain_number(args[1])):
+            return False
+        row = args[0]
+        base = self._pad_rows[row]
+        with torch._C.DisableTorchFunction():
+            ptr = row.untyped_storage().data_ptr()
+            return self.layout(row) == (0, 1) and self.layout(base) == (0, 1) and \
+                ptr not in self._taint and ptr not in self._mixed_in_place and \
+                base.untyped_storage().data_ptr() == ptr
+
+    def _embedding_blocks(self, func: Any, args: tuple, kwargs: dict, out: Any,
+                          pad: bool = False) -> None:
+        """``vmap``'s batching of an embedding's backward (class docstring). The offsets are
+        checked by value (``arange(0, B V, V)`` as ``(B, 1, ..., 1)``), the indices they are added
+        to must be example data with layout ``(0, 1)`` and lie in ``[0, V)``, and the offset
+        indices must reach the backward unchanged (same version; the watch sees unseen writes);
+        the layout of the backward's output is set here, everything else keeps the tracer's."""
+        b = self.batch
+        aten = torch.ops.aten
+        if not isinstance(out, Tensor) or b < 2:
+            return
+        with torch._C.DisableTorchFunction():
+            if func is aten.add.Tensor and len(args) == 2 and kwargs.get("alpha", 1) == 1:
+                for idx, off in (args, args[::-1]):
+                    v = _block_offsets(off, b)
+                    if v is not None and isinstance(idx, Tensor) and idx.dtype == off.dtype \
+                            and self.layout(idx) == (0, 1) and idx.ndim == off.ndim \
+                            and idx.shape[0] == b and tuple(out.shape) == tuple(idx.shape) \
+                            and idx.numel() > 0 and bool(idx.min() >= 0) \
+                            and bool(idx.max() < v):
+                        self._blocked[out] = (v, out._version)
+                        return
+            elif func is aten.view.default and args[0] in self._block_outs:
+                if self.layout(out) == (0, 1) and out.ndim == 3 and out.shape[0] == b and \
+                        out.shape[1] == self._block_outs[args[0]]:
+                    self._block_views[out] = out.shape[1]
+            elif func is aten.select.int and len(args) == 3 and args[0] in self._block_views \
+                    and args[1] == 1 and self.layout(out) == (0, 1):
+                self._pad_rows[out] = args[0]
+            elif pad:
+                # the padding row of every example's block set to a constant (F.embedding's
+                # padding_idx under vmap): each block still depends on its example alone; the
+                # tracer took the partial write for a mix of the storage's other views
+                base = self._pad_rows[args[0]]
+                self._layouts[args[0]] = (0, 1)
+                ptr = args[0].untyped_storage().data_ptr()
+                if self._taint.get(ptr) == id(args[0]):
+                    del self._taint[ptr]
+                self._mixed_in_place.discard(ptr)
+                self._layouts[base] = (0, 1)
+            elif func is aten.embedding_dense_backward.default and len(args) >= 5:
+                grad, idx, num_weights, padding_idx, by_freq = args[:5]
+                got = self._blocked[idx] if isinstance(idx, Tensor) and idx in self._blocked \
+                    else None
+                if got is not None and got[1] == idx._version and num_weights == b * got[0] \
+                        and padding_idx == -1 and by_freq is False and isinstance(grad, Tensor) \
+                        and self.layout(grad) == (0, 1) \
+                        and tuple(grad.shape[:idx.ndim]) == tuple(idx.shape) \
+                        and tuple(out.shape[:1]) == (b * got[0],):
+                    self.mark(out, (0, got[0]))
+                    self._block_outs[out] = got[0]
 
     def verdict(self, got: Sequence[Tensor]) -> str | None:
         """Why the recomputation is not proved per-example, or None."""

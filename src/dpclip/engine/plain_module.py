@@ -28,6 +28,7 @@ them); its parameters exact ``nn.Parameter`` and its buffers exact ``torch.Tenso
 from __future__ import annotations
 
 import collections
+import types
 from typing import Any
 
 import torch
@@ -181,6 +182,31 @@ def _static(cls: type, name: str) -> Any:
     for c in cls.__mro__:
         if name in c.__dict__:
             return c.__dict__[name]
+    return None
+
+
+#: entries every class body makes (not configuration)
+_CLASS_BOOKKEEPING = frozenset({
+    "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+    "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__",
+    "__type_params__", "__classcell__", "__abstractmethods__", "_abc_impl"})
+
+
+def class_data(cls: type, base: type) -> str | None:
+    """The first entry other than a function that a class between ``cls`` and ``base`` (a torch
+    layer class with a ghost rule) defines: class-level data (``padding_mode = "circular"``), a
+    property or another descriptor. The rule reads the layer's configuration as ``base`` keeps it
+    (on the instance); configuration held by a subclass can change while the instance does not
+    (twentieth hostile review: a padding list set on the class for the layer's call only, LOO
+    2.14 C). Such a subclass takes the per-layer path instead. None when there is none."""
+    for c in cls.__mro__:
+        if c is base:
+            return None
+        for k, v in vars(c).items():
+            if k in _CLASS_BOOKKEEPING or isinstance(v, (types.FunctionType, staticmethod,
+                                                         classmethod)):
+                continue
+            return f"{c.__name__}.{k}"
     return None
 
 

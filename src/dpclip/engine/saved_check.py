@@ -38,14 +38,13 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from dpclip.engine.memory_watch import _MEMCMP
 
-__all__ = ["all_true", "covered", "fingerprint", "same", "still", "unchanged"]
+__all__ = ["all_true", "fingerprint", "same", "still", "unchanged"]
 
 _GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 _INT = {1: torch.int8, 2: torch.int16}
@@ -138,7 +137,7 @@ Print = tuple  # (value, shape, dtype, kind)
 #: kinds of print: the weighted sum above (a 0-dim int64 tensor), or on the CPU the bytes
 #: themselves (a uint8 copy, compared with ``memcmp``: exact, and cheaper there than the sum's
 #: int64 copy and product; the copy lives as long as the print)
-_SUM, _BYTES, _COVERED = "sum", "bytes", "covered"
+_SUM, _BYTES = "sum", "bytes"
 
 
 def fingerprint(t: Tensor) -> Print | None:
@@ -177,23 +176,9 @@ def same(now: Print | None, then: Print | None) -> Tensor | bool:
         return now[0] == then[0]
 
 
-def covered(t: Tensor, watch: Any) -> Print:
-    """A print of ``t`` taken inside a call whose memory watch (``watch``, a
-    :class:`~dpclip.engine.memory_watch.MemoryWatch`, or None) watches its storage: the watch's
-    :class:`~dpclip.engine.memory_watch.Cover` (no copy: the watch compares those bytes when the
-    loss returns, and :func:`still` then requires that no accepted write touched them and the
-    tensor did not move); else :func:`fingerprint`."""
-    got = watch.cover(t) if watch is not None else None
-    if got is None:
-        return fingerprint(t)
-    return got, tuple(t.shape), t.dtype, _COVERED
-
-
 def still(t: Tensor, then: Print | None) -> Tensor | bool:
     """``same(fingerprint(t), then)``; on the CPU one ``memcmp`` of ``t``'s memory against the
-    copy when ``t`` is contiguous (no new copy); for a print of :func:`covered`, its cover."""
-    if then is not None and then[3] == _COVERED:
-        return (tuple(t.shape), t.dtype) == then[1:3] and then[0].holds(t)
+    copy when ``t`` is contiguous (no new copy)."""
     if then is not None and then[3] == _BYTES and t.layout == torch.strided and \
             t.device.type == "cpu" and (tuple(t.shape), t.dtype) == then[1:3]:
         with torch._C.DisableTorchFunction():
