@@ -14,14 +14,12 @@ Privacy: none (a message).
 
 from __future__ import annotations
 
-import sys
 import traceback
-import weakref
 from typing import Any
 
 from torch import nn
 
-__all__ = ["HF_RECIPE", "is_transformers_model", "prime", "with_hf_recipe"]
+__all__ = ["HF_RECIPE", "is_transformers_model", "with_hf_recipe"]
 
 HF_RECIPE = (
     "load the model with attn_implementation=\"eager\", and give each example its own tensors: "
@@ -30,32 +28,6 @@ HF_RECIPE = (
     "token_type_ids as (B, T) tensors; examples/hf_sequence_classifier.py builds them "
     "(model_inputs) and trains on the ghost engine. Or use engine='naive' (a per-example loop, "
     "slow)")
-
-
-_PRIMED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-def prime(model: nn.Module) -> None:
-    """Install now what transformers (>= 5) installs on a model's first call with
-    ``output_hidden_states`` / ``output_attentions``: the forward hooks that capture those outputs
-    (``transformers.utils.output_capturing``; inactive unless a call asks for them). Installed
-    inside a private step they are a change of the model that the state guard and the step's
-    isolation refuse (docs/errors.md entry 79), so such a call failed on its first private step
-    under every engine. The hooks depend on the model's classes only (no data): installing them
-    before the step's snapshot is what the model's first public call would do. A no-op for a model
-    without transformers parts (transformers is not imported for it), once per model."""
-    if model in _PRIMED or "transformers" not in sys.modules:
-        return
-    capture = sys.modules.get("transformers.utils.output_capturing")
-    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
-    install = getattr(capture, "maybe_install_capturing_hooks", None)
-    registry = getattr(capture, "_CAN_RECORD_REGISTRY", None)
-    if install is not None and pretrained is not None and registry is not None:
-        for m in model.modules():
-            if isinstance(m, pretrained) and registry.get(m) and \
-                    not getattr(m, "_output_capturing_hooks_installed", False):
-                install(m)
-    _PRIMED.add(model)
 
 
 def is_transformers_model(model: nn.Module) -> bool:

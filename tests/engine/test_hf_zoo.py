@@ -278,7 +278,7 @@ def test_output_hidden_states_runs_on_ghost_on_the_first_private_step(name):
     """transformers (>= 5) installs its output-capturing forward hooks on the first call that asks
     for hidden states or attentions: inside a private step the state guard refused that change of
     the model under every engine (fef86b2). Installed before the step's snapshot
-    (``dpclip.hf.prime``): a fresh model runs on ghost at its first step, equal to the loop (the
+    (``dpclip.engine.hf_hooks.prime``): a fresh model runs on ghost at its first step, equal to the loop (the
     loop runs after the engine, so the engine is the model's first call)."""
     model, x, y, loss_fn = _as_the_tokenizer_gives(name, "eager")
     wrapped = _WithHidden(model)

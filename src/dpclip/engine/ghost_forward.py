@@ -116,7 +116,9 @@ def _engine_call(owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None) -> _Call:
     """A :class:`_Call` recorded from inside the traced forward: the engine's own code (it reads
     ``grad_fn`` for the gradient edge) is not user code, so the tracer's Python checks pause."""
-    if owner.config is not None and layer_config(owner.module) != owner.config:
+    # (a step the trace already refuses keeps the trace's more precise message)
+    if owner.config is not None and (tracer is None or tracer.violation is None) and \
+            layer_config(owner.module) != owner.config:
         raise _NotTheProvedProgram(
             f"layer {owner.name!r} ({type(owner.module).__name__}) ran with another configuration "
             "(padding, stride, eps, ..., or a parameter or buffer swapped or written, in the "

@@ -68,7 +68,7 @@ from torch import nn
 from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
-from dpclip.hf import prime
+from dpclip.engine.hf_hooks import prime
 
 __all__ = ["Isolated", "check_structure", "origin", "settings"]
 

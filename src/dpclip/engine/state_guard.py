@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
 from dpclip.engine.errors import PrivateBufferError
-from dpclip.hf import prime
+from dpclip.engine.hf_hooks import prime
 
 __all__ = ["state_guard"]
 
