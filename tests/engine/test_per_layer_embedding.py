@@ -98,3 +98,29 @@ def test_the_offsets_are_recognised_by_value_only():
     assert _block_offsets(torch.arange(0, 33, 11, dtype=torch.float64).view(3, 1), b) is None
     assert _block_offsets(torch.arange(0, 33, 11).view(1, 3), b) is None
     assert _block_offsets(torch.zeros(3, 1, dtype=torch.long), b) is None
+
+
+class _HasUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(D, dtype=DT))
+        self.unused = nn.Parameter(torch.randn(3, dtype=DT))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h * self.a
+
+
+def test_a_parameter_the_per_layer_call_does_not_use_gets_zero_not_a_refusal():
+    """Its replayed per-example gradient is a constant (zero): refused before as "layout None,
+    not (0, 1)", and ``auto`` stopped the run. A zero constant is every example's own gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), _HasUnused(), nn.Tanh(), nn.Linear(D, 3)).to(DT)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, D, generator=g, dtype=DT), torch.randint(0, 3, (5,), generator=g)
+    groups = ParamGroups.flat(model)
+    res = AutoEngine().compute(model, _ce, x, y, clip_weights(0.5), groups)
+    assert res.engine_info["engine"] == "ghost", res.engine_info
+    per_ex = naive_per_example_grads(model, _ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 5), rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 5))
+    assert not res.grads["1.unused"].any()
