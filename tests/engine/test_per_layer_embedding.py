@@ -124,3 +124,59 @@ def test_a_parameter_the_per_layer_call_does_not_use_gets_zero_not_a_refusal():
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 5), rtol=1e-10, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 5))
     assert not res.grads["1.unused"].any()
+
+
+class _Indexes(nn.Module):
+    """``weight[ids]`` (advanced indexing): vmap batches its gradient as ``index_put`` into
+    ``(B, V, d)`` zeros at ``[arange(B), ids]``; ``roll`` mixes the rows' indices."""
+
+    def __init__(self, roll: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(V, D, dtype=DT))
+        self.roll = roll
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.weight[ids.roll(1, 0) if self.roll else ids] * 2.0
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_weight_indexed_by_ids_in_a_per_layer_module_runs_on_ghost_equal_to_the_loop(chunk):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Indexes(False), nn.Tanh(), nn.Flatten(), nn.Linear(6 * D, 3)).to(DT)
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(0, V, (5, 6), generator=g), torch.randint(0, 3, (5,), generator=g)
+    groups = ParamGroups.flat(model)
+    engine = AutoEngine() if chunk is None else GhostEngine(max_physical_batch=chunk)
+    res = engine.compute(model, _ce, ids, y, clip_weights(0.5), groups)
+    assert res.engine_info["engine"] == "ghost", res.engine_info
+    per_ex = naive_per_example_grads(model, _ce, ids, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 5), rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 5))
+
+
+def test_weight_indexed_by_another_example_s_ids_stays_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Indexes(True), nn.Flatten(), nn.Linear(6 * D, 3)).to(DT)
+    ids, y = torch.randint(0, V, (5, 6)), torch.randint(0, 3, (5,))
+    with pytest.raises(UnsupportedModelError):
+        GhostEngine().compute(model, _ce, ids, y, clip_weights(0.5), ParamGroups.flat(model))
+
+
+def test_an_index_put_is_per_example_only_when_each_row_writes_its_own_row():
+    from dpclip.engine.per_layer import _rows_put_own
+    from dpclip.engine.separable import MIXED, SeparabilityTracer
+
+    b = 3
+    tr = SeparabilityTracer(b)
+    ids, vals = torch.randint(0, V, (b, 1, 5)), torch.randn(b, 1, 5, D)
+    tr.mark(ids, (0, 1))
+    tr.mark(vals, (0, 1))
+    dest = torch.zeros(b, V, D)
+    own = torch.arange(b).view(b, 1, 1).expand(b, 1, 5)
+    assert _rows_put_own(tr, (dest, [own, ids], vals, True), b)
+    assert not _rows_put_own(tr, (dest, [own.flip(0), ids], vals, True), b)  # other rows
+    assert not _rows_put_own(tr, (dest, [torch.zeros_like(own), ids], vals, True), b)
+    assert not _rows_put_own(tr, (dest, [ids, own], vals, True), b)  # rows from data
+    mixed = torch.randn(b, 1, 5, D)
+    tr.mark(mixed, MIXED)
+    assert not _rows_put_own(tr, (dest, [own, ids], mixed, True), b)

@@ -597,6 +597,43 @@ def _plain_number(v: Any) -> bool:
     return type(v) in (int, float, bool)
 
 
+def _rows_put_own(tr: Any, args: tuple, b: int) -> bool:
+    """Whether ``index_put(self, indices, values, ...)`` writes into row ``i`` of ``self`` only
+    values of row ``i``: the first index is every position's own row (``arange(b)`` broadcast,
+    checked by value), the other indices and the values are constants or example data with the
+    batch first, aligned with the first index, and ``self`` is a constant or example data
+    (``torch.func.vmap``'s batching of ``weight[ids]``'s gradient)."""
+    if len(args) < 3 or not isinstance(args[0], Tensor) or not isinstance(args[1], (list, tuple)):
+        return False
+    dest, indices, values = args[0], list(args[1]), args[2]
+    if not indices or not all(isinstance(t, Tensor) for t in indices) or \
+            not isinstance(values, Tensor) or dest.ndim < len(indices) or dest.shape[0] != b:
+        return False
+    rows = indices[0]
+    if rows.is_floating_point() or rows.dtype == torch.bool or rows.ndim == 0 or \
+            rows.shape[0] != b or tr.layout(rows) is not None:
+        return False
+    own = torch.arange(b, device=rows.device, dtype=rows.dtype).view(b, *[1] * (rows.ndim - 1))
+    if not torch.equal(rows, own.expand_as(rows)):
+        return False
+    for t in indices[1:]:
+        lay = tr.layout(t)
+        if t.is_floating_point() or t.dtype == torch.bool or \
+                (lay is not None and (lay != (0, 1) or t.ndim != rows.ndim or t.shape[0] != b)):
+            return False
+    try:
+        index_shape = torch.broadcast_shapes(*(tuple(t.shape) for t in indices))
+    except RuntimeError:
+        return False
+    if len(index_shape) != rows.ndim or index_shape[0] != b:
+        return False
+    lay = tr.layout(values)
+    if lay is not None and (lay != (0, 1) or values.shape[0] != b or
+                            values.ndim != len(index_shape) + dest.ndim - len(indices)):
+        return False
+    return tr.layout(dest) in (None, (0, 1))
+
+
 def _block_offsets(off: Any, b: int) -> int | None:
     """``V`` when ``off`` is ``arange(0, b V, V)`` shaped ``(b, 1, ..., 1)`` (integers, ``V > 0``),
     else None."""
@@ -744,6 +781,13 @@ class RecomputeTracer(SeparabilityTracer):
                     del self._taint[ptr]
                 self._mixed_in_place.discard(ptr)
                 self._layouts[base] = (0, 1)
+            elif func in (aten.index_put.default, aten.index_put_.default) and \
+                    _rows_put_own(self, args, b):
+                # vmap's batching of an index's gradient (weight[ids] in the module): zeros
+                # (B, V, d), then out[arange(B), ids] += values: row i receives row i's alone
+                self.mark(out, (0, 1))
+                if func is aten.index_put_.default:
+                    self.mark(args[0], (0, 1))
             elif func is aten.embedding_dense_backward.default and len(args) >= 5:
                 grad, idx, num_weights, padding_idx, by_freq = args[:5]
                 got = self._blocked[idx] if isinstance(idx, Tensor) and idx in self._blocked \
