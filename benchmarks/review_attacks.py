@@ -1,4 +1,4 @@
-"""The eighth to twentieth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to twenty-second hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -11,7 +11,7 @@ Markdown table beside it. The attacks are the tests' models (tests/engine/test_r
 test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
 test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
 test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
-test_review20_swaps_and_finalizers.py).
+test_review20_swaps_and_finalizers.py, test_review22_late_releases.py).
 """
 
 from __future__ import annotations
@@ -282,8 +282,18 @@ def _attacks():
             return r20._loo(engine, make, x, y), {"engine": getattr(engine, "name", None)}
         return run
 
+    from tests.engine import test_review22_late_releases as r22
+
+    def loo22(engine):
+        g = torch.Generator().manual_seed(3)
+        x = 3 * torch.randn(4, 2, 6, generator=g, dtype=DT)
+        y = torch.randint(0, 3, (4,), generator=g)
+        return r20._loo(engine, r22._FinalizerOnConvInput, x, y), \
+            {"engine": getattr(engine, "name", None)}
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("22: finalizer fired by the Conv rule's own release (LOO)", loo22, ("ghost", "auto")),
         ("20: eval BatchNorm fed the batch's statistics for its call (LOO)",
          loo20(lambda: r20._BatchStats("batch"), (5,), outlier=True), ("ghost", "auto")),
         ("20: Conv padding list held by the class, set for the call (LOO)",

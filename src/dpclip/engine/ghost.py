@@ -290,9 +290,11 @@ _CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
 
 
 def _graph_param_uses(root: Any, wanted: dict[int, str],
-                      indeg: dict[Any, int] | None = None) -> dict[str, int]:
+                      indeg: dict[Any, int] | None = None,
+                      targets: dict[Any, dict[int, int]] | None = None) -> dict[str, int]:
     """How many autograd edges lead into each wanted parameter's AccumulateGrad node (``indeg``:
-    filled with every node's number of incoming edges, when given).
+    filled with every node's number of incoming edges, when given; ``targets``: node -> {output
+    number: edges into it}, filled for the nodes it names).
 
     Raises :class:`_RuntimeUnsupported` on a node of a custom ``torch.autograd.Function`` (or a
     module backward hook, which is one): its backward is user code that the separability trace of
@@ -314,9 +316,12 @@ def _graph_param_uses(root: Any, wanted: dict[int, str],
         if not edges:
             add_leaf(fn)
             continue
-        for nxt, _ in edges:
+        for nxt, nr in edges:
             if nxt is None:
                 continue
+            if targets and nxt in targets:
+                by_nr = targets[nxt]
+                by_nr[nr] = by_nr.get(nr, 0) + 1
             n = indeg.get(nxt)
             if n is None:
                 indeg[nxt] = 1
@@ -761,8 +766,11 @@ class GhostEngine:
         try:
             if total.requires_grad and live:
                 indeg: dict[Any, int] = {}
+                # the per-layer calls' output nodes: their incoming edges are counted per output
+                # number too (a multi-output node, e.g. split, whose other output escapes)
+                targets = {e.node: {} for c in modular for e in c.oedges if e.node is not None}
                 uses = _graph_param_uses(total.grad_fn, scan.by_param,
-                                         indeg if modular else None)
+                                         indeg if modular else None, targets)
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
@@ -775,6 +783,15 @@ class GhostEngine:
                     c.edge = None  # the graph is freed: no node references left behind
                     if c.outs is not None:
                         c.bs = list(bs[k:k + len(c.outs)])
+                        # an output returned twice (``return o, o``): one gradient edge, whose
+                        # gradient is the whole of it; counted once (twenty-second hostile
+                        # review: each copy got it, the replay summed it twice)
+                        first: set[tuple[Any, int]] = set()
+                        for j, e in enumerate(c.oedges):
+                            key = (e.node, e.output_nr)
+                            if e.node is not None and key in first:
+                                c.bs[j] = None
+                            first.add(key)
                         c.b = next((b for b in c.bs if b is not None), None)
                         k += len(c.outs)
                     else:
@@ -795,7 +812,7 @@ class GhostEngine:
                 mod_names = {pn for c in modular for pn in c.owner.pnames}
                 check_module_windows(modular, {pn: uses.get(pn, 0) for pn in mod_names},
                                      {pn: n for pn, n in count.items() if pn in mod_names},
-                                     scan.by_param, indeg)
+                                     scan.by_param, indeg, targets)
                 uses = {pn: n for pn, n in uses.items() if pn not in mod_names}
                 count_ruled = {pn: n for pn, n in count.items() if pn not in mod_names}
             else:
@@ -823,11 +840,20 @@ class GhostEngine:
             for c in calls:  # no references to the graph or the arguments left behind
                 if c.outs is not None:
                     c.outs, c.bs, c.args, c.fast, c.oedges, c.call = [], [], None, None, [], None
+        # every tensor of the calls the rules may drop while they read (a rule's prepare replaces
+        # c.a with its padded copy) is held until the reads are done: releasing the last
+        # reference to a tensor can run user code (a weakref.finalize attached in the forward)
+        # AFTER the check below (twenty-second hostile review: a finalizer on a Conv's input
+        # rolled the next Linear's input over the batch once prepare dropped it, LOO 2.00 C)
+        held = [(c.a, c.edge, c.b) for c in live]
         _refuse_rewritten_inputs(live)
-        with torch.no_grad():
-            loss = float(total if real == batch else losses[:real].sum())
-            return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn, loss,
-                                real)
+        try:
+            with torch.no_grad():
+                loss = float(total if real == batch else losses[:real].sum())
+                return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn,
+                                    loss, real)
+        finally:
+            del held
 
     def _reduce(
         self,

@@ -112,7 +112,8 @@ def _accumulate_var(fn: Any) -> Any:
 
 def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                          ruled: dict[str, int], by_param: dict[int, str],
-                         indeg: dict[Any, int] | None = None) -> None:
+                         indeg: dict[Any, int] | None = None,
+                         out_edges: dict[Any, dict[int, int]] | None = None) -> None:
     """Check that the per-layer calls' vector-Jacobian products give the per-example gradients of
     their modules' parameters (module docstring). ``calls``: the live per-layer calls (``outs``,
     ``bs``, ``window``, ``owner``); ``uses``: edges into each parameter's ``AccumulateGrad`` node in
@@ -121,7 +122,9 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
     of incoming edges in the whole graph (an intermediate of a call that depends on its
     parameters and is used after the call, e.g. ``self.hw = self.weight.float()`` read later,
     carries a gradient the call's product misses: refused; sixteenth hostile review, silently
-    dropped before). Raises :class:`PerLayerUnsupported`."""
+    dropped before); ``out_edges``: for the calls' output nodes, the edges into each of their
+    output numbers in the whole graph (another output of a multi-output node used after the call
+    is such an intermediate too). Raises :class:`PerLayerUnsupported`."""
     counted: dict[str, int] = dict(ruled)
     for c in calls:
         name = c.owner.name
@@ -137,6 +140,9 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                  and start < e.node._sequence_nr() < end]
         seen: set[Any] = set()
         inner: dict[Any, int] = {}  # edges into each node of the call from the call's nodes
+        #: (node, output number) -> edges into it from the call's nodes, for its output nodes
+        inner_nr: dict[tuple[Any, int], int] = {}
+        outs = {e.node for e in c.oedges if e.node is not None}
         below: dict[Any, list[Any]] = {}  # the call's nodes each node leads to
         touches: set[Any] = set()  # nodes with an edge into an own parameter
         stack = list(roots)
@@ -146,9 +152,11 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                 continue
             seen.add(node)
             kids = below[node] = []
-            for n, _ in node.next_functions:
+            for n, nr in node.next_functions:
                 if n is None:
                     continue
+                if n in outs:
+                    inner_nr[(n, nr)] = inner_nr.get((n, nr), 0) + 1
                 var = _accumulate_var(n)
                 if var is not None:
                     if id(var) in own:
@@ -162,8 +170,14 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                     kids.append(n)
                     stack.append(n)
         if indeg is not None:
-            outs = {e.node for e in c.oedges if e.node is not None}
             escaped = [n for n in seen if n not in outs and indeg.get(n, 0) > inner.get(n, 0)]
+            # an output node's other outputs (split, unbind, a multi-output op) used after the
+            # call: edges into an output number the call did not return (twenty-second hostile
+            # review: the other piece of a split leaked through a global, its gradient dropped)
+            returned = {(e.node, e.output_nr) for e in c.oedges if e.node is not None}
+            escaped += [n for n in outs if n in seen and any(
+                (n, nr) not in returned and count > inner_nr.get((n, nr), 0)
+                for nr, count in (out_edges or {}).get(n, {}).items())]
             if escaped and _reaches(escaped, below, touches):
                 raise PerLayerUnsupported(
                     f"module {name!r} ({type(c.mod).__name__}, per-layer path): a tensor its call "
