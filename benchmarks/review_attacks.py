@@ -1,4 +1,4 @@
-"""The eighth to twenty-second hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to twenty-third hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -11,7 +11,8 @@ Markdown table beside it. The attacks are the tests' models (tests/engine/test_r
 test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_review13_recompute.py,
 test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
 test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
-test_review20_swaps_and_finalizers.py, test_review22_late_releases.py).
+test_review20_swaps_and_finalizers.py, test_review22_late_releases.py,
+test_review23_held_until_read.py).
 """
 
 from __future__ import annotations
@@ -291,8 +292,26 @@ def _attacks():
         return r20._loo(engine, r22._FinalizerOnConvInput, x, y), \
             {"engine": getattr(engine, "name", None)}
 
+    from tests.engine import test_review23_held_until_read as r23
+
+    def loo23(engine):
+        x, y = r23._data8()
+
+        def release(xs, ys):
+            model = r23._make()
+            res = engine().compute(model, r23._restoring_loss, xs, ys, r23.clip_weights(0.5),
+                                   ParamGroups.flat(model))
+            return torch.cat([g.reshape(-1) for g in res.grads.values()])
+
+        full = release(x, y)
+        worst = max(float((full - release(x[keep], y[keep])).norm()) / 0.5
+                    for keep in ([i for i in range(8) if i != j] for j in range(8)))
+        return worst, {"engine": getattr(engine, "name", None)}
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("23: finalizer rewrites BatchNorm statistics before the rules read (LOO)", loo23,
+         ("ghost", "auto")),
         ("22: finalizer fired by the Conv rule's own release (LOO)", loo22, ("ghost", "auto")),
         ("20: eval BatchNorm fed the batch's statistics for its call (LOO)",
          loo20(lambda: r20._BatchStats("batch"), (5,), outlier=True), ("ghost", "auto")),

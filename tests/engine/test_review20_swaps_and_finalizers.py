@@ -15,7 +15,9 @@
    after the memory watch had finished, rolled a ruled layer's input in place; the engine skipped
    tensors whose version had moved, leaving them to version checks that had already run (LOO
    1.84 C). Now a version change by the time the engine reads the input is refused, and so is a
-   change of its bytes with the version set back (the fingerprint taken when the layer returned).
+   change of its bytes with the version set back (the fingerprint taken when the layer returned);
+   since the twenty-third review the engine also holds what the calls kept until its rules have
+   read, so such a finalizer runs after the reads.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def test_a_subclass_with_class_data_takes_the_per_layer_path_and_methods_only_ke
 
 
 _FIRED: list[int] = []
+_ARMED = [True]  # (off while the float64 loop computes the oracle)
 
 
 class _Trigger:
@@ -164,7 +167,7 @@ class _Trigger:
 
     def __del__(self) -> None:
         t = self.t
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor or not _ARMED[0]:
             return
         version = t._version
         with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
@@ -199,15 +202,30 @@ class _DropsATrigger(nn.Module):
 
 @ENGINES
 @pytest.mark.parametrize("raw", [False, True], ids=["version-moves", "version-set-back"])
-def test_a_finalizer_that_rewrites_a_layer_input_after_the_backward_is_refused(engine, raw):
-    """7bcb1d1: the version-moving write accepted, LOO 1.84 C."""
+def test_a_finalizer_that_rewrites_a_layer_input_after_the_backward_changes_nothing(engine, raw):
+    """7bcb1d1: the version-moving write accepted, LOO 1.84 C. Refused since the twentieth
+    review's fix (the version checked at the read); since the twenty-third's, the engine holds the
+    call's arguments until its rules have read the inputs, so the finalizer runs after the reads:
+    the release is the float64 loop's (or the step is refused)."""
     g = torch.Generator().manual_seed(0)
     x, y = 3 * torch.randn(4, 5, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)
     model = _DropsATrigger(raw)
+    groups = ParamGroups.flat(model)
     _FIRED.clear()
-    with pytest.raises(UnsupportedModelError, match="after the layer used it"):
-        engine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    try:
+        res = engine().compute(model, _ce, x, y, clip_weights(C), groups)
+    except UnsupportedModelError as exc:
+        assert "after the layer used it" in str(exc)
+        return
     assert _FIRED
+    _ARMED[0] = False
+    try:
+        per_ex = naive_per_example_grads(_DropsATrigger(raw), _ce, x, y)
+    finally:
+        _ARMED[0] = True
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 4), rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 4))
+    assert _loo(engine, lambda: _DropsATrigger(raw), x, y) <= 1 + 1e-9
 
 
 def test_an_honest_eval_batchnorm_still_runs_on_ghost_equal_to_the_loop():

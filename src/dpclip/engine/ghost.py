@@ -173,6 +173,7 @@ from dpclip.engine.ghost_rules import (
     _rows,
     _rule_for,
     _sq,
+    layer_config,
 )
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
@@ -289,6 +290,44 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
 _CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
 
 
+def _counted_elsewhere(c: _Call) -> list[int]:
+    """The outputs of a per-layer call whose gradient is already part of another output's: the
+    gradient autograd gives at an output's edge is the whole gradient of that tensor, through
+    every later use, including another returned output computed from it inside the call (``o``
+    and ``o[:, :2]``, the pieces of ``o.chunk(2)`` with ``o``) or the same tensor returned twice.
+    Such an output's own gradient is then in the other's: it is not given to the replay again.
+    The call's nodes are those created between its pre-hook and its hook."""
+    start, end = c.window
+    keys = [(e.node, e.output_nr) if e.node is not None else None for e in c.oedges]
+    got = []
+    for j, key in enumerate(keys):
+        if key is None:
+            continue
+        if key in keys[:j]:  # the same tensor returned again
+            got.append(j)
+            continue
+        others = {k for i, k in enumerate(keys) if i != j and k is not None}
+        stack, seen = [key[0]], set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            hit = False
+            for n, nr in node.next_functions:
+                if n is None:
+                    continue
+                if (n, nr) in others:
+                    hit = True
+                    break
+                if start is not None and start < n._sequence_nr() < end:
+                    stack.append(n)
+            if hit:
+                got.append(j)
+                break
+    return got
+
+
 def _graph_param_uses(root: Any, wanted: dict[int, str],
                       indeg: dict[Any, int] | None = None,
                       targets: dict[Any, dict[int, int]] | None = None) -> dict[str, int]:
@@ -352,6 +391,15 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
     # checks, with their own message; one that moved it later, by user code that ran after the
     # forward, e.g. the __del__ of an object the engine dropped after the backward (twentieth
     # hostile review: LOO 1.84 C), is refused here; then the bytes, with the counter unchanged)
+    for c in live:  # a ruled layer's configuration, read by its rule next (checked at its call)
+        if c.outs is None and c.owner.config is not None and \
+                layer_config(c.mod) != c.owner.config:
+            raise _NotTheProvedProgram(
+                f"layer {c.owner.name!r} ({type(c.mod).__name__}) has another configuration (a "
+                "parameter or buffer swapped or written, its padding, eps, ...) after the forward "
+                "pass than when it ran, changed by code that ran after the forward and loss (e.g. "
+                "a finalizer of an object the step dropped): its rule would read the per-example "
+                "gradient with values the layer never used")
     # (a per-layer call's kept tensors have their own version checks where they are read)
     for c in live:
         for t, v, _ in (c.a_print or ()) if c.outs is None else ():
@@ -761,6 +809,7 @@ class GhostEngine:
                     "the batch; per-layer rules need batch-first inputs (e.g. expand position "
                     "indices to (B, T) before an Embedding, or give the layer a leading "
                     "dimension 1 that is broadcast later)")
+        late: list[Any] = []  # what the calls held, released after the reads (below)
         live = [c for c in calls if c.edge is not None]
         modular = [c for c in live if c.outs is not None]
         try:
@@ -783,15 +832,11 @@ class GhostEngine:
                     c.edge = None  # the graph is freed: no node references left behind
                     if c.outs is not None:
                         c.bs = list(bs[k:k + len(c.outs)])
-                        # an output returned twice (``return o, o``): one gradient edge, whose
-                        # gradient is the whole of it; counted once (twenty-second hostile
-                        # review: each copy got it, the replay summed it twice)
-                        first: set[tuple[Any, int]] = set()
-                        for j, e in enumerate(c.oedges):
-                            key = (e.node, e.output_nr)
-                            if e.node is not None and key in first:
-                                c.bs[j] = None
-                            first.add(key)
+                        # an output whose gradient another output's already holds (returned
+                        # twice, or a view of another output): counted once (twenty-second and
+                        # twenty-third hostile reviews: the replay summed it twice)
+                        for j in _counted_elsewhere(c):
+                            c.bs[j] = None
                         c.b = next((b for b in c.bs if b is not None), None)
                         k += len(c.outs)
                     else:
@@ -837,8 +882,13 @@ class GhostEngine:
         except PerLayerUnsupported as exc:
             raise _RuntimeUnsupported(str(exc)) from None
         finally:
-            for c in calls:  # no references to the graph or the arguments left behind
+            # no references to the graph or the arguments left behind once the reads are done:
+            # dropped from the calls now, held until then (releasing them can run user code, a
+            # finalizer on a module's output: twenty-third hostile review, a BatchNorm's
+            # statistics rewritten before the rules read them, LOO 3.20 C)
+            for c in calls:
                 if c.outs is not None:
+                    late.append((c.outs, c.bs, c.args, c.fast, c.oedges, c.call))
                     c.outs, c.bs, c.args, c.fast, c.oedges, c.call = [], [], None, None, [], None
         # every tensor of the calls the rules may drop while they read (a rule's prepare replaces
         # c.a with its padded copy) is held until the reads are done: releasing the last
@@ -853,7 +903,7 @@ class GhostEngine:
                 return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn,
                                     loss, real)
         finally:
-            del held
+            del held, late
 
     def _reduce(
         self,
