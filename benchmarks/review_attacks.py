@@ -1,4 +1,4 @@
-"""The eighth to twenty-third hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to twenty-fourth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -12,7 +12,7 @@ test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_rev
 test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
 test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
 test_review20_swaps_and_finalizers.py, test_review22_late_releases.py,
-test_review23_held_until_read.py).
+test_review23_held_until_read.py, test_review24_between_chunks.py).
 """
 
 from __future__ import annotations
@@ -308,8 +308,21 @@ def _attacks():
                     for keep in ([i for i in range(8) if i != j] for j in range(8)))
         return worst, {"engine": getattr(engine, "name", None)}
 
+    from tests.engine import test_review24_between_chunks as r24
+
+    def loo24(engine):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(8, 5, generator=g, dtype=DT), torch.randint(0, 3, (8,), generator=g)
+        x[0] *= 50
+        chunked = lambda: engine(max_physical_batch=1)  # noqa: E731
+        chunked.name = getattr(engine, "name", None)
+        return r20._loo(chunked, r24._CarriesBetweenChunks, x, y), \
+            {"engine": getattr(engine, "name", None)}
+
     four = ("ghost", "auto", "vmap", "naive")
     return engines, [
+        ("24: finalizer between chunks writes a buffer (LOO, chunks of 1)", loo24,
+         ("ghost", "auto")),
         ("23: finalizer rewrites BatchNorm statistics before the rules read (LOO)", loo23,
          ("ghost", "auto")),
         ("22: finalizer fired by the Conv rule's own release (LOO)", loo22, ("ghost", "auto")),

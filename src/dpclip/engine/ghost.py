@@ -291,7 +291,9 @@ _CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
 
 
 def _counted_elsewhere(c: _Call) -> list[int]:
-    """The outputs of a per-layer call whose gradient is already part of another output's: the
+    """The outputs of a per-layer call that give the replay no gradient: a leaf made in the call
+    (detached, then ``requires_grad_``), and those whose gradient is already part of another
+    output's: the
     gradient autograd gives at an output's edge is the whole gradient of that tensor, through
     every later use, including another returned output computed from it inside the call (``o``
     and ``o[:, :2]``, the pieces of ``o.chunk(2)`` with ``o``) or the same tensor returned twice.
@@ -299,9 +301,17 @@ def _counted_elsewhere(c: _Call) -> list[int]:
     The call's nodes are those created between its pre-hook and its hook."""
     start, end = c.window
     keys = [(e.node, e.output_nr) if e.node is not None else None for e in c.oedges]
+    own = {id(getattr(c.mod, r)) for r in c.owner.roles}
     got = []
     for j, key in enumerate(keys):
         if key is None:
+            continue
+        var = getattr(key[0], "variable", None)
+        if var is not None and id(var) not in own:
+            # a leaf made in the call (``o.detach().requires_grad_()``): no gradient of the
+            # module's parameters flows through it, though the replay would differentiate
+            # through the recorded detach (twenty-fourth hostile review: wrong gradients)
+            got.append(j)
             continue
         if key in keys[:j]:  # the same tensor returned again
             got.append(j)
@@ -627,6 +637,7 @@ class GhostEngine:
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
+        carry: list[Any] = []  # the last chunk's tensors (see _chunk)
         try:
             for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
                 # user code runs isolated: generators of the chunk's own, and nothing it leaves
@@ -635,7 +646,7 @@ class GhostEngine:
                 with Isolated(model) if chain is None else contextlib.nullcontext() as iso:
                     part, norms, weights, loss = self._chunk(
                         model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
-                        chain, iso.gens if iso is not None else None)
+                        chain, iso.gens if iso is not None else None, carry)
                 if sums is None:
                     sums = part
                 else:
@@ -654,6 +665,8 @@ class GhostEngine:
                 "operations on every call, or use engine 'vmap' for this model") from None
         except _RuntimeUnsupported as exc:
             raise _Refused(str(exc)) from None
+        finally:
+            carry.clear()  # every chunk's reads are done
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
@@ -764,12 +777,14 @@ class GhostEngine:
         weight_fn: WeightFn,
         chain: list[nn.Module] | None = None,
         gens: OwnGenerators | None = None,
+        carry: list[Any] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
-        calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens)
+        calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
+                                            carry)
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
@@ -903,6 +918,9 @@ class GhostEngine:
                 return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn,
                                     loss, real)
         finally:
+            # (released by the next chunk once its watch is armed, or after the last chunk)
+            if carry is not None:
+                carry.append((held, late))
             del held, late
 
     def _reduce(

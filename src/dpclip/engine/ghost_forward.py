@@ -155,7 +155,8 @@ def _printed(c: _Call) -> _Call:
 
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int, chain: list[nn.Module] | None = None,
-             gens: OwnGenerators | None = None) -> tuple[list[_Call], Tensor, bool]:
+             gens: OwnGenerators | None = None,
+             carry: list | None = None) -> tuple[list[_Call], Tensor, bool]:
     """The hooked forward pass: ``(calls, the per-example losses (B,), user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
@@ -183,6 +184,8 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             "(torch.device(...) is allowed), or use engine 'vmap'")
     known = _run_known_program(model, scan, loss_fn, xs, ys, batch, chain)
     if known is not None:  # proved by the modules' and the loss's semantics: no trace
+        if carry:  # (no user code ran: nothing of it to release)
+            carry.clear()
         return (*known, False)
     # the ruled layers' batch-less calls are expanded to the batch (dpclip.engine.batchless):
     # the proof traces the program the engine runs
@@ -193,7 +196,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     with data_independent_paths():  # first: an error of the user's own code surfaces as is
         try:
             got = _forward_traced(model, scan, loss_fn, xs, ys, batch,
-                                  program if why is None else None)
+                                  program if why is None else None, carry)
         except RuntimeError as exc:  # the step's saved-tensor watch holds autograd's hook slot
             if "register_hooks on a saved tensor" not in str(exc):
                 raise
@@ -229,8 +232,8 @@ def _proof_free(tracer: SeparabilityTracer, t: Any) -> bool:
 
 
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
-                    ys: Any, batch: int, program: ProvedProgram | None = None
-                    ) -> tuple[list[_Call], Tensor]:
+                    ys: Any, batch: int, program: ProvedProgram | None = None,
+                    carry: list | None = None) -> tuple[list[_Call], Tensor]:
     """The traced forward; ``program``: what the batch-size proof ran, matched op by op against
     this run (:mod:`dpclip.engine.proved_program`: the step must be the program that was proved)."""
     tracer = SeparabilityTracer(batch)
@@ -238,6 +241,12 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     if program is not None:
         tracer.match = ProgramMatch(program, batch, model, xs, ys)
         saved = tracer.match.watching()  # what the backward reads and runs is watched too
+        if carry:
+            # the previous chunk's tensors, held until its rules had read them, are released
+            # once this chunk's watch has its copies: a finalizer they run (user code, e.g. one
+            # writing a buffer from that chunk's data) is then a write the watch compares
+            # (twenty-fourth hostile review: released between chunks, LOO 2.17 C)
+            tracer.match.armed = carry.clear
     try:
         with saved:
             return _traced_call(tracer, model, scan, loss_fn, xs, ys, batch)

@@ -655,7 +655,7 @@ class ProgramMatch:
     Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
     :attr:`mismatch` holds the first difference, or None."""
 
-    __slots__ = ("_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
+    __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls")
 
@@ -710,6 +710,9 @@ class ProgramMatch:
         self._pending: list[Tensor] = []
         #: hooks registered while the step runs (:meth:`watching`)
         self.hooks: HookWatch | None = None
+        #: called once the watch has its copies (the engine releases the previous chunk's
+        #: tensors there: finalizers they run are then watched writes)
+        self.armed: Any = None
         #: the per-layer calls in progress (:meth:`open_call`): what their operations read
         self.calls: list[CallWindow] = []
 
@@ -785,6 +788,12 @@ class ProgramMatch:
         match that was never armed refuses the step."""
         if self.watch is None:
             self.watch = self._watch()
+            self._armed()
+
+    def _armed(self) -> None:
+        if self.armed is not None:
+            done, self.armed = self.armed, None
+            done()
 
     def _watch(self) -> MemoryWatch:
         """A :class:`MemoryWatch` of the parameters, buffers, input leaves and the proof's outside
@@ -870,6 +879,7 @@ class ProgramMatch:
         # watched, nothing may have changed in between (no copy taken anew)
         if self.watch is None:
             self.watch = self._watch()
+            self._armed()
         elif self.watch.check_all() is not None:
             self._fail(_unseen_write(self.watch.changed, "before the loss function"))
         # the chain's output, computed where no match watched it, is what the loss reads
