@@ -99,12 +99,18 @@ def _data8():
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
 def test_statistics_rewritten_by_a_finalizer_before_the_rules_read_change_nothing(engine):
     """fc41641: LOO 3.20 C, norms off by 59. Now the finalizer runs after the reads: the release
-    is the loop's, and the statistics are put back by the second finalizer."""
+    is the loop's (the statistics put back by the second finalizer), or the write is refused."""
     x, y = _data8()
     model = _make()
     groups = ParamGroups.flat(model)
     was = model.bn.running_var.clone()
-    res = engine().compute(model, _restoring_loss, x, y, clip_weights(C), groups)
+    try:
+        res = engine().compute(model, _restoring_loss, x, y, clip_weights(C), groups)
+    except UnsupportedModelError as exc:
+        # (since the twenty-fifth review's fix the last chunk's release happens inside the step,
+        # where the finalizer's write of the buffer is refused)
+        assert "written after the step's reads" in str(exc), exc
+        return
     assert res.engine_info["engine"] == "ghost"
     per_ex = naive_per_example_grads(_LateStatistics(attack=False), _restoring_loss, x, y)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 8), rtol=1e-10, atol=1e-12)
