@@ -960,6 +960,8 @@ class GhostEngine:
         never sees and whose weight is 0; ``loss``: the sum of the real examples' losses."""
         for c in live:
             c.rule.prepare(c)
+            if c.rule.kind in ("matmul", "embedding"):
+                _flush_tiny(c)
         self._choose(live, batch)
         first = next(iter(params.values()))
         dtype = first.dtype
@@ -982,6 +984,10 @@ class GhostEngine:
         # the norm (32)
         rho = _rho(rnd, batch, acc.k_rel, len(live), n_groups)
         norms = sq.sqrt() * (1 + rho)
+        # underflow, which no relative bound covers (module docstring, "Underflow"): an absolute
+        # term from public sizes, then one ulp up (the addition itself rounds)
+        floor = _underflow_floor(params, len(live), dtypes)
+        norms = torch.nextafter(norms + floor, torch.full_like(norms, math.inf))
         # a sum of non-negative terms is finite iff every term is (or it overflowed: then the
         # exact per-example test below finds every example finite)
         all_finite = math.isfinite(float(sq.sum()))
@@ -1202,6 +1208,57 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
             got = got.reshape(params[pn].shape)
             sums[pn] = got if pn not in sums else sums[pn] + got
     return sums
+
+#: the flush threshold of :func:`_flush_tiny` per dtype: products of two flushed values are normal
+#: numbers with a margin (float32 / bfloat16: at least 2^-80, 2^46 times the smallest normal;
+#: float64: 2^-600)
+_FLUSH = {torch.float32: 2.0 ** -40, torch.bfloat16: 2.0 ** -40, torch.float64: 2.0 ** -300}
+#: positions per example that the absolute term of the book-keeping sums allows for
+_MAX_POSITIONS = 2 ** 24
+
+
+def _flush_tiny(c: _Call) -> None:
+    """Set the entries of a matmul or embedding layer's ``a`` and ``b`` below :data:`_FLUSH` in
+    magnitude to zero, for its norms AND its sums (both read ``c.a`` / ``c.b`` from here on: the
+    vector summed is the one whose norm bounds it); float16 is widened to float32 first.
+
+    Why (twenty-seventh hostile review): the ghost formulas multiply sums of squares of ``a`` by
+    sums of squares of ``b`` (``||a||^2 ||b||^2``, Gram matrices). With ``a`` of order 1e-24 and
+    ``b`` of order 1e19, ``||a||^2`` underflowed to exactly 0 in float32 while the gradient
+    ``b a^T`` was of order 1e-5: the norm was 0, the weight 1, and the example was summed
+    unclipped (LOO 410 C at C = 1e-7; float64 with 1e-170 and 1e150 alike). The rounding bounds
+    are relative and assume no underflow. After the flush every product of two entries is at
+    least 2^-80 (float32) in magnitude or exactly zero, so nothing underflows in the Gram matrices
+    and row norms; the few squares and products that still can (a formed gradient's squared
+    entries, ``||a||^2 ||b||^2``) lose at most the smallest normal each, which
+    :func:`_underflow_floor` adds. Entries below 2^-40 (1e-12) change the gradient negligibly."""
+    for name in ("a", "b"):
+        t = getattr(c, name)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            continue
+        if t.dtype == torch.float16:
+            t = t.float()
+        thr = _FLUSH.get(t.dtype)
+        if thr is None:
+            raise UnsupportedModelError(f"ghost engine: a layer's tensors are {t.dtype}; "
+                                        "supported: float16, bfloat16, float32, float64")
+        with torch.no_grad():
+            setattr(c, name, torch.nn.functional.hardshrink(t, thr))
+
+
+def _underflow_floor(params: dict[str, Tensor], n_calls: int, dtypes: set) -> float:
+    """The absolute term added to every norm for underflow (:func:`_flush_tiny`): each squared
+    entry of a formed gradient, each ``||a||^2 ||b||^2`` product and each per-call sum of squares
+    loses at most ``tiny`` (the smallest normal of the widest-ranged dtype computed in; also under
+    flush-to-zero), so the squared norm at most ``(numel + 8 calls) tiny``; the book-keeping
+    products ``(w b) a`` lose at most ``tiny`` each, at most :data:`_MAX_POSITIONS` per entry of
+    the summed vector. Public sizes only: the same for every example."""
+    # (float16 and bfloat16 squares are computed in float32: ghost_rules._sq, _flush_tiny)
+    wide = all(d == torch.float64 for d in dtypes)
+    tiny = torch.finfo(torch.float64 if wide else torch.float32).tiny
+    numel = sum(p.numel() for p in params.values())
+    return math.sqrt((numel + 8 * n_calls) * tiny) + numel * _MAX_POSITIONS * tiny
+
 
 def _rho(rnd: _Rounding, batch: int, k_rel: int, n_live: int, n_groups: int) -> float:
     """The chunk's relative rounding factor of the norms (see ``GhostEngine._reduce``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import types
 from typing import Any, Callable
 import torch
 from torch import Tensor, nn
@@ -619,12 +620,142 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
     return calls, h
 
 
+#: dpclip's own model classes (``dpclip/models/``) whose ``forward`` composes known modules, as
+#: first seen (a class-level patch made later is another function: not known)
+_DPCLIP_MODELS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "models") + os.sep
+_TREE_FORWARD: dict[type, Any] = {}
+
+
+def _tree_spec(cls: type) -> dict | None:
+    """The ``KNOWN_PROGRAM`` declaration of a dpclip model class whose ``forward`` (defined by the
+    class itself) is dpclip's own code, in ``dpclip/models/``, and the function first seen there:
+    ``{"children": {name: exact class}, "config": {name: exact type}}``; None for any other class."""
+    d = cls.__dict__
+    spec, fwd = d.get("KNOWN_PROGRAM"), d.get("forward")
+    if type(spec) is not dict or type(fwd) is not types.FunctionType:
+        return None
+    code = fwd.__code__
+    if not os.path.realpath(code.co_filename).startswith(_DPCLIP_MODELS_DIR):
+        return None
+    first = _TREE_FORWARD.setdefault(cls, fwd)
+    return spec if first is fwd else None
+
+
+def _known_tree(model: nn.Module) -> list[nn.Module] | None:
+    """Every module of ``model`` when it is a known tree: a dpclip model class that declares its
+    program (:func:`_tree_spec`: ``TextTransformer`` and its blocks), every child of the exact class
+    its declaration names, down to known ``torch.nn`` leaves (:data:`_KNOWN_MODULES`, torch's own
+    forward) and ``nn.ModuleList`` containers; plain instances without hooks, no parameters or
+    buffers of their own on the composite classes, their configuration of the declared exact types;
+    no global hooks, no user code around the call, and every name the forwards look up still
+    torch's own (:func:`library_changed`). Such a forward is code dpclip wrote, reading no batch
+    size as a value and mixing no examples (docs/engines.md, "Known programs"); with a known loss
+    no user code runs in the step. None: not a known tree (the engine traces it)."""
+    if _MODULE_CALL is None or (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL:
+        return None
+    if _tree_spec(type(model)) is None or not global_hooks_clear() \
+            or ambient_user_code() is not None or python_callbacks() is not None:
+        return None
+    out: list[nn.Module] = []
+    stack: list[tuple[nn.Module, type]] = [(model, type(model))]
+    while stack:
+        mod, want = stack.pop()
+        cls = type(mod)
+        if cls is not want or not _no_hooks(mod) or not plain_instance(mod) \
+                or type(mod.__dict__.get("training")) is not bool:
+            return None
+        out.append(mod)
+        kids = mod._modules
+        if type(kids) is not dict and type(kids) is not collections.OrderedDict:
+            return None
+        if cls is nn.ModuleList:
+            for k in kids.values():
+                if k is None:
+                    return None
+                stack.append((k, type(k)))
+            continue
+        if cls in _KNOWN_MODULES:
+            if kids or _KNOWN_FORWARD.get(cls) is not cls.forward:
+                return None
+            continue
+        spec = _tree_spec(cls)
+        if spec is None or mod._parameters or mod._buffers:
+            return None
+        children, config = spec.get("children", {}), spec.get("config", {})
+        if list(kids) != list(children):
+            return None
+        for name, kid in kids.items():
+            want_kid = children[name]
+            if kid is None or (want_kid is not nn.ModuleList and _tree_spec(want_kid) is None
+                               and want_kid not in _KNOWN_MODULES):
+                return None
+            stack.append((kid, want_kid))
+        d = mod.__dict__
+        if any(type(d.get(name)) is not typ for name, typ in config.items()):
+            return None
+    if library_changed({type(m) for m in out}) is not None:
+        return None
+    return out
+
+
+class _Tree(list):
+    """The modules of a closed program's known tree (:func:`_known_tree`), as ``_closed_chain``
+    returns them for the step (a list: a chain's modules, or these)."""
+
+
+def _run_known_tree(model: nn.Module, modules: list[nn.Module],
+                    by_module: dict[int, "_Owner"], xs: Tensor,
+                    batch: int) -> tuple[list[_Call], Tensor] | None:
+    """Run a known tree (:func:`_known_tree`) with forward hooks that record each ruled layer's
+    call (layouts ``(0, 1)``: its input and output hold example i in row i, proved by the tree's
+    code) and pre-hooks that check each known module's predicate on the input it receives, as a
+    chain's run does. ``None`` when a check fails (the caller then traces)."""
+    calls: list[_Call] = []
+    bad: list[bool] = []
+    handles = []
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        pred = _KNOWN_MODULES.get(type(mod))
+        if pred is not None and (len(args) != 1 or type(args[0]) is not Tensor
+                                 or not pred(mod, args[0])):
+            bad.append(True)
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        owner = by_module.get(id(mod))
+        if owner is None:
+            return
+        if type(out) is not Tensor or out.ndim == 0 or out.shape[0] != batch or not args \
+                or type(args[0]) is not Tensor or args[0].shape[0] != batch:
+            bad.append(True)
+            return
+        c = _Call(owner, args[0], out)
+        c.layouts = ((0, 1), (0, 1))
+        calls.append(c)
+
+    try:
+        for mod in modules:
+            if type(mod) in _KNOWN_MODULES:
+                handles.append(mod.register_forward_pre_hook(pre))
+                if id(mod) in by_module:
+                    handles.append(mod.register_forward_hook(post))
+        with torch.enable_grad():
+            h = model(xs)
+    finally:
+        for hd in handles:
+            hd.remove()
+    if bad or type(h) is not Tensor or h.ndim == 0 or h.shape[0] != batch:
+        return None
+    return calls, h
+
+
 def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, ys: Any,
                        batch: int, chain: list[nn.Module] | None = None
                        ) -> tuple[list[_Call], Tensor] | None:
     """``(calls, the per-example losses (B,))`` of a program proved per-example separable by
     semantics alone, without a trace and without the batch-size proof: a plain chain of known
-    modules (:func:`_run_known_chain`, its run-time checks included) on a plain tensor, then a
+    modules (:func:`_run_known_chain`, its run-time checks included) or a known tree of dpclip's
+    own model classes (:func:`_known_tree`, :func:`_run_known_tree`) on a plain tensor, then a
     known loss (:mod:`dpclip.engine.known_losses`: e.g. dpclip's ``cross_entropy_per_example`` or
     an exact ``nn.CrossEntropyLoss(reduction='none')`` on ``(B, C)`` logits). No user code runs in
     it, and no part of it reads the batch size as a value. ``None``: not such a program (the
@@ -634,8 +765,12 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
             return None
         chain = _plain_chain(model, scan.by_module)
         if chain is None or not _known_chain(chain):
-            return None
-    got = _run_known_chain(chain, scan.by_module, xs, batch)
+            tree = _known_tree(model)
+            if tree is None:
+                return None
+            chain = _Tree(tree)
+    got = _run_known_tree(model, chain, scan.by_module, xs, batch) \
+        if isinstance(chain, _Tree) else _run_known_chain(chain, scan.by_module, xs, batch)
     if got is None or not known_loss(loss_fn, got[1], ys, batch):
         return None
     calls, h = got
@@ -652,7 +787,8 @@ def _run_known_program(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any, 
 def _closed_chain(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                   ys: Any) -> list[nn.Module] | None:
     """The chain of a closed program, or None: plain tensors in, a known loss, and a plain
-    chain of known modules (:func:`_run_known_program`'s conditions, :func:`_known_chain`'s
+    chain of known modules or a known tree (a :class:`_Tree`) of dpclip's own model classes
+    (:func:`_run_known_program`'s conditions, :func:`_known_chain`'s / :func:`_known_tree`'s
     included: no global hooks, modes, saved-tensor hooks or interpreter callbacks, and what the
     modules' forwards look up is torch's own). With a strategy of dpclip's own (the caller's
     ``StepWeights.closed``) no user code runs anywhere in the step: the engine then skips the
@@ -662,7 +798,8 @@ def _closed_chain(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         return None
     chain = _plain_chain(model, scan.by_module)
     if chain is None or not _known_chain(chain):
-        return None
+        tree = _known_tree(model)
+        return _Tree(tree) if tree is not None else None
     return chain
 
 

@@ -289,8 +289,13 @@ def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
 
 
 def _sq(g: Tensor) -> Tensor:
-    """Squared norms of the rows of ``g`` (one fused reduction, no temporary of ``g``'s size)."""
-    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+    """Squared norms of the rows of ``g`` (one fused reduction, no temporary of ``g``'s size);
+    float16 and bfloat16 rows in float32 (their squares would overflow or underflow: the absolute
+    underflow term of the engine assumes float32's range, ghost._underflow_floor)."""
+    flat = g.reshape(g.shape[0], -1)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(flat, dim=1).square()
 
 
 class _Rule:

@@ -169,7 +169,19 @@ def _function(obj: Any) -> types.FunctionType | None:
         obj = obj.__func__
     elif isinstance(obj, property):
         obj = obj.fget
-    return obj if isinstance(obj, types.FunctionType) and _torch_file(obj) else None
+    return obj if isinstance(obj, types.FunctionType) and (
+        _torch_file(obj) or _model_file(obj)) else None
+
+
+#: dpclip's own model classes (``dpclip/models/``): the ``forward`` of a known tree
+#: (``ghost_forward._known_tree``) is followed like torch's (what it looks up must be torch's own)
+_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))),
+                           "models") + os.sep
+
+
+def _model_file(obj: Any) -> bool:
+    f = _file_of(obj)
+    return f is not None and f.startswith(_MODELS_DIR)
 
 
 class _Lookups:
@@ -181,7 +193,10 @@ class _Lookups:
         self.done: set[types.CodeType] = set()
         self.bad: str | None = None
 
-    def add(self, container: Any, name: str, obj: Any, is_dict: bool, where: str) -> None:
+    def add(self, container: Any, name: str, obj: Any, is_dict: bool, where: str,
+            trusted: bool = False) -> None:
+        """Record a lookup; ``trusted``: the object need not be torch's own (a known tree's
+        forward, dpclip's model code: still compared by identity on every check)."""
         key = (id(container), name)
         if key in self.seen or key in _WATCHED:
             return
@@ -189,7 +204,7 @@ class _Lookups:
         if isinstance(container, type):  # a class: the object its MRO holds (a classmethod,
             obj = _static(container, name)  # not the bound method made anew on each lookup)
         self.items.append((container, name, obj, is_dict))
-        if self.bad is None and not _own(name, obj):
+        if self.bad is None and not trusted and not _own(name, obj):
             self.bad = (f"{where}: {name!r} is {_describe(obj)}, not torch's own (a library "
                         f"replaced it{_FIX})")
 
@@ -248,8 +263,12 @@ class _Lookups:
                             else:  # an instance attribute, or Module.__getattr__ (parameters)
                                 self.add(cls, "__getattr__", getattr(cls, "__getattr__",
                                                                      _MISSING), False, where)
+                        # (``self.norm`` of a module is no tensor: only a tensor's attribute
+                        # is the tensor class's)
+                        module_self = local_self and cls is not None and \
+                            issubclass(cls, nn.Module)
                         t = getattr(torch.Tensor, arg, _MISSING)
-                        if t is not _MISSING:
+                        if t is not _MISSING and not module_self:
                             self.add(torch.Tensor, arg, t, False, where)
                             callees.append((t, None))
                     local_self = False
@@ -369,7 +388,9 @@ def _lookups_of(cls: type) -> _Lookups:
             # patch on it: nn.Tanh.__call__ = ...) defines its own
             where = f"{cls.__module__}.{cls.__qualname__}"
             for name in _CALL_PATH:
-                got.add(cls, name, _static(cls, name), False, where)
+                obj = _static(cls, name)
+                got.add(cls, name, obj, False, where,
+                        trusted=name == "forward" and obj is f and _model_file(f))
             got.follow(f, cls, 0)
         _BY_CLASS[cls] = got
     return got

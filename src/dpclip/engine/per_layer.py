@@ -56,7 +56,7 @@ from torch import Tensor
 from dpclip.engine.errors import quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
-from dpclip.engine.separable import SeparabilityTracer, _IdMap
+from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
            "join_layouts", "module_grads", "output_tensors", "replay", "scale_holds", "seq_now",
@@ -95,14 +95,21 @@ def output_tensors(out: Any) -> list[Tensor]:
 
 
 def join_layouts(lays: Sequence[Any]) -> Any:
-    """The separability layout that stands for several outputs: the first one that is not
-    ``(0, 1)`` or constant (``None``), else ``(0, 1)`` if any is, else ``None``."""
+    """The separability layout that stands for several outputs: the one layout that every
+    output that is not constant (``None``) has, else ``None`` if all are constant, else
+    :data:`~dpclip.engine.separable.MIXED` (outputs of different layouts: the engine marks every
+    batch-first output with the joined layout, so one output that mixes the examples, or holds
+    them in other rows, would be marked as the others are; twenty-sixth hostile review: a mixing
+    output returned after one of layout ``(0, 2)`` was taken for ``(0, 2)``, LOO 10.8 C at B
+    16)."""
     out = None
     for lay in lays:
-        if lay is not None and lay != (0, 1):
-            return lay
-        if lay == (0, 1):
+        if lay is None:
+            continue
+        if out is None:
             out = lay
+        elif lay != out:
+            return MIXED
     return out
 
 

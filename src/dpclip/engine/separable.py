@@ -437,7 +437,20 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.match.before(func, args, kwargs)
             finally:
                 self.quiet = False
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            # whether a kernel fails can depend on values (an index out of range,
+            # aten._assert_async): code that catches the error has a bit of example data in
+            # Python, which no layout shows (twenty-eighth hostile review: carried to the next
+            # step, 2.39 C)
+            if not self.quiet and self.violation is None and any(
+                    self.layout(t) is not None for t in _tensors(args, kwargs)):
+                self.violation = (f"the operation {_name(func)} raised {type(exc).__name__} on a "
+                                  "tensor that depends on the batch: whether it fails can depend "
+                                  "on one example's values, and code that catches the error "
+                                  "carries them into Python; let such errors propagate")
+            raise
         quiet, self.quiet = self.quiet, True
         try:
             if not quiet and self.match is not None:  # user code: the proved program's next op

@@ -329,6 +329,11 @@ class SelfAttention(nn.Module):
     it without a fallback); unlike ``nn.MultiheadAttention`` every parameter lives in a Linear, so
     the ghost engine supports it. Input and output ``(B, T, d)``."""
 
+    #: the ghost engine proves this forward by its code (it mixes positions of one example only,
+    #: and uses the batch size as the leading dimension only): the children and configuration it
+    #: accepts, by exact class and type (dpclip.engine.ghost_forward._known_tree; docs/engines.md)
+    KNOWN_PROGRAM = {"children": {"qkv": nn.Linear, "out": nn.Linear}, "config": {"heads": int}}
+
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
         if d_model % heads:
@@ -347,6 +352,11 @@ class SelfAttention(nn.Module):
 
 class TransformerEncoderLayer(nn.Module):
     """Pre-LayerNorm encoder block: ``x + attn(ln1(x))``, then ``x + ff2(gelu(ff1(ln2(x))))``."""
+
+    #: (see SelfAttention.KNOWN_PROGRAM)
+    KNOWN_PROGRAM = {"children": {"norm1": nn.LayerNorm, "attn": SelfAttention,
+                                  "norm2": nn.LayerNorm, "ff1": nn.Linear, "act": nn.GELU,
+                                  "ff2": nn.Linear}}
 
     def __init__(self, d_model: int, heads: int, ff: int) -> None:
         super().__init__()
@@ -369,6 +379,12 @@ class TextTransformer(nn.Module):
     Positions are looked up with an ``(B, T)`` index (the batch dimension first), so every layer
     sees batched inputs, as per-example engines that work layer by layer require.
     """
+
+    #: (see SelfAttention.KNOWN_PROGRAM)
+    KNOWN_PROGRAM = {"children": {"tokens": nn.Embedding, "positions": nn.Embedding,
+                                  "layers": nn.ModuleList, "norm": nn.LayerNorm,
+                                  "head": nn.Linear},
+                     "config": {"seq_len": int}}
 
     def __init__(self, vocab_size: int, seq_len: int, num_classes: int, d_model: int, heads: int,
                  layers: int, ff: int) -> None:
