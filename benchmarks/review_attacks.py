@@ -39,7 +39,8 @@ def _attacks():
     from tests.engine import test_review8_carry as r8
     from tests.engine import test_review8_rounding as r8r
     from tests.engine import test_review9_tables_and_geometry as r9
-    from tests.engine.helpers import DT
+    from tests.engine.helpers import DT, outlier_batch
+    from tests.engine.helpers import loo_distance as loo_of_fresh  # (fresh model per release)
     from tests.engine.test_separability_attacks import C, ce, clipped_sum, data, loo_distance
 
     engines = {"ghost": GhostEngine, "auto": AutoEngine, "vmap": VmapEngine, "naive": NaiveEngine,
@@ -268,7 +269,8 @@ def _attacks():
             g = torch.Generator().manual_seed(4)
             x = 3 * torch.randn(4, 2, 4, generator=g, dtype=DT)
             y = torch.randint(0, 3, (4,), generator=g)
-            return r19._loo(engine, make, x, y), {"engine": getattr(engine, "name", None)}
+            return loo_of_fresh(engine, make, x, y, r19.C), \
+                {"engine": getattr(engine, "name", None)}
         return run
 
     from tests.engine import test_review20_swaps_and_finalizers as r20
@@ -280,7 +282,8 @@ def _attacks():
             if outlier:
                 x[0] *= 50
             y = torch.randint(0, 3, (b,), generator=g)
-            return r20._loo(engine, make, x, y), {"engine": getattr(engine, "name", None)}
+            return loo_of_fresh(engine, make, x, y, r20.C), \
+                {"engine": getattr(engine, "name", None)}
         return run
 
     from tests.engine import test_review22_late_releases as r22
@@ -289,13 +292,13 @@ def _attacks():
         g = torch.Generator().manual_seed(3)
         x = 3 * torch.randn(4, 2, 6, generator=g, dtype=DT)
         y = torch.randint(0, 3, (4,), generator=g)
-        return r20._loo(engine, r22._FinalizerOnConvInput, x, y), \
+        return loo_of_fresh(engine, r22._FinalizerOnConvInput, x, y, r22.C), \
             {"engine": getattr(engine, "name", None)}
 
     from tests.engine import test_review23_held_until_read as r23
 
     def loo23(engine):
-        x, y = r23._data8()
+        x, y = outlier_batch()
 
         def release(xs, ys):
             model = r23._make()
@@ -316,7 +319,7 @@ def _attacks():
         x[0] *= 50
         chunked = lambda: engine(max_physical_batch=1)  # noqa: E731
         chunked.name = getattr(engine, "name", None)
-        return r20._loo(chunked, r24._CarriesBetweenChunks, x, y), \
+        return loo_of_fresh(chunked, r24._CarriesBetweenChunks, x, y, r24.C), \
             {"engine": getattr(engine, "name", None)}
 
     four = ("ghost", "auto", "vmap", "naive")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine import ParamGroups
+from dpclip.engine import ParamGroups, naive_per_example_grads
 
 DT = torch.float64
 N_CLASSES = 3
@@ -205,3 +205,88 @@ def assert_grads_close(actual: dict[str, Tensor], expected: dict[str, Tensor], r
         assert actual[n].shape == expected[n].shape, n
         assert actual[n].dtype == expected[n].dtype, n
         assert_close(actual[n], expected[n], rtol)
+
+
+def is_real(t: Tensor) -> bool:
+    """A plain tensor with data (not a subclass, not a ``FakeTensor``): the review attacks'
+    finalizers act only on those, not on the engine's shape-only traces."""
+    return type(t) is torch.Tensor and not isinstance(t, torch._subclasses.FakeTensor)
+
+
+class Scale(nn.Module):
+    """``h * a`` with a 4-vector parameter ``a`` (ones): a module without a ghost rule, so it takes
+    the per-layer path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(4, dtype=DT))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h * self.a
+
+
+def outlier_batch() -> tuple[Tensor, Tensor]:
+    """Eight float64 examples of 5 features (generator seed 0), labels in ``0..2``; example 0 is
+    scaled by 50 (an outlier, which the review attacks' finalizers detect by ``|x| > 20``)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, generator=g, dtype=DT), torch.randint(0, N_CLASSES, (8,), generator=g)
+    x[0] *= 50
+    return x, y
+
+
+def loo_distance(
+    engine: Callable[[], object],
+    make: Callable[[], nn.Module],
+    x: Tensor,
+    y: Tensor,
+    c: float,
+    loss: Callable[[Tensor, Tensor], Tensor] = ce,
+) -> float:
+    """Leave-one-out distance of the released clipped sum, in units of ``c``.
+
+    ``max_j ||S(X) - S(X without j)|| / c``, where ``S`` is ``engine().compute`` on a fresh
+    ``make()`` with Abadi clipping at ``c`` (:func:`clip_weights`) and flat groups, its gradients
+    concatenated. Sound: ``<= 1``. An :class:`~dpclip.engine.UnsupportedModelError` propagates.
+    """
+
+    def release(xs: Tensor, ys: Tensor) -> Tensor:
+        model = make()
+        res = engine().compute(model, loss, xs, ys, clip_weights(c), ParamGroups.flat(model))
+        return torch.cat([g.reshape(-1) for g in res.grads.values()])
+
+    full = release(x, y)
+    n = x.shape[0]
+    return max(float((full - release(x[keep], y[keep])).norm()) / c
+               for keep in ([i for i in range(n) if i != j] for j in range(n)))
+
+
+def assert_matches_the_loop(
+    res, per_ex: dict[str, Tensor], groups: ParamGroups, batch: int
+) -> None:
+    """An engine result against the float64 per-example loop ``per_ex``: the norms equal
+    :func:`oracle_norms` (rtol 1e-10, atol 1e-12), the sum equals :func:`oracle_sum` with the
+    result's own weights (:func:`assert_grads_close`)."""
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, batch), rtol=1e-10,
+                               atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, batch))
+
+
+def assert_equal_to_the_loop(
+    res,
+    model: nn.Module,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    groups: ParamGroups,
+    engine: str | None = "ghost",
+) -> None:
+    """``res`` (an engine's result on ``x, y``) equals the float64 loop on ``model``.
+
+    ``res.engine_info["engine"]`` must be ``engine`` (not checked when ``engine`` is ``None``);
+    then :func:`naive_per_example_grads` of ``model`` (the model the engine ran, or a fresh copy
+    of it) under ``loss`` is compared by :func:`assert_matches_the_loop`.
+    """
+    if engine is not None:
+        assert res.engine_info.get("engine") == engine, res.engine_info
+    per_ex = naive_per_example_grads(model, loss, x, y)
+    assert_matches_the_loop(res, per_ex, groups, x.shape[0])

@@ -15,17 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
-from dpclip.engine import naive_per_example_grads
-from tests.engine.helpers import DT, assert_grads_close, clip_weights, oracle_norms, oracle_sum
+from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights, loo_distance
 
 C = 0.5
-
-
-def _ce(o: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(o, y, reduction="none")
 
 
 def _shifting_conv() -> nn.Conv1d:
@@ -50,18 +44,6 @@ class _Custom(nn.Module):
         return self.fc(torch.tanh(self.conv(x)).flatten(1))
 
 
-def _loo(engine, make, x, y) -> float:
-    def release(xs, ys):
-        model = make()
-        res = engine().compute(model, _ce, xs, ys, clip_weights(C), ParamGroups.flat(model))
-        return torch.cat([g.reshape(-1) for g in res.grads.values()])
-
-    full = release(x, y)
-    n = x.shape[0]
-    return max(float((full - release(x[keep], y[keep])).norm()) / C
-               for keep in ([i for i in range(n) if i != j] for j in range(n)))
-
-
 @pytest.mark.parametrize("make", [_chain, _Custom], ids=["chain", "custom-forward"])
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
 def test_a_padding_list_that_shifts_the_batch_is_refused(make, engine):
@@ -71,9 +53,9 @@ def test_a_padding_list_that_shifts_the_batch_is_refused(make, engine):
     if engine is GhostEngine:
         model = make()
         with pytest.raises(UnsupportedModelError, match="padding_mode='constant'"):
-            engine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
+            engine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
         return
-    assert _loo(engine, make, x, y) <= 1 + 1e-9
+    assert loo_distance(engine, make, x, y, C) <= 1 + 1e-9
 
 
 @pytest.mark.parametrize("conv", [
@@ -133,7 +115,7 @@ def test_a_layer_configured_for_its_call_only_is_refused(make, shape, engine):
     x, y = 3 * torch.randn(*shape, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)
     model = make()
     with pytest.raises(UnsupportedModelError, match="another configuration"):
-        engine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
+        engine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
 
 
 def test_an_honest_padded_conv_still_runs_on_ghost_equal_to_the_loop():
@@ -143,8 +125,5 @@ def test_an_honest_padded_conv_still_runs_on_ghost_equal_to_the_loop():
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(4, 2, 4, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)
     groups = ParamGroups.flat(model)
-    res = AutoEngine().compute(model, _ce, x, y, clip_weights(C), groups)
-    assert res.engine_info["engine"] == "ghost"
-    per_ex = naive_per_example_grads(model, _ce, x, y)
-    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 4), rtol=1e-10, atol=1e-12)
-    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 4))
+    res = AutoEngine().compute(model, ce, x, y, clip_weights(C), groups)
+    assert_equal_to_the_loop(res, model, ce, x, y, groups)

@@ -20,18 +20,12 @@ import weakref
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
-from dpclip.engine import naive_per_example_grads
-from tests.engine.helpers import DT, assert_grads_close, clip_weights, oracle_norms, oracle_sum
+from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
 
 C = 0.5
 D = 4
-
-
-def _ce(o: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(o, y, reduction="none")
 
 
 def _roll(t: Tensor) -> None:
@@ -54,13 +48,12 @@ class _FinalizerOnConvInput(nn.Module):
 
 
 def _equal_to_the_loop(engine, make, x, y) -> None:
+    """``engine`` (an instance) on ``make()`` equals the float64 loop on a fresh ``make()``
+    (whichever engine ran: not checked)."""
     model = make()
     groups = ParamGroups.flat(model)
-    res = engine.compute(model, _ce, x, y, clip_weights(C), groups)
-    per_ex = naive_per_example_grads(make(), _ce, x, y)
-    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, x.shape[0]), rtol=1e-10,
-                               atol=1e-12)
-    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, x.shape[0]))
+    res = engine.compute(model, ce, x, y, clip_weights(C), groups)
+    assert_equal_to_the_loop(res, make(), ce, x, y, groups, engine=None)
 
 
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine,
@@ -119,8 +112,8 @@ def test_the_other_piece_of_a_split_used_after_the_call_is_refused():
     x, y = _data5()
     model = _SplitNet(True)
     with pytest.raises(UnsupportedModelError, match="used after the call"):
-        GhostEngine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
-    res = AutoEngine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
+        GhostEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    res = AutoEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
     assert res.engine_info["engine"] == "vmap"
 
 

@@ -18,37 +18,18 @@ import weakref
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
-from dpclip.engine import naive_per_example_grads
-from tests.engine.helpers import DT, assert_grads_close, clip_weights, oracle_norms, oracle_sum
-from tests.engine.test_review20_swaps_and_finalizers import _loo
+from tests.engine.helpers import (DT, Scale, assert_equal_to_the_loop, ce, clip_weights, is_real,
+                                  loo_distance, outlier_batch)
 
 C = 0.5
 
 
-def _ce(o: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(o, y, reduction="none")
-
-
-def _real(t: Tensor) -> bool:
-    return type(t) is torch.Tensor and not isinstance(t, torch._subclasses.FakeTensor)
-
-
 def _write(buf: Tensor, d: Tensor) -> None:
-    if _real(d):
+    if is_real(d):
         with torch.no_grad():
             buf.copy_(torch.where(d.abs().amax() > 20, 1000.0, buf))
-
-
-class _Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.ones(4, dtype=DT))
-
-    def forward(self, h: Tensor) -> Tensor:
-        return h * self.a
 
 
 class _Mul(nn.Module):
@@ -64,7 +45,7 @@ class _CarriesBetweenChunks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.fc0, self.p, self.fc1 = nn.Linear(5, 4).to(DT), _Scale(), nn.Linear(4, 3).to(DT)
+        self.fc0, self.p, self.fc1 = nn.Linear(5, 4).to(DT), Scale(), nn.Linear(4, 3).to(DT)
         self.mul = _Mul()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -79,11 +60,9 @@ class _CarriesBetweenChunks(nn.Module):
                          ids=["ghost-4", "ghost-1", "auto-4"])
 def test_a_finalizer_run_between_chunks_never_exceeds_c(engine):
     """b088b9d: LOO 1.93 C (chunks of 4) / 2.17 C (chunks of 1)."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 5, generator=g, dtype=DT), torch.randint(0, 3, (8,), generator=g)
-    x[0] *= 50
+    x, y = outlier_batch()
     try:
-        got = _loo(engine, _CarriesBetweenChunks, x, y)
+        got = loo_distance(engine, _CarriesBetweenChunks, x, y, C)
     except UnsupportedModelError as exc:
         assert "written" in str(exc), exc
         return
@@ -126,8 +105,5 @@ def test_a_detached_leaf_output_gives_the_module_no_gradient(engine, pair):
     x, y = torch.randn(6, 5, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
     model = _DetachNet(pair)
     groups = ParamGroups.flat(model)
-    res = engine().compute(model, _ce, x, y, clip_weights(C), groups)
-    assert res.engine_info["engine"] == "ghost", res.engine_info
-    per_ex = naive_per_example_grads(model, _ce, x, y)
-    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 6), rtol=1e-10, atol=1e-12)
-    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 6))
+    res = engine().compute(model, ce, x, y, clip_weights(C), groups)
+    assert_equal_to_the_loop(res, model, ce, x, y, groups)

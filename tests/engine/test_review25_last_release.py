@@ -21,14 +21,14 @@ from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModel
 from dpclip.noise import make_generator
 from dpclip.training.sampling import PoissonSampler
 from dpclip.training.step import dp_step
-from tests.engine.helpers import DT, clip_weights
-from tests.engine.test_review24_between_chunks import _CarriesBetweenChunks, _Scale, _ce, _real
+from tests.engine.helpers import DT, Scale, ce, clip_weights, is_real, outlier_batch
+from tests.engine.test_review24_between_chunks import _CarriesBetweenChunks
 
 C = 0.5
 
 
 def _write(mod: nn.Module, d: Tensor) -> None:
-    if _real(d):
+    if is_real(d):
         mod.scale = 1000.0 if float(d.abs().amax()) > 20 else 1.0
 
 
@@ -36,7 +36,7 @@ class _AttributeAfterTheStep(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.fc0, self.p, self.fc1 = nn.Linear(5, 4).to(DT), _Scale(), nn.Linear(4, 3).to(DT)
+        self.fc0, self.p, self.fc1 = nn.Linear(5, 4).to(DT), Scale(), nn.Linear(4, 3).to(DT)
         self.scale = 1.0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -45,21 +45,14 @@ class _AttributeAfterTheStep(nn.Module):
         return self.fc1(torch.tanh(u * self.scale))
 
 
-def _data():
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 5, generator=g, dtype=DT), torch.randint(0, 3, (8,), generator=g)
-    x[0] *= 50
-    return x, y
-
-
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
 def test_an_attribute_written_when_the_last_chunk_is_released_is_refused(engine):
-    x, y = _data()
+    x, y = outlier_batch()
     model = _AttributeAfterTheStep()
     ctx = StepContext.at(0, steps_per_epoch=10, total_steps=10, expected_batch_size=8.0,
                          base_noise_multiplier=0.0)
     with pytest.raises(UnsupportedModelError, match="Python attribute 'scale'"):
-        dp_step(model, x, y, loss_fn=_ce, strategy=FixedClip(C), state={}, engine=engine(),
+        dp_step(model, x, y, loss_fn=ce, strategy=FixedClip(C), state={}, engine=engine(),
                 groups=ParamGroups.flat(model), sampler=PoissonSampler(100, 8.0),
                 base_noise_multiplier=0.0, ctx=ctx, generator=make_generator(0))
     assert model.scale == 1.0  # put back
@@ -67,7 +60,7 @@ def test_an_attribute_written_when_the_last_chunk_is_released_is_refused(engine)
 
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
 def test_a_buffer_written_when_the_last_chunk_is_released_is_refused(engine):
-    x, y = _data()
+    x, y = outlier_batch()
     model = _CarriesBetweenChunks()
     with pytest.raises(UnsupportedModelError, match="written after the step's reads"):
-        engine().compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))
+        engine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
