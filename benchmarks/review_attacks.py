@@ -1,4 +1,4 @@
-"""The eighth to twenty-fourth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
+"""The eighth to twenty-eighth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
 for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -12,7 +12,8 @@ test_review9_*.py, tests/core/test_review10_mechanisms.py, tests/engine/test_rev
 test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_scale_alias.py,
 test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
 test_review20_swaps_and_finalizers.py, test_review22_late_releases.py,
-test_review23_held_until_read.py, test_review24_between_chunks.py).
+test_review23_held_until_read.py, test_review24_between_chunks.py, test_review26_joined_layouts.py,
+test_review27_underflow.py, test_review28_caught_errors.py).
 """
 
 from __future__ import annotations
@@ -323,7 +324,38 @@ def _attacks():
             {"engine": getattr(engine, "name", None)}
 
     four = ("ghost", "auto", "vmap", "naive")
+    from tests.engine import test_review26_joined_layouts as r26
+    from tests.engine import test_review27_underflow as r27
+    from tests.engine import test_review28_caught_errors as r28
+
+    def loo26(engine):
+        x, y = r26._data()
+        return r26._loo(engine, "mean", x, y), {"engine": getattr(engine, "name", None)}
+
+    def loo27(kind):
+        def run(engine):
+            x, y = r27._data(kind)
+            return r27._loo(engine, lambda: r27._Scaled(kind, 1e-24, 1e19), x, y, 1e-7), \
+                {"engine": getattr(engine, "name", None)}
+        return run
+
+    def loo28(engine):
+        x, y = r28._data()
+        return loo_of_fresh(engine, lambda: r28._Flips("index", mixing=True), x, y, r28.C), \
+            {"engine": getattr(engine, "name", None)}
+
     return engines, [
+        ("26: per-layer output mixing beside a (0, 2) output (LOO, B 8, one large example)",
+         loo26, ("ghost", "auto", "vmap")),
+        ("27: underflowed ||a||^2 in a 2-D Linear (LOO, C 1e-7, float32)", loo27("linear"),
+         ("ghost", "auto", "vmap")),
+        ("27: underflowed Gram matrices, Linear on a sequence (LOO, C 1e-7, float32)",
+         loo27("seq"), ("ghost", "auto", "vmap")),
+        ("27: underflow in Conv2d (LOO, C 1e-7, float32)", loo27("conv"), ("ghost", "auto")),
+        ("27: underflow in a tied weight's cross terms (LOO, C 1e-7, float32)", loo27("tied"),
+         ("ghost", "auto")),
+        ("28: caught index_select error flips every example under vmap (LOO)", loo28,
+         ("vmap", "auto")),
         ("24: finalizer between chunks writes a buffer (LOO, chunks of 1)", loo24,
          ("ghost", "auto")),
         ("23: finalizer rewrites BatchNorm statistics before the rules read (LOO)", loo23,
@@ -400,7 +432,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to seventeenth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to twenty-eighth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

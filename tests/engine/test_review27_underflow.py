@@ -35,9 +35,8 @@ class _Scaled(nn.Module):
         self.kind, self.down, self.up = kind, down, up
         if kind == "conv":
             self.layer = nn.Conv2d(2, 3, 3, bias=False)
-        elif kind == "tied":
-            self.layer = nn.Linear(16, 16, bias=False)
-            self.head = nn.Linear(16, 3, bias=False)
+        elif kind == "tied":  # 300 x 300 > 2^16 entries: the cross-term path, not formed
+            self.layer = nn.Linear(300, 300, bias=False)
         elif kind == "conv1d-hf":
             from transformers.pytorch_utils import Conv1D
             self.layer = Conv1D(3, 16)
@@ -48,16 +47,15 @@ class _Scaled(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kind == "conv":
             return (self.layer(x * self.down) * self.up).flatten(1)[:, :3]
-        if self.kind == "tied":  # the same weight used twice: the cross-term path
-            h = self.layer(self.layer(x * self.down) * self.up)
-            return self.head(h)
+        if self.kind == "tied":  # the same weight used twice
+            return (self.layer(self.layer(x * self.down)) * self.up)[:, :3]
         h = self.layer(x * self.down) * self.up
         return h.mean(1) if self.kind == "seq" else h
 
 
 def _data(kind: str, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    shape = {"conv": (4, 2, 5, 5), "seq": (4, 8, 16)}.get(kind, (4, 16))
+    shape = {"conv": (4, 2, 5, 5), "seq": (4, 8, 16), "tied": (4, 300)}.get(kind, (4, 16))
     return torch.randn(*shape, generator=g, dtype=dtype), torch.tensor([0, 1, 2, 0])
 
 
