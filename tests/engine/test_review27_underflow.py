@@ -120,3 +120,25 @@ def test_norms_of_an_ordinary_float32_model_still_bound_the_float64_loop_closely
 def test_vmap_was_and_stays_sound():
     x, y = _data("linear")
     assert _loo(VmapEngine, lambda: _Scaled("linear", 1e-24, 1e19), x, y, 1e-7) <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
+def test_a_negative_padding_index_set_after_construction_equals_the_loop(engine):
+    """Twenty-seventh review, correctness (privacy held): ``emb.padding_idx = -1`` set after
+    construction; F.embedding reads it as row V - 1 and gives that row no gradient, the rule's
+    mask compared the ids with -1 (norms off by 0.3-1 %, a non-zero padding row summed)."""
+    from dpclip.engine.known_losses import cross_entropy_per_example as known_ce
+    from tests.engine.helpers import DT, assert_grads_close, oracle_norms, oracle_sum
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    model[0].padding_idx = -1
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 7, (6, 3), generator=g), torch.randint(0, 3, (6,), generator=g)
+    x[:, 0] = 6  # the padding row in every example
+    groups = ParamGroups.flat(model)
+    res = engine().compute(model, known_ce, x, y, clip_weights(0.5), groups)
+    assert res.engine_info["engine"] == "ghost", res.engine_info
+    per_ex = naive_per_example_grads(model, known_ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 6), rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 6))

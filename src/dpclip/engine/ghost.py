@@ -1243,7 +1243,12 @@ def _flush_tiny(c: _Call) -> None:
             raise UnsupportedModelError(f"ghost engine: a layer's tensors are {t.dtype}; "
                                         "supported: float16, bfloat16, float32, float64")
         with torch.no_grad():
-            setattr(c, name, torch.nn.functional.hardshrink(t, thr))
+            if name == "b" and t is getattr(c, name) and t.is_contiguous() and t._base is None:
+                # (the output gradient is the engine's own: flushed in place, no allocation; a
+                # tensor that two calls share is flushed twice, to the same values)
+                torch.hardshrink(t, thr, out=t)
+            else:  # (a is the layer's input: the caller's data, or held by the forward)
+                setattr(c, name, torch.nn.functional.hardshrink(t, thr))
 
 
 def _underflow_floor(params: dict[str, Tensor], n_calls: int, dtypes: set) -> float:

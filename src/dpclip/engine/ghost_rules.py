@@ -872,8 +872,11 @@ class _EmbeddingRule(_Rule):
         batch = c.a.shape[0]
         c.a = c.a.reshape(batch, -1)
         b = c.b.reshape(batch, c.a.shape[1], -1)
-        if c.mod.padding_idx is not None:  # PyTorch gives the padding row no gradient
-            b = b * (c.a != c.mod.padding_idx).unsqueeze(2).to(b.dtype)
+        pad = c.mod.padding_idx
+        if pad is not None:  # PyTorch gives the padding row no gradient
+            if pad < 0:  # (set after construction: F.embedding reads -1 as row V - 1)
+                pad += c.mod.num_embeddings
+            b = b * (c.a != pad).unsqueeze(2).to(b.dtype)
         c.b = b
 
     def norms(self, c: _Call, roles: Sequence[str]) -> dict[str, Tensor]:
