@@ -21,8 +21,15 @@ from typing import Any, ClassVar, Generic, TypeVar, Union
 
 from dpclip.errors import did_you_mean, unknown_name
 
-__all__ = ["OptionsEntry", "Registry", "coerce", "coerce_all", "keyword_options",
-           "unknown_options"]
+__all__ = ["KNOWN_PROGRAMS", "OptionsEntry", "Registry", "coerce", "coerce_all",
+           "keyword_options", "unknown_options"]
+
+#: dpclip's own model classes whose ``forward`` the ghost engine proves by its code (a "known
+#: tree", docs/engines.md), each with that forward function: filled by :mod:`dpclip.models` when it
+#: is imported, read by the engine. Trust is by identity (the class object and its function),
+#: never by a name or a file (a user class can claim dpclip's file name: twenty-ninth hostile
+#: review). Not an extension point.
+KNOWN_PROGRAMS: dict[type, Any] = {}
 
 E = TypeVar("E")
 

@@ -201,3 +201,72 @@ def test_a_replaced_torch_function_is_not_trusted():
     finally:
         undo()
     assert ghost_forward._known_tree(model) is not None
+
+
+def test_a_user_class_claiming_dpclips_file_is_not_known():
+    """Twenty-ninth review: a user class declaring a program, its forward's code object given
+    dpclip's file name (``co_filename``), was trusted: LOO 5.98 C. Trust is by identity now
+    (dpclip.registry.KNOWN_PROGRAMS)."""
+    import dpclip.models.architectures as arch
+    from dpclip.engine import ghost_forward
+
+    class Evil(nn.Module):
+        KNOWN_PROGRAM = {"children": {"fc": nn.Linear}}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(x + 20 * x.sum(0))
+
+    Evil.forward.__code__ = Evil.forward.__code__.replace(co_filename=arch.__file__)
+    assert ghost_forward._known_tree(Evil()) is None
+
+
+@pytest.mark.parametrize("what", ["tensor", "module-list"])
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
+def test_a_replaced_iteration_is_not_trusted(engine, what, monkeypatch):
+    """Twenty-ninth review: ``q, k, v = t`` runs ``Tensor.__iter__`` and ``for layer in
+    self.layers`` ``ModuleList.__iter__``; replaced (mixing the batch, or yielding an extra
+    mixing module), the tree ran untraced: LOO 1.51 / 1.18 C. Now those lookups are watched."""
+    from dpclip.engine import ghost_forward
+
+    if what == "tensor":
+        original = torch.Tensor.__iter__
+
+        def mixing(self):
+            return original(self + 20 * self.sum(1, keepdim=True)) if self.ndim == 5 \
+                else original(self)
+
+        monkeypatch.setattr(torch.Tensor, "__iter__", mixing)
+    else:
+        original = nn.ModuleList.__iter__
+
+        class _Mix(nn.Module):
+            def forward(self, x: Tensor) -> Tensor:
+                return x + x.flip(0)
+
+        extra = _Mix()
+        monkeypatch.setattr(nn.ModuleList, "__iter__",
+                            lambda self: iter(list(original(self)) + [extra]))
+    model = _model()
+    assert ghost_forward._known_tree(model) is None
+    x, y = _data()
+    try:
+        res, _ = _run(engine, model, x, y)
+    except UnsupportedModelError:
+        return
+    assert res.engine_info["engine"] == "vmap", res.engine_info
+
+
+def test_a_block_used_twice_runs_on_ghost_equal_to_the_loop():
+    """Twenty-ninth review (usability): one block twice in ``layers`` was refused (its calls
+    recorded once per occurrence of the module)."""
+    model = _model()
+    model.layers[1] = model.layers[0]
+    x, y = _data()
+    res, groups = _run(GhostEngine, model, x, y)
+    per_ex = naive_per_example_grads(model, known_ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 6), rtol=1e-10, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 6))

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
 
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
@@ -150,6 +151,39 @@ def apply_weight_fn(weight_fn: WeightFn, norms: Tensor, engine: str) -> Tensor:
     return weights
 
 
+
+class UserGenerators(TorchFunctionMode):
+    """Around a per-example engine's call of the model: whether the model drew from a
+    ``torch.Generator`` of its own (``generator=`` given to a torch function). The engines keep
+    the DEFAULT generators per chunk (``vmap``: one batched draw with ``randomness="different"``;
+    ``naive``: per example), but not one the model holds: under ``vmap`` one call's draw from it
+    gave example i the i-th value of a public sequence (thirtieth hostile review: LOO 2.90-4.88 C
+    under vmap and auto), and under ``naive`` a draw count that depends on one example moved the
+    next examples' draws (6.40 C). Such a call is refused (:meth:`refuse`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew: str | None = None
+
+    def see(self, func: Any, kwargs: dict) -> None:
+        if self.drew is None and isinstance(kwargs.get("generator"), torch.Generator):
+            self.drew = getattr(func, "__name__", None) or str(func)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.see(func, kwargs)
+        return func(*args, **kwargs)
+
+    def refuse(self, engine: str) -> None:
+        if self.drew is not None:
+            raise UnsupportedModelError(
+                f"{engine}: the model drew from a torch.Generator it holds ({self.drew}(..., "
+                "generator=...)): the engine gives every example its own draws from the default "
+                "generators only, so an example's draws from the model's generator would depend on "
+                "its position and on the other examples' draws. Draw from the default generator "
+                "(no generator= argument)")
+
 @dataclass(frozen=True)
 class _Layout:
     names: tuple[str, ...]  #: trainable parameter names, in model order
@@ -223,7 +257,10 @@ class ChunkReducer:
         all_finite = bool(finite.all())
         norms = sq.sqrt()
         if self.inflate != 1.0:  # a rounding bound (BoundedChunkReducer): inf when it overflows
-            norms = (norms * self.inflate).to(lay.dtype)
+            # (float16 in float32: a norm above 256 overflowed, a weight below 6e-5 was a
+            # subnormal rounded by up to half its value: twenty-ninth hostile review)
+            norms = (norms * self.inflate).to(
+                torch.float32 if lay.dtype == torch.float16 else lay.dtype)
         if not all_finite:
             norms = torch.where(finite[:, None], norms, math.inf)
         norms = norms.reshape(self._shape(b))
@@ -233,7 +270,10 @@ class ChunkReducer:
             if not all_finite:
                 gf = torch.where(finite[:, None], gf, 0.0)
             acc = self.sums[name]
-            acc.view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)
+            if gf.dtype == torch.float16:
+                acc.view(-1).add_(w2[:, gi].float() @ gf.float())
+            else:
+                acc.view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)
         self._norms.append(norms)
         self._weights.append(weights)
         self.loss_sum += float(losses.detach().sum())

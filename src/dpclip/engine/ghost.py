@@ -973,7 +973,11 @@ class GhostEngine:
         for c in live:
             acc.add_call(c, count, group_of, params)
         acc.add_formed_and_tied(group_of, params, batch, len(live), n_groups)
-        sq = acc.squares(batch, dtype, first.device)
+        # (float16 norms and weights in float32: a norm above 256 overflowed float16's squares,
+        # and a weight below 6e-5 is a float16 subnormal, rounded by up to half its value:
+        # twenty-ninth hostile review, 1.81 C at C = 1.3e-7)
+        ndt = torch.float32 if dtype == torch.float16 else dtype
+        sq = acc.squares(batch, ndt, first.device)
         flat = n_groups == 1
         # the norms used for the weights are upper bounds of the norms of the vectors actually
         # summed, rounding included (module docstring, "Rounding"): the relative factor covers the
@@ -1003,7 +1007,7 @@ class GhostEngine:
         summed = weights
         if real < batch:  # the copy's weight: exactly 0 (its gradient is the example's: finite)
             summed = torch.cat([weights, weights.new_zeros((batch - real, *weights.shape[1:]))])
-        wts = _Weights(summed if summed.dtype == dtype else summed.to(dtype), flat)
+        wts = _Weights(summed if summed.dtype == ndt else summed.to(ndt), flat)
         if finite is not None and not all_finite:
             acc.mask(live, finite)
         sums = _weighted_sums(live, count, params, group_of, acc, wts)
@@ -1181,6 +1185,17 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
                    group_of: dict[str, int], acc: _GroupNorms, wts: _Weights) -> dict[str, Tensor]:
     """The weighted sum of every parameter's per-example gradients, as each rule forms it."""
     sums: dict[str, Tensor] = {}
+    by_dtype = {wts.weights.dtype: wts}
+
+    def of(c: _Call) -> _Weights:  # (float16 layers are summed in float32: _flush_tiny)
+        dt = c.b.dtype if isinstance(c.b, Tensor) else wts.weights.dtype
+        if dt == torch.float16:  # (float16 products in float32: ghost_rules._kept_sum)
+            dt = torch.float32
+        got = by_dtype.get(dt)
+        if got is None:
+            got = by_dtype[dt] = _Weights(wts.weights.to(dt), wts.flat)
+        return got
+
     for c in live:
         o = c.owner
         todo = {}
@@ -1193,7 +1208,7 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
             else:
                 todo[r] = group_of[pn]
         if todo:
-            got = c.rule.weighted(c, todo, wts)
+            got = c.rule.weighted(c, todo, of(c))
             for r, pn in zip(o.roles, o.pnames):
                 if r in got:
                     sums[pn] = got[r]
@@ -1204,7 +1219,7 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
         for c, r in uses_:
             kept = c.kept.get(r)
             got = _kept_sum(kept, wts.col(grp)) if kept is not None else \
-                c.rule.weighted(c, {r: grp}, wts)[r]
+                c.rule.weighted(c, {r: grp}, of(c))[r]
             got = got.reshape(params[pn].shape)
             sums[pn] = got if pn not in sums else sums[pn] + got
     return sums

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import types
 from typing import Any, Callable
 import torch
 from torch import Tensor, nn
@@ -36,7 +35,8 @@ from dpclip.engine.plain_module import (
     plain_instance,
     python_callbacks,
 )
-from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.separable import SeparabilityTracer, uniform_along
+from dpclip.registry import KNOWN_PROGRAMS
 from torch._subclasses.fake_tensor import is_fake
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _Owner, _Scan, layer_config
@@ -620,26 +620,17 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
     return calls, h
 
 
-#: dpclip's own model classes (``dpclip/models/``) whose ``forward`` composes known modules, as
-#: first seen (a class-level patch made later is another function: not known)
-_DPCLIP_MODELS_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "models") + os.sep
-_TREE_FORWARD: dict[type, Any] = {}
-
-
 def _tree_spec(cls: type) -> dict | None:
-    """The ``KNOWN_PROGRAM`` declaration of a dpclip model class whose ``forward`` (defined by the
-    class itself) is dpclip's own code, in ``dpclip/models/``, and the function first seen there:
-    ``{"children": {name: exact class}, "config": {name: exact type}}``; None for any other class."""
+    """The ``KNOWN_PROGRAM`` declaration of one of dpclip's own model classes
+    (:data:`dpclip.registry.KNOWN_PROGRAMS`, by identity) whose ``forward`` is still the function
+    it was registered with: ``{"children": {name: exact class}, "config": {name: exact type}}``;
+    None for any other class."""
+    fwd = KNOWN_PROGRAMS.get(cls)
     d = cls.__dict__
-    spec, fwd = d.get("KNOWN_PROGRAM"), d.get("forward")
-    if type(spec) is not dict or type(fwd) is not types.FunctionType:
+    spec = d.get("KNOWN_PROGRAM")
+    if fwd is None or d.get("forward") is not fwd or type(spec) is not dict:
         return None
-    code = fwd.__code__
-    if not os.path.realpath(code.co_filename).startswith(_DPCLIP_MODELS_DIR):
-        return None
-    first = _TREE_FORWARD.setdefault(cls, fwd)
-    return spec if first is fwd else None
+    return spec
 
 
 def _known_tree(model: nn.Module) -> list[nn.Module] | None:
@@ -734,7 +725,7 @@ def _run_known_tree(model: nn.Module, modules: list[nn.Module],
         calls.append(c)
 
     try:
-        for mod in modules:
+        for mod in {id(m): m for m in modules}.values():  # (a layer used twice: hooked once)
             if type(mod) in _KNOWN_MODULES:
                 handles.append(mod.register_forward_pre_hook(pre))
                 if id(mod) in by_module:
@@ -916,7 +907,21 @@ def _check_separable(tracer: SeparabilityTracer, calls: list[_Call],
     """Raise :class:`_RuntimeUnsupported` unless the traced forward is row separable: the
     per-example losses have layout ``(0, 1)`` and every hooked layer's input ``(0, k)`` or is
     constant (each row, or block of ``k`` rows, a function of its own example; ``c.group`` is set
-    to ``k``; :mod:`dpclip.engine.separable`)."""
+    to ``k``; :mod:`dpclip.engine.separable`). A constant input with one row (or block of ``k``
+    rows) per example must be the same for every example: the engine reads example i's gradient
+    from row i, so rows that differ (``arange(B) % 2``) make it depend on the example's position
+    (thirtieth hostile review: an Embedding on ``arange(B) % 2`` beside example data, LOO 3.13 C;
+    ``frac`` of a layer on such a constant, whose value is 0 but whose gradient is not, 5.98 C)."""
+    b = tracer.batch
+    for c in calls:
+        a = c.a if c.outs is None else None
+        if isinstance(a, Tensor) and c.layouts[0] is None and a.ndim and a.shape[0] >= b \
+                and a.shape[0] % b == 0 and not uniform_along(tracer, a, 0, a.shape[0] // b, b):
+            raise _RuntimeUnsupported(
+                f"the input of layer {c.owner.name!r} ({type(c.mod).__name__}) is a constant with "
+                "one row per example whose rows differ (e.g. built from torch.arange(batch size)): "
+                "each example's gradient would depend on its position in the batch; give every "
+                "example the same constant (expand one row), or use engine 'vmap'")
     tracer.retire()
     match = tracer.match
     if match is not None and match.mismatch is None and not match.done:

@@ -28,7 +28,7 @@ from dpclip.engine.per_layer import (
     output_tensors,
     seq_now,
 )
-from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.separable import SeparabilityTracer, uniform_along
 
 _vecdot = torch.linalg.vecdot
 
@@ -166,7 +166,8 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace
     c.arg_dims = None if c.args is None else arg_batch_dims(
-        c.args[0], c.args[1], tracer.layout, tracer.batch * k, k)
+        c.args[0], c.args[1], tracer.layout, tracer.batch * k, k,
+        lambda t: uniform_along(tracer, t, 0, k, tracer.batch))
     if c.call is not None:  # the call's proved operations: what the per-layer path replays
         tracer.match.close_call(c.call, outs)
         settle_call(c.call, tracer.layout, tracer.batch * k)
@@ -284,7 +285,10 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
 
 
 def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
-    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)``."""
+    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)`` (float16 in
+    float32: a weight below 6e-5 would be a float16 subnormal)."""
+    if g.dtype == torch.float16:
+        return (w.float() @ g.reshape(g.shape[0], -1).float()).view(g.shape[1:])
     return (w.to(g.dtype) @ g.reshape(g.shape[0], -1)).view(g.shape[1:])
 
 

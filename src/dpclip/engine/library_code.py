@@ -44,6 +44,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from dpclip.registry import KNOWN_PROGRAMS
+
 __all__ = ["library_changed"]
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
@@ -173,15 +175,11 @@ def _function(obj: Any) -> types.FunctionType | None:
         _torch_file(obj) or _model_file(obj)) else None
 
 
-#: dpclip's own model classes (``dpclip/models/``): the ``forward`` of a known tree
-#: (``ghost_forward._known_tree``) is followed like torch's (what it looks up must be torch's own)
-_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))),
-                           "models") + os.sep
-
-
 def _model_file(obj: Any) -> bool:
-    f = _file_of(obj)
-    return f is not None and f.startswith(_MODELS_DIR)
+    """Whether ``obj`` is the forward of one of dpclip's own model classes that the ghost engine
+    proves by its code (:data:`dpclip.registry.KNOWN_PROGRAMS`, by identity): followed like
+    torch's code (what it looks up must be torch's own)."""
+    return any(obj is f for f in KNOWN_PROGRAMS.values())
 
 
 class _Lookups:
@@ -277,6 +275,9 @@ class _Lookups:
                         got = _static(torch.Tensor, dunder)  # class's operator methods
                         if got is not _MISSING:
                             self.add(torch.Tensor, dunder, got, False, where)
+                        if dunder == "__iter__":
+                            for box in _ITERATED:
+                                self.add(box, dunder, _static(box, dunder), False, where)
                     local_self = op == "LOAD_FAST" and arg == "self"
                     cur = _MISSING
         if depth >= _DEPTH:
@@ -343,7 +344,13 @@ _UNARY = {"UNARY_NEGATIVE": ("__neg__",), "UNARY_POSITIVE": ("__pos__",),
           "BINARY_SLICE": ("__getitem__",), "STORE_SLICE": ("__setitem__",),
           "CONTAINS_OP": ("__contains__",), "POP_JUMP_FORWARD_IF_TRUE": ("__bool__",),
           "POP_JUMP_FORWARD_IF_FALSE": ("__bool__",), "POP_JUMP_IF_TRUE": ("__bool__",),
-          "POP_JUMP_IF_FALSE": ("__bool__",)}
+          "POP_JUMP_IF_FALSE": ("__bool__",),
+          # iteration: ``q, k, v = t`` and ``for layer in self.layers`` (twenty-ninth hostile
+          # review: a replaced Tensor.__iter__ / ModuleList.__iter__ ran inside a known tree)
+          "GET_ITER": ("__iter__",), "UNPACK_SEQUENCE": ("__iter__",),
+          "UNPACK_EX": ("__iter__",)}
+#: the containers whose iteration a forward may run (``for layer in self.layers``)
+_ITERATED = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.ParameterList)
 
 
 def _operator_methods(ins: dis.Instruction) -> tuple[str, ...]:

@@ -16,12 +16,14 @@ from torch import Tensor, nn
 from dpclip.engine._common import (
     ChunkGrads,
     MaterializingEngine,
+    UserGenerators,
     check_batch,
     check_per_example_model,
     trainable_params,
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.batch import call_model, first_tensor, slice_batch
+from dpclip.engine.generators import OwnGenerators
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
 
@@ -49,10 +51,16 @@ def _naive_loop(
     params = trainable_params(model)
     rows: dict[str, list[Tensor]] = {n: [] for n in params}
     losses: list[Tensor] = []
+    watch = UserGenerators()
     with torch.enable_grad():
         for i in range(batch):
-            loss = loss_fn(call_model(model, slice_batch(inputs, i, i + 1)),
-                           slice_batch(targets, i, i + 1))
+            # each example under default generators of its own (one seed drawn per example from
+            # the chunk's: a draw count that depends on an example cannot move the next one's
+            # draws; thirtieth hostile review) and no generator the model holds
+            with OwnGenerators(), watch:
+                loss = loss_fn(call_model(model, slice_batch(inputs, i, i + 1)),
+                               slice_batch(targets, i, i + 1))
+            watch.refuse(engine + " engine")
             if loss.ndim == 0 or loss.shape[0] != 1:
                 raise ValueError(
                     "loss_fn must return per-example losses with a leading batch dimension "

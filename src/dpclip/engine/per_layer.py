@@ -274,20 +274,22 @@ def _leaves(x: Any) -> list[Tensor]:
 
 
 def arg_batch_dims(args: tuple, kwargs: dict, layout: Callable[[Tensor], Any], batch: int,
-                   group: int = 1) -> list[Any]:
+                   group: int = 1, uniform: Callable[[Tensor], bool] | None = None) -> list[Any]:
     """For every tensor of the call's arguments (in :func:`_leaves` order): ``0`` when it is sliced
     per example (batch-first: example data, or a constant with ``batch`` rows, which the batched
     call combined row-wise with the examples), ``None`` when it is passed whole (a constant without
     the batch dimension), ``"bad"`` when the trace saw the batch in another dimension or mixed.
     ``group``: rows per example of the call (``batch`` counts rows then), example data must have
-    layout ``(0, group)``."""
+    layout ``(0, group)``. ``uniform``: whether a constant with ``batch`` rows is the same for
+    every example; one that is not is ``"position"`` (example i's slice would be its position's
+    row: thirtieth hostile review, ``arange(B) % 2`` scaled by a parameter, LOO 8.39 C)."""
     out: list[Any] = []
     for t in _leaves((args, kwargs)):
         lay = layout(t)
         if lay is not None and lay != (0, group):
             out.append("bad")
         elif t.ndim and t.shape[0] == batch:
-            out.append(0)
+            out.append(0 if lay is not None or uniform is None or uniform(t) else "position")
         else:
             out.append(None)
     return out
@@ -532,6 +534,12 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 "or a tensor its forward read, was modified in place after the call (e.g. "
                 "x.mul_(2) on a tensor the module consumed); use out-of-place operations")
     dims = list(c.arg_dims)
+    if any(d == "position" for d in dims):
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
+            "constant with one row per example whose rows differ (e.g. built from "
+            "torch.arange(batch size)): each example's gradient would depend on its position "
+            "in the batch; give every example the same constant (expand one row)")
     if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "

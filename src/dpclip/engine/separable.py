@@ -803,6 +803,10 @@ def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: i
     return bool(torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)))
 
 
+#: (for the engine's checks of constants that reach a layer)
+uniform_along = _uniform_along
+
+
 def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     o = _first_out(out)
     return _broadcast_join(tr, _tensors(args, kwargs), tuple(o.shape))

@@ -15,7 +15,6 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
@@ -23,6 +22,7 @@ from dpclip.engine._common import (
     ChunkGrads,
     ChunkReducer,
     MaterializingEngine,
+    UserGenerators,
     check_batch,
     check_chunk_size,
     check_per_example_model,
@@ -189,13 +189,14 @@ def _parameters_replaced(model: nn.Module, params: dict[str, Tensor]) -> Iterato
             store[attr] = orig
 
 
-class _Raised(TorchFunctionMode):
+class _Raised(UserGenerators):
     """Around the user's forward and loss inside the batched call: the first torch function that
-    raised. ``vmap`` runs the user's Python once for all the examples of a call, so an error that
-    one example's values cause (an index out of range, ``aten._assert_async``) is raised for
-    every example; code that catches it computes every example from that bit (twenty-eighth
-    hostile review: a caught ``index_select`` error flipping all the logits, LOO 5.54 C under vmap
-    and auto). A call that completes after an operation raised is refused."""
+    raised, or drew from a generator the model holds (:class:`UserGenerators`). ``vmap`` runs the
+    user's Python once for all the examples of a call, so an error that one example's values cause
+    (an index out of range, ``aten._assert_async``) is raised for every example; code that catches
+    it computes every example from that bit (twenty-eighth hostile review: a caught
+    ``index_select`` error flipping all the logits, LOO 5.54 C under vmap and auto). A call that
+    completes after an operation raised is refused."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,8 +204,10 @@ class _Raised(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.see(func, kwargs)
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         except Exception as exc:
             if self.raised is None:
                 name = getattr(func, "__name__", None) or str(func)
@@ -232,6 +235,7 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
                        randomness="different")(params, xs, ys)
         finally:
             mode = watch.pop()
+        mode.refuse("vmap engine")
         if mode.raised is not None:
             raise UnsupportedModelError(
                 f"vmap engine: an operation of the forward or loss raised an error that the "
