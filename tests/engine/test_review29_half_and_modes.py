@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, VmapEngine, naive_per_example_grads
-from tests.engine.helpers import DT, ce, clip_weights, loo_distance
+from tests.engine.helpers import DT, clip_weights, loo_distance
 
 
 def _half():
