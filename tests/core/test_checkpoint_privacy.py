@@ -27,6 +27,9 @@ def test_a_finished_run_drops_the_generator_state_and_says_so(tmp_path, capsys):
     assert ck["finished"] is True
     assert set(ck["private"]["randomness"]) == {"mode"}  # public: "secure"
     assert "data_fingerprint" not in ck
+    # (its copy under "private" survived before: a hash of the training data that confirms which
+    # neighbouring dataset was trained on; thirty-second hostile review)
+    assert "data_fingerprint" not in ck["private"]
     assert FINISHED_NOTE in capsys.readouterr().err
     # running it again re-reads the finished run (no step, no secret needed)
     again = train(cfg, checkpoint_dir=tmp_path, progress=False)
@@ -79,3 +82,32 @@ def test_harness_checkpoints_are_not_beside_the_reports(tmp_path, monkeypatch):
     cks = list((tmp_path / "runs-private" / "checkpoints").rglob("checkpoint.pt"))
     assert len(cks) == 1
     assert set(torch.load(cks[0], weights_only=False)["private"]["randomness"]) == {"mode"}
+
+
+def test_a_checkpoint_cannot_be_loaded_into_an_object_that_already_released_steps():
+    """Thirty-second hostile review: an object that had released 5 steps loaded a 2-step
+    checkpoint and its ledger went back to 2 steps (23 steps ran, 20 were counted)."""
+    from dpclip import make_private
+    from torch import nn
+
+    x, y = torch.randn(200, 5), torch.randint(0, 2, (200,))
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(5, 2)
+        return make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), (x, y),
+                            noise_multiplier=1.0, steps=20, batch_size=20, verbose=False)
+
+    a = build()
+    for _ in range(2):
+        a.step(*a.sample())
+    ck = a.state_dict()
+    b = build()
+    for _ in range(5):
+        b.step(*b.sample())
+    with pytest.raises(RuntimeError, match="after 5 private step"):
+        b.load_state_dict(ck)
+    assert b.steps == 5 and b.ledger.steps == 5
+    fresh = build()
+    fresh.load_state_dict(ck)  # (before any step: the resume)
+    assert fresh.steps == 2 and fresh.ledger.steps == 2

@@ -885,6 +885,13 @@ class PrivateTraining:
         return self._data_fp[1]
 
     def load_state_dict(self, ck: Mapping[str, Any]) -> None:
+        if self.steps or self.ledger.steps > len(self._plan.prior_events):
+            # (thirty-second hostile review: an object that had released 5 steps loaded a
+            # 2-step checkpoint; its ledger went back to 2 steps, 23 steps ran, 20 were counted)
+            raise RuntimeError(
+                f"load_state_dict after {self.steps} private step(s): this object's releases "
+                "would leave its privacy ledger. Load a checkpoint into a new PrivateTraining, "
+                "before any step")
         finished = bool(ck.get("finished"))  # dpclip.training.checkpoint: no secret state left
         if "randomness" not in ck and not finished:
             raise ValueError("checkpoint has no private randomness state (written by an older "
