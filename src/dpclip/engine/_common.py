@@ -165,14 +165,16 @@ class UserGenerators(TorchFunctionMode):
         super().__init__()
         self.drew: str | None = None
 
-    def see(self, func: Any, kwargs: dict) -> None:
-        if self.drew is None and isinstance(kwargs.get("generator"), torch.Generator):
+    def see(self, func: Any, kwargs: dict, args: tuple = ()) -> None:
+        # (positional too: torch.poisson(rate, g), torch.binomial(n, p, g); thirty-first review)
+        if self.drew is None and any(isinstance(v, torch.Generator)
+                                     for v in (*args, *kwargs.values())):
             self.drew = getattr(func, "__name__", None) or str(func)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.see(func, kwargs)
+        self.see(func, kwargs, args)
         return func(*args, **kwargs)
 
     def refuse(self, engine: str) -> None:

@@ -275,9 +275,13 @@ class _Lookups:
                         got = _static(torch.Tensor, dunder)  # class's operator methods
                         if got is not _MISSING:
                             self.add(torch.Tensor, dunder, got, False, where)
+                        if got is not _MISSING:  # (followed: Tensor.__iter__ calls
+                            callees.append((got, torch.Tensor))  # self.unbind; thirty-first review)
                         if dunder == "__iter__":
                             for box in _ITERATED:
-                                self.add(box, dunder, _static(box, dunder), False, where)
+                                it = _static(box, dunder)
+                                self.add(box, dunder, it, False, where)
+                                callees.append((it, box))
                     local_self = op == "LOAD_FAST" and arg == "self"
                     cur = _MISSING
         if depth >= _DEPTH:

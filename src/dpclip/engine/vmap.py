@@ -205,7 +205,7 @@ class _Raised(UserGenerators):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.see(func, kwargs)
+        self.see(func, kwargs, args)
         try:
             return func(*args, **kwargs)
         except Exception as exc:
