@@ -534,12 +534,9 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 "or a tensor its forward read, was modified in place after the call (e.g. "
                 "x.mul_(2) on a tensor the module consumed); use out-of-place operations")
     dims = list(c.arg_dims)
-    if any(d == "position" for d in dims):
-        raise PerLayerUnsupported(
-            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
-            "constant with one row per example whose rows differ (e.g. built from "
-            "torch.arange(batch size)): each example's gradient would depend on its position "
-            "in the batch; give every example the same constant (expand one row)")
+    # (a constant whose rows differ: refused below if the proof has it sliced per example)
+    position = {k for k, d in enumerate(dims) if d == "position"}
+    dims = [0 if d == "position" else d for d in dims]
     if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
@@ -554,6 +551,12 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
             dims[k] = None
         elif n is not None and n[0] == "op":
             dims[k] = 0 if prog.leading_symbolic(n) else None
+    if any(dims[k] == 0 for k in position):
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
+            "constant with one row per example whose rows differ (e.g. built from "
+            "torch.arange(batch size)): each example's gradient would depend on its position "
+            "in the batch; give every example the same constant (expand one row)")
     leaves = [t for t, _ in vers]
     group = c.group  # rows per example: each example is evaluated on its own rows
     batched = [_examples(t, batch, group) for t, d in zip(leaves, dims) if d == 0]
