@@ -800,14 +800,14 @@ def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: i
     if t.stride(d) == 0:  # an expand: one row seen B times
         return True
     blocks = t.unflatten(d, (batch, k))
-    if blocks.is_floating_point() or blocks.is_complex():
-        # bit for bit: -0.0 == 0.0 for torch.equal, but not for atan2, copysign or signbit
+    if not torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)):
+        return False
+    if blocks.is_floating_point():
+        # and the signs: -0.0 == 0.0 for torch.equal, but not for atan2, copysign or signbit
         # (thirty-first hostile review: rows differing in the sign of zero, 7.87 C)
-        if blocks.is_complex():
-            blocks = torch.view_as_real(blocks)
-        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-        blocks = blocks.contiguous().view(ints[blocks.element_size()])
-    return bool(torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)))
+        signs = torch.signbit(blocks)
+        return bool(torch.equal(signs, signs.narrow(d, 0, 1).expand_as(signs)))
+    return True
 
 
 #: (for the engine's checks of constants that reach a layer)
