@@ -275,9 +275,9 @@ class _Lookups:
                         got = _static(torch.Tensor, dunder)  # class's operator methods
                         if got is not _MISSING:
                             self.add(torch.Tensor, dunder, got, False, where)
-                        if got is not _MISSING:  # (followed: Tensor.__iter__ calls
-                            callees.append((got, torch.Tensor))  # self.unbind; thirty-first review)
                         if dunder == "__iter__":
+                            if got is not _MISSING:  # (followed: Tensor.__iter__ calls
+                                callees.append((got, torch.Tensor))  # self.unbind; 31st review)
                             for box in _ITERATED:
                                 it = _static(box, dunder)
                                 self.add(box, dunder, it, False, where)
