@@ -3,7 +3,9 @@ cannot run one as it was called.
 
 A transformers model called the ordinary way (``model(**tokenizer(texts, padding=True,
 return_tensors="pt"))``) builds its attention mask from the 2-D ``attention_mask`` and decides in
-Python whether ANY row of the batch has padding (``mask.all()``), and its default ``sdpa``
+Python whether ANY row of the batch has padding (``mask.all()``) or, since transformers 5.25, when
+``position_ids`` come without an attention mask, whether any row packs several sequences
+(``masking_utils.find_packed_sequence_indices``), and its default ``sdpa``
 attention runs operations the separability check has no rule for. Neither the ghost engine (the
 decision reads other examples' data) nor vmap (no data-dependent Python control flow) can run that.
 :func:`with_hf_recipe` turns the engines' long message into a short one that names the model and
@@ -55,8 +57,8 @@ def with_hf_recipe(exc: BaseException, model: nn.Module) -> BaseException | None
     name = type(model).__name__
     args: Any = (f"{name} (Hugging Face transformers) cannot be run per example as it was called "
                  f"({short}). transformers decides in Python whether any row of the batch has "
-                 f"padding (attention_mask.all()) and its default attention has no per-example "
-                 f"rule. Recipe: {HF_RECIPE}",)
+                 f"padding or (position_ids without a mask) packs sequences, and its default "
+                 f"attention has no per-example rule. Recipe: {HF_RECIPE}",)
     try:
         new = type(exc)(*args)
     except Exception:  # noqa: BLE001 - an exception type with another signature

@@ -12,6 +12,8 @@ call: :mod:`dpclip.engine.batchless`) are tested below.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ from torch.nn import functional as F
 from dpclip.clipping.capabilities import capabilities_of
 from dpclip.clipping import STRATEGIES
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, naive_per_example_grads
+from dpclip.engine.errors import UnsupportedModelError
 from tests.clipping.contract import contract_strategy
 from tests.engine.helpers import DT, assert_grads_close, oracle_norms, oracle_sum
 
@@ -58,6 +61,9 @@ def _text(kind: str, g: torch.Generator, first_pos: int = 0):
          "position_ids": torch.arange(first_pos, first_pos + L).expand(B, L).contiguous()}
     if kind == "cls":
         x["token_type_ids"] = torch.zeros_like(ids)
+        # as a tokenizer gives it: without a mask, transformers >= 5.25 checks the position_ids of
+        # the whole batch for packed sequences in Python (test_packed_sequence_check_is_refused)
+        x["attention_mask"] = torch.ones_like(ids)
         return x, torch.randint(0, 2, (B,), generator=g)
     return x, ids
 
@@ -318,3 +324,23 @@ def test_gemma_scaled_embedding_runs_on_ghost_equal_to_the_loop():
     per_ex = naive_per_example_grads(model, lm_loss, x, ids)
     torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, B), rtol=1e-9, atol=1e-12)
     assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, B))
+
+
+def test_packed_sequence_check_is_refused():
+    """transformers >= 5.25, given ``position_ids`` without an attention mask, decides in Python
+    whether ANY row of the batch packs several sequences (``find_packed_sequence_indices``: a read
+    of every example's positions that picks the mask of all): not provable, so ghost and auto
+    refuse it (vmap cannot run the branch either) instead of running it; with the tokenizer's mask
+    the zoo runs (test_zoo_runs_on_ghost_equal_to_the_loop)."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        pytest.skip("this transformers has no packed-sequence check")
+    model, x, y, loss_fn, _ = build("bert")
+    model.eval()
+    del x["attention_mask"]
+    if "position_ids" not in inspect.signature(masking.create_bidirectional_mask).parameters:
+        pytest.skip("this transformers does not check BERT's position_ids")
+    for engine in (AutoEngine(), GhostEngine()):
+        with pytest.raises(UnsupportedModelError):
+            engine.compute(model, loss_fn, x, y, lambda n: (0.05 / n).clamp(max=1.0),
+                           ParamGroups.flat(model))
