@@ -19,6 +19,26 @@ DT = torch.float64
 N_CLASSES = 3
 
 
+class Head(nn.Module):
+    """Base of the review attacks' models: ``self.fc``, a float64 ``Linear(d, 3)`` drawn from seed
+    0 (every instance the same, so a model rebuilt for the leave-one-out run is the same model)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(d, 3).to(DT)
+
+
+class TwoLayers(nn.Module):
+    """Base of the caught-error attacks' models: float64 ``fc1: Linear(5, 6)`` and
+    ``fc2: Linear(6, 3)`` drawn from seed 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(5, 6).to(DT), nn.Linear(6, 3).to(DT)
+
+
 def ce(out: Tensor, y: Tensor) -> Tensor:
     return nn.functional.cross_entropy(out, y, reduction="none")
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError, VmapEngine
-from tests.engine.helpers import DT, ce, clip_weights
+from tests.engine.helpers import DT, TwoLayers, ce, clip_weights
 
 C = 0.5
 
@@ -43,26 +43,22 @@ def _any_negative(v: Tensor, how: str) -> int:
 _BIT = [0]
 
 
-class _Keeps(nn.Module):
+class _Keeps(TwoLayers):
     """Keeps the bit in a global (for a later step) and computes nothing from it now."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.how = how
-        self.fc1, self.fc2 = nn.Linear(5, 6).to(DT), nn.Linear(6, 3).to(DT)
 
     def forward(self, x: Tensor) -> Tensor:
         _BIT[0] = _any_negative(x.detach(), self.how)
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-class _Flips(nn.Module):
+class _Flips(TwoLayers):
     def __init__(self, how: str, mixing: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.how, self.mixing = how, mixing
-        self.fc1, self.fc2 = nn.Linear(5, 6).to(DT), nn.Linear(6, 3).to(DT)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x))
@@ -142,12 +138,7 @@ def test_an_error_caught_on_public_constants_still_runs_on_ghost(engine):
 _PREV = [0]
 
 
-class _Carries(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(5, 6).to(DT), nn.Linear(6, 3).to(DT)
-
+class _Carries(TwoLayers):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x)).mean(1) * float((-1) ** _PREV[0])
         if type(x.shape[0]) is int:  # the real run only (the proof's batch size is symbolic)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, VmapEngine, naive_per_example_grads
-from tests.engine.helpers import DT, clip_weights, loo_distance
+from tests.engine.helpers import DT, TwoLayers, clip_weights, loo_distance
 
 
 def _half():
@@ -75,12 +75,7 @@ def _any_negative_unseen(v: Tensor) -> int:
         return 1
 
 
-class _Flips(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(5, 6).to(DT), nn.Linear(6, 3).to(DT)
-
+class _Flips(TwoLayers):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x))
         return self.fc2(h) * (-1.0 if _any_negative_unseen(x.detach()) else 1.0)

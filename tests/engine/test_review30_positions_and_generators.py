@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, ParamGroups, UnsupportedModelError
 from dpclip.engine import VmapEngine
-from tests.engine.helpers import DT, ce, clip_weights, loo_distance
+from tests.engine.helpers import DT, Head, ce, clip_weights, loo_distance
 
 D = 4
 
@@ -35,12 +35,10 @@ class _Scale(nn.Module):
         return c * self.s
 
 
-class _Positions(nn.Module):
+class _Positions(Head):
     def __init__(self, how: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
+        super().__init__(D)
         self.how = how
-        self.fc = nn.Linear(D, 3).to(DT)
         self.sc = _Scale()
         self.emb = nn.Embedding(2, 3).to(DT)
         with torch.no_grad():
@@ -89,12 +87,10 @@ def test_the_same_constant_for_every_example_still_runs_on_ghost():
     assert loo_distance(GhostEngine, lambda: _Positions("honest"), x, y, 0.1) <= 1 + 1e-9
 
 
-class _HeldGenerator(nn.Module):
+class _HeldGenerator(Head):
     def __init__(self, extra: bool) -> None:
-        super().__init__()
-        torch.manual_seed(0)
+        super().__init__(D)
         self.extra = extra
-        self.fc = nn.Linear(D, 3).to(DT)
         self.g = torch.Generator().manual_seed(1234)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -112,13 +108,8 @@ def test_a_draw_from_a_generator_the_model_holds_is_refused(engine):
         engine().compute(model, ce, x, y, clip_weights(0.1), ParamGroups.flat(model))
 
 
-class _DrawsMore(nn.Module):
+class _DrawsMore(Head):
     """Under naive: an extra draw from the DEFAULT generator for a large example."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(D, 3).to(DT)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[0] == 1 and float(x.abs().max()) > 25:

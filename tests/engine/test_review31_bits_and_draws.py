@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, UnsupportedModelError, VmapEngine
-from tests.engine.helpers import DT, loo_distance
+from tests.engine.helpers import DT, Head, loo_distance
 
 D = 4
 
@@ -44,12 +44,7 @@ def test_a_replaced_unbind_is_not_trusted_in_a_known_tree(monkeypatch):
     assert ghost_forward._known_tree(model) is None
 
 
-class _NegZero(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(D, 3).to(DT)
-
+class _NegZero(Head):
     def forward(self, x: Tensor) -> Tensor:
         b = x.shape[0]
         z = torch.where(torch.arange(b) % 2 == 1, torch.tensor(-0.0, dtype=x.dtype),
@@ -68,12 +63,10 @@ def test_rows_that_differ_in_the_sign_of_zero_are_not_uniform(engine):
         assert engine is GhostEngine
 
 
-class _Positional(nn.Module):
+class _Positional(Head):
     def __init__(self, how: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.how = how
-        self.fc = nn.Linear(D, 3).to(DT)
         self.g = torch.Generator().manual_seed(1234)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -93,12 +86,7 @@ def test_a_held_generator_passed_positionally_is_refused(engine, how):
         loo_distance(engine, lambda: _Positional(how), x, y, 0.1)
 
 
-class _Reseeds(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(D, 3).to(DT)
-
+class _Reseeds(Head):
     def forward(self, x: Tensor) -> Tensor:
         torch.manual_seed(1234)
         r = torch.rand(x.shape[0], 1, dtype=x.dtype)
@@ -117,12 +105,7 @@ def test_a_default_generator_reseeded_in_the_forward_under_vmap():
 _COUNT = [0]
 
 
-class _Counts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(D, 3).to(DT)
-
+class _Counts(Head):
     def forward(self, x: Tensor) -> Tensor:
         _COUNT[0] += 1
         return self.fc(x * (1.0 if _COUNT[0] % 2 else -1.0))
