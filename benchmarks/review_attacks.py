@@ -1,5 +1,5 @@
-"""The eighth to twenty-eighth hostile reviews' attacks, measured on whichever ``dpclip`` is importable:
-for each attack and engine, the leave-one-out distance of the noise-free clipped sum
+"""The eighth to thirty-first hostile reviews' attacks, measured on whichever ``dpclip`` is
+importable: for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
 engine raised (the first words of its error are kept).
@@ -13,7 +13,9 @@ test_review14_replay_shapes.py, test_review15_rows_coincide.py, test_review16_sc
 test_review17_batch_in_data_dim.py, test_review19_layer_config.py,
 test_review20_swaps_and_finalizers.py, test_review22_late_releases.py,
 test_review23_held_until_read.py, test_review24_between_chunks.py, test_review26_joined_layouts.py,
-test_review27_underflow.py, test_review28_caught_errors.py).
+test_review27_underflow.py, test_review28_caught_errors.py, test_known_trees.py,
+test_review29_half_and_modes.py, test_review30_positions_and_generators.py,
+test_review31_bits_and_draws.py).
 """
 
 from __future__ import annotations
@@ -344,7 +346,161 @@ def _attacks():
         return loo_of_fresh(engine, lambda: r28._Flips("index", mixing=True), x, y, r28.C), \
             {"engine": getattr(engine, "name", None)}
 
+    from dpclip.engine.known_losses import cross_entropy_per_example as known_ce
+    from tests.engine import test_known_trees as kt
+    from tests.engine import test_review29_half_and_modes as r29
+    from tests.engine import test_review30_positions_and_generators as r30
+    from tests.engine import test_review31_bits_and_draws as r31
+
+    def _named(engine):
+        return {"engine": getattr(engine, "name", None)}
+
+    def loo_spoofed_file(engine):  # test_known_trees: a user class given dpclip's file name
+        import dpclip.models.architectures as arch
+
+        class Evil(nn.Module):
+            KNOWN_PROGRAM = {"children": {"fc": nn.Linear}}
+
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.fc = nn.Linear(4, 3).to(DT)
+
+            def forward(self, x):
+                return self.fc(x + 20 * x.sum(0))
+
+        Evil.forward.__code__ = Evil.forward.__code__.replace(co_filename=arch.__file__)
+        x, y = r30._data()
+        return loo_of_fresh(engine, Evil, x, y, 0.5, loss=known_ce), _named(engine)
+
+    def loo_known_tree_patched(owner, attr, make_patch, b=6):
+        def run(engine):
+            original = getattr(owner, attr)
+            setattr(owner, attr, make_patch(original))
+            try:
+                x, y = kt._data(b)
+                return loo_of_fresh(engine, kt._model, x, y, kt.C, loss=known_ce), _named(engine)
+            finally:
+                setattr(owner, attr, original)
+        return run
+
+    def mixing_iter(original):  # test_known_trees: q, k, v = t mixes the batch
+        return lambda self: original(self + 20 * self.sum(1, keepdim=True)) \
+            if self.ndim == 5 else original(self)
+
+    def extra_module_iter(original):  # test_known_trees: for layer in self.layers yields a mixer
+        class _Mix(nn.Module):
+            def forward(self, x):
+                return x + x.flip(0)
+
+        extra = _Mix()
+        return lambda self: iter(list(original(self)) + [extra])
+
+    def mixing_unbind(original):  # test_review31: Tensor.__iter__ calls self.unbind(0)
+        return lambda self, dim=0: original(self + 20 * self.sum(1, keepdim=True), dim) \
+            if self.ndim == 5 else original(self, dim)
+
+    def loo29_half(c, scales):
+        def run(engine):
+            x, y = r29._half_data()
+            return max(loo_of_fresh(engine, r29._half, x, y, c, loss=r29._scaled(s))
+                       for s in scales), _named(engine)
+        return run
+
+    def loo29_caught(engine):
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8, 5, generator=g, dtype=DT).abs(), torch.randint(0, 3, (8,),
+                                                                               generator=g)
+        x[3, 0] = -1.0
+        return loo_of_fresh(engine, r29._Flips, x, y, 0.5), _named(engine)
+
+    def loo30(how):
+        def run(engine):
+            x, y = r30._data()
+            return loo_of_fresh(engine, lambda: r30._Positions(how), x, y, 0.1), _named(engine)
+        return run
+
+    def loo30_held(engine):
+        x, y = r30._data(16)
+        return loo_of_fresh(engine, lambda: r30._HeldGenerator(False), x, y, 0.1), _named(engine)
+
+    def replaced30_draws(engine):  # ||S(X) - S(X')|| / C, example 0 replaced (sound: <= 2)
+        x, y = r30._data()
+        x *= 3
+        big = x.clone()
+        big[0] *= 100
+        rel = []
+        for xs in (x, big):
+            model = r30._DrawsMore()
+            torch.manual_seed(7)  # (the same seeds for both releases)
+            res = engine().compute(model, ce, xs, y, r30.clip_weights(0.1),
+                                   ParamGroups.flat(model))
+            rel.append(torch.cat([g.reshape(-1) for g in res.grads.values()]))
+        return float((rel[0] - rel[1]).norm()) / 0.1, _named(engine)
+
+    def loo31_negzero(engine):
+        x, y = r31._data()
+        return loo_of_fresh(engine, r31._NegZero, x, y, 0.5), _named(engine)
+
+    def loo31_positional(how):
+        def run(engine):
+            x, y = r31._data()
+            return loo_of_fresh(engine, lambda: r31._Positional(how), x, y, 0.1), _named(engine)
+        return run
+
+    def loo31_reseeds(engine):
+        x, y = r31._data(16)
+        return loo_of_fresh(engine, r31._Reseeds, x, y, 0.1), _named(engine)
+
+    def loo31_counter(engine):
+        x, y = r31._data(16)
+
+        def make():
+            r31._COUNT[0] = 0
+            return r31._Counts()
+
+        try:
+            return loo_of_fresh(engine, make, x, y, 0.1), _named(engine)
+        finally:
+            r31._COUNT[0] = 0
+
     return engines, [
+        ("29: a user class's forward given dpclip's file name (co_filename), declared program "
+         "(LOO)", loo_spoofed_file, ("ghost", "auto")),
+        ("29: Tensor.__iter__ replaced, mixing the batch, in a known tree (LOO, B 6)",
+         loo_known_tree_patched(torch.Tensor, "__iter__", mixing_iter), ("ghost", "auto")),
+        ("29: ModuleList.__iter__ replaced, yielding a mixing module, in a known tree (LOO, B 6)",
+         loo_known_tree_patched(nn.ModuleList, "__iter__", extra_module_iter), ("ghost", "auto")),
+        ("29: float16 weights below the normal range (LOO, C 2e-6, float16)",
+         loo29_half(2e-6, (10.0, 70.0)), ("ghost", "auto", "vmap")),
+        ("29: float16 weights below the normal range (LOO, C 5e-7, float16)",
+         loo29_half(5e-7, (0.5, 1.0, 2.0, 3.0, 10.0, 70.0)), ("ghost", "auto", "vmap")),
+        ("29: float16 sum rounded before the noise, C in the subnormal range "
+         "(LOO, C 1.26e-7, open)",
+         loo29_half(1.26e-7, (0.5, 20.0)), ("ghost", "auto", "vmap")),
+        ("29: an error caught with torch functions off (LOO, open under vmap)", loo29_caught,
+         ("vmap", "ghost")),
+        ("30: per-layer c * s on a position constant, rows differing (LOO, B 8)",
+         loo30("per-layer"), ("ghost", "auto")),
+        ("30: ruled Embedding on arange(B) % 2 (LOO, B 8)", loo30("embedding"), ("ghost", "auto")),
+        ("30: frac of a ruled Embedding on arange(B) % 2 (LOO, B 8)", loo30("embedding-frac"),
+         ("ghost", "auto")),
+        ("30: a draw from a generator the model holds (LOO, B 16)", loo30_held,
+         ("vmap", "auto", "naive")),
+        ("30: one example's extra default-generator draw under naive (example 0 replaced, "
+         "||S(X) - S(X')|| / C, sound <= 2)", replaced30_draws, ("naive",)),
+        ("31: Tensor.unbind replaced (through Tensor.__iter__), mixing the batch, in a known tree "
+         "(LOO, B 6)", loo_known_tree_patched(torch.Tensor, "unbind", mixing_unbind),
+         ("ghost", "auto")),
+        ("31: constant rows differing in the sign of zero, atan2 (LOO, B 8)", loo31_negzero,
+         ("ghost", "auto")),
+        ("31: a held generator passed positionally, poisson (LOO, B 8)",
+         loo31_positional("poisson"), ("vmap", "auto", "naive")),
+        ("31: a held generator passed positionally, binomial (LOO, B 8)",
+         loo31_positional("binomial"), ("vmap", "auto", "naive")),
+        ("31: the default generator re-seeded in the forward (LOO, B 16, open under vmap)",
+         loo31_reseeds, ("vmap",)),
+        ("31: a module-global counter (LOO, B 16, open under naive)", loo31_counter, ("naive",)),
         ("26: per-layer output mixing beside a (0, 2) output (LOO, B 8, one large example)",
          loo26, ("ghost", "auto", "vmap")),
         ("27: underflowed ||a||^2 in a 2-D Linear (LOO, C 1e-7, float32)", loo27("linear"),
@@ -432,7 +588,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to twenty-eighth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to thirty-first hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
