@@ -42,6 +42,20 @@ __all__ = [
 ]
 
 
+#: half-precision parameter dtypes: their per-example products, weighted sums, norms and weights
+#: are computed in float32, and the engines return their sums in float32; ``dp_step`` casts the
+#: released (noisy) values to the parameters' dtype. Rounding a sum to float16 / bfloat16 BEFORE
+#: the noise is an error relative to the whole batch's sum, not bounded by C (twenty-ninth hostile
+#: review: 1.42 C at C = 1.26e-7 in float16), and bfloat16's unit roundoff (2^-8) made every
+#: rounding bound of a longer reduction infinite (every norm inf, every weight 0: zero sums).
+HALF = (torch.float16, torch.bfloat16)
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an engine computes and returns the sums of parameters of ``dtype`` in."""
+    return torch.float32 if dtype in HALF else dtype
+
+
 def trainable_params(model: nn.Module) -> dict[str, Tensor]:
     """``{name: parameter}`` for every trainable parameter (tied parameters appear once)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -233,7 +247,8 @@ class ChunkReducer:
         )
         self.weight_fn = weight_fn
         self.engine = engine
-        self.sums = {n: torch.zeros_like(p, memory_format=torch.contiguous_format)
+        self.sums = {n: torch.zeros_like(p, dtype=sum_dtype(p.dtype),
+                                         memory_format=torch.contiguous_format)
                      for n, p in params.items()}
         self._norms: list[Tensor] = []
         self._weights: list[Tensor] = []
@@ -261,8 +276,7 @@ class ChunkReducer:
         if self.inflate != 1.0:  # a rounding bound (BoundedChunkReducer): inf when it overflows
             # (float16 in float32: a norm above 256 overflowed, a weight below 6e-5 was a
             # subnormal rounded by up to half its value: twenty-ninth hostile review)
-            norms = (norms * self.inflate).to(
-                torch.float32 if lay.dtype == torch.float16 else lay.dtype)
+            norms = (norms * self.inflate).to(sum_dtype(lay.dtype))
         if not all_finite:
             norms = torch.where(finite[:, None], norms, math.inf)
         norms = norms.reshape(self._shape(b))
@@ -272,7 +286,7 @@ class ChunkReducer:
             if not all_finite:
                 gf = torch.where(finite[:, None], gf, 0.0)
             acc = self.sums[name]
-            if gf.dtype == torch.float16:
+            if gf.dtype in HALF:  # (products and sum in float32: HALF)
                 acc.view(-1).add_(w2[:, gi].float() @ gf.float())
             else:
                 acc.view(-1).add_(w2[:, gi].to(gf.dtype) @ gf)

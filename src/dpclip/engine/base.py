@@ -150,7 +150,10 @@ class ParamGroups:
 class EngineResult:
     """What an engine returns for one batch.
 
-    grads:   ``{param_name: sum_i w_i g_i}`` for every trainable parameter (zeros for an empty batch).
+    grads:   ``{param_name: sum_i w_i g_i}`` for every trainable parameter (zeros for an empty batch),
+             in the parameter's dtype, except float16 / bfloat16 parameters under the per-example
+             engines: float32 (their sums are not rounded before the noise; ``dp_step`` casts the
+             noisy release, ``dpclip.engine._common.HALF``).
     norms:   per-example gradient norms before weighting, ``(B,)`` or ``(B, G)``; ``+inf`` marks a
              non-finite example; ``None`` for engines that compute no per-example norms (``summed``).
              NON-PRIVATE: log only under the ``nonprivate/`` prefix.

@@ -131,6 +131,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip.engine._common import (
+    HALF,
     ChunkReducer,
     StepWeights,
     _Rounding,
@@ -140,6 +141,7 @@ from dpclip.engine._common import (
     check_chunk_size,
     check_per_example_model,
     check_weight_fn,
+    sum_dtype,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, map_batch
@@ -959,24 +961,30 @@ class GhostEngine:
         ``real < batch``: a chunk of one run as a batch of two, whose copy (row 1) the strategy
         never sees and whose weight is 0; ``loss``: the sum of the real examples' losses."""
         for c in live:
+            if c.rule.kind != "module":  # (float16 / bfloat16 in float32: _common.HALF)
+                _widen(c)
             c.rule.prepare(c)
             if c.rule.kind in ("matmul", "embedding"):
                 _flush_tiny(c)
         self._choose(live, batch)
         first = next(iter(params.values()))
         dtype = first.dtype
-        dtypes = {dtype}
+        # float16 norms and weights in float32: a norm above 256 overflowed float16's squares,
+        # and a weight below 6e-5 is a float16 subnormal, rounded by up to half its value
+        # (twenty-ninth hostile review, 1.81 C at C = 1.3e-7); the sums in float32 too, cast by
+        # dp_step after the noise (_common.HALF). Nothing is computed in a half dtype here: the
+        # rules' a and b are widened (_widen), the per-layer path's kept gradients are summed and
+        # their norms taken in float32 (ghost_rules._kept_sum, _sq)
+        ndt = sum_dtype(dtype)
+        dtypes = {ndt}
         for c in live:
-            dtypes.add(c.b.dtype)
+            if isinstance(c.b, Tensor):
+                dtypes.add(sum_dtype(c.b.dtype))
         rnd = _Rounding(tuple(dtypes), first.device, batch)
         acc = _GroupNorms(n_groups, rnd)
         for c in live:
             acc.add_call(c, count, group_of, params)
         acc.add_formed_and_tied(group_of, params, batch, len(live), n_groups)
-        # (float16 norms and weights in float32: a norm above 256 overflowed float16's squares,
-        # and a weight below 6e-5 is a float16 subnormal, rounded by up to half its value:
-        # twenty-ninth hostile review, 1.81 C at C = 1.3e-7)
-        ndt = torch.float32 if dtype == torch.float16 else dtype
         sq = acc.squares(batch, ndt, first.device)
         flat = n_groups == 1
         # the norms used for the weights are upper bounds of the norms of the vectors actually
@@ -1014,10 +1022,11 @@ class GhostEngine:
         out = {}
         for pn, p in params.items():
             g = sums.get(pn)
+            sdt = sum_dtype(p.dtype)
             if g is None:
-                g = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
-                g = g.reshape(p.shape).to(p.dtype).contiguous()
+                g = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
+            elif g.shape != p.shape or g.dtype != sdt or not g.is_contiguous():
+                g = g.reshape(p.shape).to(sdt).contiguous()
             out[pn] = g
         return out, norms, weights, loss
 
@@ -1187,9 +1196,9 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
     sums: dict[str, Tensor] = {}
     by_dtype = {wts.weights.dtype: wts}
 
-    def of(c: _Call) -> _Weights:  # (float16 layers are summed in float32: _flush_tiny)
+    def of(c: _Call) -> _Weights:  # (half layers are summed in float32: _widen, _common.HALF)
         dt = c.b.dtype if isinstance(c.b, Tensor) else wts.weights.dtype
-        if dt == torch.float16:  # (float16 products in float32: ghost_rules._kept_sum)
+        if dt in HALF:  # (half products in float32: ghost_rules._kept_sum)
             dt = torch.float32
         got = by_dtype.get(dt)
         if got is None:
@@ -1232,6 +1241,15 @@ _FLUSH = {torch.float32: 2.0 ** -40, torch.bfloat16: 2.0 ** -40, torch.float64: 
 _MAX_POSITIONS = 2 ** 24
 
 
+def _widen(c: _Call) -> None:
+    """A ruled layer's float16 / bfloat16 ``a`` and ``b`` in float32 (exact), before its rule
+    reads them: its norms, products and sums are then computed in float32 (_common.HALF)."""
+    for name in ("a", "b"):
+        t = getattr(c, name)
+        if isinstance(t, Tensor) and t.dtype in HALF:
+            setattr(c, name, t.float())
+
+
 def _flush_tiny(c: _Call) -> None:
     """Set the entries of a matmul or embedding layer's ``a`` and ``b`` below :data:`_FLUSH` in
     magnitude to zero, for its norms AND its sums (both read ``c.a`` / ``c.b`` from here on: the
@@ -1251,7 +1269,7 @@ def _flush_tiny(c: _Call) -> None:
         t = getattr(c, name)
         if not isinstance(t, Tensor) or not t.is_floating_point():
             continue
-        if t.dtype == torch.float16:
+        if t.dtype in HALF:
             t = t.float()
         thr = _FLUSH.get(t.dtype)
         if thr is None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from dpclip.engine._common import _Rounding
+from dpclip.engine._common import HALF, _Rounding
 from dpclip.engine.per_layer import (
     arg_batch_dims,
     capture_args,
@@ -285,9 +285,9 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
 
 
 def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
-    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)`` (float16 in
-    float32: a weight below 6e-5 would be a float16 subnormal)."""
-    if g.dtype == torch.float16:
+    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)`` (float16 and
+    bfloat16 in float32: _common.HALF)."""
+    if g.dtype in HALF:
         return (w.float() @ g.reshape(g.shape[0], -1).float()).view(g.shape[1:])
     return (w.to(g.dtype) @ g.reshape(g.shape[0], -1)).view(g.shape[1:])
 

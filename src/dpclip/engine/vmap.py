@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
     _Rounding,
+    sum_dtype,
     ChunkGrads,
     ChunkReducer,
     MaterializingEngine,
@@ -102,7 +103,8 @@ class BoundedChunkReducer(ChunkReducer):
                  engine: str, inputs: Any, *, chunk: int) -> None:
         super().__init__(params, groups, weight_fn, engine, inputs)
         lay = self.layout
-        rnd = _Rounding((lay.dtype,), lay.device, chunk)
+        # (float16 / bfloat16: norms, products and sums in float32, _common.HALF)
+        rnd = _Rounding((sum_dtype(lay.dtype),), lay.device, chunk)
         u64 = torch.finfo(torch.float64).eps / 2
         longest = max((p.numel() for p in params.values()), default=1)
         n64 = longest + len(params) + lay.n_groups + 8

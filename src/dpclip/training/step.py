@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
-from dpclip.engine._common import StepWeights, check_per_example_model, trainable_params
+from dpclip.engine._common import HALF, StepWeights, check_per_example_model, trainable_params
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
@@ -244,13 +244,32 @@ def _dp_step(
         strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
         sensitivity_factor=factor, untransform=per_example,
         noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0, shard=shard)
-    return _output(out, result, engine, z, sensitivity, n_examples)
+    return _output(out, result, engine, z, sensitivity, n_examples, model)
+
+
+def _in_param_dtypes(values: dict[str, Tensor], result: EngineResult,
+                     model: nn.Module) -> dict[str, Tensor]:
+    """The released values in their parameters' dtypes: the engines sum float16 / bfloat16
+    parameters in float32 (``dpclip.engine._common.HALF``: a sum rounded to a half dtype BEFORE the
+    noise moves by an error relative to the whole batch's sum); the cast of the noisy value is
+    post-processing."""
+    if not any(v.dtype == torch.float32 for v in values.values()):
+        return values
+    params = result.params if result.params is not None else trainable_params(model)
+    out = dict(values)
+    for n, v in values.items():
+        p = params.get(n)
+        if p is not None and p.dtype in HALF and v.dtype != p.dtype:
+            out[n] = v.to(p.dtype)
+    return out
 
 
 def _output(out: Released, result: EngineResult, engine: Engine, z: float, sensitivity: float,
-            batch_size: int) -> StepOutput:
-    """The step's output: the release and the engine's NON-PRIVATE diagnostics."""
-    return StepOutput(grads=out.values, state=out.state, event=out.event, noise_multiplier=z,
+            batch_size: int, model: nn.Module) -> StepOutput:
+    """The step's output: the release (in the parameters' dtypes) and the engine's NON-PRIVATE
+    diagnostics."""
+    return StepOutput(grads=_in_param_dtypes(out.values, result, model), state=out.state,
+                      event=out.event, noise_multiplier=z,
                       sensitivity=sensitivity, batch_size=batch_size, loss_sum=result.loss_sum,
                       norms=result.norms, engine_info=_engine_info(result, engine),
                       params=result.params)
@@ -352,7 +371,7 @@ def bound_step(
         state=state, norms=norms, ctx=ctx, sampler=sampler, sensitivity_factor=k,
         mechanism=strategy.step_event(z), per_tensor=True,
         shard=getattr(engine, "noise_shard", None))  # distributed: local sums (noise_shard)
-    return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]))
+    return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]), model)
 
 
 @runtime_checkable
