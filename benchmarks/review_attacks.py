@@ -476,7 +476,7 @@ def _attacks():
         ("29: float16 weights below the normal range (LOO, C 5e-7, float16)",
          loo29_half(5e-7, (0.5, 1.0, 2.0, 3.0, 10.0, 70.0)), ("ghost", "auto", "vmap")),
         ("29: float16 sum rounded before the noise, C in the subnormal range "
-         "(LOO, C 1.26e-7, open)",
+         "(LOO, C 1.26e-7; closed in 9bb26d5)",
          loo29_half(1.26e-7, (0.5, 20.0)), ("ghost", "auto", "vmap")),
         ("29: an error caught with torch functions off (LOO, open under vmap)", loo29_caught,
          ("vmap", "ghost")),
