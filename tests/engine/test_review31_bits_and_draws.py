@@ -93,6 +93,17 @@ class _Reseeds(Head):
         return self.fc(x * ((r < 0.5) * 2.0 - 1.0))
 
 
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
+def test_a_default_generator_reseeded_in_the_forward_is_refused_on_the_first_step(engine):
+    """The proof's run of the forward left the generator seeded (fake draws do not advance it),
+    so the real run's re-seed matched the state the draw check expected: ghost accepted the first
+    step, LOO 5.51 C (a fresh engine per release); auto's probe step hid it. Now the proof
+    leaves the default generators as it found them (generators.defaults_unchanged)."""
+    x, y = _data(16)
+    with pytest.raises(UnsupportedModelError, match="random generator's state was set"):
+        loo_distance(engine, _Reseeds, x, y, 0.1)
+
+
 @pytest.mark.xfail(strict=True, reason="open: a re-seeded default generator under vmap")
 def test_a_default_generator_reseeded_in_the_forward_under_vmap():
     x, y = _data(16)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["OwnGenerators", "current_seed_source", "seed_source"]
+__all__ = ["OwnGenerators", "current_seed_source", "defaults_unchanged", "seed_source"]
 
 #: where the chunks' seeds come from while a private run steps (None: the default generator)
 _SOURCE: contextvars.ContextVar[Callable[[], int] | None] = contextvars.ContextVar(
@@ -90,6 +90,22 @@ def _defaults() -> list[torch.Generator]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         gens += list(torch.cuda.default_generators)
     return gens
+
+
+@contextlib.contextmanager
+def defaults_unchanged() -> Iterator[None]:
+    """The default generators' states (CPU, and CUDA where initialised) as they were before the
+    block: the separability proof runs the user's forward on fake tensors, whose draws do not
+    advance a generator, but a ``torch.manual_seed(1234)`` in that forward does. Left behind, it
+    made the real run's own re-seed a no-op to the draw check (the state it found WAS the seeded
+    one), and the real run's draws a public sequence indexed by position: LOO 5.51 C under ghost
+    on a model's first step (thirty-first hostile review; refused from the second step on)."""
+    kept = [(g, g.get_state()) for g in _defaults()]
+    try:
+        yield
+    finally:
+        for g, state in kept:
+            g.set_state(state)
 
 
 class OwnGenerators:
