@@ -261,18 +261,20 @@ def loo_distance(
     y: Tensor,
     c: float,
     loss: Callable[[Tensor, Tensor], Tensor] = ce,
+    exact: bool = False,
 ) -> float:
     """Leave-one-out distance of the released clipped sum, in units of ``c``.
 
     ``max_j ||S(X) - S(X without j)|| / c``, where ``S`` is ``engine().compute`` on a fresh
     ``make()`` with Abadi clipping at ``c`` (:func:`clip_weights`) and flat groups, its gradients
-    concatenated. Sound: ``<= 1``. An :class:`~dpclip.engine.UnsupportedModelError` propagates.
+    concatenated (``exact``: in float64, so that the differences of float32 sums are not rounded
+    themselves). Sound: ``<= 1``. An :class:`~dpclip.engine.UnsupportedModelError` propagates.
     """
 
     def release(xs: Tensor, ys: Tensor) -> Tensor:
         model = make()
         res = engine().compute(model, loss, xs, ys, clip_weights(c), ParamGroups.flat(model))
-        return torch.cat([g.reshape(-1) for g in res.grads.values()])
+        return torch.cat([(g.double() if exact else g).reshape(-1) for g in res.grads.values()])
 
     full = release(x, y)
     n = x.shape[0]

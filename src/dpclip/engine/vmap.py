@@ -18,10 +18,7 @@ from torch.func import grad, vmap
 from torch.utils import _pytree as pytree
 
 from dpclip.engine._common import (
-    _Rounding,
-    sum_dtype,
     ChunkGrads,
-    ChunkReducer,
     MaterializingEngine,
     UserGenerators,
     check_batch,
@@ -29,7 +26,7 @@ from dpclip.engine._common import (
     check_per_example_model,
     trainable_params,
 )
-from dpclip.engine.base import LossFn, ParamGroups, WeightFn
+from dpclip.engine.base import LossFn
 from dpclip.engine.batch import call_model, map_batch, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 
@@ -64,13 +61,6 @@ class VmapEngine(MaterializingEngine):
 
     name: ClassVar[str] = "vmap"
 
-    def _reducer(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
-                 inputs: Any) -> ChunkReducer:
-        # norms (given to weight_fn and reported): upper bounds of the norms of the vectors
-        # actually summed, rounding included, as on the ghost engine (BoundedChunkReducer)
-        return BoundedChunkReducer(params, groups, weight_fn, self.name, inputs,
-                                   chunk=self.max_physical_batch)
-
     def _chunk_grads(self, model: nn.Module, loss_fn: LossFn,
                      params: dict[str, Tensor]) -> ChunkGrads:
         if not params:  # nothing trainable: norms are zero, only the losses are needed
@@ -81,37 +71,6 @@ class VmapEngine(MaterializingEngine):
         per_example_grads = _per_example_grad_fn(model, loss_fn)
         detached = {n: p.detach() for n, p in params.items()}
         return lambda xs, ys, rows: per_example_grads(detached, xs, ys)
-
-
-class BoundedChunkReducer(ChunkReducer):
-    """A :class:`ChunkReducer` whose per-example norms are UPPER BOUNDS of the norms of the
-    vectors ``fl(w_i g_i)`` that the weighted sum adds, rounding included, so that a strategy's
-    weight ``w_i`` with ``w_i * norm_i <= C`` bounds what is summed (the worst case seen without
-    it was 1.00000014 C).
-
-    The squared norms are accumulated in float64 from the gradients' own values (a product of two
-    float32 or bfloat16 numbers is exact in float64), so their rounding is
-    ``gam64(numel + groups + 8)``; the norm is then rounded to the parameters' dtype (``u``), and
-    the factor also covers the product ``w_i g_ij`` inside the weighted reduction over a chunk
-    (its factors possibly rounded by the backend: ``u_p``, TF32 on CUDA) and its accumulation,
-    bounded relative to each term with the PUBLIC chunk size ``max_physical_batch`` (never the
-    realised batch size: an example's weight depends on that example alone), and the strategy's
-    few operations on the norm (32). Constants: Higham 2002, ch. 3, as the ghost engine's
-    ``_Rounding``. A float64 model gets the same treatment (its norms are exact to ``gam64``)."""
-
-    def __init__(self, params: dict[str, Tensor], groups: ParamGroups, weight_fn: WeightFn,
-                 engine: str, inputs: Any, *, chunk: int) -> None:
-        super().__init__(params, groups, weight_fn, engine, inputs)
-        lay = self.layout
-        # (float16 / bfloat16: norms, products and sums in float32, _common.HALF)
-        rnd = _Rounding((sum_dtype(lay.dtype),), lay.device, chunk)
-        u64 = torch.finfo(torch.float64).eps / 2
-        longest = max((p.numel() for p in params.values()), default=1)
-        n64 = longest + len(params) + lay.n_groups + 8
-        g64 = n64 * u64 / (1 - n64 * u64)
-        self.sq_dtype = torch.float64  # exact products of float32/bfloat16 values
-        self.inflate = ((1 + rnd.u_p) * (1 + rnd.gam(chunk + 32)) * (1 + 2 * g64)
-                        / (1 - rnd.u))
 
 
 def vmap_per_example_grads(

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
-from dpclip.engine._common import HALF, StepWeights, check_per_example_model, trainable_params
+from dpclip.engine._common import (HALF, BoundedChunkReducer, StepWeights, check_per_example_model,
+                                   trainable_params)
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
@@ -42,7 +43,7 @@ from dpclip.engine.state_guard import state_guard
 from dpclip.engine.generators import current_seed_source, seed_source
 from dpclip.engine.isolation import Isolated, check_structure, structure_checked
 from dpclip.engine.plain_module import global_hooks_clear, instance_code, plain_instance
-from dpclip.engine.vmap import BoundedChunkReducer, VmapEngine, vmap_per_example_grads
+from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
 from dpclip.events import DpEvent
 from dpclip.training.release import Released, release
 from dpclip.training.sampling import Sampler
