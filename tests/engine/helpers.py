@@ -276,9 +276,15 @@ def loo_distance(
         res = engine().compute(model, loss, xs, ys, clip_weights(c), ParamGroups.flat(model))
         return torch.cat([(g.double() if exact else g).reshape(-1) for g in res.grads.values()])
 
+    def norm(d: Tensor) -> float:  # (exact: scaled, so that tiny differences do not underflow)
+        if not exact:
+            return float(d.norm())
+        top = float(d.abs().max()) if d.numel() else 0.0
+        return top * float((d / top).norm()) if top > 0 else 0.0
+
     full = release(x, y)
     n = x.shape[0]
-    return max(float((full - release(x[keep], y[keep])).norm()) / c
+    return max(norm(full - release(x[keep], y[keep])) / c
                for keep in ([i for i in range(n) if i != j] for j in range(n)))
 
 

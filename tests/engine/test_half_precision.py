@@ -198,3 +198,53 @@ def test_a_subnormal_weight_is_zero(engine):
 
     for c in (1e-43, 1e-44):
         assert loo_distance(engine, make, x, y, c, loss=_loss, exact=True) <= 1.0
+
+
+class _Fc64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(5, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("engine", [VmapEngine, NaiveEngine], ids=["vmap", "naive"])
+def test_float64_norms_that_underflow_get_the_absolute_term(engine):
+    """Per-example gradients of ~1e-170: their squares are below float64's range, the norm was 0,
+    the weight 1 and the example summed unclipped (thirty-fifth hostile review: LOO 1.8e31 C at
+    C = 1e-200, 280 C at 1e-162 / 1e-164). vmap and naive now add the ghost engine's absolute
+    underflow term to every norm."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.arange(6) % 3
+    for scale, c in ((1e-170, 1e-200), (1e-162, 1e-164)):
+        def loss(out, t, scale=scale):
+            return F.cross_entropy(out, t, reduction="none") * scale
+        assert loo_distance(engine, _Fc64, x, y, c, loss=loss, exact=True) <= 1.0
+
+
+class _F64ThenF32(nn.Module):
+    """A float64 parameter first (the weights come out float64), a float32 Linear after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 1, bias=False).double()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x.float()).double() + self.a(x) * 1e-3
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, VmapEngine, NaiveEngine],
+                         ids=["ghost", "vmap", "naive"])
+def test_float64_weights_below_float32s_smallest_normal_are_zero(engine):
+    """Weights are float64 (the first parameter's dtype) but the float32 parameter's products are
+    float32: a weight of ~1e-45 was flushed against float64's smallest normal only and its
+    products rounded as float32 subnormals (thirty-fifth hostile review: 2.77 C at
+    C = 1.68e-45)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.arange(6) % 3
+    for c in (1.68e-45, 8.4e-45, 1.4e-44):
+        assert loo_distance(engine, _F64ThenF32, x, y, c, loss=_loss, exact=True) <= 1.0

@@ -165,7 +165,9 @@ def apply_weight_fn(weight_fn: WeightFn, norms: Tensor, engine: str) -> Tensor:
     # a weight below the dtype's smallest normal is a subnormal, rounded by up to half its value
     # (C = 1e-44 in float32: LOO 1.24 C, thirty-fourth hostile review): set to 0, which never
     # lets an example exceed its bound (weights are >= 0; a negative one is left to the caller)
-    tiny = _tiny(weights.dtype) if weights.is_floating_point() else 0.0
+    # (float32's at least: a float64 weight for a float32 parameter is multiplied in float32,
+    # thirty-fifth hostile review: 2.77 C at C = 1.68e-45)
+    tiny = max(_tiny(weights.dtype), _TINY32) if weights.is_floating_point() else 0.0
     if weights.numel() and float(weights.abs().amin()) < tiny:
         weights = torch.where(weights.abs() < tiny, torch.zeros((), dtype=weights.dtype,
                                                                 device=weights.device), weights)
@@ -173,6 +175,7 @@ def apply_weight_fn(weight_fn: WeightFn, norms: Tensor, engine: str) -> Tensor:
 
 
 _TINY: dict[torch.dtype, float] = {}
+_TINY32 = torch.finfo(torch.float32).tiny
 
 
 def _tiny(dtype: torch.dtype) -> float:
@@ -238,8 +241,10 @@ class ChunkReducer:
 
     #: dtype the squared norms are accumulated in (None: the parameters' dtype)
     sq_dtype: torch.dtype | None = None
-    #: factor applied to every norm (1: none; > 1: a rounding upper bound, see vmap.py)
+    #: factor applied to every norm (1: none; > 1: a rounding upper bound, BoundedChunkReducer)
     inflate: float = 1.0
+    #: absolute term added to every norm after the factor (underflow: BoundedChunkReducer)
+    floor: float = 0.0
 
     def __init__(
         self,
@@ -295,6 +300,8 @@ class ChunkReducer:
             # (float16 in float32: a norm above 256 overflowed, a weight below 6e-5 was a
             # subnormal rounded by up to half its value: twenty-ninth hostile review)
             norms = (norms * self.inflate).to(sum_dtype(lay.dtype))
+            if self.floor:  # (twice the term: the addition's own rounding never goes below it)
+                norms = norms + 2 * self.floor
         if not all_finite:
             norms = torch.where(finite[:, None], norms, math.inf)
         norms = norms.reshape(self._shape(b))
@@ -405,6 +412,15 @@ class BoundedChunkReducer(ChunkReducer):
         self.sq_dtype = torch.float64  # exact products of float32/bfloat16 values
         self.inflate = ((1 + rnd.u_p) * (1 + rnd.gam(chunk + 32)) * (1 + 2 * g64)
                         / (1 - rnd.u))
+        # underflow, which no relative factor covers (thirty-fifth hostile review: float64
+        # per-example gradients of ~1e-170 have squares below float64's range, norm 0, weight 1:
+        # LOO 1.8e31 C at C = 1e-200 under vmap and naive): each float64 square loses at most
+        # float64's smallest normal, each product w g at most its dtype's; public sizes only (the
+        # ghost engine's _underflow_floor)
+        numel = sum(p.numel() for p in params.values())
+        tiny = max((torch.finfo(d).tiny for d in dtypes), default=0.0)
+        self.floor = (math.sqrt((numel + lay.n_groups + 8) * torch.finfo(torch.float64).tiny)
+                      + numel * tiny)
 
 
 #: ``(xs, ys, rows) -> (per-example gradients {name: (rows, *shape)}, losses (rows,))``: one chunk
