@@ -419,8 +419,8 @@ class BoundedChunkReducer(ChunkReducer):
         # ghost engine's _underflow_floor)
         numel = sum(p.numel() for p in params.values())
         tiny = max((torch.finfo(d).tiny for d in dtypes), default=0.0)
-        self.floor = (math.sqrt((numel + lay.n_groups + 8) * torch.finfo(torch.float64).tiny)
-                      + numel * tiny)
+        self.floor = 0.0 if not numel else (  # (nothing trainable: nothing summed, norms 0)
+            math.sqrt((numel + lay.n_groups + 8) * torch.finfo(torch.float64).tiny) + numel * tiny)
 
 
 #: ``(xs, ys, rows) -> (per-example gradients {name: (rows, *shape)}, losses (rows,))``: one chunk
