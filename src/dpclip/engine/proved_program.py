@@ -196,8 +196,8 @@ class ProvedProgram:
     (index of the first operation of the loss), ``model_out`` (name of the model's output, when it
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
-    __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "_at_batch",
-                 "_outside", "_generators", "_lifted", "shapes")
+    __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "grad_off",
+                 "_at_batch", "_outside", "_generators", "_lifted", "shapes")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -209,6 +209,10 @@ class ProvedProgram:
         self.loss_out: Any = None
         #: why the recorded run cannot be matched (a fake tensor from outside the call), or None
         self.unmatchable: str | None = None
+        #: positions (in ``entries``) of the operations the proof ran with grad mode off: the real
+        #: run must run each with the same grad mode (thirty-fifth hostile review: grad mode
+        #: flipped for one operation from example data read unseen, LOO 3.24 C)
+        self.grad_off: set[int] = set()
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
         self._outside: list[Any] | None = None
         self._generators: list[Any] | None = None
@@ -563,6 +567,8 @@ class ProgramRecorder(TorchDispatchMode):
             func = _LIFT_FRESH
         spec_args = tuple(self._spec(a, lift) for a in args)
         spec_kwargs = {key: self._spec(v, lift) for key, v in kwargs.items()}
+        if not torch.is_grad_enabled():
+            self.program.grad_off.add(len(self.program.entries))
         self.program.entries.append((func, spec_args, spec_kwargs, k))
         self.program.shapes[k] = [None if o is None else _shape_spec(o) for o in _outputs(out)]
         for j, o in enumerate(_outputs(out)):
@@ -936,6 +942,10 @@ class ProgramMatch:
         why = None
         if want is not func:
             why = f"operation {k} is {_short(func)}, the proof ran {_short(want)} there"
+        elif (k in self.program.grad_off) is torch.is_grad_enabled():
+            why = (f"operation {k} ({_short(func)}) ran with grad mode "
+                   f"{'on' if torch.is_grad_enabled() else 'off'}, the proof's with it "
+                   f"{'off' if torch.is_grad_enabled() else 'on'}")
         elif len(args) != len(s_args) or set(kwargs) != set(s_kwargs):
             why = f"operation {k} ({_short(func)}) has other arguments than in the proof"
         else:
