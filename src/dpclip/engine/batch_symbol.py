@@ -97,6 +97,8 @@ _SHAPE_ONLY = {
     _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like, _aten.randint_like,
     _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full, _aten.new_empty_strided,
 }
+if hasattr(_aten, "_assert_tensor_metadata"):  # export's check of a .to(dtype, device): no output
+    _SHAPE_ONLY.add(_aten._assert_tensor_metadata)
 #: random draws (elementwise i.i.d. given scalar parameters) that may be shaped by the batch
 _RANDOM = {_aten.bernoulli, _aten.rand_like, _aten.randn_like, _aten.dropout,
            _aten.native_dropout, _aten.randint_like, _aten.uniform, _aten.normal,
@@ -118,11 +120,35 @@ _POSITIONWISE_WITH_DATA = {
 }
 
 
-def _combines_positionwise(target: Any, packet: Any) -> bool:
+def _combines_positionwise(target: Any, packet: Any, node: Any = None) -> bool:
     """Whether ``target`` may combine example data with a constant shaped by the batch size."""
     return (packet in _POSITIONWISE_WITH_DATA or packet in _MOVES or packet in _RANDOM
             or target in _WHERE or target is operator.getitem
-            or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags))
+            or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+            or (packet in _BATCHED_MATMUL and node is not None and _matmul_batch_only(node)))
+
+
+#: matrix products whose leading dimensions are batch dimensions, broadcast elementwise
+_BATCHED_MATMUL = {_aten.matmul, _aten.bmm}
+
+
+def _matmul_batch_only(node: Any) -> bool:
+    """A matrix product whose operands have the batch symbol in their leading (batch) dimensions
+    only: ``out[..., i, j] = sum_k a[..., i, k] b[..., k, j]`` combines the operands position by
+    position along the leading dimensions and contracts only the last two, so a constant shaped
+    ``(B, n, k)`` meets example data ``(B, k, m)`` row by row (transformers < 5.18's rotary
+    embedding: ``inv_freq[None, :, None].expand(B, -1, 1) @ position_ids[:, None, :]``). The
+    constant's rows are then held to the same rules as for an elementwise product (the real-batch
+    tracer)."""
+    vals = [a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    if len(vals) != 2 or not all(isinstance(v, Tensor) for v in vals):
+        return False
+    for v in vals:
+        if v.dim() < 3:  # (a 1-D or 2-D operand: its dimensions are contracted or enumerated)
+            return False
+        if any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols for d in v.shape[-2:]):
+            return False
+    return True
 
 
 def _packet(target: Any) -> Any:
@@ -181,8 +207,71 @@ def _flat_nodes(a: Any) -> Iterator[Any]:
             yield from _flat_nodes(x)
 
 
+#: higher-order operators that run a subgraph under another grad mode or autocast state: export
+#: emits them for ``with torch.no_grad()`` / ``torch.autocast`` inside the forward (transformers
+#: < 5.18 wraps its rotary embeddings in both); the batch symbol reaches the subgraph as an operand
+_WRAPPER_HOPS = tuple(getattr(torch.ops.higher_order, n) for n in
+                      ("wrap_with_set_grad_enabled", "wrap_with_autocast")
+                      if hasattr(torch.ops.higher_order, n))
+
+
+def _inline_wrappers(gm: torch.fx.GraphModule) -> str | None:
+    """Replace each grad-mode / autocast wrapper call in ``gm``'s graph (in place) by the operations
+    of its subgraph, so that the check sees every operation on the data and the batch symbol as if
+    the forward had no such context. A grad mode or autocast state changes neither which values an
+    operation reads nor which positions it combines, so the batch-symbol rules apply unchanged.
+    Returns a reason (not proven) for a wrapper whose layout is not the one understood here."""
+    graph = gm.graph
+    for _ in range(64):  # nested wrappers: one level per round
+        hops = [n for n in graph.nodes if n.op == "call_function" and n.target in _WRAPPER_HOPS]
+        if not hops:
+            return None
+        for node in hops:
+            subs = [(i, a) for i, a in enumerate(node.args)
+                    if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                    and isinstance(getattr(gm, a.target, None), torch.fx.GraphModule)]
+            if len(subs) != 1:
+                return f"not proven: {node.target} without one subgraph"
+            i, attr = subs[0]
+            sub = getattr(gm, attr.target)
+            operands = list(node.args[i + 1:])
+            holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            if len(holders) != len(operands) or node.kwargs:
+                return f"not proven: {node.target} with {len(operands)} operands"
+            env = dict(zip(holders, operands))
+            results: Any = None
+            with graph.inserting_before(node):
+                for sn in sub.graph.nodes:
+                    if sn.op == "placeholder":
+                        continue
+                    if sn.op == "output":
+                        results = torch.fx.node.map_arg(sn.args[0], lambda n: env[n])
+                        continue
+                    if sn.op == "get_attr":  # a nested subgraph or constant: lift it into gm
+                        name = f"_dpclip_inl_{len(list(gm.named_children()))}_{sn.target}"
+                        setattr(gm, name, getattr(sub, sn.target))
+                        new = graph.get_attr(name)
+                        new.meta = dict(sn.meta)
+                        env[sn] = new
+                        continue
+                    env[sn] = graph.node_copy(sn, lambda n: env[n])
+            outs = list(results) if isinstance(results, (list, tuple)) else [results]
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem \
+                        and isinstance(user.args[1], int) and not user.kwargs:
+                    user.replace_all_uses_with(outs[user.args[1]])
+                    graph.erase_node(user)
+                else:
+                    return f"not proven: the result of {node.target} used whole by {user.target}"
+            graph.erase_node(node)
+    return "not proven: wrappers nested more than 64 deep"
+
+
 def _check_graph(ep: Any) -> str | None:
     """The first use of the batch symbol other than as a size, or None."""
+    not_inlined = _inline_wrappers(ep.graph_module)
+    if not_inlined:
+        return not_inlined
     graph = ep.graph_module.graph
     user_inputs = set(ep.graph_signature.user_inputs)
     data: set[str] = set()
@@ -242,7 +331,7 @@ def _check_graph(ep: Any) -> str | None:
                     f"{name} (e.g. x[:, None].expand(-1, B, -1)): a reduction along it can carry "
                     "the batch size")
         if is_data:
-            if from_shaped and not _combines_positionwise(target, packet):
+            if from_shaped and not _combines_positionwise(target, packet, node):
                 # e.g. einsum('bi,ci->bi', x, ones_like(x)) sums B ones into every row: the
                 # real-batch trace sees only public constants there (hostile review, issue 31)
                 return (f"a constant whose shape is the batch size ({from_shaped[0].name}) is "
@@ -287,6 +376,28 @@ def _check_graph(ep: Any) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _as_in_the_real_run() -> Iterator[None]:
+    """The user code the proof runs sees the compile flags the real run sees: the real run is made
+    to take libraries' export paths (:func:`data_independent_paths` sets
+    ``torch.compiler.is_exporting()``), but ``torch.export`` also sets ``is_compiling()``, which
+    the real run does not. Libraries branch on that one too (transformers < 5.18 builds the
+    attention mask and the rotary positions another way when ``is_compiling()``), so the proof
+    would trace a program the real run does not run, and every step would be refused. Set back
+    before the export machinery continues."""
+    import torch.compiler as tc
+
+    if not hasattr(tc, "_is_compiling_flag"):
+        yield
+        return
+    saved = tc._is_compiling_flag
+    tc._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = saved
+
+
 class _LossOfModel(nn.Module):
     def __init__(self, model: nn.Module | Callable[..., Any],
                  loss_fn: Callable[..., Tensor], expand: tuple[tuple[nn.Module, bool], ...] = ()
@@ -300,7 +411,7 @@ class _LossOfModel(nn.Module):
         # the operations the proof runs are recorded (post-autograd, as a dispatch mode sees an
         # eager run): the real run must be this program (dpclip.engine.proved_program)
         rec = ProgramRecorder(self.model, xs, ys)
-        with rec:
+        with rec, _as_in_the_real_run():
             if not self.expand:
                 out = call_model(self.model, xs)
                 rec.model_output(out)
