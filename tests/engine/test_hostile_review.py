@@ -1636,3 +1636,43 @@ def test_plain_models_keep_their_fast_paths():
     assert ghost_forward._chain_key(chain, x) is not None
     _, info = clipped_sum(GhostEngine(), model, _cpe, x, y)
     assert info["engine"] == "ghost"
+
+
+def test_a_print_taken_before_the_weight_pool_grew_still_matches(monkeypatch):
+    """On an accelerator a print is a weighted sum of the words with weights from a pool grown on
+    demand (dpclip.engine.saved_check); the pool was redrawn when it grew, so a print taken before
+    a larger tensor was printed no longer matched its unchanged tensor: on CUDA a step whose
+    Poisson batch was the largest so far refused "the input of layer 'conv1' was rewritten" (seen
+    on an H200, `dpclip train` on Fashion-MNIST). Here the accelerator path on the CPU."""
+    from dpclip.engine import saved_check as sc
+
+    monkeypatch.setattr(sc, "_MEMCMP", None)
+    monkeypatch.setattr(sc, "_POOLS", {})
+    small = torch.randn(3, 5)
+    printed = sc.fingerprint(small)
+    assert printed[3] == "sum"
+    sc.fingerprint(torch.randn(5000, 3000))  # both pools grow
+    assert sc.unchanged(small, printed)
+    small[1, 2] += 1
+    assert not sc.unchanged(small, printed)
+
+
+def test_ghost_on_the_accelerator_print_path_takes_a_larger_batch_after_a_smaller(monkeypatch):
+    """The same through the ghost engine: a convolutional net whose second layer's input is larger
+    than its first's (as the Papernot CNN's), a batch of 3 then a batch of 9, each equal to the
+    float64 loop."""
+    from dpclip.engine import saved_check as sc
+    from dpclip.engine import ParamGroups
+    from tests.engine.helpers import assert_equal_to_the_loop, ce, clip_weights
+
+    monkeypatch.setattr(sc, "_MEMCMP", None)
+    monkeypatch.setattr(sc, "_POOLS", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.Tanh(), nn.Conv2d(8, 2, 3), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(2 * 4 * 4, 3)).to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for b in (3, 9):
+        x = torch.randn(b, 1, 8, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (b,), generator=g)
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(1.0), ParamGroups.flat(model))
+        assert_equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))

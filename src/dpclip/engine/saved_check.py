@@ -58,9 +58,14 @@ def _weights(n: int, device: torch.device, role: int) -> Tensor:
     key = (str(device), role)
     pool = _POOLS.get(key)
     if pool is None or pool.shape[0] < n:
-        size = max(n, 1024, 2 * (pool.shape[0] if pool is not None else 0))
-        w = torch.randint(-(2 ** 62), 2 ** 62, (size,), generator=_GEN, dtype=torch.int64)
-        pool = _POOLS[key] = (w * 2 + 1).to(device)  # odd: one changed lowest bit is seen
+        # grown by appending: the first weights never change, so a print taken before the pool
+        # grew still matches its tensor (redrawn, every print of a smaller tensor taken before a
+        # larger one was printed no longer matched: each CUDA step refused "rewritten" inputs)
+        have = pool.shape[0] if pool is not None else 0
+        size = max(n, 1024, 2 * have)
+        w = torch.randint(-(2 ** 62), 2 ** 62, (size - have,), generator=_GEN, dtype=torch.int64)
+        more = (w * 2 + 1).to(device)  # odd: one changed lowest bit is seen
+        pool = _POOLS[key] = more if pool is None else torch.cat([pool, more])
     return pool[:n]
 
 
