@@ -10,6 +10,9 @@
 #   B  noise per step: 1M and 109M parameters (benchmarks/gpu_noise.py)
 #   C  Tramer-Boneh Fashion-MNIST (Papernot CNN, B 2048, eps 2.7, 40 epochs), seed 0, alone on
 #      the card: `dpclip train --device cuda --eval-every 0` (train_seconds), then Opacus
+#   A2 benchmarks/proof_diagnose.py: the full export error and the guard that specialised the
+#      batch, per HF model (torch 2.11 refused every model with "Constraints violated")
+#   C2 benchmarks/step_profile.py: a private step against a non-private one, profiler tables
 #   D  the four ~100M-parameter Hugging Face models (benchmarks/hf_models.py --size base)
 #   E  `dpclip bench --model transformer --batch-size 256` against Opacus ghost
 #   F  if time is left: BERT with the default (SDPA) attention, to see the verdict on GPU kernels
@@ -60,6 +63,12 @@ for p in "${pids[@]}"; do wait "$p"; echo "seed job rc $?"; done
 for s in 1 2; do summary "$W/dpclip_fmnist_$s.json"; tail -n 3 "$W/dpclip_fmnist_$s.err"; done
 pack
 
+echo "== A2: why the proof refuses the HF models on this torch ($(left) s left)"
+timeout "$(cap 60)" python3 benchmarks/proof_diagnose.py --device cuda --size base --layers 1 \
+  > "$W/proof_diagnose.txt" 2>&1
+echo "diagnose rc $?"; grep -E "^== |^-- |guard added|set_replacement" "$W/proof_diagnose.txt" | cut -c1-300 | head -40
+pack
+
 echo "== B: noise per step ($(left) s left)"
 timeout "$(cap 60)" python3 benchmarks/gpu_noise.py --device cuda --sizes 1e6,1.09e8 \
   --repeats 10,10 --out "$W" > "$W/noise.log" 2>&1
@@ -73,6 +82,12 @@ echo "dpclip rc $?"; summary "$W/dpclip_fmnist_0.json"; tail -n 3 "$W/dpclip_fmn
 timeout "$(cap 100)" python3 .gpu/opacus_fmnist.py .data/fmnist "$W/opacus_fmnist_0.json" 40 \
   > "$W/opacus_fmnist_0.log" 2>&1
 echo "opacus rc $?"; cat "$W/opacus_fmnist_0.json" 2>/dev/null | head -c 800; echo
+pack
+
+echo "== C2: where a private step spends its time (profiler, Papernot CNN B 2048) ($(left) s left)"
+timeout "$(cap 60)" python3 benchmarks/step_profile.py --device cuda --batch 2048 --steps 20 \
+  --out "$W" > "$W/step_profile.log" 2>&1
+echo "step profile rc $?"; head -c 2500 "$W/step_profile.log"; echo
 pack
 
 echo "== D: Hugging Face models, base size ($(left) s left)"

@@ -15,9 +15,11 @@ recorded (on the CPU there is no per-method allocator statistic: ``peak_mem_mb``
 Sizes: ``--size small`` (CPU default: hidden 64, 2 layers, sequences of 32, images 32x32) or
 ``--size base`` (CUDA default: ~100M-parameter models, sequences of 128, images 224x224, as the GPU
 kit's table in issue 31). Text inputs spell out ``position_ids`` (and BERT's ``token_type_ids``)
-with a batch dimension, and every model uses eager attention by default (``--attn``): the
-separability check of this release refuses the broadcast ``(1, T)`` positions and the SDPA kernels'
-views (issue 31 items 1-2). All methods get the same model, so the comparison is like for like.
+with a batch dimension, as the GPU kit does; BERT also gets the tokenizer's all-ones
+``attention_mask`` under transformers >= 5.25 (without one, 5.25 checks the position ids for
+packed sequences in Python: a read of batch values that ghost refuses) and none before (5.17 reads
+``attention_mask.all()`` in Python instead). Every model uses eager attention by default
+(``--attn``). All methods get the same model and inputs, so the comparison is like for like.
 
     .venv/bin/python benchmarks/hf_models.py [--size small] [--rounds 10] [--models bert,gpt2]
     .venv/bin/python benchmarks/hf_models.py --table   # regenerate the .md from the .json
@@ -79,6 +81,13 @@ def lm_loss(out, y):
     return tok.view(tgt.shape).mean(1)
 
 
+def _transformers_at_least(major: int, minor: int) -> bool:
+    import transformers
+
+    parts = transformers.__version__.split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
 def build(name: str, s: dict[str, Any], attn: str):
     """(model, inputs, targets, loss_fn) of one benchmark model, batch ``s['batch'][name]``."""
     import transformers as T
@@ -101,6 +110,8 @@ def build(name: str, s: dict[str, Any], attn: str):
         model = T.BertForSequenceClassification(T.BertConfig(
             vocab_size=vocab, max_position_embeddings=max(512, seq), num_labels=2, **common))
         x["token_type_ids"] = torch.zeros_like(ids)
+        if _transformers_at_least(5, 25):
+            x["attention_mask"] = torch.ones_like(ids)
         return model, x, torch.randint(0, 2, (b,), generator=g), cls_loss
     if name == "gpt2":
         model = T.GPT2LMHeadModel(T.GPT2Config(
