@@ -13,6 +13,7 @@ so memory stays at one chunk of per-example gradients whatever the batch size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -343,6 +344,70 @@ def _eps(dtype: torch.dtype) -> float:
     return eps
 
 
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Full float32 products (no TF32, no bfloat16 factors) for the engine's own arithmetic: the
+    norms, the directly formed gradients and the weighted sums of the ghost engine's reduction.
+
+    The rounding bound (:class:`_Rounding`) is read from the same settings, so without this a
+    GPU's default TF32 convolutions (``torch.backends.cudnn.allow_tf32``) or a user's
+    ``torch.set_float32_matmul_precision("high")`` made every product's relative error 2**-10:
+    the cancellation test then sent every example of a convolution to direct forming (all 256
+    of a Papernot CNN batch on the CPU under "high": the step 33 % slower). Exact factors keep the
+    bound tight and true. Only the legacy switches are set (``set_float32_matmul_precision`` and
+    the cuBLAS / cuDNN ``allow_tf32``; torch keeps its per-backend settings consistent with them)
+    and put back exactly; where the user set the per-backend API (reading the legacy switches
+    then raises), nothing is changed and :class:`_Rounding` assumes bfloat16 factors. The model's
+    forward and backward never run inside (only engine code)."""
+    c = torch._C
+    try:
+        old = (torch.get_float32_matmul_precision(), c._get_cublas_allow_tf32(),
+               c._get_cudnn_allow_tf32())
+    except (RuntimeError, AttributeError):
+        yield
+        return
+    if old == ("highest", False, False):
+        yield
+        return
+    # (the legacy switches write the per-backend settings: those are read first and written back
+    # last, each backend's "all" before its operations, so that the state is exactly the old one)
+    read = getattr(c, "_get_fp32_precision_getter", None)
+    write = getattr(c, "_set_fp32_precision_setter", None)
+    keys = [(b, o) for b, ops in (("generic", ("all",)), ("mkldnn", _FP32_OPS), ("cuda", _FP32_OPS))
+            for o in ops] if read is not None and write is not None else []
+    per_backend = [(b, o, read(b, o)) for b, o in keys]
+    torch.set_float32_matmul_precision("highest")
+    c._set_cublas_allow_tf32(False)
+    c._set_cudnn_allow_tf32(False)
+    ours = [(b, o, read(b, o)) for b, o in keys]
+    try:
+        yield
+        # code that ran inside (a finalizer the engine's releases fire) and changed a switch
+        # would make the products coarser than the bound assumes; putting the old values back
+        # would also hide the change from the settings watch: refused instead
+        try:
+            now = (torch.get_float32_matmul_precision(), c._get_cublas_allow_tf32(),
+                   c._get_cudnn_allow_tf32())
+        except RuntimeError:
+            now = None
+        if now != ("highest", False, False) or any(read(b, o) != v for b, o, v in ours):
+            raise UnsupportedModelError(
+                "a float32 precision setting (torch.set_float32_matmul_precision, allow_tf32, "
+                "fp32_precision) changed while the engine reduced the step, by code that ran "
+                "inside it (e.g. a finalizer of an object the step dropped): the products' "
+                "rounding bound would not hold; the settings were put back")
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        c._set_cublas_allow_tf32(old[1])
+        c._set_cudnn_allow_tf32(old[2])
+        for b, o, v in per_backend:
+            if read(b, o) != v:
+                write(b, o, v)
+
+
+_FP32_OPS = ("all", "matmul", "conv", "rnn")
+
+
 class _Rounding:
     """Floating-point error constants of one chunk (Higham, "Accuracy and Stability of Numerical
     Algorithms", 2002, ch. 3): ``u`` the unit roundoff of the working dtype, ``u_p`` the relative
@@ -358,13 +423,17 @@ class _Rounding:
         self.u = max(_eps(d) for d in dtypes) / 2
         u_p = self.u
         if self.u <= 2.0 ** -24:  # float32 (or float64) factors may be rounded by the backend
-            prec = torch.get_float32_matmul_precision()
+            try:
+                prec = torch.get_float32_matmul_precision()
+                tf32 = device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
+                                                  or torch.backends.cudnn.allow_tf32)
+            except RuntimeError:  # (the per-backend API was used: assume the coarsest factors)
+                prec, tf32 = "medium", True
             if prec == "medium":
                 u_p = max(u_p, 2.0 ** -8)  # bfloat16 factors
             elif prec == "high":
                 u_p = max(u_p, 2.0 ** -11)  # TF32 factors
-            if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
-                                          or torch.backends.cudnn.allow_tf32):
+            if tf32:
                 u_p = max(u_p, 2.0 ** -11)
         self.u_p = 2 * u_p + u_p * u_p  # both factors rounded
         self.batch = batch

@@ -136,6 +136,7 @@ from dpclip.engine._common import (
     StepWeights,
     _Rounding,
     apply_weight_fn,
+    exact_float32,
     batch_chunks,
     check_batch,
     check_chunk_size,
@@ -937,8 +938,9 @@ class GhostEngine:
         try:
             with torch.no_grad():
                 loss = float(total if real == batch else losses[:real].sum())
-                return self._reduce(live, count, params, group_of, n_groups, batch, weight_fn,
-                                    loss, real)
+                with exact_float32():  # (engine arithmetic only: the bound stays tight)
+                    return self._reduce(live, count, params, group_of, n_groups, batch,
+                                        weight_fn, loss, real)
         finally:
             # (released by the next chunk once its watch is armed, or after the last chunk)
             if carry is not None:

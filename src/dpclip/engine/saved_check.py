@@ -65,7 +65,17 @@ def _weights(n: int, device: torch.device, role: int) -> Tensor:
         size = max(n, 1024, 2 * have)
         w = torch.randint(-(2 ** 62), 2 ** 62, (size - have,), generator=_GEN, dtype=torch.int64)
         more = (w * 2 + 1).to(device)  # odd: one changed lowest bit is seen
-        pool = _POOLS[key] = more if pool is None else torch.cat([pool, more])
+        w.zero_()
+        if pool is None:
+            pool = _POOLS[key] = more
+        else:
+            grown = torch.cat([pool, more])
+            # the weights are secret (a rewrite that keeps a weighted sum needs them): the blocks
+            # about to be freed are cleared, so that no later torch.empty reads them back from
+            # the caching allocator (thirty-sixth hostile review)
+            pool.zero_()
+            more.zero_()
+            pool = _POOLS[key] = grown
     return pool[:n]
 
 
