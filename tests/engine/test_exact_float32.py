@@ -9,11 +9,14 @@ every convolution example's gradient directly (every one of a Papernot CNN batch
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
-from dpclip.engine import GhostEngine, ParamGroups
+from dpclip.engine import AutoEngine, GhostEngine, ParamGroups
+from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine import ghost_rules
 from tests.engine.helpers import ce, clip_weights, loo_distance
 
@@ -98,8 +101,6 @@ def test_a_precision_changed_inside_the_reduction_is_refused_and_put_back(high_p
     """Code run inside the engine's reduction (here a patched rule standing for a finalizer the
     engine's releases fire) that switches TF32 on would make the products coarser than the bound
     assumes; the context's own put-back would hide it from the settings watch: refused."""
-    from dpclip.engine.errors import UnsupportedModelError
-
     orig = ghost_rules._position_bound_sq
 
     def flipping(*args, **kwargs):
@@ -111,3 +112,102 @@ def test_a_precision_changed_inside_the_reduction_is_refused_and_put_back(high_p
     with pytest.raises(UnsupportedModelError, match="changed while the engine reduced"):
         GhostEngine().compute(model, ce, x, y, clip_weights(1.0), ParamGroups.flat(model))
     assert torch.get_float32_matmul_precision() == "high" and torch._C._get_cudnn_allow_tf32()
+
+
+# -- thirty-seventh hostile review: autocast inside the reduction ------------------------------
+
+T, D = 8, 4
+
+
+class Alternating(nn.Module):
+    """A Linear on a sequence whose per-example gradient cancels over the positions (a public
+    +-1 pattern over time): the Gram form of its norm is where product rounding shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, 3, bias=False)
+        self.register_buffer("s", torch.tensor([(-1.0) ** t for t in range(T)]))
+
+    def forward(self, x):
+        return (self.lin(x) * self.s[None, :, None]).sum(1)
+
+
+def _sequences(b: int = 8):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, 1, D, generator=g).expand(b, T, D) + 0.07 * torch.randn(b, T, D, generator=g)
+    return x, torch.randint(0, 3, (b,), generator=g)
+
+
+def test_a_step_under_autocast_stays_within_c():
+    """The user runs the step under CPU autocast (mixed precision): the engine's Gram matrices
+    were bfloat16 while the bound assumed float32 (LOO 1.19 C); autocast is off in the reduction."""
+    x, y = _sequences()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert loo_distance(GhostEngine, Alternating, x, y, 1e-3, exact=True) <= 1.0
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class _Bomb:
+    """Cyclic garbage whose finalizer, run by the collector at some allocation inside the
+    engine's reduction, switches autocast on (it re-arms itself until then)."""
+
+    fired = 0
+    armed = False
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self):
+        if not _Bomb.armed:
+            return
+        f = sys._getframe(0)
+        while f is not None and not (f.f_code.co_name == "_reduce"
+                                     and "ghost" in f.f_code.co_filename):
+            f = f.f_back
+        if f is None:
+            _Bomb()
+            return
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_autocast_enabled("cpu", True)
+        _Bomb.fired += 1
+
+
+class GarbageSwitch(Alternating):
+    """Model code only: the forward lowers the collector's threshold and leaves a _Bomb; a
+    finalizer on the Linear's input (released after the reduction) switches autocast off again,
+    so a comparison of the settings at the end saw nothing (LOO 1.19 C under ghost and auto)."""
+
+    def forward(self, x):
+        import gc
+        import weakref
+
+        with torch._C.DisableTorchFunction():
+            if type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+                gc.set_threshold(1)
+                _Bomb()
+        z = x * 1.0
+        with torch._C.DisableTorchFunction():
+            weakref.finalize(z, torch.set_autocast_enabled, "cpu", False)
+        return (self.lin(z) * self.s[None, :, None]).sum(1)
+
+
+def test_a_cyclic_garbage_finalizer_cannot_switch_autocast_inside_the_reduction():
+    import gc
+
+    x, y = _sequences()
+    old = gc.get_threshold()
+    _Bomb.fired, _Bomb.armed = 0, True
+    try:
+        for engine in (GhostEngine, AutoEngine):
+            try:
+                d = loo_distance(engine, GarbageSwitch, x, y, 1e-3, exact=True)
+            except UnsupportedModelError:
+                continue  # refused: sound
+            assert d <= 1.0
+        assert _Bomb.fired == 0  # the collector does not run inside the reduction
+    finally:
+        _Bomb.armed = False
+        gc.set_threshold(*old)
+        torch.set_autocast_enabled("cpu", False)
+        gc.collect()
