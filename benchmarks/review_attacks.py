@@ -1,4 +1,4 @@
-"""The eighth to thirty-first hostile reviews' attacks, measured on whichever ``dpclip`` is
+"""The eighth to thirty-seventh hostile reviews' attacks, measured on whichever ``dpclip`` is
 importable: for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -355,6 +355,28 @@ def _attacks():
     def _named(engine):
         return {"engine": getattr(engine, "name", None)}
 
+    def loo37(kind):  # test_exact_float32: autocast inside the ghost reduction
+        from tests.engine import test_exact_float32 as r37
+        from tests.engine.helpers import loo_distance
+
+        def run(engine):
+            import gc
+
+            x, y = r37._sequences()
+            if kind == "autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return loo_distance(engine, r37.Alternating, x, y, 1e-3, exact=True), {}
+            old = gc.get_threshold()
+            r37._Bomb.armed = True
+            try:
+                return loo_distance(engine, r37.GarbageSwitch, x, y, 1e-3, exact=True), {}
+            finally:
+                r37._Bomb.armed = False
+                gc.set_threshold(*old)
+                torch.set_autocast_enabled("cpu", False)
+                gc.collect()
+        return run
+
     def loo_spoofed_file(engine):  # test_known_trees: a user class given dpclip's file name
         import dpclip.models.architectures as arch
 
@@ -501,6 +523,10 @@ def _attacks():
         ("31: the default generator re-seeded in the forward (LOO, B 16, open under vmap)",
          loo31_reseeds, ("vmap",)),
         ("31: a module-global counter (LOO, B 16, open under naive)", loo31_counter, ("naive",)),
+        ("37: the step run under CPU autocast, bfloat16 Gram matrices (LOO, C 1e-3, float32)",
+         loo37("autocast"), ("ghost", "auto")),
+        ("37: a cyclic-garbage finalizer switches autocast on inside the reduction (LOO, C 1e-3)",
+         loo37("garbage"), ("ghost", "auto")),
         ("26: per-layer output mixing beside a (0, 2) output (LOO, B 8, one large example)",
          loo26, ("ghost", "auto", "vmap")),
         ("27: underflowed ||a||^2 in a 2-D Linear (LOO, C 1e-7, float32)", loo27("linear"),
@@ -588,7 +614,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to thirty-first hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to thirty-seventh hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
