@@ -211,3 +211,4 @@ def test_a_cyclic_garbage_finalizer_cannot_switch_autocast_inside_the_reduction(
         gc.set_threshold(*old)
         torch.set_autocast_enabled("cpu", False)
         gc.collect()
+

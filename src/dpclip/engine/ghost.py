@@ -882,7 +882,12 @@ class GhostEngine:
                         k += 1
                 live = [c for c in live if c.b is not None]
             else:
-                uses, live = {}, []
+                # no hooked call reached the loss: every trainable parameter the loss still
+                # depends on is used outside its layer (a forward of F.linear(x, self.fc.weight)
+                # alone gave zero sums, silently: thirty-eighth review)
+                uses = _graph_param_uses(total.grad_fn, scan.by_param, None, {}) \
+                    if total.requires_grad else {}
+                live = []
             # every parameter must be used exactly by the hooked calls that reach the loss (the
             # per-layer path: by the nodes inside its calls, dpclip.engine.per_layer)
             modular = [c for c in live if c.outs is not None]

@@ -224,6 +224,21 @@ def _c_flags() -> list[tuple[str, Any, Any]]:
             if hasattr(torch._C, get) and hasattr(torch._C, put)]
 
 
+def _interpreter_callbacks() -> tuple:
+    """The trace and profile functions (and ``sys.monitoring`` tools' names): a profile function
+    that the forward sets and leaves runs inside the engine's own code after it (thirty-eighth
+    hostile review: one multiplied the clipping weights by 50 where ``apply_weight_fn`` returned
+    them, one zeroed the noise): a change is refused, and put back before the engine goes on."""
+    mon = getattr(sys, "monitoring", None)
+    tools = tuple(mon.get_tool(i) for i in range(6)) if mon is not None else ()
+    return sys.gettrace(), sys.getprofile(), tools
+
+
+def _set_interpreter_callbacks(v: tuple) -> None:
+    sys.settrace(v[0])
+    sys.setprofile(v[1])
+
+
 #: ``(name, read, write)`` of every global setting watched (``write``: how to put it back)
 _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
@@ -268,6 +283,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
     ("flush denormal", _flushed, _set_flushed),
     ("floating-point rounding mode", _rounding, _set_rounding),
+    ("interpreter callbacks (sys.settrace / sys.setprofile)", _interpreter_callbacks,
+     _set_interpreter_callbacks),
     ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
      lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),
 )
