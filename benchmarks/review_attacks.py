@@ -1,4 +1,4 @@
-"""The eighth to thirty-seventh hostile reviews' attacks, measured on whichever ``dpclip`` is
+"""The eighth to thirty-eighth hostile reviews' attacks, measured on whichever ``dpclip`` is
 importable: for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -355,6 +355,35 @@ def _attacks():
     def _named(engine):
         return {"engine": getattr(engine, "name", None)}
 
+    def loo38(kind):  # test_review38_reduction: what runs inside or around the reductions
+        from tests.engine import test_review38_reduction as r38
+        from tests.engine.helpers import loo_distance
+
+        def run(engine):
+            if kind == "profile":
+                g = torch.Generator().manual_seed(1)
+                x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+                y = torch.randint(0, 3, (8,), generator=g)
+                try:
+                    return loo_distance(engine, r38.LeavesAProfiler, x, y, 0.1), {}
+                finally:
+                    sys.setprofile(None)
+            if kind == "autocast":
+                x, y = r38._aligned()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return loo_distance(engine, r38.OutsideThenLayer, x, y, 1e-3, exact=True), {}
+            x, y = r38.r37._sequences()  # flush-to-zero, C = 1.5e-38
+            try:
+                torch.set_flush_denormal(True)
+                full = r38._release(engine, x, y, 1.5e-38)
+                left = [r38._release(engine, x[[i for i in range(8) if i != j]],
+                                     y[[i for i in range(8) if i != j]], 1.5e-38)
+                        for j in range(8)]
+            finally:
+                torch.set_flush_denormal(False)
+            return max(float((full.double() - v.double()).norm()) / 1.5e-38 for v in left), {}
+        return run
+
     def loo37(kind):  # test_exact_float32: autocast inside the ghost reduction
         from tests.engine import test_exact_float32 as r37
         from tests.engine.helpers import loo_distance
@@ -523,6 +552,12 @@ def _attacks():
         ("31: the default generator re-seeded in the forward (LOO, B 16, open under vmap)",
          loo31_reseeds, ("vmap",)),
         ("31: a module-global counter (LOO, B 16, open under naive)", loo31_counter, ("naive",)),
+        ("38: a profile function left set by the forward scales the weights x50 (LOO)",
+         loo38("profile"), ("ghost", "auto", "vmap", "naive")),
+        ("38: the vmap / naive reduction under CPU autocast (LOO, B 64, C 1e-3, float32)",
+         loo38("autocast"), ("auto", "vmap", "naive")),
+        ("38: flush-to-zero set by the user (LOO, C 1.5e-38, float32, measured without it)",
+         loo38("ftz"), ("ghost", "vmap")),
         ("37: the step run under CPU autocast, bfloat16 Gram matrices (LOO, C 1e-3, float32)",
          loo37("autocast"), ("ghost", "auto")),
         ("37: a cyclic-garbage finalizer switches autocast on inside the reduction (LOO, C 1e-3)",
@@ -614,7 +649,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to thirty-seventh hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to thirty-eighth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
