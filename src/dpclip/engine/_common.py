@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -385,6 +386,28 @@ _EXACT_LOCK = threading.RLock()
 def _exact_inside() -> Iterator[None]:
     """:func:`exact_float32` once the lock is held and the collector paused: autocast (a
     per-thread state) off, then the precision switches."""
+    # no trace or profile function inside: one runs on every return of the engine's functions
+    # (a profile function the forward set scaled the weights by 50 where apply_weight_fn returned
+    # them and removed itself before the chunk's settings were compared: LOO 50 C under ghost,
+    # thirty-ninth review); the caller's are put back after
+    callbacks = (sys.gettrace(), sys.getprofile())
+    if callbacks != (None, None):
+        sys.settrace(None)
+        sys.setprofile(None)
+    try:
+        with _precise():
+            yield
+            if sys.gettrace() is not None or sys.getprofile() is not None:
+                raise UnsupportedModelError(_CHANGED_INSIDE)
+    finally:
+        if callbacks != (None, None):
+            sys.settrace(callbacks[0])
+            sys.setprofile(callbacks[1])
+
+
+@contextlib.contextmanager
+def _precise() -> Iterator[None]:
+    """Autocast off, gradual underflow, the precision switches at IEEE (:func:`exact_float32`)."""
     with contextlib.ExitStack() as stack:
         for dev in ("cpu", "cuda"):
             if _autocast_on(dev):
@@ -413,7 +436,7 @@ def _autocast_on(dev: str) -> bool:
 
 _CHANGED_INSIDE = (
     "a float32 precision setting (autocast, flush-to-zero, torch.set_float32_matmul_precision, "
-    "allow_tf32, fp32_precision) changed while the engine reduced the step, by code that ran inside it (e.g. "
+    "allow_tf32, fp32_precision) or an interpreter callback (sys.settrace / sys.setprofile) changed while the engine reduced the step, by code that ran inside it (e.g. "
     "a finalizer of an object the step dropped): the products' rounding bound would not hold; "
     "the settings were put back")
 
