@@ -1,4 +1,4 @@
-"""The eighth to thirty-eighth hostile reviews' attacks, measured on whichever ``dpclip`` is
+"""The eighth to thirty-ninth hostile reviews' attacks, measured on whichever ``dpclip`` is
 importable: for each attack and engine, the leave-one-out distance of the noise-free clipped sum
 (``max_j ||S(X) - S(X without j)|| / C``; sound: <= 1) or, for state carried across calls, how far
 the release of one batch moves when the PREVIOUS call saw another batch (sound: 0). "refused": the
@@ -368,6 +368,14 @@ def _attacks():
                     return loo_distance(engine, r38.LeavesAProfiler, x, y, 0.1), {}
                 finally:
                     sys.setprofile(None)
+            if kind == "self-removing":
+                g = torch.Generator().manual_seed(1)
+                x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+                y = torch.randint(0, 3, (8,), generator=g)
+                try:
+                    return loo_distance(engine, r38.SelfRemovingProfiler, x, y, 0.1), {}
+                finally:
+                    sys.setprofile(None)
             if kind == "autocast":
                 x, y = r38._aligned()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -552,6 +560,8 @@ def _attacks():
         ("31: the default generator re-seeded in the forward (LOO, B 16, open under vmap)",
          loo31_reseeds, ("vmap",)),
         ("31: a module-global counter (LOO, B 16, open under naive)", loo31_counter, ("naive",)),
+        ("39: a profile function that removes itself scales the weights x50 (LOO)",
+         loo38("self-removing"), ("ghost", "auto", "vmap", "naive")),
         ("38: a profile function left set by the forward scales the weights x50 (LOO)",
          loo38("profile"), ("ghost", "auto", "vmap", "naive")),
         ("38: the vmap / naive reduction under CPU autocast (LOO, B 64, C 1e-3, float32)",
@@ -649,7 +659,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to thirty-eighth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to thirty-ninth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
