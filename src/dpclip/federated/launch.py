@@ -151,6 +151,11 @@ def run_local_deployment(spec_path: str | os.PathLike, *, out: str | os.PathLike
         _stop(procs)
     result = json.loads(result_path.read_text())
     clips = result.get("clip_history") or []
-    for r in range(echoed, len(clips)):  # rounds whose streamed line had not arrived yet
-        echo(f"dpclip fl: round {r + 1}/{rounds} done, clip {clips[r]:.4g}")
+    done = max(len(clips), int(result.get("rounds") or 0))
+    # rounds whose streamed line had not been read when the result appeared (the loop above stops
+    # at the result file: under load the server's last lines were still in the pipe, and a run
+    # without a clip history echoed none of them)
+    for r in range(echoed, done):
+        echo(f"dpclip fl: round {r + 1}/{rounds} done"
+             + (f", clip {clips[r]:.4g}" if r < len(clips) else ""))
     return result
