@@ -361,17 +361,13 @@ def _attacks():
 
         def run(engine):
             if kind == "profile":
-                g = torch.Generator().manual_seed(1)
-                x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-                y = torch.randint(0, 3, (8,), generator=g)
+                x, y = r38._heads_batch()
                 try:
                     return loo_distance(engine, r38.LeavesAProfiler, x, y, 0.1), {}
                 finally:
                     sys.setprofile(None)
             if kind == "self-removing":
-                g = torch.Generator().manual_seed(1)
-                x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-                y = torch.randint(0, 3, (8,), generator=g)
+                x, y = r38._heads_batch()
                 try:
                     return loo_distance(engine, r38.SelfRemovingProfiler, x, y, 0.1), {}
                 finally:

@@ -33,6 +33,13 @@ from tests.engine.helpers import Head, assert_equal_to_the_loop, ce, clip_weight
 ENGINES = {"ghost": GhostEngine, "auto": AutoEngine, "vmap": VmapEngine, "naive": NaiveEngine}
 
 
+def _heads_batch():
+    """Eight float64 examples of 4 features for the Head models (seed 1), labels in 0..2."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(8, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (8,), generator=g))
+
+
 def _scale_weights(frame, event, arg):
     if event == "return" and frame.f_code.co_name == "apply_weight_fn" \
             and isinstance(arg, torch.Tensor):
@@ -48,9 +55,7 @@ class LeavesAProfiler(Head):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_a_profile_function_left_by_the_forward_is_refused_and_removed(name):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (8,), generator=g)
+    x, y = _heads_batch()
     try:
         with pytest.raises(UnsupportedModelError, match="interpreter callbacks"):
             loo_distance(ENGINES[name], LeavesAProfiler, x, y, 0.1)
@@ -161,9 +166,7 @@ class SelfRemovingProfiler(Head):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_a_self_removing_profile_function_does_not_act_inside_the_reduction(name):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (8,), generator=g)
+    x, y = _heads_batch()
     _HITS.clear()
     try:
         assert loo_distance(ENGINES[name], SelfRemovingProfiler, x, y, 0.1) <= 1.0 + 1e-9
@@ -205,9 +208,7 @@ def _chunked(engine):
 
 
 def test_a_finalizer_on_a_chunk_slice_fires_inside_the_isolation():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (8,), generator=g)
+    x, y = _heads_batch()
     _ARMED[0] = True
     try:
         with pytest.raises(UnsupportedModelError, match="interpreter callbacks"):
