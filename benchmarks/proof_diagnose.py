@@ -70,6 +70,23 @@ def main() -> int:
         finally:
             log.removeHandler(handler)
             log.setLevel(old)
+        # the same export with an upper bound on the batch (a guard such as 32-bit indexing bounds
+        # it from above), then with the model and data on the CPU (device-dependent kernels)
+        for label, dim, dev2 in (("max 2**12", Dim("batch", min=2, max=4096), dev),
+                                 ("max 2**8", Dim("batch", min=2, max=256), dev),
+                                 ("on the cpu", Dim("batch", min=2), torch.device("cpu"))):
+            try:
+                m2, x2, y2 = model.to(dev2), H._to(x, dev2), y.to(dev2)
+                traced = bs._LossOfModel(m2, loss_fn, ())
+                dynamic = pytree.tree_map(
+                    lambda t, d=dim: {0: d} if isinstance(t, torch.Tensor) else None, (x2, y2))
+                with bs._eager_kernels():
+                    ep = export(traced, (x2, y2), dynamic_shapes=dynamic, strict=False)
+                print(f"== {name} [{label}]: exported; graph check: {bs._check_graph(ep)}",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"== {name} [{label}]: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
+        model.to(dev)
         lines = [ln for ln in buf.getvalue().splitlines()
                  if "statically known" not in ln and any(
                      k in ln for k in ("guard added", "specializ", "set_replacement", "Eq("))]

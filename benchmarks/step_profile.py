@@ -70,7 +70,7 @@ def main() -> int:
         opt.step()
 
     torch.manual_seed(0)
-    model = papernot_cnn((1, 28, 28), 10)
+    model = papernot_cnn((1, 28, 28), 10).to(dev)
     popt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     dp = make_private(model, popt, (x, y), noise_multiplier=1.0, steps=100000,
                       batch_size=args.batch, strategy="fixed",

@@ -204,3 +204,21 @@ def test_make_private_on_cuda_keeps_data_masks_and_noise_on_the_gpu():
     assert kept._x.device.type == "cpu"
     xb, _ = kept.sample()
     assert xb.device.type == "cuda"
+
+
+def test_a_model_on_another_device_is_refused_before_any_step():
+    """make_private does not move the model (as Opacus'): the batches go to ``device`` and the
+    first step failed inside the engine ("Input type (torch.cuda.FloatTensor) and weight type
+    (torch.FloatTensor) should be the same", benchmarks/step_profile.py on a GPU). Now a clear
+    error at make_private naming the parameter and the fix."""
+    model = _model("meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"device='cpu' but the model's parameter '0.weight' is "
+                                         r"on meta; move the model first \(model.to\('cpu'\)\)"):
+        dpclip.make_private(model, opt, _data(), noise_multiplier=1.0, steps=2, batch_size=20.0,
+                            device="cpu", verbose=False)
+    # the model on the device: accepted
+    model = _model()
+    dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                        noise_multiplier=1.0, steps=2, batch_size=20.0, device="cpu",
+                        verbose=False)

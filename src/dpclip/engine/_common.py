@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import Isolated, _flushed, check_structure
+from dpclip.engine.isolation import Isolated, _flushed, check_structure, signals_deferred
 
 __all__ = [
     "StepWeights",
@@ -609,6 +609,11 @@ class MaterializingEngine(ABC):
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
         group, ``(B, G)`` otherwise."""
+        with signals_deferred():  # (no handler runs in the engine's own code)
+            return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
+
+    def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         batch = check_batch(inputs, targets, self.name)

@@ -759,12 +759,104 @@ def _eager_kernels() -> Iterator[None]:
             if k in op.py_kernels:
                 saved.append((op, k, op.py_kernels.pop(k)))
         op._dispatch_cache.clear()
+    mm = torch.ops.aten.matmul.default
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    mm.py_kernels[key] = _matmul_as_eager
+    mm._dispatch_cache.clear()
     try:
         yield
     finally:
+        mm.py_kernels.pop(key, None)
         for op, k, fn in saved:
             op.py_kernels[k] = fn
             op._dispatch_cache.clear()
+        mm._dispatch_cache.clear()
+
+
+def _matmul_as_eager(t1: Tensor, t2: Tensor) -> Tensor:
+    """``torch.matmul`` with a symbolic batch size, emitting the ATen operations of the eager C++
+    kernel (``at::native::_matmul_impl``) in the same order with the same arguments, so that the
+    real run matches the proof (:mod:`dpclip.engine.proved_program`).
+
+    Why: the C++ kernel of torch <= 2.11 reads a 3-D or larger operand's sizes as plain integers,
+    which specialises the symbolic batch size: every model with a batched matmul (every eager
+    attention: BERT, GPT-2, Llama, ViT) was refused as "the batch size is used as a Python value"
+    on the GPU machines' torch 2.11 while torch 2.13 proved them. torch's own Python
+    decomposition is symbolic but emits other operations (no transpose where the C++ kernel
+    tests a fold of the transposed product; a squeeze only when ``requires_grad``), so the real
+    run would not match it. Matrices and vectors (no batch to specialise) run the C++ kernel.
+    A case this function gets wrong cannot make a proof unsound: the real run's operations must
+    still match it one by one (tests/engine/test_matmul_as_eager.py compares them with the eager
+    kernel's on real tensors)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
+    aten = torch.ops.aten
+    d1, d2 = t1.dim(), t2.dim()
+    if d1 == 0 or d2 == 0 or (d1 <= 2 and d2 <= 2):
+        with torch._C._DisablePythonDispatcher():
+            return aten.matmul.default(t1, t2)
+    if _folds_as_eager(t1, t2):
+        transpose = d2 > d1
+        a = t2.mT if transpose else t1
+        b = (t1.t() if d1 == 2 else t1) if transpose else t2
+        sizes = list(a.shape)
+        out_shape = sizes[:-1]
+        folded = functools.reduce(operator.mul, out_shape)
+        a_folded = a.reshape(folded, sizes[-1])
+        if b.dim() == 2:
+            out = aten._unsafe_view(a_folded.mm(b), out_shape + [b.shape[1]])
+            return out.mT.contiguous() if transpose else out
+        return aten._unsafe_view(a_folded.mv(b), out_shape)
+    n = t1.size(-2) if d1 > 1 else 1
+    m1 = t1.size(-1)
+    batch1 = list(t1.shape[:-2])
+    m2 = t2.size(-2) if d2 > 1 else t2.size(-1)
+    p = t2.size(-1) if d2 > 1 else 1
+    batch2 = list(t2.shape[:-2])
+    if d1 == 3 and d2 == 3 and guard_or_true(batch1[0] != batch2[0]):
+        # (the eager kernel squeezes a batch of one where the operand requires grad or is a
+        # tensor subclass, which a tensor seen by a dispatch mode always is)
+        if guard_or_false(batch1[0] == 1):
+            return _matmul_as_eager(t1.squeeze(0), t2)
+        if guard_or_false(batch2[0] == 1):
+            return _matmul_as_eager(t1, t2.squeeze(0))
+    batch = list(torch.broadcast_shapes(batch1, batch2))
+    product = functools.reduce(operator.mul, batch, 1)
+    a = t1.expand(batch + [n, m1]).reshape(product, n, m1)
+    if d2 == 1:
+        b = t2.expand(batch + [m2]).reshape(product, m2).unsqueeze(2)
+    else:
+        b = t2.expand(batch + [m2, p]).reshape(product, m2, p)
+    out_shape = batch + ([n] if d1 > 1 else []) + ([p] if d2 > 1 else [])
+    out = a.bmm(b)
+    if d2 == 1:
+        out = out.squeeze(-1)
+    return aten._unsafe_view(out, out_shape)
+
+
+def _folds_as_eager(tensor1: Tensor, tensor2: Tensor) -> bool:
+    """The eager kernel's test for computing a batched-by-matrix product as one ``mm`` (its
+    ``should_fold``): the larger operand (transposed where it is the right one: an operation the
+    eager kernel emits whatever the answer) must be contiguous up to sizes of one, unless the
+    smaller one requires grad. The larger operand is transposed whenever it is the right one."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    d1, d2 = tensor1.dim(), tensor2.dim()
+    t1, t2 = (tensor1, tensor2) if d1 >= d2 else (tensor2.mT, tensor1)
+    if not (t1.dim() >= 3 and t2.dim() <= 2):
+        return False
+    if t2.requires_grad:
+        return True
+    if d1 == 2:
+        return False
+    if guard_or_false(t1.numel() == 0):
+        return True
+    expected = 1
+    for size, stride in reversed(list(zip(t1.shape, t1.stride()))):
+        if not (guard_or_false(size == 1) or guard_or_false(stride == expected)):
+            return False
+        expected = expected * size
+    return True
 
 
 @contextlib.contextmanager

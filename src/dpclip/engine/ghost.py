@@ -182,7 +182,7 @@ from dpclip.engine.ghost_rules import (
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.generators import OwnGenerators
-from dpclip.engine.isolation import Isolated, check_structure
+from dpclip.engine.isolation import Isolated, check_structure, signals_deferred
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _closed_chain,
@@ -605,6 +605,11 @@ class GhostEngine:
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
+        with signals_deferred():  # (no handler runs in the engine's own code)
+            return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
+
+    def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
         weight_fn = check_weight_fn(weight_fn, self.name)
         if self.fallback == "vmap":

@@ -34,8 +34,8 @@ torch's global settings (:func:`settings`: default dtype and device, determinist
 float32 matmul precision and every backend's float32 precision, TF32 / reduced-precision flags,
 the attention kernels enabled, cuDNN, oneDNN and NNPACK switches, einsum
 strategy, threads, autocast, grad mode, whether denormals are flushed or read as zero (from the
-interpreter's own float arithmetic: torch has no getter), the C library's rounding mode, and the
-global module hooks). On exit it puts the generators back, and when an attribute or a setting
+interpreter's own float arithmetic: torch has no getter), the C library's rounding mode, the
+global module hooks and the Python signal handlers). On exit it puts the generators back, and when an attribute or a setting
 changed it puts those back too and raises :class:`~dpclip.engine.errors.UnsupportedModelError`
 naming it (never a vmap fallback: vmap would run the same code). Attributes and settings changed
 between calls by the caller (a new epoch's flag) are the caller's: the next chunk starts from them.
@@ -57,6 +57,7 @@ import threading
 import ctypes
 import ctypes.util
 import platform
+import signal
 import struct
 import sys
 import types
@@ -70,7 +71,7 @@ from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
 
-__all__ = ["Isolated", "check_structure", "origin", "settings"]
+__all__ = ["Isolated", "check_structure", "origin", "settings", "signals_deferred"]
 
 #: two floats whose product is a denormal, 0.0 when denormals are flushed (the flag
 #: ``torch.set_flush_denormal`` sets, FTZ / DAZ, applies to the interpreter's float arithmetic too;
@@ -239,6 +240,73 @@ def _set_interpreter_callbacks(v: tuple) -> None:
     sys.setprofile(v[1])
 
 
+#: the signals whose handlers a Python program can set (read once)
+_SIGNALS: tuple[int, ...] = tuple(sorted(
+    int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)))
+
+
+def _signal_handlers() -> tuple:
+    """Every signal's Python-level handler (``None`` where Python installed none)."""
+    out = []
+    for sig in _SIGNALS:
+        try:
+            out.append(signal.getsignal(sig))
+        except (ValueError, OSError):  # (a signal this interpreter cannot query)
+            out.append(None)
+    return tuple(out)
+
+
+def _set_signal_handlers(v: tuple) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # (handlers are set, and run, in the main thread only)
+    for sig, handler in zip(_SIGNALS, v):
+        if handler is not None and signal.getsignal(sig) is not handler:
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """No Python signal handler runs inside: every handler is replaced by one that records the
+    signal, and the recorded signals are handed to the handlers they were meant for (in order of
+    arrival, once each, as the OS delivers a pending signal) once they are put back. The engines' reductions and the release run inside: a handler runs between
+    any two bytecodes of the main thread, outside every check of the user code's chunks (fortieth
+    hostile review: a ``SIGALRM`` handler the model installed switched autocast on inside the
+    reduction and off again before its end, LOO 1.19 C; one that scaled the engine's captured
+    activations after their check, 47-136 C, under ghost and auto). A handler the forward installs
+    is refused by :class:`Isolated` (a watched setting). Cost: ~64 ``signal.getsignal`` calls and
+    one ``signal.signal`` per installed handler, twice (~30 us). Outside the main thread (where no
+    handler runs and none can be set) it does nothing: the main thread itself is then concurrent
+    code, outside the trust boundary as any other thread (docs/engines.md)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        if signum not in pending:  # (a signal pending twice is delivered once, as by the OS)
+            pending.append(signum)
+
+    saved = []
+    for sig, handler in zip(_SIGNALS, _signal_handlers()):
+        if callable(handler):
+            try:
+                signal.signal(sig, record)
+            except (ValueError, OSError):
+                continue
+            saved.append((sig, handler))
+    try:
+        yield
+    finally:
+        for sig, handler in saved:
+            signal.signal(sig, handler)
+        handlers = dict(saved)
+        for signum in pending:
+            handlers[signum](signum, sys._getframe())
+
+
 #: ``(name, read, write)`` of every global setting watched (``write``: how to put it back)
 _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
@@ -285,6 +353,9 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("floating-point rounding mode", _rounding, _set_rounding),
     ("interpreter callbacks (sys.settrace / sys.setprofile)", _interpreter_callbacks,
      _set_interpreter_callbacks),
+    # a handler installed by the forward runs after the chunk, inside the engine's reduction
+    # (fortieth hostile review: 1.19 C and 47-136 C; signals_deferred)
+    ("signal handlers", _signal_handlers, _set_signal_handlers),
     ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
      lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),
 )

@@ -122,7 +122,7 @@ class GreedyConfig(DictFields):
     weight_decay: float = 0.0
     sampling: str = "poisson"
     engine: str = "auto"
-    max_physical_batch: int = 256
+    max_physical_batch: int | None = None  # None: the engine's own (TrainConfig's field)
     eval_batch_size: int = 2048
     model_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
@@ -167,6 +167,9 @@ class GreedyConfig(DictFields):
         d = self.to_dict()
         for k in ("data_dir", "device", "allow_private_data"):
             d.pop(k, None)
+        # a memory knob (the thresholds do not change): hashed at its default before 0.3, so
+        # that stored searches keep their names and checkpoints
+        d["max_physical_batch"] = 256
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -372,7 +375,9 @@ class _Search:
         self.x_test, self.y_test = bundle.test.inputs.to(device), bundle.test.targets.to(device)
         self.sampler = make_sampler(config.sampling, int(self.x_train.shape[0]), config.batch_size)
         self.spe = config.steps_per_epoch or self.sampler.steps_per_epoch
-        self.engine = get_engine(config.engine, max_physical_batch=config.max_physical_batch) \
+        self.engine = get_engine(config.engine, **(
+            {} if config.max_physical_batch is None else
+            {"max_physical_batch": config.max_physical_batch})) \
             if config.engine in ("vmap", "naive", "ghost", "auto") else get_engine(config.engine)
         self.evaluator = evaluator or self._test_accuracy
         self.ckpt_path = Path(checkpoint_dir) / "greedy.pt" if checkpoint_dir is not None else None

@@ -318,6 +318,7 @@ class PrivateTraining:
         self._flags = flags  # how messages name the arguments (CLI flags for `dpclip train`)
         n = self._prepare_data(data, verbose, device, data_on_device, augment,
                                augment_multiplicity, averaging)
+        _check_model_device(model, self.device, flags.get("device", "device"))
         #: a fixed per-example feature map applied to each drawn batch AFTER its augmentation
         #: (dpclip.data.features.Scattering; `dpclip train` with the dataset option features and
         #: an augmentation), or None
@@ -1019,6 +1020,22 @@ class PrivateTraining:
         return (f"PrivateTraining(strategy={strategy_name(self.strategy)!r}, "
                 f"noise_multiplier={self.noise_multiplier:.4g}, steps={self.steps}/"
                 f"{self.total_steps}, epsilon={self.epsilon():.4g}, randomness={self.rng.mode!r})")
+
+
+def _check_model_device(model: Any, device: torch.device | None, flag: str) -> None:
+    """A model whose parameters are not on ``device`` is refused before any step: the batches go
+    to ``device`` and the first step would fail inside the engine with a dtype / device error
+    (make_private does not move the model, as Opacus' does not: the optimizer holds its
+    parameters)."""
+    if device is None or not isinstance(model, nn.Module):
+        return
+    for name, p in model.named_parameters():
+        if p.device.type != device.type or (device.index is not None
+                                            and p.device.index != device.index):
+            raise ValueError(
+                f"make_private: {flag}={str(device)!r} but the model's parameter {name!r} is on "
+                f"{p.device}; move the model first (model.to({str(device)!r})) and build the "
+                "optimizer on the moved parameters")
 
 
 def _model_device(model: nn.Module) -> torch.device:
