@@ -158,7 +158,7 @@ def stepper(method: str, base: nn.Module, x: Any, y: torch.Tensor, loss_fn: Call
         engine = get_engine(method.split("-", 1)[1])
         strategy, sampler = FixedClip(1.0), PoissonSampler(60_000, float(batch))
         groups = ParamGroups.flat(model)
-        gen = make_generator(None)
+        gen = make_generator(None, device=dev)  # (the noise where the gradient is)
         ctx = StepContext.at(0, steps_per_epoch=sampler.steps_per_epoch, total_steps=1,
                              expected_batch_size=float(batch), base_noise_multiplier=1.0)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -292,7 +292,7 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
     out = [f"# {title} (generated from the .json by benchmarks/hf_models.py)", "",
            "| model | params | batch | device | torch | method | ms/step (median) | ratio to "
            "non-private (median of rounds) | peak mem MB (own: model + step; x non-private) | "
-           "engine | per-layer modules | fallback / error |", "|" + "---|" * 12]
+           "engine | per-layer modules | fallback / error | run |", "|" + "---|" * 13]
     for r in rows:
         def f(v, fmt="{:.2f}"):
             return "" if v is None else fmt.format(v)
@@ -308,7 +308,8 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         out.append(f"| {r['model']} | {r['params']:,} | {r['batch_size']} | {r['device']} | "
                    f"{r['torch']} | {r['method']} | {f(r.get('ms_per_step'))} | "
                    f"{f(r.get('ratio_to_nonprivate'))} | {mem(r)} | "
-                   f"{r.get('engine') or ''} | {per_s} | {str(note)[:160].replace('|', '/')} |")
+                   f"{r.get('engine') or ''} | {per_s} | {str(note)[:160].replace('|', '/')} | "
+                   f"{r.get('run', '')} |")
     return "\n".join(out) + "\n"
 
 
