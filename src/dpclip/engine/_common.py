@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import Isolated, _flushed, check_structure, signals_deferred
+from dpclip.engine.isolation import Isolated, _flushed, check_structure, engine_only
 
 __all__ = [
     "StepWeights",
@@ -609,7 +609,7 @@ class MaterializingEngine(ABC):
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
         """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
         group, ``(B, G)`` otherwise."""
-        with signals_deferred():  # (no handler runs in the engine's own code)
+        with engine_only():  # (no user code runs between the engine's own operations)
             return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
 
     def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,

@@ -182,7 +182,7 @@ from dpclip.engine.ghost_rules import (
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.generators import OwnGenerators
-from dpclip.engine.isolation import Isolated, check_structure, signals_deferred
+from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
     _closed_chain,
@@ -605,7 +605,7 @@ class GhostEngine:
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
-        with signals_deferred():  # (no handler runs in the engine's own code)
+        with engine_only():  # (no user code runs between the engine's own operations)
             return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
 
     def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,

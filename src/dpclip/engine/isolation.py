@@ -71,7 +71,7 @@ from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
 
-__all__ = ["Isolated", "check_structure", "origin", "settings", "signals_deferred"]
+__all__ = ["Isolated", "check_structure", "engine_only", "origin", "settings", "signals_deferred"]
 
 #: two floats whose product is a denormal, 0.0 when denormals are flushed (the flag
 #: ``torch.set_flush_denormal`` sets, FTZ / DAZ, applies to the interpreter's float arithmetic too;
@@ -307,6 +307,73 @@ def signals_deferred() -> Iterator[None]:
             handlers[signum](signum, sys._getframe())
 
 
+def _dispatch_sets() -> tuple:
+    """The thread's local include / exclude dispatch key sets (the Python dispatcher is one of
+    the included keys: it sends every ATen operation to the Python kernels registered on it)."""
+    c = torch._C
+    return (c._dispatch_tls_local_include_set(), c._dispatch_tls_local_exclude_set())
+
+
+def _dispatch_repr() -> tuple:
+    return tuple(repr(s) for s in _dispatch_sets())
+
+
+def _set_dispatch_sets(v: tuple) -> None:
+    """Put the local dispatch key sets back, key by key (``v``: :func:`_dispatch_repr`)."""
+    c = torch._C
+    include, exclude = _dispatch_sets()
+    for k in c.DispatchKey.__members__.values():
+        for now, was_repr, setter in ((include, v[0], c._dispatch_tls_set_dispatch_key_included),
+                                      (exclude, v[1], c._dispatch_tls_set_dispatch_key_excluded)):
+            want = _has_key(was_repr, k)
+            try:
+                if now.has(k) != want:
+                    setter(k, want)
+            except (RuntimeError, TypeError, ValueError):  # (an alias key: not settable)
+                pass
+
+
+def _has_key(set_repr: str, k: Any) -> bool:
+    inner = set_repr[set_repr.find("(") + 1:set_repr.rfind(")")]
+    return k.name in {part.strip() for part in inner.split(",")}
+
+
+@contextlib.contextmanager
+def engine_only() -> Iterator[None]:
+    """The engines' own code runs with no user code reachable between its operations:
+    :func:`signals_deferred`, and the Python dispatcher off (with it on, every ATen operation
+    first calls the Python kernels registered on its backend keys; forty-first hostile review: a
+    model that switched it on, in its constructor or left on by its forward, with kernels on
+    ``mul`` / ``mm`` / ``sum`` scaled ghost's captured activations inside the reduction, LOO 47.2 C
+    under ghost and auto, and the clipped sum inside ``dp_step``'s release before the noise,
+    50 C). The user's state is put back after. Around every engine's ``compute`` and ``dp_step``;
+    the proof's ``torch.export`` switches the dispatcher on for its own trace inside."""
+    # (the guard, not the key alone: the dispatcher's state is the key AND the interpreter torch
+    # keeps beside it, which every other guard's exit writes back, key included)
+    with torch._C._DisablePythonDispatcher(), signals_deferred():
+        yield
+
+
+def _python_dispatcher() -> tuple[bool, bool]:
+    """``(on, armed)``: whether the Python dispatcher's key is included, and whether its saved
+    interpreter is set (then the exit of any dispatcher guard switches it back on, even with the
+    key off now): read by putting a disabling guard on and off, the key restored after."""
+    c, key = torch._C, torch._C.DispatchKey.PythonDispatcher
+    on = c._dispatch_tls_is_dispatch_key_included(key)
+    with c._DisablePythonDispatcher():
+        pass
+    armed = c._dispatch_tls_is_dispatch_key_included(key)
+    if armed != on:
+        c._dispatch_tls_set_dispatch_key_included(key, on)
+    return on, armed
+
+
+def _set_python_dispatcher(v: tuple[bool, bool]) -> None:
+    # (the key only: the saved interpreter has no setter; a change is refused in any case, and
+    # the engine's own code runs under engine_only's guard)
+    torch._C._dispatch_tls_set_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher, v[0])
+
+
 #: ``(name, read, write)`` of every global setting watched (``write``: how to put it back)
 _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
@@ -356,6 +423,10 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     # a handler installed by the forward runs after the chunk, inside the engine's reduction
     # (fortieth hostile review: 1.19 C and 47-136 C; signals_deferred)
     ("signal handlers", _signal_handlers, _set_signal_handlers),
+    # the Python dispatcher (and any other key) switched on and left by the forward: its Python
+    # kernels would run inside the engine's arithmetic (forty-first review: 47-50 C; engine_only)
+    ("Python dispatcher", _python_dispatcher, _set_python_dispatcher),
+    ("dispatch key sets", _dispatch_repr, _set_dispatch_sets),
     ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
      lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),
 )

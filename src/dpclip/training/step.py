@@ -41,7 +41,7 @@ from dpclip.engine.errors import PrivateBufferError  # defined below the engine 
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.generators import current_seed_source, seed_source
-from dpclip.engine.isolation import (Isolated, check_structure, signals_deferred,
+from dpclip.engine.isolation import (Isolated, check_structure, engine_only,
                                      structure_checked)
 from dpclip.engine.plain_module import global_hooks_clear, instance_code, plain_instance
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
@@ -143,9 +143,10 @@ def dp_step(
     check_structure(model, "dp_step")
     seeds = seed_source(_SeedsOf(generator)) if current_seed_source() is None \
         else contextlib.nullcontext()
-    # no Python signal handler runs between the engine's reduction and the release (a handler
-    # the model installed could rewrite the clipped sum before the noise: fortieth review)
-    with seeds, structure_checked(model), signals_deferred():
+    # no user code runs between the engine's reduction and the release (a signal handler or a
+    # Python kernel the model installed rewrote the clipped sum before the noise: fortieth and
+    # forty-first reviews)
+    with seeds, structure_checked(model), engine_only():
         return _dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
                         engine=engine, groups=groups, sampler=sampler,
                         base_noise_multiplier=base_noise_multiplier, ctx=ctx,
