@@ -519,7 +519,54 @@ def _attacks():
         finally:
             r31._COUNT[0] = 0
 
+    def loo40(kind):  # test_review40_signals: a signal handler inside the reduction
+        import signal
+
+        from tests.engine import test_review40_signals as r40
+        from tests.engine.helpers import loo_distance
+
+        def run(engine):
+            old = signal.getsignal(signal.SIGALRM)
+            try:
+                if kind == "constructor":
+                    signal.signal(signal.SIGALRM, r40._Switch())
+                    signal.setitimer(signal.ITIMER_REAL, 5e-5, 5e-5)
+                    x, y = r40._sequences()
+                    return loo_distance(engine, r40.Alternating, x, y, 1e-3, exact=True), {}
+                signal.signal(signal.SIGALRM, lambda s, f: None)
+                g = torch.Generator().manual_seed(0)
+                x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+                y = torch.randint(0, 3, (8,), generator=g)
+                return loo_distance(engine, r40._Installs, x, y, 0.1), {}
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+                torch.set_autocast_enabled("cpu", False)
+        return run
+
+    def loo41(model):  # test_review41_dispatcher: Python kernels through the Python dispatcher
+        from tests.engine import test_review41_dispatcher as r41
+        from tests.engine.helpers import loo_distance
+
+        def run(engine):
+            fixture = r41.kernels.__wrapped__()
+            next(fixture)
+            try:
+                x, y = r41._batch()
+                return loo_distance(engine, getattr(r41, model), x, y, 0.1), {}
+            finally:
+                next(fixture, None)
+        return run
+
     return engines, [
+        ("40: a SIGALRM handler installed before the step switches autocast inside the reduction "
+         "(LOO, C 1e-3)", loo40("constructor"), ("ghost", "auto")),
+        ("40: a SIGALRM handler installed by the forward scales the captured activations x50 "
+         "(LOO)", loo40("forward"), ("ghost", "auto")),
+        ("41: the Python dispatcher switched on in the constructor, kernels scale the captured "
+         "activations x50 (LOO)", loo41("_InInit"), ("ghost", "auto")),
+        ("41: the Python dispatcher left on by the forward (LOO)", loo41("_LeavesOn"),
+         ("ghost", "auto")),
         ("29: a user class's forward given dpclip's file name (co_filename), declared program "
          "(LOO)", loo_spoofed_file, ("ghost", "auto")),
         ("29: Tensor.__iter__ replaced, mixing the batch, in a known tree (LOO, B 6)",
@@ -655,7 +702,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to thirty-ninth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-first hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

@@ -20,7 +20,6 @@ import torch
 
 from dpclip.engine import AutoEngine, GhostEngine, VmapEngine
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.isolation import signals_deferred
 from tests.engine.helpers import Head, loo_distance
 from tests.engine.test_exact_float32 import Alternating, _sequences
 
@@ -139,6 +138,8 @@ def test_a_handler_installed_by_the_forward_is_refused(engine, timer):
 
 
 def test_signals_arriving_inside_are_handed_over_after():
+    from dpclip.engine.isolation import signals_deferred
+
     seen = []
     old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
@@ -155,6 +156,8 @@ def test_signals_arriving_inside_are_handed_over_after():
 
 
 def test_keyboard_interrupt_is_raised_after_the_block():
+    from dpclip.engine.isolation import signals_deferred
+
     done = []
     with pytest.raises(KeyboardInterrupt):
         with signals_deferred():
@@ -175,6 +178,8 @@ def test_outside_the_main_thread_nothing_changes():
 
 
 def _run_deferred() -> bool:
+    from dpclip.engine.isolation import signals_deferred
+
     with signals_deferred():
         return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
