@@ -56,6 +56,7 @@ import operator
 import threading
 import ctypes
 import ctypes.util
+import _signal
 import platform
 import signal
 import struct
@@ -246,24 +247,20 @@ _SIGNALS: tuple[int, ...] = tuple(sorted(
 
 
 def _signal_handlers() -> tuple:
-    """Every signal's Python-level handler (``None`` where Python installed none)."""
-    out = []
-    for sig in _SIGNALS:
-        try:
-            out.append(signal.getsignal(sig))
-        except (ValueError, OSError):  # (a signal this interpreter cannot query)
-            out.append(None)
-    return tuple(out)
+    """Every signal's Python-level handler (``None`` where Python installed none; ``0`` / ``1``
+    for the default action / ignored: ``_signal``'s raw values, 30x cheaper than
+    ``signal.getsignal``'s enums)."""
+    return tuple(map(_signal.getsignal, _SIGNALS))
 
 
 def _set_signal_handlers(v: tuple) -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # (handlers are set, and run, in the main thread only)
     for sig, handler in zip(_SIGNALS, v):
-        if handler is not None and signal.getsignal(sig) is not handler:
+        if handler is not None and _signal.getsignal(sig) is not handler:
             try:
-                signal.signal(sig, handler)
-            except (ValueError, OSError):
+                _signal.signal(sig, handler)
+            except (ValueError, OSError, TypeError):
                 pass
 
 
@@ -276,8 +273,8 @@ def signals_deferred() -> Iterator[None]:
     hostile review: a ``SIGALRM`` handler the model installed switched autocast on inside the
     reduction and off again before its end, LOO 1.19 C; one that scaled the engine's captured
     activations after their check, 47-136 C, under ghost and auto). A handler the forward installs
-    is refused by :class:`Isolated` (a watched setting). Cost: ~64 ``signal.getsignal`` calls and
-    one ``signal.signal`` per installed handler, twice (~30 us). Outside the main thread (where no
+    is refused by :class:`Isolated` (a watched setting). Cost: one read of the ~60 handlers (~3 us)
+    and one ``signal.signal`` per Python handler installed (usually SIGINT's), twice. Outside the main thread (where no
     handler runs and none can be set) it does nothing: the main thread itself is then concurrent
     code, outside the trust boundary as any other thread (docs/engines.md)."""
     if threading.current_thread() is not threading.main_thread():
@@ -293,7 +290,7 @@ def signals_deferred() -> Iterator[None]:
     for sig, handler in zip(_SIGNALS, _signal_handlers()):
         if callable(handler):
             try:
-                signal.signal(sig, record)
+                _signal.signal(sig, record)
             except (ValueError, OSError):
                 continue
             saved.append((sig, handler))
@@ -301,7 +298,7 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         for sig, handler in saved:
-            signal.signal(sig, handler)
+            _signal.signal(sig, handler)
         handlers = dict(saved)
         for signum in pending:
             handlers[signum](signum, sys._getframe())
@@ -314,28 +311,23 @@ def _dispatch_sets() -> tuple:
     return (c._dispatch_tls_local_include_set(), c._dispatch_tls_local_exclude_set())
 
 
-def _dispatch_repr() -> tuple:
-    return tuple(repr(s) for s in _dispatch_sets())
+def _dispatch_repr() -> tuple[int, int]:
+    return tuple(s.raw_repr() for s in _dispatch_sets())
 
 
-def _set_dispatch_sets(v: tuple) -> None:
+def _set_dispatch_sets(v: tuple[int, int]) -> None:
     """Put the local dispatch key sets back, key by key (``v``: :func:`_dispatch_repr`)."""
     c = torch._C
     include, exclude = _dispatch_sets()
+    was = [c.DispatchKeySet.from_raw_repr(r) for r in v]
     for k in c.DispatchKey.__members__.values():
-        for now, was_repr, setter in ((include, v[0], c._dispatch_tls_set_dispatch_key_included),
-                                      (exclude, v[1], c._dispatch_tls_set_dispatch_key_excluded)):
-            want = _has_key(was_repr, k)
+        for now, old, setter in ((include, was[0], c._dispatch_tls_set_dispatch_key_included),
+                                 (exclude, was[1], c._dispatch_tls_set_dispatch_key_excluded)):
             try:
-                if now.has(k) != want:
-                    setter(k, want)
+                if now.has(k) != old.has(k):
+                    setter(k, old.has(k))
             except (RuntimeError, TypeError, ValueError):  # (an alias key: not settable)
                 pass
-
-
-def _has_key(set_repr: str, k: Any) -> bool:
-    inner = set_repr[set_repr.find("(") + 1:set_repr.rfind(")")]
-    return k.name in {part.strip() for part in inner.split(",")}
 
 
 @contextlib.contextmanager
