@@ -204,6 +204,7 @@ def test_trainconfig_fingerprint_covers_averaging_and_keeps_old_fingerprints():
     a = TrainConfig(**BASE)
     assert a.averaging == "none" and a.augment_multiplicity == 1
     d = a.to_dict()
+    d["max_physical_batch"] = 256  # (the default of older configs: hashed at it)
     for k in ("augment", "augment_multiplicity", "averaging", "data_dir", "device", "eval_every",
               "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min", "lr_warmup_epochs",
               "unit", "miniset_size", "bn_stats", "public_fraction"):  # unit fields: at default
