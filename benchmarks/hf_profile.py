@@ -29,20 +29,11 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT))
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _timed(step, dev: torch.device, n: int) -> float:
-    out = []
-    for _ in range(n):
-        _sync(dev)
-        t = time.perf_counter()
-        step()
-        _sync(dev)
-        out.append(1000 * (time.perf_counter() - t))
-    return statistics.median(out)
+    """The median of ``n`` synchronised step times (ms)."""
+    from step_profile import _timed as times
+
+    return statistics.median(times(step, dev, n))
 
 
 class Sampler:
@@ -120,7 +111,8 @@ def main() -> int:
     with profile(activities=acts) as prof:
         for _ in range(2):
             step()
-        _sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     ka = prof.key_averages()
     print("# self CPU time, 2 steps\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
     if dev.type == "cuda":
