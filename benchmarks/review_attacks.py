@@ -558,7 +558,24 @@ def _attacks():
                 next(fixture, None)
         return run
 
+    def loo42(model):  # test_review42_kernels_and_gc: a torch.library kernel over nextafter
+        from tests.engine import test_review42_kernels_and_gc as r42
+        from tests.engine.helpers import loo_distance
+
+        def run(engine):
+            try:
+                x, y = r42._batch()
+                return loo_distance(engine, getattr(r42, model), x, y, 0.01), {}
+            finally:
+                while r42._LIBS:
+                    r42._LIBS.pop()._destroy()
+        return run
+
     return engines, [
+        ("42: a torch.library kernel over aten::nextafter, registered in the constructor (LOO, "
+         "C 0.01)", loo42("_RegistersInInit"), ("ghost", "auto")),
+        ("42: the same kernel registered by the forward (LOO, C 0.01)",
+         loo42("_RegistersInForward"), ("ghost", "auto")),
         ("40: a SIGALRM handler installed before the step switches autocast inside the reduction "
          "(LOO, C 1e-3)", loo40("constructor"), ("ghost", "auto")),
         ("40: a SIGALRM handler installed by the forward scales the captured activations x50 "
@@ -702,7 +719,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-first hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-second hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

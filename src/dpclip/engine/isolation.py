@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import gc
 import operator
 import threading
 import ctypes
@@ -71,6 +72,7 @@ from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
+from dpclip.engine.proved_program import aten_python_kernels
 
 __all__ = ["Isolated", "check_structure", "engine_only", "origin", "settings", "signals_deferred"]
 
@@ -333,7 +335,8 @@ def _set_dispatch_sets(v: tuple[int, int]) -> None:
 @contextlib.contextmanager
 def engine_only() -> Iterator[None]:
     """The engines' own code runs with no user code reachable between its operations:
-    :func:`signals_deferred`, and the Python dispatcher off (with it on, every ATen operation
+    :func:`signals_deferred`, the cyclic garbage collector paused, no Python kernel registered
+    over an ATen operation (refused), and the Python dispatcher off (with it on, every ATen operation
     first calls the Python kernels registered on its backend keys; forty-first hostile review: a
     model that switched it on, in its constructor or left on by its forward, with kernels on
     ``mul`` / ``mm`` / ``sum`` scaled ghost's captured activations inside the reduction, LOO 47.2 C
@@ -342,8 +345,36 @@ def engine_only() -> Iterator[None]:
     the proof's ``torch.export`` switches the dispatcher on for its own trace inside."""
     # (the guard, not the key alone: the dispatcher's state is the key AND the interpreter torch
     # keeps beside it, which every other guard's exit writes back, key included)
-    with torch._C._DisablePythonDispatcher(), signals_deferred():
-        yield
+    over = aten_python_kernels() - _TORCH_OWN_KERNELS
+    if over:
+        raise UnsupportedModelError(
+            f"a kernel registered from Python over ATen's ({', '.join(sorted(over)[:4])}; "
+            "torch.library.Library('aten', 'IMPL').impl) would run inside the engine's own "
+            "arithmetic and the release, outside every check (forty-second hostile review: "
+            "1000 C); remove the registration (or run it in another process)")
+    collecting = gc.isenabled()
+    gc.disable()  # (a gc callback or a cyclic finalizer runs at any allocation: 1000 C in the
+    try:          # release, forty-second review; the cycles are collected after the step)
+        with torch._C._DisablePythonDispatcher(), signals_deferred():
+            yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+#: ATen kernels torch itself registers from Python (torch.library's ledger at import, 2.11-2.13);
+#: the engines never call these operations
+_TORCH_OWN_KERNELS = frozenset({"aten/_foreach_mm/CUDA", "aten/linalg_lu_solve.out/MPS"})
+
+
+def _garbage_collector() -> tuple:
+    return gc.isenabled(), gc.get_threshold(), tuple(gc.callbacks)
+
+
+def _set_garbage_collector(v: tuple) -> None:
+    (gc.enable if v[0] else gc.disable)()
+    gc.set_threshold(*v[1])
+    gc.callbacks[:] = list(v[2])
 
 
 def _python_dispatcher() -> tuple[bool, bool]:
@@ -418,6 +449,12 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     # the Python dispatcher (and any other key) switched on and left by the forward: its Python
     # kernels would run inside the engine's arithmetic (forty-first review: 47-50 C; engine_only)
     ("Python dispatcher", _python_dispatcher, _set_python_dispatcher),
+    # a Python kernel over an ATen operation registered by the forward, or a collector callback,
+    # runs inside the engine's arithmetic or the release (forty-second review: 1000 C; the
+    # kernel cannot be unregistered: refused)
+    ("Python kernels over ATen (torch.library)", aten_python_kernels, lambda v: None),
+    ("garbage collector (enabled, thresholds, callbacks)", _garbage_collector,
+     _set_garbage_collector),
     ("dispatch key sets", _dispatch_repr, _set_dispatch_sets),
     ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
      lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),

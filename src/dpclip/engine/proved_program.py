@@ -124,10 +124,10 @@ def _identity(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
 
 
 _SKIP: dict[int, tuple[Any, bool]] = {}
-#: (size of torch.library's ledger of Python kernels, the ATen operations with one for a key an
-#: eager run can use)
-_OVERRIDES: list[Any] = [-1, frozenset()]
-#: operation -> whether it is overridden, valid while the ledger keeps the size in _OVERRIDES[0]
+#: (torch.library's ledger, its version, its entries over ATen operations on a key an eager run
+#: can use[, their operation names, the entries they were taken from])
+_OVERRIDES: list[Any] = [None, -1, frozenset()]
+#: operation -> whether it is overridden, valid while the ledger keeps the version in _OVERRIDES
 _OVERRIDDEN: dict[int, tuple[Any, bool]] = {}
 #: the dispatch keys whose kernels an eager run executes (not Meta, nor functorch's batching
 #: rules, which torch registers from Python itself); "" is torch.library's default
@@ -138,28 +138,109 @@ _EAGER_KEYS = frozenset({
     "ADInplaceOrView", "BackendSelect"})
 
 
+class _Ledger(set):
+    """torch.library's ledger of Python kernels (``torch.library._impls``, a set of
+    ``"ns/op/key"``) with a version bumped by every change: a size alone missed a registration
+    that replaced a destroyed one (the same size). Installed over torch's set at import; torch
+    adds with ``add`` and removes with ``-=`` (a library's ``_destroy``)."""
+
+    version = 0
+
+    def _bump(self) -> None:
+        self.version += 1
+
+    def add(self, x: Any) -> None:
+        self._bump()
+        super().add(x)
+
+    def discard(self, x: Any) -> None:
+        self._bump()
+        super().discard(x)
+
+    def remove(self, x: Any) -> None:
+        self._bump()
+        super().remove(x)
+
+    def pop(self) -> Any:
+        self._bump()
+        return super().pop()
+
+    def clear(self) -> None:
+        self._bump()
+        super().clear()
+
+    def update(self, *others: Any) -> None:
+        self._bump()
+        super().update(*others)
+
+    def difference_update(self, *others: Any) -> None:
+        self._bump()
+        super().difference_update(*others)
+
+    def intersection_update(self, *others: Any) -> None:
+        self._bump()
+        super().intersection_update(*others)
+
+    def symmetric_difference_update(self, other: Any) -> None:
+        self._bump()
+        super().symmetric_difference_update(other)
+
+    def __isub__(self, other: Any) -> "_Ledger":
+        self._bump()
+        return super().__isub__(other)
+
+    def __ior__(self, other: Any) -> "_Ledger":
+        self._bump()
+        return super().__ior__(other)
+
+    def __iand__(self, other: Any) -> "_Ledger":
+        self._bump()
+        return super().__iand__(other)
+
+    def __ixor__(self, other: Any) -> "_Ledger":
+        self._bump()
+        return super().__ixor__(other)
+
+
+def _ledger() -> _Ledger:
+    impls = getattr(torch.library, "_impls", None)
+    if type(impls) is not _Ledger:  # (at import, or replaced since: wrapped again)
+        impls = torch.library._impls = _Ledger(impls or ())
+    return impls
+
+
+_ledger()
+
+
+def aten_python_kernels() -> frozenset:
+    """The ledger's entries (``"aten/<op>/<key>"``) of Python kernels over ATen operations on a
+    key an eager run executes (``torch.library.Library('aten', 'IMPL').impl``; torch registers
+    Meta kernels there itself); recomputed when the ledger changes, the same object otherwise.
+    Not seen: a kernel registered through the private ``torch._C._dispatch_library`` directly, a
+    Python fallback of a whole dispatch key."""
+    impls = _ledger()
+    if _OVERRIDES[0] is not impls or _OVERRIDES[1] != impls.version:
+        _OVERRIDDEN.clear()
+        _OVERRIDES[:] = [impls, impls.version, frozenset(
+            k for k in list(impls) if k.startswith("aten/") and k.rpartition("/")[2] in _EAGER_KEYS)]
+    return _OVERRIDES[2]
+
+
 def _overridden(func: Any) -> bool:
     """Whether a Python kernel registered with ``torch.library`` (``Library('aten', 'IMPL')``)
     replaces an eager kernel of the ATen operation ``func``: the proof ran its fake (meta) kernel,
     the real run would run that Python, which can read any state (second hostile review: LOO
-    3.16 C). Read from torch.library's ledger (``torch.library._impls``; torch registers Meta
-    kernels there itself), recomputed when its size changes. Not seen: a kernel registered through
-    the private ``torch._C._dispatch_library`` directly, or a swap that keeps the ledger's size."""
-    impls = getattr(torch.library, "_impls", ())
-    if len(impls) == _OVERRIDES[0]:
-        e = _OVERRIDDEN.get(id(func))
-        if e is not None and e[0] is func:
-            return e[1]
-    else:
-        _OVERRIDDEN.clear()
-        names = set()
-        for key in list(impls):
-            ns, _, rest = key.partition("/")
-            name, _, dkey = rest.rpartition("/")
-            if ns == "aten" and dkey in _EAGER_KEYS:
-                names.add(name.split(".")[0])
-        _OVERRIDES[0], _OVERRIDES[1] = len(impls), frozenset(names)
-    got = bool(_OVERRIDES[1]) and func._schema.name.split("::", 1)[-1] in _OVERRIDES[1]
+    3.16 C). From :func:`aten_python_kernels`."""
+    kernels = aten_python_kernels()
+    e = _OVERRIDDEN.get(id(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    names = _OVERRIDES[3] if len(_OVERRIDES) > 3 and _OVERRIDES[4] is kernels else None
+    if names is None:
+        names = frozenset(k.split("/")[1].split(".")[0] for k in kernels)
+        del _OVERRIDES[3:]
+        _OVERRIDES.extend([names, kernels])
+    got = bool(names) and func._schema.name.split("::", 1)[-1] in names
     _OVERRIDDEN[id(func)] = (func, got)
     return got
 
