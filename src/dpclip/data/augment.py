@@ -150,8 +150,14 @@ class Augmentation:
 def parse_augment(spec: "str | Augmentation | None", where: str = "augment") -> Augmentation | None:
     """``None`` for ``None`` / ``"none"`` / ``""``; otherwise the :class:`Augmentation` (clear
     errors naming ``where`` and the grammar)."""
-    if spec is None or isinstance(spec, Augmentation):
+    if spec is None or type(spec) is Augmentation:
         return spec
+    if isinstance(spec, Augmentation):  # (a subclass's apply runs on the whole drawn batch before
+        # any engine sees it: a "batch mixup" moved the release by 6.01 C, forty-third review)
+        raise TypeError(
+            f"{where}: {type(spec).__name__} subclasses Augmentation; only the library's own "
+            "Augmentation (a per-example map it tests) is accepted: put other transforms in the "
+            "model, where the engines check them")
     if not isinstance(spec, str):
         raise ValueError(f"{where} must be a string: {_GRAMMAR}; got {type(spec).__name__} "
                          f"{spec!r}")

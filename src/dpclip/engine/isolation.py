@@ -336,7 +336,8 @@ def _set_dispatch_sets(v: tuple[int, int]) -> None:
 def engine_only() -> Iterator[None]:
     """The engines' own code runs with no user code reachable between its operations:
     :func:`signals_deferred`, the cyclic garbage collector paused, no Python kernel registered
-    over an ATen operation (refused), and the Python dispatcher off (with it on, every ATen operation
+    over an ATen operation and no torch function / dispatch mode or saved-tensor hooks active
+    (refused), and the Python dispatcher off (with it on, every ATen operation
     first calls the Python kernels registered on its backend keys; forty-first hostile review: a
     model that switched it on, in its constructor or left on by its forward, with kernels on
     ``mul`` / ``mm`` / ``sum`` scaled ghost's captured activations inside the reduction, LOO 47.2 C
@@ -345,6 +346,15 @@ def engine_only() -> Iterator[None]:
     the proof's ``torch.export`` switches the dispatcher on for its own trace inside."""
     # (the guard, not the key alone: the dispatcher's state is the key AND the interpreter torch
     # keeps beside it, which every other guard's exit writes back, key included)
+    from dpclip.engine.plain_module import ambient_user_code
+
+    left = ambient_user_code()
+    if left is not None:  # (ghost refused them at its chunks; vmap, naive, summed, the units and
+        # the release ran them: a function mode entered by the constructor divided vmap's norms
+        # by 1000 and zeroed the noise, forty-third hostile review: 190 C)
+        raise UnsupportedModelError(
+            f"{left} when the private step starts: it would run inside the engine's own "
+            "arithmetic and the release, outside every check; leave it before the step")
     over = aten_python_kernels() - _TORCH_OWN_KERNELS
     if over:
         raise UnsupportedModelError(

@@ -626,7 +626,9 @@ class PrivateTraining:
             features = parse_features(features, self._flags.get("features", "features="))
         if features is None:
             return None
-        if not isinstance(features, Scattering):
+        if type(features) is not Scattering:  # (not a subclass: its map runs on the whole drawn
+            # batch before any engine sees it; one that added the batch sum moved the release by
+            # 3.66 C, forty-third hostile review)
             raise TypeError(f"features= must be 'scattering' or a dpclip.data.features.Scattering "
                             f"(a fixed per-example map the library tests), got {features!r}; put "
                             "other transforms in the model or in the data")

@@ -301,6 +301,15 @@ def _check_lipschitz_layers(model: nn.Module) -> None:
             "register_module_forward_hook / _pre_hook / backward_hook): it runs in every layer's "
             "call, so the model may compute another function than the one the Lipschitz bound is "
             "proven for; remove it while training with a bound-based strategy")
+    for name, p in model.named_parameters():
+        # a gradient hook on a parameter scales the summed gradient the bound is proven for
+        # (forty-third hostile review: `weight.register_hook(lambda g: 50 * g)`, 16.9 times the
+        # certified sensitivity under the summed and naive engines)
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise UnsupportedLayerError(
+                f"parameter {name!r} has a gradient hook (Tensor.register_hook / "
+                "register_post_accumulate_grad_hook): it changes the gradient the Lipschitz bound "
+                "is proven for; remove it while training with a bound-based strategy")
     for name, m in model.named_modules():
         if not plain_instance(m):
             why = instance_code(m)
