@@ -571,7 +571,26 @@ def _attacks():
                     r42._LIBS.pop()._destroy()
         return run
 
+    def loo43(engine):  # test_review43_around_the_engines: a mode the constructor left on
+        from tests.engine import test_review43_around_the_engines as r43
+        from tests.engine.helpers import loo_distance
+
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(8, 4, generator=g, dtype=DT), torch.randint(0, 3, (8,), generator=g)
+        made = []
+
+        def make():
+            made.append(r43._EntersAMode())
+            return made[-1]
+        try:
+            return loo_distance(engine, make, x, y, 0.01), {}
+        finally:
+            for m in reversed(made):
+                m.mode.__exit__(None, None, None)
+
     return engines, [
+        ("43: a torch function mode the constructor left on divides the norms by 1000 (LOO, "
+         "C 0.01)", loo43, ("vmap", "naive", "ghost")),
         ("42: a torch.library kernel over aten::nextafter, registered in the constructor (LOO, "
          "C 0.01)", loo42("_RegistersInInit"), ("ghost", "auto")),
         ("42: the same kernel registered by the forward (LOO, C 0.01)",
@@ -719,7 +738,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-second hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-third hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
