@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine import AutoEngine, GhostEngine
+from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, VmapEngine
 from dpclip.engine.errors import UnsupportedModelError
 from tests.engine.helpers import DT
 from tests.engine.test_separability_attacks import C, Net, ce, clipped_sum, data, loo_distance
@@ -1526,8 +1526,9 @@ def test_error_95_code_replaced_on_a_ruled_layer_instance():
 
 def test_error_96_user_code_around_the_step():
     """docs/errors.md entry 96: a torch function mode or saved-tensor hooks active when the
-    step starts: ghost and auto refuse (naming the context; not a vmap fallback, vmap would run
-    under the same user code); torch.device(...) is not user code and stays on ghost."""
+    step starts: every engine refuses (naming the context; vmap would run under the same user
+    code, and so would every engine's own arithmetic); torch.device(...) is not user code and
+    stays on ghost."""
     torch.manual_seed(0)
     model = _mlp().to(DT)
     x, y = data()
@@ -1536,7 +1537,7 @@ def test_error_96_user_code_around_the_step():
                       (lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
                        "saved-tensor hooks .* are active when the step starts")):
         with ctx():
-            for engine in (GhostEngine(), AutoEngine()):
+            for engine in (GhostEngine(), AutoEngine(), VmapEngine(), NaiveEngine()):
                 with pytest.raises(UnsupportedModelError, match=what):
                     clipped_sum(engine, model, ce, x, y)
     with torch.device("cpu"):

@@ -182,7 +182,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             f"{ambient} when the step starts: user code would run on the forward's or the "
             "backward's operations (or rewrite the tensors the backward reads), which the "
             "separability proof cannot see. Leave the context before the step "
-            "(torch.device(...) is allowed), or use engine 'vmap'")
+            "(torch.device(...) is allowed); every engine refuses it")
     known = _run_known_program(model, scan, loss_fn, xs, ys, batch, chain)
     if known is not None:  # proved by the modules' and the loss's semantics: no trace
         if carry:  # (no user code ran: nothing of it to release)

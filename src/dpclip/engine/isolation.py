@@ -353,8 +353,10 @@ def engine_only() -> Iterator[None]:
         # the release ran them: a function mode entered by the constructor divided vmap's norms
         # by 1000 and zeroed the noise, forty-third hostile review: 190 C)
         raise UnsupportedModelError(
-            f"{left} when the private step starts: it would run inside the engine's own "
-            "arithmetic and the release, outside every check; leave it before the step")
+            f"{left} when the step starts: it would run on the forward's and the backward's "
+            "operations and inside the engine's own arithmetic and the release, outside every "
+            "check (every engine refuses it). Leave the context before the step "
+            "(torch.device(...) is allowed)")
     over = aten_python_kernels() - _TORCH_OWN_KERNELS
     if over:
         raise UnsupportedModelError(
