@@ -74,7 +74,8 @@ from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
 from dpclip.engine.proved_program import aten_python_kernels
 
-__all__ = ["Isolated", "check_structure", "engine_only", "origin", "settings", "signals_deferred"]
+__all__ = ["Isolated", "check_structure", "collector_paused", "engine_only", "origin", "settings",
+           "signals_deferred"]
 
 #: two floats whose product is a denormal, 0.0 when denormals are flushed (the flag
 #: ``torch.set_flush_denormal`` sets, FTZ / DAZ, applies to the interpreter's float arithmetic too;
@@ -335,7 +336,7 @@ def _set_dispatch_sets(v: tuple[int, int]) -> None:
 @contextlib.contextmanager
 def engine_only() -> Iterator[None]:
     """The engines' own code runs with no user code reachable between its operations:
-    :func:`signals_deferred`, the cyclic garbage collector paused, no Python kernel registered
+    :func:`signals_deferred`, the collector's callbacks taken out, no Python kernel registered
     over an ATen operation and no torch function / dispatch mode or saved-tensor hooks active
     (refused), and the Python dispatcher off (with it on, every ATen operation
     first calls the Python kernels registered on its backend keys; forty-first hostile review: a
@@ -364,11 +365,28 @@ def engine_only() -> Iterator[None]:
             "torch.library.Library('aten', 'IMPL').impl) would run inside the engine's own "
             "arithmetic and the release, outside every check (forty-second hostile review: "
             "1000 C); remove the registration (or run it in another process)")
-    collecting = gc.isenabled()
-    gc.disable()  # (a gc callback or a cyclic finalizer runs at any allocation: 1000 C in the
-    try:          # release, forty-second review; the cycles are collected after the step)
+    # the collector's callbacks taken out (one ran at any allocation: 1000 C in the release,
+    # forty-second review); the collector itself stays on, so that the cycles a chunk of user
+    # code leaves are finalized inside that chunk's checks (paused for the whole call, a
+    # finalizer on a cyclic chunk slice ran after the engine returned: 93.5 C); it is paused in
+    # the reductions (exact_float32) and the release (collector_paused)
+    callbacks = gc.callbacks[:]
+    del gc.callbacks[:]
+    try:
         with torch._C._DisablePythonDispatcher(), signals_deferred():
             yield
+    finally:
+        gc.callbacks[:] = callbacks + [c for c in gc.callbacks if c not in callbacks]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused (its finalizers and callbacks run at any allocation):
+    around the release of a step (the noise drawn and added)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if collecting:
             gc.enable()

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.events import ComposedEvent, DpEvent, GaussianEvent
+from dpclip.engine.isolation import collector_paused
 from dpclip.noise import add_gaussian_noise, add_gaussian_noise_all, noise_std, standard_normal
 
 __all__ = ["NoiseShardLike", "Released", "Releaser", "release"]
@@ -158,6 +159,19 @@ def release(
 
     Raises ``ValueError`` for a non-finite or negative multiplier, sensitivity or divisor.
     """
+    with collector_paused():  # (a collector callback or cyclic finalizer scaled the sums before
+        # the noise: 1000 C, forty-second hostile review)
+        return _release(sums, noise_multiplier, sensitivity, divisor, generator, strategy, state,
+                        norms, ctx, sampler, sensitivity_factor, mechanism, noise_scale,
+                        per_tensor, untransform, shard)
+
+
+def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
+             sensitivity: float | Mapping[str, float], divisor: float,
+             generator: torch.Generator, strategy: ClippingStrategy, state: State, norms: Tensor,
+             ctx: StepContext, sampler: Any, sensitivity_factor: int, mechanism: DpEvent | None,
+             noise_scale: float, per_tensor: bool, untransform: bool,
+             shard: NoiseShardLike | None) -> Released:
     z = noise_multiplier
     std: float | dict[str, float]
     if isinstance(sensitivity, Mapping):
