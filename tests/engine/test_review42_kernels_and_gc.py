@@ -156,3 +156,42 @@ def test_a_forward_that_changes_the_collector_is_refused():
         assert len(gc.callbacks) == n  # (put back)
     finally:
         del gc.callbacks[n:]
+
+
+def _mixing_tanh(x):
+    """vmap's batching key: the kernel receives the whole batch and gives every row its sum."""
+    from torch._C import _functorch as F
+
+    level = F.maybe_current_level()
+    value, bdim = F._unwrap_batched(x, level)
+    value = value.movedim(bdim, 0)
+    out = torch.tanh(value) + 50.0 * torch.sin(7 * value.sum(0, keepdim=True))
+    return F._add_batch_dim(out, 0, level)
+
+
+class _BatchedKernel(Head):
+    """Forty-fourth hostile review: a kernel over ``tanh`` on ``FuncTorchBatched``, the key where
+    vmap's batching rules run (4.81 C under vmap and auto on 8ef7ebf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _register("tanh", _mixing_tanh, "FuncTorchBatched")
+
+    def forward(self, x):
+        return self.fc(torch.tanh(x))
+
+
+@pytest.mark.parametrize("engine", [AutoEngine, VmapEngine])
+def test_a_python_kernel_on_vmaps_batching_key_is_refused(engine, libraries):
+    x, y = _batch()
+    with pytest.raises(UnsupportedModelError, match="aten/tanh/FuncTorchBatched"):
+        loo_distance(engine, _BatchedKernel, x, y, 0.1)
+
+
+def test_torchs_own_kernels_are_not_refused():
+    from torch.func import vmap
+
+    from dpclip.engine.proved_program import foreign_aten_kernels
+
+    vmap(lambda t: t.sin().sum())(torch.randn(3, 4))  # (torch's lazy vmap decompositions)
+    assert foreign_aten_kernels() == frozenset()

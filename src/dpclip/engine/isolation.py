@@ -72,7 +72,7 @@ from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
-from dpclip.engine.proved_program import aten_python_kernels
+from dpclip.engine.proved_program import foreign_aten_kernels
 
 __all__ = ["Isolated", "check_structure", "collector_paused", "engine_only", "origin", "settings",
            "signals_deferred"]
@@ -358,7 +358,7 @@ def engine_only() -> Iterator[None]:
             "operations and inside the engine's own arithmetic and the release, outside every "
             "check (every engine refuses it). Leave the context before the step "
             "(torch.device(...) is allowed)")
-    over = aten_python_kernels() - _TORCH_OWN_KERNELS
+    over = foreign_aten_kernels()
     if over:
         raise UnsupportedModelError(
             f"a kernel registered from Python over ATen's ({', '.join(sorted(over)[:4])}; "
@@ -390,11 +390,6 @@ def collector_paused() -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
-
-
-#: ATen kernels torch itself registers from Python (torch.library's ledger at import, 2.11-2.13);
-#: the engines never call these operations
-_TORCH_OWN_KERNELS = frozenset({"aten/_foreach_mm/CUDA", "aten/linalg_lu_solve.out/MPS"})
 
 
 def _garbage_collector() -> tuple:
@@ -482,7 +477,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     # a Python kernel over an ATen operation registered by the forward, or a collector callback,
     # runs inside the engine's arithmetic or the release (forty-second review: 1000 C; the
     # kernel cannot be unregistered: refused)
-    ("Python kernels over ATen (torch.library)", aten_python_kernels, lambda v: None),
+    ("Python kernels over ATen (torch.library)", foreign_aten_kernels, lambda v: None),
     ("garbage collector (enabled, thresholds, callbacks)", _garbage_collector,
      _set_garbage_collector),
     ("dispatch key sets", _dispatch_repr, _set_dispatch_sets),

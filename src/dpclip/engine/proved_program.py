@@ -140,66 +140,62 @@ _EAGER_KEYS = frozenset({
 
 class _Ledger(set):
     """torch.library's ledger of Python kernels (``torch.library._impls``, a set of
-    ``"ns/op/key"``) with a version bumped by every change: a size alone missed a registration
-    that replaced a destroyed one (the same size). Installed over torch's set at import; torch
-    adds with ``add`` and removes with ``-=`` (a library's ``_destroy``)."""
+    ``"ns/op/key"``) with a version bumped by every change (a size alone missed a registration
+    that replaced a destroyed one) and a count per entry: torch removes an entry when ANY library
+    that registered it is destroyed, while another library's kernel registered over it
+    (``allow_override``) stays active; here the entry stays while one is left. Installed over
+    torch's set at import; torch adds with ``add`` and removes with ``-=`` (``_destroy``)."""
 
     version = 0
 
-    def _bump(self) -> None:
-        self.version += 1
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self.counts: dict[str, int] = dict.fromkeys(self, 1)
+
+    @property
+    def replaced(self) -> frozenset:
+        """Entries registered again over themselves (a kernel replaced under a known name)."""
+        return frozenset(k for k, n in self.counts.items() if n > 1)
 
     def add(self, x: Any) -> None:
-        self._bump()
+        self.version += 1
+        self.counts[x] = self.counts.get(x, 0) + 1
         super().add(x)
 
+    def _drop(self, items: Any) -> set:
+        self.version += 1
+        gone = set()
+        for x in set(items):
+            n = self.counts.get(x, 0) - 1
+            if n > 0:
+                self.counts[x] = n
+            else:
+                self.counts.pop(x, None)
+                gone.add(x)
+        return gone
+
     def discard(self, x: Any) -> None:
-        self._bump()
-        super().discard(x)
+        if x in self._drop([x]):
+            super().discard(x)
 
     def remove(self, x: Any) -> None:
-        self._bump()
-        super().remove(x)
-
-    def pop(self) -> Any:
-        self._bump()
-        return super().pop()
-
-    def clear(self) -> None:
-        self._bump()
-        super().clear()
-
-    def update(self, *others: Any) -> None:
-        self._bump()
-        super().update(*others)
+        if x not in self:
+            raise KeyError(x)
+        self.discard(x)
 
     def difference_update(self, *others: Any) -> None:
-        self._bump()
-        super().difference_update(*others)
+        for o in others:
+            super().difference_update(self._drop(o))
 
-    def intersection_update(self, *others: Any) -> None:
-        self._bump()
-        super().intersection_update(*others)
+    def __isub__(self, other: Any) -> "_Ledger":  # (a library's _destroy: its entries)
+        super().difference_update(self._drop(other))
+        return self
 
-    def symmetric_difference_update(self, other: Any) -> None:
-        self._bump()
-        super().symmetric_difference_update(other)
+    def _refuse(self, *args: Any) -> Any:
+        raise TypeError("dpclip: torch.library's ledger is only added to and subtracted from")
 
-    def __isub__(self, other: Any) -> "_Ledger":
-        self._bump()
-        return super().__isub__(other)
-
-    def __ior__(self, other: Any) -> "_Ledger":
-        self._bump()
-        return super().__ior__(other)
-
-    def __iand__(self, other: Any) -> "_Ledger":
-        self._bump()
-        return super().__iand__(other)
-
-    def __ixor__(self, other: Any) -> "_Ledger":
-        self._bump()
-        return super().__ixor__(other)
+    pop = clear = update = intersection_update = symmetric_difference_update = _refuse
+    __ior__ = __iand__ = __ixor__ = _refuse
 
 
 def _ledger() -> _Ledger:
@@ -210,6 +206,38 @@ def _ledger() -> _Ledger:
 
 
 _ledger()
+try:  # torch's own vmap decompositions, registered on the first vmap otherwise: now, so that an
+    # entry under one of their names later is a user's (registered again: ``_Ledger.replaced``)
+    from torch._functorch.vmap import lazy_load_decompositions
+
+    lazy_load_decompositions()
+except Exception:  # noqa: BLE001 - (another torch: registered on its first vmap, as before)
+    pass
+
+#: the ATen kernels torch registers from Python itself on keys other than Meta (torch 2.11-2.13:
+#: two at import, eight vmap decompositions on the first vmap)
+TORCH_OWN_KERNELS = frozenset({
+    "aten/_foreach_mm/CUDA", "aten/linalg_lu_solve.out/MPS", "aten/addr/FuncTorchBatched",
+    "aten/huber_loss_backward/FuncTorchBatched", "aten/mse_loss_backward/FuncTorchBatched",
+    "aten/nll_loss2d_backward/FuncTorchBatched", "aten/nll_loss2d_forward/FuncTorchBatched",
+    "aten/nll_loss_backward/FuncTorchBatched", "aten/nll_loss_forward/FuncTorchBatched",
+    "aten/smooth_l1_loss_backward/FuncTorchBatched"})
+_FOREIGN: list[Any] = [None, -1, frozenset()]
+
+
+def foreign_aten_kernels() -> frozenset:
+    """The ledger's entries of Python kernels over ATen operations that are not torch's own
+    (:data:`TORCH_OWN_KERNELS`), on any key but Meta (vmap's ``FuncTorchBatched`` included: a
+    kernel there received the whole batch inside vmap and mixed it, 4.81 C under vmap and auto,
+    forty-fourth hostile review), and any entry registered again over itself; the same object
+    while the ledger does not change."""
+    impls = _ledger()
+    if _FOREIGN[0] is not impls or _FOREIGN[1] != impls.version:
+        _FOREIGN[:] = [impls, impls.version, frozenset(
+            k for k in list(impls) if k.startswith("aten/") and not k.endswith("/Meta")
+            and k not in TORCH_OWN_KERNELS) | frozenset(
+            k for k in impls.replaced if k.startswith("aten/"))]
+    return _FOREIGN[2]
 
 
 def aten_python_kernels() -> frozenset:
