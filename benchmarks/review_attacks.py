@@ -558,14 +558,14 @@ def _attacks():
                 next(fixture, None)
         return run
 
-    def loo42(model):  # test_review42_kernels_and_gc: a torch.library kernel over nextafter
+    def loo42(model, c=0.01):  # test_review42_kernels_and_gc: torch.library kernels over ATen
         from tests.engine import test_review42_kernels_and_gc as r42
         from tests.engine.helpers import loo_distance
 
         def run(engine):
             try:
                 x, y = r42._batch()
-                return loo_distance(engine, getattr(r42, model), x, y, 0.01), {}
+                return loo_distance(engine, getattr(r42, model), x, y, c), {}
             finally:
                 while r42._LIBS:
                     r42._LIBS.pop()._destroy()
@@ -589,6 +589,8 @@ def _attacks():
                 m.mode.__exit__(None, None, None)
 
     return engines, [
+        ("44: a torch.library kernel over tanh on vmap's batching key mixes the batch (LOO, C 0.1)",
+         loo42("_BatchedKernel", 0.1), ("vmap", "auto")),
         ("43: a torch function mode the constructor left on divides the norms by 1000 (LOO, "
          "C 0.01)", loo43, ("vmap", "naive", "ghost")),
         ("42: a torch.library kernel over aten::nextafter, registered in the constructor (LOO, "
@@ -738,7 +740,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-third hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-fourth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
