@@ -372,11 +372,27 @@ def engine_only() -> Iterator[None]:
     # the reductions (exact_float32) and the release (collector_paused)
     callbacks = gc.callbacks[:]
     del gc.callbacks[:]
+    interpreter = (sys.gettrace(), sys.getprofile())
+    changed = False
     try:
         with torch._C._DisablePythonDispatcher(), signals_deferred():
             yield
     finally:
         gc.callbacks[:] = callbacks + [c for c in gc.callbacks if c not in callbacks]
+        # a trace or profile function set inside the call but outside every chunk's checks (a
+        # finalizer freed by the engine after the last chunk: it scaled the result on the return
+        # of compute, 50 C under ghost and auto, forty-fifth hostile review) is put back before
+        # the call returns, and the call refused
+        if (sys.gettrace(), sys.getprofile()) != interpreter:
+            sys.settrace(interpreter[0])
+            sys.setprofile(interpreter[1])
+            changed = True
+    if changed:
+        raise UnsupportedModelError(
+            "an interpreter callback (sys.settrace / sys.setprofile) was set during the private "
+            "step outside the forward and loss (e.g. by a finalizer the engine's own code "
+            "released): it would run on the engine's result before the release; put back. Do "
+            "not set interpreter callbacks from code a step can run")
 
 
 @contextlib.contextmanager
