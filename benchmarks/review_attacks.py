@@ -588,7 +588,21 @@ def _attacks():
             for m in reversed(made):
                 m.mode.__exit__(None, None, None)
 
+    def loo45(engine):  # test_review45_finalizers: a finalizer the engine released
+        from tests.engine import test_review45_finalizers as r45
+        from tests.engine.helpers import loo_distance
+
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=g)
+        try:
+            return loo_distance(engine, r45._PlantsInTheEngine, x, y, 0.1), {}
+        finally:
+            sys.setprofile(None)
+
     return engines, [
+        ("45: a finalizer planted in ghost's list of chunks sets a profile function scaling the "
+         "result x50 (LOO)", loo45, ("ghost", "auto")),
         ("44: a torch.library kernel over tanh on vmap's batching key mixes the batch (LOO, C 0.1)",
          loo42("_BatchedKernel", 0.1), ("vmap", "auto")),
         ("43: a torch function mode the constructor left on divides the norms by 1000 (LOO, "
@@ -740,7 +754,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-fourth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-fifth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "
