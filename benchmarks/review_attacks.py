@@ -600,7 +600,20 @@ def _attacks():
         finally:
             sys.setprofile(None)
 
+    def loo46(name):  # test_review46_frames: finalizers that walk the frames
+        def run(engine):
+            from tests.engine import test_review46_frames as r46
+            from tests.engine.helpers import loo_distance
+
+            x, y = r46._data()
+            return loo_distance(engine, getattr(r46, name), x, y, 0.1), {}
+        return run
+
     return engines, [
+        ("46: a finalizer on a layer's input walks the frames to ghost's sum after the reduction, "
+         "x50 (LOO)", loo46("_FinalizerScales"), ("ghost", "auto")),
+        ("46: a finalizer plants an object in ghost's list of chunks; its __del__ scales the sums "
+         "x50 outside every isolation (LOO)", loo46("_Plants"), ("ghost", "auto")),
         ("45: a finalizer planted in ghost's list of chunks sets a profile function scaling the "
          "result x50 (LOO)", loo45, ("ghost", "auto")),
         ("44: a torch.library kernel over tanh on vmap's batching key mixes the batch (LOO, C 0.1)",
@@ -754,7 +767,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-fifth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-sixth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

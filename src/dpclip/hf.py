@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from dpclip._ident import ident
+
 __all__ = ["HF_RECIPE", "is_transformers_model", "with_hf_recipe"]
 
 HF_RECIPE = (
@@ -39,8 +41,8 @@ def is_transformers_model(model: nn.Module) -> bool:
 def _from_transformers(exc: BaseException) -> bool:
     seen: set[int] = set()
     e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    while e is not None and ident(e) not in seen:
+        seen.add(ident(e))
         if any("transformers" in f.filename for f in traceback.extract_tb(e.__traceback__)):
             return True
         e = e.__cause__ or e.__context__

@@ -221,7 +221,9 @@ def test_the_verdict_is_dropped_with_its_model():
     model = _Honest().to(DT)
     x, y = data()
     clipped_sum(AutoEngine(), model, ce, x, y)
-    key = id(model)
+    from dpclip._ident import ident
+
+    key = ident(model)
     assert ghost._verdict_of(model) is not None
     del model
     gc.collect()

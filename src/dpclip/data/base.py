@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpclip._ident import ident
+
 __all__ = ["DatasetBundle", "DatasetNotFoundError", "TensorSplit"]
 
 
@@ -103,12 +105,12 @@ _PUBLIC_INPUTS: dict[int, weakref.ref] = {}
 
 
 def _known(registry: dict[int, weakref.ref], t: Tensor) -> bool:
-    r = registry.get(id(t))
+    r = registry.get(ident(t))
     return r is not None and r() is t
 
 
 def _mark(registry: dict[int, weakref.ref], t: Tensor) -> None:
-    key = id(t)
+    key = ident(t)
     registry[key] = weakref.ref(t, lambda _r, key=key: registry.pop(key, None))
 
 

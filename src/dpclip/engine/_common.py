@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
+from dpclip.engine import frames_guard
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.isolation import Isolated, _flushed, check_structure, engine_only
 
@@ -403,6 +404,9 @@ def _exact_inside() -> Iterator[None]:
         if callbacks != (None, None):
             sys.settrace(callbacks[0])
             sys.setprofile(callbacks[1])
+
+
+frames_guard.own_code(_exact_inside)  # (it puts the caller's callbacks back)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 
+from dpclip._ident import ident
+
 __all__ = ["Engine", "EngineResult", "LossFn", "ParamGroups", "WeightFn"]
 
 #: ``loss_fn(outputs, targets) -> per-example losses of shape (B,)`` (reduction "none").
@@ -59,15 +61,15 @@ class ParamGroups:
         A parameter shared by several modules (tied weights) belongs to the first module that owns it.
         """
         # canonical names: a tied parameter is listed once, under its first owner
-        canonical = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        canonical = {ident(p): n for n, p in model.named_parameters() if p.requires_grad}
         seen: set[int] = set()
         names: list[str] = []
         members: list[tuple[str, ...]] = []
         for mod_name, mod in model.named_modules():
             own_ids = [
-                id(p)
+                ident(p)
                 for _, p in mod.named_parameters(recurse=False)
-                if p.requires_grad and id(p) in canonical and id(p) not in seen
+                if p.requires_grad and ident(p) in canonical and ident(p) not in seen
             ]
             seen.update(own_ids)
             own = tuple(canonical[i] for i in own_ids)

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from dpclip._ident import ident
 from dpclip.engine.batch import call_model
 from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
@@ -497,7 +498,7 @@ class _Same:
         self.obj = obj
 
     def __hash__(self) -> int:
-        return id(self.obj)
+        return ident(self.obj)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _Same and other.obj is self.obj
@@ -579,9 +580,9 @@ def _modules(model: nn.Module) -> list[nn.Module]:
     stack = [model]
     while stack:
         m = stack.pop()
-        if id(m) in seen:
+        if ident(m) in seen:
             continue
-        seen.add(id(m))
+        seen.add(ident(m))
         out.append(m)
         children = m.__dict__.get("_modules")
         if children:
@@ -668,7 +669,7 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     # fails the match, sixth hostile review: keyed by its attributes' values, every call missed
     # and a fresh proof took the carried value as a constant, 0.74 C), then by its canonical form
     # (a new lambda or loss object each step reuses the proof: fifth review)
-    rest = (_signature(model, xs, ys), tuple((id(m), f) for m, f in expand))
+    rest = (_signature(model, xs, ys), tuple((ident(m), f) for m, f in expand))
     key = (_identity(loss_fn),) + rest
     got = per_model.by_identity.get(key)
     if got is not None:

@@ -130,6 +130,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from dpclip._ident import ident
 from dpclip.engine._common import (
     HALF,
     ChunkReducer,
@@ -239,7 +240,7 @@ def _scan(model: nn.Module) -> _Scan:
         for attr, p in own_params.items():
             if p is None:
                 continue
-            pid = id(p)
+            pid = ident(p)
             name = names.get(pid)
             if name is None:
                 name = names[pid] = f"{qual}.{attr}" if qual else attr
@@ -275,7 +276,7 @@ def _scan(model: nn.Module) -> _Scan:
         owners = [o for o in owners if o.rule is _MODULE or not library_changed(
             (type(o.module),))]
     return _Scan(params, tuple(owners), tuple(reasons), batchnorm,
-                 {id(o.module): o for o in owners}, by_param,
+                 {ident(o.module): o for o in owners}, by_param,
                  tuple(o.name for o in owners if o.rule is _MODULE))
 
 
@@ -321,13 +322,13 @@ def _counted_elsewhere(c: _Call) -> list[int]:
     The call's nodes are those created between its pre-hook and its hook."""
     start, end = c.window
     keys = [(e.node, e.output_nr) if e.node is not None else None for e in c.oedges]
-    own = {id(getattr(c.mod, r)) for r in c.owner.roles}
+    own = {ident(getattr(c.mod, r)) for r in c.owner.roles}
     got = []
     for j, key in enumerate(keys):
         if key is None:
             continue
         var = getattr(key[0], "variable", None)
-        if var is not None and id(var) not in own:
+        if var is not None and ident(var) not in own:
             # a leaf made in the call (``o.detach().requires_grad_()``): no gradient of the
             # module's parameters flows through it, though the replay would differentiate
             # through the recorded detach (twenty-fourth hostile review: wrong gradients)
@@ -401,7 +402,7 @@ def _graph_param_uses(root: Any, wanted: dict[int, str],
     for fn in leaves:
         var = getattr(fn, "variable", None)
         if var is not None:
-            name = wanted.get(id(var))
+            name = wanted.get(ident(var))
             if name is not None:
                 uses[name] = indeg[fn]
     return uses
@@ -508,13 +509,13 @@ def _owner(model: nn.Module) -> nn.Module:
 
 def _verdict_of(model: nn.Module) -> _Verdict | None:
     model = _owner(model)
-    got = _VERDICTS.get(id(model))
+    got = _VERDICTS.get(ident(model))
     return got[1] if got is not None and got[0]() is model else None
 
 
 def _keep_verdict(model: nn.Module, verdict: _Verdict) -> None:
     model = _owner(model)
-    key = id(model)
+    key = ident(model)
     _VERDICTS[key] = (weakref.ref(model, lambda _, key=key: _drop_verdict(key)), verdict)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from dpclip._ident import ident
 from dpclip.engine.base import LossFn
 from dpclip.engine.batch import batch_leaves, call_model
 from dpclip.engine.batch_symbol import data_independent_paths, proof_of
@@ -102,7 +103,7 @@ def _plain_chain(model: nn.Module, by_module: dict[int, "_Owner"]) -> list[nn.Mo
             stack.append(iter(mod._modules.values()))
         elif type(mod._modules) is not dict or mod._modules:  # another container: its own
             return None  # business
-        elif id(mod) in by_module and (not _no_hooks(mod) or by_module[id(mod)].rule is _MODULE
+        elif ident(mod) in by_module and (not _no_hooks(mod) or by_module[ident(mod)].rule is _MODULE
                                        or instance_code(mod) is not None):
             return None
         else:
@@ -275,7 +276,7 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()), None)
-        owner = by_module[id(mod)]
+        owner = by_module[ident(mod)]
         _refuse_user_forward_hooks(owner.name, mod, hook)
         _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
@@ -314,19 +315,19 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         # the engine's own code (it reads the autograd sequence number), not user code: the
         # tracer's Python checks pause, as in _engine_call
-        if by_module[id(mod)].rule is not _MODULE:
+        if by_module[ident(mod)].rule is not _MODULE:
             # a ruled layer: Module.__call__ has just looked its forward up (this pre-hook runs
             # first, global pre-hooks are refused), so an instance forward or a class installed
             # for this call is still there
-            _refuse_instance_code(by_module[id(mod)].name, mod, classes[id(mod)])
+            _refuse_instance_code(by_module[ident(mod)].name, mod, classes[ident(mod)])
             return None
         quiet, tracer.quiet = tracer.quiet, True
         try:
-            by_module[id(mod)].enter(mod, args, kwargs, tracer.match)
+            by_module[ident(mod)].enter(mod, args, kwargs, tracer.match)
         finally:
             tracer.quiet = quiet
 
-    classes = {id(o.module): type(o.module) for o in scan.owners}  # before any user code
+    classes = {ident(o.module): type(o.module) for o in scan.owners}  # before any user code
     handles = []
     try:
         for o in scan.owners:
@@ -382,7 +383,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
             _check_separable(tracer, calls, losses)
             return calls, losses
     _arm(tracer)  # the chain's modules may be user code
-    classes = {id(m): type(m) for m in chain}  # before any user code
+    classes = {ident(m): type(m) for m in chain}  # before any user code
     # (no cache under interpreter callbacks: user code then runs inside the modules' forwards)
     key = _chain_key(chain, xs) if python_callbacks() is None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
@@ -391,12 +392,12 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
         with chain_tracer or contextlib.nullcontext():
             h = xs
             for mod in chain:
-                owner = by_module.get(id(mod))
+                owner = by_module.get(ident(mod))
                 if owner is None:
                     h = mod(h)
                 else:
                     # (installed by an earlier module of the chain)
-                    _refuse_instance_code(owner.name, mod, classes[id(mod)])
+                    _refuse_instance_code(owner.name, mod, classes[ident(mod)])
                     out = mod(h)
                     c = _engine_call(owner, h, out, chain_tracer)  # (printed when traced)
                     calls.append(c if chain_tracer is not None else _printed(c))
@@ -611,7 +612,7 @@ def _run_known_chain(chain: list[nn.Module], by_module: dict[int, "_Owner"], xs:
             out = mod(h)
             if not isinstance(out, Tensor) or out.ndim == 0 or out.shape[0] != batch:
                 return None
-            owner = by_module.get(id(mod))
+            owner = by_module.get(ident(mod))
             if owner is not None:
                 c = _Call(owner, h, out)
                 c.layouts = ((0, 1), (0, 1))
@@ -713,7 +714,7 @@ def _run_known_tree(model: nn.Module, modules: list[nn.Module],
             bad.append(True)
 
     def post(mod: nn.Module, args: tuple, out: Any) -> None:
-        owner = by_module.get(id(mod))
+        owner = by_module.get(ident(mod))
         if owner is None:
             return
         if type(out) is not Tensor or out.ndim == 0 or out.shape[0] != batch or not args \
@@ -725,10 +726,10 @@ def _run_known_tree(model: nn.Module, modules: list[nn.Module],
         calls.append(c)
 
     try:
-        for mod in {id(m): m for m in modules}.values():  # (a layer used twice: hooked once)
+        for mod in {ident(m): m for m in modules}.values():  # (a layer used twice: hooked once)
             if type(mod) in _KNOWN_MODULES:
                 handles.append(mod.register_forward_pre_hook(pre))
-                if id(mod) in by_module:
+                if ident(mod) in by_module:
                     handles.append(mod.register_forward_hook(post))
         with torch.enable_grad():
             h = model(xs)

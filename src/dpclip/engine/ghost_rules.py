@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from dpclip._ident import ident
 from dpclip.engine._common import HALF, _Rounding
 from dpclip.engine.per_layer import (
     arg_batch_dims,
@@ -1112,7 +1113,7 @@ def layer_config(mod: nn.Module) -> list[tuple[str, Any]]:
             # its own tensors by identity and version: a buffer swapped for the call (eval
             # BatchNorm fed the batch's own statistics as running_mean / running_var, twentieth
             # hostile review: LOO 2.23 C) or written in place and written back
-            got.append((k, tuple((n, id(t), t._version if t is not None else None)
+            got.append((k, tuple((n, ident(t), t._version if t is not None else None)
                                  for n, t in v.items())))
             continue
         if k == "training" or type(v) in (dict, collections.OrderedDict) or \
@@ -1121,8 +1122,8 @@ def layer_config(mod: nn.Module) -> list[tuple[str, Any]]:
         # (a data descriptor of the class, e.g. a property set on it for the call, would hide the
         # instance's value: twentieth hostile review, padding read through the class)
         shadow = _data_descriptor(cls, k)
-        got.append((k, _frozen(v) if shadow is None else ("shadowed", id(shadow))))
-    got.append(("__getattribute__", id(_class_attr(cls, "__getattribute__"))))
+        got.append((k, _frozen(v) if shadow is None else ("shadowed", ident(shadow))))
+    got.append(("__getattribute__", ident(_class_attr(cls, "__getattribute__"))))
     return got
 
 
@@ -1149,7 +1150,7 @@ def _frozen(v: Any, depth: int = 4) -> Any:
         return v
     if depth > 0 and type(v) in (tuple, list):
         return (type(v).__name__, tuple(_frozen(x, depth - 1) for x in v))
-    return ("id", type(v), id(v))
+    return ("id", type(v), ident(v))
 
 
 class _Owner:
@@ -1187,6 +1188,6 @@ class _Scan:
     owners: tuple[_Owner, ...]
     reasons: tuple[str, ...]  #: why the model is not supported (empty: supported)
     batchnorm: bool  #: the model has a BatchNorm layer
-    by_module: dict[int, _Owner]  #: the owners by ``id(module)``
-    by_param: dict[int, str]  #: canonical names of the trainable parameters by ``id(param)``
+    by_module: dict[int, _Owner]  #: the owners by ``ident(module)``
+    by_param: dict[int, str]  #: canonical names of the trainable parameters by ``ident(param)``
     per_layer: tuple[str, ...] = ()  #: modules on the per-layer path (no rule for their type)

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from dpclip._ident import ident
 from dpclip.engine.memory_watch import call_releasing
 
 __all__ = ["hook_free_grad"]
@@ -65,7 +66,7 @@ def hook_free_grad(total: Tensor, edges: Sequence[Any]) -> list[Tensor | None]:
     got = box.get("got")
     if got is None:  # (the root's backward did not run: nothing reaches the edges)
         return [None] * len(edges)
-    return [got.get(id(e.node), {}).get(e.output_nr) for e in edges]
+    return [got.get(ident(e.node), {}).get(e.output_nr) for e in edges]
 
 
 class _Root(torch.autograd.Function):
@@ -79,7 +80,7 @@ class _Root(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
         box = ctx.box
-        targets = {id(e.node): e.node for e in box["edges"]}
+        targets = {ident(e.node): e.node for e in box["edges"]}
         with torch.no_grad():
             box["got"] = _walk(box["root"], g, targets)
         raise _Stop
@@ -93,7 +94,7 @@ def _graph(root: Any) -> tuple[list[Any], dict[int, tuple[tuple[Any, int], ...]]
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         n, done = stack.pop()
-        k = id(n)
+        k = ident(n)
         if done:
             post.append(n)
             continue
@@ -102,25 +103,25 @@ def _graph(root: Any) -> tuple[list[Any], dict[int, tuple[tuple[Any, int], ...]]
         ch = n.next_functions
         children[k] = ch
         stack.append((n, True))
-        stack.extend((c, False) for c, _ in ch if c is not None and id(c) not in children)
+        stack.extend((c, False) for c, _ in ch if c is not None and ident(c) not in children)
     return post, children
 
 
 def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, dict[int, Tensor]]:
-    """``{id(target node): {input number: gradient}}``: the graph below ``root`` evaluated node by
+    """``{ident(target node): {input number: gradient}}``: the graph below ``root`` evaluated node by
     node, as autograd's engine does, without the hooks."""
     post, children = _graph(root)
     needed = {k for k in targets if k in children}  # the nodes on a path to a target
     for n in post:  # (post-order: a node's children are decided before it)
-        if any(id(c) in needed for c, _ in children[id(n)]):
-            needed.add(id(n))
-    called = {k for k in needed if any(id(c) in needed for c, _ in children[k])}
+        if any(ident(c) in needed for c, _ in children[ident(n)]):
+            needed.add(ident(n))
+    called = {k for k in needed if any(ident(c) in needed for c, _ in children[k])}
     deps: dict[int, int] = {}
     for k in called:
         for c, _ in children[k]:
-            if id(c) in needed:
-                deps[id(c)] = deps.get(id(c), 0) + 1
-    buf: dict[int, dict[int, Tensor]] = {id(root): {0: root_grad}}
+            if ident(c) in needed:
+                deps[ident(c)] = deps.get(ident(c), 0) + 1
+    buf: dict[int, dict[int, Tensor]] = {ident(root): {0: root_grad}}
     got: dict[int, dict[int, Tensor]] = {}
     # autograd's order: the ready node made last in the forward first (its sequence number), so
     # that the gradients reaching a node are summed in the engine's order
@@ -128,7 +129,7 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
     pushed = 1
     while ready:
         n = heapq.heappop(ready)[2]
-        k = id(n)
+        k = ident(n)
         ins = buf.pop(k, {})
         if k in targets:
             got[k] = ins
@@ -141,12 +142,12 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
             if not isinstance(outs, (tuple, list)):
                 outs = (outs,)
         for (c, nr), g in zip(children[k], outs):
-            if c is None or id(c) not in needed:
+            if c is None or ident(c) not in needed:
                 continue
             if g is not None:
-                _add(buf.setdefault(id(c), {}), nr, _fit(g, c._input_metadata[nr]))
-            deps[id(c)] -= 1
-            if not deps[id(c)]:
+                _add(buf.setdefault(ident(c), {}), nr, _fit(g, c._input_metadata[nr]))
+            deps[ident(c)] -= 1
+            if not deps[ident(c)]:
                 heapq.heappush(ready, (-c._sequence_nr(), pushed, c))
                 pushed += 1
     return got

@@ -68,7 +68,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from dpclip._ident import ident
 from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
+from dpclip.engine import frames_guard
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
@@ -304,7 +306,8 @@ def signals_deferred() -> Iterator[None]:
             _signal.signal(sig, handler)
         handlers = dict(saved)
         for signum in pending:
-            handlers[signum](signum, sys._getframe())
+            # (no frame: a handler given one reached the step's locals, forty-sixth review)
+            handlers[signum](signum, None)
 
 
 def _dispatch_sets() -> tuple:
@@ -375,7 +378,9 @@ def engine_only() -> Iterator[None]:
     interpreter = (sys.gettrace(), sys.getprofile())
     changed = False
     try:
-        with torch._C._DisablePythonDispatcher(), signals_deferred():
+        # (innermost: frames and the collector's objects out of reach of every user code the
+        # call runs, forty-sixth hostile review, dpclip.engine.frames_guard)
+        with torch._C._DisablePythonDispatcher(), signals_deferred(), frames_guard.guarded():
             yield
     finally:
         gc.callbacks[:] = callbacks + [c for c in gc.callbacks if c not in callbacks]
@@ -581,7 +586,7 @@ def _strict_key(x: Any) -> Any:
         return (t, x)
     if t is tuple:
         return (t, tuple(map(_strict_key, x)))
-    return (t, id(x))
+    return (t, ident(x))
 
 
 def _eq(a: Any, b: Any) -> bool:
@@ -652,9 +657,9 @@ def _content(v: Any, depth: int = _DEPTH, path: frozenset = frozenset()) -> Any:
         return None
     if not any(map(_is_container, values)):
         return items
-    path = path | {id(v)}
+    path = path | {ident(v)}
     inner = tuple((i, _content(x, depth - 1, path)) for i, x in enumerate(values)
-                  if _is_container(x) and id(x) not in path)
+                  if _is_container(x) and ident(x) not in path)
     if inner:
         return _Nested(items, inner)
     return items
@@ -801,7 +806,7 @@ _NAMESPACE = type.__dict__["__dict__"].__get__
 _MRO = type.__dict__["__mro__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
-#: id(class) -> (class, the top-level package that really defines it, "" for none): see
+#: ident(class) -> (class, the top-level package that really defines it, "" for none): see
 #: :func:`origin` (by identity: a metaclass's ``__hash__`` is user code)
 _ORIGIN: dict[int, tuple[type, str]] = {}
 
@@ -813,7 +818,7 @@ def origin(c: type) -> str:
     attributes out of the snapshot: eighth hostile review); the module it names must hold that
     very class (read from the modules' and classes' own namespaces: no code runs). A class made
     inside a function (``<locals>`` in its name) is nobody's."""
-    hit = _ORIGIN.get(id(c))
+    hit = _ORIGIN.get(ident(c))
     if hit is not None and hit[0] is c:
         return hit[1]
     got = ""
@@ -830,7 +835,7 @@ def origin(c: type) -> str:
             obj = found
         if found is c:
             got = name.split(".")[0]
-    _ORIGIN[id(c)] = (c, got)
+    _ORIGIN[ident(c)] = (c, got)
     return got
 
 
@@ -896,10 +901,10 @@ def _own_classes(cls: type, cache: dict, roots: tuple) -> tuple:
     """The classes of ``cls``'s MRO that are no library's (:func:`origin`), cached by identity
     while the MRO stays the same tuple (assigning ``__bases__`` makes a new one)."""
     mro = _MRO(cls)
-    got = cache.get(id(cls))
+    got = cache.get(ident(cls))
     if got is None or got[0] is not cls or got[1] is not mro:
         got = (cls, mro, tuple(c for c in mro if c is not object and origin(c) not in roots))
-        cache[id(cls)] = got
+        cache[ident(cls)] = got
     return got[2]
 
 
@@ -910,20 +915,20 @@ _TENSOR_CLASSES: dict[int, tuple] = {}
 def _structure(model: nn.Module) -> str | None:
     seen: set[int] = set()
     stack: list[tuple[Any, Any]] = [(model, None)]
-    names: dict[int, tuple[Any, str]] = {}  # id(module) -> (parent, key): names only on failure
+    names: dict[int, tuple[Any, str]] = {}  # ident(module) -> (parent, key): names only on failure
 
     def where(m: Any) -> str:
         parts = []
-        while id(m) in names:
-            m, k = names[id(m)]
+        while ident(m) in names:
+            m, k = names[ident(m)]
             parts.append(k)
         return ".".join(reversed(parts)) or "<root>"
 
     while stack:
         m, _ = stack.pop()
-        if id(m) in seen:
+        if ident(m) in seen:
             continue
-        seen.add(id(m))
+        seen.add(ident(m))
         for c in _own_classes(type(m), _MODULE_CLASSES, _STRUCTURE_ROOTS):
             ns = _NAMESPACE(c)
             bad = [k for k in _STRUCTURE_ORDER if k in ns and not (
@@ -939,7 +944,7 @@ def _structure(model: nn.Module) -> str | None:
         if not _TABLE_TYPE_IDS.issuperset(map(id, map(type, map(own.get, _TABLE_ORDER)))):
             for k in _TABLE_ORDER:  # (which one: the message)
                 t = type(own.get(k))
-                if id(t) not in _TABLE_TYPE_IDS:
+                if ident(t) not in _TABLE_TYPE_IDS:
                     return (f"the table {k} of module {where(m)!r} is a {_QUALNAME(t)}, not a "
                             "plain dict or set: the engine reads it outside the calls it "
                             "checks, so its methods could carry one step's examples into the "
@@ -959,9 +964,9 @@ def _structure(model: nn.Module) -> str | None:
         children = own.get("_modules")
         if children:
             for k, c in dict.items(children):
-                if c is not None and id(c) not in seen:
-                    if id(c) not in names:
-                        names[id(c)] = (m, k)
+                if c is not None and ident(c) not in seen:
+                    if ident(c) not in names:
+                        names[ident(c)] = (m, k)
                     stack.append((c, None))
     return None
 
@@ -991,8 +996,8 @@ class _State:
             got = snap.changed()
             if got:
                 if names is None:
-                    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-                where = names.get(id(snap.m), "")
+                    names = {ident(m): n for n, m in model.named_modules(remove_duplicate=False)}
+                where = names.get(ident(snap.m), "")
                 for k in got:
                     if k == _CLASS:
                         out.append(f"the class of module {where or '<root>'!r}")
@@ -1056,7 +1061,7 @@ class Isolated:
         # check (seventh hostile review: an attribute set 1.5 s later, 0.75 C on the next call)
         changed += [f"a thread started in the call and still running ({t.name})"
                     for t in threading.enumerate()
-                    if id(t) not in self._threads and t.is_alive()]
+                    if ident(t) not in self._threads and t.is_alive()]
         assert self._state is not None
         got = self._state.changed(self.model)
         if got:
@@ -1080,3 +1085,7 @@ class Isolated:
                 write(was)
                 changed.append(f"torch's global setting {name!r}")
         return changed
+
+
+# the engine's own code that puts interpreter callbacks back inside a step (dpclip.engine.frames_guard)
+frames_guard.own_code(_set_interpreter_callbacks, engine_only)

@@ -44,6 +44,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from dpclip._ident import ident
 from dpclip.registry import KNOWN_PROGRAMS
 
 __all__ = ["library_changed"]
@@ -195,7 +196,7 @@ class _Lookups:
             trusted: bool = False) -> None:
         """Record a lookup; ``trusted``: the object need not be torch's own (a known tree's
         forward, dpclip's model code: still compared by identity on every check)."""
-        key = (id(container), name)
+        key = (ident(container), name)
         if key in self.seen or key in _WATCHED:
             return
         self.seen.add(key)
@@ -319,7 +320,7 @@ def _watched() -> set[tuple[int, str]]:
     refuses any registration through them, and outside a watch no user code runs in a proved
     chain)."""
     from dpclip.engine.hook_watch import _DOORS
-    return {(id(owner), name) for owner, name, _ in _DOORS}
+    return {(ident(owner), name) for owner, name, _ in _DOORS}
 
 
 _WATCHED = _watched()

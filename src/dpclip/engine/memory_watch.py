@@ -46,6 +46,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from dpclip._ident import ident
+
 __all__ = ["MemoryWatch", "SavedTensorWatch", "foreign_saved_tensor_hooks", "reads_no_values",
            "release_pool"]
 
@@ -139,7 +141,7 @@ class MemoryWatch:
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot] = {}
-        #: id(tensor) -> (tensor, its storage's data pointer, its geometry) for every tensor
+        #: ident(tensor) -> (tensor, its storage's data pointer, its geometry) for every tensor
         #: added: a tensor moved to other memory with no operation (``t.data = x`` with torch
         #: functions off, a ``set_`` with Python dispatch off) reads memory nobody copied; one
         #: restrided in place with no operation (``as_strided_`` with dispatch off and its version
@@ -178,11 +180,11 @@ class MemoryWatch:
                 continue
             if key == 0 or n == 0:
                 continue
-            home = homes.get(id(t))
+            home = homes.get(ident(t))
             if home is None or home[0] is t and home[1] == key:
                 # (new, or the output of an operation the trace saw: its geometry now is the
                 # program's, also after an in-place view operation)
-                homes[id(t)] = (t, key, _geometry(t))
+                homes[ident(t)] = (t, key, _geometry(t))
             if key in slots:
                 continue
             dev = st.device
@@ -242,7 +244,7 @@ class MemoryWatch:
             key = t.untyped_storage().data_ptr()
         except Exception:  # noqa: BLE001 - no storage: nothing watched
             return
-        home = self._homes.get(id(t))
+        home = self._homes.get(ident(t))
         if home is not None and home[0] is t and (home[1] != key or home[2] != _geometry(t)):
             if self.changed is None:
                 self.changed = self._slots[home[1]].what

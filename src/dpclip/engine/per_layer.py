@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from dpclip._ident import ident
 from dpclip.engine.errors import quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
@@ -125,7 +126,7 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
     their modules' parameters (module docstring). ``calls``: the live per-layer calls (``outs``,
     ``bs``, ``window``, ``owner``); ``uses``: edges into each parameter's ``AccumulateGrad`` node in
     the whole graph; ``ruled``: the number of ruled layer calls using each parameter (tied with a
-    ruled layer); ``by_param``: canonical names by ``id(param)``; ``indeg``: every node's number
+    ruled layer); ``by_param``: canonical names by ``ident(param)``; ``indeg``: every node's number
     of incoming edges in the whole graph (an intermediate of a call that depends on its
     parameters and is used after the call, e.g. ``self.hw = self.weight.float()`` read later,
     carries a gradient the call's product misses: refused; sixteenth hostile review, silently
@@ -140,7 +141,7 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             raise PerLayerUnsupported(
                 f"the call of module {name!r} ({type(c.mod).__name__}) was not seen entering "
                 "(its forward pre-hook did not run); call it through its module")
-        own = {id(getattr(c.mod, r)) for r in c.owner.roles}
+        own = {ident(getattr(c.mod, r)) for r in c.owner.roles}
         # (an output created outside the call, e.g. an input returned as is, is no use of the
         # module's parameters: its node is not a root)
         roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None
@@ -166,9 +167,9 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                     inner_nr[(n, nr)] = inner_nr.get((n, nr), 0) + 1
                 var = _accumulate_var(n)
                 if var is not None:
-                    if id(var) in own:
+                    if ident(var) in own:
                         touches.add(node)
-                        pn = by_param.get(id(var))
+                        pn = by_param.get(ident(var))
                         if pn is not None:
                             counted[pn] = counted.get(pn, 0) + 1
                     continue
@@ -191,8 +192,8 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                     "computed from its parameters is used after the call (kept in an attribute or "
                     "returned where the module's outputs are not seen): the gradient through "
                     "that use cannot be read from the call; return it, or use engine 'vmap'")
-    names = {by_param[id(getattr(c.mod, r))] for c in calls for r in c.owner.roles
-             if id(getattr(c.mod, r)) in by_param}
+    names = {by_param[ident(getattr(c.mod, r))] for c in calls for r in c.owner.roles
+             if ident(getattr(c.mod, r)) in by_param}
     bad = sorted(pn for pn in names if counted.get(pn, 0) != uses.get(pn, 0))
     if bad:
         raise PerLayerUnsupported(
@@ -240,18 +241,18 @@ def module_state(mod: Any) -> list[tuple[Any, str, int, list[tuple[Tensor, int]]
                 continue
             if key in ("_parameters", "_buffers"):
                 for k, v in val.items():
-                    out.append((val, k, id(v), [(v, v._version)] if isinstance(v, Tensor) else []))
+                    out.append((val, k, ident(v), [(v, v._version)] if isinstance(v, Tensor) else []))
                 continue
             leaves = _leaves(val)
             if leaves:
-                out.append((m.__dict__, key, id(val), [(t, t._version) for t in leaves]))
+                out.append((m.__dict__, key, ident(val), [(t, t._version) for t in leaves]))
     return out
 
 
 def check_state(snapshot: Any, mod: Any, name: str) -> None:
     """Raise :class:`PerLayerUnsupported` when the module's state changed since ``snapshot``."""
-    now = {(id(obj), key): (vid, vers) for obj, key, vid, vers in module_state(mod)}
-    then = {(id(obj), key): (vid, vers) for obj, key, vid, vers in snapshot}
+    now = {(ident(obj), key): (vid, vers) for obj, key, vid, vers in module_state(mod)}
+    then = {(ident(obj), key): (vid, vers) for obj, key, vid, vers in snapshot}
     changed = now.keys() != then.keys() or any(
         now[k][0] != then[k][0] or any(t._version != v for t, v in then[k][1]) for k in then)
     if changed:
@@ -809,7 +810,7 @@ class RecomputeTracer(SeparabilityTracer):
                 base = self._pad_rows[args[0]]
                 self._layouts[args[0]] = (0, 1)
                 ptr = args[0].untyped_storage().data_ptr()
-                if self._taint.get(ptr) == id(args[0]):
+                if self._taint.get(ptr) == ident(args[0]):
                     del self._taint[ptr]
                 self._mixed_in_place.discard(ptr)
                 self._layouts[base] = (0, 1)

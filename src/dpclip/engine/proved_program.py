@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dpclip._ident import ident
 from dpclip.engine.hook_watch import HookWatch
 from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
 
@@ -73,7 +74,7 @@ _LIFT_FRESH, _LIFT_FRESH_COPY = _aten.lift_fresh.default, _aten.lift_fresh_copy.
 #: both sides, their output named as their input. The separability and gradients of the real run
 #: are judged on the real run itself (dpclip.engine.separable), values only are matched here
 _DETACH, _ALIAS = _aten.detach.default, _aten.alias.default
-#: per-operation caches below are keyed by ``id(op)`` and hold the operation itself (an
+#: per-operation caches below are keyed by ``ident(op)`` and hold the operation itself (an
 #: OpOverload's ``__hash__`` is Python code: a dict lookup keyed by the operation cost more than
 #: the rest of the per-operation bookkeeping)
 _PURE: dict[int, tuple[Any, bool]] = {}
@@ -85,11 +86,11 @@ def _pure(func: Any) -> bool:
     never used (an allocation when a real tensor meets a fake one, a view made to read a size):
     unused ones are dropped from the recording, and the real run may run extra ones. An extra one
     whose output IS used is caught where it is used: its output has no name in the proof."""
-    e = _PURE.get(id(func))
+    e = _PURE.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     got = not func._schema.is_mutable and torch.Tag.nondeterministic_seeded not in func.tags
-    _PURE[id(func)] = (func, got)
+    _PURE[ident(func)] = (func, got)
     return got
 
 # argument specs: ("t", ref) a tensor by name; ("x", weakref) a tensor from outside the call by
@@ -260,7 +261,7 @@ def _overridden(func: Any) -> bool:
     the real run would run that Python, which can read any state (second hostile review: LOO
     3.16 C). From :func:`aten_python_kernels`."""
     kernels = aten_python_kernels()
-    e = _OVERRIDDEN.get(id(func))
+    e = _OVERRIDDEN.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     names = _OVERRIDES[3] if len(_OVERRIDES) > 3 and _OVERRIDES[4] is kernels else None
@@ -269,7 +270,7 @@ def _overridden(func: Any) -> bool:
         del _OVERRIDES[3:]
         _OVERRIDES.extend([names, kernels])
     got = bool(names) and func._schema.name.split("::", 1)[-1] in names
-    _OVERRIDDEN[id(func)] = (func, got)
+    _OVERRIDDEN[ident(func)] = (func, got)
     return got
 
 _SEEDED: dict[int, tuple[Any, bool]] = {}
@@ -277,21 +278,21 @@ _SEEDED: dict[int, tuple[Any, bool]] = {}
 
 def _seeded(func: Any) -> bool:
     """Whether the operation draws random numbers from a generator."""
-    e = _SEEDED.get(id(func))
+    e = _SEEDED.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     got = torch.Tag.nondeterministic_seeded in func.tags
-    _SEEDED[id(func)] = (func, got)
+    _SEEDED[ident(func)] = (func, got)
     return got
 
 
 def _skip(func: Any) -> bool:
-    e = _SKIP.get(id(func))
+    e = _SKIP.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     got = getattr(func, "namespace", "") == "prim" or \
         func._schema.name.split("::", 1)[-1] in _METADATA
-    _SKIP[id(func)] = (func, got)
+    _SKIP[ident(func)] = (func, got)
     return got
 
 
@@ -335,7 +336,7 @@ class ProvedProgram:
             for _, a, kw, _ in self.entries:
                 for spec in list(a) + list(kw.values()):
                     if spec[0] == "v" and isinstance(spec[1], torch.Generator):
-                        found[id(spec[1])] = spec[1]
+                        found[ident(spec[1])] = spec[1]
             self._generators = list(found.values())
         return self._generators
 
@@ -354,7 +355,7 @@ class ProvedProgram:
 
             def walk(spec: tuple) -> None:
                 if spec[0] == "x":
-                    found[id(spec[1])] = spec[1]
+                    found[ident(spec[1])] = spec[1]
                 elif spec[0] == "l":
                     for x in spec[2]:
                         walk(x)
@@ -449,11 +450,11 @@ class _Names:
         self.d: dict[int, tuple[Any, Any]] = {}
 
     def get(self, t: Tensor) -> Any:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         return e[1] if e is not None and e[0]() is t else None
 
     def set(self, t: Tensor, name: Any) -> None:
-        self.d[id(t)] = (weakref.ref(t), name)
+        self.d[ident(t)] = (weakref.ref(t), name)
 
 
 #: the name of a tensor written since it was named by no matched operation (see _Versioned)
@@ -479,7 +480,7 @@ class _Versioned(_Names):
         self._by_storage: dict[int, set[int]] = {}
 
     def get(self, t: Tensor) -> Any:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         if e is None or e[0]() is not t:
             return None
         return e[1] if e[2] == t._version else _STALE_NAME
@@ -487,7 +488,7 @@ class _Versioned(_Names):
     def set(self, t: Tensor, name: Any, version: int | None = None) -> None:
         """``version``: the counter ``t`` will have (a view made by the call being matched gets
         its base's counter only when the call returns, after the dispatch mode)."""
-        key = id(t)
+        key = ident(t)
         self.d[key] = (weakref.ref(t), name, t._version if version is None else version)
         self._pending.append(key)
 
@@ -538,7 +539,7 @@ def _arg(spec: tuple[int, str, bool], args: tuple, kwargs: dict) -> Any:
 
 
 def _ret_alias(func: Any) -> tuple[Any, ...]:
-    e = _RET_ALIAS.get(id(func))
+    e = _RET_ALIAS.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     schema, found = func._schema, []
@@ -552,7 +553,7 @@ def _ret_alias(func: Any) -> tuple[Any, ...]:
                     break
         found.append(hit)
     got = tuple(found)
-    _RET_ALIAS[id(func)] = (func, got)
+    _RET_ALIAS[ident(func)] = (func, got)
     return got
 
 
@@ -583,13 +584,13 @@ class _NoVersion(Exception):
 
 def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
     """Storage data pointer -> number of arguments of the call that its schema writes."""
-    e = _WRITES.get(id(func))
+    e = _WRITES.get(ident(func))
     if e is not None and e[0] is func:
         specs = e[1]
     else:
         specs = tuple((i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
                       if arg.alias_info is not None and arg.alias_info.is_write)
-        _WRITES[id(func)] = (func, specs)
+        _WRITES[ident(func)] = (func, specs)
     bumps: dict[int, int] = {}
     for spec in specs:
         v = _arg(spec, args, kwargs)
@@ -610,8 +611,8 @@ def _state_names(model: Any, names: _Names, only_new: bool = False) -> None:
     for prefix, what in (("p", model.named_parameters(remove_duplicate=False)),
                          ("b", model.named_buffers(remove_duplicate=False))):
         for name, t in what:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
+            if t is not None and ident(t) not in seen:
+                seen.add(ident(t))
                 if not (only_new and names.get(t) is not None):
                     names.set(t, (prefix, name))
 
@@ -623,7 +624,7 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
     where: dict[int, tuple[Tensor, list[int]]] = {}
     for i, t in enumerate(pytree.tree_leaves((xs, ys))):
         if isinstance(t, Tensor):
-            where.setdefault(id(t), (t, []))[1].append(i)
+            where.setdefault(ident(t), (t, []))[1].append(i)
     for t, idx in where.values():
         names.set(t, ("in", frozenset(idx)))
 
@@ -809,7 +810,7 @@ class ProgramMatch:
                 t = ref()
                 if t is not None:
                     value = t.detach().clone()
-                    self.outside[id(t)] = (ref, t._version, value)
+                    self.outside[ident(t)] = (ref, t._version, value)
                     last = _LAST.get(t)
                     if last is not None and self.mismatch is None and not _equal(value, last):
                         self.mismatch = _CHANGED_BETWEEN
@@ -1168,7 +1169,7 @@ class ProgramMatch:
             if not (isinstance(a, Tensor) and s[1]() is a and self._name(a) is None):
                 return False
             # still the version and the values it had when the call started (see _Versioned)
-            e = self.outside.get(id(a))
+            e = self.outside.get(ident(a))
             return e is not None and e[0]() is a and e[1] == a._version and \
                 a.dtype == e[2].dtype and a.shape == e[2].shape and bool(torch.equal(a, e[2]))
         if kind == "c":
@@ -1209,7 +1210,7 @@ class ProgramMatch:
                 for ref in self.program.outside():
                     t = ref()
                     if t is not None:
-                        e = self.outside.get(id(t))
+                        e = self.outside.get(ident(t))
                         _LAST[t] = e[2] if e is not None and e[0]() is t and \
                             e[1] == t._version else t.detach().clone()
 

@@ -66,6 +66,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpclip._ident import ident
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
@@ -123,16 +124,16 @@ class _Meta:
                 self.writes.append((i, a.name))
 
 
-#: keyed by ``id(op)``, holding the op (an OpOverload's ``__hash__`` is Python code)
+#: keyed by ``ident(op)``, holding the op (an OpOverload's ``__hash__`` is Python code)
 _METAS: dict[int, tuple[Any, _Meta]] = {}
 
 
 def _meta(func: Any) -> _Meta:
-    e = _METAS.get(id(func))
+    e = _METAS.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     m = _Meta(func)
-    _METAS[id(func)] = (func, m)
+    _METAS[ident(func)] = (func, m)
     return m
 
 
@@ -151,7 +152,7 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
 
 class _IdMap:
     """A map keyed by tensor identity that does not keep its keys alive (the tracer's layouts must
-    not hold a forward's activations): entries are ``id(t) -> (weakref to t, value)``, and a
+    not hold a forward's activations): entries are ``ident(t) -> (weakref to t, value)``, and a
     lookup counts only when the weak reference still points to ``t`` itself, so that an id reused
     by a new tensor after the old one died never inherits the old entry. The same contract as
     :class:`torch.utils.weak.WeakIdKeyDictionary`, without building a key object per lookup (the
@@ -163,31 +164,31 @@ class _IdMap:
         self.d: dict[int, tuple[Any, Any]] = {}
 
     def get(self, t: Any, default: Any = None) -> Any:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         return e[1] if e is not None and e[0]() is t else default
 
     def __contains__(self, t: Any) -> bool:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         return e is not None and e[0]() is t
 
     def __getitem__(self, t: Any) -> Any:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         if e is None or e[0]() is not t:
             raise KeyError(t)
         return e[1]
 
     def __setitem__(self, t: Any, value: Any) -> None:
-        self.d[id(t)] = (weakref.ref(t), value)
+        self.d[ident(t)] = (weakref.ref(t), value)
 
     def __delitem__(self, t: Any) -> None:
         if self.pop(t, _MISSING) is _MISSING:
             raise KeyError(t)
 
     def pop(self, t: Any, default: Any = None) -> Any:
-        e = self.d.get(id(t))
+        e = self.d.get(ident(t))
         if e is None or e[0]() is not t:
             return default
-        del self.d[id(t)]
+        del self.d[ident(t)]
         return e[1]
 
     def __len__(self) -> int:
@@ -403,7 +404,7 @@ class SeparabilityTracer(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - tensors without storage: be conservative
                 return MIXED
             owner = self._taint.get(ptr)
-            if owner is not None and owner != id(t):
+            if owner is not None and owner != ident(t):
                 return MIXED
         return lay
 
@@ -583,8 +584,8 @@ class SeparabilityTracer(TorchDispatchMode):
         if meta.uninit:
             for o in outs:
                 if o.numel():
-                    uninit[o] = id(o)
-                    live[id(o)] = (None, o.element_size())  # mask made when first needed
+                    uninit[o] = ident(o)
+                    live[ident(o)] = (None, o.element_size())  # mask made when first needed
             return
         if func in _SHAPE_ONLY:  # reads its input's shape and dtype, never its values
             return
@@ -711,7 +712,7 @@ class SeparabilityTracer(TorchDispatchMode):
             else:
                 self._layouts[t] = new
             try:
-                self._taint[t.untyped_storage().data_ptr()] = id(t)
+                self._taint[t.untyped_storage().data_ptr()] = ident(t)
             except Exception:  # noqa: BLE001
                 if self.violation is None:
                     self.violation = f"in-place {_name(func)} on a tensor without storage"

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
+from dpclip._ident import ident
 from dpclip.engine.errors import PrivateBufferError
 from dpclip.engine.hf_hooks import prime
 
@@ -91,7 +92,7 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
     pop, push, add, append = stack.pop, stack.append, seen.add, sig.append
     while stack:
         name, mod = pop()
-        m = id(mod)
+        m = ident(mod)
         if m in seen:
             continue
         add(m)
@@ -101,7 +102,7 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
             if _has_tensor(d) else ()
         append((m, tuple(ps) if ps else (), tuple(map(id, ps.values())) if ps else (),
                 tuple(bs) if bs else (), tuple(map(id, bs.values())) if bs else (),
-                tuple((k, id(v)) for k, v in a) if a else (),
+                tuple((k, ident(v)) for k, v in a) if a else (),
                 tuple(cs) if cs else (), tuple(map(id, cs.values())) if cs else ()))
         if full:
             recs.append((name, mod, tuple(ps.items()) if ps else (),
@@ -116,17 +117,17 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
 
 def _entries(recs: list[tuple]) -> tuple[list[tuple], list[tuple]]:
     """``(sig, objs)`` of the walk ``recs`` (:func:`_tree`), one entry per object: ``sig`` lists
-    ``(id(module), kind, key, id(object))`` for every parameter, buffer, tensor attribute and
+    ``(ident(module), kind, key, ident(object))`` for every parameter, buffer, tensor attribute and
     child module (``None`` parameters and buffers skipped), ``objs`` the matching ``(module name,
     module, object)``."""
     sig: list[tuple] = []
     objs: list[tuple] = []
     for name, mod, p, b, a, c in recs:
-        m = id(mod)
+        m = ident(mod)
         for kind, items in ((_PARAM, p), (_BUFFER, b), (_ATTR, a), (_CHILD, c)):
             for k, v in items:
                 if v is not None or kind == _CHILD:
-                    sig.append((m, kind, k, id(v)))
+                    sig.append((m, kind, k, ident(v)))
                     objs.append((name, mod, v))
     return sig, objs
 
@@ -143,7 +144,7 @@ def _state_tensors(recs: list[tuple]) -> list[Tensor]:
         for items in (p, b, a):
             for _, v in items:
                 if v is not None:
-                    uniq.setdefault(id(v), v)
+                    uniq.setdefault(ident(v), v)
     return list(uniq.values())
 
 
@@ -488,10 +489,10 @@ def _check(model: nn.Module, sig: list[tuple], recs: list[tuple], tensors: list[
             names: dict[int, tuple[str, str]] = {}
             for s, (mname, _, o) in zip(*before):
                 if s[1] != _CHILD:
-                    names.setdefault(id(o), (s[1], f"{mname}.{s[2]}" if mname else s[2]))
+                    names.setdefault(ident(o), (s[1], f"{mname}.{s[2]}" if mname else s[2]))
             for i in bad:
                 snap.restore(i)
-                changed.append(names[id(tensors[i])])
+                changed.append(names[ident(tensors[i])])
     return changed
 
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 from torch.utils import _pytree as pytree
 
+from dpclip._ident import ident
 from dpclip.engine._common import (
     ChunkGrads,
     MaterializingEngine,
@@ -119,11 +120,11 @@ def _slots(model: nn.Module) -> list[tuple[dict[str, Any], str, str]]:
     """``(module._parameters, attribute, canonical name)`` for every place a trainable parameter
     is held: each module once (a module that appears under two names is one module), each tied
     parameter under every module that holds it, named by its canonical (first) name."""
-    canonical = {id(p): n for n, p in trainable_params(model).items()}
+    canonical = {ident(p): n for n, p in trainable_params(model).items()}
     slots = []
     for mod in model.modules():  # each module object once
         for attr, p in mod._parameters.items():
-            name = canonical.get(id(p)) if p is not None else None
+            name = canonical.get(ident(p)) if p is not None else None
             if name is not None:
                 slots.append((mod._parameters, attr, name))
     return slots

@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from dpclip._ident import ident
 from dpclip.harness.evidence import markdown_table
 from dpclip.harness.report import (
     SEEDED_NOTE,
@@ -147,8 +148,8 @@ def latest_per_seed(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
         k = key(r)
         if k not in latest or r.get("id", 0) > latest[k].get("id", 0):
             latest[k] = r
-    keep = {id(r) for r in latest.values()}
-    return [r for r in runs if id(r) in keep], [r for r in runs if id(r) not in keep]
+    keep = {ident(r) for r in latest.values()}
+    return [r for r in runs if ident(r) in keep], [r for r in runs if ident(r) not in keep]
 
 
 def _label(run: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dpclip._ident import ident
 from dpclip.lipschitz.layers import GroupSort, LipGroupNorm, LipResidual
 from dpclip.lipschitz.orthogonal import OrthConv2d, OrthLinear
 from dpclip.lipschitz.losses import (
@@ -332,7 +333,7 @@ def _unsupported(name: str, module: nn.Module, reason: str) -> UnsupportedLayerE
 
 
 # --------------------------------------------------------------- operator-norm cache (speed only)
-#: ``id(weight) -> (weakref to weight, {(version, data_ptr, dtype, key): OperatorNormBound})``.
+#: ``ident(weight) -> (weakref to weight, {(version, data_ptr, dtype, key): OperatorNormBound})``.
 #: Entries are valid only for the exact tensor contents they were computed (or rescaled) for: the
 #: key holds the tensor's version counter, which every in-place change (optimizer step, ``mul_``,
 #: ``copy_``) increments, and the weak reference is checked, so a freed tensor whose id is reused
@@ -342,14 +343,14 @@ _NORM_CACHE_MAX = 4096
 
 
 def _entries(weight: Tensor) -> dict[tuple, OperatorNormBound]:
-    slot = _NORM_CACHE.get(id(weight))
+    slot = _NORM_CACHE.get(ident(weight))
     if slot is not None and slot[0]() is weight:
         return slot[1]
     if len(_NORM_CACHE) >= _NORM_CACHE_MAX:  # drop entries of freed tensors
         for k in [k for k, (ref, _) in _NORM_CACHE.items() if ref() is None]:
             del _NORM_CACHE[k]
     entries: dict[tuple, OperatorNormBound] = {}
-    _NORM_CACHE[id(weight)] = (weakref.ref(weight), entries)
+    _NORM_CACHE[ident(weight)] = (weakref.ref(weight), entries)
     return entries
 
 
@@ -597,7 +598,7 @@ def _precheck(m: nn.Module, name: str, si: tuple[int, ...]) -> None:
 def _walk(module: nn.Module, name: str, shape: tuple[int, ...], x: float, ctx: _Ctx) -> list[_Node]:
     """Forward pass of the bound analysis over ``module``; one node per layer (flattened
     sequentials), residual blocks as nodes with children."""
-    if id(module) in ctx.seen and any(True for _ in module.parameters()):
+    if ident(module) in ctx.seen and any(True for _ in module.parameters()):
         raise _unsupported(
             name,
             module,
@@ -605,7 +606,7 @@ def _walk(module: nn.Module, name: str, shape: tuple[int, ...], x: float, ctx: _
             "separate module for each use (to share a weight, assign the same nn.Parameter to "
             "both: tied parameters are bounded by the sum of their per-use bounds)",
         )
-    ctx.seen.add(id(module))
+    ctx.seen.add(ident(module))
     kind = type(module)
     if kind is nn.Sequential:
         nodes: list[_Node] = []
@@ -850,9 +851,9 @@ def lipschitz_bounds(
     collected: list[LayerBound] = []
     # a parameter held by several modules (tied) is named once in named_parameters(): key every
     # use by that name, so its per-use bounds are summed (NetworkBound.parameter_grad_bounds)
-    first_name = {id(p): n for n, p in model.named_parameters()}
+    first_name = {ident(p): n for n, p in model.named_parameters()}
     canon = {
-        n: first_name.get(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+        n: first_name.get(ident(p), n) for n, p in model.named_parameters(remove_duplicate=False)
     }
     # the slack covers float rounding of attained constants (e.g. ||e_j - e_y|| = sqrt(2))
     _backward(nodes, loss_lip * (1.0 + NUMERICAL_SLACK), collected, canon)

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from dpclip._ident import ident
 from dpclip.clipping.base import State, StepContext, StrategyBase, set_positive_finite
 from dpclip.clipping.capabilities import Capabilities
 from dpclip.clipping.registry import StrategyEntry, register
@@ -300,8 +301,8 @@ class _LipBase(StrategyBase):
         for layer in bound.layers:
             module = model.get_submodule("" if layer.name == "<model>" else layer.name)
             w = module.weight
-            _, rho_max, names = by_weight.get(id(w), (w, 0.0, []))
-            by_weight[id(w)] = (w, max(rho_max, layer.operator_norm), [*names, layer.name])
+            _, rho_max, names = by_weight.get(ident(w), (w, 0.0, []))
+            by_weight[ident(w)] = (w, max(rho_max, layer.operator_norm), [*names, layer.name])
         for weight, rho, names in by_weight.values():
             if rho <= 0.0 or not math.isfinite(rho):
                 continue

@@ -49,6 +49,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from dpclip._ident import ident
+
 __all__ = ["LoopGuard", "LoopRuleError"]
 
 
@@ -79,7 +81,7 @@ class LoopGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         self._drawn_versions: list[tuple[Tensor, int]] | None = None  # unreleased batch
-        self._released: dict[int, tuple[str, Tensor, int]] | None = None  # id(param) -> grad
+        self._released: dict[int, tuple[str, Tensor, int]] | None = None  # ident(param) -> grad
         self._optimizer: Any = None
         if optimizer is not None:
             self.attach(optimizer)
@@ -134,7 +136,7 @@ class LoopGuard:
     def on_release(self, grads: Mapping[str, tuple[Tensor, Tensor]]) -> None:
         """After a successful release: ``grads`` maps a parameter's name to ``(param, grad)``."""
         self._drawn_versions = None
-        self._released = {id(p): (name, g, g._version) for name, (p, g) in grads.items()}
+        self._released = {ident(p): (name, g, g._version) for name, (p, g) in grads.items()}
 
     def on_failed_release(self) -> None:
         """Keep the batch marked unreleased (the next draw is refused)."""
@@ -155,7 +157,7 @@ class LoopGuard:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 grad = p.grad
-                entry = released.get(id(p))
+                entry = released.get(ident(p))
                 if entry is None:
                     if grad is not None and p.requires_grad:
                         raise LoopRuleError(

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from dpclip._ident import ident
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
 from dpclip.accounting.accountants import refuse_unsupported
@@ -882,7 +883,7 @@ class PrivateTraining:
     def _data_fingerprint(self) -> str:
         """SHA-256 of the training data as the steps read it (after any private preprocessing),
         computed once per data object (a map-style dataset is read once, example by example)."""
-        key = (id(self._x), id(self._y))
+        key = (ident(self._x), ident(self._y))
         if getattr(self, "_data_fp", None) is None or self._data_fp[0] != key:
             self._data_fp = (key, data_digest(self._x, self._y))
         return self._data_fp[1]
