@@ -4,6 +4,13 @@
 # after every part). Run from the project root on the GPU machine, laid out as
 # ../shared/gpu/run.sh expects: the kit in .gpu/ (for opacus_fmnist.py), wheels of dp-accounting,
 # dm-tree, opacus and mlxtend in .whl/, the Fashion-MNIST IDX files in .data/fmnist/.
+# The lent machines have transformers 5.17, which decides with `mask.all()` whether any row has
+# padding in its SDPA / causal mask helpers (Llama refused there); CI runs 5.25. So .whl/ also
+# holds transformers 5.25 and what it needs (about 21 MB):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+#     transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3 regex==2026.11.19 \
+#     safetensors==0.8.0 kernels==0.19.1 -d .whl
 #   A2 benchmarks/proof_diagnose.py: the full export error and the guard that specialised the
 #      batch (torch 2.11 refused every HF model with "Constraints violated"), then the same export
 #      with an upper bound on the batch and with the model on the CPU

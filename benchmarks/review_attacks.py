@@ -609,7 +609,25 @@ def _attacks():
             return loo_distance(engine, getattr(r46, name), x, y, 0.1), {}
         return run
 
+    def loo47(name, how=None):  # test_review46_frames: the forty-seventh review's frame sources
+        def run(engine):
+            from tests.engine import test_review46_frames as r46
+            from tests.engine.helpers import loo_distance
+
+            cls = getattr(r46, name)
+            if how is not None:
+                cls = type("M", (cls,), {"how": how})
+            x, y = r46._data()
+            return loo_distance(engine, cls, x, y, 0.1), {}
+        return run
+
     return engines, [
+        ("47: a generator's frame read at import, resumed by a finalizer inside the step, walks "
+         "f_back to ghost's sum x50 (LOO; open)", loo47("_ResumesAGenerator"), ("ghost", "auto")),
+        ("47: a frame asked by a code object with a forged torch file name (LOO)",
+         loo47("_Sources", "forged"), ("ghost", "auto")),
+        ("47: traceback.extract_stack with traceback.walk_stack rebound (LOO)",
+         loo47("_Sources", "extract_patched"), ("ghost", "auto")),
         ("46: a finalizer on a layer's input walks the frames to ghost's sum after the reduction, "
          "x50 (LOO)", loo46("_FinalizerScales"), ("ghost", "auto")),
         ("46: a finalizer plants an object in ghost's list of chunks; its __del__ scales the sums "
@@ -767,7 +785,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-sixth hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-seventh hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

@@ -25,8 +25,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Bottom to top. Each room lists the rooms it may import (directly); anything else is upward.
-_LEAVES = {"events", "errors", "_checks", "devices", "runtime", "published", "store"}
-_BASE = {"events", "errors", "_checks"}
+_LEAVES = {"events", "errors", "_checks", "_ident", "devices", "runtime", "published", "store"}
+_BASE = {"events", "errors", "_checks", "_ident"}
 ROOMS: dict[str, set[str]] = {
     # leaves: import nothing from dpclip
     **{name: set() for name in _LEAVES - {"errors"}},

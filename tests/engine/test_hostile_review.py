@@ -1634,7 +1634,7 @@ def test_plain_models_keep_their_fast_paths():
     x, y = data()
     chain = ghost_forward._plain_chain(model, {})
     assert chain is not None and ghost_forward._known_chain(chain)
-    assert ghost_forward._chain_key(chain, x) is not None
+    assert ghost_forward._chain_key(chain, x, {}) is not None
     _, info = clipped_sum(GhostEngine(), model, _cpe, x, y)
     assert info["engine"] == "ghost"
 

@@ -140,7 +140,10 @@ class _LeavesArmed(Head):
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine, VmapEngine])
 def test_a_dispatcher_left_on_by_the_forward_is_refused(engine, model, kernels):
     x, y = _batch()
-    with pytest.raises(UnsupportedModelError, match="Python dispatcher"):
+    # (the kernels find the engine's tensors through sys._getframe: since the forty-sixth review
+    # that request itself refuses the step where the dispatcher is still on when a kernel runs)
+    with pytest.raises(UnsupportedModelError,
+                       match="Python dispatcher|was called inside the private step"):
         loo_distance(engine, model, x, y, 0.1)
 
 

@@ -385,7 +385,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
     _arm(tracer)  # the chain's modules may be user code
     classes = {ident(m): type(m) for m in chain}  # before any user code
     # (no cache under interpreter callbacks: user code then runs inside the modules' forwards)
-    key = _chain_key(chain, xs) if python_callbacks() is None else None
+    key = _chain_key(chain, xs, by_module) if python_callbacks() is None else None
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
     with torch.enable_grad():
@@ -808,9 +808,12 @@ _TORCH_FORWARD = {c: c.forward for c in vars(nn).values()
 _SIMPLE = (int, float, bool, str, type(None))
 
 
-def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
+def _chain_key(chain: list[nn.Module], xs: Tensor, by_module: dict[int, Any]) -> tuple | None:
     """The cache key of a plain chain's separability trace, or None (not cacheable: a module that
-    is not a built-in ``torch.nn`` class, or public configuration that is not plain data)."""
+    is not a built-in ``torch.nn`` class, or public configuration that is not plain data). The key
+    says which modules are layers of the call (``by_module``: those with trainable parameters): the
+    cached layouts are handed to the calls in order, so a layer frozen when they were cached and
+    trainable now got another layer's layouts, or none (forty-eighth hostile review: a crash)."""
     if type(xs) is not Tensor or not global_hooks_clear() or ambient_user_code() is not None:
         return None
     parts: list[Any] = [tuple(xs.shape), xs.dtype, xs.device.type]
@@ -831,7 +834,7 @@ def _chain_key(chain: list[nn.Module], xs: Tensor) -> tuple | None:
             elif not isinstance(v, _SIMPLE):
                 return None
             conf.append((k, v))
-        parts.append((cls, tuple(conf)))
+        parts.append((cls, tuple(conf), ident(mod) in by_module))
     if library_changed({type(mod) for mod in chain}) is not None:  # (a replaced F.linear, ...)
         return None
     return tuple(parts)

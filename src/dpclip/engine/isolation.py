@@ -941,7 +941,7 @@ def _structure(model: nn.Module) -> str | None:
                         "torch.nn.Module's own versions (wrap the model instead of overriding "
                         "them)")
         own = vars(m)
-        if not _TABLE_TYPE_IDS.issuperset(map(id, map(type, map(own.get, _TABLE_ORDER)))):
+        if not _TABLE_TYPE_IDS.issuperset(map(ident, map(type, map(own.get, _TABLE_ORDER)))):
             for k in _TABLE_ORDER:  # (which one: the message)
                 t = type(own.get(k))
                 if ident(t) not in _TABLE_TYPE_IDS:
@@ -975,7 +975,7 @@ def _structure(model: nn.Module) -> str | None:
 _TABLE_ORDER = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 _STRUCTURE_ORDER = tuple(sorted(_STRUCTURE))
 #: the table types allowed, by identity (a metaclass's ``__eq__`` or ``__hash__`` is user code)
-_TABLE_TYPE_IDS = frozenset(map(id, (dict, collections.OrderedDict, set, type(None))))
+_TABLE_TYPE_IDS = frozenset(map(ident, (dict, collections.OrderedDict, set, type(None))))
 
 
 class _State:
@@ -1050,7 +1050,7 @@ class Isolated:
         self._settings = settings()
         prime(self.model)  # (transformers' output-capturing hooks: installed before the snapshot)
         self._state = _State(self.model)
-        self._threads = frozenset(map(id, threading.enumerate()))
+        self._threads = frozenset(map(ident, threading.enumerate()))
         self.gens.__enter__()
         return self
 

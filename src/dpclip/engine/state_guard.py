@@ -100,10 +100,10 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
         ps, bs, cs = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
         a = tuple((k, v) for k, v in d.items() if isinstance(v, Tensor)) \
             if _has_tensor(d) else ()
-        append((m, tuple(ps) if ps else (), tuple(map(id, ps.values())) if ps else (),
-                tuple(bs) if bs else (), tuple(map(id, bs.values())) if bs else (),
+        append((m, tuple(ps) if ps else (), tuple(map(ident, ps.values())) if ps else (),
+                tuple(bs) if bs else (), tuple(map(ident, bs.values())) if bs else (),
                 tuple((k, ident(v)) for k, v in a) if a else (),
-                tuple(cs) if cs else (), tuple(map(id, cs.values())) if cs else ()))
+                tuple(cs) if cs else (), tuple(map(ident, cs.values())) if cs else ()))
         if full:
             recs.append((name, mod, tuple(ps.items()) if ps else (),
                          tuple(bs.items()) if bs else (), a,
