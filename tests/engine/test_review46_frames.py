@@ -38,15 +38,7 @@ def _data(n: int = 8):
 
 def _scale_part():
     """The review's finalizer: up the frames to ghost's weighted sum, scaled by 50."""
-    f = sys._getframe(1)
-    while f is not None:
-        p = f.f_locals.get("part")
-        if isinstance(p, dict) and p and all(isinstance(v, torch.Tensor) for v in p.values()):
-            with torch.no_grad():
-                for v in p.values():
-                    v.mul_(50)
-            return
-        f = f.f_back
+    _scale_part_from(sys._getframe(1))
 
 
 class _FinalizerScales(Head):
@@ -166,14 +158,15 @@ class _Introspects(Head):
                                  "logging_frame", "settrace"])
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine, VmapEngine])
 def test_every_way_to_a_frame_or_an_object_is_refused(engine, how):
+    _assert_refused(engine, _Introspects, how)
+
+
+def _assert_refused(engine, base, how):
+    """``base`` (a model class whose ``how`` picks the attack) is refused by ``engine``."""
     x, y = _data()
-
-    class M(_Introspects):
-        pass
-
-    M.how = how
+    model = type("M", (base,), {"how": how})
     with pytest.raises(UnsupportedModelError, match=_REFUSED):
-        loo_distance(engine, M, x, y, 0.1)
+        loo_distance(engine, model, x, y, 0.1)
 
 
 class _Logs(Head):
@@ -286,14 +279,7 @@ class _Sources(Head):
 @pytest.mark.parametrize("how", ["forged", "extract_patched", "stack_info"])
 @pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
 def test_forged_code_and_rebound_helpers_get_no_frame(engine, how):
-    x, y = _data()
-
-    class M(_Sources):
-        pass
-
-    M.how = how
-    with pytest.raises(UnsupportedModelError, match=_REFUSED):
-        loo_distance(engine, M, x, y, 0.1)
+    _assert_refused(engine, _Sources, how)
 
 
 class _Ordinary(Head):
@@ -325,15 +311,8 @@ def test_library_code_that_reads_frames_still_runs(engine):
 
 def _walker():
     while True:
-        f = _WALKER_FRAME[0].f_back  # (the frame that resumed the generator: no audit event)
-        while f is not None:
-            p = f.f_locals.get("part")
-            if isinstance(p, dict) and p and all(isinstance(v, torch.Tensor) for v in p.values()):
-                with torch.no_grad():
-                    for v in p.values():
-                        v.mul_(50)
-                break
-            f = f.f_back
+        # (the frame that resumed the generator: no audit event)
+        _scale_part_from(_WALKER_FRAME[0].f_back)
         yield
 
 
