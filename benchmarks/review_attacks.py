@@ -621,7 +621,20 @@ def _attacks():
             return loo_distance(engine, cls, x, y, 0.1), {}
         return run
 
+    def loo49(dtype):  # test_review49_mixed_dtypes: a narrow parameter in a float64 model
+        def run(engine):
+            from tests.engine import test_review49_mixed_dtypes as r49
+            from tests.engine.helpers import loo_distance
+
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 3, (6,), generator=g)
+            return loo_distance(engine, r49._model(dtype), x, y, 1e-30, exact=True), {}
+        return run
+
     return engines, [
+        ("49: a float32 parameter on the per-layer path of a float64 model, gradients ~1e-24 "
+         "(LOO, C 1e-30)", loo49(torch.float32), ("ghost", "auto")),
         ("47: a generator's frame read at import, resumed by a finalizer inside the step, walks "
          "f_back to ghost's sum x50 (LOO; open)", loo47("_ResumesAGenerator"), ("ghost", "auto")),
         ("47: a frame asked by a code object with a forged torch file name (LOO)",
@@ -785,7 +798,7 @@ def table(path: str) -> str:
     codes = list(dict.fromkeys(r["code"] for r in rows))
     cols = [(c, e) for c in codes for e in ("ghost", "auto", "vmap", "naive", "summed")
             if any(r["code"] == c and r["engine"] == e for r in rows)]
-    out = ["# The eighth to forty-seventh hostile reviews' attacks (benchmarks/review_attacks.py)",
+    out = ["# The eighth to forty-ninth hostile reviews' attacks (benchmarks/review_attacks.py)",
            "",
            "Per attack and engine: LOO = `max_j ||S(X) - S(X \\ j)|| / C` (sound: <= 1) or, for a "
            "carry, how far one batch's release moves when the previous call saw another batch "

@@ -997,10 +997,16 @@ class GhostEngine:
         # rules' a and b are widened (_widen), the per-layer path's kept gradients are summed and
         # their norms taken in float32 (ghost_rules._kept_sum, _sq)
         ndt = sum_dtype(dtype)
-        dtypes = {ndt}
+        # every dtype a norm or a sum is computed in sets the rounding and underflow terms: each
+        # trainable parameter's (a float32 parameter on the per-layer path of a float64 model had
+        # its kept gradients' squares underflow in float32 while the floor was float64's: the norm
+        # ~1e-153, the example summed unclipped, LOO 1.2e6 C at C = 1e-30, forty-ninth hostile
+        # review) and each call's a and b
+        dtypes = {ndt} | {sum_dtype(p.dtype) for p in params.values()}
         for c in live:
-            if isinstance(c.b, Tensor):
-                dtypes.add(sum_dtype(c.b.dtype))
+            for t in (c.a, c.b):
+                if isinstance(t, Tensor) and t.is_floating_point():
+                    dtypes.add(sum_dtype(t.dtype))
         rnd = _Rounding(tuple(dtypes), first.device, batch)
         acc = _GroupNorms(n_groups, rnd)
         for c in live:
