@@ -78,6 +78,27 @@ def test_neighbours_move_the_clipped_sum_by_at_most_the_sensitivity():
     assert gap == pytest.approx(sens, rel=1e-12)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_record_with_a_missing_value_moves_the_sum_by_at_most_the_sensitivity(bad):
+    """Fiftieth hostile review: ``clamp`` keeps NaN, so one record with a NaN feature made the
+    released centre (and its published norm) NaN whatever the noise: the neighbour told apart with
+    certainty. A non-finite value now counts as 0 (NaN) or the box's edge (inf), per record."""
+    x, y = _data(d=6)
+    c = PrivateCentre(2.0)
+    sens = c.sensitivity(6)
+    odd = x.clone()
+    odd[7, 2] = bad
+    full, other = c.clipped_sum(x), c.clipped_sum(odd)
+    assert torch.isfinite(other).all()
+    assert float((full - other).norm()) <= 2 * sens + 1e-12  # replace-one: two records' worth
+    assert float((c.clipped_sum(torch.cat([x[:7], x[8:]])) - other).norm()) <= sens + 1e-12
+    model = nn.Sequential(nn.Linear(x.shape[1], 2)).double()
+    dp = P.make_private(model, None, (odd, y), epsilon=TARGET, epochs=1, batch_size=32,
+                        delta=DELTA, verbose=False, preprocess=PrivateCentre(8.0))
+    assert torch.isfinite(dp.preprocess.output).all()
+    assert math.isfinite(dp.describe()["preprocess_release"]["output_norm"])
+
+
 def test_the_noise_std_is_z_times_the_sensitivity_and_the_estimate_is_unbiased():
     x, _ = _data(n=200, d=8)
     c, n, draws = PrivateCentre(3.0), 200, 4000
