@@ -65,7 +65,8 @@ def read_csv(path, target, classes, range_items):
     for i, row in enumerate(rows):
         label = row[target].strip()
         if label not in index:
-            raise SystemExit(f"{path} row {i + 2}: label {label!r} not in --classes {classes}")
+            # (the label is a private value: not quoted, as the feature values below)
+            raise SystemExit(f"{path} row {i + 2}: the label is not one of --classes {classes}")
         y[i] = index[label]
         for j, c in enumerate(features):
             v = row[c].strip()

@@ -120,7 +120,7 @@ def check_class_targets(model: nn.Module, x: Any, y: Any,
     over = int((y >= c).sum()) if c is not None else 0
     if neg or over:
         rng = f"0..{c - 1} (the model has {c} outputs)" if c is not None else "0..C-1"
-        raise ValueError(
-            f"make_private: {neg + over} of the {y.numel()} targets are outside {rng}; "
+        raise ValueError(  # (how many: a count of private labels, not quoted)
+            f"make_private: some of the targets are outside {rng}; "
             "map the labels to 0..C-1 (e.g. numpy.unique(labels, return_inverse=True)) or give "
             "the model one output per class")

@@ -163,7 +163,7 @@ def test_tabular_csv_with_declared_ranges(tmp_path, capsys, monkeypatch):
     check_summary(s, strategy="quantile", target_epsilon=4.0)
     assert "240 training rows, 3 features, 2 classes" in out
     assert len(epochs_printed(out)) == 3
-    with pytest.raises(SystemExit, match="not in --classes"):
+    with pytest.raises(SystemExit, match="is not one of --classes"):
         run_example("tabular_csv.py", [*args[:4], "no", *args[5:], "--range", "score=-4:4"],
                     capsys, monkeypatch)
 

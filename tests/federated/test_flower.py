@@ -163,6 +163,10 @@ def test_flower_deployment_engine_superlink_supernodes_flwr_run(tmp_path):
         _stop(procs)
     result = json.loads(out.read_text())
     assert result["rounds"] == DEPLOY_SPEC["rounds"] and "failures" not in result
+    # Flower's own lines named each round's realised number of sampled users and of failures
+    # (private under Poisson sampling: fifty-first hostile review); the ServerApp silences them
+    assert "configure_fit" not in run.stdout + run.stderr
+    assert "aggregate_fit" not in run.stdout + run.stderr
     _assert_matches_simulation(result, DEPLOY_SPEC)
 
 

@@ -346,8 +346,12 @@ def flower_apps(spec: str | Path | None = None, out: str | Path | None = None
         run = _app_spec(context, None if spec is None else str(spec))
         wait = float(context.run_config.get("wait-timeout", 0)) or None  # 0: scaled default
         fl_strategy, config = _server_for(run, wait)
-        start_grid(grid=grid, strategy=fl_strategy,
-                   config=ServerConfig(num_rounds=config.rounds))
+        # (Flower's own log lines name the realised number of sampled users and of failures each
+        # round: private under Poisson sampling, fifty-first hostile review; silenced as in
+        # run_server and the clients)
+        with _quiet_flower():
+            start_grid(grid=grid, strategy=fl_strategy,
+                       config=ServerConfig(num_rounds=config.rounds))
         target = out if out is not None else context.run_config.get("out")
         if target:
             with open(str(target), "w") as f:

@@ -735,6 +735,11 @@ class PrivateTraining:
             if short is None:
                 raise
             raise short from exc
+        except Exception as exc:  # noqa: BLE001 - any other error of the private step
+            scrubbed = private_step_error(exc)
+            if scrubbed is None:
+                raise
+            raise scrubbed from None
         self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
         if out.engine_info is not None:
             # public record, from every step: the engine is decided by the requested name or, for
@@ -1220,3 +1225,30 @@ def _say_loader_batch_size_unused(data: Any, batch_size: float) -> None:
             and float(data.batch_size) != float(batch_size):
         print(f"dpclip: batch_size = {batch_size:g} (given); the DataLoader's batch_size "
               f"{data.batch_size} is not used", file=sys.stderr)
+
+
+#: set to 1 to see the raw message of an error raised inside a private step (NON-PRIVATE: it can
+#: quote a shape whose first dimension is the realised batch size, or a private value)
+SHOW_PRIVATE_ERRORS = "DPCLIP_SHOW_PRIVATE_ERRORS"
+
+
+def private_step_error(exc: BaseException) -> BaseException | None:
+    """The error raised inside a private step, with every number of its message replaced by ``#``
+    (as :func:`dpclip.store.public_error`): torch's and the model's messages quote shapes (``mat1 and
+    mat2 shapes cannot be multiplied (56x8 and 9x2)``: 56 is the realised batch size, private
+    under Poisson sampling) and values (fifty-first hostile review). Same type when it takes one
+    message, chained to nothing (the original's text would be printed with it); None (re-raise as
+    it is) when ``DPCLIP_SHOW_PRIVATE_ERRORS=1`` or the type takes no single message."""
+    import os
+
+    if os.environ.get(SHOW_PRIVATE_ERRORS) == "1":
+        return None
+    text = re.sub(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", str(exc))  # (as dpclip.store's)
+    hint = (f" [numbers removed: the message of an error inside a private step may hold the "
+            f"realised batch size or a private value; {SHOW_PRIVATE_ERRORS}=1 shows it, "
+            f"NON-PRIVATE]")
+    try:
+        new = type(exc)(text + hint)
+    except Exception:  # noqa: BLE001 - another signature: a RuntimeError with the type's name
+        new = RuntimeError(f"{type(exc).__name__}: {text}{hint}")
+    return new
