@@ -1234,15 +1234,18 @@ SHOW_PRIVATE_ERRORS = "DPCLIP_SHOW_PRIVATE_ERRORS"
 
 def private_step_error(exc: BaseException) -> BaseException | None:
     """The error raised inside a private step, with every number of its message replaced by ``#``
-    (as :func:`dpclip.store.public_error`): torch's and the model's messages quote shapes (``mat1 and
-    mat2 shapes cannot be multiplied (56x8 and 9x2)``: 56 is the realised batch size, private
-    under Poisson sampling) and values (fifty-first hostile review). Same type when it takes one
-    message, chained to nothing (the original's text would be printed with it); None (re-raise as
-    it is) when ``DPCLIP_SHOW_PRIVATE_ERRORS=1`` or the type takes no single message."""
+    (as :func:`dpclip.store.public_error`): torch's and the model's messages quote shapes
+    (``mat1 and mat2 shapes cannot be multiplied (56x8 and 9x2)``: 56 is the realised batch size,
+    private under Poisson sampling) and values (fifty-first hostile review). Same type when it
+    takes one message (else a RuntimeError naming the type), chained to nothing (the original's
+    text would be printed with it). None (re-raise it as it is) when
+    ``DPCLIP_SHOW_PRIVATE_ERRORS=1``, or for dpclip's own error types (refusals written to name
+    public facts only: a parameter's name, an option)."""
     import os
 
-    if os.environ.get(SHOW_PRIVATE_ERRORS) == "1":
-        return None
+    if os.environ.get(SHOW_PRIVATE_ERRORS) == "1" or \
+            type(exc).__module__.split(".")[0] == "dpclip":
+        return None  # (dpclip's own error types are written without private values)
     text = re.sub(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", str(exc))  # (as dpclip.store's)
     hint = (f" [numbers removed: the message of an error inside a private step may hold the "
             f"realised batch size or a private value; {SHOW_PRIVATE_ERRORS}=1 shows it, "
