@@ -33,18 +33,18 @@ Allowed inside, by the identity of the code that asks (a code object; not a file
 and of torch that read a frame and hand out only names and line numbers: ``typing`` /
 ``typing_extensions`` / ``enum`` / ``collections.namedtuple`` reading the caller's module name,
 ``torch.library.Library`` recording where it was made, the symbolic-shape guards of
-``torch.export`` (``expect_true``; ``ShapeEnv._get_user_frame`` only when ``_get_stack_summary``
-or ``_is_python_assert`` called it), ``logging``'s caller lookup (its ``currentframe`` only when ``Logger.findCaller``
-called it, not with ``stack_info``), ``traceback.extract_stack`` / ``format_stack`` (a summary,
-text: ``FakeTensorMode`` records where it was made, ``torch.manual_seed`` where a lazy CUDA call was
-queued), and a traceback's frames read by ``traceback``'s summaries
-without ``capture_locals`` (formatting an error: an unraisable hook). The last two pass a frame or
-a frame's globals to module globals (``traceback.linecache``, ``itertools.islice``, ...) that a
-model could rebind: allowed only while every such global is the object it was when the hook was
-installed. The modules whose first import reads frames, and which torch imports lazily inside the
-proof's first trace, are imported when the hook is installed, outside every step. Everything else
-in the window is refused, however harmless (``inspect.stack()`` in a forward,
-``traceback.print_stack()`` inside a step).
+``torch.export`` (``expect_true``; ``ShapeEnv._get_user_frame`` only when ``_get_stack_summary`` or
+``_is_python_assert`` called it), ``logging``'s caller lookup (its ``currentframe`` only when
+``Logger.findCaller`` called it, not with ``stack_info``), ``traceback.extract_stack`` /
+``format_stack`` (a summary, text: ``FakeTensorMode`` records where it was made,
+``torch.manual_seed`` where a lazy CUDA call was queued), and a traceback's frames read by
+``traceback``'s summaries without ``capture_locals`` (formatting an error: an unraisable hook). The
+last two pass a frame or a frame's globals to module globals (``traceback.linecache``,
+``itertools.islice``, ...) that a model could rebind: allowed only while every such global is the
+object it was when the hook was installed. The modules whose first import reads frames, and which
+torch imports lazily inside the proof's first trace, are imported when the hook is installed,
+outside every step. Everything else in the window is refused, however harmless (``inspect.stack()``
+in a forward, ``traceback.print_stack()`` inside a step).
 
 **Not closed: a frame taken before the step.** The hook sees how a frame is *obtained*; a frame's
 ``f_back`` and ``f_locals`` raise no event. A suspended generator's (or coroutine's) frame, read
@@ -66,7 +66,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["FrameAccessRefused", "guarded", "own_code", "refused"]
+__all__ = ["FrameAccessRefused", "guarded", "own_code"]
 
 #: events that hand out a frame or arbitrary objects, or install a callback that receives frames
 _EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
@@ -276,8 +276,9 @@ def _install() -> None:
 
 def own_code(*functions: Any) -> None:
     """Register the engine's functions that set interpreter callbacks inside a step (putting
-    back what was there: :mod:`dpclip.engine.isolation`, :func:`dpclip.engine._common.exact_float32`);
-    a context manager's generator function is given by its ``__wrapped__``."""
+    back what was there: :mod:`dpclip.engine.isolation`,
+    :func:`dpclip.engine._common.exact_float32`); a context manager's generator function is given
+    by its ``__wrapped__``."""
     for f in functions:
         f = getattr(f, "__wrapped__", f)
         _OWN.add(f.__code__)
@@ -316,8 +317,3 @@ def guarded() -> Iterator[None]:
     why = st.why
     if why is not None:
         raise UnsupportedModelError(f"{why} {_REFUSAL}")
-
-
-def refused() -> str | None:
-    """What was refused in the current window of this thread (None: nothing)."""
-    return _STATE.why
