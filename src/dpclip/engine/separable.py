@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from dpclip._ident import ident
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
@@ -271,6 +272,8 @@ class _EscapeMode(TorchFunctionMode):
                            "autograd node: what is computed from them cannot be checked")
             if why is not None and tr.violation is None:
                 tr.violation = why
+            if func is _ONE_HOT:
+                return _one_hot(tr, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
                 and out not in tr._seen and not any(out is a for a in args):
@@ -283,6 +286,45 @@ class _EscapeMode(TorchFunctionMode):
                                 "from batch data outside the dispatch trace (Python dispatch "
                                 "switched off?): it cannot be checked")
         return out
+
+
+_ONE_HOT = torch._C._nn.one_hot
+
+
+def _one_hot(tr: "SeparabilityTracer", args: tuple, kwargs: dict) -> Any:
+    """``F.one_hot(y, k)`` on real tensors checks its labels in Python (``min().item()``,
+    ``max().item()``) and scatters; on the proof's fake tensors it computes
+    ``eq(y.unsqueeze(-1), arange(k)).to(long)``, so the two programs differed and every loss built
+    on it was refused. Here it computes the proof's form, which the tracer checks like any other
+    code, and checks the labels with the tracer quiet, as ``one_hot`` does: a label outside
+    ``[0, k)`` raises, and the proof is void (code that catches the error holds a bit of example
+    data, as for a kernel that fails on a value). Without ``num_classes`` the number of classes is
+    the largest label plus one, a value of the batch read into Python: not proven. The check runs
+    with the dispatch modes popped (it writes nothing): its own ``.item()`` is dpclip's, not the
+    model's."""
+    y = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
+    k = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if type(y) is not Tensor or y.dtype != torch.int64 or type(k) is not int or \
+            len(args) + len(kwargs) > 2:
+        return _ONE_HOT(*args, **kwargs)
+    if k < 0:
+        if tr.violation is None and tr.layout(y) is not None:
+            tr.violation = ("F.one_hot without num_classes takes the number of classes from the "
+                            "largest label, a value of the batch read into Python; pass "
+                            "num_classes")
+        return _ONE_HOT(*args, **kwargs)
+    if y.numel():
+        with _no_dispatch_modes(), torch.no_grad():  # read-only, below the trace
+            ok = bool(((y >= 0) & (y < k)).all())
+        if not ok:
+            if tr.violation is None and tr.layout(y) is not None:
+                tr.violation = ("F.one_hot raised on a label outside [0, num_classes): whether it "
+                                "fails depends on one example's values, and code that catches "
+                                "the error carries them into Python; let such errors propagate")
+            raise RuntimeError("one_hot: class values must be in [0, num_classes)")
+    index = torch.ops.aten.arange.default(k, dtype=y.dtype, layout=y.layout,
+                                          device=y.device)  # as one_hot runs it
+    return torch.eq(y.unsqueeze(-1), index).to(torch.int64)
 
 
 _K_PLAIN, _K_HOOK, _K_ESCAPE = 0, 1, 2
@@ -590,6 +632,10 @@ class SeparabilityTracer(TorchDispatchMode):
         if func in _SHAPE_ONLY:  # reads its input's shape and dtype, never its values
             return
         ins = _tensors(args, kwargs)
+        if func is _aten.convolution_backward.default and _weight_shape_only(args, kwargs):
+            # only the weight's gradient (and the bias's) asked for: the weight argument gives
+            # its shape alone (vmap's batching rule passes ``new_empty([]).expand(...)`` there)
+            ins = [t for t in ins if t is not args[2]]
         pending = [t for t in ins if uninit.get(t) in live]
         if not pending:
             return
@@ -1110,6 +1156,36 @@ def _conv(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any
     return lay if lay[0] == 0 else MIXED
 
 
+def _conv_weight_grad(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                      out: Any) -> Layout:
+    """``convolution_backward`` asked for the weight's gradient alone (``output_mask`` ``[False,
+    True, False]``), as ``torch.func.vmap`` batches a convolution's weight gradient: the examples
+    folded into the channels (input ``(N, B c_in, ...)``, output gradient ``(N, B c_out, ...)``,
+    each with layout ``(1, c)``) and ``groups = B g``, so that group ``j`` reads the channels of
+    example ``j // g`` alone. Row ``r`` of the weight's gradient is output channel ``r`` (input
+    channel ``r`` for a transposed convolution), which belongs to one group and so to one example:
+    layout ``(0, c_out)`` (``(0, c_in)`` transposed). Anything else (the batch in ``N``, whose
+    gradient sums the examples; channels not aligned with the groups) is mixing."""
+    b = tr.batch
+    if len(args) < 11:
+        return MIXED
+    gy, x, w = args[0], args[1], args[2]
+    transposed, groups, mask = args[7], args[9], args[10]
+    if list(mask) != [False, True, False] or not isinstance(groups, int) or groups % b:
+        return MIXED
+    ly, lx = tr.layout(gy), tr.layout(x)
+    if ly is MIXED or lx is MIXED or ly is None or lx is None or ly[0] != 1 or lx[0] != 1:
+        return MIXED
+    if gy.ndim != x.ndim or gy.shape[0] != x.shape[0] or gy.shape[1] != b * ly[1] or \
+            x.shape[1] != b * lx[1] or w.ndim != x.ndim:
+        return MIXED
+    c_in, c_out = x.shape[1], gy.shape[1]
+    rows = c_in if transposed else c_out
+    if c_in % groups or c_out % groups or w.shape[0] != rows:
+        return MIXED
+    return (0, rows // b)
+
+
 def _leading(spatial: Callable[[tuple, dict, Tensor], int]) -> Rule:
     """Ops on the trailing ``spatial(args)`` dimensions, independent over the leading ones, with
     every other tensor argument constant."""
@@ -1353,6 +1429,16 @@ _FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.un
 #: per-example dropout draws ``bernoulli(empty(...).expand(...), p)``)
 _SHAPE_ONLY = {_aten.bernoulli.p}
 
+
+def _weight_shape_only(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``convolution_backward`` call reads its weight argument (``args[2]``) for its
+    shape alone: no input gradient asked for (``output_mask[0]`` False). The weight's gradient is
+    computed from the input and the output gradient only, the bias's from the output gradient."""
+    if len(args) < 3 or not isinstance(args[2], Tensor) or any(args[2] is a for a in args[:2]):
+        return False
+    mask = args[10] if len(args) > 10 else kwargs.get("output_mask")
+    return isinstance(mask, (list, tuple)) and len(mask) == 3 and mask[0] is False
+
 _VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
           _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
           _aten.t, _aten.unsqueeze, _aten.squeeze, _aten.alias, _aten.diagonal, _aten.unflatten,
@@ -1429,6 +1515,7 @@ _add(_stack, "stack")
 _add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation")
 _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
+_add(_conv_weight_grad, "convolution_backward")
 _add(_group_norm, "native_group_norm")
 _add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
      "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
