@@ -91,3 +91,50 @@ def test_a_label_out_of_range_raises_and_catching_it_voids_the_proof():
 
     with pytest.raises(UnsupportedModelError):
         GhostEngine().compute(model, caught, x, y, clip_weights(0.2), ParamGroups.flat(model))
+
+
+def test_num_classes_as_a_numpy_integer():
+    import numpy as np
+
+    def loss(o: Tensor, y: Tensor) -> Tensor:
+        return -(F.one_hot(y, np.int64(K)).to(o.dtype) * o.log_softmax(1)).sum(1)
+
+    x, y = _data()
+    model = _model()
+    groups = ParamGroups.flat(model)
+    res = AutoEngine().compute(model, loss, x, y, clip_weights(0.2), groups)
+    assert_equal_to_the_loop(res, model, loss, x, y, groups)
+
+
+_SIGN = [1.0]
+
+
+def test_one_hot_of_uninitialised_memory_voids_the_proof():
+    """Fifty-third hostile review: the label check runs below the trace, so one_hot of a
+    ``torch.empty`` tensor (public size, unused result) read freed memory unseen, and a caught
+    error set a Python flag in a step ghost accepted. Reading unwritten memory voids the proof,
+    and so does any error of the check that the model catches, whatever the labels' layout."""
+
+    def loss(o: Tensor, y: Tensor) -> Tensor:
+        u = torch.empty(4096, dtype=torch.long)
+        try:
+            F.one_hot(u, 1)
+        except RuntimeError:
+            _SIGN[0] = -1.0
+        return -(F.one_hot(y, K).to(o.dtype) * o.log_softmax(1)).sum(1) * _SIGN[0] ** 2
+
+    x, y = _data()
+    model = _model()
+    with pytest.raises(UnsupportedModelError, match="torch.empty|one_hot"):
+        GhostEngine().compute(model, loss, x, y, clip_weights(0.2), ParamGroups.flat(model))
+
+    def caught_constant(o: Tensor, y: Tensor) -> Tensor:
+        try:
+            F.one_hot(torch.full((3,), 7), 2)  # a constant out of range
+        except RuntimeError:
+            pass
+        return one_hot_ce(o, y)
+
+    with pytest.raises(UnsupportedModelError, match="one_hot"):
+        GhostEngine().compute(model, caught_constant, x, y, clip_weights(0.2),
+                              ParamGroups.flat(model))

@@ -81,6 +81,33 @@ class _Frames(nn.Module):
         return self.fc(torch.tanh(h).reshape(x.shape[0], -1))
 
 
+class _TwoConvs(nn.Module):
+    """Two convolutions in one module without a rule: the first one's weight gradient passes
+    through the second's INPUT gradient, which vmap batches with the examples in ``N`` and a
+    shape-only input (fifty-third hostile review: refused, and ``auto`` stopped the run)."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(2, 2, 2, 2, 2, dtype=DT) * 0.5)
+        self.w2 = nn.Parameter(torch.randn(2, 2, 2, 2, 2, dtype=DT) * 0.5)
+        self.transposed = transposed
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv = F.conv_transpose3d if self.transposed else F.conv3d
+        return conv(torch.tanh(conv(x, self.w1, padding=1)), self.w2)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_two_convolutions_in_one_module(transposed):
+    x, y = _x(2, 3, 3, 3), _y()
+    model = _head(_TwoConvs(transposed), x)
+    groups = ParamGroups.per_parameter(model)
+    for engine in (AutoEngine(), GhostEngine(max_physical_batch=2)):
+        res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert res.engine_info["engine"] == "ghost" and res.engine_info["per_layer"] == ("0",)
+        assert_equal_to_the_loop(res, model, ce, x, y, groups)
+
+
 def test_a_transposed_convolution_over_several_rows_per_example():
     torch.manual_seed(0)
     model = _Frames().to(DT)
@@ -169,6 +196,37 @@ def test_the_folded_weight_gradient_rule_accepts_vmaps_form_only():
     assert _backward(b, gn, xn, torch.randn(4, 2, 2, dtype=DT), 1, False, [False, True, False],
                      lay_gy=(0, 1), lay_x=(0, 1))[0] is MIXED
     assert _backward(b, gy, x, w, b, False, [False, True, False], lay_gy=(1, 4))[0] is MIXED
+
+
+def test_the_input_gradient_rule():
+    b = 3
+    gy = torch.randn(b * 2, 4, 4, dtype=DT)  # the examples in N, 2 rows each
+    x = torch.empty((), dtype=DT).expand(b * 2, 2, 5)  # vmap's dummy input: shape only
+    w = torch.randn(4, 2, 2, dtype=DT)
+    mask = [True, False, False]
+    tr = SeparabilityTracer(b)
+    tr.mark(gy, (0, 2))
+    with tr:
+        out = torch.ops.aten.convolution_backward(gy, x, w, None, [1], [0], [1], False, [0], 1,
+                                                  mask)
+    assert tr.layout(out[0]) == (0, 2) and tr.violation is None
+    # the weight from the examples, or the examples not in N: mixing
+    assert _backward(b, gy, x, w, 1, False, mask, lay_gy=(1, 2))[0] is None  # (no weight grad)
+    tr = SeparabilityTracer(b)
+    tr.mark(gy, (0, 2))
+    tr.mark(w, (0, 1))
+    with tr:
+        out = torch.ops.aten.convolution_backward(gy, x, w.expand(4, 2, 2), None, [1], [0], [1],
+                                                  False, [0], 1, mask)
+    assert tr.layout(out[0]) is MIXED
+    # an uninitialised input is read when the weight's gradient is asked for too
+    tr = SeparabilityTracer(b)
+    tr.mark(gy, (0, 2))
+    with tr:
+        xe = torch.empty(b * 2, 2, 5, dtype=DT)
+        torch.ops.aten.convolution_backward(gy, xe, w, None, [1], [0], [1], False, [0], 1,
+                                            [True, True, False])
+    assert tr.violation is not None and "torch.empty" in tr.violation
 
 
 def test_the_weight_is_shape_only_only_when_no_input_gradient_is_asked():

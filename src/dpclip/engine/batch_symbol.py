@@ -764,14 +764,75 @@ def _eager_kernels() -> Iterator[None]:
     key = torch._C.DispatchKey.CompositeImplicitAutograd
     mm.py_kernels[key] = _matmul_as_eager
     mm._dispatch_cache.clear()
+    ups = _upsamplings()
+    for vec, kernel in ups:
+        vec.py_kernels[key] = kernel
+        vec._dispatch_cache.clear()
     try:
         yield
     finally:
         mm.py_kernels.pop(key, None)
+        for vec, _ in ups:
+            vec.py_kernels.pop(key, None)
+            vec._dispatch_cache.clear()
         for op, k, fn in saved:
             op.py_kernels[k] = fn
             op._dispatch_cache.clear()
         mm._dispatch_cache.clear()
+
+
+#: the upsamplings of ``F.interpolate`` (``.vec`` overloads): nearest (scale factors only) and
+#: the interpolating ones (with ``align_corners``)
+_UPSAMPLE_NEAREST = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                     "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                     "_upsample_nearest_exact3d")
+_UPSAMPLE_LINEAR = ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
+                    "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+
+
+def _upsamplings() -> list[tuple[Any, Callable[..., Tensor]]]:
+    """``(vec overload, kernel)`` for each upsampling of ``F.interpolate``: the proof's kernel
+    (:func:`_upsample_as_eager`)."""
+    aten = torch.ops.aten
+    got = []
+    for names, linear in ((_UPSAMPLE_NEAREST, False), (_UPSAMPLE_LINEAR, True)):
+        for n in names:
+            packet = getattr(aten, n, None)
+            if packet is not None and "vec" in packet.overloads():
+                got.append((packet.vec, _upsample_as_eager(packet.default, linear)))
+    return got
+
+
+def _upsample_as_eager(default: Any, linear: bool) -> Callable[..., Tensor]:
+    """The ``.vec`` upsampling (``F.interpolate``) with a symbolic batch size, emitting what the
+    eager C++ composite kernel emits: the output size from the spatial sizes and the scale factors
+    (``int(size * scale)``, C++'s ``static_cast<int64_t>``), then ONE call of the ``default``
+    overload with the output size and one scale per spatial dimension (or None).
+
+    Why: the C++ composite reads ``input.sizes()`` as plain integers (``compute_output_size``),
+    the batch size included, which specialises the symbolic batch: every model with
+    ``nn.Upsample`` / ``F.interpolate`` (U-Nets, decoders) was refused as "the batch size is used
+    as a Python value"; torch's own Python decomposition is symbolic but emits ``_unsafe_index``
+    and arithmetic instead of the upsampling, which the real run would not match. As for
+    :func:`_matmul_as_eager`, a case this gets wrong cannot make a proof unsound: the real run must
+    still match the proof op by op."""
+
+    def kernel(input: Tensor, output_size: Any, *rest: Any) -> Tensor:
+        if linear:
+            align_corners, scale_factors = rest
+        else:
+            align_corners, (scale_factors,) = None, rest
+        d = input.dim() - 2
+        if output_size is not None:
+            osize = list(output_size)
+        else:
+            osize = [int(input.shape[i + 2] * float(s)) for i, s in enumerate(scale_factors)]
+        scales = [float(s) for s in scale_factors] if scale_factors is not None else [None] * d
+        if linear:
+            return default(input, osize, align_corners, *scales)
+        return default(input, osize, *scales)
+
+    return kernel
 
 
 def _matmul_as_eager(t1: Tensor, t2: Tensor) -> Tensor:

@@ -304,6 +304,11 @@ def _one_hot(tr: "SeparabilityTracer", args: tuple, kwargs: dict) -> Any:
     model's."""
     y = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
     k = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if type(k) is not int and type(k).__module__ == "numpy" and hasattr(k, "dtype") and \
+            k.dtype.kind in "iu" and k.ndim == 0:
+        k = int(k)  # a NumPy integer (``np.int64(10)``): torch's parser takes it as an int
+        args, kwargs = (args[:1] + (k,), kwargs) if len(args) > 1 else \
+            (args, {**kwargs, "num_classes": k})
     if type(y) is not Tensor or y.dtype != torch.int64 or type(k) is not int or \
             len(args) + len(kwargs) > 2:
         return _ONE_HOT(*args, **kwargs)
@@ -314,13 +319,24 @@ def _one_hot(tr: "SeparabilityTracer", args: tuple, kwargs: dict) -> Any:
                             "num_classes")
         return _ONE_HOT(*args, **kwargs)
     if y.numel():
+        got = tr._written_mask(y) if tr._uninit_live else None
+        if got is not None and not bool(got.all()) and tr.violation is None:
+            # the check below runs outside the trace: labels in memory from torch.empty that
+            # was never written would reach Python unseen (fifty-third hostile review)
+            tr.violation = ("F.one_hot reads a tensor made by torch.empty (or empty_like, "
+                            "new_empty) before it was written in full: uninitialised memory can "
+                            "hold other examples' data")
         with _no_dispatch_modes(), torch.no_grad():  # read-only, below the trace
             ok = bool(((y >= 0) & (y < k)).all())
         if not ok:
-            if tr.violation is None and tr.layout(y) is not None:
+            # whatever the labels are (example data, a constant, uninitialised memory): code
+            # that catches the error holds a bit the proof never saw (the fake tensors of the
+            # proof never raise)
+            if tr.violation is None:
                 tr.violation = ("F.one_hot raised on a label outside [0, num_classes): whether it "
-                                "fails depends on one example's values, and code that catches "
-                                "the error carries them into Python; let such errors propagate")
+                                "fails can depend on values the trace does not show, and code "
+                                "that catches the error carries them into Python; let such "
+                                "errors propagate")
             raise RuntimeError("one_hot: class values must be in [0, num_classes)")
     index = torch.ops.aten.arange.default(k, dtype=y.dtype, layout=y.layout,
                                           device=y.device)  # as one_hot runs it
@@ -632,10 +648,13 @@ class SeparabilityTracer(TorchDispatchMode):
         if func in _SHAPE_ONLY:  # reads its input's shape and dtype, never its values
             return
         ins = _tensors(args, kwargs)
-        if func is _aten.convolution_backward.default and _weight_shape_only(args, kwargs):
-            # only the weight's gradient (and the bias's) asked for: the weight argument gives
-            # its shape alone (vmap's batching rule passes ``new_empty([]).expand(...)`` there)
-            ins = [t for t in ins if t is not args[2]]
+        if func is _aten.convolution_backward.default:
+            # only the weight's gradient (and the bias's) asked for: the weight argument gives its
+            # shape alone; only the input's: the input argument gives its shape alone (vmap's
+            # batching rules pass ``new_empty([]).expand(...)`` there)
+            shape_only = _conv_shape_only(args, kwargs)
+            if shape_only is not None:
+                ins = [t for t in ins if t is not shape_only]
         pending = [t for t in ins if uninit.get(t) in live]
         if not pending:
             return
@@ -1158,7 +1177,9 @@ def _conv(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any
 
 def _conv_weight_grad(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
                       out: Any) -> Layout:
-    """``convolution_backward`` asked for the weight's gradient alone (``output_mask`` ``[False,
+    """``convolution_backward`` asked for the input's gradient alone (``output_mask`` ``[True,
+    False, False]``, the output gradient with the examples in ``N``, the weight a constant: the
+    output gradient's layout), or for the weight's gradient alone (``output_mask`` ``[False,
     True, False]``), as ``torch.func.vmap`` batches a convolution's weight gradient: the examples
     folded into the channels (input ``(N, B c_in, ...)``, output gradient ``(N, B c_out, ...)``,
     each with layout ``(1, c)``) and ``groups = B g``, so that group ``j`` reads the channels of
@@ -1171,6 +1192,15 @@ def _conv_weight_grad(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: di
         return MIXED
     gy, x, w = args[0], args[1], args[2]
     transposed, groups, mask = args[7], args[9], args[10]
+    if list(mask) == [True, False, False]:
+        # the input's gradient alone (vmap batches it with the examples folded into N): row n of
+        # it is computed from row n of the output gradient and the weight, a constant (the input
+        # gives its shape alone): the output gradient's layout
+        ly = tr.layout(gy)
+        if ly is None or ly is MIXED or tr.layout(w) is not None or ly[0] != 0 or \
+                gy.ndim != x.ndim or gy.shape[0] != x.shape[0]:
+            return MIXED
+        return ly
     if list(mask) != [False, True, False] or not isinstance(groups, int) or groups % b:
         return MIXED
     ly, lx = tr.layout(gy), tr.layout(x)
@@ -1430,14 +1460,26 @@ _FULL_WRITE = {_aten.fill_, _aten.zero_, _aten.copy_, _aten.bernoulli_, _aten.un
 _SHAPE_ONLY = {_aten.bernoulli.p}
 
 
-def _weight_shape_only(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``convolution_backward`` call reads its weight argument (``args[2]``) for its
-    shape alone: no input gradient asked for (``output_mask[0]`` False). The weight's gradient is
-    computed from the input and the output gradient only, the bias's from the output gradient."""
-    if len(args) < 3 or not isinstance(args[2], Tensor) or any(args[2] is a for a in args[:2]):
-        return False
+def _conv_shape_only(args: tuple, kwargs: dict) -> Tensor | None:
+    """The argument of a ``convolution_backward`` call read for its shape alone, or None: the
+    weight (``args[2]``) when no input gradient is asked for (``output_mask[0]`` False: the
+    weight's gradient is computed from the input and the output gradient, the bias's from the
+    output gradient); the input (``args[1]``) when only the input gradient is asked for
+    (``output_mask`` ``[True, False, False]``: it is computed from the output gradient and the
+    weight). Not when the same tensor is also another argument."""
     mask = args[10] if len(args) > 10 else kwargs.get("output_mask")
-    return isinstance(mask, (list, tuple)) and len(mask) == 3 and mask[0] is False
+    if len(args) < 3 or not isinstance(mask, (list, tuple)) or len(mask) != 3:
+        return None
+    if mask[0] is False:
+        k = 2
+    elif list(mask) == [True, False, False]:
+        k = 1
+    else:
+        return None
+    t = args[k]
+    if not isinstance(t, Tensor) or any(t is a for j, a in enumerate(args[:3]) if j != k):
+        return None
+    return t
 
 _VIEWS = {_aten.view, _aten._unsafe_view, _aten.reshape, _aten.as_strided, _aten.unfold,
           _aten.slice, _aten.select, _aten.narrow, _aten.expand, _aten.permute, _aten.transpose,
@@ -1521,12 +1563,15 @@ _add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
      "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
 _add(_leading(_layer_norm_dims), "native_layer_norm", "_fused_rms_norm")
 _add(_leading(_n(1)), "max_pool1d_with_indices", "avg_pool1d", "adaptive_avg_pool1d",
-     "adaptive_max_pool1d", "reflection_pad1d", "replication_pad1d", "max_pool1d")
+     "adaptive_max_pool1d", "reflection_pad1d", "replication_pad1d", "max_pool1d",
+     "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_linear1d")
 _add(_leading(_n(2)), "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d",
      "_adaptive_avg_pool2d", "adaptive_max_pool2d", "reflection_pad2d", "replication_pad2d",
-     "max_pool2d", "upsample_nearest2d", "upsample_bilinear2d")
+     "max_pool2d", "upsample_nearest2d", "upsample_bilinear2d", "_upsample_nearest_exact2d",
+     "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 _add(_leading(_n(3)), "max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d",
-     "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d")
+     "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
+     "_upsample_nearest_exact3d", "upsample_trilinear3d", "pixel_shuffle", "pixel_unshuffle")
 _add(_leading(_pad_dims), "constant_pad_nd")
 _add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "cumsum", "cumprod",
      "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
