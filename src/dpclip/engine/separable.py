@@ -572,7 +572,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 lay = MIXED
         else:
             lay = None
-        if lay is MIXED and len(self.mixers) < 3:
+        if (lay is MIXED or (isinstance(lay, _PerOutput) and MIXED in lay)) and \
+                len(self.mixers) < 3:
             ins = [self.layout(t) for t in _tensors(args, kwargs)]
             if not any(x is MIXED for x in ins):
                 # ranks, not shapes: a shape would show the realised batch size (private)
@@ -580,11 +581,15 @@ class SeparabilityTracer(TorchDispatchMode):
                                    f"{[t.ndim for t in _tensors(args, kwargs)]} with "
                                    f"batch layouts {ins}")
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        per_out = isinstance(lay, _PerOutput)
+        if per_out and (mutable or len(lay) != len(outs)):
+            lay = MIXED
+            per_out = False
         if mutable:
             self._mutated(func, args, kwargs, lay)
-        for o in outs:
+        for j, o in enumerate(outs):
             if isinstance(o, Tensor):
-                new = self._fit(lay, o)
+                new = self._fit(lay[j] if per_out else lay, o)
                 if mutable and any(o is w for w in self._written(func, args, kwargs)):
                     continue  # handled by _mutated
                 if new is None:
@@ -1246,8 +1251,51 @@ def _group_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, ou
     return _conv(tr, func, args, kwargs, out)  # per sample over dim 0, constant affine
 
 
+class _PerOutput(tuple):
+    """A rule's result with one layout per output of the operation (the outputs differ in rank:
+    a normalisation's output and its saved statistics)."""
+
+
+def _instance_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any,
+                   k: int) -> Layout:
+    """``native_batch_norm`` on the examples folded into the channels, ``(N, B k, ...)`` with
+    layout ``(1, k)``: what ``F.instance_norm`` runs (``InstanceNorm1d/2d/3d``; the input viewed as
+    ``(1, B C, ...)``, the affine parameters repeated ``B`` times). A channel's statistics are
+    taken over the other dimensions, which hold no other example: channel ``c`` is normalised by
+    example ``c // k``'s own values. The weight, bias and running statistics must be constants
+    that are the same for every example (``weight.repeat(B)``: checked on the values); with the
+    batch's statistics in training mode, running statistics are refused (instance_norm writes their
+    mean over the examples into the module's buffers, which the schema does not show). The
+    output keeps the input's layout, the saved statistics ``(B k,)`` get ``(0, k)``."""
+    b = tr.batch
+    x = args[0]
+    training = _arg(func, args, kwargs, "training", True) if _name(func) in (
+        "native_batch_norm", "_native_batch_norm_legit") else False
+    params = [_arg(func, args, kwargs, n) for n in ("weight", "bias")]
+    stats = [_arg(func, args, kwargs, n) for n in ("running_mean", "running_var")]
+    if training and any(isinstance(t, Tensor) for t in stats):
+        return MIXED
+    for t in params + stats:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or tr.layout(t) is not None or t.ndim != 1 or \
+                t.shape[0] != x.shape[1] or not _uniform_along(tr, t, 0, k, b):
+            return MIXED
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return _PerOutput((1, k) if j == 0 else
+                      None if isinstance(o, Tensor) and o.numel() == 0 else  # (eval: no data)
+                      (0, k) if isinstance(o, Tensor) and o.ndim == 1 and
+                      o.shape[0] == x.shape[1] else MIXED
+                      for j, o in enumerate(outs))
+
+
 def _batch_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     name = _name(func)
+    lay_x = tr.layout(args[0]) if args and isinstance(args[0], Tensor) else None
+    if isinstance(lay_x, tuple) and lay_x[0] == 1 and name in (
+            "native_batch_norm", "_native_batch_norm_legit",
+            "_native_batch_norm_legit_no_training"):
+        return _instance_norm(tr, func, args, kwargs, out, lay_x[1])
     if name == "native_batch_norm" and _arg(func, args, kwargs, "training", True):
         return MIXED
     if name in ("_native_batch_norm_legit", "_batch_norm_with_update"):
@@ -1558,6 +1606,7 @@ _add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation
 _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
 _add(_conv_weight_grad, "convolution_backward")
+_add(_pointwise, "_prelu_kernel", "_prelu_kernel_backward")
 _add(_group_norm, "native_group_norm")
 _add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
      "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
