@@ -75,6 +75,7 @@ _SIZE_LIST_OPS = {
     _aten.empty, _aten.full, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full,
     _aten.rand, _aten.randn, _aten.randint, _aten.repeat, _aten.unflatten, _aten.split_with_sizes,
     _aten.split, _aten.empty_strided, _aten.new_empty_strided, _aten.view_copy, _aten.expand_copy,
+    _aten.affine_grid_generator,  # (its size list: (N, C, H, W), N the rows of theta)
 }
 #: the elementwise overloads of ``where`` (only ``where.self`` is tagged pointwise)
 _WHERE = frozenset({_aten.where.self, _aten.where.ScalarOther, _aten.where.ScalarSelf,
@@ -118,6 +119,10 @@ _POSITIONWISE_WITH_DATA = {
     _aten.scaled_dot_product_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
     _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_flash_attention,
     _aten._scaled_dot_product_cudnn_attention, _aten._safe_softmax,
+    # row n of the output from row n of every argument (an image sampled at its own grid, a plane
+    # scattered by its own indices, the distances between the rows' own point sets)
+    _aten.grid_sampler, _aten.grid_sampler_2d, _aten.grid_sampler_3d, _aten.max_unpool2d,
+    _aten.max_unpool3d, _aten._cdist_forward,
 }
 
 
@@ -350,6 +355,9 @@ def _check_graph(ep: Any) -> str | None:
                   # token type ids): out[i] = W[idx[i]], still a function of the position
                   or (packet is _aten.embedding and len(node.args) > 1
                       and node.args[1] in from_shaped and node.args[0] not in from_shaped)
+                  # a grid per row of a B-shaped theta (a fixed warp expanded to the batch):
+                  # out[i] from theta[i] alone, still a function of the position
+                  or (packet is _aten.affine_grid_generator and from_shaped == [node.args[0]])
                   or (isinstance(target, torch._ops.OpOverload)
                       and torch.Tag.pointwise in target.tags
                       and not any(_has_sym_shape(a.meta.get("val")) for a in others)

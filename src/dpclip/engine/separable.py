@@ -1221,6 +1221,48 @@ def _conv_weight_grad(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: di
     return (0, rows // b)
 
 
+def _along_dim_all(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                   out: Any) -> Layout:
+    """Ops along one dimension whose other tensor arguments are indexed like the first
+    (``_softmax_backward_data(grad, out, dim)``, ``glu_backward(grad, x, dim)``): the pointwise
+    join of the arguments (a constant meeting the batch must be the same for every example), then
+    the batch not in that dimension."""
+    lay = _broadcast_join(tr, _tensors(args, kwargs), tuple(_first_out(out).shape))
+    if lay is None or lay is MIXED:
+        return lay
+    dims = _dims(_arg(func, args, kwargs, "dim", None), _first_out(out).ndim)
+    if not dims or lay[0] in dims:
+        return MIXED
+    return lay
+
+
+def _per_row(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Ops that compute row ``n`` of their output (dimension 0) from row ``n`` of every tensor
+    argument (``grid_sampler_2d(input, grid)``: each image sampled at its own grid;
+    ``max_unpool2d(x, indices)``: each plane scattered by its own indices): the examples in
+    dimension 0 of every argument that carries them, with the same rows per example; a constant
+    argument must be the same for every example (``_uniform_along``)."""
+    res: Layout = None
+    ts = _tensors(args, kwargs)
+    for t in ts:
+        lt = tr.layout(t)
+        if lt is None:
+            continue
+        if lt is MIXED or lt[0] != 0 or (res is not None and lt != res):
+            return MIXED
+        res = lt
+    if res is None:
+        return None
+    o = _first_out(out)
+    if not isinstance(o, Tensor) or o.ndim == 0 or o.shape[0] != tr.batch * res[1]:
+        return MIXED
+    for t in ts:
+        if tr.layout(t) is None and not (t.ndim == 0 or t.shape[0] == 1 or (
+                t.shape[0] == tr.batch * res[1] and _uniform_along(tr, t, 0, res[1], tr.batch))):
+            return MIXED
+    return res
+
+
 def _leading(spatial: Callable[[tuple, dict, Tensor], int]) -> Rule:
     """Ops on the trailing ``spatial(args)`` dimensions, independent over the leading ones, with
     every other tensor argument constant."""
@@ -1607,6 +1649,16 @@ _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
 _add(_conv_weight_grad, "convolution_backward")
 _add(_pointwise, "_prelu_kernel", "_prelu_kernel_backward")
+# elementwise activations (and their backwards) that ATen does not tag pointwise
+_add(_pointwise, "hardswish", "hardswish_", "hardswish_backward", "elu_backward",
+     "hardshrink_backward", "hardsigmoid_backward", "hardtanh_backward", "leaky_relu_backward",
+     "mish_backward", "softplus_backward", "softshrink_backward", "log_sigmoid_forward",
+     "log_sigmoid_backward")
+_add(_along_dim_all, "_softmax_backward_data", "_log_softmax_backward_data", "glu_backward")
+_add(_conv, "channel_shuffle", "native_channel_shuffle", "im2col", "col2im")
+_add(_per_row, "grid_sampler_2d", "grid_sampler_3d", "cudnn_grid_sampler", "max_unpool2d",
+     "max_unpool3d", "affine_grid_generator")
+_add(_sdpa, "_cdist_forward", "_cdist_backward", "_euclidean_dist")
 _add(_group_norm, "native_group_norm")
 _add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
      "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
@@ -1622,7 +1674,8 @@ _add(_leading(_n(3)), "max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_poo
      "_adaptive_avg_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
      "_upsample_nearest_exact3d", "upsample_trilinear3d", "pixel_shuffle", "pixel_unshuffle")
 _add(_leading(_pad_dims), "constant_pad_nd")
-_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "cumsum", "cumprod",
+_add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "glu",
+     "cumsum", "cumprod",
      "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
 _add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
      "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
