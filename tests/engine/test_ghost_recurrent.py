@@ -205,6 +205,9 @@ def test_the_trace_judges_the_recurrent_operation_as_one():
     # the batch read as time: the recurrence crosses the examples
     assert _layout(lambda t: sf(t)[0], x) is MIXED
     assert _layout(lambda t: bf(t.transpose(0, 1))[0], x) is MIXED
+    # an unbatched (T, E) input: the layer reads the batch of 2-D rows as one sequence
+    assert _layout(lambda t: sf(t[:, 0])[0], x) is MIXED
+    assert _layout(lambda t: bf(t[:, 0])[0], x) is MIXED
     # an initial state from another example, or a position-dependent constant
     h_other = lambda t: bf(t, (t[:, :1, :1].roll(1, 0).transpose(0, 1).expand(1, B, H)
                                .contiguous(), torch.zeros(1, B, H, dtype=DT)))[0]
