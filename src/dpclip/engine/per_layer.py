@@ -554,7 +554,7 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     # (a constant whose rows differ: refused below if the proof has it sliced per example)
     position = {k for k, d in enumerate(dims) if d == "position"}
     dims = [0 if d == "position" else d for d in dims]
-    if any(d == "bad" for d in dims):  # (the batch in dimension 1: an RNN's, just below)
+    if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
             "tensor with the batch in a dimension other than 0; give it batch-first inputs")
@@ -585,7 +585,7 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 dims[k] = None
         elif dims[k] in ("const1", "position1"):
             dims[k] = None
-        elif dims[k] == 1 and (n is None or n[0] != "in"):
+        elif dims[k] == 1:  # (only an operation's output, with the proof's shape checked)
             dims[k] = "bad"
     if any(d == "bad" for d in dims):
         raise PerLayerUnsupported(
