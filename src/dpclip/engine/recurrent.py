@@ -33,11 +33,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DROPOUT_REFUSED", "RNN_OPS", "as_cells", "drops", "library_changed", "proof_kernels"]
+__all__ = ["DROPOUT_REFUSED", "FIX", "RNN_OPS", "as_cells", "drops", "library_changed",
+           "proof_kernels"]
 
+#: what a refusal of a recurrent layer tells the user to do (``vmap`` cannot run the fused
+#: kernels: no batching rule for them, and the dispatch falls through to a shape error)
+FIX = ("use engine 'naive' (a per-example loop; engine 'vmap' cannot run torch's fused recurrent "
+       "kernels)")
 DROPOUT_REFUSED = ("a recurrent layer (nn.LSTM, nn.GRU, nn.RNN) with dropout between its layers "
                    "in training is not supported by the ghost engine; set dropout=0 (or apply "
-                   "nn.Dropout between single-layer recurrent modules), or use engine 'vmap'")
+                   "nn.Dropout between single-layer recurrent modules), or " + FIX)
 
 _aten = torch.ops.aten
 #: the ``.input`` overloads (``torch.lstm`` etc. as nn.LSTM / nn.GRU / nn.RNN call them)

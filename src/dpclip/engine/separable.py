@@ -373,6 +373,10 @@ def _fused_rnn(tr: "SeparabilityTracer", func: Any, args: tuple, kwargs: dict) -
         return out  # constants in: the dispatch trace judged it (constant out)
     del tr.mixers[n0:]  # (the decomposition's flattened products: replaced by the verdict below)
     why = _fused_rnn_why(tr, name, args, kwargs, out)
+    if why is not None and "engine 'naive'" not in why:
+        from dpclip.engine.recurrent import FIX
+
+        why = f"{why}; {FIX}"
     outs = list(out) if isinstance(out, tuple) else [out]
     if why is not None:
         for o in outs:
