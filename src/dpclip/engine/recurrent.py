@@ -25,10 +25,10 @@ Cost: the cells run as ordinary ATen operations, one small matrix product per ti
 path's replay runs them again, forward and backward, under ``vmap`` and the recomputation tracer,
 and that dominates: measured on one CPU thread (Embedding 1000x64, LSTM 64->128, T 32), a ghost
 step took 2.0-2.8 s at B 64 and 7-11 s at B 256 (the replay about 80-93%, at B 256 two thirds
-of it the tracer), against 0.36 s / 0.85 s for engine 'naive' and 0.06 s / 0.10 s without privacy. Sound
-and exact, but slower than the per-example loop here; a ghost rule from the time-step structure
-(per-example gate gradients against inputs and states, no replay) is the way to make it fast. On
-a GPU the traced run uses the cells too (not cuDNN); not measured there.
+of it the tracer), against 0.36 s / 0.85 s for engine 'naive' and 0.06 s / 0.10 s without
+privacy. Sound and exact, but slower than the per-example loop here; a ghost rule from the
+time-step structure (per-example gate gradients against inputs and states, no replay) is the way
+to make it fast. On a GPU the traced run uses the cells too (not cuDNN); not measured there.
 """
 
 from __future__ import annotations
