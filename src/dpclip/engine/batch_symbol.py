@@ -64,6 +64,7 @@ from dpclip._ident import ident
 from dpclip.engine.batch import call_model
 from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
+from dpclip.engine.recurrent import proof_kernels
 
 __all__ = ["batch_size_uses", "data_independent_paths", "proof_of"]
 
@@ -131,7 +132,34 @@ def _combines_positionwise(target: Any, packet: Any, node: Any = None) -> bool:
     return (packet in _POSITIONWISE_WITH_DATA or packet in _MOVES or packet in _RANDOM
             or target in _WHERE or target is operator.getitem
             or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
-            or (packet in _BATCHED_MATMUL and node is not None and _matmul_batch_only(node)))
+            or (packet in _BATCHED_MATMUL and node is not None and _matmul_batch_only(node))
+            or (target in _RNN_INPUT and node is not None and _rnn_states_only(node)))
+
+
+#: the recurrent operations as nn.LSTM / nn.GRU / nn.RNN call them (dpclip.engine.recurrent)
+_RNN_INPUT = {_aten.lstm.input, _aten.gru.input, _aten.rnn_tanh.input, _aten.rnn_relu.input}
+
+
+def _rnn_states_only(node: Any) -> bool:
+    """A recurrent operation whose constants shaped by the batch size are its initial states
+    alone, each ``(layers, B, h)`` with the batch symbol in dimension 1 only, its weights free of
+    it. The states' column ``n`` starts example ``n``'s recurrence (the operation is per example
+    along its batch dimension; nothing is contracted or reduced along it), so the constant meets
+    the examples position by position, as in an elementwise product; the real-batch tracer then
+    requires it to be the same for every example (``separable._fused_rnn``): ``zeros``, as
+    ``nn.LSTM`` makes it when no state is given."""
+    if len(node.args) != 9 or not isinstance(node.args[2], (list, tuple)):
+        return False
+    if any(_has_sym_shape(a.meta.get("val")) for a in _flat_nodes(node.args[2])):
+        return False
+    for a in _flat_nodes(node.args[1]):
+        v = a.meta.get("val")
+        if not isinstance(v, Tensor) or v.dim() != 3:
+            return False
+        if any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols
+               for i, d in enumerate(v.shape) if i != 1):
+            return False
+    return True
 
 
 #: matrix products whose leading dimensions are batch dimensions, broadcast elementwise
@@ -776,6 +804,13 @@ def _eager_kernels() -> Iterator[None]:
     for vec, kernel in ups:
         vec.py_kernels[key] = kernel
         vec._dispatch_cache.clear()
+    # the recurrent layers by their time-step cells, as the real run computes them under the
+    # tracer (dpclip.engine.recurrent: the C++ kernel specialises the batch size)
+    rnns = proof_kernels()
+    for op, kernel in rnns:
+        for k in _EAGER_KEYS[:2]:
+            op.py_kernels[k] = kernel
+        op._dispatch_cache.clear()
     try:
         yield
     finally:
@@ -783,6 +818,10 @@ def _eager_kernels() -> Iterator[None]:
         for vec, _ in ups:
             vec.py_kernels.pop(key, None)
             vec._dispatch_cache.clear()
+        for op, _ in rnns:
+            for k in _EAGER_KEYS[:2]:
+                op.py_kernels.pop(k, None)
+            op._dispatch_cache.clear()
         for op, k, fn in saved:
             op.py_kernels[k] = fn
             op._dispatch_cache.clear()

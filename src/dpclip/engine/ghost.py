@@ -831,10 +831,10 @@ class GhostEngine:
                 "cannot see. Leave every such context inside the forward or loss")
         for c in calls:
             o = c.owner
-            if c.outs is not None:  # per-layer path: every output batch-first
-                rows = batch * c.group
-                bad = [t.ndim for t, first in zip(c.outs, c.batch_first)
-                       if not first or t.shape[0] != rows]
+            if c.outs is not None:  # per-layer path: every output batch-first (or an RNN's
+                rows = batch * c.group  # final states: the batch in dimension 1)
+                bad = [t.ndim for t, d in zip(c.outs, c.batch_first)
+                       if d is None or t.shape[d] != rows]
                 if bad:  # ranks, not shapes: a size could be the (private) batch size
                     raise _RuntimeUnsupported(
                         f"module {o.name!r} ({type(c.mod).__name__}, per-layer path) returned a "

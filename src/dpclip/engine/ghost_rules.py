@@ -29,7 +29,7 @@ from dpclip.engine.per_layer import (
     output_tensors,
     seq_now,
 )
-from dpclip.engine.separable import SeparabilityTracer, uniform_along
+from dpclip.engine.separable import MIXED, SeparabilityTracer, uniform_along
 
 _vecdot = torch.linalg.vecdot
 
@@ -158,7 +158,10 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.fast = None
     # rows per example: k for outputs of layout (0, k)
     assert tracer is not None  # (a per-layer call is always traced: ghost_forward._plain_chain)
-    lay = join_layouts([tracer.layout(t) for t in outs])
+    lays = [tracer.layout(t) for t in outs]
+    lay = join_layouts(lays)
+    if lay is MIXED or (isinstance(lay, tuple) and lay[0] == 1):
+        lay = _join_dims(lays)
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
         got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
         if got is not None and scale_holds(got, c.call):
@@ -168,7 +171,15 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # per-example gradient is formed): example data by the trace
     c.arg_dims = None if c.args is None else arg_batch_dims(
         c.args[0], c.args[1], tracer.layout, tracer.batch * k, k,
-        lambda t: uniform_along(tracer, t, 0, k, tracer.batch))
+        lambda t: uniform_along(tracer, t, 0, k, tracer.batch),
+        # a constant initial state (layers, B, h) of torch's recurrent layers, sliced per
+        # example in dimension 1 when the same for everyone; for other modules such a constant
+        # stays refused (fourteenth hostile review's zeros(1, B, d) argument)
+        (lambda t: uniform_along(tracer, t, 1, k, tracer.batch))
+        if isinstance(owner.module, nn.RNNBase) else None)
+    if any(isinstance(x, tuple) and x[0] != 0 for x in lays) or \
+            (c.arg_dims and any(d in (1, "const1") for d in c.arg_dims)):
+        c.fast = None  # (the elementwise scale reads the examples from dimension 0)
     if c.call is not None:  # the call's proved operations: what the per-layer path replays
         tracer.match.close_call(c.call, outs)
         settle_call(c.call, tracer.layout, tracer.batch * k)
@@ -177,28 +188,53 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     # B * k == T only, a refusal that told the batch size: eighteenth hostile review)
     rows = tracer.batch * k
     names = c.call.out_names if c.call is not None else None
+    dims = [x[0] if isinstance(x, tuple) else 0 for x in lays]
     if names is not None and len(names) == len(outs):
         prog = c.call.program
-        c.batch_first = [_batch_first(prog, n, t, rows) for n, t in zip(names, outs)]
+        c.batch_first = [_batch_dim(prog, n, t, rows, d) for n, t, d in zip(names, outs, dims)]
     else:
-        c.batch_first = [t.ndim > 0 and t.shape[0] == rows for t in outs]
-    for t, first in zip(outs, c.batch_first):  # (the others are refused by the engine pass)
-        if first:
-            tracer.mark(t, (0, k))
+        c.batch_first = [0 if t.ndim > 0 and t.shape[0] == rows else None for t in outs]
+    for t, d in zip(outs, c.batch_first):  # (the others are refused by the engine pass)
+        if d is not None:
+            tracer.mark(t, (d, k))
     c.layouts = (lay, lay)
 
 
-def _batch_first(prog: Any, name: Any, t: Tensor, rows: int) -> bool:
-    """Whether a per-layer call's output ``t`` (the proof's ``name``) holds the examples in its
-    ``rows`` rows: the proof's first size involves the batch size, or it is 1 and the engine
+def _join_dims(lays: list[Any]) -> Any:
+    """The layout ``(0, k)`` that stands for a per-layer call's outputs when each holds the
+    examples in blocks of the same ``k`` but not all in the same dimension: dimension 0 or 1
+    (``nn.LSTM``'s ``(output, (h_n, c_n))``: the final states have the batch in dimension 1,
+    whatever ``batch_first`` says). Each output is then read per example along its own dimension
+    (``c.batch_first``, :func:`~dpclip.engine.per_layer.module_grads`). Else MIXED."""
+    ks = {x[1] for x in lays if isinstance(x, tuple)}
+    if len(ks) != 1 or any(x is MIXED or (isinstance(x, tuple) and x[0] not in (0, 1))
+                           for x in lays):
+        return MIXED
+    return (0, ks.pop())
+
+
+def _batch_dim(prog: Any, name: Any, t: Tensor, rows: int, d: int) -> int | None:
+    """The dimension (``d``, where the trace put the examples; 0 for a constant) in which a
+    per-layer call's output ``t`` (the proof's ``name``) holds the examples in ``rows`` entries,
+    or None: the proof's size there involves the batch size, or (``d`` 0) it is 1 and the engine
     expanded the output to the batch (a batch-less call, ``dpclip.engine.batchless``: rows that
     are all the same, stride 0)."""
-    if t.ndim == 0 or t.shape[0] != rows or name is None or name[0] != "op":
-        return False
-    if prog.leading_symbolic(name):
-        return True
+    if t.ndim <= d or t.shape[d] != rows:
+        return None
+    if name is None and d:
+        # an output the proof's program does not make (dead code there: an RNN's final states
+        # that the loss never reads): no matched operation reads it, so its gradient must be
+        # None, which module_grads checks before it leaves it out of the replay
+        return d
+    if name is None or name[0] != "op":
+        return None
+    if prog.symbolic_at(name, d):
+        return d
+    if d:
+        return None
     shape = prog.shape(name, 2)
-    return shape is not None and len(shape) == t.ndim and shape[0] == 1 and t.stride(0) == 0
+    ok = shape is not None and len(shape) == t.ndim and shape[0] == 1 and t.stride(0) == 0
+    return 0 if ok else None
 
 
 class _Weights:

@@ -275,7 +275,8 @@ def _leaves(x: Any) -> list[Tensor]:
 
 
 def arg_batch_dims(args: tuple, kwargs: dict, layout: Callable[[Tensor], Any], batch: int,
-                   group: int = 1, uniform: Callable[[Tensor], bool] | None = None) -> list[Any]:
+                   group: int = 1, uniform: Callable[[Tensor], bool] | None = None,
+                   uniform1: Callable[[Tensor], bool] | None = None) -> list[Any]:
     """For every tensor of the call's arguments (in :func:`_leaves` order): ``0`` when it is sliced
     per example (batch-first: example data, or a constant with ``batch`` rows, which the batched
     call combined row-wise with the examples), ``None`` when it is passed whole (a constant without
@@ -283,14 +284,24 @@ def arg_batch_dims(args: tuple, kwargs: dict, layout: Callable[[Tensor], Any], b
     ``group``: rows per example of the call (``batch`` counts rows then), example data must have
     layout ``(0, group)``. ``uniform``: whether a constant with ``batch`` rows is the same for
     every example; one that is not is ``"position"`` (example i's slice would be its position's
-    row: thirtieth hostile review, ``arange(B) % 2`` scaled by a parameter, LOO 8.39 C)."""
+    row: thirtieth hostile review, ``arange(B) % 2`` scaled by a parameter, LOO 8.39 C).
+    ``uniform1``: the same for a constant with ``batch`` entries in dimension 1 (a recurrent
+    layer's initial state ``zeros(layers, B, h)``): ``"const1"`` when it is the same for every
+    example, else ``"position1"``; :func:`module_grads` slices it there only where the proof has
+    the batch size in that dimension."""
     out: list[Any] = []
     for t in _leaves((args, kwargs)):
         lay = layout(t)
-        if lay is not None and lay != (0, group):
+        if lay == (1, group):
+            # example data with the batch in dimension 1 (a sequence-first (T, B, d) input of a
+            # recurrent layer, an initial state (layers, B, h)): sliced there
+            out.append(1)
+        elif lay is not None and lay != (0, group):
             out.append("bad")
         elif t.ndim and t.shape[0] == batch:
             out.append(0 if lay is not None or uniform is None or uniform(t) else "position")
+        elif lay is None and uniform1 is not None and t.ndim > 1 and t.shape[1] == batch:
+            out.append("const1" if uniform1(t) else "position1")
         else:
             out.append(None)
     return out
@@ -308,9 +319,13 @@ def _rebuild(x: Any, it: Any) -> Any:
     return x
 
 
-def _examples(t: Tensor, batch: int, group: int) -> Tensor:
+def _examples(t: Tensor, batch: int, group: int, dim: int = 0) -> Tensor:
     """``(batch group, ...) -> (batch, group, ...)``: the rows of each example, which the module is
-    evaluated on (a batch of ``group`` rows; of one row, ``(batch, 1, ...)``, for ``group`` 1)."""
+    evaluated on (a batch of ``group`` rows; of one row, ``(batch, 1, ...)``, for ``group`` 1).
+    ``dim`` 1: the examples' entries are in dimension 1, ``(n, batch group, ...) -> (batch, n,
+    group, ...)``."""
+    if dim:
+        return t.unflatten(dim, (batch, group)).movedim(dim, 0)
     return t.reshape(batch, group, *t.shape[1:])
 
 
@@ -389,8 +404,9 @@ def settle_call(w: Any, layout: Callable[[Tensor], Any], rows: int) -> None:
             return
         w.fixed[name] = (t, t._version)
     for name in w.out_names:
-        if name is None or not (made(name) or name in w.own_names or
-                                _is_arg(name, args) is not None):
+        if name is None:
+            continue  # no matched operation reads it: module_grads requires its gradient None
+        if not (made(name) or name in w.own_names or _is_arg(name, args) is not None):
             w.why = "an output of its call is not made by its proved operations"
             return
 
@@ -549,9 +565,32 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
         # hostile review: a public (T, d) buffer passed as an argument was sliced when T equalled
         # the batch size, so one example's replay read one row of it: LOO 3.55 C)
         if n is not None and n[0] in ("p", "b"):
-            dims[k] = None
+            dims[k] = None if dims[k] != 1 else "bad"
         elif n is not None and n[0] == "op":
-            dims[k] = 0 if prog.leading_symbolic(n) else None
+            if dims[k] == 1:  # example data in dimension 1: the proof must have the batch there
+                dims[k] = 1 if prog.symbolic_at(n, 1) else "bad"
+            elif prog.leading_symbolic(n):
+                dims[k] = 0
+            elif dims[k] in ("const1", "position1") and prog.symbolic_at(n, 1):
+                # a constant with the batch in dimension 1 (an RNN's zeros initial state): each
+                # example's replay reads its own entries, the same for everyone (checked)
+                if dims[k] == "position1":
+                    raise PerLayerUnsupported(
+                        f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was "
+                        "called on a constant with one entry per example in dimension 1 whose "
+                        "entries differ: each example's gradient would depend on its position "
+                        "in the batch; give every example the same constant")
+                dims[k] = 1
+            else:
+                dims[k] = None
+        elif dims[k] in ("const1", "position1"):
+            dims[k] = None
+        elif dims[k] == 1:  # (only an operation's output, with the proof's shape checked)
+            dims[k] = "bad"
+    if any(d == "bad" for d in dims):
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
+            "tensor with the batch in dimension 1 that the proof does not have there")
     if any(dims[k] == 0 for k in position):
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
@@ -560,17 +599,20 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
             "in the batch; give every example the same constant (expand one row)")
     leaves = [t for t, _ in vers]
     group = c.group  # rows per example: each example is evaluated on its own rows
-    batched = [_examples(t, batch, group) for t, d in zip(leaves, dims) if d == 0]
-    fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d != 0}
+    batched = [_examples(t, batch, group, d) for t, d in zip(leaves, dims) if d in (0, 1)]
+    fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d not in (0, 1)}
     own = {r: getattr(mod, r) for r in c.owner.roles}
-    bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group)
-          for t, b in zip(c.outs, c.bs)]
+    # (each output's examples where the trace put them: dimension 0, or 1 for an RNN's states)
+    bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group, d or 0)
+          for t, b, d in zip(c.outs, c.bs, c.batch_first)]
     entries = prog.at(1)[w.start:w.end]  # the proof's numbers for one example
     shapes = [[prog.shape(("op", e[3], j), 1) for j in range(len(prog.shapes.get(e[3], ())))]
               for e in entries]
     for n, (t, d) in zip(w.arg_names, zip(leaves, dims)):
         want = None if n is None else prog.shape(n, 1)
-        have = (group, *t.shape[1:]) if d == 0 else tuple(t.shape)
+        have = tuple(t.shape)
+        if d in (0, 1):
+            have = have[:d] + (group,) + have[d + 1:]
         if n is not None and n[0] == "op" and want != tuple(have):
             raise PerLayerUnsupported(
                 f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): an argument of "
@@ -581,7 +623,17 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     arg_at = [(n, i) for i, n in enumerate(w.arg_names) if n is not None]
     reads = {n: t for n, (t, _) in w.fixed.items()}
     own_at = list(w.own_names.items())
-    outs = list(w.out_names)
+    # an output the proof does not make (its operation was dead code there: an RNN's final
+    # states the loss never reads) is read by no matched operation, so no gradient reaches it;
+    # it is left out of the replay only when the backward confirms that (its b is None)
+    if any(n is None and b is not None for n, b in zip(w.out_names, c.bs)):
+        raise PerLayerUnsupported(
+            f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path): an output of its "
+            "call is not made by its proved operations, and the loss depends on it; use "
+            "engine 'vmap'")
+    keep = [j for j, n in enumerate(w.out_names) if n is not None]
+    outs = [w.out_names[j] for j in keep]
+    bs = [bs[j] for j in keep]
 
     def one(rows: list[Tensor], b_rows: list[Tensor]) -> dict[str, Tensor]:
         rit = iter(rows)

@@ -393,6 +393,16 @@ class ProvedProgram:
             return False
         return not isinstance(outs[name[2]][0], int)
 
+    def symbolic_at(self, name: Any, dim: int) -> bool:
+        """Whether the proof's tensor ``name`` (an operation's output) has a size in dimension
+        ``dim`` that involves the batch size (:meth:`leading_symbolic` for ``dim`` 0; a recurrent
+        layer's final states hold the examples in dimension 1)."""
+        outs = self.shapes.get(name[1]) if name[0] == "op" else None
+        if outs is None or name[2] >= len(outs) or outs[name[2]] is None or \
+                len(outs[name[2]]) <= dim:
+            return False
+        return not isinstance(outs[name[2]][dim], int)
+
     def symbolic(self, name: Any) -> bool:
         """Whether the shape of the proof's tensor ``name`` involves the batch size."""
         outs = self.shapes.get(name[1]) if name[0] == "op" else None

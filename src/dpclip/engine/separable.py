@@ -274,6 +274,8 @@ class _EscapeMode(TorchFunctionMode):
                 tr.violation = why
             if func is _ONE_HOT:
                 return _one_hot(tr, args, kwargs or {})
+            if func in _FUSED_RNN:
+                return _fused_rnn(tr, func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
                 and out not in tr._seen and not any(out is a for a in args):
@@ -341,6 +343,126 @@ def _one_hot(tr: "SeparabilityTracer", args: tuple, kwargs: dict) -> Any:
     index = torch.ops.aten.arange.default(k, dtype=y.dtype, layout=y.layout,
                                           device=y.device)  # as one_hot runs it
     return torch.eq(y.unsqueeze(-1), index).to(torch.int64)
+
+
+#: torch's recurrent layers as ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call them (``torch._VF``)
+_FUSED_RNN = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN (tanh)",
+              torch.rnn_relu: "RNN (relu)"}
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _fused_rnn(tr: "SeparabilityTracer", func: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` (the ``input`` overload, as
+    ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` call them), judged as ONE operation.
+
+    On the CPU these reach the dispatcher decomposed: the input projection of every time step is
+    one matrix product over the sequence and the batch flattened together (``(T, B, E) -> (T B,
+    E)``), example ``i`` in rows ``t B + i``, which no ``(d, k)`` layout describes, so every
+    recurrent layer read as MIXED. The operation itself is per example along its batch
+    dimension: ``output[.., n, ..]``, ``h_n[:, n]`` and ``c_n[:, n]`` are functions of
+    ``input[.., n, ..]``, ``h_0[:, n]``, ``c_0[:, n]`` and the weights alone (the recurrence runs
+    along the time dimension; every product contracts the feature dimension; inter-layer dropout
+    draws each element independently). So, with the input of layout ``(d, k)`` where ``d`` is the
+    batch dimension the call names (0 for ``batch_first``, else 1), every initial state either of
+    layout ``(1, k)`` or a constant that is the same for every example (zeros; checked on its
+    values, :func:`_uniform_along`) and every weight constant, the outputs get ``(d, k)`` (the
+    output sequence) and ``(1, k)`` (the final states). Anything else (the batch in the time
+    dimension, so that the recurrence crosses the examples; an initial state taken from other
+    examples, or a constant that differs by position; the packed ``data`` overload; a tensor
+    subclass) is MIXED, and the reason is the first entry of :attr:`SeparabilityTracer.mixers`.
+
+    The operation runs as usual under the dispatch mode (the proved-program match, the checks of
+    uninitialised memory and of values read into Python all see its ATen operations); only the
+    layouts of its intermediates, and the mixing they report, are replaced by this rule's verdict
+    on its outputs."""
+    from dpclip.engine.recurrent import RNN_OPS, as_cells, drops
+
+    name = _FUSED_RNN[func]
+    n0 = len(tr.mixers)
+    if _input_form(name, args, kwargs) and not drops(args):
+        # torch's time-step cells, as the batch-size proof ran them (dpclip.engine.recurrent)
+        out = as_cells(RNN_OPS[func], args)
+    else:
+        out = func(*args, **kwargs)
+    ts = _tensors(args, kwargs)
+    if all(tr.layout(t) is None for t in ts):
+        return out  # constants in: the dispatch trace judged it (constant out)
+    del tr.mixers[n0:]  # (the decomposition's flattened products: replaced by the verdict below)
+    why = _fused_rnn_why(tr, name, args, kwargs, out)
+    if why is not None and "engine 'naive'" not in why:
+        from dpclip.engine.recurrent import FIX
+
+        why = f"{why}; {FIX}"
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if why is not None:
+        for o in outs:
+            if isinstance(o, Tensor):
+                tr._layouts[o] = MIXED
+        if len(tr.mixers) < 3:
+            tr.mixers.insert(n0, why)
+            del tr.mixers[3:]
+        return out
+    d, k = tr.layout(args[0])
+    tr._layouts[outs[0]] = (d, k)
+    for o in outs[1:]:
+        tr._layouts[o] = (1, k)
+    return out
+
+
+def _input_form(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a recurrent call is the ``input`` overload with its nine positional arguments
+    (as nn.LSTM / nn.GRU / nn.RNN make it; not the packed ``data`` overload)."""
+    return not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple)) and \
+        (name != "LSTM" or isinstance(args[1], (list, tuple))) and type(args[8]) is bool
+
+
+def _fused_rnn_why(tr: "SeparabilityTracer", name: str, args: tuple, kwargs: dict,
+                   out: Any) -> str | None:
+    """Why a recurrent operation's outputs are not per example (:func:`_fused_rnn`), or None."""
+    lstm = name == "LSTM"
+    if not _input_form(name, args, kwargs):
+        return (f"{name}: a call other than the (input, hx, params, ..., batch_first) form "
+                "nn.LSTM / nn.GRU / nn.RNN make (a PackedSequence is not supported)")
+    from dpclip.engine.recurrent import DROPOUT_REFUSED, drops, library_changed
+
+    if drops(args):
+        return f"{name}: {DROPOUT_REFUSED}"
+    changed = library_changed()
+    if changed is not None:  # the code that computed it is not the decomposition trusted here
+        return f"{name}: {changed}"
+    x, hx, params = args[0], args[1], args[2]
+    hxs = list(hx) if lstm else [hx]
+    outs = list(out) if isinstance(out, tuple) else [out]
+    every = [x] + hxs + list(params) + outs
+    if any(type(t) not in _PLAIN_TYPES for t in every) or len(outs) != len(hxs) + 1:
+        return f"{name}: an argument or result that is not a plain tensor"
+    d = 0 if args[8] else 1
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED or x.ndim != 3 or lay[0] != d or \
+            x.shape[d] != tr.batch * lay[1]:
+        where = "dimension 0" if d == 0 else "dimension 1 (batch_first=False)"
+        return (f"{name} on an input whose batch layout is {lay!r} where the layer reads its "
+                f"batch from {where}: the recurrence would run across the examples, or the "
+                "input already mixes them")
+    k = lay[1]
+    for h in hxs:
+        lh = tr.layout(h)
+        if h.ndim != 3 or h.shape[1] != tr.batch * k:
+            return f"{name}: an initial state without the batch in dimension 1"
+        if lh is None:
+            if not _uniform_along(tr, h, 1, k, tr.batch):
+                return (f"{name}: a constant initial state that differs from one example's "
+                        "position in the batch to the next (give every example the same "
+                        "state, e.g. zeros)")
+        elif lh != (1, k):
+            return (f"{name}: an initial state of batch layout {lh!r}, not (1, {k}) (a state "
+                    "taken from other examples, or one that mixes them)")
+    if any(tr.layout(p) is not None for p in params):
+        return f"{name}: a weight computed from the batch"
+    for o, dd in zip(outs, [d] + [1] * len(hxs)):
+        if o.ndim != 3 or o.shape[dd] != tr.batch * k:
+            return f"{name}: a result without the batch where the layer puts it"
+    return None
 
 
 _K_PLAIN, _K_HOOK, _K_ESCAPE = 0, 1, 2

@@ -1,0 +1,245 @@
+"""torch's recurrent layers (nn.LSTM, nn.GRU, nn.RNN) on the ghost engine's per-layer path.
+
+Before, every recurrent model was refused: the CPU kernel reaches the dispatcher decomposed, its
+input projection one product over the sequence and the batch flattened together (``(T B, E)``,
+example ``i`` in rows ``t B + i``), which the separability trace read as mixing; the batch-size
+proof saw the C++ kernel specialise the batch size; the per-layer path wanted every output
+batch-first (the final states ``h_n``, ``c_n`` hold the batch in dimension 1); and ``vmap`` has no
+batching rule for the fused operations. Now the operation is judged as one
+(``separable._fused_rnn``: per example along its batch dimension when the input has the batch
+where the layer reads it, the initial states are example data with the batch in dimension 1 or a
+constant the same for every example, the weights constant), the proof and the real run both
+compute it by torch's time-step cells (``dpclip.engine.recurrent``), and the per-layer path reads
+each output, and each argument, along the dimension that holds the examples.
+
+Oracle: the float64 per-example loop. The adversarial cases (a recurrence over the batch
+dimension, an initial state taken from another example, one that differs by position) stay
+refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
+from dpclip.engine.separable import MIXED, SeparabilityTracer
+from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
+
+B, T, V, E, H = 5, 4, 11, 3, 4
+
+
+def _ids(seed: int = 0) -> Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _y(seed: int = 1) -> Tensor:
+    return torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(seed))
+
+
+class TextRNN(nn.Module):
+    """A text classifier: token ids -> Embedding -> recurrent layer -> Linear on the mean output
+    over time (``read='out'``) or on the last layer's final state (``read='h'``)."""
+
+    def __init__(self, kind: type, read: str = "out", **kw) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.bf = kw.get("batch_first", False)
+        self.rnn = kind(E, H, **kw)
+        width = kw.get("proj_size", 0) or H
+        self.read = read
+        d = 2 if kw.get("bidirectional") else 1
+        self.head = nn.Linear(width * (d if read == "out" else 1), 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids)
+        if not self.bf:
+            x = x.transpose(0, 1)  # (T, B, E)
+        out, h = self.rnn(x)
+        if self.read == "out":
+            return self.head(out.mean(1 if self.bf else 0))
+        h_n = h[0] if isinstance(h, tuple) else h
+        return self.head(h_n[-1])
+
+
+CASES = [
+    ("lstm-bf", nn.LSTM, "out", dict(batch_first=True)),
+    ("lstm-seq-first", nn.LSTM, "out", dict()),
+    ("lstm-2layers-bidir", nn.LSTM, "out", dict(batch_first=True, num_layers=2,
+                                                bidirectional=True)),
+    ("lstm-nobias-proj", nn.LSTM, "out", dict(batch_first=True, bias=False, proj_size=2)),
+    ("lstm-final-state", nn.LSTM, "h", dict(num_layers=2)),
+    ("gru-bf-2layers", nn.GRU, "out", dict(batch_first=True, num_layers=2)),
+    ("gru-bidir-final", nn.GRU, "h", dict(bidirectional=True)),
+    ("rnn-tanh", nn.RNN, "out", dict(batch_first=True)),
+    ("rnn-relu-nobias", nn.RNN, "h", dict(nonlinearity="relu", bias=False, num_layers=2)),
+]
+
+
+@pytest.mark.parametrize("name, kind, read, kw", CASES, ids=[c[0] for c in CASES])
+def test_recurrent_text_classifiers_run_on_ghost_equal_to_the_loop(name, kind, read, kw):
+    torch.manual_seed(0)
+    model = TextRNN(kind, read, **kw).to(DT)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        for engine in (AutoEngine(), GhostEngine(), GhostEngine(max_physical_batch=2)):
+            res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
+            assert res.engine_info["engine"] == "ghost", res.engine_info
+            assert res.engine_info["fallback"] is None
+            assert res.engine_info["per_layer"] == ("rnn",)
+            assert_equal_to_the_loop(res, model, ce, x, y, groups)
+
+
+class _Brief(nn.Module):
+    """The brief's reproduction: a float input straight into a batch-first LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = nn.LSTM(4, 4, batch_first=True)
+        self.h = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.h(self.r(x)[0].mean(1))
+
+
+def test_lstm_on_float_input_runs_on_ghost():
+    torch.manual_seed(0)
+    m = _Brief().to(DT)
+    x, y = torch.randn(5, 6, 4, dtype=DT), _y()
+    res = AutoEngine().compute(m, ce, x, y, clip_weights(0.3), ParamGroups.flat(m))
+    assert res.engine_info["engine"] == "ghost" and res.engine_info["fallback"] is None
+    assert_equal_to_the_loop(res, m, ce, x, y, ParamGroups.flat(m))
+
+
+class _State(nn.Module):
+    """An LSTM whose initial state is given: ``how`` 'own' (from the example's own first token,
+    batch in dimension 1), 'rolled' (from ANOTHER example), 'position' (a constant that differs
+    by the example's position in the batch), 'zeros' (a constant the same for everyone)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(V, E)
+        self.init = nn.Linear(E, H)
+        self.rnn = nn.LSTM(E, H, batch_first=True)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids)
+        n = x.shape[0]
+        if self.how == "own":
+            h0 = torch.tanh(self.init(x[:, 0])).unsqueeze(0)
+        elif self.how == "rolled":
+            h0 = torch.tanh(self.init(x[:, 0])).roll(1, 0).unsqueeze(0)
+        elif self.how == "position":
+            h0 = (torch.arange(n, dtype=x.dtype) * 0.1).view(1, n, 1).expand(1, n, H)
+        else:
+            h0 = torch.zeros(1, n, H, dtype=x.dtype)
+        out, _ = self.rnn(x, (h0, torch.zeros_like(h0)))
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("how", ["own", "zeros"])
+def test_an_initial_state_of_the_example_or_zeros_runs_on_ghost(how):
+    torch.manual_seed(0)
+    model = _State(how).to(DT)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert res.engine_info["engine"] == "ghost" and res.engine_info["fallback"] is None
+        assert "rnn" in res.engine_info["per_layer"]
+        assert_equal_to_the_loop(res, model, ce, x, y, groups)
+
+
+@pytest.mark.parametrize("how, why", [("rolled", "first mixing operation: roll"),
+                                      ("position", "differs from one example's position|"
+                                                   "batch size")])
+def test_an_initial_state_from_other_examples_or_positions_is_refused(how, why):
+    torch.manual_seed(0)
+    model = _State(how).to(DT)
+    with pytest.raises(UnsupportedModelError, match=why):
+        GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
+                              ParamGroups.flat(model))
+
+
+class _OverTheBatch(nn.Module):
+    """A (B, T, E) tensor fed to a sequence-first LSTM: it reads dimension 0 as time, so its
+    recurrence runs across the examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.rnn = nn.LSTM(E, H)  # batch_first=False
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out, _ = self.rnn(self.emb(ids))  # "time" = the batch
+        return self.head(out.mean(1))
+
+
+def test_a_recurrence_over_the_batch_dimension_is_refused():
+    torch.manual_seed(0)
+    model = _OverTheBatch().to(DT)
+    with pytest.raises(UnsupportedModelError, match="recurrence would run across the examples"):
+        GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
+                              ParamGroups.flat(model))
+
+
+def _layout(model: nn.Module, x: Tensor) -> object:
+    tr = SeparabilityTracer(x.shape[0])
+    tr.mark(x, (0, 1))
+    with torch.enable_grad(), tr:
+        out = model(x)
+    return tr.layout(out)
+
+
+def test_the_trace_judges_the_recurrent_operation_as_one():
+    torch.manual_seed(0)
+    x = torch.randn(B, T, E, dtype=DT)
+    bf = nn.LSTM(E, H, batch_first=True).to(DT)
+    sf = nn.GRU(E, H).to(DT)
+    assert _layout(lambda t: bf(t)[0], x) == (0, 1)
+    assert _layout(lambda t: bf(t)[1][0], x) == (1, 1)
+    assert _layout(lambda t: sf(t.transpose(0, 1))[0], x) == (1, 1)
+    # the batch read as time: the recurrence crosses the examples
+    assert _layout(lambda t: sf(t)[0], x) is MIXED
+    assert _layout(lambda t: bf(t.transpose(0, 1))[0], x) is MIXED
+    # an unbatched (T, E) input: the layer reads the batch of 2-D rows as one sequence
+    assert _layout(lambda t: sf(t[:, 0])[0], x) is MIXED
+    assert _layout(lambda t: bf(t[:, 0])[0], x) is MIXED
+    # an initial state from another example, or a position-dependent constant
+    h_other = lambda t: bf(t, (t[:, :1, :1].roll(1, 0).transpose(0, 1).expand(1, B, H)
+                               .contiguous(), torch.zeros(1, B, H, dtype=DT)))[0]
+    assert _layout(h_other, x) is MIXED
+    pos = torch.arange(B, dtype=DT).view(1, B, 1).expand(1, B, H).contiguous()
+    assert _layout(lambda t: bf(t, (pos, torch.zeros(1, B, H, dtype=DT)))[0], x) is MIXED
+    # a state of the example itself, with the batch in dimension 1
+    h_own = lambda t: bf(t, (t[:, :1, :1].transpose(0, 1).expand(1, B, H).contiguous(),
+                             torch.zeros(1, B, H, dtype=DT)))[0]
+    assert _layout(h_own, x) == (0, 1)
+
+
+def test_inter_layer_dropout_in_training_is_refused_clearly():
+    torch.manual_seed(0)
+    model = TextRNN(nn.LSTM, "out", batch_first=True, num_layers=2, dropout=0.5).to(DT)
+    with pytest.raises(UnsupportedModelError, match="dropout between its layers"):
+        GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
+                              ParamGroups.flat(model))
+
+
+def test_a_replaced_function_inside_the_cells_is_refused(monkeypatch):
+    """The trace judges the recurrent operation as one, ignoring its intermediates: the code that
+    computes it must be torch's decomposition. A ``Tensor.sigmoid`` replaced by one that adds the
+    batch mean (the gates hold the batch in dimension 1) would be accepted otherwise."""
+    torch.manual_seed(0)
+    model = TextRNN(nn.LSTM, "out", batch_first=True).to(DT)
+    orig = torch.Tensor.sigmoid
+
+    def mixing_sigmoid(t: Tensor) -> Tensor:
+        return orig(t + t.mean(1, keepdim=True)) if t.ndim == 3 else orig(t)
+
+    monkeypatch.setattr(torch.Tensor, "sigmoid", mixing_sigmoid)
+    with pytest.raises(UnsupportedModelError, match="replaced"):
+        GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
+                              ParamGroups.flat(model))
