@@ -76,7 +76,6 @@ _SIZE_LIST_OPS = {
     _aten.empty, _aten.full, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full,
     _aten.rand, _aten.randn, _aten.randint, _aten.repeat, _aten.unflatten, _aten.split_with_sizes,
     _aten.split, _aten.empty_strided, _aten.new_empty_strided, _aten.view_copy, _aten.expand_copy,
-    _aten.affine_grid_generator,  # (its size list: (N, C, H, W), N the rows of theta)
 }
 #: the elementwise overloads of ``where`` (only ``where.self`` is tagged pointwise)
 _WHERE = frozenset({_aten.where.self, _aten.where.ScalarOther, _aten.where.ScalarSelf,
@@ -123,7 +122,7 @@ _POSITIONWISE_WITH_DATA = {
     # row n of the output from row n of every argument (an image sampled at its own grid, a plane
     # scattered by its own indices, the distances between the rows' own point sets)
     _aten.grid_sampler, _aten.grid_sampler_2d, _aten.grid_sampler_3d, _aten.max_unpool2d,
-    _aten.max_unpool3d, _aten._cdist_forward,
+    _aten.max_unpool3d, _aten._cdist_forward, _aten.cdist,
 }
 
 
@@ -338,6 +337,10 @@ def _check_graph(ep: Any) -> str | None:
                 continue
             if packet in _SIZE_LIST_OPS and isinstance(a, (list, tuple)):
                 continue
+            if packet is _aten.affine_grid_generator and i == 1 and \
+                    isinstance(a, (list, tuple)) and a and \
+                    not any(_is_sym(n.meta.get("val")) for n in _flat_nodes(list(a[1:]))):
+                continue  # the size (N, C, H, W): the batch size as N, the grids' rows, only
             if i in _SIZE_SCALAR_ARGS.get(target, ()):
                 continue
             if target is _aten.slice.Tensor and i == 2 and is_data:

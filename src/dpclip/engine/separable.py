@@ -1358,6 +1358,55 @@ def _along_dim_all(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
     return lay
 
 
+def _log_sigmoid_forward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                         out: Any) -> Layout:
+    """``log_sigmoid_forward(x) -> (out, buffer)``: both elementwise in ``x``; the buffer is empty
+    on CUDA (it then carries nothing)."""
+    lay = _pointwise(tr, func, args, kwargs, out)
+    return _PerOutput(None if isinstance(o, Tensor) and o.numel() == 0 else lay for o in out)
+
+
+def _cdist(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """``_cdist_forward(x1, x2, p, mode)``: ``out[..., i, j] = ||x1[..., i, :] - x2[..., j, :]||``
+    with the leading dimensions broadcast (right-aligned). Per example when the examples are in a
+    leading dimension of every argument that carries them (the ``_sdpa`` rule), or in the POINT
+    dimension of one argument while the other is a constant: then output row ``i`` (column ``j``)
+    is example ``i``'s (``j``'s) distances to public points. The examples in the point dimension of
+    both (the distances between examples) are mixing."""
+    x1, x2 = args[0], args[1]
+    l1, l2 = tr.layout(x1), tr.layout(x2)
+    o = _first_out(out)
+    nd = o.ndim
+    for lx, t, lo in ((l1, x1, l2), (l2, x2, l1)):
+        if isinstance(lx, tuple) and lx[0] == t.ndim - 2:  # the examples as the points
+            if lo is not None or not isinstance(o, Tensor):
+                return MIXED
+            d = nd - 2 if t is x1 else nd - 1
+            other = x2 if t is x1 else x1
+            # the constant's leading dimensions broadcast against nothing of the examples'
+            if other.ndim > 2 and any(s != 1 for s in other.shape[:-2]) and t.ndim > 2 and \
+                    any(s != 1 for s in t.shape[:-2]):
+                return MIXED
+            return (d, lx[1]) if o.shape[d] == tr.batch * lx[1] else MIXED
+    # the examples in a leading dimension: right-aligned against the output
+    res: Layout = None
+    for t, lt in ((x1, l1), (x2, l2)):
+        if lt is None:
+            continue
+        if lt is MIXED:
+            return MIXED
+        got = (lt[0] + nd - t.ndim, lt[1])
+        if got[0] < 0 or got[0] >= nd - 2 or (res is not None and got != res):
+            return MIXED
+        res = got
+    if res is None:
+        return None
+    for t, lt in ((x1, l1), (x2, l2)):
+        if lt is None and not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+            return MIXED
+    return res
+
+
 def _per_row(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     """Ops that compute row ``n`` of their output (dimension 0) from row ``n`` of every tensor
     argument (``grid_sampler_2d(input, grid)``: each image sampled at its own grid;
@@ -1434,7 +1483,8 @@ def _instance_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
     b = tr.batch
     x = args[0]
     training = _arg(func, args, kwargs, "training", True) if _name(func) in (
-        "native_batch_norm", "_native_batch_norm_legit") else False
+        "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm",
+        "miopen_batch_norm") else False
     params = [_arg(func, args, kwargs, n) for n in ("weight", "bias")]
     stats = [_arg(func, args, kwargs, n) for n in ("running_mean", "running_var")]
     if training and any(isinstance(t, Tensor) for t in stats):
@@ -1458,9 +1508,10 @@ def _batch_norm(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, ou
     lay_x = tr.layout(args[0]) if args and isinstance(args[0], Tensor) else None
     if isinstance(lay_x, tuple) and lay_x[0] == 1 and name in (
             "native_batch_norm", "_native_batch_norm_legit",
-            "_native_batch_norm_legit_no_training"):
+            "_native_batch_norm_legit_no_training", "cudnn_batch_norm", "miopen_batch_norm"):
         return _instance_norm(tr, func, args, kwargs, out, lay_x[1])
-    if name == "native_batch_norm" and _arg(func, args, kwargs, "training", True):
+    if name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") and \
+            _arg(func, args, kwargs, "training", True):
         return MIXED
     if name in ("_native_batch_norm_legit", "_batch_norm_with_update"):
         return MIXED
@@ -1774,16 +1825,18 @@ _add(_pointwise, "_prelu_kernel", "_prelu_kernel_backward")
 # elementwise activations (and their backwards) that ATen does not tag pointwise
 _add(_pointwise, "hardswish", "hardswish_", "hardswish_backward", "elu_backward",
      "hardshrink_backward", "hardsigmoid_backward", "hardtanh_backward", "leaky_relu_backward",
-     "mish_backward", "softplus_backward", "softshrink_backward", "log_sigmoid_forward",
-     "log_sigmoid_backward")
+     "mish_backward", "softplus_backward", "softshrink_backward", "log_sigmoid_backward")
+_add(_log_sigmoid_forward, "log_sigmoid_forward")
 _add(_along_dim_all, "_softmax_backward_data", "_log_softmax_backward_data", "glu_backward")
 _add(_conv, "channel_shuffle", "native_channel_shuffle", "im2col", "col2im")
 _add(_per_row, "grid_sampler_2d", "grid_sampler_3d", "cudnn_grid_sampler", "max_unpool2d",
      "max_unpool3d", "affine_grid_generator")
-_add(_sdpa, "_cdist_forward", "_cdist_backward", "_euclidean_dist")
+_add(_cdist, "_cdist_forward")
+_add(_sdpa, "_cdist_backward", "_euclidean_dist")
 _add(_group_norm, "native_group_norm")
 _add(_batch_norm, "native_batch_norm", "_native_batch_norm_legit_no_training",
-     "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update")
+     "_native_batch_norm_legit", "_batch_norm_with_update", "_batch_norm_no_update",
+     "cudnn_batch_norm", "miopen_batch_norm")
 _add(_leading(_layer_norm_dims), "native_layer_norm", "_fused_rms_norm")
 _add(_leading(_n(1)), "max_pool1d_with_indices", "avg_pool1d", "adaptive_avg_pool1d",
      "adaptive_max_pool1d", "reflection_pad1d", "replication_pad1d", "max_pool1d",
