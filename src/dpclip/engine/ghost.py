@@ -230,20 +230,22 @@ def _scan(model: nn.Module) -> _Scan:
     owners: list[_Owner] = []
     reasons: list[str] = []
     batchnorm = False
-    absorbed: set[int] = set()  # parameters of a child owned by its parent's per-layer calls
+    absorbed: set[int] = set()  # children whose parameters their parent's per-layer calls own
     for qual, mod in model.named_modules():
         if isinstance(mod, _BatchNorm):
             batchnorm = True
+        if ident(mod) in absorbed:
+            continue
         own_params = dict(mod._parameters)
         for child, attr, p in _read_by_parent(mod):
             own_params[f"{child}.{attr}"] = p
-            absorbed.add(ident(p))
+            absorbed.add(ident(mod._modules[child]))
         if not own_params:
             continue
         roles: list[str] = []
         pnames: list[str] = []
         for attr, p in own_params.items():
-            if p is None or (ident(p) in absorbed and "." not in attr):
+            if p is None:
                 continue
             pid = ident(p)
             name = names.get(pid)
