@@ -521,8 +521,9 @@ def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
 
     A ``view`` after the last in-place operation runs as ``reshape``: the same values (and
     gradient) whatever the strides. The proof's strides are those of its kernels (the CPU flash
-    attention's output, ``(B, H, T, d)`` strided as ``(B, T, H, d)``, made ``nn.MultiheadAttention``'s
-    ``permute(2, 0, 1, 3).contiguous().view(...)`` a view without a copy), and ``vmap``'s
+    attention's output, ``(B, H, T, d)`` strided as ``(B, T, H, d)``, made the
+    ``permute(2, 0, 1, 3).contiguous().view(...)`` of ``nn.MultiheadAttention`` a view without a
+    copy), and ``vmap``'s
     batching can lay the same values out otherwise (its fallback stacks per-example results), so
     the view itself could fail; with no later write, nothing can tell a copy from an alias."""
     last_write = max((j for j, e in enumerate(entries) if e[0]._schema.is_mutable), default=-1)

@@ -17,6 +17,9 @@ included) and tracks, for every tensor, an abstract *layout*:
   draws such as dropout masks);
 * ``(d, k)`` (row separable): dimension ``d`` has size ``B * k`` and its slice ``[i k, (i + 1) k)``
   depends on example ``i`` and on constants only; the inputs and targets start as ``(0, 1)``;
+* ``Folded(d, k, o)``: dimension ``d`` has size ``o B k``, the batch folded inside an outer factor
+  (a ``(T, B, E)`` tensor flattened to ``(T B, E)``, as ``F.linear`` does inside
+  ``nn.MultiheadAttention``); read only by the rules written for it, ``MIXED`` for all others;
 * ``MIXED``: anything else (unknown operation, a reduction over the batch dimension, ...).
 
 Every operation has a rule that is sound by construction (pointwise ops with broadcasting,
@@ -87,8 +90,8 @@ class Folded:
     view back to ``(T, B, E)`` is ``(1, 1)`` again.
 
     It is not a tuple and cannot be indexed or unpacked, and :meth:`SeparabilityTracer.layout`
-    reads it as ``MIXED``: only the rules that are written for it (views and reshapes, matrix
-    products with a constant factor, copies, elementwise operations: ``_FOLD_AWARE``) see it
+    reads it as ``MIXED``: only the rules that are written for it (``_reshape``, ``_matmul``'s
+    ``mm`` / ``addmm``, ``_copy_of``, ``_broadcast_join`` for elementwise operations) see it
     through :meth:`SeparabilityTracer.raw_layout`; every other rule, and everything outside this
     module, sees a mix of the examples (fail closed)."""
 
@@ -489,7 +492,7 @@ class SeparabilityTracer(TorchDispatchMode):
         return MIXED if type(lay) is Folded else lay
 
     def raw_layout(self, t: Tensor) -> Layout:
-        """:meth:`layout`, with a :class:`Folded` layout as it is (for ``_FOLD_AWARE`` rules)."""
+        """:meth:`layout`, with a :class:`Folded` layout as it is (for the rules written for it)."""
         lay = self._layouts.get(t)
         if lay is None and t in _STALE:
             self.stale_read = True
@@ -989,9 +992,9 @@ def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out
 
 
 def _copy_of(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    """Copies and casts that keep every element where it is (``clone``, ``contiguous``, ``_to_copy``,
-    ``detach``, ``alias``, ``native_dropout``: elementwise with an i.i.d. mask): the input's layout,
-    a :class:`Folded` one included; every other tensor argument constant."""
+    """Copies and casts that keep every element where it is (``clone``, ``contiguous``,
+    ``_to_copy``, ``detach``, ``alias``, ``native_dropout``: elementwise with an i.i.d. mask): the
+    input's layout, a :class:`Folded` one included; every other tensor argument constant."""
     lay = tr.raw_layout(args[0])
     for t in _tensors(args[1:], kwargs):
         if tr.layout(t) is not None:
