@@ -406,3 +406,53 @@ def test_added_term_of_a_product_is_checked_against_the_position(name, f, want):
     added to example data."""
     tr, out = _traced(f, _x(B, E), (0, 1))
     assert tr.layout(out) == want, name
+
+
+# ----------------------------------------- in-place writes of constants, views made after them
+
+
+def test_in_place_write_of_a_constant_is_judged_on_its_old_values():
+    """``zeros.masked_fill_(pad, -inf)`` (the attention's key padding mask): per example, judged
+    on the zeros it overwrote (before, on the written result, which always differs from one row
+    to the next). Adversarial: a constant whose rows differ by position, written in place with
+    example data, stays MIXED; so does a view of it made BEFORE the write (stale), while one made
+    after it reads the write's layout."""
+    x = _x(B, T)
+    tr, (c, after) = _traced(lambda s: (lambda c: (c, c.view(B, 1, T)))(
+        torch.zeros(B, T, dtype=DT).masked_fill_(s > 0, -1e4)), x, (0, 1))
+    assert tr.layout(c) == (0, 1) and tr.layout(after) == (0, 1)
+
+    def stale(s):
+        c = torch.zeros(B, T, dtype=DT)
+        before = c.view(B, 1, T)
+        c.add_(s)
+        return before, c.view(B, 1, T)
+
+    tr, (before, after) = _traced(stale, x, (0, 1))
+    assert tr.layout(before) is MIXED and tr.layout(after) == (0, 1)
+    rows = torch.arange(B, dtype=DT).view(B, 1).expand(B, T)
+    tr, out = _traced(lambda s: rows.clone().add_(s), x, (0, 1))
+    assert tr.layout(out) is MIXED
+
+
+class WeightsAcrossTheBatch(SelfAttention):
+    """The attention weights reach the loss through a mean over the batch."""
+
+    def forward(self, x: Tensor, pad: Tensor | None = None) -> Tensor:
+        o, w = self.a(x, x, x)
+        return self.h(o.mean(1)) + self.g(w.mean(-1).mean(0, keepdim=True))
+
+
+class ProjectionElsewhere(SelfAttention):
+    """``out_proj`` also called as a module outside the attention's call."""
+
+    def forward(self, x: Tensor, pad: Tensor | None = None) -> Tensor:
+        return self.h(self.a(x, x, x)[0].mean(1) + self.a.out_proj(x.mean(1)))
+
+
+def test_weights_and_out_proj_used_elsewhere_are_refused():
+    """Adversarial: attention weights that are used (so not dead code) are proved like any output
+    (a mean over the batch mixes); ``out_proj``'s parameters, owned by the attention's calls,
+    used outside them are refused by the per-layer windows."""
+    assert "mix" in _refused(WeightsAcrossTheBatch(), _x(B, T, E), _y())
+    assert "used" in _refused(ProjectionElsewhere(), _x(B, T, E), _y())
