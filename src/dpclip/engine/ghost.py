@@ -156,6 +156,7 @@ from dpclip.engine.per_layer import (
     PerLayerUnsupported,
     check_module_windows,
     module_grads,
+    own_param,
     scale_grads,
 )
 from dpclip.engine.batch_symbol import data_independent_paths
@@ -229,10 +230,16 @@ def _scan(model: nn.Module) -> _Scan:
     owners: list[_Owner] = []
     reasons: list[str] = []
     batchnorm = False
+    absorbed: set[int] = set()  # children whose parameters their parent's per-layer calls own
     for qual, mod in model.named_modules():
         if isinstance(mod, _BatchNorm):
             batchnorm = True
-        own_params = mod._parameters
+        if ident(mod) in absorbed:
+            continue
+        own_params = dict(mod._parameters)
+        for child, attr, p in _read_by_parent(mod):
+            own_params[f"{child}.{attr}"] = p
+            absorbed.add(ident(mod._modules[child]))
         if not own_params:
             continue
         roles: list[str] = []
@@ -280,6 +287,25 @@ def _scan(model: nn.Module) -> _Scan:
                  tuple(o.name for o in owners if o.rule is _MODULE))
 
 
+def _read_by_parent(mod: nn.Module) -> list[tuple[str, str, Tensor]]:
+    """``(child, attr, parameter)`` for the parameters of a child that ``mod``'s forward reads
+    itself without calling the child: ``nn.MultiheadAttention`` passes ``out_proj.weight`` and
+    ``out_proj.bias`` to ``F.multi_head_attention_forward``, which applies them with ``F.linear``;
+    its ``out_proj`` (a Linear) is never called, so its rule would see no call and the parameters
+    would be used outside their owner. They are owned by the attention's per-layer calls instead
+    (roles ``out_proj.weight``, ``out_proj.bias``: ``per_layer.own_param``), whose replay
+    differentiates them with the rest; ``per_layer.check_module_windows`` still checks that every
+    use lies inside those calls (a subclass that calls ``out_proj`` elsewhere is refused there).
+    Only a child Linear with nothing below it and no hooks of its own."""
+    if not isinstance(mod, nn.MultiheadAttention):
+        return []
+    child = mod._modules.get("out_proj")
+    if not isinstance(child, nn.Linear) or child._modules or child._forward_hooks or \
+            child._forward_pre_hooks:
+        return []
+    return [("out_proj", attr, p) for attr, p in child._parameters.items() if p is not None]
+
+
 def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
     """``(supported, reasons)``: whether no module of ``model`` is refused by the static checks
     (a ruled layer in an unsupported configuration, e.g. an Embedding with ``max_norm``), and the
@@ -322,7 +348,7 @@ def _counted_elsewhere(c: _Call) -> list[int]:
     The call's nodes are those created between its pre-hook and its hook."""
     start, end = c.window
     keys = [(e.node, e.output_nr) if e.node is not None else None for e in c.oedges]
-    own = {ident(getattr(c.mod, r)) for r in c.owner.roles}
+    own = {ident(own_param(c.mod, r)) for r in c.owner.roles}
     got = []
     for j, key in enumerate(keys):
         if key is None:

@@ -27,6 +27,7 @@ from dpclip.engine.per_layer import (
     elementwise_scale,
     join_layouts,
     output_tensors,
+    own_param,
     seq_now,
 )
 from dpclip.engine.separable import MIXED, SeparabilityTracer, uniform_along
@@ -137,6 +138,15 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     all_outs = output_tensors(out)
     c.live_idx = [k for k, t in enumerate(all_outs) if t.requires_grad]
     outs = [all_outs[k] for k in c.live_idx]
+    start, c.args, c.call = owner.starts.pop() if owner.starts else (None, None, None)
+    if c.call is not None:  # the call's proved operations: what the per-layer path replays
+        tracer.match.close_call(c.call, outs)
+        dead = _dead_outputs(c.call, tracer.match)
+        if dead:
+            keep = [j for j in range(len(outs)) if j not in dead]
+            c.live_idx = [c.live_idx[j] for j in keep]
+            outs = [outs[j] for j in keep]
+            c.call.out_names = [c.call.out_names[j] for j in keep]
     c.owner, c.mod, c.rule = owner, owner.module, owner.rule
     c.a = a if isinstance(a, Tensor) else None
     c.a_version = c.a._version if c.a is not None else 0
@@ -152,7 +162,6 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     c.choice = "keep"
     c.kept = {}
     c.formed = None
-    start, c.args, c.call = owner.starts.pop() if owner.starts else (None, None, None)
     c.window = (start, seq_now())
     # an RMSNorm-like elementwise scale, recognised from the call's graph: no recomputation
     c.fast = None
@@ -163,7 +172,7 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if lay is MIXED or (isinstance(lay, tuple) and lay[0] == 1):
         lay = _join_dims(lays)
     if len(owner.roles) == 1 and len(outs) == 1 and len(all_outs) == 1 and start is not None:
-        got = elementwise_scale(outs[0], getattr(owner.module, owner.roles[0]), c.window)
+        got = elementwise_scale(outs[0], own_param(owner.module, owner.roles[0]), c.window)
         if got is not None and scale_holds(got, c.call):
             c.fast = (got[0], got[1], got[0]._version)
     k = c.group = _row_group(lay)
@@ -180,8 +189,7 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
     if any(isinstance(x, tuple) and x[0] != 0 for x in lays) or \
             (c.arg_dims and any(d in (1, "const1") for d in c.arg_dims)):
         c.fast = None  # (the elementwise scale reads the examples from dimension 0)
-    if c.call is not None:  # the call's proved operations: what the per-layer path replays
-        tracer.match.close_call(c.call, outs)
+    if c.call is not None:  # (closed above)
         settle_call(c.call, tracer.layout, tracer.batch * k)
     # which outputs hold the examples in their rows: by the proof's shapes where the call was
     # matched (a real first size equal to B * k would make a public (T, d) output batch-first at
@@ -198,6 +206,22 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         if d is not None:
             tracer.mark(t, (d, k))
     c.layouts = (lay, lay)
+
+
+def _dead_outputs(w: Any, match: Any) -> list[int]:
+    """The outputs of a matched per-layer call that the proof has no name for, when at least one
+    output has a name: dead code in the proof (``nn.MultiheadAttention``'s attention weights when
+    only its output is used; ``torch.export`` drops what reaches no loss). The match gives no
+    name to an extra operation's output, and an operation that reads an unnamed tensor matches
+    nothing (``proved_program``: the run fails, or the operation is itself an unnamed extra), so
+    such an output reaches no per-example loss: its gradient is zero, its rows need not be
+    separable, and the call's product over its other outputs is the whole gradient (a parameter
+    edge reachable from it alone is refused by ``per_layer.check_module_windows``). None when the
+    match failed (then nothing is named reliably, and the call is refused)."""
+    if match is None or match.mismatch is not None or w.why is not None:
+        return []
+    dead = [j for j, n in enumerate(w.out_names) if n is None]
+    return dead if len(dead) < len(w.out_names) else []
 
 
 def _join_dims(lays: list[Any]) -> Any:
@@ -380,7 +404,7 @@ class _Rule:
         gradients, rank-one 2-D Linear gradients): their bound is then relative,
         ``(1 + gam(rel_len))``, applied once per chunk. Layers whose summed vector is formed
         separately (book-keeping over positions) bound themselves in :meth:`bound_sq`."""
-        return sum(getattr(c.mod, r).numel() for r in roles) + 4
+        return sum(own_param(c.mod, r).numel() for r in roles) + 4
 
     def bound_sq(self, c: _Call, sq: Tensor, rnd: _Rounding) -> Tensor | None:
         """For a weight computed by Gram matrices or formed apart from the book-keeping sum: the
@@ -1214,7 +1238,7 @@ class _Owner:
         :class:`~dpclip.engine.proved_program.ProgramMatch`, where its proved operations start."""
         captured = capture_args(args, kwargs, mod)
         call = None if match is None else match.open_call(
-            [t for t, _ in captured[2]], {r: getattr(mod, r) for r in self.roles})
+            [t for t, _ in captured[2]], {r: own_param(mod, r) for r in self.roles})
         self.starts.append((seq_now(), captured, call))
 
 

@@ -60,8 +60,8 @@ from dpclip.engine.proved_program import _written
 from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
-           "join_layouts", "module_grads", "output_tensors", "replay", "scale_holds", "seq_now",
-           "settle_call"]
+           "join_layouts", "module_grads", "output_tensors", "own_param", "replay", "scale_holds",
+           "seq_now", "settle_call"]
 
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
@@ -75,6 +75,17 @@ class PerLayerNotProved(PerLayerUnsupported):
     (:class:`RecomputeTracer`). Never turned into a vmap fallback: the module behaved differently
     when evaluated one example at a time, and ``vmap`` evaluates it the same way, after the
     ghost engine's forward ran it on the whole batch (what it kept from there, ``vmap`` reads)."""
+
+
+def own_param(mod: Any, role: str) -> Any:
+    """The parameter of ``mod`` that an owner's ``role`` names: an attribute of the module, or a
+    dotted path to a child's (``out_proj.weight``: ``nn.MultiheadAttention`` reads its child
+    Linear's parameters in its own forward, never calling the child, so its call owns them:
+    ``ghost._scan``). Read through ``_modules``, not a module's own ``__getattr__``."""
+    *path, attr = role.split(".")
+    for part in path:
+        mod = mod._modules[part]
+    return getattr(mod, attr)
 
 
 def seq_now() -> int:
@@ -141,7 +152,7 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
             raise PerLayerUnsupported(
                 f"the call of module {name!r} ({type(c.mod).__name__}) was not seen entering "
                 "(its forward pre-hook did not run); call it through its module")
-        own = {ident(getattr(c.mod, r)) for r in c.owner.roles}
+        own = {ident(own_param(c.mod, r)) for r in c.owner.roles}
         # (an output created outside the call, e.g. an input returned as is, is no use of the
         # module's parameters: its node is not a root)
         roots = [e.node for e, b in zip(c.oedges, c.bs) if b is not None and e.node is not None
@@ -192,8 +203,8 @@ def check_module_windows(calls: Sequence[Any], uses: dict[str, int],
                     "computed from its parameters is used after the call (kept in an attribute or "
                     "returned where the module's outputs are not seen): the gradient through "
                     "that use cannot be read from the call; return it, or use engine 'vmap'")
-    names = {by_param[ident(getattr(c.mod, r))] for c in calls for r in c.owner.roles
-             if ident(getattr(c.mod, r)) in by_param}
+    names = {by_param[ident(own_param(c.mod, r))] for c in calls for r in c.owner.roles
+             if ident(own_param(c.mod, r)) in by_param}
     bad = sorted(pn for pn in names if counted.get(pn, 0) != uses.get(pn, 0))
     if bad:
         raise PerLayerUnsupported(
@@ -468,6 +479,51 @@ def _cut(x: Any, key: Any, cut: frozenset[Any] | None) -> Any:
     return x
 
 
+_VIEW, _RESHAPE = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+_SDPA_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
+#: fused scaled dot-product attention kernels -> the schema names of their mask (additive bias)
+#: argument, or None
+_FUSED_SDPA = {getattr(torch.ops.aten, n).default: m for n, m in (
+    ("_scaled_dot_product_flash_attention_for_cpu", "attn_mask"),
+    ("_scaled_dot_product_flash_attention", None),
+    ("_scaled_dot_product_efficient_attention", "attn_bias"),
+    ("_scaled_dot_product_cudnn_attention", "attn_bias"),
+    ("_scaled_dot_product_fused_attention_overrideable", "attn_bias"),
+) if hasattr(torch.ops.aten, n)}
+
+
+def _as_math_attention(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The arguments of ``_scaled_dot_product_attention_math`` that compute the same attention
+    output as the fused kernel call ``func(*args, **kwargs)``, or None for any other operation.
+    The replay runs it in the kernel's place: ``torch.func.vmap`` has no batching rule for some
+    fused kernels (the CPU flash attention ``nn.MultiheadAttention`` uses without attention
+    weights) and evaluates them example by example with ``select`` and ``stack``, which the
+    recomputation's trace cannot prove per example; the math form is made of operations it can.
+    Only the kernel's output is given (its log-sum-exp and other outputs are the kernel's own
+    bookkeeping for its backward: a later read of them fails the replay). Dropout draws fresh
+    masks either way (``randomness="different"``)."""
+    mask_name = _FUSED_SDPA.get(func, _MISSING_ARG)
+    if mask_name is _MISSING_ARG:
+        return None
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            bound[a.name] = a.default_value
+    if bound.get("return_debug_mask", False):
+        return None
+    return ((bound["query"], bound["key"], bound["value"]),
+            {"attn_mask": bound.get(mask_name) if mask_name else None,
+             "dropout_p": bound.get("dropout_p", 0.0), "is_causal": bound.get("is_causal", False),
+             "scale": bound.get("scale")})
+
+
+_MISSING_ARG = object()
+
+
 def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
            cuts: Sequence[frozenset[Any] | None], env: dict[Any, Any],
            outs: Sequence[Any], shapes: Sequence[list[Any]]) -> tuple[Any, ...]:
@@ -477,12 +533,28 @@ def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
     tensors named ``outs``. No user code runs: ATen operations only. Every output must have the
     shape the proof's tensor has at one example (``shapes``; fourteenth hostile review: a tensor
     read whole with the real batch size in a broadcast dimension made one example's replay a
-    product over B rows): the replay is then the proof's program at a batch of one."""
-    for (func, a, kw, index), grad, cut, want in zip(entries, grads, cuts, shapes):
+    product over B rows): the replay is then the proof's program at a batch of one.
+
+    A ``view`` after the last in-place operation runs as ``reshape``: the same values (and
+    gradient) whatever the strides. The proof's strides are those of its kernels (the CPU flash
+    attention's output, ``(B, H, T, d)`` strided as ``(B, T, H, d)``, made the
+    ``permute(2, 0, 1, 3).contiguous().view(...)`` of ``nn.MultiheadAttention`` a view without a
+    copy), and ``vmap``'s
+    batching can lay the same values out otherwise (its fallback stacks per-example results), so
+    the view itself could fail; with no later write, nothing can tell a copy from an alias."""
+    last_write = max((j for j, e in enumerate(entries) if e[0]._schema.is_mutable), default=-1)
+    for j, ((func, a, kw, index), grad, cut, want) in enumerate(zip(entries, grads, cuts,
+                                                                     shapes)):
         args = tuple(_cut(_value(s, env), i, cut) for i, s in enumerate(a))
         kwargs = {k: _cut(_value(s, env), k, cut) for k, s in kw.items()}
+        if func is _VIEW and j > last_write:
+            func = _RESHAPE
+        math_args = _as_math_attention(func, args, kwargs)
         with torch.set_grad_enabled(grad):
-            out = func(*args, **kwargs)
+            if math_args is not None:  # (its output alone: a read of the others fails)
+                out = _SDPA_MATH(*math_args[0], **math_args[1])[0]
+            else:
+                out = func(*args, **kwargs)
         got = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (tuple, list)) \
             else []
         for j, o in enumerate(got):
@@ -601,7 +673,7 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
     group = c.group  # rows per example: each example is evaluated on its own rows
     batched = [_examples(t, batch, group, d) for t, d in zip(leaves, dims) if d in (0, 1)]
     fixed = {k: t for k, (t, d) in enumerate(zip(leaves, dims)) if d not in (0, 1)}
-    own = {r: getattr(mod, r) for r in c.owner.roles}
+    own = {r: own_param(mod, r) for r in c.owner.roles}
     # (each output's examples where the trace put them: dimension 0, or 1 for an RNN's states)
     bs = [_examples(b if b is not None else torch.zeros_like(t), batch, group, d or 0)
           for t, b, d in zip(c.outs, c.bs, c.batch_first)]
@@ -1008,7 +1080,7 @@ def scale_grads(c: Any, batch: int) -> dict[str, Tensor]:
         raise PerLayerUnsupported(
             f"the saved operand of module {c.owner.name!r} ({type(c.mod).__name__}, per-layer "
             "path) was modified in place after the call; use out-of-place operations")
-    p = getattr(c.mod, c.owner.roles[0])
+    p = own_param(c.mod, c.owner.roles[0])
     d = p.shape[0]
     g = (b.to(dt) * y.to(dt)).reshape(batch, -1, d).sum(1)
     return {c.owner.roles[0]: g.to(p.dtype)}

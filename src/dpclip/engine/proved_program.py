@@ -561,6 +561,12 @@ def _ret_alias(func: Any) -> tuple[Any, ...]:
                 if a_info is not None and a_info.before_set & info.before_set:
                     hit = (i, arg.name, arg.kwarg_only)
                     break
+            if hit is None and not info.before_set and str(ret.type) == "List[Tensor]":
+                # ``Tensor(a -> *) self -> Tensor(a)[]`` (split, chunk, unbind): every tensor of
+                # the list is a view of ``self``; the list's own annotation names no set
+                views = [(i, arg.name, arg.kwarg_only) for i, arg in enumerate(schema.arguments)
+                         if arg.alias_info is not None and "*" in arg.alias_info.after_set]
+                hit = views[0] if len(views) == 1 else None
         found.append(hit)
     got = tuple(found)
     _RET_ALIAS[ident(func)] = (func, got)
@@ -577,7 +583,8 @@ def _out_versions(func: Any, args: tuple, kwargs: dict, outs: list) -> list[int 
             v = None
             if o is not None:
                 v = o._version
-                hit = alias[j] if j < len(alias) else None
+                # (one list return: every output is one of its tensors)
+                hit = alias[j] if j < len(alias) else alias[0] if len(alias) == 1 else None
                 if hit is not None:
                     a = _arg(hit, args, kwargs)
                     if isinstance(a, Tensor):

@@ -17,6 +17,9 @@ included) and tracks, for every tensor, an abstract *layout*:
   draws such as dropout masks);
 * ``(d, k)`` (row separable): dimension ``d`` has size ``B * k`` and its slice ``[i k, (i + 1) k)``
   depends on example ``i`` and on constants only; the inputs and targets start as ``(0, 1)``;
+* ``Folded(d, k, o)``: dimension ``d`` has size ``o B k``, the batch folded inside an outer factor
+  (a ``(T, B, E)`` tensor flattened to ``(T B, E)``, as ``F.linear`` does inside
+  ``nn.MultiheadAttention``); read only by the rules written for it, ``MIXED`` for all others;
 * ``MIXED``: anything else (unknown operation, a reduction over the batch dimension, ...).
 
 Every operation has a rule that is sound by construction (pointwise ops with broadcasting,
@@ -75,12 +78,57 @@ __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 #: the layout of a tensor that may mix examples
 MIXED = "mixed"
 
-Layout = Any  # None | tuple[int, int] | MIXED
+Layout = Any  # None | tuple[int, int] | Folded | MIXED
+
+
+class Folded:
+    """The layout of a tensor whose dimension ``d`` (size ``o B k``) holds the batch INSIDE an
+    outer factor of ``o``: index ``a B k + i k + j`` (``a < o``, ``j < k``) depends on example
+    ``i`` and constants only. A sequence-first ``(T, B, E)`` tensor flattened to ``(T B, E)``
+    (what ``F.linear`` does to a ``(T, B, E)`` input, and ``nn.MultiheadAttention`` to its
+    projections) is ``Folded(0, 1, T)``: row ``t B + i`` is example ``i``'s position ``t``; the
+    view back to ``(T, B, E)`` is ``(1, 1)`` again.
+
+    It is not a tuple and cannot be indexed or unpacked, and :meth:`SeparabilityTracer.layout`
+    reads it as ``MIXED``: only the rules that are written for it (``_reshape``, ``_matmul``'s
+    ``mm`` / ``addmm``, ``_copy_of``, ``_broadcast_join`` for elementwise operations) see it
+    through :meth:`SeparabilityTracer.raw_layout`; every other rule, and everything outside this
+    module, sees a mix of the examples (fail closed)."""
+
+    __slots__ = ("d", "k", "o")
+
+    def __init__(self, d: int, k: int, o: int) -> None:
+        self.d, self.k, self.o = d, k, o
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Folded and (self.d, self.k, self.o) == (other.d, other.k, other.o)
+
+    def __hash__(self) -> int:
+        return hash((Folded, self.d, self.k, self.o))
+
+    def __repr__(self) -> str:
+        return f"Folded(d={self.d}, k={self.k}, outer={self.o})"
+
+
+def _parts(lay: Layout) -> tuple[int, int, int]:
+    """``(d, k, o)`` of a batch layout (``o = 1`` for a plain ``(d, k)``)."""
+    if type(lay) is Folded:
+        return lay.d, lay.k, lay.o
+    d, k = lay
+    return d, k, 1
+
+
+def _of(d: int, k: int, o: int) -> Layout:
+    """The layout ``(d, k)`` when ``o == 1``, else ``Folded(d, k, o)``."""
+    return (d, k) if o == 1 else Folded(d, k, o)
 
 _aten = torch.ops.aten
 _POINTWISE = torch.Tag.pointwise
 _REDUCTION = torch.Tag.reduction
 _DATA_DEP = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+_is_wrapper = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _name(func: Any) -> str:
@@ -515,6 +563,9 @@ class SeparabilityTracer(TorchDispatchMode):
         self.batch = batch
         self._layouts: _IdMap = _IdMap()
         self._taint: dict[int, int] = {}  # storage data_ptr -> id of the tensor allowed to read it
+        #: storage data_ptr -> ids of the views made, AFTER the write that tainted it, from a
+        #: tensor allowed to read it: their layouts were derived from its current one
+        self._readers: dict[int, set[int]] = {}
         self._mixed_in_place: set[int] = set()  # storages an in-place write made MIXED
         self.violation: str | None = None
         #: whether a tensor an earlier traced call retired was read (a batch reads it as MIXED)
@@ -573,7 +624,13 @@ class SeparabilityTracer(TorchDispatchMode):
     def layout(self, t: Tensor) -> Layout:
         """The layout of ``t`` (``None``: constant). A tensor that depended on the batch in an
         EARLIER traced call (kept in a closure, a global or a module attribute) reads as MIXED: it
-        carries other examples into this batch."""
+        carries other examples into this batch. A :class:`Folded` layout reads as MIXED here:
+        only the rules written for it read it (:meth:`raw_layout`)."""
+        lay = self.raw_layout(t)
+        return MIXED if type(lay) is Folded else lay
+
+    def raw_layout(self, t: Tensor) -> Layout:
+        """:meth:`layout`, with a :class:`Folded` layout as it is (for the rules written for it)."""
         lay = self._layouts.get(t)
         if lay is None and t in _STALE:
             self.stale_read = True
@@ -582,9 +639,15 @@ class SeparabilityTracer(TorchDispatchMode):
             try:
                 ptr = t.untyped_storage().data_ptr()
             except Exception:  # noqa: BLE001 - tensors without storage: be conservative
-                return MIXED
+                # but for torch.func's wrappers (vmap's batched, vjp's grad-tracking tensors,
+                # seen by the Python-level checks only): the dispatch level sees the tensors they
+                # wrap, storages and taint included, and tracks the layouts there; a wrapper has
+                # none of its own (a taint left by a replay's in-place write made every wrapper
+                # read as MIXED, so every view of one looked computed outside the trace)
+                return lay if _is_wrapper(t) else MIXED
             owner = self._taint.get(ptr)
-            if owner is not None and owner != ident(t):
+            if owner is not None and owner != ident(t) and \
+                    ident(t) not in self._readers.get(ptr, ()):
                 return MIXED
         return lay
 
@@ -592,8 +655,8 @@ class SeparabilityTracer(TorchDispatchMode):
         """``lay`` if it is a valid layout for tensor ``t``, else MIXED."""
         if lay is None or lay is MIXED:
             return lay
-        d, k = lay
-        if not isinstance(t, Tensor) or t.ndim <= d or t.shape[d] != self.batch * k:
+        d, k, o = _parts(lay)
+        if not isinstance(t, Tensor) or t.ndim <= d or t.shape[d] != o * self.batch * k:
             return MIXED
         return lay
 
@@ -618,6 +681,7 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.match.before(func, args, kwargs)
             finally:
                 self.quiet = False
+        before = self._constant_self(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
@@ -636,11 +700,38 @@ class SeparabilityTracer(TorchDispatchMode):
         try:
             if not quiet and self.match is not None:  # user code: the proved program's next op
                 self.match.step(func, args, kwargs, out)
-            return self._dispatch(func, args, kwargs, out)
+            return self._dispatch(func, args, kwargs, out, before)
         finally:
             self.quiet = quiet
 
-    def _dispatch(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    def _constant_self(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
+        """A copy of ``args[0]`` as it is BEFORE an in-place elementwise operation writes it, when
+        it is a constant and another argument is batch data (``zeros.masked_fill_(pad, -inf)``:
+        ``nn.MultiheadAttention``'s key padding mask). The rule reads the copy in its place: it
+        judges the values the operation combined with the examples (the same for every example,
+        or not), not the result, which the write has already made depend on them (and the rule,
+        reading that, took every such write for a position dependence). Not for operations that
+        overwrite every element (their rules do not read the old values) nor for a fresh i.i.d.
+        draw (its rule checks the draw itself). Made with the trace paused, no gradient."""
+        if not args or not isinstance(args[0], Tensor):
+            return None
+        meta = _meta(func)
+        if not meta.mutable or meta.full_write or meta.rule is not _pointwise or \
+                not meta.writes or meta.writes[0][0] != 0 or len(meta.writes) != 1:
+            return None
+        t = args[0]
+        if self.layout(t) is not None or self.iid_random(t) or \
+                not any(self.layout(a) is not None for a in _tensors(args[1:], kwargs)):
+            return None
+        quiet, self.quiet = self.quiet, True
+        try:
+            with _no_dispatch_modes(), torch.no_grad():
+                return t.clone()
+        finally:
+            self.quiet = quiet
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict, out: Any,
+                  before: Tensor | None = None) -> Any:
         layouts = self._layouts
         any_data = False
         for a in args:
@@ -689,14 +780,16 @@ class SeparabilityTracer(TorchDispatchMode):
         if any_data:
             rule = meta.rule
             try:
-                lay = rule(self, func, args, kwargs, out) if rule is not None else MIXED
+                # (an in-place write of a constant: its old values, _constant_self)
+                got = args if before is None else (before,) + tuple(args[1:])
+                lay = rule(self, func, got, kwargs, out) if rule is not None else MIXED
             except Exception:  # noqa: BLE001 - a rule that cannot read the call: conservative
                 lay = MIXED
         else:
             lay = None
         if (lay is MIXED or (isinstance(lay, _PerOutput) and MIXED in lay)) and \
                 len(self.mixers) < 3:
-            ins = [self.layout(t) for t in _tensors(args, kwargs)]
+            ins = [self.raw_layout(t) for t in _tensors(args, kwargs)]
             if not any(x is MIXED for x in ins):
                 # ranks, not shapes: a shape would show the realised batch size (private)
                 self.mixers.append(f"{_name(func)} on inputs of ranks "
@@ -709,6 +802,8 @@ class SeparabilityTracer(TorchDispatchMode):
             per_out = False
         if mutable:
             self._mutated(func, args, kwargs, lay)
+        elif self._taint and not meta.fresh and args and isinstance(args[0], Tensor):
+            self._new_views(args[0], outs)
         for j, o in enumerate(outs):
             if isinstance(o, Tensor):
                 new = self._fit(lay[j] if per_out else lay, o)
@@ -725,6 +820,28 @@ class SeparabilityTracer(TorchDispatchMode):
                     self.violation = (f"the operation {_name(func)} returns a Python value "
                                       "computed from batch data")
         return out
+
+    def _new_views(self, base: Tensor, outs: tuple) -> None:
+        """Views of ``base`` made after an in-place write tainted its storage (so that the views
+        made BEFORE the write, whose layouts are stale, read as MIXED): when ``base`` itself may
+        read the storage, the new views' layouts were derived by their rules from its current
+        layout, and they may read it too (``zeros.masked_fill_(pad, -inf).view(B, 1, 1, S)``)."""
+        try:
+            ptr = base.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage: nothing to allow
+            return
+        owner = self._taint.get(ptr)
+        if owner is None or (owner != ident(base) and
+                             ident(base) not in self._readers.get(ptr, ())):
+            return
+        for o in outs:
+            if isinstance(o, Tensor):
+                try:
+                    same = o.untyped_storage().data_ptr() == ptr
+                except Exception:  # noqa: BLE001
+                    same = False
+                if same:
+                    self._readers.setdefault(ptr, set()).add(ident(o))
 
     def _note_random(self, func: Any, meta: "_Meta", args: tuple, kwargs: dict,
                      out: Any) -> None:
@@ -879,7 +996,7 @@ class SeparabilityTracer(TorchDispatchMode):
         """An in-place / out= write: the written tensor takes the result's layout; if that changes
         its layout, every other view of its storage reads as MIXED from now on."""
         for t in self._written(func, args, kwargs):
-            old = self.layout(t)
+            old = self.raw_layout(t)
             new = self._fit(lay, t)
             if new is not None and self.violation is None:
                 try:
@@ -904,7 +1021,9 @@ class SeparabilityTracer(TorchDispatchMode):
             else:
                 self._layouts[t] = new
             try:
-                self._taint[t.untyped_storage().data_ptr()] = ident(t)
+                ptr = t.untyped_storage().data_ptr()
+                self._taint[ptr] = ident(t)
+                self._readers.pop(ptr, None)  # views made before this write: stale layouts
             except Exception:  # noqa: BLE001
                 if self.violation is None:
                     self.violation = f"in-place {_name(func)} on a tensor without storage"
@@ -955,23 +1074,24 @@ def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[
     nd = len(shape)
     consts = []
     for t in tensors:
-        lay = tr.layout(t)
+        lay = tr.raw_layout(t)  # elementwise: a Folded batch dimension stays as it is
         if lay is None:
             consts.append(t)
             continue
         if lay is MIXED:
             return MIXED
-        d, k = lay
+        d, k, o = _parts(lay)
         dd = d + nd - t.ndim
-        if dd < 0 or t.shape[d] != shape[dd] or shape[dd] != tr.batch * k:
+        if dd < 0 or t.shape[d] != shape[dd] or shape[dd] != o * tr.batch * k:
             return MIXED
         if res is None:
-            res = (dd, k)
-        elif res != (dd, k):
+            res = _of(dd, k, o)
+        elif res != _of(dd, k, o):
             return MIXED
     if res is not None:
+        rd, rk, ro = _parts(res)
         for t in consts:
-            if not _uniform_along(tr, t, res[0] + t.ndim - nd, res[1], tr.batch):
+            if not _uniform_along(tr, t, rd + t.ndim - nd, rk, tr.batch, ro):
                 if len(tr.mixers) < 3:
                     tr.mixers.append(f"a constant of rank {t.ndim} that differs from one "
                                      "example's position in the batch to the next, combined "
@@ -980,26 +1100,31 @@ def _broadcast_join(tr: SeparabilityTracer, tensors: list[Tensor], shape: tuple[
     return res
 
 
-def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: int) -> bool:
+def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: int,
+                   o: int = 1) -> bool:
     """Whether constant ``t``, broadcast so that its dimension ``d`` meets a batch dimension of
-    ``batch`` blocks of ``k``, is the same in every block (``d < 0`` or size 1: broadcast, yes),
-    or a fresh i.i.d. random draw (a dropout mask: every example gets its own independent draw)."""
+    ``batch`` blocks of ``k`` (``o`` times over: a :class:`Folded` dimension), is the same in every
+    example's block (``d < 0`` or size 1: broadcast, yes), or a fresh i.i.d. random draw (a
+    dropout mask: every example gets its own independent draw). With ``o > 1`` it may differ from
+    one outer slab to the next (a position ``t`` of ``(T B, E)``), not from one example to the
+    next within a slab."""
     if d < 0 or t.shape[d] == 1:
         return True
     if tr.iid_random(t):
         return True
-    if t.shape[d] != batch * k:
+    if t.shape[d] != o * batch * k:
         return False
     if t.stride(d) == 0:  # an expand: one row seen B times
         return True
-    blocks = t.unflatten(d, (batch, k))
-    if not torch.equal(blocks, blocks.narrow(d, 0, 1).expand_as(blocks)):
+    blocks = t.unflatten(d, (o, batch, k))
+    e = d + 1  # the examples' dimension
+    if not torch.equal(blocks, blocks.narrow(e, 0, 1).expand_as(blocks)):
         return False
     if blocks.is_floating_point():
         # and the signs: -0.0 == 0.0 for torch.equal, but not for atan2, copysign or signbit
         # (thirty-first hostile review: rows differing in the sign of zero, 7.87 C)
         signs = torch.signbit(blocks)
-        return bool(torch.equal(signs, signs.narrow(d, 0, 1).expand_as(signs)))
+        return bool(torch.equal(signs, signs.narrow(e, 0, 1).expand_as(signs)))
     return True
 
 
@@ -1010,6 +1135,17 @@ uniform_along = _uniform_along
 def _pointwise(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     o = _first_out(out)
     return _broadcast_join(tr, _tensors(args, kwargs), tuple(o.shape))
+
+
+def _copy_of(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """Copies and casts that keep every element where it is (``clone``, ``contiguous``,
+    ``_to_copy``, ``detach``, ``alias``, ``native_dropout``: elementwise with an i.i.d. mask): the
+    input's layout, a :class:`Folded` one included; every other tensor argument constant."""
+    lay = tr.raw_layout(args[0])
+    for t in _tensors(args[1:], kwargs):
+        if tr.layout(t) is not None:
+            return MIXED
+    return lay
 
 
 def _same(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -1062,15 +1198,39 @@ def _along_dim(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out
     return lay
 
 
-def _reshape(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
-    x = args[0]
-    lay = tr.layout(x)
+def _softmax_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                      out: Any) -> Layout:
+    """``_softmax_backward_data(grad, output, dim, dtype)`` (and the log-softmax one): elementwise
+    in its two tensors but for a sum along ``dim`` (``output (grad - sum(grad output, dim))``):
+    per example when both carry the batch in the same layout, or one is a constant that is the same
+    for every example, and ``dim`` is not the batch dimension."""
+    o = _first_out(out)
+    lay = _broadcast_join(tr, [args[0], args[1]], tuple(o.shape))
     if lay is None or lay is MIXED:
         return lay
-    d, k = lay
+    if type(lay) is Folded or args[2] % o.ndim == lay[0]:
+        return MIXED
+    return lay
+
+
+def _reshape(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
+    """A view or reshape (row-major element order, whatever the strides). In row-major order the
+    input's elements are ``outer x B x block``: ``outer = prod(shape[:d]) o`` slabs, each holding
+    the ``B`` examples' blocks of ``block = k prod(shape[d + 1:])`` consecutive elements, in order
+    (layout ``(d, k)``, or ``Folded(d, k, o)``). The output keeps them as ``(e, k')`` when its
+    dimension ``e`` starts a slab (``prod(new[:e]) == outer``) and splits into ``B`` blocks of
+    ``k' prod(new[e + 1:]) == block`` elements; as ``Folded(e, k', o')`` when ``e`` holds ``o'``
+    slabs of ``B`` such blocks (``prod(new[:e]) o' == outer``: flattening ``(T, B, E)`` to
+    ``(T B, E)``). Index ``a B k' + i k' + j`` of ``e``, at any other indices, is then flat
+    element ``(p o' + a) B block + i block + (j rest + r)``: example ``i``'s, and nothing else."""
+    x = args[0]
+    lay = tr.raw_layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    d, k, o = _parts(lay)
     old = list(x.shape)
     new = list(_first_out(out).shape)
-    outer = math.prod(old[:d])
+    outer = math.prod(old[:d]) * o
     block = k * math.prod(old[d + 1:])  # contiguous (row-major) elements of one example block
     acc = 1
     for e, size in enumerate(new):
@@ -1078,6 +1238,12 @@ def _reshape(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: 
             kk = size // tr.batch
             if kk * math.prod(new[e + 1:]) == block:
                 return (e, kk)
+        elif acc and outer and block and outer % acc == 0 and \
+                size % (outer // acc * tr.batch) == 0:
+            oo = outer // acc
+            kk = size // (oo * tr.batch)
+            if kk * math.prod(new[e + 1:]) == block:
+                return Folded(e, kk, oo)
         acc *= size
         if acc > outer:
             break
@@ -1256,7 +1422,9 @@ def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
         extra, a, b = args[0], args[1], args[2]
     else:
         extra, a, b = None, args[0], args[1]
-    la, lb = tr.layout(a), tr.layout(b)
+    # a Folded factor only for mm / addmm: row r of a @ W is row r of a times a constant
+    raw = name in ("mm", "addmm", "_addmm_activation")
+    la, lb = (tr.raw_layout(a), tr.raw_layout(b)) if raw else (tr.layout(a), tr.layout(b))
     if la is MIXED or lb is MIXED:
         return MIXED
     if name in ("bmm", "baddbmm"):
@@ -1275,24 +1443,48 @@ def _matmul(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: A
     elif name in ("mv", "addmv"):
         res = la if (lb is None and la is not None and la[0] == 0) else (None if la is lb is None
                                                                             else MIXED)
-    else:  # mm, addmm
+    else:  # mm, addmm (the batch in a's rows or b's columns, the other factor constant)
         if la is not None and lb is not None:
             res = MIXED
         elif la is not None:
-            res = la if la[0] == 0 else MIXED
+            res = la if _parts(la)[0] == 0 else MIXED
         elif lb is not None:
-            res = lb if lb[0] == 1 else MIXED
+            res = lb if _parts(lb)[0] == 1 else MIXED
         else:
             res = None
     if res is MIXED or extra is None:
         return res
     o = _first_out(out)
     le = _broadcast_join(tr, [extra], tuple(o.shape))
-    if le is None:
-        return res
-    if le is MIXED or (res is not None and res != le):
+    if le is MIXED or (res is not None and le is not None and res != le):
         return MIXED
-    return le
+    # the added term and the product meet row by row: a constant one that spans the batch
+    # dimension must be the same for every example (a (B H, T, S) attention mask added by
+    # baddbmm with rows that differ by the example's position: accepted before)
+    if le is None and res is not None:
+        rd, rk, ro = _parts(res)
+        if not _uniform_along(tr, extra, rd + extra.ndim - o.ndim, rk, tr.batch, ro):
+            return MIXED
+    if res is None and le is not None and not _product_uniform(tr, name, a, b, le):
+        return MIXED
+    return le if le is not None else res
+
+
+def _product_uniform(tr: SeparabilityTracer, name: str, a: Tensor, b: Tensor,
+                     lay: Layout) -> bool:
+    """Whether the product of constants ``a`` and ``b`` (``mm``, ``bmm``, ``mv`` and their
+    ``add`` forms) is the same for every example along the output's batch dimension of ``lay``:
+    each factor that spans that dimension is."""
+    d, k, o = _parts(lay)
+    if name in ("bmm", "baddbmm"):
+        spans = {0: [(a, 0), (b, 0)], 1: [(a, 1)], 2: [(b, 2)]}
+    elif name in ("mv", "addmv"):
+        spans = {0: [(a, 0)]}
+    else:
+        spans = {0: [(a, 0)], 1: [(b, 1)]}
+    if d not in spans:
+        return False
+    return all(_uniform_along(tr, t, e, k, tr.batch, o) for t, e in spans[d])
 
 
 def _conv(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
@@ -1800,9 +1992,9 @@ _add(_copy, "copy_", "copy")
 _add(_repeat, "repeat")
 _add(_const, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "empty_like",
      "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like")
-_add(_same, "detach", "alias", "clone", "_to_copy", "lift_fresh", "lift_fresh_copy",
-     "native_dropout", "contiguous", "bernoulli", "positive", "view_as_real", "_conj",
+_add(_same, "lift_fresh", "lift_fresh_copy", "bernoulli", "positive", "view_as_real", "_conj",
      "resolve_conj", "resolve_neg")
+_add(_copy_of, "detach", "alias", "clone", "_to_copy", "native_dropout", "contiguous")
 _add(_reshape, "view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "flatten",
      "unflatten")
 _add(_expand, "expand", "expand_copy")
@@ -1852,6 +2044,7 @@ _add(_leading(_pad_dims), "constant_pad_nd")
 _add(_along_dim, "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "glu",
      "cumsum", "cumprod",
      "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "cummax", "cummin")
+_add(_softmax_backward, "_softmax_backward_data", "_log_softmax_backward_data")
 _add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
      "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
 _add(_embedding, "embedding")
