@@ -246,18 +246,17 @@ class SequenceFirst(nn.Module):
         return self.h(self.a(s, s, s)[0].mean(0))
 
 
-def test_sequence_first_attention_is_refused_and_auto_falls_back():
-    """The per-layer path needs batch-first arguments: a ``(T, B, E)`` call is refused (not
-    unsupported by the trace: the attention's output is proved per example), and ``auto`` runs
-    ``vmap``, equal to the loop."""
+def test_sequence_first_attention_runs_on_ghost():
+    """``batch_first=False`` on ``(T, B, E)``: the attention's arguments and outputs hold the
+    examples in dimension 1, which the per-layer path reads there (as for the recurrent layers'
+    states, tests/engine/test_ghost_recurrent.py): on ghost, equal to the loop."""
     model = SequenceFirst()
     x, y = _x(B, T, E), _y()
-    with pytest.raises(UnsupportedModelError, match="has the batch in dimension 1"):
-        GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
-    res = AutoEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
-    assert res.engine_info["engine"] == "vmap"
-    assert_matches_the_loop(res, naive_per_example_grads(model, ce, x, y),
-                            ParamGroups.flat(model), B)
+    for engine in (GhostEngine(), AutoEngine(), GhostEngine(max_physical_batch=2)):
+        for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+            res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
+            assert res.engine_info["engine"] == "ghost" and res.engine_info["per_layer"] == ("a",)
+            assert_matches_the_loop(res, naive_per_example_grads(model, ce, x, y), groups, B)
 
 
 # ---------------------------------------------------------------------- adversarial: refused
