@@ -88,6 +88,8 @@ def test_recurrent_text_classifiers_run_on_ghost_equal_to_the_loop(name, kind, r
             assert res.engine_info["engine"] == "ghost", res.engine_info
             assert res.engine_info["fallback"] is None
             assert res.engine_info["per_layer"] == ("rnn",)
+            # the time-step rule, not the replay (dpclip.engine.recurrent.TimeStepRule)
+            assert res.engine_info["time_step_rule"] == ("rnn",)
             assert_equal_to_the_loop(res, model, ce, x, y, groups)
 
 
@@ -149,6 +151,7 @@ def test_an_initial_state_of_the_example_or_zeros_runs_on_ghost(how):
         res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
         assert res.engine_info["engine"] == "ghost" and res.engine_info["fallback"] is None
         assert "rnn" in res.engine_info["per_layer"]
+        assert res.engine_info["time_step_rule"] == ("rnn",)
         assert_equal_to_the_loop(res, model, ce, x, y, groups)
 
 
