@@ -377,3 +377,18 @@ def test_an_input_rewritten_after_the_call_is_refused():
     with pytest.raises(UnsupportedModelError):
         GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
                               ParamGroups.flat(model))
+
+
+def test_a_weight_added_to_the_input_by_a_pre_hook_takes_the_replay():
+    """A forward pre-hook of the LSTM adds one of its weights to its input: the weight has a use
+    in the call that is no recorded projection (the gradient through the input), so the rule must
+    not take it (it would miss that term: the norm too small, the example under-clipped); the
+    call's edges into the weight are counted (``recurrent._uses_in_call``)."""
+    torch.manual_seed(0)
+    model = TextRNN(nn.LSTM, "out", batch_first=True).to(DT)
+    model.rnn.register_forward_pre_hook(
+        lambda mod, args: (args[0] + mod.weight_hh_l0[:1, :E].tanh(),))
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = _ghost(model, x, y, groups)
+        assert "time_step_rule" not in res.engine_info

@@ -189,8 +189,9 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         # replay (dpclip.engine.recurrent.TimeStepRule; None: the replay)
         from dpclip.engine.recurrent import TimeStepRule
 
-        c.fast = TimeStepRule.recognise(owner.module, owner.roles, all_outs[0],
-                                        tracer.recurrent, tracer.batch * k, c.call.written)
+        c.fast = TimeStepRule.recognise(owner.module, owner.roles, all_outs,
+                                        tracer.recurrent, tracer.batch * k, c.call.written,
+                                        c.window)
     # which outputs hold the examples in their rows: by the proof's shapes where the call was
     # matched (a real first size equal to B * k would make a public (T, d) output batch-first at
     # B * k == T only, a refusal that told the batch size: eighteenth hostile review)

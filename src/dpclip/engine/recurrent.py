@@ -290,6 +290,34 @@ def library_changed() -> str | None:
 # ------------------------------------------------------------------ the time-step rule
 
 
+def _uses_in_call(outs: list[Tensor], window: tuple[Any, int],
+                  own: dict[int, str]) -> dict[str, int]:
+    """The autograd edges into each of ``own``'s parameters (by ``id``) from the nodes created
+    inside the call (sequence numbers in ``window``) that its outputs lead to."""
+    start, end = window
+    count: dict[str, int] = {}
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None
+             and start < o.grad_fn._sequence_nr() < end]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for n, _ in node.next_functions:
+            if n is None:
+                continue
+            var = getattr(n, "variable", None)
+            if var is not None:
+                r = own.get(id(var))
+                if r is not None:
+                    count[r] = count.get(r, 0) + 1
+                continue
+            if start < n._sequence_nr() < end:
+                stack.append(n)
+    return count
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
     """Record the projections (``(weight, bias, a, out)`` of every ``F.linear``) of the recurrent
@@ -368,20 +396,25 @@ class TimeStepRule:
         return list(seen.values())
 
     @staticmethod
-    def recognise(mod: nn.Module, roles: tuple[str, ...], out0: Tensor, taken: list,
-                  rows: int, written: Any) -> "TimeStepRule | None":
-        """The rule for one call of ``mod`` (its output sequence ``out0``), from the tracer's
-        recorded operations ``taken`` (``SeparabilityTracer.recurrent``; the entry is removed), or
-        None (the replay). ``written``: storage keys the call's operations wrote."""
-        from dpclip.engine.plain_module import instance_code
+    def recognise(mod: nn.Module, roles: tuple[str, ...], outs: list[Tensor], taken: list,
+                  rows: int, written: Any, window: tuple[int | None, int]
+                  ) -> "TimeStepRule | None":
+        """The rule for one call of ``mod`` (its outputs ``outs``, the output sequence first),
+        from the tracer's recorded operations ``taken`` (``SeparabilityTracer.recurrent``; the
+        entry is removed), or None (the replay). ``written``: storage keys the call's operations
+        wrote; ``window``: the call's autograd sequence numbers."""
+        from dpclip.engine.plain_module import global_hooks_clear, instance_code
         from dpclip.engine.proved_program import storage_key
+
+        out0 = outs[0]
 
         got = [k for k, (o, _) in enumerate(taken) if o is out0]
         if len(got) != 1:
             return None
         _, projections = taken.pop(got[0])
         cls = type(mod)
-        if _RULED.get(cls) is not cls.forward or instance_code(mod) is not None:
+        if _RULED.get(cls) is not cls.forward or instance_code(mod) is not None \
+                or not global_hooks_clear() or window[0] is None:
             return None
         flat = {id(w): w for w in mod._flat_weights if w is not None}
         by_id = {id(getattr(mod, r)): r for r in roles}
@@ -403,6 +436,14 @@ class TimeStepRule:
                     return None
                 uses[r].append((x, out))
         if any(not lst for lst in uses.values()):
+            return None
+        # every use of a weight in the call is a recorded projection: the call's autograd edges
+        # into each weight, from the nodes it created that its outputs lead to, are as many as
+        # its recorded uses (a forward pre-hook that adds a weight to the input, a patched
+        # _VF.lstm using it again: the gradient through that use is not a projection's;
+        # check_module_windows refuses a use its outputs do not lead to)
+        if _uses_in_call(outs, window, {id(getattr(mod, r)): r for r in roles}) != \
+                {r: len(lst) for r, lst in uses.items()}:
             return None
         rule = TimeStepRule(uses, rows, [])
         if any(storage_key(a) in written for a in rule.operands()):
