@@ -367,10 +367,11 @@ class TimeStepRule:
 
     __slots__ = ("uses", "versions", "edges", "rows", "bs")
 
-    def __init__(self, uses: dict[str, list[tuple[Tensor, Tensor]]], rows: int,
+    def __init__(self, uses: dict[str, list[tuple[Any, Any]]], rows: int,
                  edges: list[Any]) -> None:
-        #: role -> [(a, out)] of every use of that parameter (a bias: ``a`` None)
-        self.uses = uses
+        #: role -> [(a, out)] of every use of that parameter (a bias: ``a`` None); once
+        #: recognised, ``out`` is ``(its number in edges, shape, dtype, device)``
+        self.uses: dict[str, list[tuple[Any, Any]]] = uses
         self.rows = rows
         #: the gradient edges of the recorded outputs (in :meth:`outputs` order)
         self.edges = edges
@@ -448,7 +449,13 @@ class TimeStepRule:
         rule = TimeStepRule(uses, rows, [])
         if any(storage_key(a) in written for a in rule.operands()):
             return None
-        rule.edges = [torch.autograd.graph.get_gradient_edge(o) for o in rule.outputs()]
+        outputs = rule.outputs()
+        rule.edges = [torch.autograd.graph.get_gradient_edge(o) for o in outputs]
+        # the outputs by their number and shape only (autograd does not keep the input
+        # projection's output: holding it would cost a (T, N, gates) tensor per layer)
+        at = {id(o): j for j, o in enumerate(outputs)}
+        rule.uses = {r: [(a, (at[id(o)], tuple(o.shape), o.dtype, o.device)) for a, o in lst]
+                     for r, lst in uses.items()}
         return rule
 
     def grads(self, mod: nn.Module, batch: int, name: str) -> dict[str, Tensor]:
@@ -461,16 +468,14 @@ class TimeStepRule:
                 raise PerLayerUnsupported(
                     f"an operand of module {name!r} ({type(mod).__name__}) was modified in "
                     "place after the call (its input); use out-of-place operations")
-        outs = self.outputs()
-        if len(self.bs) != len(outs):  # (internal)
+        if len(self.bs) != len(self.edges):  # (internal)
             raise AssertionError("TimeStepRule.grads: the projections' gradients are missing")
-        grad = {id(o): g for o, g in zip(outs, self.bs)}
         k = self.rows // batch
         got: dict[str, Tensor] = {}
         for r, lst in self.uses.items():
             p = getattr(mod, r)
-            bl = [grad[id(o)] if grad[id(o)] is not None else torch.zeros_like(o)
-                  for _, o in lst]
+            bl = [self.bs[j] if self.bs[j] is not None
+                  else torch.zeros(shape, dtype=dt, device=dev) for _, (j, shape, dt, dev) in lst]
             # (T', N, .) -> (B, k T', .): example i's rows of every use, in one position dim
             b = torch.cat(bl, 0).to(p.dtype)
             b = b.transpose(0, 1).reshape(batch, k * b.shape[0], b.shape[2])
