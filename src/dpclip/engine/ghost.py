@@ -49,6 +49,9 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
   embeddings with ``cls_token`` / ``position_embeddings``, custom layers): the per-layer path
   (:mod:`dpclip.engine.per_layer`): per-example gradients of its own parameters by ``torch.func``
   on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
+  ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` there get theirs from the time-step rule instead (the
+  gradients at their recorded projections, no replay: :class:`dpclip.engine.recurrent.
+  TimeStepRule`; ``engine_info["time_step_rule"]`` names them).
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
   gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
   ``numel <= _TIED_FORM_MAX_NUMEL``; above it, the exact norm of the sum from the uses' cross
