@@ -74,6 +74,11 @@ CASES = [
     ("gru-bidir-final", nn.GRU, "h", dict(bidirectional=True)),
     ("rnn-tanh", nn.RNN, "out", dict(batch_first=True)),
     ("rnn-relu-nobias", nn.RNN, "h", dict(nonlinearity="relu", bias=False, num_layers=2)),
+    ("lstm-proj-2layers-bidir-final", nn.LSTM, "h", dict(num_layers=2, bidirectional=True,
+                                                          proj_size=2)),
+    ("gru-seq-first-2layers-bidir", nn.GRU, "out", dict(num_layers=2, bidirectional=True)),
+    ("rnn-relu-bidir-bf", nn.RNN, "out", dict(batch_first=True, bidirectional=True,
+                                               nonlinearity="relu")),
 ]
 
 
@@ -88,6 +93,8 @@ def test_recurrent_text_classifiers_run_on_ghost_equal_to_the_loop(name, kind, r
             assert res.engine_info["engine"] == "ghost", res.engine_info
             assert res.engine_info["fallback"] is None
             assert res.engine_info["per_layer"] == ("rnn",)
+            # the time-step rule, not the replay (dpclip.engine.recurrent.TimeStepRule)
+            assert res.engine_info["time_step_rule"] == ("rnn",)
             assert_equal_to_the_loop(res, model, ce, x, y, groups)
 
 
@@ -149,6 +156,7 @@ def test_an_initial_state_of_the_example_or_zeros_runs_on_ghost(how):
         res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
         assert res.engine_info["engine"] == "ghost" and res.engine_info["fallback"] is None
         assert "rnn" in res.engine_info["per_layer"]
+        assert res.engine_info["time_step_rule"] == ("rnn",)
         assert_equal_to_the_loop(res, model, ce, x, y, groups)
 
 
@@ -243,3 +251,144 @@ def test_a_replaced_function_inside_the_cells_is_refused(monkeypatch):
     with pytest.raises(UnsupportedModelError, match="replaced"):
         GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
                               ParamGroups.flat(model))
+
+
+# ------------------------------------------------ the time-step rule (recurrent.TimeStepRule)
+
+
+def _ghost(model: nn.Module, x: Tensor, y: Tensor, groups: ParamGroups, **kw) -> object:
+    res = GhostEngine(**kw).compute(model, ce, x, y, clip_weights(0.3), groups)
+    assert res.engine_info["engine"] == "ghost" and res.engine_info["fallback"] is None
+    assert_equal_to_the_loop(res, model, ce, x, y, groups)
+    return res
+
+
+class _ReusingLSTM(nn.LSTM):
+    """An LSTM subclass whose forward uses a weight once more, outside the recurrent operation:
+    the recorded projections are not every use of it, so the time-step rule must not take it (its
+    per-example gradient would miss the extra term); the replay does, exactly."""
+
+    def forward(self, x, hx=None):
+        out, h = super().forward(x, hx)
+        return out + self.weight_hh_l0[:1, :1].tanh(), h
+
+
+def test_a_subclass_using_a_weight_outside_the_operation_takes_the_replay():
+    torch.manual_seed(0)
+    model = TextRNN(nn.LSTM, "out", batch_first=True).to(DT)
+    model.rnn = _ReusingLSTM(E, H, batch_first=True).to(DT)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = _ghost(model, x, y, groups)
+        assert res.engine_info["per_layer"] == ("rnn",)
+        assert "time_step_rule" not in res.engine_info
+
+
+def test_a_frozen_weight_leaves_the_others_on_the_time_step_rule():
+    torch.manual_seed(0)
+    model = TextRNN(nn.GRU, "h", num_layers=2, bidirectional=True).to(DT)
+    model.rnn.weight_ih_l0.requires_grad_(False)
+    model.rnn.bias_hh_l1_reverse.requires_grad_(False)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = _ghost(model, x, y, groups)
+        assert res.engine_info["time_step_rule"] == ("rnn",)
+
+
+class _Twice(nn.Module):
+    """One LSTM called on two views of the example (two calls, their gradients summed), and an
+    LSTM whose recurrent weight is tied to the first one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.rnn = nn.LSTM(E, H, batch_first=True)
+        self.other = nn.LSTM(E, H, batch_first=True)
+        self.other.weight_hh_l0 = self.rnn.weight_hh_l0
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids)
+        a = self.rnn(x)[0][:, -1]
+        b = self.rnn(x.flip(1))[0][:, -1]
+        c = self.other(x * 0.5)[0].mean(1)
+        return self.head(a + b * c)
+
+
+def test_repeated_calls_and_a_tied_recurrent_weight_are_summed_exactly():
+    torch.manual_seed(0)
+    model = _Twice().to(DT)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        for kw in ({}, {"max_physical_batch": 2}):
+            res = _ghost(model, x, y, groups, **kw)
+            assert set(res.engine_info["time_step_rule"]) == {"rnn", "other"}
+
+
+class _Copies(nn.Module):
+    """Each example in ``K`` consecutive rows (augmented copies) through a sequence-first GRU,
+    averaged back per example: the layer's rows hold example i in rows [i K, (i + 1) K)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.rnn = nn.GRU(E, H, num_layers=2)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids).repeat_interleave(2, 0)  # (2 B, T, E)
+        x = x * torch.tensor([1.0, -0.5], dtype=x.dtype).repeat(x.shape[0] // 2).view(-1, 1, 1)
+        out, _ = self.rnn(x.transpose(0, 1))
+        z = out[-1].reshape(-1, 2, H).mean(1)
+        return self.head(z)
+
+
+def test_k_rows_per_example_on_the_time_step_rule():
+    torch.manual_seed(0)
+    model = _Copies().to(DT)
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = _ghost(model, x, y, groups)
+        assert res.engine_info["time_step_rule"] == ("rnn",)
+
+
+class _WritesInput(nn.Module):
+    """The LSTM's input rewritten in place after the call with its batch mean: the time-step
+    rule reads that input after the backward (as ``a`` of the input projection), so the write
+    must not go unseen (the trace refuses the write through ``.data``; the rule's own version
+    check and the fingerprints of its operands, ``ghost_forward._printed``, stand behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.rnn = nn.LSTM(E, H, batch_first=True)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids) * 1.0
+        out = self.rnn(x)[0][:, -1]
+        x.data.add_(x.data.mean(0, keepdim=True))
+        return self.head(out)
+
+
+def test_an_input_rewritten_after_the_call_is_refused():
+    torch.manual_seed(0)
+    model = _WritesInput().to(DT)
+    with pytest.raises(UnsupportedModelError):
+        GhostEngine().compute(model, ce, _ids(), _y(), clip_weights(0.3),
+                              ParamGroups.flat(model))
+
+
+def test_a_weight_added_to_the_input_by_a_pre_hook_takes_the_replay():
+    """A forward pre-hook of the LSTM adds one of its weights to its input: the weight has a use
+    in the call that is no recorded projection (the gradient through the input), so the rule must
+    not take it (it would miss that term: the norm too small, the example under-clipped); the
+    call's edges into the weight are counted (``recurrent._uses_in_call``)."""
+    torch.manual_seed(0)
+    model = TextRNN(nn.LSTM, "out", batch_first=True).to(DT)
+    model.rnn.register_forward_pre_hook(
+        lambda mod, args: (args[0] + mod.weight_hh_l0[:1, :E].tanh(),))
+    x, y = _ids(), _y()
+    for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
+        res = _ghost(model, x, y, groups)
+        assert "time_step_rule" not in res.engine_info

@@ -49,6 +49,9 @@ Per-layer rules (``a_i``: example ``i``'s input, ``b_i``: gradient of its loss w
   embeddings with ``cls_token`` / ``position_embeddings``, custom layers): the per-layer path
   (:mod:`dpclip.engine.per_layer`): per-example gradients of its own parameters by ``torch.func``
   on that module, from the same backward's ``b``; kept. ``engine_info["per_layer"]`` names them.
+  ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` there get theirs from the time-step rule instead (the
+  gradients at their recorded projections, no replay: :class:`dpclip.engine.recurrent.
+  TimeStepRule`; ``engine_info["time_step_rule"]`` names them).
 * A parameter used more than once (a layer called several times, tied weights) gets its per-example
   gradient formed for every use and summed (memory ``B * numel``; then the same as ``keep``) while
   ``numel <= _TIED_FORM_MAX_NUMEL``; above it, the exact norm of the sum from the uses' cross
@@ -335,6 +338,20 @@ def _release_last(model: nn.Module, carry: list[Any]) -> None:
             "a parameter or buffer of the model was written after the step's reads, by code "
             "that ran when the step released its tensors (a weakref.finalize or __del__ of an "
             "object kept with them): the next step would read a value from this step's data")
+
+
+def _time_step(c: _Call) -> bool:
+    """Whether a per-layer call is a recurrent layer's taken by the time-step rule
+    (:class:`dpclip.engine.recurrent.TimeStepRule`)."""
+    return c.fast is not None and not isinstance(c.fast, tuple)
+
+
+def _kept(c: _Call, batch: int) -> dict[str, Tensor]:
+    """The per-example gradients of a per-layer call's own parameters: by the time-step rule (a
+    recurrent layer), an elementwise scale, or the replay of the call's proved operations."""
+    if _time_step(c):
+        return c.fast.grads(c.mod, batch, c.owner.name)
+    return scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
 
 
 def _counted_elsewhere(c: _Call) -> list[int]:
@@ -690,6 +707,7 @@ class GhostEngine:
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
         carry: list[Any] = []  # the last chunk's tensors (see _chunk)
+        stepped: set[str] = set()  # recurrent modules taken by the time-step rule
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self.max_physical_batch))
@@ -701,7 +719,7 @@ class GhostEngine:
                 with Isolated(model) if chain is None else contextlib.nullcontext() as iso:
                     part, norms, weights, loss = self._chunk(
                         model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
-                        chain, iso.gens if iso is not None else None, carry)
+                        chain, iso.gens if iso is not None else None, carry, stepped)
                     if i == len(chunks) - 1 and carry:
                         _release_last(model, carry)
                     # the chunk's slices of the batch are released inside its isolation: a
@@ -733,8 +751,10 @@ class GhostEngine:
         assert sums is not None
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
-        return EngineResult(sums, norms, weights, loss_sum, self._info(None, scan.per_layer),
-                            params)
+        info = self._info(None, scan.per_layer)
+        if stepped:  # (which per-layer modules skipped the replay: decided by their structure)
+            info["time_step_rule"] = tuple(n for n in scan.per_layer if n in stepped)
+        return EngineResult(sums, norms, weights, loss_sum, info, params)
 
     def _decided(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                  weight_fn: WeightFn, groups: ParamGroups) -> EngineResult:
@@ -841,6 +861,7 @@ class GhostEngine:
         chain: list[nn.Module] | None = None,
         gens: OwnGenerators | None = None,
         carry: list[Any] | None = None,
+        stepped_names: set[str] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         real = batch
@@ -901,6 +922,10 @@ class GhostEngine:
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])
+                # a recurrent layer's projections (TimeStepRule): their gradients, after all
+                stepped = [c for c in live if c.outs is not None and _time_step(c)]
+                for c in stepped:
+                    inputs.extend(c.fast.edges)
                 if user_code:  # no hook of the graph runs (dpclip.engine.hook_free)
                     bs = hook_free_grad(total, inputs)
                 else:  # known modules and loss: no user code could reach the graph's nodes
@@ -920,6 +945,10 @@ class GhostEngine:
                     else:
                         c.b = bs[k]
                         k += 1
+                for c in stepped:
+                    n = len(c.fast.edges)
+                    c.fast.bs = list(bs[k:k + n])  # (released with c.fast)
+                    k += n
                 live = [c for c in live if c.b is not None]
             else:
                 # no hooked call reached the loss: every trainable parameter the loss still
@@ -957,7 +986,9 @@ class GhostEngine:
             if modular and gens is not None:  # (the forward's code may have set the generators)
                 gens.reseed()
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
-                c.kept = scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
+                c.kept = _kept(c, batch)
+                if _time_step(c) and stepped_names is not None:
+                    stepped_names.add(c.owner.name)
                 for pn in c.owner.pnames:
                     count[pn] = count.get(pn, 0) + 1
         except PerLayerNotProved as exc:  # (not a vmap fallback: see PerLayerNotProved)

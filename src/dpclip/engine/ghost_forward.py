@@ -149,8 +149,10 @@ def _printed(c: _Call) -> _Call:
         kept = [t for t, _ in c.args[2]] if c.args is not None else []
         if c.call is not None:  # the tensors its replay reads from outside the call
             kept += [t for t, _ in c.call.fixed.values()]
-        if c.fast is not None:
+        if isinstance(c.fast, tuple):  # (an elementwise scale's operand)
             kept.append(c.fast[0])
+        elif c.fast is not None:  # (a recurrent layer's projection inputs: TimeStepRule)
+            kept += c.fast.operands()
     c.a_print = [(t, t._version, fingerprint(t)) for t in kept]
     return c
 

@@ -191,6 +191,15 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         c.fast = None  # (the elementwise scale reads the examples from dimension 0)
     if c.call is not None:  # (closed above)
         settle_call(c.call, tracer.layout, tracer.batch * k)
+    if isinstance(owner.module, nn.RNNBase) and all_outs and c.call is not None \
+            and c.call.why is None and c.fast is None:
+        # torch's recurrent layers: per-example gradients from the time-step structure, no
+        # replay (dpclip.engine.recurrent.TimeStepRule; None: the replay)
+        from dpclip.engine.recurrent import TimeStepRule
+
+        c.fast = TimeStepRule.recognise(owner.module, owner.roles, all_outs,
+                                        tracer.recurrent, tracer.batch * k, c.call.written,
+                                        c.window)
     # which outputs hold the examples in their rows: by the proof's shapes where the call was
     # matched (a real first size equal to B * k would make a public (T, d) output batch-first at
     # B * k == T only, a refusal that told the batch size: eighteenth hostile review)

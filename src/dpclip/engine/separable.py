@@ -423,13 +423,16 @@ def _fused_rnn(tr: "SeparabilityTracer", func: Any, args: tuple, kwargs: dict) -
     uninitialised memory and of values read into Python all see its ATen operations); only the
     layouts of its intermediates, and the mixing they report, are replaced by this rule's verdict
     on its outputs."""
-    from dpclip.engine.recurrent import RNN_OPS, as_cells, drops
+    from dpclip.engine.recurrent import RNN_OPS, as_cells, drops, recording
 
     name = _FUSED_RNN[func]
     n0 = len(tr.mixers)
+    projections = None
     if _input_form(name, args, kwargs) and not drops(args):
-        # torch's time-step cells, as the batch-size proof ran them (dpclip.engine.recurrent)
-        out = as_cells(RNN_OPS[func], args)
+        # torch's time-step cells, as the batch-size proof ran them (dpclip.engine.recurrent),
+        # their projections recorded for the time-step rule (no operation of its own)
+        with recording() as projections:
+            out = as_cells(RNN_OPS[func], args)
     else:
         out = func(*args, **kwargs)
     ts = _tensors(args, kwargs)
@@ -454,6 +457,8 @@ def _fused_rnn(tr: "SeparabilityTracer", func: Any, args: tuple, kwargs: dict) -
     tr._layouts[outs[0]] = (d, k)
     for o in outs[1:]:
         tr._layouts[o] = (1, k)
+    if projections is not None:
+        tr.recurrent.append((outs[0], projections))
     return out
 
 
@@ -588,6 +593,10 @@ class SeparabilityTracer(TorchDispatchMode):
         #: the program the batch-size proof ran, matched op by op against this run
         #: (:class:`dpclip.engine.proved_program.ProgramMatch`), or None
         self.match: Any = None
+        #: ``[(output sequence, projections)]`` of the accepted recurrent operations
+        #: (:func:`_fused_rnn`, :func:`dpclip.engine.recurrent.recording`), taken by the module
+        #: call that made each (``ghost_rules._init_module_call``): the time-step rule
+        self.recurrent: list[tuple[Tensor, list]] = []
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -617,6 +626,7 @@ class SeparabilityTracer(TorchDispatchMode):
         """End of the traced call: every tensor that depends on the batch and is still alive is
         remembered (weakly) as data of a past batch, MIXED in every later trace."""
         _STALE.items()  # drop the entries of tensors that died since
+        self.recurrent = []
         for t, lay in self._layouts.items():
             if lay is not None:
                 _STALE[t] = True
