@@ -83,8 +83,29 @@ class _TableOut(nn.Module):
         self.head = nn.Linear(D, 3).to(DT)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, D)
+        h, tab = self.m(self.fc(x))
+        return self.head(h) + tab.mean()
+
+
+class _TableUnused(_TableOut):
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, D)
         h, _ = self.m(self.fc(x))
         return self.head(h)
+
+
+def test_an_unused_public_output_of_a_per_layer_module_is_dropped_alike_at_every_batch_size():
+    """The table output reaches no loss: the proof has no name for it (dead code), so the call's
+    live outputs are its others (``ghost_rules._dead_outputs``); the same at every B, B == T
+    included, and equal to the loop (it was refused at every B before, with another check's
+    message at B == T: fef86b2)."""
+    for b in (3, T, 5):
+        g = torch.Generator().manual_seed(b)
+        x, y = torch.randn(b, D, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+        model = _TableUnused()
+        groups = ParamGroups.flat(model)
+        res = GhostEngine().compute(model, ce, x, y, clip_weights(C), groups)
+        assert res.engine_info["per_layer"] == ("m",)
+        assert_equal_to_the_loop(res, model, ce, x, y, groups)
 
 
 def test_a_public_output_of_a_per_layer_module_is_refused_alike_at_every_batch_size():
