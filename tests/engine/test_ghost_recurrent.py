@@ -392,3 +392,75 @@ def test_a_weight_added_to_the_input_by_a_pre_hook_takes_the_replay():
     for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
         res = _ghost(model, x, y, groups)
         assert "time_step_rule" not in res.engine_info
+
+
+class _SubGRU(nn.GRU):
+    """A subclass: the time-step rule takes exact classes only, so this takes the replay."""
+
+
+class _WithState(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = _SubGRU(4, 4, num_layers=layers, batch_first=True)
+        self.fc = nn.Linear(4, 3)
+        self.layers = layers
+        self.to(DT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h0 = torch.zeros(self.layers, x.shape[0], 4, dtype=x.dtype)
+        return self.fc(self.rnn(x, h0)[0].mean(1))
+
+
+@pytest.mark.parametrize("b", [2, 3, 4])
+def test_an_explicit_state_is_read_alike_at_every_batch_size(b):
+    """Fifty-sixth hostile review: an (L, B, h) initial state was taken for batch-first when
+    L == B (both sizes the batch size's), and the replay refused the step exactly at B == L,
+    which told the private batch size (and ``auto``, whose probe batch has two examples, refused
+    every two-layer model with an explicit state). Now read from the proof's shapes."""
+    g = torch.Generator().manual_seed(b)
+    x, y = torch.randn(b, 5, 4, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+    for layers in (2, 3):
+        model = _WithState(layers)
+        groups = ParamGroups.flat(model)
+        for engine in (GhostEngine(), AutoEngine()):
+            res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
+            assert res.engine_info["engine"] == "ghost"
+            assert_equal_to_the_loop(res, model, ce, x, y, groups)
+
+
+class _PoolOverTime(nn.Module):
+    """A per-layer module pooling a sequence-first (T, B, E) input over time with its own weights,
+    returning (1, B, E) (keepdim): the examples in dimension 1 (fifty-sixth hostile review: taken
+    for a batch-less call by its leading 1, expanded, and refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=DT).view(5, 1, 1))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return (h * self.w).sum(0, keepdim=True)
+
+
+class _Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(4, 4).to(DT)
+        self.pool = _PoolOverTime()
+        self.fc2 = nn.Linear(4, 3).to(DT)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 5, 4)
+        return self.fc2(self.pool(torch.tanh(self.fc1(x)).transpose(0, 1)).squeeze(0))
+
+
+@pytest.mark.parametrize("b", [3, 5])
+def test_a_per_layer_output_with_the_examples_in_dimension_1_and_a_leading_1(b):
+    g = torch.Generator().manual_seed(b)
+    x, y = torch.randn(b, 5, 4, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+    model = _Pooled()
+    groups = ParamGroups.per_parameter(model)
+    for engine in (GhostEngine(), AutoEngine(), GhostEngine(max_physical_batch=2)):
+        res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert res.engine_info["engine"] == "ghost" and res.engine_info["per_layer"] == ("pool",)
+        assert_equal_to_the_loop(res, model, ce, x, y, groups)

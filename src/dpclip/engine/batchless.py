@@ -108,7 +108,10 @@ def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
     def make(output_only: bool) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             a = args[0] if args else next(iter(kwargs.values()), None)
-            if is_batchless(a, out, output_only):
+            if is_batchless(a, out, output_only) and not (
+                    output_only and out.ndim > 1 and isinstance(out.shape[1], torch.SymInt)):
+                # (a per-layer call's (1, B, ...) output holds the examples in dimension 1,
+                # as the engine reads from its trace layout: not batch-less)
                 return expand(out)
             return None
         return hook

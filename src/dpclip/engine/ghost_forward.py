@@ -235,6 +235,10 @@ def _proof_free(tracer: SeparabilityTracer, t: Any) -> bool:
         not match.program.symbolic(name)
 
 
+def _examples_in_dim1(lay: Any) -> bool:
+    return isinstance(lay, tuple) and lay[0] == 1
+
+
 def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
                     ys: Any, batch: int, program: ProvedProgram | None = None,
                     carry: list | None = None) -> tuple[list[_Call], Tensor]:
@@ -282,7 +286,12 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
         _refuse_user_forward_hooks(owner.name, mod, hook)
         _refuse_proof_leftovers(owner.name, args, kwargs)
         per_layer = owner.rule is _MODULE
-        if is_batchless(a, out, per_layer):
+        if is_batchless(a, out, per_layer) and not (
+                per_layer and _examples_in_dim1(tracer.layout(out))):
+            # (a per-layer call returning (1, B, ...) example data, a pooling over time of a
+            # sequence-first input: the examples are in dimension 1, not batch-less; the proof
+            # decides the same from its symbolic shape, batchless.expanding_hooks; fifty-sixth
+            # hostile review)
             # a call without the batch (a (1, T) position index, a (1, T, d) table): its output
             # (and a ruled layer's input) as batched views, the output returned in place of the
             # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the

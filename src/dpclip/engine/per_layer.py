@@ -310,7 +310,15 @@ def arg_batch_dims(args: tuple, kwargs: dict, layout: Callable[[Tensor], Any], b
         elif lay is not None and lay != (0, group):
             out.append("bad")
         elif t.ndim and t.shape[0] == batch:
-            out.append(0 if lay is not None or uniform is None or uniform(t) else "position")
+            first = 0 if lay is not None or uniform is None or uniform(t) else "position"
+            if lay is None and uniform1 is not None and t.ndim > 1 and t.shape[1] == batch:
+                # both sizes equal the batch size (an (L, B, h) state with L == B): which one is
+                # the batch is read from the proof's shapes (:func:`module_grads`), never from
+                # the sizes (fifty-sixth hostile review: refused exactly at B == L, which told
+                # the batch size)
+                out.append(("or", first, "const1" if uniform1(t) else "position1"))
+            else:
+                out.append(first)
         elif lay is None and uniform1 is not None and t.ndim > 1 and t.shape[1] == batch:
             out.append("const1" if uniform1(t) else "position1")
         else:
@@ -622,7 +630,14 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 f"an argument of module {c.owner.name!r} ({type(mod).__name__}, per-layer path), "
                 "or a tensor its forward read, was modified in place after the call (e.g. "
                 "x.mul_(2) on a tensor the module consumed); use out-of-place operations")
+    prog = w.program
     dims = list(c.arg_dims)
+    for k, d in enumerate(dims):  # (arg_batch_dims: both sizes the batch size's)
+        if isinstance(d, tuple) and d[0] == "or":
+            n = w.arg_names[k]
+            one = n is not None and n[0] == "op" and not prog.leading_symbolic(n) and \
+                prog.symbolic_at(n, 1)
+            dims[k] = d[2] if one else d[1]
     # (a constant whose rows differ: refused below if the proof has it sliced per example)
     position = {k for k, d in enumerate(dims) if d == "position"}
     dims = [0 if d == "position" else d for d in dims]
@@ -630,7 +645,6 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
         raise PerLayerUnsupported(
             f"module {c.owner.name!r} ({type(mod).__name__}, per-layer path) was called on a "
             "tensor with the batch in a dimension other than 0; give it batch-first inputs")
-    prog = w.program
     for k, n in enumerate(w.arg_names):
         # sliced per example only where the proof has the batch as its rows: a parameter or buffer
         # never, an operation's output where the proof's first size involves the batch (fifteenth
