@@ -464,3 +464,22 @@ def test_a_per_layer_output_with_the_examples_in_dimension_1_and_a_leading_1(b):
         res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
         assert res.engine_info["engine"] == "ghost" and res.engine_info["per_layer"] == ("pool",)
         assert_equal_to_the_loop(res, model, ce, x, y, groups)
+
+
+def test_the_cells_helpers_are_bound_at_import_and_must_be_torchs():
+    """Fifty-sixth hostile review: the cells imported torch's helpers inside their bodies (an
+    IMPORT_FROM the library check did not follow) and the check followed whatever was found there
+    as trusted code: a replaced ``one_layer_lstm`` that mixed the examples was accepted (1.40 C on
+    the replay path). The helpers are module globals now, compared by identity on every check,
+    and every function the check starts from must be torch's own or dpclip's."""
+    import torch._decomp.decompositions as d
+    from dpclip.engine import recurrent as R
+
+    assert R._rnn_helper is d._rnn_helper and R.gather_params is d.gather_params
+    assert R._own_or_ours(R._rnn_helper) and R._own_or_ours(R._lstm)
+
+    def mixing(*args, **kwargs):  # a stand-in defined outside torch and dpclip
+        return None
+
+    assert not R._own_or_ours(mixing)
+    assert R.library_changed() is None

@@ -73,12 +73,17 @@ def drops(args: tuple) -> bool:
     return bool(args[6]) and bool(args[5]) and args[4] > 1
 
 
+#: torch's helpers the cells run, bound here (module globals: looked up by name, so
+#: :func:`library_changed` records them and compares them by identity on every check; a function
+#: import inside a function body is an ``IMPORT_FROM`` the lookups did not follow: fifty-sixth
+#: hostile review); checked to be torch's own (``library_code._own``)
+from torch._decomp.decompositions import _rnn_helper, gather_params  # noqa: E402
+
+
 def _layers(input: Any, hidden: Any, params: Any, has_biases: bool, num_layers: int,
             dropout: float, train: bool, bidirectional: bool, batch_first: bool,
             layer_fn: Any) -> Any:
     """``torch._decomp.decompositions._rnn_helper``, with the dropout refusal."""
-    from torch._decomp.decompositions import _rnn_helper
-
     if drops((None, None, None, None, num_layers, dropout, train)):
         raise RuntimeError(DROPOUT_REFUSED)
     return _rnn_helper(input, hidden, params, has_biases, num_layers, 0.0, False, bidirectional,
@@ -88,8 +93,6 @@ def _layers(input: Any, hidden: Any, params: Any, has_biases: bool, num_layers: 
 def _lstm(input: Any, hx: Any, params: Any, has_biases: bool, num_layers: int, dropout: float,
           train: bool, bidirectional: bool, batch_first: bool) -> Any:
     """``torch._decomp.decompositions.lstm_impl`` without its MKL-DNN choice."""
-    from torch._decomp.decompositions import gather_params
-
     if len(hx) != 2:
         raise RuntimeError("lstm expects two hidden states")
     params = gather_params(params, has_biases, hx[0].size(2) != hx[1].size(2))
@@ -103,8 +106,6 @@ def _lstm(input: Any, hx: Any, params: Any, has_biases: bool, num_layers: int, d
 def _cells(cell: Any, input: Any, hx: Any, params: Any, has_biases: bool, num_layers: int,
            dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> Any:
     """``torch._decomp.decompositions.gru_impl`` / ``rnn_tanh_input`` / ``rnn_relu_input``."""
-    from torch._decomp.decompositions import gather_params
-
     params = gather_params(params, has_biases, False)
     out, final = _layers(input, hx.unbind(0), params, has_biases, num_layers, dropout, train,
                          bidirectional, batch_first, partial(_one_layer_rnn, hidden_fn=cell))
@@ -258,6 +259,13 @@ def _kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
 _LOOKUPS: Any = None
 
 
+def _own_or_ours(f: Any) -> bool:
+    """``f`` is this module's own function or torch's (``library_code._own``)."""
+    from dpclip.engine.library_code import _own
+
+    return getattr(f, "__module__", None) == __name__ or _own(getattr(f, "__name__", ""), f)
+
+
 def library_changed() -> str | None:
     """None when every name that :func:`as_cells` and torch's decomposition functions it runs
     look up (``F.linear``, ``torch.cat``, ``Tensor.sigmoid``, ...) is still torch's own object
@@ -283,11 +291,14 @@ def library_changed() -> str | None:
                             trusted or container is globals())
 
         got = _Here()
-        fns = [_lstm, _cells, _layers, d._rnn_helper, d.gather_params, d.params_hiddens,
+        fns = [_lstm, _cells, _layers, _rnn_helper, gather_params, d.params_hiddens,
                _one_layer_lstm, _lstm_cell, _one_layer_rnn, _gru_cell, _linear, _note]
         fns += [f.args[0] for f in _IMPLS.values() if isinstance(f, partial)]
         for f in fns:
             if callable(f) and hasattr(f, "__code__"):
+                if not _own_or_ours(f):
+                    got.bad = (f"{getattr(f, '__qualname__', f)!r} (run for torch's recurrent "
+                               "layers) is not torch's own function")
                 got.follow(f, None, 0)
         # (zip(hx[0], hx[1]) iterates tensors without a GET_ITER of its own)
         got.add(torch.Tensor, "__iter__", torch.Tensor.__dict__.get("__iter__"), False,
