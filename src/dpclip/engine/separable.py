@@ -1303,6 +1303,18 @@ def _unsqueeze(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out
     return (lay[0] + (1 if dim <= lay[0] else 0), lay[1])
 
 
+def _unsqueeze_inplace(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                       out: Any) -> Layout:
+    """``x.unsqueeze_(dim)``: judged after the call, so ``x`` already has its new rank (vmap's
+    batching of a group norm's backward)."""
+    x = args[0]
+    lay = tr.layout(x)
+    if lay is None or lay is MIXED:
+        return lay
+    dim = args[1] % x.ndim
+    return (lay[0] + (1 if dim <= lay[0] else 0), lay[1])
+
+
 def _squeeze(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     x = args[0]
     lay = tr.layout(x)
@@ -1634,6 +1646,79 @@ def _per_row(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: 
                 t.shape[0] == tr.batch * res[1] and _uniform_along(tr, t, 0, res[1], tr.batch))):
             return MIXED
     return res
+
+
+def _norm_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                   out: Any) -> Layout:
+    """The backwards of the normalisations (met in per-layer replays, where autograd also forms the
+    gradients of a child's weight and bias): the input's gradient row by row like the forward
+    (``native_layer_norm_backward``: the examples in a dimension before the normalised ones;
+    ``native_group_norm_backward``: in ``N``; ``native_batch_norm_backward`` in eval mode: not in
+    the channels), every tensor argument that carries the examples with the same layout, the
+    weight a constant; the weight's and bias's gradients sum over the rows: MIXED."""
+    name = _name(func)
+    x = args[1]
+    if name == "native_layer_norm_backward":
+        data, consts = [args[0], args[1], args[3], args[4]], [args[5], args[6]]
+        limit = x.ndim - len(args[2])
+    elif name == "native_group_norm_backward":
+        data, consts = [args[0], args[1], args[2], args[3]], [args[4]]
+        limit = 1
+    else:  # native_batch_norm_backward
+        return _batch_norm_backward(tr, func, args, kwargs, out)
+    if any(isinstance(t, Tensor) and tr.layout(t) is not None for t in consts):
+        return MIXED
+    res: Layout = None
+    for t in data:
+        lt = tr.layout(t) if isinstance(t, Tensor) else None
+        if lt is None:
+            continue
+        if lt is MIXED or (res is not None and lt != res):
+            return MIXED
+        res = lt
+    if res is None:
+        return None
+    if res[0] >= limit:
+        return MIXED
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return _PerOutput([res] + [MIXED] * (len(outs) - 1))
+
+
+def _batch_norm_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                         out: Any) -> Layout:
+    """``native_batch_norm_backward(grad_out, input, weight, running_mean, running_var,
+    save_mean, save_invstd, train, eps, mask)``. The examples in ``N`` (dimension 0): per row in
+    eval mode (per-channel constants), mixing in training (the batch's statistics). The examples
+    folded into the channels (layout ``(1, k)``: an instance norm, or vmap's batching of a batch
+    norm): channel ``c`` reads example ``c // k`` alone in either mode, when each per-channel
+    tensor is a constant the same for every example or the example's own statistics (layout
+    ``(0, k)``); the weight's and bias's gradients are then per channel too (``(0, k)``)."""
+    go, x = args[0], args[1]
+    lx, lg = tr.layout(x), tr.layout(go)
+    res = lx if lx is not None else lg
+    if res is None:
+        return None
+    if res is MIXED or (lx is not None and lg is not None and lx != lg):
+        return MIXED
+    train = bool(_arg(func, args, kwargs, "train", True))
+    per_channel = [t for t in args[2:7] if isinstance(t, Tensor) and t.numel()]  # (eval: the
+    # saved statistics are empty)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if res[0] == 1:
+        k = res[1]
+        for t in per_channel:
+            lt = tr.layout(t)
+            if t.ndim != 1 or t.shape[0] != x.shape[1]:
+                return MIXED
+            if lt is None:
+                if not _uniform_along(tr, t, 0, k, tr.batch):
+                    return MIXED
+            elif lt != (0, k):
+                return MIXED
+        return _PerOutput([res] + [(0, k)] * (len(outs) - 1))
+    if train or any(tr.layout(t) is not None for t in per_channel):
+        return MIXED
+    return _PerOutput([res] + [MIXED] * (len(outs) - 1))
 
 
 def _leading(spatial: Callable[[tuple, dict, Tensor], int]) -> Rule:
@@ -2011,6 +2096,7 @@ _add(_expand, "expand", "expand_copy")
 _add(_permute, "permute", "permute_copy")
 _add(_transpose, "transpose", "transpose_", "t", "t_", "swapaxes", "swapdims")
 _add(_unsqueeze, "unsqueeze", "unsqueeze_copy")
+_add(_unsqueeze_inplace, "unsqueeze_")
 _add(_squeeze, "squeeze", "squeeze_copy")
 _add(_select, "select", "select_copy")
 _add(_slice, "slice", "slice_copy", "narrow")
@@ -2023,6 +2109,8 @@ _add(_matmul, "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation
 _add(_conv, "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
      "mkldnn_convolution", "_slow_conv2d_forward", "thnn_conv2d")
 _add(_conv_weight_grad, "convolution_backward")
+_add(_norm_backward, "native_layer_norm_backward", "native_group_norm_backward",
+     "native_batch_norm_backward")
 _add(_pointwise, "_prelu_kernel", "_prelu_kernel_backward")
 # elementwise activations (and their backwards) that ATen does not tag pointwise
 _add(_pointwise, "hardswish", "hardswish_", "hardswish_backward", "elu_backward",
