@@ -139,6 +139,12 @@ def test_layers_without_rule_take_the_per_layer_path(build, shape, names):
     for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
         for engine in (GhostEngine(), AutoEngine(), GhostEngine(norm_mode="ghost")):
             res, _ = check_against_oracle(engine, model, x, y, ce, groups, clip_weights(0.3))
+            if "<root>" in names and isinstance(engine, AutoEngine):
+                # the root on the per-layer path replays the whole forward per example: auto
+                # runs vmap for its cost (GhostEngine._root_cost)
+                assert res.engine_info["engine"] == "vmap"
+                assert res.engine_info["fallback"].startswith("cost: the root module")
+                continue
             assert res.engine_info["engine"] == "ghost"
             assert res.engine_info["fallback"] is None
             assert res.engine_info["per_layer"] == names

@@ -6,7 +6,8 @@ Its replay runs the normalisations' backwards under vmap, where autograd also fo
 of the children's weights (summed over the rows); ``native_layer_norm_backward`` and its group and
 batch norm siblings had no separability rule, so the replay was "not proved" and ``auto`` stopped
 the run (the benchmark's ``nn.TransformerEncoder`` classifier with a learned position table).
-Oracle: the float64 per-example loop.
+``auto`` runs such a model on vmap, for its cost (``GhostEngine._root_cost``). Oracle: the float64
+per-example loop.
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ def test_a_root_parameter_around_normalisations_runs_on_ghost(name):
     x, y = torch.randn(B, *shape, generator=g, dtype=DT), torch.randint(0, 3, (B,), generator=g)
     model = RootParam(build(), pshape)
     for groups in (ParamGroups.flat(model), ParamGroups.per_parameter(model)):
-        for engine in (AutoEngine(), GhostEngine(max_physical_batch=2)):
+        for engine in (GhostEngine(), GhostEngine(max_physical_batch=2)):
             res = engine.compute(model, ce, x, y, clip_weights(0.3), groups)
             assert res.engine_info["engine"] == "ghost", res.engine_info
             assert res.engine_info["per_layer"][0] == "<root>"
             assert_equal_to_the_loop(res, model, ce, x, y, groups)
+        # auto: the root's replay is the whole forward per example, vmap's work and more
+        res = AutoEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+        assert res.engine_info["engine"] == "vmap"
+        assert res.engine_info["fallback"].startswith("cost: the root module")
+        assert_equal_to_the_loop(res, model, ce, x, y, groups, engine="vmap")
 
 
 def _grad_input_layout(fn, marked) -> object:

@@ -568,6 +568,9 @@ def _drop_verdict(key: int) -> None:
         del _VERDICTS[key]
 
 
+#: the per-layer name of the root module
+_ROOT = "<root>"
+
 #: the probe's batch size: public, and more than one example so that the step is traced
 _PROBE_BATCH = 2
 
@@ -800,8 +803,10 @@ class GhostEngine:
             model.buffers()) + batch_leaves(inputs, engine=self.name) if t.is_cuda})
         with torch.random.fork_rng(devices=cuda):
             try:
-                self._run(model, loss_fn, xs, ys, _unit_weights, groups)
+                res = self._run(model, loss_fn, xs, ys, _unit_weights, groups)
                 reason = None
+                if _ROOT in ((res.engine_info or {}).get("per_layer") or ()):
+                    reason = self._root_cost(model, loss_fn, xs, ys, groups)
             except _Refused as exc:
                 reason = exc.reason
             except UnsupportedModelError:
@@ -810,6 +815,26 @@ class GhostEngine:
                 reason = ("the ghost engine could not run the public probe batch (every input "
                           f"and target zero): {quote_error(exc)}")
         return _Verdict(reason)
+
+    def _root_cost(self, model: nn.Module, loss_fn: LossFn, xs: Any, ys: Any,
+                   groups: ParamGroups) -> str | None:
+        """The cost rule of ``auto`` for a model whose ROOT module is on the per-layer path (a
+        parameter used in the root's own forward: a learned position table added there): the
+        per-layer path would replay the whole forward for each example, under ``vmap`` and the
+        recomputation's checks, which is ``vmap``'s work and more (a 2-layer
+        ``nn.TransformerEncoder`` classifier at batch 64 on a CPU: 8.7x the non-private step
+        against vmap's 2.3x, benchmarks/results/torchnn_models_cpu.md). ``vmap`` then, if it runs
+        the probe (the model's structure decides: public); else None (ghost)."""
+        try:
+            VmapEngine(max_physical_batch=2).compute(model, loss_fn, xs, ys, _unit_weights,
+                                                     groups)
+        except (RuntimeError, IndexError, UnsupportedModelError):
+            return None
+        return ("cost: the root module owns parameters used in its own forward (e.g. a learned "
+                "position table added there), so the ghost engine's per-layer path would replay "
+                "the whole forward for every example; vmap evaluates every example directly, "
+                "faster. Move such a parameter into a submodule (an nn.Embedding on positions, "
+                "or a module that adds it) to keep the ghost engine")
 
     def _info(self, fallback: str | None, per_layer: tuple[str, ...] = ()) -> dict[str, Any]:
         info = {"engine": "vmap" if fallback else "ghost", "requested": self.name,
