@@ -482,4 +482,9 @@ def test_the_cells_helpers_are_bound_at_import_and_must_be_torchs():
         return None
 
     assert not R._own_or_ours(mixing)
+    # fifty-eighth review: a replacement renamed into dpclip's module (before dpclip's import it
+    # was bound as the helper, 1.72 C): identity, not __module__, makes a function dpclip's
+    mixing.__module__ = R.__name__
+    mixing.__qualname__ = mixing.__name__ = "_rnn_helper"
+    assert not R._own_or_ours(mixing)
     assert R.library_changed() is None

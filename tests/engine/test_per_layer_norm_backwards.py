@@ -123,12 +123,23 @@ def test_the_backward_rules_read_the_rows_only_where_the_forward_does():
     xc = torch.randn(B, 4, 3, dtype=DT)
     rm, rv = torch.zeros(4, dtype=DT), torch.ones(4, dtype=DT)
     sm, sv = torch.zeros(4, dtype=DT), torch.ones(4, dtype=DT)
+    gc = torch.randn_like(xc)
     for train, want in ((False, (0, 1)), (True, MIXED)):
         got = _grad_input_layout(
-            lambda: aten.native_batch_norm_backward(torch.randn_like(xc), xc, None, rm, rv, sm,
-                                                    sv, train, 1e-5, [True, False, False]),
-            [(xc, (0, 1))])
+            lambda: aten.native_batch_norm_backward(gc, xc, None, rm, rv, sm, sv, train, 1e-5,
+                                                    [True, False, False]),
+            [(xc, (0, 1)), (gc, (0, 1))])
         assert got[0] == want
+    # a constant output gradient that differs from one example's rows to the next (fifty-eighth
+    # review: the constants among the data arguments were not checked)
+    got = _grad_input_layout(
+        lambda: aten.native_batch_norm_backward(gc, xc, None, rm, rv, sm, sv, False, 1e-5,
+                                                [True, False, False]), [(xc, (0, 1))])
+    assert got[0] is MIXED
+    got = _grad_input_layout(
+        lambda: aten.native_layer_norm_backward(go, x, [4], mean, rstd, w, b, [True] * 3),
+        lays[1:])
+    assert got[0] is MIXED
 
 
 def test_batch_norm_backward_on_the_examples_folded_into_the_channels():
@@ -140,12 +151,12 @@ def test_batch_norm_backward_on_the_examples_folded_into_the_channels():
     same = torch.rand(k, dtype=DT).repeat(B)
     differs = torch.rand(B * k, dtype=DT)
     empty = torch.empty(0, dtype=DT)
+    gx = torch.randn_like(x)
     for w, want in ((same, (1, k)), (differs, MIXED)):
         got = _grad_input_layout(
-            lambda: aten.native_batch_norm_backward(torch.randn_like(x), x, w, same, same + 1,
-                                                    empty, empty, False, 1e-5,
-                                                    [True, False, False]),
-            [(x, (1, k))])
+            lambda: aten.native_batch_norm_backward(gx, x, w, same, same + 1, empty, empty,
+                                                    False, 1e-5, [True, False, False]),
+            [(x, (1, k)), (gx, (1, k))])
         assert got[0] == want
 
 

@@ -260,10 +260,12 @@ _LOOKUPS: Any = None
 
 
 def _own_or_ours(f: Any) -> bool:
-    """``f`` is this module's own function or torch's (``library_code._own``)."""
+    """``f`` is one of this module's own functions (by identity: a ``__module__`` string can be
+    set to anything, fifty-eighth hostile review, 1.72 C with a replaced ``_rnn_helper`` renamed
+    into this module before dpclip was imported) or torch's (``library_code._own``)."""
     from dpclip.engine.library_code import _own
 
-    return getattr(f, "__module__", None) == __name__ or _own(getattr(f, "__name__", ""), f)
+    return any(f is g for g in _OURS) or _own(getattr(f, "__name__", ""), f)
 
 
 def library_changed() -> str | None:
@@ -506,3 +508,10 @@ class TimeStepRule:
             a = a.transpose(0, 1).reshape(batch, k * a.shape[0], a.shape[2])
             got[r] = torch.bmm(b.transpose(1, 2), a)
         return got
+
+
+#: this module's own functions, by identity (:func:`_own_or_ours`): the ones defined above by
+#: ``def`` (named, not collected by ``__module__``: an imported helper renamed into this module
+#: before dpclip was imported would be collected too)
+_OURS = (_lstm, _cells, _layers, _one_layer_lstm, _lstm_cell, _one_layer_rnn, _gru_cell,
+         _tanh_cell, _relu_cell, _linear, _note)

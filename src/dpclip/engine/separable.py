@@ -1680,6 +1680,10 @@ def _norm_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
         return None
     if res[0] >= limit:
         return MIXED
+    for t in data:  # a constant among them: the same for every example (fifty-eighth review)
+        if isinstance(t, Tensor) and tr.layout(t) is None and \
+                not _uniform_along(tr, t, res[0] + t.ndim - x.ndim, res[1], tr.batch):
+            return MIXED
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return _PerOutput([res] + [MIXED] * (len(outs) - 1))
 
@@ -1706,6 +1710,9 @@ def _batch_norm_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if res[0] == 1:
         k = res[1]
+        for t in (go, x):  # a constant one of the two: the same for every example
+            if tr.layout(t) is None and not _uniform_along(tr, t, 1, k, tr.batch):
+                return MIXED
         for t in per_channel:
             lt = tr.layout(t)
             if t.ndim != 1 or t.shape[0] != x.shape[1]:
@@ -1718,6 +1725,9 @@ def _batch_norm_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs:
         return _PerOutput([res] + [(0, k)] * (len(outs) - 1))
     if train or any(tr.layout(t) is not None for t in per_channel):
         return MIXED
+    for t in (go, x):
+        if tr.layout(t) is None and not _uniform_along(tr, t, res[0], res[1], tr.batch):
+            return MIXED
     return _PerOutput([res] + [MIXED] * (len(outs) - 1))
 
 
