@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PrivateBufferError", "UnsupportedModelError", "loss_shape_error", "quote_error"]
+__all__ = ["PerLayerNotProved", "PerLayerUnsupported", "PrivateBufferError", "UnsupportedModelError",
+           "loss_shape_error", "quote_error"]
 
 
 class UnsupportedModelError(ValueError):
@@ -39,3 +40,16 @@ def quote_error(exc: BaseException, limit: int = 300) -> str:
     first = (str(exc).strip().splitlines() or [""])[0][:limit]
     first = re.sub(r"\d+", "#", first)
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class PerLayerUnsupported(Exception):
+    """A module on the per-layer path (:mod:`dpclip.engine.per_layer`) whose per-example gradient
+    cannot be read from its call."""
+
+
+class PerLayerNotProved(PerLayerUnsupported):
+    """The per-layer recomputation is not proved to read example ``i`` alone
+    (``per_layer.RecomputeTracer``). Never turned into a vmap fallback: the module behaved
+    differently when evaluated one example at a time, and ``vmap`` evaluates it the same way, after
+    the ghost engine's forward ran it on the whole batch (what it kept from there, ``vmap``
+    reads)."""

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from dpclip._ident import ident
-from dpclip.engine.errors import quote_error
+from dpclip.engine.errors import PerLayerNotProved, PerLayerUnsupported, quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
 from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
@@ -66,15 +66,6 @@ __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
 
 
-class PerLayerUnsupported(Exception):
-    """A module on the per-layer path whose per-example gradient cannot be read from its call."""
-
-
-class PerLayerNotProved(PerLayerUnsupported):
-    """The per-layer recomputation is not proved to read example ``i`` alone
-    (:class:`RecomputeTracer`). Never turned into a vmap fallback: the module behaved differently
-    when evaluated one example at a time, and ``vmap`` evaluates it the same way, after the
-    ghost engine's forward ran it on the whole batch (what it kept from there, ``vmap`` reads)."""
 
 
 def own_param(mod: Any, role: str) -> Any:

@@ -483,7 +483,7 @@ class TimeStepRule:
     def grads(self, mod: nn.Module, batch: int, name: str) -> dict[str, Tensor]:
         """Per-example gradients ``(B, *param.shape)`` from :attr:`bs`, the gradients at
         :meth:`outputs` (None: the output does not reach the loss)."""
-        from dpclip.engine.per_layer import PerLayerUnsupported
+        from dpclip.engine.errors import PerLayerUnsupported
 
         for a, v in self.versions:
             if a._version != v:
