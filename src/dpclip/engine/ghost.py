@@ -925,8 +925,9 @@ class GhostEngine:
                     "Conv1d): its first dimension is then not the batch; give it the batched "
                     "rank (B, C, ...)")
             rows = batch * c.group  # (c.group: rows per example, from the trace's layouts)
-            if c.a.ndim == 0 or c.a.shape[0] != rows or not c.out_shape \
-                    or c.out_shape[0] != rows:
+            d = getattr(c, "batch_dim", 0)  # (1: sequence-first, ghost_rules._sequence_first)
+            if c.a.ndim <= d or c.a.shape[d] != rows or len(c.out_shape) <= d \
+                    or c.out_shape[d] != rows:
                 raise _RuntimeUnsupported(  # ranks, not shapes (the batch size is private)
                     f"layer {o.name!r} ({type(c.mod).__name__}) was called on a tensor of rank "
                     f"{c.a.ndim} (output rank {len(c.out_shape)}) whose first dimension is not "

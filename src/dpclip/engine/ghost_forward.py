@@ -975,6 +975,8 @@ def _check_separable(tracer: SeparabilityTracer, calls: list[_Call],
         if isinstance(lay_a, tuple) and lay_a[0] == 0:
             c.group = lay_a[1]
             continue
+        if getattr(c, "batch_dim", 0) == 1 and lay_a == (1, c.group):
+            continue  # sequence-first, on trailing dimensions (ghost_rules._sequence_first)
         for what, lay in (("input", lay_a),):
             if lay is not None and lay != (0, 1):
                 how = ("mixes the examples of the batch (it depends on several examples, e.g. "

@@ -50,7 +50,8 @@ class _Call:
 
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
-                 "live_idx", "fast", "oedges", "a_print", "group", "call", "batch_first")
+                 "live_idx", "fast", "oedges", "a_print", "group", "call", "batch_first",
+                 "batch_dim")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
@@ -62,6 +63,11 @@ class _Call:
         #: with another dimension); set from the layouts (``ghost_forward._check_separable``) and
         #: read by the rules (:func:`_fold_rows`)
         self.group = 1
+        #: where ``a`` and ``b`` hold the examples: 0, or 1 for a sequence-first call (a layer
+        #: acting on trailing dimensions, on a ``(T, B, ...)`` input: ``nn.Transformer*`` layers'
+        #: default ``batch_first=False``), moved to the front before the rules read them
+        #: (:func:`_fold_rows`)
+        self.batch_dim = 0
         #: the separability layouts of the input and output (``(0, 1)``: batch-first, row
         #: separable; see :mod:`dpclip.engine.separable`), or None when the batch was not traced.
         #: The output is then marked ``(0, 1)`` whatever it was (``(0, k)`` for an input of
@@ -78,9 +84,15 @@ class _Call:
             self.layouts = (lay_a, REWRITTEN if tracer.rewritten_to_mix(out)
                             else tracer.layout(out))
             k = _row_group(lay_a)
-            tracer.mark(out, (0, k) if k > 1 and isinstance(out, Tensor) and out.ndim
-                        and isinstance(a, Tensor) and a.ndim and out.shape[0] == a.shape[0]
-                        else (0, 1))
+            if _sequence_first(owner, a, out, lay_a):
+                # (a layer on trailing dimensions, the examples in dimension 1 of its input and
+                # output alike: the output's column i is example i's; checked like any output)
+                self.batch_dim, self.group = 1, lay_a[1]
+                tracer.mark(out, lay_a)
+            else:
+                tracer.mark(out, (0, k) if k > 1 and isinstance(out, Tensor) and out.ndim
+                            and isinstance(a, Tensor) and a.ndim and out.shape[0] == a.shape[0]
+                            else (0, 1))
         self.owner = owner
         self.mod = owner.module
         self.rule = owner.rule
@@ -112,11 +124,32 @@ def _row_group(layout: Any) -> int:
     return 1
 
 
+def _sequence_first(owner: Any, a: Any, out: Any, lay_a: Any) -> bool:
+    """Whether a ruled call holds the examples in dimension 1 of its input and output alike
+    (layout ``(1, k)``) and its rule acts on trailing dimensions only (``seq_first``: a Linear or
+    Conv1D on the last, an Embedding per index, a LayerNorm / RMSNorm over trailing dimensions
+    that leave dimension 1 out), so that example ``i``'s rows are column ``i`` of ``a`` and of
+    the output gradient (moved to the front by :func:`_fold_rows`). Decided on the trace's layout
+    (example data), never on sizes: a ``(T, B, ...)`` input with T == B reads the same."""
+    if not (getattr(owner.rule, "seq_first", False) and isinstance(lay_a, tuple)
+            and lay_a[0] == 1 and isinstance(a, Tensor) and isinstance(out, Tensor)
+            and a.ndim >= 2 and out.ndim >= 2 and out.shape[1] == a.shape[1]):
+        return False
+    if isinstance(owner.rule, _TrailingNormRule):
+        return a.ndim - len(owner.module.normalized_shape) > 1
+    return True
+
+
 def _fold_rows(c: _Call) -> None:
     """``(B k, ...) -> (B, k, ...)`` for ``c.a`` and ``c.b`` of a call with ``k = c.group > 1``
     rows per example: the rows of one example become one more leading position dimension, so
     that every rule reads example ``i`` from index ``i`` of dimension 0 (its gradient is the sum
-    over its ``k`` rows, exactly as over the positions of a sequence)."""
+    over its ``k`` rows, exactly as over the positions of a sequence). A sequence-first call
+    (``c.batch_dim`` 1) has its examples' dimension moved to the front first."""
+    if getattr(c, "batch_dim", 0) == 1:
+        c.a = c.a.movedim(1, 0)
+        c.b = c.b.movedim(1, 0)
+        c.batch_dim = 0  # (once)
     k = c.group
     if k > 1:
         c.a = c.a.reshape(c.a.shape[0] // k, k, *c.a.shape[1:])
@@ -379,6 +412,8 @@ class _Rule:
     #: "matmul": a ghost/direct/keep choice by :meth:`dims`; "embedding": Gram or segment sums;
     #: "affine": the (small) per-example gradients are always formed and kept
     kind: ClassVar[str] = "affine"
+    #: acts on trailing dimensions only: may read a sequence-first call (:func:`_sequence_first`)
+    seq_first: ClassVar[bool] = False
 
     def unsupported(self, mod: nn.Module) -> str | None:
         """A reason this configuration of the layer is not supported, or None."""
@@ -535,6 +570,7 @@ def _split_formed(c: _Call, w: Tensor) -> tuple[Tensor, Tensor | None]:
 
 class _LinearRule(_Rule):
     kind = "matmul"
+    seq_first = True
 
     def rel_len(self, c: _Call, roles: Sequence[str]) -> int:
         if c.a.ndim == 2:  # ||a||^2 ||b||^2 (+ ||b||^2): two row dot products, one product
@@ -932,6 +968,7 @@ class _Sub:
 class _EmbeddingRule(_Rule):
     roles = ("weight",)
     kind = "embedding"
+    seq_first = True
 
     def unsupported(self, mod: nn.Module) -> str | None:
         if mod.max_norm is not None:
@@ -1014,6 +1051,7 @@ class _AffineNormRule(_Rule):
 
 
 class _TrailingNormRule(_AffineNormRule):
+    seq_first = True
     def _reduce(self, mod: nn.Module, t: Tensor) -> Tensor:
         k = len(mod.normalized_shape)
         return t.reshape(t.shape[0], -1, *t.shape[t.ndim - k:]).sum(1)
