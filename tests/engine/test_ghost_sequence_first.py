@@ -123,3 +123,19 @@ def test_what_acts_across_the_examples_stays_refused(kind):
     model = _Refused(kind)
     with pytest.raises(UnsupportedModelError):
         GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+
+
+def test_a_two_dimensional_input_is_not_sequence_first_for_a_product():
+    """Fifty-ninth hostile review: on a 2-D ``(E, B)`` input dimension 1 is the one a Linear
+    sums over (it mixes the examples); only the batch-size proof stopped it (Linear(B, B)). And
+    the trace's own layout of the output must be the input's."""
+    from types import SimpleNamespace
+
+    from dpclip.engine.ghost_rules import _RULES, _sequence_first
+
+    lin = nn.Linear(5, 5)
+    owner = SimpleNamespace(rule=_RULES[nn.Linear], module=lin)
+    a2, a3 = torch.randn(5, 5), torch.randn(4, 5, 5)
+    assert not _sequence_first(owner, a2, lin(a2), (1, 1), (1, 1))
+    assert _sequence_first(owner, a3, lin(a3), (1, 1), (1, 1))
+    assert not _sequence_first(owner, a3, lin(a3), (1, 1), "mixed")

