@@ -130,7 +130,7 @@ def _combines_positionwise(target: Any, packet: Any, node: Any = None) -> bool:
     """Whether ``target`` may combine example data with a constant shaped by the batch size."""
     return (packet in _POSITIONWISE_WITH_DATA or packet in _MOVES or packet in _RANDOM
             or target in _WHERE or target is operator.getitem
-            or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+            or _pointwise(target)
             or (packet in _BATCHED_MATMUL and node is not None and _matmul_batch_only(node))
             or (target in _RNN_INPUT and node is not None and _rnn_states_only(node)))
 
@@ -182,6 +182,19 @@ def _matmul_batch_only(node: Any) -> bool:
         if any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols for d in v.shape[-2:]):
             return False
     return True
+
+
+#: the Python operators' overloads of the bitwise operations (``mask_a & mask_b``: transformers'
+#: and_masks), elementwise as the ``bitwise_*`` ones they call but not tagged pointwise
+_BITWISE_OPERATORS = frozenset(
+    getattr(getattr(_aten, op), ov) for op in ("__and__", "__or__", "__xor__")
+    for ov in ("Tensor", "Scalar") if hasattr(getattr(_aten, op, None), ov))
+
+
+def _pointwise(target: Any) -> bool:
+    """An elementwise operation: torch's pointwise tag, or a bitwise operator."""
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags) \
+        or target in _BITWISE_OPERATORS
 
 
 def _packet(target: Any) -> Any:
@@ -309,6 +322,12 @@ def _check_graph(ep: Any) -> str | None:
     user_inputs = set(ep.graph_signature.user_inputs)
     data: set[str] = set()
     shaped: set[str] = set()  # constants whose shape involves the batch symbol
+    # the shaped constants whose values are the same along every dimension that involves the
+    # symbol, and free of it (_uniform_after): e.g. transformers' decoder mask torch.ones(B, T)
+    uniform: set[str] = set()
+    # arange(n) with n a size involving the symbol, moved or copied without computing (values in
+    # [0, n) at every element): name -> the expression n (_row_index)
+    rows: dict[str, Any] = {}
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
@@ -381,6 +400,9 @@ def _check_graph(ep: Any) -> str | None:
         if from_shaped:
             others = [a for a in ins if a.name not in shaped]
             ok = (packet in _MOVES or packet in _SHAPE_ONLY or packet in _RANDOM
+                  # a uniform constant read at any row: the values of its common row, at the
+                  # positions given by B-free indices (_uniform_index)
+                  or _uniform_index(node, shaped, uniform, rows)
                   or target is operator.getitem
                   # a B-free table read at each position of a B-shaped index (BERT's expanded
                   # token type ids): out[i] = W[idx[i]], still a function of the position
@@ -389,8 +411,7 @@ def _check_graph(ep: Any) -> str | None:
                   # a grid per row of a B-shaped theta (a fixed warp expanded to the batch):
                   # out[i] from theta[i] alone, still a function of the position
                   or (packet is _aten.affine_grid_generator and from_shaped == [node.args[0]])
-                  or (isinstance(target, torch._ops.OpOverload)
-                      and torch.Tag.pointwise in target.tags
+                  or (_pointwise(target)
                       and not any(_has_sym_shape(a.meta.get("val")) for a in others)
                       and len(from_shaped) == 1)
                   # where(cond, a, b) is elementwise (out[i] from cond[i], a[i], b[i]) but only
@@ -413,7 +434,115 @@ def _check_graph(ep: Any) -> str | None:
         if _has_sym_shape(val) or (isinstance(val, (tuple, list)) and
                                    any(_has_sym_shape(v) for v in val)):
             shaped.add(node.name)
+            if _uniform_after(node, packet, ins, shaped, uniform, rows):
+                uniform.add(node.name)
+            n = _row_index(node, packet, rows)
+            if n is not None:
+                rows[node.name] = n
     return None
+
+
+#: factories whose every element is one B-free value (a symbolic fill value is refused above)
+_FILLS = {_aten.ones, _aten.zeros, _aten.full, _aten.new_ones, _aten.new_zeros, _aten.new_full,
+          _aten.ones_like, _aten.zeros_like, _aten.full_like}
+#: copies that keep every element where it is (dtype, device, memory)
+_SAME_PLACE = {_aten._to_copy, _aten.to, _aten.clone, _aten.contiguous, _aten.detach,
+               _aten.alias, _aten.lift_fresh_copy, _aten.type_as}
+
+
+def _uniform_after(node: Any, packet: Any, ins: list[Any], shaped: set[str],
+                   uniform: set[str], rows: dict[str, Any]) -> bool:
+    """Whether the constant ``node`` (shaped by the batch symbol) is UNIFORM: its elements are
+    the same along every dimension whose size involves the symbol, and their values are free of
+    it. Made by a fill with a B-free value (``torch.ones(B, T)``), an expand of a B-free tensor,
+    kept by copies that leave every element in place and by elementwise operations whose other
+    operands are B-free, and by :func:`_uniform_index`. Nothing else is uniform (a reshape can
+    fold the symbol's dimension into another, a slice can cut it)."""
+    if packet in _FILLS:
+        return not any(a.name in shaped and a.name not in uniform for a in ins
+                       if packet not in (_aten.ones_like, _aten.zeros_like, _aten.full_like))
+    if packet is _aten.expand:
+        src = node.args[0]
+        return isinstance(src, torch.fx.Node) and src.name not in shaped \
+            and not _has_sym_shape(src.meta.get("val"))
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node) or first.name not in uniform:
+        return packet is _aten.index and _uniform_index(node, shaped, uniform, rows)
+    if packet in _SAME_PLACE:
+        return True
+    target = node.target
+    if _pointwise(target) or target in _WHERE:
+        return all(a.name not in shaped or a.name in uniform for a in ins)
+    return packet is _aten.index and _uniform_index(node, shaped, uniform, rows)
+
+
+#: moves and copies that keep an index tensor's values (each element one of the source's)
+_KEEP_VALUES = _SAME_PLACE | {_aten.unsqueeze, _aten.view, _aten.reshape, _aten._unsafe_view,
+                              _aten.expand}
+
+
+def _row_index(node: Any, packet: Any, rows: dict[str, Any]) -> Any:
+    """The expression ``n`` when ``node`` is ``arange(n)`` (``n`` a size involving the batch
+    symbol, start 0, step 1) or a move or copy of one (:data:`_KEEP_VALUES`): every element is
+    then in ``[0, n)``, so it indexes a dimension of size ``n`` in range whatever ``n`` is."""
+    if node.target is _aten.arange.default and node.args:
+        end = node.args[0]
+        val = end.meta.get("val") if isinstance(end, torch.fx.Node) else None
+        if isinstance(val, torch.SymInt) and val.node.expr.free_symbols:
+            return val.node.expr
+        return None
+    if packet in _KEEP_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
+        return rows.get(node.args[0].name)
+    if packet is _aten.slice and node.args and isinstance(node.args[0], torch.fx.Node) and \
+            node.args[0].name in rows:
+        # x[:, None]'s full slice: start 0, step 1, the shape unchanged (every element kept)
+        start = node.args[2] if len(node.args) > 2 else 0
+        step = node.args[4] if len(node.args) > 4 else 1
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if start in (0, None) and step == 1 and isinstance(src, Tensor) and \
+                isinstance(out, Tensor) and _exprs(src.shape) == _exprs(out.shape):
+            return rows[node.args[0].name]
+    return None
+
+
+def _exprs(shape: Any) -> tuple:
+    """A shape's sizes as sympy expressions or ints (compared without guards)."""
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in shape)
+
+
+def _uniform_index(node: Any, shaped: set[str], uniform: set[str],
+                   rows: dict[str, Any]) -> bool:
+    """``index.Tensor(C, indices)`` with ``C`` uniform (:func:`_uniform_after`), every index into
+    a dimension of ``C`` whose size ``n`` involves the batch symbol an ``arange(n)`` (moved or
+    copied: :func:`_row_index`; transformers' mask builder's row index), and every index into
+    another dimension B-free: each element of the output is ``C``'s common row at B-free
+    positions, so the output is uniform too. Other indices into the symbol's dimensions (a
+    ``full((B,), 5)``, in range only for some batch sizes) and indices into B-free dimensions
+    shaped by the symbol (whose values could pick positions that depend on it) are not this
+    case."""
+    if _packet(node.target) is not _aten.index or len(node.args) < 2:
+        return False
+    src, idx = node.args[0], node.args[1]
+    if not isinstance(src, torch.fx.Node) or src.name not in uniform \
+            or not isinstance(idx, (list, tuple)):
+        return False
+    shape = getattr(src.meta.get("val"), "shape", None)
+    if shape is None or len(idx) > len(shape):
+        return False
+    for d, ix in enumerate(idx):
+        if ix is None:
+            continue
+        if not isinstance(ix, torch.fx.Node):
+            return False
+        on_symbol = isinstance(shape[d], torch.SymInt) and bool(shape[d].node.expr.free_symbols)
+        if on_symbol:
+            # in range by construction (an index that fails for some batch sizes only, a
+            # full((B,), 5) at B <= 5, would make whether the step runs depend on B)
+            if ix.name not in rows or rows[ix.name] != shape[d].node.expr:
+                return False
+        elif ix.name in shaped or _has_sym_shape(ix.meta.get("val")):
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -326,6 +326,7 @@ class _EscapeMode(TorchFunctionMode):
                 return _fused_rnn(tr, func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
+                and not (tr._kernel_depth and isinstance(func, torch._ops.OpOverload)) \
                 and out not in tr._seen and not any(out is a for a in args):
             # a new tensor that no ATen operation under the dispatch mode produced, from batch
             # data: computed with Python dispatch switched off (torch._C._DisableTorchDispatch)
@@ -584,6 +585,11 @@ class SeparabilityTracer(TorchDispatchMode):
         self._escape = _EscapeMode(self)
         self._random: _IdMap = _IdMap()
         self._seen: _IdMap = _IdMap()  # outputs of traced ops
+        #: > 0 while this mode's own handler runs an operation's kernel: an ATen operation that
+        #: reaches the torch-function mode from there (vmap's ``_remove_batch_dim`` moving the
+        #: examples' dimension of a result: a permute issued from C++ below the dispatch mode)
+        #: returns to this handler, which records and judges its output itself
+        self._kernel_depth = 0
         self._uninit: _IdMap = _IdMap()  # tensor -> id of its base
         #: base id -> (mask of the elements of its storage written so far, element size)
         self._uninit_live: dict[int, tuple[Tensor | None, int]] = {}
@@ -692,6 +698,7 @@ class SeparabilityTracer(TorchDispatchMode):
             finally:
                 self.quiet = False
         before = self._constant_self(func, args, kwargs)
+        self._kernel_depth += 1
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
@@ -706,6 +713,8 @@ class SeparabilityTracer(TorchDispatchMode):
                                   "on one example's values, and code that catches the error "
                                   "carries them into Python; let such errors propagate")
             raise
+        finally:
+            self._kernel_depth -= 1
         quiet, self.quiet = self.quiet, True
         try:
             if not quiet and self.match is not None:  # user code: the proved program's next op
@@ -1825,6 +1834,22 @@ def _embedding(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out
     return tr.layout(idx)
 
 
+def _embedding_dense_backward(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
+                              out: Any) -> Layout:
+    """``embedding_dense_backward(grad, indices, V, ...)``: ``out[v, c]`` sums ``grad[p, c]`` over
+    the positions ``p`` whose index is ``v``; each column ``c`` from column ``c`` alone. With
+    constant indices and the examples in the gradient's LAST dimension (vmap's batching of an
+    embedding's gradient at indices without the batch: the examples folded into the features),
+    the output has them in its last dimension the same way. Anything else: MIXED (indices that
+    depend on the batch are the per-layer tracer's, ``RecomputeTracer._embedding_blocks``)."""
+    grad, idx = args[0], args[1]
+    lg, li = tr.layout(grad), tr.layout(idx)
+    if li is not None or not isinstance(lg, tuple) or not isinstance(out, Tensor) or \
+            lg[0] != grad.ndim - 1 or out.ndim != 2 or out.shape[1] != grad.shape[-1]:
+        return MIXED if lg is not None or li is not None else None
+    return (1, lg[1])
+
+
 def _index_select(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict,
                   out: Any) -> Layout:
     x, dim, idx = args[0], args[1] % max(args[0].ndim, 1), args[2]
@@ -2156,6 +2181,7 @@ _add(_softmax_backward, "_softmax_backward_data", "_log_softmax_backward_data")
 _add(_reduction, "max", "min", "median", "nanmedian", "kthvalue", "mode", "var_mean",
      "std_mean", "aminmax", "logsumexp", "norm", "linalg_vector_norm", "count_nonzero")
 _add(_embedding, "embedding")
+_add(_embedding_dense_backward, "embedding_dense_backward")
 _add(_index_select, "index_select")
 _add(_index, "index", "_unsafe_index")
 _add(_gather, "gather")
