@@ -144,9 +144,13 @@ def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
 # the user's program for these calls).
 
 _BINARY = {"__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-           "__rtruediv__", "add", "sub", "mul", "div", "subtract", "multiply", "true_divide"}
+           "__rtruediv__", "add", "sub", "mul", "div", "subtract", "multiply", "true_divide",
+           "where"}
 _INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_"}
 _GETTERS = {"dtype", "device", "requires_grad", "is_cuda", "layout"}
+#: moves and copies of a guarded tensor translated to its stand-in (BroadcastGuard._move)
+_SAME_SHAPE = {"contiguous", "clone", "float", "double", "half", "bfloat16", "to", "type_as"}
+_MOVES = _SAME_SHAPE | {"permute", "transpose", "t", "unsqueeze", "view", "reshape", "expand"}
 
 
 class NotBroadcast(Exception):
@@ -180,11 +184,16 @@ def _fname(func: Any) -> str:
 class BroadcastGuard(TorchFunctionMode):
     """Admits only right-aligned elementwise broadcasts of the guarded tensors (see above)."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, engine_code: Callable[[], Any] | None = None,
+                 alias: Callable[[Tensor, Tensor], None] | None = None) -> None:
         super().__init__()
         self.batch = batch
-        #: guarded tensor -> (layer name, the user's shape of it)
+        #: guarded tensor -> (layer name, the user's shape of it, the user's tensor or None)
         self.guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: the engine's own operations (the tracer's checks and the program match paused) and
+        #: the program match's alias (a tensor of the engine standing for one of the user's)
+        self.engine_code = engine_code
+        self.alias = alias
 
     active = False
 
@@ -201,8 +210,12 @@ class BroadcastGuard(TorchFunctionMode):
             self.active = False
             self.__exit__(None, None, None)
 
-    def guard(self, t: Tensor, name: str, user_shape: tuple[int, ...]) -> None:
-        self.guarded[t] = (name, tuple(user_shape))
+    def guard(self, t: Tensor, name: str, user_shape: tuple[int, ...],
+              user: Tensor | None = None) -> None:
+        """Guard ``t``, the engine's stand-in for the user's tensor ``user`` (of ``user_shape``):
+        ``t`` is ``user`` with the batch as an extra leading dimension (``(B, *user_shape)``) or,
+        when the user's leading size is 1, in its place (``(B, *user_shape[1:])``)."""
+        self.guarded[t] = (name, tuple(user_shape), user)
 
     def _refuse(self, name: str, what: str) -> NotBroadcast:
         return NotBroadcast(
@@ -230,6 +243,8 @@ class BroadcastGuard(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.guard(out, name, self.guarded[hit[0]][1])  # one mask per example (documented)
             return out
+        if fname in _MOVES:
+            return self._move(func, fname, args, kwargs, hit, name)
         inplace = fname in _INPLACE
         if fname not in _BINARY and not inplace:
             raise self._refuse(name, f"{fname or repr(func)} (not an elementwise broadcast)")
@@ -249,5 +264,83 @@ class BroadcastGuard(TorchFunctionMode):
         if got == (self.batch, *user):  # still the broadcast output with the extra leading B
             self.guard(out, name, user)
             return out
+        if user and user[0] == 1 and got == (self.batch, *user[1:]):  # B in the user's leading 1
+            self.guard(out, name, user)
+            return out
         raise self._refuse(name, f"{fname} whose result has shape {got}, not the user's {user} "
                                  "(the output's first dimension is not broadcast there)")
+
+    def _move(self, func: Any, fname: str, args: tuple, kwargs: dict, hit: list[Tensor],
+              name: str) -> Any:
+        """A move or copy of ONE guarded tensor (T5's and MPNet's relative position bias:
+        ``values.permute([2, 0, 1]).unsqueeze(0)``, then ``expand(bsz, ...)``). The user's
+        operation runs on the user's tensor (the trace and the program match see exactly the
+        proved operation and name its result); the engine runs the same move on its stand-in,
+        the batch's dimension kept in front (its result aliased to the user's, guarded again with
+        the user's shape, or returned as is when it IS the user's shape: the same values, element
+        for element). Only moves whose translation is exact: a permute keeping the user's leading
+        1 in front when the batch stands in it, an unsqueeze, a reshape or an expand of the user's
+        result shape, copies that keep the shape."""
+        if len(hit) != 1 or self.engine_code is None or self.alias is None:
+            raise self._refuse(name, f"{fname} (not an elementwise broadcast)")
+        g = hit[0]
+        _, user_shape, user = self.guarded[g]
+        if user is None:
+            raise self._refuse(name, f"{fname} (not an elementwise broadcast)")
+        swap = [user if isinstance(v, Tensor) and v is g else v for v in args]
+        user_out = func(*swap, **kwargs)  # (the user's program: matched against the proof)
+        if not isinstance(user_out, Tensor) or user_out is user:
+            raise self._refuse(name, f"{fname} returning {type(user_out).__name__}")
+        u_in, u_out = tuple(user_shape), tuple(user_out.shape)
+        extra = g.ndim == len(u_in) + 1  # else the batch stands in the user's leading 1
+        b = self.batch
+        with self.engine_code():
+            if fname in _SAME_SHAPE:
+                out = func(*[g if v is g else v for v in args], **kwargs)
+            elif fname in ("permute", "transpose", "t"):
+                order = _user_order(fname, args, kwargs, len(u_in))
+                if extra:
+                    real = [0] + [d + 1 for d in order]
+                elif order[0] == 0:
+                    real = order
+                else:
+                    raise self._refuse(name, f"{fname} moving the leading dimension")
+                out = g.permute(real)
+            elif fname == "unsqueeze" and extra and u_out[0] == 1 and len(u_out) == len(u_in) + 1 \
+                    and u_out[1:] == u_in:
+                out = g  # the user's new leading 1: the batch stands in it from here on
+            elif fname in ("unsqueeze", "view", "reshape", "expand"):
+                if extra:
+                    out = g.reshape(b, *u_out) if fname != "expand" else g.expand(b, *u_out)
+                elif u_out and u_out[0] in (1, b) and (fname == "expand" or u_out[0] == 1):
+                    out = g.reshape(b, *u_out[1:]) if fname != "expand" \
+                        else g.expand(b, *u_out[1:])
+                else:
+                    raise self._refuse(name, f"{fname} to the shape {u_out}")
+            else:
+                raise self._refuse(name, f"{fname} (not an elementwise broadcast)")
+        got = tuple(out.shape)
+        self.alias(out, user_out)
+        if got == u_out and fname == "expand":  # the user's own expand to the batch: its values
+            return out
+        if got == (b, *u_out) or (u_out and u_out[0] == 1 and got == (b, *u_out[1:])):
+            self.guard(out, name, u_out, user_out)
+            return out
+        raise self._refuse(name, f"{fname} whose result has shape {got}, not the user's {u_out}")
+
+
+def _user_order(fname: str, args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    """The permutation of a ``permute(dims)`` / ``transpose(a, b)`` call on a tensor of rank
+    ``ndim`` (the user's), every index normalised."""
+    if fname == "t":
+        return list(range(ndim))[::-1]
+    if fname == "transpose":
+        a, c = (list(args[1:3]) + [kwargs.get("dim0"), kwargs.get("dim1")])[:2]
+        order = list(range(ndim))
+        a, c = a % ndim, c % ndim
+        order[a], order[c] = order[c], order[a]
+        return order
+    dims = args[1:] if len(args) > 1 else (kwargs.get("dims"),)
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
+        dims = tuple(dims[0])
+    return [int(d) % ndim for d in dims]

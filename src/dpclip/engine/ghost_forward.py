@@ -278,7 +278,9 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
     _arm(tracer)  # user code runs from here on
 
     expanded: list[str] = []  # layers whose batch-less calls were expanded
-    guard = BroadcastGuard(batch)  # uses of expanded outputs that had no leading 1
+    # uses of expanded outputs that had no leading 1
+    guard = BroadcastGuard(batch, lambda: _engine_code(tracer),
+                           lambda new, old: _alias(tracer, new, old))
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         a = args[0] if args else next(iter(kwargs.values()), None)
@@ -309,7 +311,7 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
                                           _proof_free(tracer, out)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
-            user = tuple(out.shape)
+            user, original = tuple(out.shape), out
             with _engine_code(tracer):
                 a = a.unsqueeze(0).expand(batch, *a.shape)
                 got = out.unsqueeze(0).expand(batch, *out.shape)
@@ -318,7 +320,7 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
             guard.start()
-            guard.guard(out, owner.name, user)
+            guard.guard(out, owner.name, user, original)
             return out
         calls.append(_engine_call(owner, a, out, tracer))
         return None
