@@ -155,6 +155,7 @@ from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_true, still
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
+    EmbeddingLookup,
     PerLayerNotProved,
     PerLayerUnsupported,
     check_module_windows,
@@ -168,6 +169,7 @@ from dpclip.engine.ghost_rules import (
     SUPPORTED_LAYERS,
     _BK_BLOCK,
     _Call,
+    lookup_call,
     _Conv1DRule,
     _EMBED_GRAM_MAX_LEN,
     _EmbeddingRule,
@@ -343,7 +345,7 @@ def _release_last(model: nn.Module, carry: list[Any]) -> None:
 def _time_step(c: _Call) -> bool:
     """Whether a per-layer call is a recurrent layer's taken by the time-step rule
     (:class:`dpclip.engine.recurrent.TimeStepRule`)."""
-    return c.fast is not None and not isinstance(c.fast, tuple)
+    return c.fast is not None and not isinstance(c.fast, (tuple, EmbeddingLookup))
 
 
 def _kept(c: _Call, batch: int) -> dict[str, Tensor]:
@@ -351,6 +353,8 @@ def _kept(c: _Call, batch: int) -> dict[str, Tensor]:
     recurrent layer), an elementwise scale, or the replay of the call's proved operations."""
     if _time_step(c):
         return c.fast.grads(c.mod, batch, c.owner.name)
+    if isinstance(c.fast, EmbeddingLookup):  # (rows per example: the replay; else lookup_call)
+        return module_grads(c, batch)
     return scale_grads(c, batch) if c.fast is not None else module_grads(c, batch)
 
 
@@ -710,7 +714,9 @@ class GhostEngine:
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
         carry: list[Any] = []  # the last chunk's tensors (see _chunk)
-        stepped: set[str] = set()  # recurrent modules taken by the time-step rule
+        #: per-layer modules taken by a structural rule: "time_step" (recurrent layers,
+        #: recurrent.TimeStepRule) or "embedding_lookup" (per_layer.EmbeddingLookup)
+        stepped: dict[str, str] = {}
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self.max_physical_batch))
@@ -756,7 +762,11 @@ class GhostEngine:
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
         info = self._info(None, scan.per_layer)
         if stepped:  # (which per-layer modules skipped the replay: decided by their structure)
-            info["time_step_rule"] = tuple(n for n in scan.per_layer if n in stepped)
+            for key, kind in (("time_step_rule", "time_step"),
+                              ("embedding_lookup", "embedding_lookup")):
+                names = tuple(n for n in scan.per_layer if stepped.get(n) == kind)
+                if names:
+                    info[key] = names
         return EngineResult(sums, norms, weights, loss_sum, info, params)
 
     def _decided(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
@@ -886,7 +896,7 @@ class GhostEngine:
         chain: list[nn.Module] | None = None,
         gens: OwnGenerators | None = None,
         carry: list[Any] | None = None,
-        stepped_names: set[str] | None = None,
+        stepped_names: dict[str, str] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         params = scan.params
         real = batch
@@ -1011,12 +1021,20 @@ class GhostEngine:
             _refuse_rewritten_inputs(modular)
             if modular and gens is not None:  # (the forward's code may have set the generators)
                 gens.reseed()
+            lookups = {}
             for c in modular:  # per-example gradients of the per-layer modules' own parameters
-                c.kept = _kept(c, batch)
+                if isinstance(c.fast, EmbeddingLookup) and c.group == 1:
+                    lookups[id(c)] = lookup_call(c)  # (the Embedding rule: nothing formed)
+                    if stepped_names is not None:
+                        stepped_names[c.owner.name] = "embedding_lookup"
+                else:
+                    c.kept = _kept(c, batch)
                 if _time_step(c) and stepped_names is not None:
-                    stepped_names.add(c.owner.name)
+                    stepped_names[c.owner.name] = "time_step"
                 for pn in c.owner.pnames:
                     count[pn] = count.get(pn, 0) + 1
+            if lookups:
+                live = [lookups.get(id(c), c) for c in live]
         except PerLayerNotProved as exc:  # (not a vmap fallback: see PerLayerNotProved)
             raise _NotTheProvedProgram(str(exc)) from None
         except PerLayerUnsupported as exc:

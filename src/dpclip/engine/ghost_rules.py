@@ -22,6 +22,7 @@ from dpclip.engine._common import HALF, _Rounding
 from dpclip.engine.per_layer import (
     arg_batch_dims,
     capture_args,
+    embedding_lookup,
     scale_holds,
     settle_call,
     elementwise_scale,
@@ -212,6 +213,16 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         got = elementwise_scale(outs[0], own_param(owner.module, owner.roles[0]), c.window)
         if got is not None and scale_holds(got, c.call):
             c.fast = (got[0], got[1], got[0]._version)
+        elif c.args is not None and c.call is not None and c.call.why is None:
+            # an embedding lookup of the module's weight (a scaled word embedding): the Embedding
+            # rule reads the ids, batch-first example data not written inside the call
+            look = embedding_lookup(outs[0], owner.module,
+                                    own_param(owner.module, owner.roles[0]),
+                                    [t for t, _ in c.args[2]])
+            if look is not None and tracer.layout(look.ids) == (0, 1) and \
+                    tracer.layout(outs[0]) == (0, 1) and look.ids.ndim >= 1 and \
+                    scale_holds((look.ids,), c.call):
+                c.fast = look
     k = c.group = _row_group(lay)
     # which captured tensors carry the batch in dimension 0 (sliced per example when the module's
     # per-example gradient is formed): example data by the trace
@@ -252,6 +263,32 @@ def _init_module_call(c: _Call, owner: "_Owner", a: Any, out: Any,
         if d is not None:
             tracer.mark(t, (d, k))
     c.layouts = (lay, lay)
+
+
+def lookup_call(c: _Call) -> _Call:
+    """The per-layer call ``c`` recognised as an embedding lookup (:class:`EmbeddingLookup`,
+    after the backward: ``c.b`` is the gradient at its output) as a call of the Embedding rule:
+    ``a`` the ids, ``b`` the gradient at the lookup (``c.b * s``, as autograd forms it)."""
+    look = c.fast
+    if not look.unchanged():
+        from dpclip.engine.per_layer import PerLayerUnsupported
+
+        raise PerLayerUnsupported(
+            f"the ids (or the scale) of module {c.owner.name!r} ({type(c.mod).__name__}, an "
+            "embedding lookup) were modified in place after the call; use out-of-place "
+            "operations")
+    rule = _RULES[nn.Embedding]
+    r = _Call.__new__(_Call)
+    r.owner = _Owner(c.owner.name, c.mod, rule, c.owner.roles, c.owner.pnames)
+    r.mod, r.rule = c.mod, rule
+    r.a = look.ids
+    r.b = c.b if look.scale is None else torch.mul(c.b, look.scale)
+    r.a_version, r.a_print = look.ids._version, c.a_print
+    r.group, r.batch_dim, r.layouts = 1, 0, ((0, 1), (0, 1))
+    r.edge, r.out_shape, r.choice, r.kept, r.formed = None, tuple(c.b.shape), "ghost", {}, None
+    r.outs = r.bs = r.args = r.arg_dims = r.live_idx = r.fast = r.call = r.batch_first = None
+    r.oedges, r.window = [], c.window
+    return r
 
 
 def _dead_outputs(w: Any, match: Any) -> list[int]:

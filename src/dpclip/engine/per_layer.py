@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpclip._ident import ident
 from dpclip.engine.errors import PerLayerNotProved, PerLayerUnsupported, quote_error
@@ -61,6 +61,7 @@ from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
            "join_layouts", "module_grads", "output_tensors", "own_param", "replay", "scale_holds",
+           "EmbeddingLookup", "embedding_lookup",
            "seq_now", "settle_call"]
 
 _SEQ_LEAF = torch.zeros((), requires_grad=True)
@@ -1059,6 +1060,79 @@ def elementwise_scale(out: Tensor, param: Tensor, window: tuple[int | None, int]
     if _uses_param(edges[1 - k][0], param, window[0], window[1]):
         return None
     return y, torch.promote_types(y.dtype, hw.dtype), hw
+
+
+class EmbeddingLookup:
+    """A per-layer call recognised as an embedding lookup of its module's own weight, possibly
+    scaled by a constant (BART's and Gemma's scaled word embeddings: ``super().forward(ids) *
+    embed_scale``): ``out = E[ids] * s``. Its per-example gradients are then the Embedding rule's
+    (ghost norms from the ids, ``index_add`` of the weighted output gradients), with the output
+    gradient ``b * s`` as autograd forms it: nothing of shape ``(B, V, d)`` is formed, where the
+    replay under ``vmap`` formed the whole per-example table (at BART-base size, 38.6 M floats an
+    example). See :func:`embedding_lookup`."""
+
+    __slots__ = ("ids", "scale", "versions")
+
+    def __init__(self, ids: Tensor, scale: Tensor | None) -> None:
+        self.ids = ids
+        self.scale = scale
+        self.versions = (ids._version, None if scale is None else scale._version)
+
+    def operands(self) -> list[Tensor]:
+        """What the rule reads after the forward (fingerprinted: ghost_forward._printed)."""
+        return [self.ids] + ([] if self.scale is None else [self.scale])
+
+    def unchanged(self) -> bool:
+        return (self.ids._version, None if self.scale is None else self.scale._version) \
+            == self.versions
+
+
+def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
+                     arguments: Sequence[Tensor]) -> EmbeddingLookup | None:
+    """Recognise ``out = F.embedding(ids, mod.weight) [* s]`` from the call's autograd graph: the
+    output's node an ``EmbeddingBackward0`` of ``param`` (``mod.weight`` of an ``nn.Embedding``
+    without ``max_norm``, ``sparse`` or ``scale_grad_by_freq``, its padding index the module's),
+    or a ``MulBackward0`` of that node by a 0-dim constant ``s`` (no gradient; a Python number or a
+    buffer); ``ids`` one of the call's own tensor arguments (its version and fingerprint are
+    checked with the arguments'); no cast. Anything else: None (the replay). That the parameter
+    reaches the loss through the call's output only is :func:`check_module_windows`' check."""
+    if not isinstance(mod, nn.Embedding) or param is not mod.weight or mod.max_norm is not None \
+            or mod.sparse or mod.scale_grad_by_freq or out.dtype != param.dtype:
+        return None
+    node = out.grad_fn
+    scale = None
+    if node is not None and type(node).__name__ == "MulBackward0":
+        edges = node.next_functions
+        live = [k for k, (n, _) in enumerate(edges) if n is not None]
+        if len(edges) != 2 or len(live) != 1:
+            return None
+        try:
+            scale = node._saved_other if live[0] == 0 else node._saved_self
+        except (AttributeError, RuntimeError):
+            return None
+        if not isinstance(scale, Tensor) or scale.ndim != 0 or scale.requires_grad or \
+                not scale.is_floating_point():
+            return None
+        node = edges[live[0]][0]
+    if node is None or type(node).__name__ != "EmbeddingBackward0" or \
+            len(node.next_functions) != 1 or _accumulate_var(node.next_functions[0][0]) is not param:
+        return None
+    try:
+        ids, pad = node._saved_indices, node._saved_padding_idx
+        freq, sparse = node._saved_scale_grad_by_freq, node._saved_sparse
+    except (AttributeError, RuntimeError):
+        return None
+    if isinstance(pad, int) and pad >= 2 ** 63:  # (read back as an unsigned 64-bit -1)
+        pad -= 2 ** 64
+    if freq or sparse or pad != (-1 if mod.padding_idx is None else mod.padding_idx):
+        return None
+    # (autograd unpacks a saved input as a new Python tensor on the same memory: the argument
+    # itself, the same elements, is what the rule reads)
+    same = [t for t in arguments if t.dtype == ids.dtype and t.device == ids.device
+            and t.shape == ids.shape and t.stride() == ids.stride()
+            and t.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr()
+            and t.storage_offset() == ids.storage_offset() and t._version == ids._version]
+    return EmbeddingLookup(same[0], scale) if len(same) == 1 else None
 
 
 def scale_holds(got: tuple[Tensor, torch.dtype, Tensor], call: Any) -> bool:
