@@ -147,3 +147,57 @@ def test_t5_from_transformers_runs_on_ghost():
     from dpclip.engine import naive_per_example_grads
     from tests.engine.helpers import assert_matches_the_loop
     assert_matches_the_loop(res, naive_per_example_grads(m, ce, (ids, mask), y), groups, 3)
+
+
+class Review61(RelBias):
+    """The sixty-first hostile review's models."""
+
+    def parts(self, x):
+        """(bias, extra): ``extra`` a tensor added to the output (None: nothing)."""
+        v = self.rel(_buckets())
+        how = self.how
+        if how == "view as int64":  # the bits reinterpreted: the stand-in kept the floats
+            return v.view(torch.int64).permute(2, 0, 1).unsqueeze(0).double() * 2.0 ** -62, None
+        if how == "_base of the expand":  # the layer's own output, around the expansion
+            bias = v.permute(2, 0, 1).unsqueeze(0).expand(x.shape[0], -1, T, T)
+            return bias, 50.0 * bias._base.sum()
+        # --- ordinary spellings, refused before the review's report
+        if how == "to the same dtype":
+            return v.permute(2, 0, 1).to(x.dtype).unsqueeze(0), None
+        if how == "[None]":
+            return v.permute(2, 0, 1)[None], None
+        if how == "transpose with a keyword":
+            return v.transpose(0, dim1=2).transpose(1, 2), None
+        raise KeyError(how)
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], T, H, D // H).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        bias, extra = self.parts(x)
+        att = (q @ k.transpose(-1, -2) + bias).softmax(-1) @ v
+        o = self.out(att.transpose(1, 2).reshape(x.shape[0], T, D).tanh()).mean(1)
+        if extra is not None:  # its gradient reaches rel.weight outside the expansion
+            o = o + extra * torch.tensor([1.0, 0.0, 0.0], dtype=o.dtype)
+        return o
+
+
+@pytest.mark.parametrize("how", ["view as int64", "_base of the expand"])
+def test_review61_wrong_gradients_are_refused(how):
+    """Accepted before with wrong norms (4 % off; a gradient path around the expansion silently
+    dropped: norm 1.7 against 681): refused now, and auto equal to the loop."""
+    torch.manual_seed(0)
+    m = Review61(how).to(DT)
+    x, y = _data()
+    with pytest.raises(UnsupportedModelError):
+        GhostEngine().compute(m, ce, x, y, clip_weights(0.3), ParamGroups.flat(m))
+    res = AutoEngine().compute(m, ce, x, y, clip_weights(0.3), ParamGroups.flat(m))
+    assert_equal_to_the_loop(res, m, ce, x, y, ParamGroups.flat(m), engine="vmap")
+
+
+@pytest.mark.parametrize("how", ["to the same dtype", "[None]", "transpose with a keyword"])
+def test_review61_ordinary_spellings_run_on_ghost(how):
+    torch.manual_seed(0)
+    m = Review61(how).to(DT)
+    x, y = _data()
+    res = AutoEngine().compute(m, ce, x, y, clip_weights(0.3), ParamGroups.flat(m))
+    assert_equal_to_the_loop(res, m, ce, x, y, ParamGroups.flat(m))

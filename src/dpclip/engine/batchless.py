@@ -243,7 +243,7 @@ class BroadcastGuard(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.guard(out, name, self.guarded[hit[0]][1])  # one mask per example (documented)
             return out
-        if fname in _MOVES:
+        if fname in _MOVES or (fname == "__getitem__" and len(args) == 2 and args[1] is None):
             return self._move(func, fname, args, kwargs, hit, name)
         inplace = fname in _INPLACE
         if fname not in _BINARY and not inplace:
@@ -287,9 +287,17 @@ class BroadcastGuard(TorchFunctionMode):
         _, user_shape, user = self.guarded[g]
         if user is None:
             raise self._refuse(name, f"{fname} (not an elementwise broadcast)")
+        if any(v is g for v in kwargs.values()) or \
+                any(isinstance(v, torch.dtype) for v in (*args[1:], *kwargs.values())) and \
+                fname not in ("to", "type_as"):
+            # (a keyword tensor is not swapped; view(dtype) reinterprets the bits, which the
+            # stand-in's translation would not: sixty-first hostile review)
+            raise self._refuse(name, f"{fname} with these arguments")
         swap = [user if isinstance(v, Tensor) and v is g else v for v in args]
         user_out = func(*swap, **kwargs)  # (the user's program: matched against the proof)
-        if not isinstance(user_out, Tensor) or user_out is user:
+        if user_out is user:  # a copy that did not copy (.to of the same dtype): the stand-in
+            return g
+        if not isinstance(user_out, Tensor):
             raise self._refuse(name, f"{fname} returning {type(user_out).__name__}")
         u_in, u_out = tuple(user_shape), tuple(user_out.shape)
         extra = g.ndim == len(u_in) + 1  # else the batch stands in the user's leading 1
@@ -306,8 +314,8 @@ class BroadcastGuard(TorchFunctionMode):
                 else:
                     raise self._refuse(name, f"{fname} moving the leading dimension")
                 out = g.permute(real)
-            elif fname == "unsqueeze" and extra and u_out[0] == 1 and len(u_out) == len(u_in) + 1 \
-                    and u_out[1:] == u_in:
+            elif fname in ("unsqueeze", "__getitem__") and extra and u_out[0] == 1 and \
+                    len(u_out) == len(u_in) + 1 and u_out[1:] == u_in:
                 out = g  # the user's new leading 1: the batch stands in it from here on
             elif fname in ("unsqueeze", "view", "reshape", "expand"):
                 if extra:
@@ -335,7 +343,10 @@ def _user_order(fname: str, args: tuple, kwargs: dict, ndim: int) -> list[int]:
     if fname == "t":
         return list(range(ndim))[::-1]
     if fname == "transpose":
-        a, c = (list(args[1:3]) + [kwargs.get("dim0"), kwargs.get("dim1")])[:2]
+        given = list(args[1:3])
+        for key in ("dim0", "dim1")[len(given):]:
+            given.append(kwargs[key])
+        a, c = given
         order = list(range(ndim))
         a, c = a % ndim, c % ndim
         order[a], order[c] = order[c], order[a]

@@ -953,8 +953,19 @@ class GhostEngine:
                 # the per-layer calls' output nodes: their incoming edges are counted per output
                 # number too (a multi-output node, e.g. split, whose other output escapes)
                 targets = {e.node: {} for c in modular for e in c.oedges if e.node is not None}
-                uses = _graph_param_uses(total.grad_fn, scan.by_param,
-                                         indeg if modular else None, targets)
+                uses = _graph_param_uses(total.grad_fn, scan.by_param, indeg, targets)
+                for c in live:
+                    # an expanded batch-less call's per-example gradients are read at the
+                    # expansion: its own output must reach the loss through it alone (a ._base
+                    # of the expansion, or of a view of it, led around it: that gradient was
+                    # silently left out; sixty-first hostile review)
+                    if c.source is not None and indeg.get(c.source, 0) > 1:
+                        raise _RuntimeUnsupported(
+                            f"the output of layer {c.owner.name!r} ({type(c.mod).__name__}), "
+                            "called without the batch dimension, reaches the loss other than "
+                            "through the engine's expansion of it (e.g. through ._base of a view "
+                            "of it): the per-example gradients read at the expansion would miss "
+                            "that part; use the output itself")
                 inputs: list[Any] = []
                 for c in live:
                     inputs.extend(c.oedges if c.outs is not None else [c.edge])

@@ -298,27 +298,31 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
             # (and a ruled layer's input) as batched views, the output returned in place of the
             # original (dpclip.engine.batchless); the trace sees the expansion, the call reads the
             # view's layout, then marks it (0, 1)
-            with _engine_code(tracer):
+            with _engine_code(tracer):  # (grad_fn: the engine's read)
                 if not per_layer:
                     a = expand_rows(a, batch)
                 got = expand_rows(out, batch)
+                source = out.grad_fn
             _alias(tracer, got, out)
             out = got
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
+            calls[-1].source = source
             return out
         if not per_layer and is_unbatched(a, out, batch, lambda: _constant(tracer, a),
                                           _proof_free(tracer, out)):
             # no batch dimension and no leading 1 (an Embedding on a 1-D arange(T)): expanded
             # with an extra leading B, every later use guarded (dpclip.engine.batchless)
             user, original = tuple(out.shape), out
-            with _engine_code(tracer):
+            with _engine_code(tracer):  # (grad_fn: the engine's read)
                 a = a.unsqueeze(0).expand(batch, *a.shape)
                 got = out.unsqueeze(0).expand(batch, *out.shape)
+                source = out.grad_fn
             _alias(tracer, got, out)
             out = got
             expanded.append(owner.name)
             calls.append(_engine_call(owner, a, out, tracer))
+            calls[-1].source = source
             guard.start()
             guard.guard(out, owner.name, user, original)
             return out

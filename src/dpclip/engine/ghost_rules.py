@@ -52,10 +52,14 @@ class _Call:
     __slots__ = ("mod", "rule", "owner", "a", "edge", "out_shape", "a_version", "b", "choice",
                  "kept", "layouts", "formed", "outs", "bs", "window", "args", "arg_dims",
                  "live_idx", "fast", "oedges", "a_print", "group", "call", "batch_first",
-                 "batch_dim")
+                 "batch_dim", "source")
 
     def __init__(self, owner: "_Owner", a: Tensor, out: Tensor,
                  tracer: SeparabilityTracer | None = None) -> None:
+        #: a batch-less call expanded by the engine (dpclip.engine.batchless): the autograd node
+        #: of the layer's own output, which the engine's expansion alone may lead to (set by the
+        #: hook; ghost._chunk checks it)
+        self.source = None
         if owner.rule.kind == "module":  # the per-layer path (dpclip.engine.per_layer)
             _init_module_call(self, owner, a, out, tracer)
             return
@@ -287,7 +291,7 @@ def lookup_call(c: _Call) -> _Call:
     r.group, r.batch_dim, r.layouts = 1, 0, ((0, 1), (0, 1))
     r.edge, r.out_shape, r.choice, r.kept, r.formed = None, tuple(c.b.shape), "ghost", {}, None
     r.outs = r.bs = r.args = r.arg_dims = r.live_idx = r.fast = r.call = r.batch_first = None
-    r.oedges, r.window = [], c.window
+    r.oedges, r.window, r.source = [], c.window, None
     return r
 
 
