@@ -42,6 +42,8 @@ class Scaled(nn.Embedding):
             return 0.5 * e
         if how == "plain":
             return e
+        if how == "int":  # a Python int scale
+            return e * 2
         # --- forms that keep the replay (correct, not recognised)
         if how == "weight used twice":
             return e * 2.5 + self.weight[0]
@@ -83,7 +85,7 @@ def _batch(seed: int = 2):
 
 @pytest.mark.parametrize("how,pad,tie", [
     ("float", None, False), ("buffer", None, False), ("left", None, False), ("plain", 1, False),
-    ("float", 1, False), ("float", None, True)])
+    ("float", 1, False), ("float", None, True), ("int", None, False)])
 def test_scaled_embedding_takes_the_embedding_rule(how, pad, tie):
     torch.manual_seed(0)
     model = Net(how, pad, tie).to(DT)
@@ -138,3 +140,28 @@ def test_ids_rewritten_after_the_lookup_are_refused():
     x, y = _batch()
     with pytest.raises(UnsupportedModelError, match="modified in place|rewritten|changed"):
         GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+
+
+class NegativePadding(nn.Embedding):
+    """The sixty-second hostile review's: ``torch.embedding`` called with the module's negative
+    ``padding_idx`` (ATen reads it as no padding, F.embedding as ``V + p``): recognised, the rule
+    zeroed row ``V - 3`` (norms 5.5 % off). Now the replay, equal to the loop."""
+
+    def __init__(self) -> None:
+        super().__init__(V, D)
+        self.padding_idx = -3
+
+    def forward(self, ids):
+        return torch.embedding(self.weight, ids, self.padding_idx, False, False) * 2.5
+
+
+def test_a_negative_padding_index_keeps_the_replay():
+    torch.manual_seed(0)
+    model = Net("plain").to(DT)
+    model.emb = NegativePadding().to(DT)
+    x, y = _batch()
+    x[1, :2] = V - 3
+    groups = ParamGroups.flat(model)
+    res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
+    assert "embedding_lookup" not in res.engine_info, res.engine_info
+    assert_matches_the_loop(res, naive_per_example_grads(model, ce, x, y), groups, B)

@@ -1111,7 +1111,7 @@ def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
         except (AttributeError, RuntimeError):
             return None
         if not isinstance(scale, Tensor) or scale.ndim != 0 or scale.requires_grad or \
-                not scale.is_floating_point():
+                scale.is_complex() or scale.dtype == torch.bool:
             return None
         node = edges[live[0]][0]
     if node is None or type(node).__name__ != "EmbeddingBackward0" or \
@@ -1124,6 +1124,11 @@ def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
         return None
     if isinstance(pad, int) and pad >= 2 ** 63:  # (read back as an unsigned 64-bit -1)
         pad -= 2 ** 64
+    # a negative padding index means none to ATen (every row gets its gradient), where the rule
+    # reads the module's as F.embedding does (V + p): only None and non-negative indices agree
+    # (a direct torch.embedding with padding_idx -3: row V - 3 zeroed, sixty-second review)
+    if mod.padding_idx is not None and mod.padding_idx < 0:
+        return None
     if freq or sparse or pad != (-1 if mod.padding_idx is None else mod.padding_idx):
         return None
     # (autograd unpacks a saved input as a new Python tensor on the same memory: the argument
