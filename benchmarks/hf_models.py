@@ -2,7 +2,9 @@
 
 Four models built from ``transformers`` config classes (random initialisation, nothing downloaded):
 BERT sequence classification, GPT-2 language model (``wte`` tied to ``lm_head``), a Llama causal LM
-and ViT image classification. Every (model, method) pair gets its own copy of the model and
+and ViT image classification; with ``--models t5,bart`` also T5 and BART for conditional generation
+(``input_ids``, ``attention_mask``, ``decoder_input_ids``; the mean token cross-entropy per
+example), and ``--methods ...,dpclip-vmap`` the whole-model vmap engine beside them. Every (model, method) pair gets its own copy of the model and
 optimiser (SGD, lr 1e-4); dpclip runs ``dp_step`` (``FixedClip(1)``, noise multiplier 1, flat
 clipping; the step of ``make_private``/``dpclip bench`` without the sampler) on a fixed batch of
 ``B`` examples, Opacus 1.6 its ``GradSampleModule`` (hooks) or
@@ -52,11 +54,12 @@ METHODS = ("nonprivate", "dpclip-auto", "dpclip-ghost", "opacus-ghost", "opacus-
 def sizes(size: str) -> dict[str, Any]:
     if size == "small":
         return dict(hidden=64, inter=128, layers=2, heads=2, seq=32, image=32, patch=8,
-                    batch={"bert": 16, "gpt2": 16, "llama": 16, "vit": 16},
-                    vocab={"bert": 1000, "gpt2": 1000, "llama": 1000})
+                    batch={"bert": 16, "gpt2": 16, "llama": 16, "vit": 16, "t5": 16, "bart": 16},
+                    vocab={"bert": 1000, "gpt2": 1000, "llama": 1000, "t5": 1000, "bart": 1000})
     return dict(hidden=768, inter=3072, layers=12, heads=12, seq=128, image=224, patch=16,
-                batch={"bert": 32, "gpt2": 16, "llama": 16, "vit": 32},
-                vocab={"bert": 30522, "gpt2": 50257, "llama": 32000})
+                batch={"bert": 32, "gpt2": 16, "llama": 16, "vit": 32, "t5": 16, "bart": 16},
+                vocab={"bert": 30522, "gpt2": 50257, "llama": 32000, "t5": 32128,
+                       "bart": 50265})
 
 
 class Pixels(nn.Module):
@@ -79,6 +82,13 @@ def lm_loss(out, y):
     tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                           reduction="none")
     return tok.view(tgt.shape).mean(1)
+
+
+def seq2seq_loss(out, y):
+    """Per-example mean token cross-entropy of an encoder-decoder's logits against ``y``."""
+    logits = out.logits
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    return tok.view(y.shape).mean(1)
 
 
 def _transformers_at_least(major: int, minor: int) -> bool:
@@ -105,6 +115,23 @@ def build(name: str, s: dict[str, Any], attn: str):
         return Pixels(model), x, torch.randint(0, 10, (b,), generator=g), cls_loss
     vocab, seq = s["vocab"][name], s["seq"]
     ids = torch.randint(0, vocab, (b, seq), generator=g)
+    if name in ("t5", "bart"):  # as a training loop calls them: ids, mask, decoder ids
+        y = torch.randint(3, vocab, (b, seq // 2), generator=g)
+        dec = torch.cat([torch.full((b, 1), 2), y[:, :-1]], 1)
+        x = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": dec}
+        if name == "t5":
+            model = T.T5ForConditionalGeneration(T.T5Config(
+                vocab_size=vocab, d_model=s["hidden"], d_kv=s["hidden"] // s["heads"],
+                d_ff=s["inter"], num_layers=s["layers"], num_heads=s["heads"],
+                decoder_start_token_id=2, attn_implementation=attn))
+        else:
+            model = T.BartForConditionalGeneration(T.BartConfig(
+                vocab_size=vocab, d_model=s["hidden"], encoder_layers=s["layers"],
+                decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
+                decoder_attention_heads=s["heads"], encoder_ffn_dim=s["inter"],
+                decoder_ffn_dim=s["inter"], max_position_embeddings=max(1024, seq),
+                attn_implementation=attn))
+        return model, x, y, seq2seq_loss
     x = {"input_ids": ids, "position_ids": torch.arange(seq).expand(b, seq).contiguous()}
     if name == "bert":
         model = T.BertForSequenceClassification(T.BertConfig(
@@ -215,14 +242,14 @@ def stepper(method: str, base: nn.Module, x: Any, y: torch.Tensor, loss_fn: Call
 
 
 def measure(name: str, s: dict[str, Any], dev: torch.device, rounds: int, warm: int,
-            attn: str) -> list[dict[str, Any]]:
+            attn: str, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     base, x, y, loss_fn = build(name, s, attn)
     nparam = sum(p.numel() for p in base.parameters())
     common = {"model": name, "params": nparam, "batch_size": y.shape[0],
               "seq": None if name == "vit" else s["seq"], "device": _device_name(dev),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "attn": attn}
     steps, infos, errors = {}, {}, {}
-    for m in METHODS:
+    for m in methods:
         try:
             step, info = stepper(m, base, x, y, loss_fn, dev)
             for _ in range(warm):
@@ -250,7 +277,7 @@ def measure(name: str, s: dict[str, Any], dev: torch.device, rounds: int, warm: 
                 peak[m] = max(peak[m], top / 2 ** 20)
                 extra[m] = max(extra[m], (top - before) / 2 ** 20)
     rows = []
-    for m in METHODS:
+    for m in methods:
         row = dict(common, method=m)
         if m in errors:
             row["error"] = errors[m]
@@ -318,7 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=["small", "base"], default=None,
                     help="default: small on the CPU, base on CUDA")
-    ap.add_argument("--models", default="bert,gpt2,llama,vit")
+    ap.add_argument("--models", default="bert,gpt2,llama,vit",
+                    help="comma-separated: bert, gpt2, llama, vit, t5, bart")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated; also dpclip-vmap (whole-model vmap: what auto ran "
+                         "before a model's layers had ghost rules)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--attn", default="eager", help="attn_implementation of every model (every "
@@ -337,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     s = sizes(size)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        got = measure(name, s, dev, args.rounds, args.warm, attn)
+        got = measure(name, s, dev, args.rounds, args.warm, attn,
+                      tuple(args.methods.split(",")))
         for r in got:
             r["size"] = size
         rows.extend(got)

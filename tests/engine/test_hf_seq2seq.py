@@ -88,3 +88,19 @@ def test_bart_with_a_decoder_mask_made_in_the_forward():
     assert res.engine_info.get("fallback") is None, res.engine_info
     assert res.engine_info.get("engine") == "ghost", res.engine_info
     assert_matches_the_loop(res, naive_per_example_grads(model, token_loss, x, y), groups, B)
+
+
+@pytest.mark.parametrize("name", ["bart", "marian"])
+def test_engine_vmap_runs_them_too(name):
+    """transformers reads ``attention_mask.all()`` into Python (to skip an all-ones mask), which
+    vmap cannot evaluate: ``engine='vmap'`` failed on every encoder-decoder (auto's fallback
+    already ran the data-independent path). The vmap engine now runs it, the mask applied."""
+    from dpclip.engine import VmapEngine
+
+    cfg, cls = (getattr(T, n) for n in CLASSES[name])
+    torch.manual_seed(0)
+    model = Seq2Seq(cls(cfg(**SIZES)).to(DT).eval(), decoder_mask=False)
+    x, y = _batch()
+    groups = ParamGroups.flat(model)
+    res = VmapEngine().compute(model, token_loss, x, y, clip_weights(0.05), groups)
+    assert_matches_the_loop(res, naive_per_example_grads(model, token_loss, x, y), groups, B)

@@ -62,6 +62,17 @@ class VmapEngine(MaterializingEngine):
 
     name: ClassVar[str] = "vmap"
 
+    def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                 weight_fn: Any, groups: Any) -> Any:
+        # the data-independent library paths (transformers reads `attention_mask.all()` into
+        # Python to skip an all-ones mask, which vmap cannot run: T5 and BART called as a
+        # training loop calls them failed under engine 'vmap'); the same computation per
+        # example, the mask applied (auto's fallback always ran so)
+        from dpclip.engine.batch_symbol import data_independent_paths
+
+        with data_independent_paths():
+            return super()._compute(model, loss_fn, inputs, targets, weight_fn, groups)
+
     def _chunk_grads(self, model: nn.Module, loss_fn: LossFn,
                      params: dict[str, Tensor]) -> ChunkGrads:
         if not params:  # nothing trainable: norms are zero, only the losses are needed
