@@ -44,89 +44,152 @@ MODELS = ["bert", "roberta", "distilbert", "albert", "electra", "deberta", "debe
           "pegasus", "marian", "bartcls", "vit", "deit", "beit", "swin", "convnext", "resnet"]
 
 
-def ce(o, y):
-    return F.cross_entropy(o.logits if hasattr(o, "logits") else o, y, reduction="none")
-def lm(o, y):
-    lg, t = o.logits[:, :-1], y[:, 1:]
-    return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1), reduction="none").view(t.shape).mean(1)
-def s2s(o, y):
-    return F.cross_entropy(o.logits.reshape(-1, o.logits.shape[-1]), y.reshape(-1), reduction="none").view(y.shape).mean(1)
-def ids(g, pad=True, eos=None):
+def ce(out, y):
+    """Per-example cross-entropy of classification logits."""
+    return F.cross_entropy(out.logits if hasattr(out, "logits") else out, y, reduction="none")
+
+
+def lm(out, y):
+    """Per-example mean next-token cross-entropy of a causal LM."""
+    logits, tgt = out.logits[:, :-1], y[:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    return tok.view(tgt.shape).mean(1)
+
+
+def s2s(out, y):
+    """Per-example mean token cross-entropy of an encoder-decoder against ``y``."""
+    logits = out.logits
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    return tok.view(y.shape).mean(1)
+
+
+def ids(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``: example 0 padded (id 1) in its last two positions."""
     x = torch.randint(4, V, (B, L), generator=g)
-    m = torch.ones_like(x)
-    if pad: m[0, -2:] = 0; x[0, -2:] = 1
-    if eos is not None:
-        x[:, -1] = eos; 
-        if pad: x[0, -3] = eos; m[0, -2:] = 1  # keep simple
-    return x, m
-def build(name, g):
-    cls = lambda C, M, **kw: M(C(vocab_size=V, max_position_embeddings=16, num_labels=3, pad_token_id=1, **kw))
-    if name in ("bert","roberta","distilbert","albert","electra","deberta","debertav2","mpnet","xlmr","ernie","megatron"):
-        M = {"bert": (T.BertConfig, T.BertForSequenceClassification), "roberta": (T.RobertaConfig, T.RobertaForSequenceClassification),
-             "distilbert": (T.DistilBertConfig, T.DistilBertForSequenceClassification), "albert": (T.AlbertConfig, T.AlbertForSequenceClassification),
-             "electra": (T.ElectraConfig, T.ElectraForSequenceClassification), "deberta": (T.DebertaConfig, T.DebertaForSequenceClassification),
-             "debertav2": (T.DebertaV2Config, T.DebertaV2ForSequenceClassification), "mpnet": (T.MPNetConfig, T.MPNetForSequenceClassification),
-             "xlmr": (T.XLMRobertaConfig, T.XLMRobertaForSequenceClassification), "ernie": (T.ErnieConfig, T.ErnieForSequenceClassification),
-             "megatron": (T.MegatronBertConfig, T.MegatronBertForSequenceClassification)}[name]
-        kw = dict(S)
-        if name == "distilbert": kw = dict(dim=16, n_heads=2, hidden_dim=32, n_layers=1)
-        if name == "albert": kw["embedding_size"] = 8
-        m = cls(*M, **kw)
+    mask = torch.ones_like(x)
+    mask[0, -2:], x[0, -2:] = 0, 1
+    return x, mask
+
+
+#: text classification: (config, model class, config arguments besides vocabulary and labels)
+CLASSIFIERS = {
+    "bert": ("BertConfig", "BertForSequenceClassification", S),
+    "roberta": ("RobertaConfig", "RobertaForSequenceClassification", S),
+    "distilbert": ("DistilBertConfig", "DistilBertForSequenceClassification",
+                   dict(dim=16, n_heads=2, hidden_dim=32, n_layers=1)),
+    "albert": ("AlbertConfig", "AlbertForSequenceClassification", dict(S, embedding_size=8)),
+    "electra": ("ElectraConfig", "ElectraForSequenceClassification", S),
+    "deberta": ("DebertaConfig", "DebertaForSequenceClassification", S),
+    "debertav2": ("DebertaV2Config", "DebertaV2ForSequenceClassification", S),
+    "mpnet": ("MPNetConfig", "MPNetForSequenceClassification", S),
+    "xlmr": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification", S),
+    "ernie": ("ErnieConfig", "ErnieForSequenceClassification", S),
+    "megatron": ("MegatronBertConfig", "MegatronBertForSequenceClassification", S),
+}
+#: causal language models
+CAUSAL = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_positions=16, n_embd=16, n_layer=1, n_head=2)),
+    "gptneo": ("GPTNeoConfig", "GPTNeoForCausalLM",
+               dict(max_position_embeddings=16, hidden_size=16, num_layers=1, num_heads=2,
+                    attention_types=[[["global"], 1]])),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(max_position_embeddings=16, hidden_size=16, num_hidden_layers=1,
+                 num_attention_heads=2, ffn_dim=32, word_embed_proj_dim=16)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=16, n_layer=1, n_head=2)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(S, max_position_embeddings=16, num_key_value_heads=1)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(S, max_position_embeddings=16, num_key_value_heads=1)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(S, max_position_embeddings=16, num_key_value_heads=1)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              dict(S, max_position_embeddings=16, num_key_value_heads=1, head_dim=8)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(S, max_position_embeddings=16)),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM",
+             dict(n_positions=16, n_embd=16, n_layer=1, n_head=2, rotary_dim=4)),
+    "gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(S, max_position_embeddings=16)),
+}
+#: encoder-decoders of the BART family (the same sizes for each)
+SEQ2SEQ = {"bart": ("BartConfig", "BartForConditionalGeneration"),
+           "mbart": ("MBartConfig", "MBartForConditionalGeneration"),
+           "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration"),
+           "marian": ("MarianConfig", "MarianMTModel")}
+BART_SIZES = dict(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                  decoder_ffn_dim=32, max_position_embeddings=16, pad_token_id=1)
+T5_SIZES = dict(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+#: vision: (config, model class, config arguments, image side)
+VISION = {
+    "vit": ("ViTConfig", "ViTForImageClassification", dict(S, image_size=8, patch_size=4), 8),
+    "deit": ("DeiTConfig", "DeiTForImageClassification", dict(S, image_size=8, patch_size=4), 8),
+    "beit": ("BeitConfig", "BeitForImageClassification",
+             dict(S, image_size=8, patch_size=4, use_relative_position_bias=True), 8),
+    "swin": ("SwinConfig", "SwinForImageClassification",
+             dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[1, 2],
+                  window_size=4), 16),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification",
+                 dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2), 32),
+    "resnet": ("ResNetConfig", "ResNetForImageClassification",
+               dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"),
+               32),
+}
+
+
+class T5Classifier(nn.Module):
+    """A T5 encoder with a linear head on its first position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = T.T5EncoderModel(T.T5Config(**T5_SIZES))
+        self.h = nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask):
+        out = self.e(input_ids=input_ids, attention_mask=attention_mask)
+        return self.h(out.last_hidden_state[:, 0])
+
+
+def build(name: str, g: torch.Generator):
+    """(model, keyword inputs, targets, per-example loss) of one zoo entry."""
+    labels = torch.randint(0, 3, (B,), generator=g)
+    if name in CLASSIFIERS:
+        cfg, cls, kw = CLASSIFIERS[name]
+        model = getattr(T, cls)(getattr(T, cfg)(vocab_size=V, max_position_embeddings=16,
+                                                num_labels=3, pad_token_id=1, **kw))
         x, mask = ids(g)
-        return m, {"input_ids": x, "attention_mask": mask}, torch.randint(0, 3, (B,), generator=g), ce
-    lmcfg = {"gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(n_positions=16, n_embd=16, n_layer=1, n_head=2)),
-             "gptneo": (T.GPTNeoConfig, T.GPTNeoForCausalLM, dict(max_position_embeddings=16, hidden_size=16, num_layers=1, num_heads=2, attention_types=[[["global"],1]])),
-             "opt": (T.OPTConfig, T.OPTForCausalLM, dict(max_position_embeddings=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, word_embed_proj_dim=16)),
-             "bloom": (T.BloomConfig, T.BloomForCausalLM, dict(hidden_size=16, n_layer=1, n_head=2)),
-             "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(S, max_position_embeddings=16, num_key_value_heads=1)),
-             "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(S, max_position_embeddings=16, num_key_value_heads=1)),
-             "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(S, max_position_embeddings=16, num_key_value_heads=1)),
-             "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(S, max_position_embeddings=16, num_key_value_heads=1, head_dim=8)),
-             "phi": (T.PhiConfig, T.PhiForCausalLM, dict(S, max_position_embeddings=16)),
-             "falcon": (T.FalconConfig, T.FalconForCausalLM, dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)),
-             "gptj": (T.GPTJConfig, T.GPTJForCausalLM, dict(n_positions=16, n_embd=16, n_layer=1, n_head=2, rotary_dim=4)),
-             "gptneox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(S, max_position_embeddings=16)),
-             }
-    if name in lmcfg:
-        C, M, kw = lmcfg[name]
-        m = M(C(vocab_size=V, pad_token_id=1, **kw))
+        return model, {"input_ids": x, "attention_mask": mask}, labels, ce
+    if name in CAUSAL:
+        cfg, cls, kw = CAUSAL[name]
+        model = getattr(T, cls)(getattr(T, cfg)(vocab_size=V, pad_token_id=1, **kw))
         x, mask = ids(g)
-        return m, {"input_ids": x, "attention_mask": mask}, x, lm
-    if name in ("t5", "bart", "mbart", "pegasus", "marian"):
+        return model, {"input_ids": x, "attention_mask": mask}, x, lm
+    if name in SEQ2SEQ or name == "t5":
         if name == "t5":
-            m = T.T5ForConditionalGeneration(T.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2, pad_token_id=1, decoder_start_token_id=1))
+            model = T.T5ForConditionalGeneration(T.T5Config(
+                num_decoder_layers=1, pad_token_id=1, decoder_start_token_id=1, **T5_SIZES))
         else:
-            C, M = {"bart": (T.BartConfig, T.BartForConditionalGeneration), "mbart": (T.MBartConfig, T.MBartForConditionalGeneration),
-                    "pegasus": (T.PegasusConfig, T.PegasusForConditionalGeneration), "marian": (T.MarianConfig, T.MarianMTModel)}[name]
-            m = M(C(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16, pad_token_id=1, decoder_start_token_id=2, eos_token_id=2, bos_token_id=0))
+            cfg, cls = SEQ2SEQ[name]
+            model = getattr(T, cls)(getattr(T, cfg)(
+                decoder_start_token_id=2, eos_token_id=2, bos_token_id=0, **BART_SIZES))
         x, mask = ids(g)
         y = torch.randint(4, V, (B, 4), generator=g)
-        dec = torch.cat([torch.full((B, 1), 2), y[:, :-1]], 1)
-        return m, {"input_ids": x, "attention_mask": mask, "decoder_input_ids": dec}, y, s2s
-    if name == "bartcls":
-        m = T.BartForSequenceClassification(T.BartConfig(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16, num_labels=3, pad_token_id=1, eos_token_id=2))
-        x = torch.randint(4, V, (B, L), generator=g); x[:, -1] = 2
-        return m, {"input_ids": x, "attention_mask": torch.ones_like(x)}, torch.randint(0, 3, (B,), generator=g), ce
+        dec = torch.cat([torch.full((B, 1), 2), y[:, :-1]], 1)  # (teacher forcing)
+        return model, {"input_ids": x, "attention_mask": mask, "decoder_input_ids": dec}, y, s2s
+    if name == "bartcls":  # (every example ends with the eos token, as the class requires)
+        model = T.BartForSequenceClassification(T.BartConfig(num_labels=3, eos_token_id=2,
+                                                             **BART_SIZES))
+        x = torch.randint(4, V, (B, L), generator=g)
+        x[:, -1] = 2
+        return model, {"input_ids": x, "attention_mask": torch.ones_like(x)}, labels, ce
     if name == "t5enc":
-        class W(nn.Module):
-            def __init__(s):
-                super().__init__(); s.e = T.T5EncoderModel(T.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)); s.h = nn.Linear(16, 3)
-            def forward(s, input_ids, attention_mask): return s.h(s.e(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0])
         x, mask = ids(g)
-        return W(), {"input_ids": x, "attention_mask": mask}, torch.randint(0, 3, (B,), generator=g), ce
-    img = {"vit": (T.ViTConfig, T.ViTForImageClassification, dict(S, image_size=8, patch_size=4), 8),
-           "deit": (T.DeiTConfig, T.DeiTForImageClassification, dict(S, image_size=8, patch_size=4), 8),
-           "beit": (T.BeitConfig, T.BeitForImageClassification, dict(S, image_size=8, patch_size=4, use_relative_position_bias=True), 8),
-           "swin": (T.SwinConfig, T.SwinForImageClassification, dict(image_size=16, patch_size=2, embed_dim=8, depths=[1,1], num_heads=[1,2], window_size=4), 16),
-           "convnext": (T.ConvNextConfig, T.ConvNextForImageClassification, dict(hidden_sizes=[8,16], depths=[1,1], num_stages=2), 32),
-           "resnet": (T.ResNetConfig, T.ResNetForImageClassification, dict(embedding_size=8, hidden_sizes=[8,16], depths=[1,1], layer_type="basic"), 32),
-           "mobilevit": None, }
-    if name in img:
-        C, M, kw, sz = img[name]
-        m = M(C(num_channels=3, num_labels=3, **kw))
-        return m, {"pixel_values": torch.randn(B, 3, sz, sz, generator=g)}, torch.randint(0, 3, (B,), generator=g), ce
+        return T5Classifier(), {"input_ids": x, "attention_mask": mask}, labels, ce
+    if name in VISION:
+        cfg, cls, kw, side = VISION[name]
+        model = getattr(T, cls)(getattr(T, cfg)(num_channels=3, num_labels=3, **kw))
+        return model, {"pixel_values": torch.randn(B, 3, side, side, generator=g)}, labels, ce
     raise KeyError(name)
-
 
 
 class Kw(nn.Module):

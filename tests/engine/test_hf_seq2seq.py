@@ -63,31 +63,32 @@ def _batch(seed: int = 1):
     return (ids, mask, dec), y
 
 
-@pytest.mark.parametrize("name", sorted(CLASSES))
-def test_encoder_decoder_runs_on_ghost(name):
+def _model(name: str, decoder_mask: bool = False) -> Seq2Seq:
     cfg, cls = (getattr(T, n) for n in CLASSES[name])
     torch.manual_seed(0)
-    model = Seq2Seq(cls(cfg(**SIZES)).to(DT).eval(), decoder_mask=False)
-    x, y = _batch()
+    return Seq2Seq(cls(cfg(**SIZES)).to(DT).eval(), decoder_mask=decoder_mask)
+
+
+def _run(engine, model: Seq2Seq, seed: int = 1, on: str | None = "ghost") -> None:
+    """``engine`` on a batch equals the float64 loop (and ran ``on`` that engine, no fallback)."""
+    x, y = _batch(seed)
     groups = ParamGroups.flat(model)
-    res = AutoEngine().compute(model, token_loss, x, y, clip_weights(0.05), groups)
-    assert res.engine_info.get("fallback") is None, res.engine_info
-    assert res.engine_info.get("engine") == "ghost", res.engine_info
+    res = engine.compute(model, token_loss, x, y, clip_weights(0.05), groups)
+    if on is not None:
+        assert res.engine_info.get("fallback") is None, res.engine_info
+        assert res.engine_info.get("engine") == on, res.engine_info
     assert_matches_the_loop(res, naive_per_example_grads(model, token_loss, x, y), groups, B)
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_encoder_decoder_runs_on_ghost(name):
+    _run(AutoEngine(), _model(name))
 
 
 def test_bart_with_a_decoder_mask_made_in_the_forward():
     """``decoder_attention_mask = ones_like(decoder_input_ids)``: a constant of the examples'
     shape read through the padding path (as the data's own mask would be)."""
-    torch.manual_seed(0)
-    model = Seq2Seq(T.BartForConditionalGeneration(T.BartConfig(**SIZES)).to(DT).eval(),
-                    decoder_mask=True)
-    x, y = _batch(2)
-    groups = ParamGroups.flat(model)
-    res = AutoEngine().compute(model, token_loss, x, y, clip_weights(0.05), groups)
-    assert res.engine_info.get("fallback") is None, res.engine_info
-    assert res.engine_info.get("engine") == "ghost", res.engine_info
-    assert_matches_the_loop(res, naive_per_example_grads(model, token_loss, x, y), groups, B)
+    _run(AutoEngine(), _model("bart", decoder_mask=True), seed=2)
 
 
 @pytest.mark.parametrize("name", ["bart", "marian"])
@@ -97,10 +98,4 @@ def test_engine_vmap_runs_them_too(name):
     already ran the data-independent path). The vmap engine now runs it, the mask applied."""
     from dpclip.engine import VmapEngine
 
-    cfg, cls = (getattr(T, n) for n in CLASSES[name])
-    torch.manual_seed(0)
-    model = Seq2Seq(cls(cfg(**SIZES)).to(DT).eval(), decoder_mask=False)
-    x, y = _batch()
-    groups = ParamGroups.flat(model)
-    res = VmapEngine().compute(model, token_loss, x, y, clip_weights(0.05), groups)
-    assert_matches_the_loop(res, naive_per_example_grads(model, token_loss, x, y), groups, B)
+    _run(VmapEngine(), _model(name), on=None)

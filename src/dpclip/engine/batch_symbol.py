@@ -458,22 +458,22 @@ def _uniform_after(node: Any, packet: Any, ins: list[Any], shaped: set[str],
     kept by copies that leave every element in place and by elementwise operations whose other
     operands are B-free, and by :func:`_uniform_index`. Nothing else is uniform (a reshape can
     fold the symbol's dimension into another, a slice can cut it)."""
-    if packet in _FILLS:
-        return not any(a.name in shaped and a.name not in uniform for a in ins
-                       if packet not in (_aten.ones_like, _aten.zeros_like, _aten.full_like))
+    if packet in _FILLS:  # (a tensor argument is read for its shape, dtype and device only)
+        return True
     if packet is _aten.expand:
         src = node.args[0]
         return isinstance(src, torch.fx.Node) and src.name not in shaped \
             and not _has_sym_shape(src.meta.get("val"))
+    if packet is _aten.index:
+        return _uniform_index(node, shaped, uniform, rows)
     first = node.args[0] if node.args else None
     if not isinstance(first, torch.fx.Node) or first.name not in uniform:
-        return packet is _aten.index and _uniform_index(node, shaped, uniform, rows)
+        return False
     if packet in _SAME_PLACE:
         return True
-    target = node.target
-    if _pointwise(target) or target in _WHERE:
+    if _pointwise(node.target) or node.target in _WHERE:
         return all(a.name not in shaped or a.name in uniform for a in ins)
-    return packet is _aten.index and _uniform_index(node, shaped, uniform, rows)
+    return False
 
 
 #: moves and copies that keep an index tensor's values (each element one of the source's)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from dpclip._ident import ident
 from dpclip.engine._common import HALF, _Rounding
 from dpclip.engine.per_layer import (
+    PerLayerUnsupported,
     arg_batch_dims,
     capture_args,
     embedding_lookup,
@@ -275,8 +276,6 @@ def lookup_call(c: _Call) -> _Call:
     ``a`` the ids, ``b`` the gradient at the lookup (``c.b * s``, as autograd forms it)."""
     look = c.fast
     if not look.unchanged():
-        from dpclip.engine.per_layer import PerLayerUnsupported
-
         raise PerLayerUnsupported(
             f"the ids (or the scale) of module {c.owner.name!r} ({type(c.mod).__name__}, an "
             "embedding lookup) were modified in place after the call; use out-of-place "
