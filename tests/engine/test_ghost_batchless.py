@@ -167,10 +167,55 @@ def test_error_85_expanded_output_the_code_cannot_take():
         GhostEngine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
     assert str(info.value).startswith(
         "ghost engine: layer 'pos' was called without the batch dimension (leading dimension 1) "
-        "and the forward pass failed on its output expanded to the batch (RuntimeError); the "
-        "ghost engine reads per-example gradients of such a call from the expanded output: let "
-        "the code after the layer broadcast it (e.g. x + pos), or use engine 'vmap'. The ghost "
-        "engine has rules for Linear, ")
+        "and the forward pass failed on its output expanded to the batch (RuntimeError: shape "
+        "'[#, #, #]' is invalid for input of size #); the ghost engine reads per-example "
+        "gradients of such a call from the expanded output: let the code after the layer "
+        "broadcast it (e.g. x + pos), or use engine 'vmap'. The ghost engine has rules for "
+        "Linear, ")  # (the library's numbers masked: a size can be the private batch size's)
+
+
+#: state outside the model's modules, written during the proof (a fake tensor) and read by the
+#: real run: a library's lru_cache does this (transformers' BEiT relative position index)
+_KEPT: dict = {}
+
+
+class _LeftoverAfterExpansion(nn.Module):
+    """A position table on a batch-less ``(1, T)`` index (expanded by the engine), then a layer
+    fed from a tensor the forward keeps in a global between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(4, 6)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.pos(torch.arange(4)[None])
+        if "idx" not in _KEPT:
+            _KEPT["idx"] = torch.arange(4)
+        return self.fc(h[:, _KEPT["idx"]]).mean(1)
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_a_proof_leftover_after_an_expansion_stops_the_run(engine):
+    """A layer called on a tensor left over from the proof is never a vmap fallback
+    (ghost_forward._refuse_proof_leftovers: vmap would read the forward's state outside its
+    modules from one call to the next). After a batch-less call had been expanded, the refusal was
+    taken for a failure of the expanded output: its reason lost ("(_NotTheProvedProgram)" only,
+    BEiT's whole diagnosis) and, under ``auto``, a vmap fallback reason. Now it stops the run
+    with its own message on both engines."""
+    from dpclip.engine import batch_symbol
+
+    batch_symbol._CACHE.clear()
+    _KEPT.clear()
+    torch.manual_seed(0)
+    model = _LeftoverAfterExpansion().to(DT)
+    x, y = torch.randn(5, 4, 6, dtype=DT), torch.randint(0, 3, (5,))
+    with pytest.raises(UnsupportedModelError) as info:
+        engine().compute(model, ce, x, y, wfn, ParamGroups.flat(model))
+    msg = str(info.value)
+    assert "layer 'fc' was called on a tensor left over from the separability proof" in msg
+    assert "not turned into a vmap fallback" in msg and "expanded to the batch" not in msg
+    _KEPT.clear()
 
 
 # ------------------------------------------------------- modules on the per-layer path

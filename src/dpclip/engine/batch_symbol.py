@@ -845,8 +845,16 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     alike = (_canon(loss_fn),) + rest
     got = per_model.alike.get(alike)
     if got is None:
-        with defaults_unchanged():  # (what the proof's run of the forward seeds is undone)
+        # (what the proof's run of the forward seeds is undone; so is what it left in the
+        # model classes' memoising caches: fake tensors)
+        with defaults_unchanged(), caches_of_the_proof_cleared(model) as filled:
             got = _export_check(model, loss_fn, xs, ys, expand)
+        if filled:
+            # the proof computed what a cache will hand every later call: the real run of this
+            # step computes it as the proof did (the cache cleared) and fills it, the next step
+            # proves again, reading the cached value as a tensor from outside the call, as every
+            # later run does (kept, this proof would not be the program of a cache hit)
+            return got
         if len(per_model.alike) >= 64:
             per_model.alike.clear()
         per_model.alike[alike] = got
@@ -855,6 +863,63 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     while len(ids) > 64:  # (the oldest loss objects: a new lambda each step leaves one a step)
         ids.popitem(last=False)
     return got
+
+
+_LRU = functools._lru_cache_wrapper
+
+
+def _method_caches(model: Any) -> list[Any]:
+    """The ``functools.lru_cache`` objects of the methods of ``model``'s module classes (their
+    MROs' own dictionaries): a cached method itself (``functools.cache`` on a method), or one held
+    in the closure of the method's wrapper (transformers' ``compile_compatible_method_lru_cache``,
+    which caches unless Dynamo is compiling: BEiT's relative position index). Read without running
+    any of the model's code (exact types, class dictionaries, closure cells)."""
+    if not isinstance(model, nn.Module):
+        return []
+    classes: dict[int, type] = {}
+    for m in model.modules():
+        for c in type(m).__mro__:
+            classes.setdefault(id(c), c)
+    found: dict[int, Any] = {}
+    for c in classes.values():
+        if c is object or c.__module__.startswith("torch."):
+            continue
+        for v in list(vars(c).values()):
+            if type(v) in (staticmethod, classmethod):
+                v = v.__func__
+            if type(v) is _LRU:
+                found.setdefault(id(v), v)
+            elif type(v) is types.FunctionType:
+                for cell in v.__closure__ or ():
+                    try:
+                        got = cell.cell_contents
+                    except ValueError:  # (an empty cell)
+                        continue
+                    if type(got) is _LRU:
+                        found.setdefault(id(got), got)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def caches_of_the_proof_cleared(model: Any) -> Iterator[list[bool]]:
+    """Around the batch-size proof: every memoising cache of the model classes' methods
+    (:func:`_method_caches`) that missed during the proof is cleared after it, and the yielded list
+    is then true (``[True]``: the proof filled a cache, see :func:`proof_of`). What such a cache
+    stored there was computed from the proof's fake tensors; kept, it handed the fake to every
+    later call, the real step's (refused as a proof leftover) and the user's own forward after
+    training (transformers' BEiT: its logits a FakeTensor). Clearing a cache only costs a
+    recomputation."""
+    caches = _method_caches(model)
+    before = [c.cache_info().misses for c in caches]
+    filled: list[bool] = []
+    try:
+        yield filled
+    finally:
+        for c, n in zip(caches, before):
+            if c.cache_info().misses != n:
+                c.cache_clear()
+                if not filled:
+                    filled.append(True)
 
 
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,

@@ -18,6 +18,7 @@ from dpclip._ident import ident
 from dpclip.engine.base import LossFn
 from dpclip.engine.batch import batch_leaves, call_model
 from dpclip.engine.batch_symbol import data_independent_paths, proof_of
+from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.batchless import (
     BroadcastGuard,
     NotBroadcast,
@@ -362,14 +363,18 @@ def _traced_call(tracer: SeparabilityTracer, model: nn.Module, scan: _Scan,
         except NotBroadcast as exc:
             raise _RuntimeUnsupported(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - only where the engine changed the program
-            if not expanded:
+            # the engine's own refusals pass as they are: a proof leftover read by a layer
+            # (_NotTheProvedProgram) is never a vmap fallback, also after an expansion (taken for
+            # a failure of the expanded output, it became one under auto: the forward's state
+            # outside its modules then read by vmap from one call to the next)
+            if not expanded or isinstance(exc, (_RuntimeUnsupported, UnsupportedModelError)):
                 raise
-            raise _RuntimeUnsupported(
+            raise _RuntimeUnsupported(  # (the library's numbers masked: a size may be the batch's)
                 f"layer {expanded[0]!r} was called without the batch dimension (leading "
                 "dimension 1) and the forward pass failed on its output expanded to the batch "
-                f"({type(exc).__name__}); the ghost engine reads per-example gradients of such "
-                "a call from the expanded output: let the code after the layer broadcast it "
-                "(e.g. x + pos), or use engine 'vmap'") from exc
+                f"({quote_error(exc)}); the ghost engine reads per-example gradients "
+                "of such a call from the expanded output: let the code after the layer "
+                "broadcast it (e.g. x + pos), or use engine 'vmap'") from exc
     finally:
         for h in handles:
             h.remove()

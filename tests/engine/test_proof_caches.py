@@ -1,0 +1,123 @@
+"""The batch-size proof runs the user's forward on fake tensors; a memoising cache on one of the
+model's methods stored what it computed there (transformers' ``compile_compatible_method_lru_cache``
+on BEiT's relative position index: an ``lru_cache`` unless Dynamo is compiling). Kept, the fake was
+handed to every later call: the real step was refused as a proof leftover (BEiT refused under
+``auto``, "and the vmap fallback failed too"), and the user's own forward after the step returned
+FakeTensor logits holding garbage. The proof now clears such caches after it
+(``batch_symbol.caches_of_the_proof_cleared``).
+
+Oracle: the float64 per-example loop (:func:`dpclip.engine.naive_per_example_grads`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
+
+from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, naive_per_example_grads
+from dpclip.engine.batch_symbol import _method_caches
+from tests.engine.helpers import DT, assert_grads_close, ce, oracle_norms, oracle_sum
+
+
+def _cached_method(func):
+    """transformers' ``compile_compatible_method_lru_cache`` (its Dynamo branch left out): the
+    cache lives in the wrapper's closure."""
+    cached = functools.lru_cache(maxsize=8)(func)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return cached(*args, **kwargs)
+
+    return wrapper
+
+
+class _CachedIndex(nn.Module):
+    """Reads its positions in a fixed order from an index its cached method builds from a public
+    size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    @_cached_method
+    def order(self, n: int) -> Tensor:
+        return torch.arange(n).flip(0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x[:, self.order(x.shape[1])]).mean(1)
+
+
+class _CachedStatic(_CachedIndex):
+    """The same with ``functools.cache`` on a static method (the cache is the class attribute)."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def order(n: int) -> Tensor:  # type: ignore[override]
+        return torch.arange(n).flip(0)
+
+
+def _wfn(n: Tensor) -> Tensor:
+    return (0.3 / n).clamp(max=1.0)
+
+
+def _clear(model: nn.Module) -> None:
+    from dpclip.engine import batch_symbol
+
+    batch_symbol._CACHE.clear()
+    for c in _method_caches(model):
+        c.cache_clear()
+
+
+@pytest.mark.parametrize("build", [_CachedIndex, _CachedStatic])
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_a_method_cache_filled_in_the_proof_is_not_kept(engine, build):
+    """Before: the step refused ("layer 'fc' was called on a tensor left over from the separability
+    proof") and the model's own forward returned fakes after it. Now every step runs on ghost,
+    equal to the loop (the first computes the cached value as the proof did; the second proves
+    again with the value cached, as every later step reads it; batch sizes 5, 5, 3, 5), and the
+    cache holds real values after them."""
+    torch.manual_seed(0)
+    model = build().to(DT)
+    _clear(model)
+    eng = engine()
+    for b in (5, 5, 3, 5):
+        x, y = torch.randn(b, 4, 6, dtype=DT), torch.randint(0, 3, (b,))
+        groups = ParamGroups.flat(model)
+        res = eng.compute(model, ce, x, y, _wfn, groups)
+        assert res.engine_info["engine"] == "ghost"
+        per_ex = naive_per_example_grads(model, ce, x, y)
+        torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, b), rtol=1e-9,
+                                   atol=1e-12)
+        assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, b))
+    out = model(x)
+    assert not is_fake(out) and not is_fake(model.order(4))
+    torch.testing.assert_close(out, model.fc(x.flip(1)).mean(1))
+    _clear(model)
+
+
+def test_only_caches_that_missed_in_the_proof_are_cleared():
+    """A cache the proof did not fill (a hit on a real value from an eager call before) keeps its
+    entries: the proof clears what it may have filled, nothing else."""
+    torch.manual_seed(0)
+    model = _CachedIndex().to(DT)
+    _clear(model)
+    x, y = torch.randn(5, 4, 6, dtype=DT), torch.randint(0, 3, (5,))
+    model(x)  # the real index cached first
+    (cache,) = _method_caches(model)
+    GhostEngine().compute(model, ce, x, y, _wfn, ParamGroups.flat(model))
+    info = cache.cache_info()
+    assert info.currsize == 1 and info.misses == 1  # never cleared, never recomputed
+    _clear(model)
+
+
+def test_the_caches_found_are_the_model_classes_own():
+    """Found in the class dictionaries along the MROs (a closure cell, a static method), not in
+    torch's own classes; reading them runs none of the model's code."""
+    assert len(_method_caches(_CachedIndex())) == 1
+    assert len(_method_caches(_CachedStatic())) == 2  # (its own and its base class's)
+    assert _method_caches(nn.Sequential(nn.Linear(2, 2))) == []
+    assert _method_caches(lambda x: x) == []  # (a plain callable: none)
