@@ -121,3 +121,6 @@ def test_the_caches_found_are_the_model_classes_own():
     assert len(_method_caches(_CachedStatic())) == 2  # (its own and its base class's)
     assert _method_caches(nn.Sequential(nn.Linear(2, 2))) == []
     assert _method_caches(lambda x: x) == []  # (a plain callable: none)
+    # a class naming itself torch's is still the model's (where it lives decides, not __module__)
+    disguised = type("Linear", (_CachedIndex,), {"__module__": "torch.nn.modules.linear"})
+    assert len(_method_caches(disguised())) == 1

@@ -876,15 +876,17 @@ def _method_caches(model: Any) -> list[Any]:
     any of the model's code (exact types, class dictionaries, closure cells)."""
     if not isinstance(model, nn.Module):
         return []
+    from dpclip.engine.isolation import _MRO, _NAMESPACE, origin
+
     classes: dict[int, type] = {}
-    for m in model.modules():
-        for c in type(m).__mro__:
+    for m in model.modules():  # (nn.Module's own: a class defining it is refused, check_structure)
+        for c in _MRO(type(m)):  # (type's own descriptors: no metaclass property runs)
             classes.setdefault(id(c), c)
     found: dict[int, Any] = {}
     for c in classes.values():
-        if c is object or c.__module__.startswith("torch."):
+        if c is object or origin(c) == "torch":  # (where the class really lives, not __module__)
             continue
-        for v in list(vars(c).values()):
+        for v in list(_NAMESPACE(c).values()):
             if type(v) in (staticmethod, classmethod):
                 v = v.__func__
             if type(v) is _LRU:
