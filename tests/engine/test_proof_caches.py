@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, naive_per_example_grads
+from dpclip.engine import (AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError,
+                           naive_per_example_grads)
 from dpclip.engine.batch_symbol import _method_caches
 from tests.engine.helpers import DT, assert_grads_close, ce, oracle_norms, oracle_sum
 
@@ -73,30 +74,84 @@ def _clear(model: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("build", [_CachedIndex, _CachedStatic])
-@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
-def test_a_method_cache_filled_in_the_proof_is_not_kept(engine, build):
-    """Before: the step refused ("layer 'fc' was called on a tensor left over from the separability
-    proof") and the model's own forward returned fakes after it. Now every step runs on ghost,
-    equal to the loop (the first computes the cached value as the proof did; the second proves
-    again with the value cached, as every later step reads it; batch sizes 5, 5, 3, 5), and the
-    cache holds real values after them."""
+def test_a_method_cache_filled_in_the_proof_is_not_kept(build):
+    """Before: the first step refused ("layer 'fc' was called on a tensor left over from the
+    separability proof") and the model's own forward returned fakes after it. Now the first step
+    runs on ghost, equal to the loop (its real run computes the value as the proof did), the cache
+    holds real values after it and the model's forward is real. A later step whose real run HITS
+    the cache runs another program than the proved one: refused by the match, never re-proved
+    with the cached value (see the test below)."""
     torch.manual_seed(0)
     model = build().to(DT)
     _clear(model)
-    eng = engine()
-    for b in (5, 5, 3, 5):
-        x, y = torch.randn(b, 4, 6, dtype=DT), torch.randint(0, 3, (b,))
-        groups = ParamGroups.flat(model)
-        res = eng.compute(model, ce, x, y, _wfn, groups)
-        assert res.engine_info["engine"] == "ghost"
-        per_ex = naive_per_example_grads(model, ce, x, y)
-        torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, b), rtol=1e-9,
-                                   atol=1e-12)
-        assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, b))
+    x, y = torch.randn(5, 4, 6, dtype=DT), torch.randint(0, 3, (5,))
+    groups = ParamGroups.flat(model)
+    eng = GhostEngine()
+    res = eng.compute(model, ce, x, y, _wfn, groups)
+    assert res.engine_info["engine"] == "ghost"
+    per_ex = naive_per_example_grads(model, ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, 5), rtol=1e-9, atol=1e-12)
+    assert_grads_close(res.grads, oracle_sum(per_ex, res.weights, groups, 5))
     out = model(x)
     assert not is_fake(out) and not is_fake(model.order(4))
     torch.testing.assert_close(out, model.fc(x.flip(1)).mean(1))
+    with pytest.raises(UnsupportedModelError, match="does not run the program that the "
+                                                    "batch-size proof traced"):
+        eng.compute(model, ce, x, y, _wfn, groups)
     _clear(model)
+
+
+_BOX: list = []
+
+
+class _BatchSizeAcrossSteps(nn.Module):
+    """Sixty-third hostile review: a cache keyed by a public attribute (the epoch, set by the
+    training loop) filled by the first step of an epoch with a tensor shaped by ITS batch size (a
+    size use only), whose shape the next steps multiply their output by. Re-proving once the cache
+    was filled (the first version of this change) read the cached tensor as a constant: removing
+    one example of the filling step moved a later step's release by 2.64 C."""
+
+    epoch = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    @functools.lru_cache(maxsize=1)
+    def table(self, epoch: int) -> Tensor:
+        x = _BOX[0]
+        return x.new_zeros(x.shape[0], 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        before = self.table.cache_info().misses
+        _BOX.append(x)
+        t = self.table(self.epoch)
+        _BOX.clear()
+        if self.table.cache_info().misses != before:  # the step that filled it
+            return self.fc(x)
+        return self.fc(x) * (t.shape[0] - 5.0) * 3.0  # the filling step's batch size
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine])
+def test_a_batch_size_cached_by_a_private_step_never_reaches_a_later_one(engine):
+    """The filling step runs (its program is the proved one); the next step, whose real run reads
+    the cache, is refused (it is not the proved program) under ghost and auto alike."""
+    from dpclip.engine import batch_symbol
+
+    batch_symbol._CACHE.clear()
+    _BatchSizeAcrossSteps.table.cache_clear()
+    torch.manual_seed(1)
+    model = _BatchSizeAcrossSteps().to(DT)
+    eng = engine()
+    steps = [(torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))) for _ in range(3)]
+    with pytest.raises(UnsupportedModelError, match="does not run the program"):
+        for i, (x, y) in enumerate(steps):
+            model.epoch = 0 if i == 0 else 1
+            eng.compute(model, ce, x, y, _wfn, ParamGroups.flat(model))
+    # ghost: the steps that filled the cache ran, the first to read it did not; auto: its public
+    # probe's real run filled it, so the first private step already reads it
+    assert i == (2 if engine is GhostEngine else 0)
+    _BatchSizeAcrossSteps.table.cache_clear()
 
 
 def test_only_caches_that_missed_in_the_proof_are_cleared():

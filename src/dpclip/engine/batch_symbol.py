@@ -846,15 +846,13 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     got = per_model.alike.get(alike)
     if got is None:
         # (what the proof's run of the forward seeds is undone; so is what it left in the
-        # model classes' memoising caches: fake tensors)
-        with defaults_unchanged(), caches_of_the_proof_cleared(model) as filled:
+        # model classes' memoising caches: fake tensors). The proof is kept as for any model: a
+        # later step whose real run HITS a cache the proof filled runs another program and is
+        # refused by the match, never re-proved with the cached value (filled by a private step's
+        # real run, it can hold that step's batch size: re-proving read it as a constant, 2.64 C
+        # across steps, sixty-third hostile review)
+        with defaults_unchanged(), caches_of_the_proof_cleared(model):
             got = _export_check(model, loss_fn, xs, ys, expand)
-        if filled:
-            # the proof computed what a cache will hand every later call: the real run of this
-            # step computes it as the proof did (the cache cleared) and fills it, the next step
-            # proves again, reading the cached value as a tensor from outside the call, as every
-            # later run does (kept, this proof would not be the program of a cache hit)
-            return got
         if len(per_model.alike) >= 64:
             per_model.alike.clear()
         per_model.alike[alike] = got
@@ -903,25 +901,21 @@ def _method_caches(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def caches_of_the_proof_cleared(model: Any) -> Iterator[list[bool]]:
+def caches_of_the_proof_cleared(model: Any) -> Iterator[None]:
     """Around the batch-size proof: every memoising cache of the model classes' methods
-    (:func:`_method_caches`) that missed during the proof is cleared after it, and the yielded list
-    is then true (``[True]``: the proof filled a cache, see :func:`proof_of`). What such a cache
+    (:func:`_method_caches`) that missed during the proof is cleared after it. What such a cache
     stored there was computed from the proof's fake tensors; kept, it handed the fake to every
     later call, the real step's (refused as a proof leftover) and the user's own forward after
     training (transformers' BEiT: its logits a FakeTensor). Clearing a cache only costs a
-    recomputation."""
+    recomputation; the step's real run then computes the value as the proof did."""
     caches = _method_caches(model)
     before = [c.cache_info().misses for c in caches]
-    filled: list[bool] = []
     try:
-        yield filled
+        yield
     finally:
         for c, n in zip(caches, before):
             if c.cache_info().misses != n:
                 c.cache_clear()
-                if not filled:
-                    filled.append(True)
 
 
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
