@@ -901,13 +901,31 @@ def _method_caches(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
+def method_caches_cleared(model: Any) -> Iterator[None]:
+    """Around each chunk of the ghost engine that runs user code: every memoising cache of the
+    model classes' methods (:func:`_method_caches`) is cleared when the chunk starts and when it
+    ends, so the proof and the real run both compute what such a method returns (as the kept
+    proof did), whatever the user's own calls between steps cached, and nothing a private chunk
+    computed stays there: kept, a later proof (another loss, another signature) read it as a
+    constant of the program and the real run matched it (sixty-fourth hostile review: a step's
+    batch size, 2.05 C across steps). Clearing a cache only costs a recomputation."""
+    caches = _method_caches(model)
+    for c in caches:
+        c.cache_clear()
+    try:
+        yield
+    finally:
+        for c in _method_caches(model) if caches else ():
+            c.cache_clear()
+
+
+@contextlib.contextmanager
 def caches_of_the_proof_cleared(model: Any) -> Iterator[None]:
     """Around the batch-size proof: every memoising cache of the model classes' methods
     (:func:`_method_caches`) that missed during the proof is cleared after it. What such a cache
     stored there was computed from the proof's fake tensors; kept, it handed the fake to every
     later call, the real step's (refused as a proof leftover) and the user's own forward after
-    training (transformers' BEiT: its logits a FakeTensor). Clearing a cache only costs a
-    recomputation; the step's real run then computes the value as the proof did."""
+    training (transformers' BEiT: its logits a FakeTensor)."""
     caches = _method_caches(model)
     before = [c.cache_info().misses for c in caches]
     try:
