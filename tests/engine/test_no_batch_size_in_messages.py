@@ -147,3 +147,22 @@ def test_quote_error_masks_numbers():
     got = quote_error(RuntimeError("vmap: got sizes [37, 3] in dim 0\nsecond line 37"))
     assert got == "RuntimeError: vmap: got sizes [#, #] in dim #"
     assert quote_error(ValueError()) == "ValueError"
+
+
+def test_quote_error_survives_an_exception_whose_text_raises():
+    """Sixty-fifth hostile review: a user exception whose ``__str__`` raises (or returns a str
+    subclass) is quoted by its type alone; the engine's refusal is raised, not that error."""
+
+    class Odd(RuntimeError):
+        def __str__(self):
+            raise KeyError("no text")
+
+    class Sub(str):
+        pass
+
+    class Sly(RuntimeError):
+        def __str__(self):
+            return Sub("batch 37")
+
+    assert quote_error(Odd()) == "Odd"
+    assert quote_error(Sly()) == "Sly"

@@ -37,7 +37,11 @@ def quote_error(exc: BaseException, limit: int = 300) -> str:
     number masked (``#``): a library's text can quote a shape or a size that holds the realised
     batch size (``got sizes [4, 3]``), which is private, and engine messages reach logs, results
     stores and ``engine_info``."""
-    first = (str(exc).strip().splitlines() or [""])[0][:limit]
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises: its type alone
+        text = ""
+    first = (text.strip().splitlines() or [""])[0][:limit] if type(text) is str else ""
     first = re.sub(r"\d+", "#", first)
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
