@@ -864,6 +864,8 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
 
 
 _LRU = functools._lru_cache_wrapper
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+_TYPE_DICT = type.__dict__["__dict__"].__get__
 
 
 def _method_caches(model: Any) -> list[Any]:
@@ -874,17 +876,13 @@ def _method_caches(model: Any) -> list[Any]:
     any of the model's code (exact types, class dictionaries, closure cells)."""
     if not isinstance(model, nn.Module):
         return []
-    from dpclip.engine.isolation import _MRO, _NAMESPACE, origin
-
     classes: dict[int, type] = {}
     for m in model.modules():  # (nn.Module's own: a class defining it is refused, check_structure)
-        for c in _MRO(type(m)):  # (type's own descriptors: no metaclass property runs)
+        for c in _TYPE_MRO(type(m)):  # (type's own descriptors: no metaclass property runs)
             classes.setdefault(id(c), c)
     found: dict[int, Any] = {}
-    for c in classes.values():
-        if c is object or origin(c) == "torch":  # (where the class really lives, not __module__)
-            continue
-        for v in list(_NAMESPACE(c).values()):
+    for c in classes.values():  # (torch's own classes too: no name a class gives itself decides)
+        for v in list(_TYPE_DICT(c).values()):
             if type(v) in (staticmethod, classmethod):
                 v = v.__func__
             if type(v) is _LRU:
