@@ -907,13 +907,12 @@ def method_caches_cleared(model: Any) -> Iterator[None]:
     computed stays there: kept, a later proof (another loss, another signature) read it as a
     constant of the program and the real run matched it (sixty-fourth hostile review: a step's
     batch size, 2.05 C across steps). Clearing a cache only costs a recomputation."""
-    caches = _method_caches(model)
-    for c in caches:
+    for c in _method_caches(model):
         c.cache_clear()
     try:
         yield
-    finally:
-        for c in _method_caches(model) if caches else ():
+    finally:  # (found again: a cached method the chunk installed on a class is cleared too)
+        for c in _method_caches(model):
             c.cache_clear()
 
 
