@@ -7,6 +7,8 @@
 ``auto``   - ``ghost`` when the model is supported and proven separable, else ``vmap`` (recorded in
              ``engine_info``), decided once per model on a public probe batch before the model
              sees private data; the default of ``dpclip train`` and ``make_private``;
+``compiled`` - ``ghost`` on the batch-size proof's graph, proved once and run instead of the
+             model's code on every step (explicit only: :mod:`dpclip.engine.compiled`);
 ``naive``  - explicit per-example loop (the test oracle; slow);
 ``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
              clipping).
@@ -21,7 +23,7 @@ from typing import Any
 
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.errors import UnsupportedModelError
-from dpclip.engine.ghost import AutoEngine, GhostEngine, ghost_support
+from dpclip.engine.ghost import AutoEngine, CompiledEngine, GhostEngine, ghost_support
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.summed import SummedEngine
 from dpclip.engine.vmap import VmapEngine, vmap_per_example_grads
@@ -30,6 +32,7 @@ from dpclip.registry import Registry
 __all__ = [
     "ENGINES",
     "AutoEngine",
+    "CompiledEngine",
     "Engine",
     "EngineResult",
     "GhostEngine",
@@ -48,7 +51,7 @@ __all__ = [
 
 #: Registered engines by name (read-only).
 ENGINES: Registry[type[Any]] = Registry("engine")
-for _cls in (VmapEngine, GhostEngine, AutoEngine, NaiveEngine, SummedEngine):
+for _cls in (VmapEngine, GhostEngine, AutoEngine, CompiledEngine, NaiveEngine, SummedEngine):
     ENGINES.register(_cls)
 del _cls
 

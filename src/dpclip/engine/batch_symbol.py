@@ -313,8 +313,9 @@ def _inline_wrappers(gm: torch.fx.GraphModule) -> str | None:
     return "not proven: wrappers nested more than 64 deep"
 
 
-def _check_graph(ep: Any) -> str | None:
-    """The first use of the batch symbol other than as a size, or None."""
+def _check_graph(ep: Any, uniform_out: set[str] | None = None) -> str | None:
+    """The first use of the batch symbol other than as a size, or None. ``uniform_out``: filled
+    with the names of the constants shaped by the symbol that are UNIFORM (:func:`_uniform_after`)."""
     not_inlined = _inline_wrappers(ep.graph_module)
     if not_inlined:
         return not_inlined
@@ -439,6 +440,8 @@ def _check_graph(ep: Any) -> str | None:
             n = _row_index(node, packet, rows)
             if n is not None:
                 rows[node.name] = n
+    if uniform_out is not None:
+        uniform_out.update(uniform)
     return None
 
 
@@ -960,7 +963,15 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
     program = getattr(traced, "program", None)
     if program is None:
         return "not proven: the proof's trace did not run the forward", None
-    return _check_graph(ep), program
+    # (for the compiled engine, which runs this graph instead of the user's code,
+    # dpclip.engine.compiled: whether the forward had grad-mode or autocast regions, which
+    # _check_graph inlines, and the constants it proved uniform)
+    wrapped = any(n.op == "call_function" and n.target in _WRAPPER_HOPS
+                  for n in ep.graph_module.graph.nodes)
+    uniform: set[str] = set()
+    why = _check_graph(ep, uniform)
+    program.exported = (ep, frozenset(uniform), wrapped) if why is None else None
+    return why, program
 
 
 #: dispatch keys whose Python kernels (``py_impl``) replace the C++ kernels of an eager run

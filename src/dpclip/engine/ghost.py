@@ -641,6 +641,8 @@ class GhostEngine:
 
     name: ClassVar[str] = "ghost"
     per_example: ClassVar[bool] = True
+    #: run the proof's graph instead of the user's code (:class:`CompiledEngine`)
+    _compiled: ClassVar[bool] = False
 
     max_physical_batch: int | None = None
     norm_mode: str = "mixed"
@@ -908,7 +910,7 @@ class GhostEngine:
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
         calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
-                                            carry)
+                                            carry, self._compiled)
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
@@ -1530,3 +1532,30 @@ class AutoEngine:
 @dataclass(frozen=True)
 class _AutoGhost(GhostEngine):
     name: ClassVar[str] = "auto"
+
+
+@dataclass(frozen=True)
+class CompiledEngine(GhostEngine):
+    """:class:`GhostEngine` that runs the batch-size proof's graph instead of the model's code
+    (:mod:`dpclip.engine.compiled`; explicit only, never chosen by ``auto``).
+
+    The graph (``torch.export`` of ``loss_fn(model(xs), ys)`` with a symbolic batch size) is
+    proved per-example separable once, on public zeros, by construction rather than by values;
+    each step then runs it with the model's current parameters, without the per-operation trace,
+    program match and memory watch of the traced ghost step. Same arguments, results and privacy
+    contract as :class:`GhostEngine`, except ``fallback`` (none: a model it cannot prove raises
+    :class:`~dpclip.engine.errors.UnsupportedModelError` naming the reason). Supported layers:
+    ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``, ``nn.Conv2d``,
+    ``nn.GroupNorm``, ``nn.RMSNorm``, each used once through its own forward (no per-layer path,
+    tied parameters or ``transformers`` Conv1D yet). The program trained is the one captured for
+    the proof's key: after changing Python state of the model that the key does not see, call
+    :func:`dpclip.engine.compiled.reset`."""
+
+    name: ClassVar[str] = "compiled"
+    _compiled: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.fallback is not None:
+            raise ValueError("CompiledEngine: fallback must be None (the compiled engine is "
+                             "chosen explicitly; use engine 'auto' for a fallback)")
+        super().__post_init__()

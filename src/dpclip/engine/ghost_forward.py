@@ -19,6 +19,7 @@ from dpclip.engine.base import LossFn
 from dpclip.engine.batch import batch_leaves, call_model
 from dpclip.engine.batch_symbol import data_independent_paths, proof_of
 from dpclip.engine.errors import UnsupportedModelError, quote_error
+from dpclip.engine.compiled import CompiledUnsupported, plan_of
 from dpclip.engine.batchless import (
     BroadcastGuard,
     NotBroadcast,
@@ -161,7 +162,8 @@ def _printed(c: _Call) -> _Call:
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int, chain: list[nn.Module] | None = None,
              gens: OwnGenerators | None = None,
-             carry: list | None = None) -> tuple[list[_Call], Tensor, bool]:
+             carry: list | None = None,
+             compiled: bool = False) -> tuple[list[_Call], Tensor, bool]:
     """The hooked forward pass: ``(calls, the per-example losses (B,), user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
@@ -196,6 +198,8 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # the proof traces the program the engine runs
     why, program = proof_of(model, loss_fn, xs, ys, tuple(
         (o.module, o.rule is _MODULE) for o in scan.owners))
+    if compiled:  # the proof's graph, proved once, runs instead of the user's code
+        return _compiled_forward(model, scan, xs, ys, batch, why, program, carry)
     if gens is not None and program is not None:
         gens.adopt(program.generators())
     with data_independent_paths():  # first: an error of the user's own code surfaces as is
@@ -217,6 +221,27 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
             "realised batch size is private: normalise by a public constant (the expected "
             "batch size) outside loss_fn, or use engine 'vmap'")
     return (*got, True)
+
+
+def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: int,
+                      why: str | None, program: ProvedProgram | None,
+                      carry: list | None) -> tuple[list[_Call], Tensor, bool]:
+    """:func:`_forward` on the compiled engine (:mod:`dpclip.engine.compiled`): no user code runs,
+    so nothing of the last chunk is left to release and the backward runs on autograd's own
+    engine (``user_code`` False)."""
+    if why is not None:
+        raise _RuntimeUnsupported(
+            f"the forward pass and loss are not proved per-example separable: {why}. The "
+            "realised batch size is private: normalise by a public constant (the expected "
+            "batch size) outside loss_fn, or use engine 'vmap'")
+    try:
+        plan = plan_of(program, model, scan, xs, ys)
+        calls, losses = plan.run(model, scan, xs, ys, batch)
+    except CompiledUnsupported as exc:
+        raise _RuntimeUnsupported(f"the compiled engine cannot run this model: {exc}") from None
+    if carry:
+        carry.clear()
+    return calls, _check_losses(losses, batch), False
 
 
 def _proof_free(tracer: SeparabilityTracer, t: Any) -> bool:

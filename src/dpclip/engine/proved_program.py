@@ -307,7 +307,7 @@ class ProvedProgram:
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "grad_off",
-                 "_at_batch", "_outside", "_generators", "_lifted", "shapes")
+                 "_at_batch", "_outside", "_generators", "_lifted", "shapes", "exported")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -327,6 +327,9 @@ class ProvedProgram:
         self._outside: list[Any] | None = None
         self._generators: list[Any] | None = None
         self._lifted: frozenset[int] | None = None
+        #: ``(exported program, names of its uniform constants, whether it had grad-mode or
+        #: autocast regions)`` of a proof that passed (dpclip.engine.compiled), else None
+        self.exported: Any = None
 
     def generators(self) -> list[Any]:
         """The explicit ``generator=`` arguments of the recorded draws (read once: the entries

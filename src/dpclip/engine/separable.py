@@ -603,6 +603,12 @@ class SeparabilityTracer(TorchDispatchMode):
         #: (:func:`_fused_rnn`, :func:`dpclip.engine.recurrent.recording`), taken by the module
         #: call that made each (``ghost_rules._init_module_call``): the time-step rule
         self.recurrent: list[tuple[Tensor, list]] = []
+        #: the compiled engine's analysis of a fixed graph (dpclip.engine.compiled), which runs
+        #: once for every later step: no verdict may read a value (the values of later steps
+        #: differ). ``None`` on a traced step; else ``(uniform, identity)``: ids of the constants
+        #: the graph proves the same for every example, and id -> the dimension along which a
+        #: constant is ``arange(B)`` by the graph's construction
+        self.structural: tuple[set[int], dict[int, int]] | None = None
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -1135,6 +1141,8 @@ def _uniform_along(tr: "SeparabilityTracer", t: Tensor, d: int, k: int, batch: i
         return False
     if t.stride(d) == 0:  # an expand: one row seen B times
         return True
+    if tr.structural is not None:  # (a fixed graph's analysis: by construction, never by value)
+        return ident(t) in tr.structural[0]
     blocks = t.unflatten(d, (o, batch, k))
     e = d + 1  # the examples' dimension
     if not torch.equal(blocks, blocks.narrow(e, 0, 1).expand_as(blocks)):
@@ -1950,6 +1958,13 @@ def _is_identity(t: Tensor, e: int, batch: int) -> bool:
     return bool(torch.equal(t.to(torch.long), iota))
 
 
+def _built_identity(tr: SeparabilityTracer, t: Tensor, e: int) -> bool:
+    """:func:`_is_identity` in a fixed graph's analysis (:attr:`SeparabilityTracer.structural`):
+    ``t`` is ``arange(B)`` along its dimension ``e`` by the graph's construction."""
+    return e >= 0 and e < t.ndim and t.shape[e] == tr.batch and \
+        tr.structural[1].get(ident(t)) == e  # type: ignore[index]
+
+
 def _index(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: Any) -> Layout:
     """``x[i0, i1, ...]`` with integer index tensors (``aten.index.Tensor``).
 
@@ -1997,7 +2012,9 @@ def _index(tr: SeparabilityTracer, func: Any, args: tuple, kwargs: dict, out: An
         ib = its[pos.index(lx[0])]
         if tr.layout(ib) is not None:
             return MIXED
-        cands = [e for e in range(nb) if _is_identity(ib, e - (nb - ib.ndim), tr.batch)]
+        cands = [e for e in range(nb) if (
+            _is_identity(ib, e - (nb - ib.ndim), tr.batch) if tr.structural is None else
+            _built_identity(tr, ib, e - (nb - ib.ndim)))]
         if data:
             cands = [e for e in cands if all(dl == (e, 1) for dl in data)]
         if len(cands) != 1:

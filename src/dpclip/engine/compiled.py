@@ -1,0 +1,699 @@
+"""The compiled path of the ghost engine (``engine="compiled"``, explicit; never chosen by
+``auto``): the batch-size proof's graph, proved per-example separable ONCE, run on every step
+instead of the user's code (``docs/compiled_engine.md``, milestone 1).
+
+The traced ghost step proves every step by watching the user's forward run (the separability
+tracer, the match against the proved program, the memory watch): about 85 us of Python per ATen
+operation, most of the step of a Hugging Face model. Here the program is fixed instead:
+
+1. **The graph.** :func:`~dpclip.engine.batch_symbol.proof_of` exports ``loss_fn(model(xs), ys)``
+   with a symbolic batch size (``torch.export``, the ``make_fx`` machinery, on fake tensors) and
+   checks that the batch size is used only as a size. That graph, its parameters, buffers and
+   the step's inputs as placeholders, is the program every compiled step runs: no user code runs
+   in a step.
+2. **Its analysis, once per graph** (:func:`plan_of`), refusing what it cannot prove:
+
+   * the graph: only ATen operations (no in-place or ``out=`` operation, no uninitialised
+     memory, no grad-mode or autocast region, no other higher-order operation), one output (the
+     per-example losses), no input or buffer mutation, every tensor input a parameter, a buffer or
+     a step input (a tensor attribute that is not a buffer is refused);
+   * every trainable parameter is used by exactly one operation, the canonical operation of its
+     layer (``aten.linear`` with that ``nn.Linear``'s weight and bias, ``aten.embedding`` with the
+     ``nn.Embedding``'s padding index, ``aten.layer_norm`` with the ``nn.LayerNorm``'s shape and
+     eps, ...) with the layer's configuration: the ghost rule of the layer then reads exactly the
+     per-example gradient of that operation. A layer called without the batch (a ``(1, T)``
+     position index) is read at the expansion the proof traced (:mod:`dpclip.engine.batchless`);
+   * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
+     size of the graph: a layout cannot come from a size coincidence) under the
+     :class:`~dpclip.engine.separable.SeparabilityTracer` in its structural mode: a verdict that
+     would read a value (a constant the same for every example, ``arange(B)`` as the identity)
+     is taken from the graph's construction (the batch-size proof's uniform constants, the
+     ``arange`` of the batch symbol moved without computing), never from values, which change
+     from step to step. The losses and every ruled layer's input must be row separable, exactly
+     as on a traced step; the two analyses must agree.
+
+3. **Each step** (:meth:`Plan.run`): checks that no user code can run inside it (no torch function
+   or dispatch mode, saved-tensor hooks, trace or profile function, Python kernel registered over
+   an ATen operation, tensor subclass input; the graph's operations are still torch's own), that
+   every ruled layer still has the configuration and parameters the analysis saw, then runs the
+   graph with the model's current parameters and buffers and hands the ruled calls to the ghost
+   reduction as the traced path does (the parameter-use count over the autograd graph, the rank
+   checks, the rounding bounds: unchanged).
+
+Privacy: the released sum is the clipped sum of the per-example gradients of THIS graph, a fixed
+program proved per-example separable and free of the batch size for every batch size; whatever
+the user's Python would do now (it does not run) cannot move it. Trust boundary: ``torch.export``'s
+trace of the user's code decides WHICH program is trained, not whether it is private. A model whose
+Python state changes what it computes without changing the proof's key (module types, plain
+attributes, training flags, input signature) keeps training the captured program: call
+:func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
+per-layer path, tied parameters, rules for non-``torch.nn`` layers (``transformers`` Conv1D,
+RMSNorm-like modules), sequence-first layers.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from dpclip._ident import ident
+from dpclip.engine.batch import batch_leaves
+from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _row_group, layer_config
+from dpclip.engine.plain_module import ambient_user_code, python_callbacks
+from dpclip.engine.proved_program import foreign_aten_kernels
+from dpclip.engine.separable import SeparabilityTracer
+
+__all__ = ["CompiledUnsupported", "Plan", "plan_of", "reset"]
+
+_aten = torch.ops.aten
+
+
+class CompiledUnsupported(Exception):
+    """The graph cannot be proved for the compiled path (the message says why)."""
+
+
+#: the canonical operation of each supported layer class: (overload, position of the input
+#: argument, {argument name: how it must relate to the module})
+_CANON: dict[type, Any] = {
+    nn.Linear: _aten.linear.default,
+    nn.Embedding: _aten.embedding.default,
+    nn.LayerNorm: _aten.layer_norm.default,
+    nn.Conv1d: _aten.conv1d.default,
+    nn.Conv2d: _aten.conv2d.default,
+    nn.GroupNorm: _aten.group_norm.default,
+}
+if hasattr(nn, "RMSNorm") and hasattr(_aten, "rms_norm"):
+    _CANON[nn.RMSNorm] = _aten.rms_norm.default
+
+#: graph operations that are arithmetic on sizes (the batch symbol's expressions)
+_SYM_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv,
+                      operator.truediv, operator.mod, operator.neg, operator.pow,
+                      operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+                      operator.ge, operator.getitem, torch.sym_float, torch.sym_int,
+                      torch.sym_max, torch.sym_min, torch.sym_not})
+#: ATen packets whose output is uninitialised memory
+_UNINIT = frozenset({_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided,
+                     _aten.new_empty_strided, _aten.empty_permuted})
+#: value-keeping moves for the identity index (:func:`_iota_dims`)
+_SAME_VALUES = frozenset({_aten.detach, _aten.alias, _aten.clone, _aten.contiguous,
+                          _aten._to_copy, _aten.to, _aten.lift_fresh_copy})
+
+
+def _mod_args(node: torch.fx.Node, mod: nn.Module, gm: torch.fx.GraphModule) -> dict | None:
+    """The call's arguments by name (defaults filled in from the schema)."""
+    got = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if got is None:
+        return None
+    kw = dict(got.kwargs)
+    for a in node.target._schema.arguments:
+        if a.name not in kw and a.has_default_value():
+            kw[a.name] = a.default_value
+    return kw
+
+
+def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node],
+               gm: torch.fx.GraphModule) -> tuple[str | None, Any]:
+    """``(why not, the input argument)``: whether ``node`` is exactly ``mod``'s own forward
+    (its class's canonical operation with its own parameters and configuration)."""
+    cls = type(mod)
+    want = _CANON.get(cls)
+    if want is None or node.target is not want:
+        return (f"it is not computed by {getattr(want, '__name__', want)} "
+                f"(found {getattr(node.target, '__name__', node.target)})"), None
+    kw = _mod_args(node, mod, gm)
+    if kw is None:
+        return "its arguments could not be read", None
+
+    def param(role: str, got: Any) -> str | None:
+        p = mod._parameters.get(role)
+        if p is None:
+            return None if got is None else f"its {role} argument is not the layer's"
+        if got is not ph.get(role):
+            return f"its {role} argument is not the layer's own {role}"
+        return None
+
+    def plain(v: Any) -> Any:  # (FX's immutable_list, tuples: as lists of plain values)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if type(v) in (int, float, bool, str, type(None)) else ("other", id(v))
+
+    def same(name: str, value: Any) -> str | None:
+        got = plain(kw.get(name))
+        value = plain(value)
+        return None if got == value and type(got) is type(value) or (
+            type(got) in (int, float) and type(value) in (int, float) and got == value) \
+            else f"its {name} is not the layer's ({got!r} against {value!r})"
+
+    checks: list[str | None]
+    if cls is nn.Linear:
+        a = kw.get("input")
+        checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias"))]
+    elif cls is nn.Embedding:
+        a = kw.get("indices")
+        if mod.max_norm is not None:
+            return "max_norm renormalises the table in place", None
+        checks = [param("weight", kw.get("weight")),
+                  same("padding_idx", -1 if mod.padding_idx is None else mod.padding_idx),
+                  same("scale_grad_by_freq", bool(mod.scale_grad_by_freq)),
+                  same("sparse", bool(mod.sparse))]
+    elif cls is nn.LayerNorm:
+        a = kw.get("input")
+        checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
+                  same("normalized_shape", list(mod.normalized_shape)), same("eps", mod.eps)]
+    elif cls in (nn.Conv1d, nn.Conv2d):
+        a = kw.get("input")
+        if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
+            return "only padding_mode 'zeros' with numeric padding is supported here", None
+        checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
+                  same("stride", list(mod.stride)), same("padding", list(mod.padding)),
+                  same("dilation", list(mod.dilation)), same("groups", mod.groups)]
+    elif cls is nn.GroupNorm:
+        a = kw.get("input")
+        checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
+                  same("num_groups", mod.num_groups), same("eps", mod.eps)]
+    else:  # RMSNorm
+        a = kw.get("input")
+        checks = [param("weight", kw.get("weight")),
+                  same("normalized_shape", list(mod.normalized_shape)),
+                  None if kw.get("eps") == mod.eps else
+                  f"its eps is not the layer's ({kw.get('eps')!r} against {mod.eps!r})"]
+    bad = next((c for c in checks if c is not None), None)
+    if bad is not None:
+        return bad, None
+    if not isinstance(a, torch.fx.Node):
+        return "its input is not a tensor of the graph", None
+    return None, a
+
+
+def _literal(model: nn.Module, target: Any) -> bool:
+    """Whether an exported constant is a tensor the forward's code makes (``torch.tensor(...)``:
+    ``torch.export`` names it ``<module path>.lifted_tensor_<n>``), not an attribute of a module
+    (which the user can change between steps without the proof seeing it)."""
+    if not isinstance(target, str):
+        return False
+    path, _, attr = target.rpartition(".")
+    if not re.fullmatch(r"lifted_tensor_\d+", attr):
+        return False
+    try:
+        mod = model.get_submodule(path) if path else model
+    except AttributeError:
+        return False
+    return attr not in vars(mod) and not hasattr(type(mod), attr)
+
+
+def _static_config(mod: nn.Module) -> list:
+    """The layer's configuration without its parameters' versions (the optimiser writes them)."""
+    return [(k, v) for k, v in layer_config(mod) if k not in ("_parameters", "_buffers")]
+
+
+def _prime_batches(gm: torch.fx.GraphModule, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """Two primes that divide no static size of the graph nor of its inputs: at such a batch size
+    no size of the analysis is a multiple of it unless the batch symbol made it so."""
+    sizes: set[int] = set()
+    for n in gm.graph.nodes:
+        for v in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, Tensor):
+                sizes.update(int(s) for s in v.shape if isinstance(s, int))
+    for s in shapes:
+        sizes.update(s)
+    sizes = {s for s in sizes if s > 1}
+    found: list[int] = []
+    p = 5
+    while len(found) < 2:
+        if all(p % q for q in range(2, int(p ** 0.5) + 1)) and all(s % p for s in sizes):
+            found.append(p)
+        p += 1
+    return found[0], found[1]
+
+
+def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
+    """Graph nodes that are ``arange(B)`` along one dimension by construction: name -> that
+    dimension. ``arange`` of exactly the batch symbol (start 0, step 1), then only moves that keep
+    every value at its index along that dimension (unsqueeze, expand of the other dimensions,
+    copies, a full slice)."""
+    out: dict[str, int] = {}
+
+    def shape(n: Any) -> tuple | None:
+        v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        return tuple(v.shape) if isinstance(v, Tensor) else None
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        pk = n.target.overloadpacket
+        src = n.args[0] if n.args else None
+        if n.target is _aten.arange.default and len(n.args) == 1 and not n.kwargs.get("dtype"):
+            end = n.args[0]
+            val = end.meta.get("val") if isinstance(end, torch.fx.Node) else None
+            if isinstance(val, torch.SymInt) and val.node.expr == batch_expr:
+                out[n.name] = 0
+            continue
+        if not isinstance(src, torch.fx.Node) or src.name not in out:
+            continue
+        d = out[src.name]
+        s_in, s_out = shape(src), shape(n)
+        if s_in is None or s_out is None:
+            continue
+        if pk in _SAME_VALUES and s_in == s_out:
+            dtype = n.kwargs.get("dtype")
+            if dtype is None or not (dtype.is_floating_point or dtype == torch.bool):
+                out[n.name] = d
+        elif pk is _aten.unsqueeze:
+            k = n.args[1] % len(s_out)
+            out[n.name] = d + 1 if k <= d else d
+        elif pk is _aten.expand and len(s_out) == len(s_in) and s_out[d] == s_in[d]:
+            out[n.name] = d
+        elif pk is _aten.slice and s_in == s_out and \
+                (len(n.args) < 3 or n.args[2] in (0, None)) and \
+                (len(n.args) < 5 or n.args[4] == 1):
+            out[n.name] = d
+    return out
+
+
+def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
+    """Whether ``node``'s value is ``one`` (leading dimension 1) with the batch symbol as its
+    leading dimension instead, every other dimension the same."""
+    v = node.meta.get("val")
+    if not isinstance(v, Tensor) or v.ndim != one.ndim or not isinstance(v.shape[0], torch.SymInt):
+        return False
+    return all(type(a) is int and a == b for a, b in zip(v.shape[1:], one.shape[1:]))
+
+
+class _Spec:
+    """One ruled call of the graph: the owner's name, the positions of its input and output
+    among the graph's extra outputs, and the analysis's layouts."""
+
+    __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
+                 "module", "roles", "config")
+
+    def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
+        self.name = name
+        self.module = module
+        self.roles = roles
+        self.config = _static_config(module)
+        self.a_at = self.out_at = self.source_at = -1
+        self.layouts: Any = None
+        self.group = 1
+        self.expanded = False
+
+
+class Plan:
+    """A proved graph, ready to run on every step (:func:`plan_of`)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: list[tuple[str, Any]],
+                 specs: list[_Spec], ops: list[Any], model: nn.Module) -> None:
+        self.gm = gm
+        #: ``(kind, target)`` of each placeholder, in order ("p", name) / ("b", name) /
+        #: ("c", tensor) / ("x", leaf index)
+        self.inputs = inputs
+        self.specs = specs
+        self.ops = ops  # the graph's ATen operations (checked to still be torch's own per step)
+        self.model = weakref.ref(model)
+
+    def _feed(self, model: nn.Module, xs: Any, ys: Any) -> list[Any]:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        leaves = pytree.tree_leaves((xs, ys))
+        flat: list[Any] = []
+        for kind, target in self.inputs:
+            if kind == "p":
+                t = params.get(target)
+                if t is None or type(t) is not nn.Parameter:
+                    raise CompiledUnsupported(
+                        f"parameter {target!r} is missing or not a plain nn.Parameter")
+            elif kind == "b":
+                t = buffers.get(target)
+                if t is None or type(t) is not Tensor:
+                    raise CompiledUnsupported(f"buffer {target!r} is missing or a tensor subclass")
+            elif kind == "c":
+                t = target
+            else:
+                t = leaves[target]
+                if type(t) is not Tensor or t.requires_grad:
+                    raise CompiledUnsupported(
+                        "an input or target is a tensor subclass or requires grad (its "
+                        "__torch_function__ or hooks would run user code in the step)")
+            flat.append(t)
+        return flat
+
+    def run(self, model: nn.Module, scan: Any, xs: Any, ys: Any,
+            batch: int) -> tuple[list[_Call], Tensor]:
+        """One step's forward: ``(calls, per-example losses)``, no user code run."""
+        why = (ambient_user_code() or python_callbacks()
+               or ("Python kernels are registered over ATen operations"
+                   if foreign_aten_kernels() else None)
+               or ("autocast is on" if torch.is_autocast_enabled() else None))
+        if why is not None:
+            raise CompiledUnsupported(f"{why}: user code would run on the graph's operations")
+        aten = torch.ops.aten  # (as the generated code looks them up: still torch's own)
+        for op in self.ops:
+            if getattr(getattr(aten, op.overloadpacket.__name__, None), op._overloadname,
+                       None) is not op:
+                raise CompiledUnsupported(f"torch.ops.aten.{op.overloadpacket.__name__} was "
+                                          "replaced after the graph was proved")
+        by_name = {o.name: o for o in scan.owners}
+        for s in self.specs:
+            o = by_name.get(s.name)
+            if o is None or o.module is not s.module or o.rule is _MODULE or \
+                    _static_config(s.module) != s.config:
+                raise CompiledUnsupported(
+                    f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
+                    "call dpclip.engine.compiled.reset(model) after changing the model")
+        flat = self._feed(model, xs, ys)
+        with torch.enable_grad():
+            outs = self.gm(*flat)
+        losses = outs[0]
+        calls: list[_Call] = []
+        for s in self.specs:
+            o = by_name[s.name]
+            a, out = outs[s.a_at], outs[s.out_at]
+            if s.expanded:
+                a = a.expand(batch, *a.shape[1:])
+            c = _Call(o, a, out, None)
+            c.layouts = s.layouts
+            c.group = s.group
+            if s.expanded:
+                c.source = outs[s.source_at].grad_fn
+            calls.append(c)
+        # as after a traced call: this batch's tensors are a past batch's data in later traces
+        tracer = SeparabilityTracer(batch)
+        for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
+            tracer.mark(t, (0, 1))
+        for t in outs:
+            if isinstance(t, Tensor):
+                tracer.mark(t, (0, 1))
+        tracer.retire()
+        return calls, losses
+
+
+#: the plans (or the reason a graph is refused) by exported program
+_PLANS: "weakref.WeakKeyDictionary[Any, Plan | str]" = weakref.WeakKeyDictionary()
+
+
+def reset(model: nn.Module | None = None) -> None:
+    """Forget the proved graphs (of every model): the next compiled step exports and proves the
+    model's program again (after changing Python state the proof's key does not see)."""
+    from dpclip.engine import batch_symbol
+
+    _PLANS.clear()
+    if model is None:
+        batch_symbol._CACHE.clear()
+        batch_symbol._CALLABLES.clear()
+    else:
+        got = batch_symbol._CACHE.get(model)
+        if got is not None:
+            got.clear()
+
+
+def plan_of(program: Any, model: nn.Module, scan: Any, xs: Any, ys: Any) -> Plan:
+    """The :class:`Plan` of a proof's graph (analysed on first use, cached with the graph);
+    raises :class:`CompiledUnsupported` with the reason it cannot be proved."""
+    exported = getattr(program, "exported", None)
+    if exported is None:
+        raise CompiledUnsupported("the batch-size proof kept no graph")
+    ep = exported[0]
+    got = _PLANS.get(ep)
+    if got is None:
+        try:
+            got = _analyse(exported, model, scan, xs, ys)
+        except CompiledUnsupported as exc:
+            got = str(exc)
+        _PLANS[ep] = got
+    if isinstance(got, str):
+        raise CompiledUnsupported(got)
+    if got.model() is not model:
+        raise CompiledUnsupported("the graph was proved for another model object")
+    return got
+
+
+def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> Plan:
+    ep, uniform, wrapped = exported
+    if wrapped:
+        raise CompiledUnsupported(
+            "the forward has grad-mode or autocast regions (torch.no_grad(), autocast), which "
+            "the exported graph keeps as wrappers; the compiled path does not run them yet")
+    sig = ep.graph_signature
+    outs = list(sig.output_specs)
+    if len(outs) != 1 or outs[0].kind.name != "USER_OUTPUT":
+        raise CompiledUnsupported(
+            "the forward or loss writes a buffer or an input in place (or returns more than the "
+            "losses): a write to the model's state from the batch")
+    gm = torch.fx.GraphModule(ep.graph_module, ep.graph_module.graph.__deepcopy__())
+    graph = gm.graph
+    holders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs_in = list(sig.input_specs)
+    if len(holders) != len(specs_in):
+        raise CompiledUnsupported("the graph's inputs do not match its signature")
+    leaves = pytree.tree_leaves((xs, ys))
+    inputs: list[tuple[str, Any]] = []
+    by_param: dict[str, torch.fx.Node] = {}
+    n_user = 0
+    for n, s in zip(holders, specs_in):
+        kind = s.kind.name
+        target = s.target[len("model."):] if isinstance(s.target, str) and \
+            s.target.startswith("model.") else s.target
+        if kind == "PARAMETER":
+            inputs.append(("p", target))
+            by_param[target] = n
+        elif kind == "BUFFER":
+            inputs.append(("b", target))
+        elif kind == "CONSTANT_TENSOR":
+            if not _literal(model, target):
+                raise CompiledUnsupported(
+                    f"the forward reads the tensor attribute {target!r}, which is neither a "
+                    "parameter nor a buffer; register it as a buffer")
+            c = ep.constants.get(s.target)
+            if type(c) is not Tensor:
+                raise CompiledUnsupported(f"constant {s.target!r} is not a plain tensor")
+            inputs.append(("c", c))
+        elif kind == "USER_INPUT":
+            if n_user >= len(leaves) or not isinstance(leaves[n_user], Tensor):
+                raise CompiledUnsupported("a non-tensor input or target is part of the graph")
+            inputs.append(("x", n_user))
+            n_user += 1
+        else:
+            raise CompiledUnsupported(f"the graph has an input of kind {kind}")
+    if n_user != len(leaves):
+        raise CompiledUnsupported("the graph's inputs are not the step's inputs and targets")
+    ops: dict[int, Any] = {}
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op != "call_function":
+            raise CompiledUnsupported(f"the graph has a {n.op} node ({n.target})")
+        t = n.target
+        if t in _SYM_OPS:
+            continue
+        if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
+            raise CompiledUnsupported(f"the graph calls {t}, which is not an ATen operation")
+        if t._schema.is_mutable or any(r.alias_info is not None and r.alias_info.is_write
+                                       for r in t._schema.returns):
+            raise CompiledUnsupported(
+                f"the graph writes in place ({t}); the compiled path runs out-of-place programs")
+        if t.overloadpacket in _UNINIT:
+            raise CompiledUnsupported(f"the graph reads uninitialised memory ({t})")
+        ops[id(t)] = t
+
+    # the ruled layers: every trainable parameter used once, by its layer's canonical operation
+    specs: list[_Spec] = []
+    extra: list[torch.fx.Node] = []
+    ruled: dict[str, _Spec] = {}  # node name -> spec
+    expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
+    for o in scan.owners:
+        if o.rule is _MODULE or o.rule.kind == "module":
+            raise CompiledUnsupported(
+                f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
+                "the compiled engine does not run yet; use engine 'ghost'")
+        if type(o.module) not in _CANON:
+            raise CompiledUnsupported(
+                f"layer {o.name!r} ({type(o.module).__name__}) has no compiled rule yet (only "
+                f"{', '.join(sorted(c.__name__ for c in _CANON))}); use engine 'ghost'")
+        roles = tuple(r for r in ("weight", "bias") if o.module._parameters.get(r) is not None)
+        ph: dict[str, torch.fx.Node] = {}
+        for r in ("weight", "bias"):
+            if r not in roles:
+                continue
+            fq = f"{o.name}.{r}" if o.name else r
+            node = by_param.get(fq)
+            if node is None:
+                raise CompiledUnsupported(
+                    f"parameter {fq!r} is not an input of the graph under that name (tied "
+                    "parameters are not supported by the compiled engine yet)")
+            ph[r] = node
+        users = {u for node in ph.values() for u in node.users}
+        if len(users) != 1 or any(len(node.users) != 1 for node in ph.values()):
+            raise CompiledUnsupported(
+                f"the parameters of layer {o.name!r} are used by {len(users)} operations; the "
+                "compiled engine needs each used once, by the layer's own call")
+        call = next(iter(users))
+        why, a = _canonical(call, o.module, ph, gm)
+        if why is not None:
+            raise CompiledUnsupported(f"the use of layer {o.name!r}'s parameters: {why}")
+        spec = _Spec(o.name, o.module, roles)
+        specs.append(spec)
+        ruled[call.name] = spec
+        # a batch-less call expanded by the proof's program (batchless.as_example_rows): read
+        # at the expansion, its only use
+        val = call.meta.get("val")
+        if isinstance(val, Tensor) and val.ndim and val.shape[0] == 1:
+            users_out = list(call.users)
+            if len(users_out) == 1 and users_out[0].target is _aten.add.Tensor and \
+                    users_out[0].args[0] is call and _rows_of(users_out[0], val):
+                spec.expanded = True
+                expansions[users_out[0].name] = spec
+                extra += [a, users_out[0], call]
+                spec.a_at, spec.out_at, spec.source_at = (len(extra) - 2, len(extra) - 1,
+                                                           len(extra))
+                continue
+        extra += [a, call]
+        spec.a_at, spec.out_at = len(extra) - 1, len(extra)
+    # every trainable parameter is some ruled layer's (the scan refuses others)
+    owned = {f"{s.name}.{r}" if s.name else r for s in specs for r in s.roles}
+    stray = [p for p in scan.params if p not in owned]
+    if stray:
+        raise CompiledUnsupported(f"parameter(s) {', '.join(stray)} belong to no ruled layer")
+
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    loss_node = out_node.args[0][0] if isinstance(out_node.args[0], (tuple, list)) \
+        else out_node.args[0]
+    batch_expr = None
+    for n in holders:
+        if inputs[holders.index(n)][0] == "x":
+            v = n.meta.get("val")
+            if isinstance(v, Tensor) and v.ndim and isinstance(v.shape[0], torch.SymInt):
+                batch_expr = v.shape[0].node.expr
+                break
+    if batch_expr is None:
+        raise CompiledUnsupported("the graph has no symbolic batch dimension")
+    iota = _iota_dims(gm, batch_expr)
+    primes = _prime_batches(gm, [tuple(t.shape[1:]) for t in leaves])
+    results = [_separable(gm, inputs, holders, model, leaves, p, ruled, expansions, uniform,
+                          iota, loss_node) for p in primes]
+    if results[0] != results[1]:
+        raise CompiledUnsupported("the analysis gives different layouts at two batch sizes")
+    for spec, (layouts, group) in zip(specs, results[0]):
+        spec.layouts, spec.group = layouts, group
+
+    out_node.args = ((loss_node, *extra),)
+    gm.recompile()
+    return Plan(gm, inputs, specs, list(ops.values()), model)
+
+
+def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.Module,
+               leaves: list, batch: int, ruled: dict, expansions: dict, uniform: frozenset,
+               iota: dict, loss_node: Any) -> list[tuple[Any, int]]:
+    """The separability analysis of the graph on public zeros at ``batch``: each ruled call's
+    ``(layouts, group)`` in the order of ``ruled``; raises :class:`CompiledUnsupported`."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    flat: list[Any] = []
+    for kind, target in inputs:
+        if kind == "p":
+            flat.append(params[target])
+        elif kind == "b":
+            flat.append(buffers[target])
+        elif kind == "c":
+            flat.append(target)
+        else:
+            t = leaves[target]
+            flat.append(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=t.device))
+    tracer = SeparabilityTracer(batch)
+    uni_ids: set[int] = set()
+    iota_ids: dict[int, int] = {}
+    tracer.structural = (uni_ids, iota_ids)
+    found: dict[str, tuple[Any, int]] = {}
+    user_holders = {h.name for h, (k, _) in zip(holders, inputs) if k == "x"}
+
+    class _Run(torch.fx.Interpreter):
+        def run(self, *args: Any, **kwargs: Any) -> Any:  # (Interpreter.run starts a tqdm bar)
+            self.args_iter = iter(args)
+            for node in self.graph.nodes:
+                self.env[node] = self.run_node(node)
+                if node.op == "output":
+                    return self.env[node]
+            return None
+
+        def run_node(self, n: torch.fx.Node) -> Any:
+            v = super().run_node(n)
+            quiet, tracer.quiet = tracer.quiet, True
+            try:
+                if n.op == "placeholder" and n.name in user_holders:
+                    tracer.mark(v, (0, 1))
+                if isinstance(v, Tensor):
+                    if n.name in uniform:
+                        uni_ids.add(ident(v))
+                    if n.name in iota:
+                        iota_ids[ident(v)] = iota[n.name]
+                spec = ruled.get(n.name)
+                if spec is not None and not spec.expanded:
+                    a = self.env[n.args[0] if n.target is not _aten.embedding.default
+                                 else n.args[1]]
+                    lay_a = tracer.layout(a)
+                    lay_out = REWRITTEN if tracer.rewritten_to_mix(v) else tracer.layout(v)
+                    k = _row_group(lay_a)
+                    found[spec.name] = _judge(spec, a, lay_a, lay_out, k, batch, tracer)
+                    tracer.mark(v, (0, k) if k > 1 and v.ndim and a.ndim and
+                                v.shape[0] == a.shape[0] else (0, 1))
+                spec = expansions.get(n.name)
+                if spec is not None:
+                    lay = tracer.layout(v)
+                    if lay != (0, 1):
+                        raise CompiledUnsupported(
+                            f"the expansion of layer {spec.name!r}'s batch-less call is not "
+                            "example rows")
+                    found[spec.name] = ((None, lay), 1)
+                    tracer.mark(v, (0, 1))
+            finally:
+                tracer.quiet = quiet
+            return v
+
+    try:
+        with torch.enable_grad(), tracer:
+            out = _Run(gm).run(*flat)
+    except CompiledUnsupported:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever fails on public zeros is "not proven"
+        raise CompiledUnsupported(
+            f"not proven: the graph failed on public zeros ({type(exc).__name__})") from None
+    finally:
+        tracer.retire()
+    losses = out[0] if isinstance(out, (tuple, list)) else out
+    if tracer.violation is not None:
+        raise CompiledUnsupported(f"the graph is not per-example separable: {tracer.violation}")
+    lay = tracer.layout(losses)
+    if lay != (0, 1):
+        first = f" (first mixing operation: {tracer.mixers[0]})" if tracer.mixers else ""
+        raise CompiledUnsupported(
+            f"the per-example losses are not per-example separable (layout {lay!r}){first}")
+    order = [s for s in ruled.values()]
+    missing = [s.name for s in order if s.name not in found]
+    if missing:
+        raise CompiledUnsupported(f"layer {missing[0]!r} was not reached in the analysis")
+    return [found[s.name] for s in order]
+
+
+def _judge(spec: _Spec, a: Tensor, lay_a: Any, lay_out: Any, k: int, batch: int,
+           tracer: SeparabilityTracer) -> tuple[Any, int]:
+    """A ruled call's layouts as :func:`~dpclip.engine.ghost_forward._check_separable` accepts
+    them (batch first; a constant input with rows per example only when the graph makes it the
+    same for every example), else :class:`CompiledUnsupported`."""
+    if lay_out == REWRITTEN:
+        raise CompiledUnsupported(f"the output of layer {spec.name!r} is rewritten to mix")
+    if isinstance(lay_a, tuple) and lay_a[0] == 0:
+        return (lay_a, lay_out), lay_a[1]
+    if lay_a is None:
+        if a.ndim and a.shape[0] >= batch and a.shape[0] % batch == 0 and \
+                a.stride(0) != 0 and ident(a) not in tracer.structural[0]:  # type: ignore[index]
+            raise CompiledUnsupported(
+                f"the input of layer {spec.name!r} is a constant with one row per example that "
+                "the graph does not make the same for every example")
+        return (lay_a, lay_out), k
+    raise CompiledUnsupported(
+        f"the input of layer {spec.name!r} mixes the examples or has the batch in dimension "
+        f"{lay_a[0] if isinstance(lay_a, tuple) else '?'} (layout {lay_a!r})")
