@@ -64,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from dpclip._ident import ident
 from dpclip.engine.batch import batch_leaves
+from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _row_group, layer_config
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import foreign_aten_kernels
@@ -315,6 +316,9 @@ class Plan:
         self.specs = specs
         self.ops = ops  # the graph's ATen operations (checked to still be torch's own per step)
         self.model = weakref.ref(model)
+        #: whether a step of the traced path ran this graph's program and passed
+        #: (ghost_forward._compiled_forward): until then the engine traces
+        self.confirmed = False
 
     def _feed(self, model: nn.Module, xs: Any, ys: Any) -> list[Any]:
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -573,8 +577,9 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
         raise CompiledUnsupported("the graph has no symbolic batch dimension")
     iota = _iota_dims(gm, batch_expr)
     primes = _prime_batches(gm, [tuple(t.shape[1:]) for t in leaves])
-    results = [_separable(gm, inputs, holders, model, leaves, p, ruled, expansions, uniform,
-                          iota, loss_node) for p in primes]
+    with defaults_unchanged():  # (its dropout draws do not advance the step's generators)
+        results = [_separable(gm, inputs, holders, model, leaves, p, ruled, expansions,
+                              uniform, iota, loss_node) for p in primes]
     if results[0] != results[1]:
         raise CompiledUnsupported("the analysis gives different layouts at two batch sizes")
     for spec, (layouts, group) in zip(specs, results[0]):

@@ -909,8 +909,9 @@ class GhostEngine:
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
+        pending: list[Any] | None = [] if self._compiled else None
         calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
-                                            carry, self._compiled)
+                                            carry, pending)
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
@@ -1077,8 +1078,11 @@ class GhostEngine:
             with torch.no_grad():
                 loss = float(total if real == batch else losses[:real].sum())
                 with exact_float32():  # (engine arithmetic only: the bound stays tight)
-                    return self._reduce(live, count, params, group_of, n_groups, batch,
-                                        weight_fn, loss, real)
+                    got = self._reduce(live, count, params, group_of, n_groups, batch,
+                                       weight_fn, loss, real)
+                for plan in pending or ():  # (the compiled engine: its graph's first step passed)
+                    plan.confirmed = True
+                return got
         finally:
             # (released by the next chunk once its watch is armed, or after the last chunk)
             if carry is not None:
@@ -1553,6 +1557,14 @@ class CompiledEngine(GhostEngine):
 
     name: ClassVar[str] = "compiled"
     _compiled: ClassVar[bool] = True
+
+    def _refusal_error(self, reason: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"{self.name} engine: {reason}. The compiled engine runs models whose parameters "
+            "all belong to nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d, nn.Conv2d, "
+            "nn.GroupNorm or nn.RMSNorm layers, each used once through its own forward, with an "
+            "out-of-place forward that torch.export can trace (docs/engines.md, \"The compiled "
+            "engine\"); use engine 'ghost' or 'auto' for other models")
 
     def __post_init__(self) -> None:
         if self.fallback is not None:

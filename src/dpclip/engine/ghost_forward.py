@@ -163,7 +163,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int, chain: list[nn.Module] | None = None,
              gens: OwnGenerators | None = None,
              carry: list | None = None,
-             compiled: bool = False) -> tuple[list[_Call], Tensor, bool]:
+             compiled: list | None = None) -> tuple[list[_Call], Tensor, bool]:
     """The hooked forward pass: ``(calls, the per-example losses (B,), user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
@@ -198,8 +198,11 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     # the proof traces the program the engine runs
     why, program = proof_of(model, loss_fn, xs, ys, tuple(
         (o.module, o.rule is _MODULE) for o in scan.owners))
-    if compiled:  # the proof's graph, proved once, runs instead of the user's code
-        return _compiled_forward(model, scan, xs, ys, batch, why, program, carry)
+    if compiled is not None:  # the proof's graph, proved once, runs instead of the user's code
+        got = _compiled_forward(model, scan, xs, ys, batch, why, program, carry, compiled)
+        if got is not None:
+            return got
+        # (the graph's first step: traced below, as on the ghost engine)
     if gens is not None and program is not None:
         gens.adopt(program.generators())
     with data_independent_paths():  # first: an error of the user's own code surfaces as is
@@ -225,10 +228,16 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
 def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: int,
                       why: str | None, program: ProvedProgram | None,
-                      carry: list | None) -> tuple[list[_Call], Tensor, bool]:
+                      carry: list | None, pending: list
+                      ) -> tuple[list[_Call], Tensor, bool] | None:
     """:func:`_forward` on the compiled engine (:mod:`dpclip.engine.compiled`): no user code runs,
     so nothing of the last chunk is left to release and the backward runs on autograd's own
-    engine (``user_code`` False)."""
+    engine (``user_code`` False). None on the graph's first step, which runs on the traced path
+    (the plan is appended to ``pending``; the caller confirms it once the step succeeded): what
+    the graph does not show (a tensor or module backward hook, a custom autograd Function's
+    backward, a value of the batch read through an escape the export took as a constant) is
+    refused there, as on the ghost engine, and the program that step ran is the graph's (the
+    proved-program match)."""
     if why is not None:
         raise _RuntimeUnsupported(
             f"the forward pass and loss are not proved per-example separable: {why}. The "
@@ -236,6 +245,9 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
             "batch size) outside loss_fn, or use engine 'vmap'")
     try:
         plan = plan_of(program, model, scan, xs, ys)
+        if not plan.confirmed:
+            pending.append(plan)
+            return None
         calls, losses = plan.run(model, scan, xs, ys, batch)
     except CompiledUnsupported as exc:
         raise _RuntimeUnsupported(f"the compiled engine cannot run this model: {exc}") from None

@@ -1,0 +1,319 @@
+"""The compiled engine (``engine="compiled"``, :mod:`dpclip.engine.compiled`): the batch-size proof's
+graph, proved per-example separable once, run instead of the model's code.
+
+Oracles: the float64 per-example loop (:func:`naive_per_example_grads`) for what it accepts; the
+leave-one-out distance of the clipped sum (at most C) for every attack of the traced engine's
+suites, which it must refuse or run soundly; and each guard of a step (user code around the
+graph, a replaced ATen operation, a reconfigured layer) refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import CompiledEngine, GhostEngine, ParamGroups, get_engine
+from dpclip.engine import compiled as compiled_mod
+from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.naive import naive_per_example_grads
+from tests.engine.helpers import DT, clip_weights, oracle_norms, oracle_sum
+from tests.engine.test_separability_attacks import ATTACKS, MORE, Net, ce, data, loo_distance
+
+C = 0.5
+
+
+@contextlib.contextmanager
+def graph_runs():
+    """Counts the steps (chunks) that ran the compiled graph (:meth:`compiled.Plan.run`)."""
+    real = compiled_mod.Plan.run
+    count = [0]
+
+    def run(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    compiled_mod.Plan.run = run
+    try:
+        yield count
+    finally:
+        compiled_mod.Plan.run = real
+
+
+def _check_against_the_loop(model: nn.Module, loss, x, y, groups: ParamGroups,
+                            engine=None) -> None:
+    """The graph's first step runs on the traced path; the next one runs the graph: both equal
+    the loop."""
+    engine = engine or CompiledEngine()
+    for _ in range(2):
+        with graph_runs() as ran:
+            res = engine.compute(model, loss, x, y, clip_weights(C), groups)
+        _equal_to_the_loop(res, model, loss, x, y, groups)
+    assert ran[0] >= 1  # (the second step ran the graph)
+
+
+def _equal_to_the_loop(res, model: nn.Module, loss, x, y, groups: ParamGroups) -> None:
+    b = y.shape[0]
+    per = naive_per_example_grads(model, loss, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per, groups, b), rtol=1e-10, atol=1e-12)
+    ref = oracle_sum(per, res.weights, groups, b)
+    for n, g in ref.items():
+        torch.testing.assert_close(res.grads[n], g, rtol=1e-10, atol=1e-12)
+
+
+class Block(nn.Module):
+    """A pre-norm attention block on (B, T, d), mean-pooled: residuals, F.scaled_dot_product_attention
+    with a broadcast causal mask, a (1, T, d) position table as a buffer."""
+
+    def __init__(self, d: int = 8, t: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(3, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.RMSNorm(d)
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+        self.register_buffer("pos", torch.randn(1, t, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x) + self.pos
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        split = lambda z: z.unflatten(-1, (2, 4)).transpose(1, 2)  # noqa: E731
+        a = nn.functional.scaled_dot_product_attention(split(q), split(k), split(v),
+                                                       is_causal=True)
+        h = h + self.out(a.transpose(1, 2).flatten(2))
+        h = h + self.ff(torch.relu(self.norm2(h)))
+        return self.head(h.mean(1))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1, stride=2)
+        self.gn = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv1d(4, 3, 2)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.gn(self.c1(x)))  # (B, 4, 3, 3)
+        h = self.c2(h.flatten(2))  # (B, 3, 8)
+        return self.fc(h.mean(2))
+
+
+def _seq(b: int = 6, seed: int = 1) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+
+
+@pytest.mark.parametrize("groups", ["flat", "per_layer"])
+def test_an_attention_block_equals_the_loop(groups):
+    model = Block().to(DT)
+    x, y = _seq()
+    _check_against_the_loop(model, ce, x, y, getattr(ParamGroups, groups)(model))
+
+
+def test_convolutions_and_group_norm_equal_the_loop():
+    model = ConvNet().to(DT)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 2, 5, 5, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
+
+
+@pytest.mark.parametrize("chunk", [None, 4, 1])
+def test_chunks_equal_the_loop(chunk):
+    """Chunks of 4 + 2, and of one (run as a batch of two): one graph for every batch size."""
+    model = Block().to(DT)
+    x, y = _seq()
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model),
+                            CompiledEngine(max_physical_batch=chunk))
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_hugging_face_encoders_equal_the_loop(name):
+    """As the tokenizer gives the batch (ids, a 2-D attention mask; the position embedding's
+    batch-less call read at the proof's expansion)."""
+    pytest.importorskip("transformers")
+    from tests.engine.test_hf_zoo import build
+
+    model, x, y, loss, _ = build(name)
+    model.eval()
+    _check_against_the_loop(model, loss, x, y, ParamGroups.per_layer(model))
+
+
+class Dropped(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.drop(x))
+
+
+def test_dropout_draws_what_the_traced_step_draws():
+    """Train mode: the graph's dropout draws from the chunk's own generators, as the traced
+    step's does, the same masks from the same seed."""
+    model = Dropped().to(DT)
+    model.train()
+    x, y = _seq()
+    got = []
+    for engine in (GhostEngine(), CompiledEngine()):
+        engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+        torch.manual_seed(5)
+        with graph_runs() as ran:
+            got.append(engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model)))
+    assert ran[0] == 1
+    torch.testing.assert_close(got[0].norms, got[1].norms, rtol=1e-12, atol=0)
+    for n in got[0].grads:
+        torch.testing.assert_close(got[0].grads[n], got[1].grads[n], rtol=1e-12, atol=1e-15)
+
+
+def _attack_sound(model: nn.Module, loss, x: Tensor, y: Tensor) -> None:
+    try:
+        for _ in range(2):  # (the first step traced, the second on the graph)
+            CompiledEngine().compute(model, loss, x, y, clip_weights(C), ParamGroups.flat(model))
+    except (UnsupportedModelError, RuntimeError):
+        return  # refused: sound
+    assert loo_distance(CompiledEngine(), model, loss, x, y) <= 1 + 1e-9
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_the_traced_engines_attacks_are_refused_or_sound(name):
+    build, loss = ATTACKS[name]
+    torch.manual_seed(0)
+    _attack_sound(build().to(DT), loss, *data())
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_attacks_are_refused_or_sound(name):
+    torch.manual_seed(0)
+    _attack_sound(Net(MORE[name]).to(DT), ce, *data())
+
+
+REFUSED = {
+    # position-dependent constants the graph builds from the batch size
+    "h*arange(B)": lambda m, h: h * torch.arange(h.shape[0], dtype=h.dtype)[:, None],
+    "arange(B)%3-index": lambda m, h: h[torch.arange(h.shape[0]) % 3 + 0 * torch.arange(
+        h.shape[0])],
+    "batch-mean": lambda m, h: h - h.mean(0),
+    "weight-outside-its-layer": lambda m, h: h @ (m.fc2.weight.t() @ m.fc2.weight),
+    "buffer-write": lambda m, h: h + m.stat.add_(h.detach().mean()),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_compiled_refuses(name):
+    torch.manual_seed(0)
+    model = Net(REFUSED[name]).to(DT)
+    model.register_buffer("stat", torch.zeros((), dtype=DT))
+    x, y = data()
+    with pytest.raises(UnsupportedModelError):
+        for _ in range(2):
+            CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+
+
+def test_a_uniform_constant_with_batch_rows_is_proved_by_construction():
+    """``ones(B, 1)`` and an expanded row are the same for every example by the graph's
+    construction (no value is read): accepted, equal to the loop."""
+    model = Net(lambda m, h: h * torch.ones(h.shape[0], 1, dtype=h.dtype)
+                + torch.linspace(0, 1, 6, dtype=h.dtype).expand(h.shape[0], 6)).to(DT)
+    x, y = data()
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
+
+
+def test_tied_parameters_are_refused_with_the_reason():
+    emb = nn.Embedding(5, 5).to(DT)
+    lin = nn.Linear(5, 5, bias=False).to(DT)
+    lin.weight = emb.weight
+    both = nn.Sequential(emb, nn.Flatten(), lin)
+    ids = torch.randint(0, 5, (4,))
+    with pytest.raises(UnsupportedModelError, match="tied|used by"):
+        CompiledEngine().compute(both, ce, ids, torch.randint(0, 5, (4,)), clip_weights(C),
+                                 ParamGroups.flat(both))
+
+
+def test_user_code_around_the_graph_is_refused():
+    model = Block().to(DT)
+    x, y = _seq()
+    engine = CompiledEngine()
+    engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))  # proved
+    sys.setprofile(lambda *a: None)
+    try:
+        with pytest.raises(UnsupportedModelError, match="profile"):
+            engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    finally:
+        sys.setprofile(None)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with pytest.raises(UnsupportedModelError):
+            engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+
+
+def test_a_replaced_aten_operation_is_refused():
+    model = Block().to(DT)
+    x, y = _seq()
+    engine = CompiledEngine()
+    engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))  # proved
+    aten = torch.ops.aten
+    real = aten.relu
+
+    class Fake:
+        default = staticmethod(lambda t: torch.ops.aten.sigmoid.default(t))
+
+    setattr(aten, "relu", Fake())
+    try:
+        with pytest.raises(UnsupportedModelError, match="replaced"):
+            engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    finally:
+        setattr(aten, "relu", real)
+    engine.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+
+
+def test_a_subclass_or_grad_requiring_input_is_refused():
+    model = Block().to(DT)
+    x, y = _seq()
+    for _ in range(2):
+        CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+
+    class Sub(Tensor):
+        pass
+
+    with pytest.raises(UnsupportedModelError):  # (another proof key: refused by the trace)
+        CompiledEngine().compute(model, ce, x.as_subclass(Sub), y, clip_weights(C),
+                                 ParamGroups.flat(model))
+    with pytest.raises(UnsupportedModelError, match="requires grad"):
+        CompiledEngine().compute(model, ce, x.clone().requires_grad_(), y, clip_weights(C),
+                                 ParamGroups.flat(model))
+
+
+def test_changed_layers_and_parameters_run_as_they_are_now():
+    """A parameter swapped for another object and a convolution's stride changed between steps:
+    the step runs the model as it is (re-proved where the proof's key changed), equal to the
+    loop; a layer reconfigured behind the key is refused."""
+    model = ConvNet().to(DT)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 2, 5, 5, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
+    groups = ParamGroups.flat(model)
+    _check_against_the_loop(model, ce, x, y, groups)
+    model.fc.weight = nn.Parameter(torch.randn(3, 3, dtype=DT))
+    _check_against_the_loop(model, ce, x, y, groups)
+    model.c1.stride = (1, 1)
+    _check_against_the_loop(model, ce, x, y, groups)
+
+
+def test_reset_forgets_the_graphs():
+    model = Block().to(DT)
+    x, y = _seq()
+    CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    assert len(compiled_mod._PLANS) >= 1
+    compiled_mod.reset(model)
+    assert len(compiled_mod._PLANS) == 0
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
+
+
+def test_the_engine_is_registered_and_explicit():
+    assert type(get_engine("compiled")) is CompiledEngine
+    with pytest.raises(ValueError, match="fallback"):
+        CompiledEngine(fallback="vmap")
