@@ -3,8 +3,9 @@
 Methods (one optimizer step each, on one fixed batch):
 
 * ``nonprivate``   - mean loss, ``backward()``, SGD step;
-* ``dpclip-vmap``, ``dpclip-ghost``, ``dpclip-auto`` - :func:`dpclip.training.step.dp_step` with that engine,
-  fixed flat clipping (C = 1), noise multiplier 1, then the SGD step;
+* ``dpclip-vmap``, ``dpclip-ghost``, ``dpclip-auto``, ``dpclip-compiled`` - :func:`dpclip.training.step.dp_step`
+  with that engine, fixed flat clipping (C = 1), noise multiplier 1, then the SGD step (``auto`` and
+  ``compiled`` are not timed by default);
 * ``opacus-hooks``, ``opacus-ghost`` - Opacus ``PrivacyEngine.make_private(...,
   grad_sample_mode="hooks" | "ghost", poisson_sampling=False)``, noise multiplier 1, C = 1 (Opacus
   is imported only for these methods; it is a benchmark extra, not a dependency).
@@ -78,10 +79,11 @@ BENCH_MODELS: dict[str, BenchModel] = {
     "cifar-cnn": BenchModel("papernot-cifar-cnn", (3, 32, 32), 10),
     "transformer": BenchModel("transformer", (64,), 2, {"vocab_size": 10_000}, vocab=10_000),
 }
-DPCLIP_METHODS = ("dpclip-vmap", "dpclip-ghost", "dpclip-auto")
+DPCLIP_METHODS = ("dpclip-vmap", "dpclip-ghost", "dpclip-auto", "dpclip-compiled")
 OPACUS_METHODS = ("opacus-hooks", "opacus-ghost")
 ALL_METHODS = ("nonprivate",) + DPCLIP_METHODS + OPACUS_METHODS
-#: ``dpclip-auto`` runs the ghost engine on every benchmark model, so it is not timed by default
+#: ``dpclip-auto`` runs the ghost engine on every benchmark model, so it is not timed by default;
+#: ``dpclip-compiled`` neither (the explicit compiled engine: ``--methods`` names it)
 DEFAULT_METHODS = ("nonprivate", "dpclip-vmap", "dpclip-ghost") + OPACUS_METHODS
 
 CLIP_NORM = 1.0

@@ -511,7 +511,8 @@ def _add_train_execution_arguments(t: argparse.ArgumentParser) -> None:
                         "run is NOT private against anyone who knows the seed, and is labelled so)")
     t.add_argument("--engine", default="auto",
                    help="per-example engine: auto (default: ghost where the model is proven "
-                        "per-example separable, else vmap; recorded), ghost, vmap, naive")
+                        "per-example separable, else vmap; recorded), ghost, compiled (ghost on "
+                        "the proved graph, explicit only), vmap, naive")
     t.add_argument("--device", default="auto",
                    help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N; the "
                         "ledger is the same on every device (recorded in the summary)")
@@ -905,7 +906,8 @@ def _add_search_commands(sub: Any) -> None:
     s.add_argument("--model-option", action="append", metavar="K=V")
     s.add_argument("--name", help="store name (default: derived from the setting and a hash)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--engine", default="auto", help="auto (default), ghost, vmap, naive")
+    s.add_argument("--engine", default="auto",
+                   help="auto (default), ghost, compiled, vmap, naive")
     s.add_argument("--max-physical-batch", type=int, default=None,
                    help="memory knob (results do not change); default: the engine's own")
     s.add_argument("--device", default="cpu")

@@ -317,3 +317,26 @@ def test_the_engine_is_registered_and_explicit():
     assert type(get_engine("compiled")) is CompiledEngine
     with pytest.raises(ValueError, match="fallback"):
         CompiledEngine(fallback="vmap")
+
+
+def test_make_private_trains_on_the_compiled_engine():
+    """``make_private(engine="compiled")``: Poisson batches of varying size, one graph for all of
+    them after the first step, every parameter moved, the engine recorded."""
+    import dpclip
+
+    model = Block().to(DT)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(96, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (96,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = dpclip.make_private(model, opt, (x, y), noise_multiplier=1.0, delta=1e-5, steps=4,
+                             batch_size=16, engine="compiled", verbose=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with graph_runs() as ran:
+        for xb, yb in dp.loader:
+            dp.backward(xb, yb)
+            opt.step()
+            opt.zero_grad()
+    assert ran[0] >= 3  # (every step after the first ran the graph)
+    assert dp.describe()["engine"] == "ghost"
+    for n, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before[n]), n

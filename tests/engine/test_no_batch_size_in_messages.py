@@ -24,7 +24,7 @@ def _data(d: int = 3):
     return torch.randn(B, d, generator=g, dtype=DT), torch.randint(0, 2, (B,), generator=g)
 
 
-@pytest.mark.parametrize("engine", ["naive", "vmap", "ghost", "summed", "auto"])
+@pytest.mark.parametrize("engine", ["naive", "vmap", "ghost", "summed", "auto", "compiled"])
 def test_different_batch_sizes_message_names_leaves_not_sizes(engine):
     model = nn.Linear(3, 2).to(DT)
     x, y = _data()

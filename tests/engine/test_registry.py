@@ -8,6 +8,7 @@ import dpclip.engine as engine_pkg
 from dpclip.engine import (
     ENGINES,
     AutoEngine,
+    CompiledEngine,
     GhostEngine,
     NaiveEngine,
     SummedEngine,
@@ -18,11 +19,12 @@ from dpclip.engine import (
 
 def test_registry_entries():
     assert dict(ENGINES) == {"vmap": VmapEngine, "naive": NaiveEngine, "summed": SummedEngine,
-                             "ghost": GhostEngine, "auto": AutoEngine}
+                             "ghost": GhostEngine, "auto": AutoEngine,
+                             "compiled": CompiledEngine}
     for name, cls in ENGINES.items():
         assert cls.name == name
     assert VmapEngine.per_example and NaiveEngine.per_example and not SummedEngine.per_example
-    assert GhostEngine.per_example and AutoEngine.per_example
+    assert GhostEngine.per_example and AutoEngine.per_example and CompiledEngine.per_example
     with pytest.raises(TypeError):
         ENGINES["other"] = VmapEngine  # read-only
 
@@ -41,13 +43,13 @@ def test_unknown_engine_lists_valid_names(bad):
         get_engine(bad)
     msg = str(info.value)
     assert repr(bad) in msg
-    for name in ("auto", "ghost", "naive", "summed", "vmap"):
+    for name in ("auto", "compiled", "ghost", "naive", "summed", "vmap"):
         assert name in msg
 
 
 def test_curated_all():
     assert sorted(engine_pkg.__all__) == sorted([
-        "ENGINES", "AutoEngine", "Engine", "EngineResult", "GhostEngine", "ghost_support", "LossFn", "NaiveEngine", "ParamGroups",
+        "ENGINES", "AutoEngine", "CompiledEngine", "Engine", "EngineResult", "GhostEngine", "ghost_support", "LossFn", "NaiveEngine", "ParamGroups",
         "SummedEngine", "UnsupportedModelError", "VmapEngine", "WeightFn", "get_engine",
         "naive_per_example_grads", "vmap_per_example_grads",
     ])
