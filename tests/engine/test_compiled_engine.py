@@ -340,3 +340,24 @@ def test_make_private_trains_on_the_compiled_engine():
     assert dp.describe()["engine"] == "ghost"
     for n, p in model.named_parameters():
         assert not torch.equal(p.detach(), before[n]), n
+
+
+def test_layers_tied_or_frozen_after_the_graph_was_adopted():
+    """Two layers' weights tied into one tensor after the graph was adopted (the proof's key does
+    not see it): refused, never run as the graph's two separate uses; after ``reset`` the analysis
+    refuses the tie. A layer frozen: another graph, proved and run as the model is now."""
+    x, y = _seq()
+    model = Block().to(DT)
+    for _ in range(2):
+        CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    model.ff.weight = model.out.weight
+    with pytest.raises(UnsupportedModelError, match="tied since"):
+        CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    compiled_mod.reset(model)
+    with pytest.raises(UnsupportedModelError, match="tied|used by"):
+        for _ in range(2):
+            CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    model = Block().to(DT)
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
+    model.ff.requires_grad_(False)
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))

@@ -240,9 +240,10 @@ def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
     copies, a full slice)."""
     out: dict[str, int] = {}
 
-    def shape(n: Any) -> tuple | None:
+    def shape(n: Any) -> tuple | None:  # (sizes as expressions: compared without guards)
         v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-        return tuple(v.shape) if isinstance(v, Tensor) else None
+        return tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in v.shape) \
+            if isinstance(v, Tensor) else None
 
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
@@ -362,6 +363,10 @@ class Plan:
                 raise CompiledUnsupported(f"torch.ops.aten.{op.overloadpacket.__name__} was "
                                           "replaced after the graph was proved")
         by_name = {o.name: o for o in scan.owners}
+        if len(by_name) != len(self.specs):
+            raise CompiledUnsupported(
+                "the model's trainable layers changed since its graph was proved (a parameter's "
+                "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
         for s in self.specs:
             o = by_name.get(s.name)
             if o is None or o.module is not s.module or o.rule is _MODULE or \
@@ -370,6 +375,11 @@ class Plan:
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
                     "call dpclip.engine.compiled.reset(model) after changing the model")
         flat = self._feed(model, xs, ys)
+        fed = [t for (kind, _), t in zip(self.inputs, flat) if kind == "p"]
+        if len({ident(t) for t in fed}) != len(fed):
+            raise CompiledUnsupported(
+                "two parameters of the graph are now one tensor (tied since the graph was "
+                "proved); call dpclip.engine.compiled.reset(model)")
         with torch.enable_grad():
             outs = self.gm(*flat)
         losses = outs[0]
@@ -660,7 +670,9 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
 
     try:
         with torch.enable_grad(), tracer:
-            out = _Run(gm).run(*flat)
+            # (every value kept until the end: the structural sets hold ids, which a freed
+            # tensor's successor could otherwise take)
+            out = _Run(gm, garbage_collect_values=False).run(*flat)
     except CompiledUnsupported:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever fails on public zeros is "not proven"
