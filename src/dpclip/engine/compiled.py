@@ -34,7 +34,9 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
 
 3. **Each step** (:meth:`Plan.run`): checks that no user code can run inside it (no torch function
    or dispatch mode, saved-tensor hooks, trace or profile function, Python kernel registered over
-   an ATen operation, tensor subclass input; the graph's operations are still torch's own), that
+   an ATen operation, tensor subclass input; the graph runs as code of the engine's own that calls
+   each operation's C++ entry point taken at analysis, :func:`_generate`: no patch of ``torch.ops``
+   or of a module's ``__call__`` reaches it), that
    every ruled layer still has the configuration and parameters the analysis saw, then runs the
    graph with the model's current parameters and buffers and hands the ruled calls to the ghost
    reduction as the traced path does (the parameter-use count over the autograd graph, the rank
@@ -233,6 +235,11 @@ def _prime_batches(gm: torch.fx.GraphModule, shapes: list[tuple[int, ...]]) -> t
     return found[0], found[1]
 
 
+def _dtype(n: Any) -> Any:
+    v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return v.dtype if isinstance(v, Tensor) else None
+
+
 def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
     """Graph nodes that are ``arange(B)`` along one dimension by construction: name -> that
     dimension. ``arange`` of exactly the batch symbol (start 0, step 1), then only moves that keep
@@ -250,7 +257,7 @@ def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
             continue
         pk = n.target.overloadpacket
         src = n.args[0] if n.args else None
-        if n.target is _aten.arange.default and len(n.args) == 1 and not n.kwargs.get("dtype"):
+        if n.target is _aten.arange.default and len(n.args) == 1 and _dtype(n) == torch.int64:
             end = n.args[0]
             val = end.meta.get("val") if isinstance(end, torch.fx.Node) else None
             if isinstance(val, torch.SymInt) and val.node.expr == batch_expr:
@@ -263,8 +270,10 @@ def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
         if s_in is None or s_out is None:
             continue
         if pk in _SAME_VALUES and s_in == s_out:
-            dtype = n.kwargs.get("dtype")
-            if dtype is None or not (dtype.is_floating_point or dtype == torch.bool):
+            # every value kept exactly: int64 in, int64 out, whatever the overload spells
+            # (.bool().long() or an int8 round trip change values: sixty-sixth hostile review,
+            # 8.34 C and 7.36 C)
+            if _dtype(src) == torch.int64 and _dtype(n) == torch.int64:
                 out[n.name] = d
         elif pk is _aten.unsqueeze:
             k = n.args[1] % len(s_out)
@@ -287,6 +296,71 @@ def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
     return all(type(a) is int and a == b for a, b in zip(v.shape[1:], one.shape[1:]))
 
 
+#: arithmetic on sizes, emitted as Python syntax (ints and SymInt-free at run time)
+_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
+          operator.truediv: "/", operator.mod: "%", operator.pow: "**", operator.eq: "==",
+          operator.ne: "!=", operator.lt: "<", operator.le: "<=", operator.gt: ">",
+          operator.ge: ">="}
+#: constants written into the generated code as literals
+_LITERALS = (int, float, bool, str, type(None))
+
+
+def _generate(graph: torch.fx.Graph) -> Any:
+    """A Python function running ``graph`` (placeholders in, the output node's values out) that
+    calls each ATen operation's C++ entry point (``OpOverload._op``, taken now) held in its own
+    namespace: nothing is looked up at run time, so no patch of ``torch.ops``, of
+    ``OpOverload.__call__`` or of ``nn.Module.__call__`` (a global module hook on a GraphModule:
+    sixty-sixth hostile review, 2.29 C and 1.43 C) reaches the step; no builtins either (the
+    namespace's ``__builtins__`` is empty: arithmetic on sizes, indexing and list displays are
+    syntax)."""
+    names: dict[torch.fx.Node, str] = {}
+    space: dict[str, Any] = {"__builtins__": {}}
+    lines: list[str] = []
+    holders: list[str] = []
+
+    def const(v: Any) -> str:
+        if type(v) in (int, bool, type(None)) or (type(v) is float and v == v
+                                                  and v not in (float("inf"), float("-inf"))):
+            return repr(v)
+        key = f"_c{len(space)}"
+        space[key] = v
+        return key
+
+    def render(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(render(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, dict):
+            raise CompiledUnsupported("a dict argument in the graph")
+        return const(a)
+
+    for i, n in enumerate(graph.nodes):
+        name = names[n] = f"_v{i}"
+        if n.op == "placeholder":
+            holders.append(name)
+        elif n.op == "output":
+            lines.append(f"return {render(n.args[0])}")
+        elif n.target is operator.getitem:
+            lines.append(f"{name} = {render(n.args[0])}[{render(n.args[1])}]")
+        elif n.target in _INFIX:
+            lines.append(f"{name} = ({render(n.args[0])}) {_INFIX[n.target]} "
+                         f"({render(n.args[1])})")
+        elif n.target is operator.neg:
+            lines.append(f"{name} = -({render(n.args[0])})")
+        elif isinstance(n.target, torch._ops.OpOverload):
+            fn = f"_f{i}"
+            space[fn] = n.target._op
+            args = [render(a) for a in n.args] + [f"{k}={render(v)}" for k, v in n.kwargs.items()]
+            lines.append(f"{name} = {fn}({', '.join(args)})")
+        else:
+            raise CompiledUnsupported(f"the graph calls {n.target}, which is not generated")
+    src = f"def _graph({', '.join(holders)}):\n" + "".join(f"    {ln}\n" for ln in lines)
+    exec(compile(src, "<dpclip compiled graph>", "exec"), space)  # noqa: S102 - our own source
+    return space["_graph"]
+
+
 class _Spec:
     """One ruled call of the graph: the owner's name, the positions of its input and output
     among the graph's extra outputs, and the analysis's layouts."""
@@ -305,17 +379,29 @@ class _Spec:
         self.expanded = False
 
 
+def _autocast_on() -> bool:
+    """Autocast on any device type (``torch.is_autocast_enabled()`` alone answers for CUDA only:
+    CPU bfloat16 autocast went unseen, sixty-sixth hostile review)."""
+    for dev in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return True
+        except (RuntimeError, TypeError, ValueError):  # (a device type this build lacks)
+            continue
+    return False
+
+
 class Plan:
     """A proved graph, ready to run on every step (:func:`plan_of`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list[tuple[str, Any]],
-                 specs: list[_Spec], ops: list[Any], model: nn.Module) -> None:
+                 specs: list[_Spec], model: nn.Module) -> None:
         self.gm = gm
+        self.fn = _generate(gm.graph)  # (what every step runs: :func:`_generate`)
         #: ``(kind, target)`` of each placeholder, in order ("p", name) / ("b", name) /
         #: ("c", tensor) / ("x", leaf index)
         self.inputs = inputs
         self.specs = specs
-        self.ops = ops  # the graph's ATen operations (checked to still be torch's own per step)
         self.model = weakref.ref(model)
         #: whether a step of the traced path ran this graph's program and passed
         #: (ghost_forward._compiled_forward): until then the engine traces
@@ -353,15 +439,9 @@ class Plan:
         why = (ambient_user_code() or python_callbacks()
                or ("Python kernels are registered over ATen operations"
                    if foreign_aten_kernels() else None)
-               or ("autocast is on" if torch.is_autocast_enabled() else None))
+               or ("autocast is on" if _autocast_on() else None))
         if why is not None:
             raise CompiledUnsupported(f"{why}: user code would run on the graph's operations")
-        aten = torch.ops.aten  # (as the generated code looks them up: still torch's own)
-        for op in self.ops:
-            if getattr(getattr(aten, op.overloadpacket.__name__, None), op._overloadname,
-                       None) is not op:
-                raise CompiledUnsupported(f"torch.ops.aten.{op.overloadpacket.__name__} was "
-                                          "replaced after the graph was proved")
         by_name = {o.name: o for o in scan.owners}
         if len(by_name) != len(self.specs):
             raise CompiledUnsupported(
@@ -381,7 +461,7 @@ class Plan:
                 "two parameters of the graph are now one tensor (tied since the graph was "
                 "proved); call dpclip.engine.compiled.reset(model)")
         with torch.enable_grad():
-            outs = self.gm(*flat)
+            outs = self.fn(*flat)
         losses = outs[0]
         calls: list[_Call] = []
         for s in self.specs:
@@ -495,7 +575,6 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
             raise CompiledUnsupported(f"the graph has an input of kind {kind}")
     if n_user != len(leaves):
         raise CompiledUnsupported("the graph's inputs are not the step's inputs and targets")
-    ops: dict[int, Any] = {}
     for n in graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -512,7 +591,6 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                 f"the graph writes in place ({t}); the compiled path runs out-of-place programs")
         if t.overloadpacket in _UNINIT:
             raise CompiledUnsupported(f"the graph reads uninitialised memory ({t})")
-        ops[id(t)] = t
 
     # the ruled layers: every trainable parameter used once, by its layer's canonical operation
     specs: list[_Spec] = []
@@ -597,7 +675,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
 
     out_node.args = ((loss_node, *extra),)
     gm.recompile()
-    return Plan(gm, inputs, specs, list(ops.values()), model)
+    return Plan(gm, inputs, specs, model)
 
 
 def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.Module,
