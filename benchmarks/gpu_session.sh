@@ -11,6 +11,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
 #     transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3 regex==2026.11.19 \
 #     safetensors==0.8.0 kernels==0.19.1 -d .whl
+#   D0 BERT-base on engine "compiled" (the proof's graph run instead of the model's code) against
+#      ghost (auto), Opacus ghost and hooks, non-private (benchmarks/hf_models.py --models bert)
 #   A2 benchmarks/proof_diagnose.py: the full export error and the guard that specialised the
 #      batch (torch 2.11 refused every HF model with "Constraints violated"), then the same export
 #      with an upper bound on the batch and with the model on the CPU
@@ -56,6 +58,14 @@ except Exception as exc:  # noqa: BLE001
     print("no summary:", exc)
 EOF
 }
+
+echo "== D0: BERT-base on the compiled engine against ghost, auto and Opacus ($(left) s left)"
+timeout "$(cap 150 90)" python3 benchmarks/hf_models.py --device cuda --size base --rounds 5 \
+  --warm 3 --models bert --methods nonprivate,dpclip-auto,dpclip-compiled,opacus-ghost,opacus-hooks \
+  --out "$W/hf_models_compiled_cuda.json" > "$W/hf_models_compiled.log" 2>&1
+echo "hf compiled rc $?"; cat "$W/hf_models_compiled_cuda.md" 2>/dev/null | cut -c1-400
+grep -v "^|" "$W/hf_models_compiled.log" | tail -n 8
+pack
 
 echo "== A2: why the proof refuses the HF models on this torch ($(left) s left)"
 timeout "$(cap 90)" python3 benchmarks/proof_diagnose.py --device cuda --size base --layers 1 --models bert,vit \

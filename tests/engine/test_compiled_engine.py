@@ -132,10 +132,11 @@ def test_chunks_equal_the_loop(chunk):
                             CompiledEngine(max_physical_batch=chunk))
 
 
-@pytest.mark.parametrize("name", ["bert", "roberta"])
-def test_hugging_face_encoders_equal_the_loop(name):
-    """As the tokenizer gives the batch (ids, a 2-D attention mask; the position embedding's
-    batch-less call read at the proof's expansion)."""
+@pytest.mark.parametrize("name", ["bert", "roberta", "gpt2"])
+def test_hugging_face_models_equal_the_loop(name):
+    """BERT and RoBERTa as the tokenizer gives the batch (ids, a 2-D attention mask; the position
+    embedding's batch-less call read at the proof's expansion); GPT-2 (``transformers`` Conv1D as
+    ``addmm`` on the 2-D view, each example's rows a block; ``wte`` tied to ``lm_head``)."""
     pytest.importorskip("transformers")
     from tests.engine.test_hf_zoo import build
 
@@ -224,15 +225,26 @@ def test_a_uniform_constant_with_batch_rows_is_proved_by_construction():
     _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
 
 
-def test_tied_parameters_are_refused_with_the_reason():
+def test_tied_parameters_equal_the_loop():
+    """An Embedding's table tied to a Linear's weight (GPT-2's ``wte`` / ``lm_head``): one input
+    of the graph, one call per layer, the reduction's tied-parameter rule."""
+    torch.manual_seed(0)
     emb = nn.Embedding(5, 5).to(DT)
-    lin = nn.Linear(5, 5, bias=False).to(DT)
+    lin = nn.Linear(5, 5).to(DT)
     lin.weight = emb.weight
-    both = nn.Sequential(emb, nn.Flatten(), lin)
-    ids = torch.randint(0, 5, (4,))
-    with pytest.raises(UnsupportedModelError, match="tied|used by"):
-        CompiledEngine().compute(both, ce, ids, torch.randint(0, 5, (4,)), clip_weights(C),
-                                 ParamGroups.flat(both))
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin = emb, lin
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.lin(torch.tanh(self.emb(ids))).mean(1)
+
+    tied = Tied()
+    g = torch.Generator().manual_seed(4)
+    ids, y = torch.randint(0, 5, (6, 3), generator=g), torch.randint(0, 5, (6,), generator=g)
+    _check_against_the_loop(tied, ce, ids, y, ParamGroups.flat(tied))
 
 
 def test_user_code_around_the_graph_is_refused():
@@ -382,19 +394,17 @@ def test_make_private_trains_on_the_compiled_engine():
 
 def test_layers_tied_or_frozen_after_the_graph_was_adopted():
     """Two layers' weights tied into one tensor after the graph was adopted (the proof's key does
-    not see it): refused, never run as the graph's two separate uses; after ``reset`` the analysis
-    refuses the tie. A layer frozen: another graph, proved and run as the model is now."""
+    not see it): refused, never run as the graph's two separate uses; after ``reset`` proved again
+    with the tie. A layer frozen: another graph, proved and run as the model is now."""
     x, y = _seq()
     model = Block().to(DT)
     for _ in range(2):
         CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
     model.ff.weight = model.out.weight
-    with pytest.raises(UnsupportedModelError, match="tied since"):
+    with pytest.raises(UnsupportedModelError, match="tied otherwise"):
         CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
-    compiled_mod.reset(model)
-    with pytest.raises(UnsupportedModelError, match="tied|used by"):
-        for _ in range(2):
-            CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    compiled_mod.reset(model)  # (proved again, tied: one input, two calls)
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
     model = Block().to(DT)
     _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
     model.ff.requires_grad_(False)

@@ -17,12 +17,15 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      memory, no grad-mode or autocast region, no other higher-order operation), one output (the
      per-example losses), no input or buffer mutation, every tensor input a parameter, a buffer or
      a step input (a tensor attribute that is not a buffer is refused);
-   * every trainable parameter is used by exactly one operation, the canonical operation of its
-     layer (``aten.linear`` with that ``nn.Linear``'s weight and bias, ``aten.embedding`` with the
-     ``nn.Embedding``'s padding index, ``aten.layer_norm`` with the ``nn.LayerNorm``'s shape and
-     eps, ...) with the layer's configuration: the ghost rule of the layer then reads exactly the
-     per-example gradient of that operation. A layer called without the batch (a ``(1, T)``
-     position index) is read at the expansion the proof traced (:mod:`dpclip.engine.batchless`);
+   * every ruled layer is called once, by the canonical operation of its class with its own
+     parameters and configuration (``aten.linear`` with that ``nn.Linear``'s weight and bias,
+     ``aten.embedding`` with the ``nn.Embedding``'s padding index, ``aten.layer_norm`` with the
+     ``nn.LayerNorm``'s shape and eps, ``aten.addmm(bias, x.view(-1, nx), weight)`` for a
+     ``transformers`` Conv1D, ...), and every use of a trainable parameter is such a call (a tied
+     parameter: one input of the graph, one call per layer, the reduction's tied rule): the ghost
+     rule of the layer then reads exactly the per-example gradient of that operation. A layer
+     called without the batch (a ``(1, T)`` position index) is read at the expansion the proof
+     traced (:mod:`dpclip.engine.batchless`);
    * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
      size of the graph: a layout cannot come from a size coincidence) under the
      :class:`~dpclip.engine.separable.SeparabilityTracer` in its structural mode: a verdict that
@@ -49,8 +52,8 @@ trace of the user's code decides WHICH program is trained, not whether it is pri
 Python state changes what it computes without changing the proof's key (module types, plain
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
-per-layer path, tied parameters, rules for non-``torch.nn`` layers (``transformers`` Conv1D,
-RMSNorm-like modules), sequence-first layers.
+per-layer path (Llama's RMSNorm, ViT's embeddings), a layer called twice, sequence-first layers,
+forwards with in-place operations or grad-mode regions.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ from torch.utils import _pytree as pytree
 from dpclip._ident import ident
 from dpclip.engine.batch import batch_leaves
 from dpclip.engine.generators import defaults_unchanged
-from dpclip.engine.ghost_rules import REWRITTEN, _Call, _MODULE, _row_group, layer_config
+from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _row_group,
+                                      layer_config)
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import foreign_aten_kernels
 from dpclip.engine.separable import SeparabilityTracer
@@ -121,11 +125,13 @@ def _mod_args(node: torch.fx.Node, mod: nn.Module, gm: torch.fx.GraphModule) -> 
 
 
 def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node],
-               gm: torch.fx.GraphModule) -> tuple[str | None, Any]:
+               gm: torch.fx.GraphModule, conv1d: bool = False) -> tuple[str | None, Any]:
     """``(why not, the input argument)``: whether ``node`` is exactly ``mod``'s own forward
-    (its class's canonical operation with its own parameters and configuration)."""
+    (its class's canonical operation with its own parameters and configuration). ``conv1d``: a
+    ``transformers`` Conv1D, ``addmm(bias, x.view(-1, nx), weight)``: its input is the 2-D view
+    (each example's ``T`` rows: the layout ``(0, T)``)."""
     cls = type(mod)
-    want = _CANON.get(cls)
+    want = _aten.addmm.default if conv1d else _CANON.get(cls)
     if want is None or node.target is not want:
         return (f"it is not computed by {getattr(want, '__name__', want)} "
                 f"(found {getattr(node.target, '__name__', node.target)})"), None
@@ -154,7 +160,11 @@ def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node]
             else f"its {name} is not the layer's ({got!r} against {value!r})"
 
     checks: list[str | None]
-    if cls is nn.Linear:
+    if conv1d:
+        a = kw.get("mat1")
+        checks = [param("weight", kw.get("mat2")), param("bias", kw.get("input")),
+                  same("beta", 1), same("alpha", 1)]
+    elif cls is nn.Linear:
         a = kw.get("input")
         checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias"))]
     elif cls is nn.Embedding:
@@ -366,7 +376,7 @@ class _Spec:
     among the graph's extra outputs, and the analysis's layouts."""
 
     __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
-                 "module", "roles", "config")
+                 "module", "roles", "config", "slots", "a_node")
 
     def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
         self.name = name
@@ -377,6 +387,18 @@ class _Spec:
         self.layouts: Any = None
         self.group = 1
         self.expanded = False
+        self.slots: dict[str, int] = {}  # role -> position of its placeholder
+        self.a_node: Any = None  # the graph node of the call's input (the rule's ``a``)
+
+
+def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
+    """The graph's parameter inputs grouped by the tensor they get (a tied parameter is one
+    tensor at several inputs)."""
+    groups: dict[int, list[int]] = {}
+    for i, ((kind, _), t) in enumerate(zip(inputs, flat)):
+        if kind == "p":
+            groups.setdefault(ident(t), []).append(i)
+    return tuple(sorted(tuple(g) for g in groups.values()))
 
 
 def _autocast_on() -> bool:
@@ -403,6 +425,9 @@ class Plan:
         self.inputs = inputs
         self.specs = specs
         self.model = weakref.ref(model)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        #: the parameter inputs that share a tensor (checked on every step: :func:`_ties`)
+        self.ties = _ties(inputs, [named.get(t) if k == "p" else None for k, t in inputs])
         #: whether a step of the traced path ran this graph's program and passed
         #: (ghost_forward._compiled_forward): until then the engine traces
         self.confirmed = False
@@ -455,11 +480,17 @@ class Plan:
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
                     "call dpclip.engine.compiled.reset(model) after changing the model")
         flat = self._feed(model, xs, ys)
-        fed = [t for (kind, _), t in zip(self.inputs, flat) if kind == "p"]
-        if len({ident(t) for t in fed}) != len(fed):
+        if _ties(self.inputs, flat) != self.ties:
             raise CompiledUnsupported(
-                "two parameters of the graph are now one tensor (tied since the graph was "
-                "proved); call dpclip.engine.compiled.reset(model)")
+                "the model's parameters are tied otherwise than when its graph was proved (a "
+                "tie made or broken); call dpclip.engine.compiled.reset(model)")
+        for s in self.specs:  # the layers' own parameters are what the graph gets
+            mp = s.module._parameters
+            if any(mp.get(r) is not flat[i] for r, i in s.slots.items()):
+                raise CompiledUnsupported(
+                    f"the parameters of layer {s.name!r} are not the tensors its graph gets (a "
+                    "tie made or broken since the graph was proved); call "
+                    "dpclip.engine.compiled.reset(model)")
         with torch.enable_grad():
             outs = self.fn(*flat)
         losses = outs[0]
@@ -585,6 +616,9 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
             continue
         if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
             raise CompiledUnsupported(f"the graph calls {t}, which is not an ATen operation")
+        if t is _aten.detach_.default and isinstance(n.args[0], torch.fx.Node) and \
+                n.args[0].op != "placeholder":
+            continue  # (autograd metadata of a tensor the graph made; no value written)
         if t._schema.is_mutable or any(r.alias_info is not None and r.alias_info.is_write
                                        for r in t._schema.returns):
             raise CompiledUnsupported(
@@ -592,42 +626,56 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
         if t.overloadpacket in _UNINIT:
             raise CompiledUnsupported(f"the graph reads uninitialised memory ({t})")
 
-    # the ruled layers: every trainable parameter used once, by its layer's canonical operation
+    # the ruled layers: each called once, by its canonical operation with its own parameters;
+    # every use of a trainable parameter is such a call (a tied parameter: one call per layer)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    by_ident: dict[int, torch.fx.Node] = {}
+    for target, node in by_param.items():
+        t = named.get(target)
+        if t is None:
+            raise CompiledUnsupported(f"parameter {target!r} of the graph is not the model's")
+        held = by_ident.get(ident(t))
+        if held is not None and held.users and node.users:
+            raise CompiledUnsupported(f"parameter {target!r} is two inputs of the graph")
+        if held is None or not held.users:  # (a tied parameter: the input the graph uses)
+            by_ident[ident(t)] = node
+    slot = {h.name: i for i, h in enumerate(holders)}
     specs: list[_Spec] = []
     extra: list[torch.fx.Node] = []
-    ruled: dict[str, _Spec] = {}  # node name -> spec
+    ruled: dict[str, _Spec] = {}  # call node name -> spec
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
     for o in scan.owners:
         if o.rule is _MODULE or o.rule.kind == "module":
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
                 "the compiled engine does not run yet; use engine 'ghost'")
-        if type(o.module) not in _CANON:
+        conv1d = o.rule is _CONV1D and type(o.module).__name__ == "Conv1D"
+        if type(o.module) not in _CANON and not conv1d:
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) has no compiled rule yet (only "
-                f"{', '.join(sorted(c.__name__ for c in _CANON))}); use engine 'ghost'")
+                f"{', '.join(sorted(c.__name__ for c in _CANON))} and transformers Conv1D); "
+                "use engine 'ghost'")
         roles = tuple(r for r in ("weight", "bias") if o.module._parameters.get(r) is not None)
         ph: dict[str, torch.fx.Node] = {}
-        for r in ("weight", "bias"):
-            if r not in roles:
-                continue
-            fq = f"{o.name}.{r}" if o.name else r
-            node = by_param.get(fq)
+        for r in roles:
+            node = by_ident.get(ident(o.module._parameters[r]))
             if node is None:
                 raise CompiledUnsupported(
-                    f"parameter {fq!r} is not an input of the graph under that name (tied "
-                    "parameters are not supported by the compiled engine yet)")
+                    f"the {r} of layer {o.name!r} is not an input of the graph")
             ph[r] = node
-        users = {u for node in ph.values() for u in node.users}
-        if len(users) != 1 or any(len(node.users) != 1 for node in ph.values()):
+        found = [(u, a) for u in ph[roles[0]].users if u.name not in ruled
+                 for why, a in [_canonical(u, o.module, ph, gm, conv1d)] if why is None]
+        if len(found) != 1:
+            why = _canonical(next(iter(ph[roles[0]].users)), o.module, ph, gm, conv1d)[0] \
+                if ph[roles[0]].users and not found else None
             raise CompiledUnsupported(
-                f"the parameters of layer {o.name!r} are used by {len(users)} operations; the "
-                "compiled engine needs each used once, by the layer's own call")
-        call = next(iter(users))
-        why, a = _canonical(call, o.module, ph, gm)
-        if why is not None:
-            raise CompiledUnsupported(f"the use of layer {o.name!r}'s parameters: {why}")
+                f"layer {o.name!r} is called {len(found)} times through its own operation"
+                + (f" (its parameters' use: {why})" if why else "")
+                + "; the compiled engine needs one call per layer")
+        call, a = found[0]
         spec = _Spec(o.name, o.module, roles)
+        spec.slots = {r: slot[ph[r].name] for r in roles}
+        spec.a_node = a
         specs.append(spec)
         ruled[call.name] = spec
         # a batch-less call expanded by the proof's program (batchless.as_example_rows): read
@@ -645,6 +693,15 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                 continue
         extra += [a, call]
         spec.a_at, spec.out_at = len(extra) - 1, len(extra)
+    for target, node in by_param.items():
+        if ident(named[target]) not in scan.by_param:  # (frozen: a constant of the graph)
+            continue
+        stray = [u for u in node.users if u.name not in ruled]
+        if stray:
+            raise CompiledUnsupported(
+                f"parameter {target!r} is used outside its layer's call (by "
+                f"{getattr(stray[0].target, '__name__', stray[0].target)}); the per-layer rules "
+                "cannot see that use")
     # every trainable parameter is some ruled layer's (the scan refuses others)
     owned = {f"{s.name}.{r}" if s.name else r for s in specs for r in s.roles}
     stray = [p for p in scan.params if p not in owned]
@@ -725,8 +782,7 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                         iota_ids[ident(v)] = iota[n.name]
                 spec = ruled.get(n.name)
                 if spec is not None and not spec.expanded:
-                    a = self.env[n.args[0] if n.target is not _aten.embedding.default
-                                 else n.args[1]]
+                    a = self.env[spec.a_node]
                     lay_a = tracer.layout(a)
                     lay_out = REWRITTEN if tracer.rewritten_to_mix(v) else tracer.layout(v)
                     k = _row_group(lay_a)
@@ -789,6 +845,7 @@ def _judge(spec: _Spec, a: Tensor, lay_a: Any, lay_out: Any, k: int, batch: int,
                 f"the input of layer {spec.name!r} is a constant with one row per example that "
                 "the graph does not make the same for every example")
         return (lay_a, lay_out), k
+    first = f" (first mixing operation: {tracer.mixers[0]})" if tracer.mixers else ""
     raise CompiledUnsupported(
-        f"the input of layer {spec.name!r} mixes the examples or has the batch in dimension "
-        f"{lay_a[0] if isinstance(lay_a, tuple) else '?'} (layout {lay_a!r})")
+        f"the input of layer {spec.name!r} mixes the examples or has the batch in another "
+        f"dimension than 0 (layout {lay_a!r}){first}")
