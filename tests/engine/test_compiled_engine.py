@@ -420,3 +420,59 @@ def test_autocast_around_a_graph_step_is_refused():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(UnsupportedModelError, match="autocast"):
             _release(model, x, y)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("scale", torch.ones(5, dtype=DT))
+        self.fc = nn.Linear(5, 3).to(DT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * self.scale
+        m = h.sum(1, keepdim=True)
+        return self.fc((x + m).reshape(x.shape[0], 5))
+
+
+def test_a_buffer_of_another_shape_after_adoption_is_refused():
+    """The layouts were proved for the tensors the analysis ran on: a buffer of another rank
+    (same values) makes ``x * scale`` broadcast to (1, B, 5) and the graph's ``sum(1)`` a sum
+    over the batch (sixty-seventh hostile review: 1.87 C). Refused; after ``reset`` the new
+    graph is proved (and refused here: it mixes)."""
+    model = Scaled()
+    x, y = data()
+    _check_against_the_loop(model, ce, x, y, ParamGroups.flat(model))
+    model.scale = torch.ones(1, 1, 5, dtype=DT)
+    with pytest.raises(UnsupportedModelError, match="changed shape"):
+        _release(model, x, y)
+    compiled_mod.reset(model)
+    with pytest.raises(UnsupportedModelError):
+        for _ in range(2):
+            _release(model, x, y)
+
+
+def test_llama_lora_adapters_equal_the_loop():
+    """peft LoRA adapters on a frozen tiny Llama (SDPA with a causal mask that its kernel turns
+    into an additive one: uniform by construction, ``separable._structural_uniform``)."""
+    pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import transformers as T
+
+    torch.manual_seed(0)
+    base = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)).to(DT)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj"]))
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.randint(0, 16, (6, 1), generator=g) + torch.arange(8)) % 16
+
+    def lm_loss(out, t):
+        logits = out.logits[:, :-1]
+        tok = nn.functional.cross_entropy(logits.reshape(-1, 16), t[:, 1:].reshape(-1),
+                                          reduction="none")
+        return tok.view(t.shape[0], -1).mean(1)
+
+    _check_against_the_loop(model, lm_loss, {"input_ids": ids}, ids, ParamGroups.flat(model))

@@ -426,8 +426,16 @@ class Plan:
         self.specs = specs
         self.model = weakref.ref(model)
         named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        now = [named.get(t) if k == "p" else buffers.get(t) if k == "b" else
+               t if k == "c" else None for k, t in inputs]
         #: the parameter inputs that share a tensor (checked on every step: :func:`_ties`)
-        self.ties = _ties(inputs, [named.get(t) if k == "p" else None for k, t in inputs])
+        self.ties = _ties(inputs, now)
+        #: ``(position, shape, dtype, device, strides)`` of every parameter, buffer and constant
+        #: the analysis ran on: the graph's layouts were proved for these (a buffer of another
+        #: rank broadcasts otherwise; sixty-seventh hostile review, 1.87 C)
+        self.meta = [(i, t.shape, t.dtype, t.device, t.stride()) for i, t in enumerate(now)
+                     if isinstance(t, Tensor)]
         #: whether a step of the traced path ran this graph's program and passed
         #: (ghost_forward._compiled_forward): until then the engine traces
         self.confirmed = False
@@ -480,6 +488,14 @@ class Plan:
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
                     "call dpclip.engine.compiled.reset(model) after changing the model")
         flat = self._feed(model, xs, ys)
+        for i, shape, dtype, device, stride in self.meta:
+            t = flat[i]
+            if t.shape != shape or t.dtype != dtype or t.device != device or \
+                    t.stride() != stride:
+                raise CompiledUnsupported(
+                    f"{self.inputs[i][1]!r} changed shape, dtype, device or layout since the "
+                    "graph was proved (its layouts hold for the tensors it was proved with); "
+                    "call dpclip.engine.compiled.reset(model)")
         if _ties(self.inputs, flat) != self.ties:
             raise CompiledUnsupported(
                 "the model's parameters are tied otherwise than when its graph was proved (a "

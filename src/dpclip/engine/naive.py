@@ -22,10 +22,15 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import LossFn
-from dpclip.engine.batch import call_model, first_tensor, slice_batch
+from dpclip.engine.batch import call_model, first_tensor, map_batch, slice_batch
 from dpclip.engine.generators import OwnGenerators
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
+
+
+def _own(t: Tensor) -> Tensor:
+    """An example's data in storage of its own (the values, contiguous; autograd kept)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def naive_per_example_grads(
@@ -58,8 +63,10 @@ def _naive_loop(
             # the chunk's: a draw count that depends on an example cannot move the next one's
             # draws; thirtieth hostile review) and no generator the model holds
             with OwnGenerators(), watch:
-                loss = loss_fn(call_model(model, slice_batch(inputs, i, i + 1)),
-                               slice_batch(targets, i, i + 1))
+                # (own copies: a slice of the batch shares its storage, which as_strided or
+                # a storage read from the example reaches beyond it: sixty-seventh review)
+                loss = loss_fn(call_model(model, map_batch(_own, slice_batch(inputs, i, i + 1))),
+                               map_batch(_own, slice_batch(targets, i, i + 1)))
             watch.refuse(engine + " engine")
             if loss.ndim == 0 or loss.shape[0] != 1:
                 raise ValueError(

@@ -609,6 +609,7 @@ class SeparabilityTracer(TorchDispatchMode):
         #: the graph proves the same for every example, and id -> the dimension along which a
         #: constant is ``arange(B)`` by the graph's construction
         self.structural: tuple[set[int], dict[int, int]] | None = None
+        self._structural_keep: list[Tensor] = []  # (what the structural set names, alive)
 
     def __enter__(self) -> "SeparabilityTracer":
         super().__enter__()
@@ -729,6 +730,36 @@ class SeparabilityTracer(TorchDispatchMode):
         finally:
             self.quiet = quiet
 
+    def _structural_uniform(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """The compiled engine's analysis (:attr:`structural`): a constant that an elementwise
+        operation (or a copy keeping every element in place, an expand, an unsqueeze) makes
+        from constants that are each uniform (the same along every dimension that involves the
+        batch: in the structural set, or stride 0 there) or free of the batch (no dimension whose
+        size is a multiple of it: at the analysis's prime batch sizes only the batch symbol makes
+        such a size) is uniform too: each of its elements reads the same elements of its operands
+        for every example. Such an operation inside a kernel's decomposition (SDPA's boolean mask
+        turned into an additive one) keeps the graph's uniform mask uniform. Kept alive with the
+        tracer (the set holds ids)."""
+        if not isinstance(out, Tensor) or not (
+                torch.Tag.pointwise in func.tags or func.overloadpacket in _UNIFORM_KEEPERS):
+            return
+        uni = self.structural[0]  # type: ignore[index]
+        b = self.batch
+        some = False
+        for t in _tensors(args, kwargs):
+            if ident(t) in uni:
+                some = True
+                continue
+            spans = [d for d, n in enumerate(t.shape) if n and n % b == 0]
+            if not spans:
+                continue
+            if any(t.stride(d) != 0 for d in spans):
+                return
+            some = True  # (an expand along every batch dimension: one row seen B times)
+        if some:
+            uni.add(ident(out))
+            self._structural_keep.append(out)
+
     def _constant_self(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
         """A copy of ``args[0]`` as it is BEFORE an in-place elementwise operation writes it, when
         it is a constant and another argument is batch data (``zeros.masked_fill_(pad, -inf)``:
@@ -794,6 +825,8 @@ class SeparabilityTracer(TorchDispatchMode):
                     self._born_storage(o)
         if not any_data:
             self._note_random(func, meta, args, kwargs, out)
+            if self.structural is not None and not mutable:
+                self._structural_uniform(func, args, kwargs, out)
             if not mutable:
                 return out  # constants in, constants out
         if any_data and meta.data_dep:
@@ -1956,6 +1989,13 @@ def _is_identity(t: Tensor, e: int, batch: int) -> bool:
     shape[e] = batch
     iota = torch.arange(batch, device=t.device).view(shape).expand_as(t)
     return bool(torch.equal(t.to(torch.long), iota))
+
+
+#: operations that keep every element of a uniform constant where it is, or repeat it along new
+#: or size-1 dimensions (``_structural_uniform``); elementwise ones are found by their tag
+_UNIFORM_KEEPERS = frozenset({_aten._to_copy, _aten.clone, _aten.contiguous, _aten.alias,
+                              _aten.detach, _aten.lift_fresh_copy, _aten.expand,
+                              _aten.unsqueeze})
 
 
 def _built_identity(tr: SeparabilityTracer, t: Tensor, e: int) -> bool:
