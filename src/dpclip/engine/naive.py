@@ -3,6 +3,15 @@
 Slow, but obviously correct: it is the oracle of the engine tests (float64 parity, anchors P17) and
 a debugging aid. :class:`NaiveEngine` fulfils the same contract as
 :class:`~dpclip.engine.vmap.VmapEngine`.
+
+Trust assumption (not checked): the model keeps no example's data between calls in Python state
+outside the model (a module-level list, a closure): the loop calls the forward once per example,
+in order, so such state carries one example's data into the next example's gradient (sixty-eighth
+hostile review: a global list of the previous inputs, 1.73 C). The model's own attributes and
+buffers are guarded (a write is refused), and each example's data is a copy of its own (a view of
+the batch reached the other examples through ``as_strided``). ``vmap`` cannot carry a tensor out
+of its call (functorch refuses an escaped wrapper) and ``ghost`` traces every operation; prefer
+them where they run.
 """
 
 from __future__ import annotations
