@@ -20,7 +20,7 @@ def test_every_name_table_is_one_registry_class() -> None:
         assert isinstance(reg, Registry) and reg.kind == kind
     # the bound-based strategies and the Lipschitz models register from the room above
     assert STRATEGIES["lip-dp-sgd"].kind == "bound" and "lip-orth-cnn" in MODELS
-    assert tuple(ENGINES) == ("vmap", "ghost", "auto", "naive", "summed")  # one list
+    assert tuple(ENGINES) == ("vmap", "ghost", "auto", "compiled", "naive", "summed")  # one list
 
 
 def test_register_twice_and_unknown_names_name_the_argument() -> None:
@@ -35,7 +35,7 @@ def test_register_twice_and_unknown_names_name_the_argument() -> None:
         reg.lookup(None)
     assert reg.get(None) is None and reg.get(["unhashable"]) is None
     with pytest.raises(ValueError, match=r"make_private: unknown engine 'vamp' \(did you mean "
-                                         r"'vmap'\?\); valid engines: auto, ghost, naive, "):
+                                         r"'vmap'\?\); valid engines: auto, compiled, ghost, naive, "):
         ENGINES.lookup("vamp", "make_private: ")
     with pytest.raises(ValueError, match=r"unknown engine 'gost' \(did you mean 'ghost'\?\)"):
         get_engine("gost")

@@ -476,3 +476,21 @@ def test_llama_lora_adapters_equal_the_loop():
         return tok.view(t.shape[0], -1).mean(1)
 
     _check_against_the_loop(model, lm_loss, {"input_ids": ids}, ids, ParamGroups.flat(model))
+
+
+@pytest.mark.parametrize("engine", [GhostEngine, CompiledEngine])
+def test_no_engine_keeps_the_steps_batch(engine):
+    """The proof's exported program kept the arguments it was traced with, the first step's
+    private batch, for as long as the proof stayed cached (found by a finalizer test whose
+    finalizer then never fired). Released now: nothing holds the batch after the step."""
+    import gc
+    import weakref
+
+    model = Block().to(DT)
+    for _ in range(3):
+        x, y = _seq()
+        refs = (weakref.ref(x), weakref.ref(y))
+        engine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+        del x, y
+        gc.collect()
+        assert all(r() is None for r in refs)

@@ -33,7 +33,7 @@ PER_EXAMPLE = sorted(n for n, cls in ENGINES.items() if cls.per_example)
 
 
 def test_per_example_engines_registered():
-    assert PER_EXAMPLE == ["auto", "ghost", "naive", "vmap"]
+    assert PER_EXAMPLE == ["auto", "compiled", "ghost", "naive", "vmap"]
 
 
 # ------------------------------------------------------------------------- non-finite examples

@@ -960,6 +960,9 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
         return ("not proven: the forward and loss could not be traced with a symbolic batch "
                 f"size ({type(exc).__name__}: {first}); Python escapes such as .numpy(), "
                 ".tolist(), .item() or control flow on data values cannot be checked"), None
+    # the exported program keeps the arguments it was traced with: the step's (private) batch,
+    # which the proof's cache must not hold after the step
+    ep.example_inputs = None
     program = getattr(traced, "program", None)
     if program is None:
         return "not proven: the proof's trace did not run the forward", None

@@ -97,6 +97,10 @@ _CANON: dict[type, Any] = {
 }
 if hasattr(nn, "RMSNorm") and hasattr(_aten, "rms_norm"):
     _CANON[nn.RMSNorm] = _aten.rms_norm.default
+#: BatchNorm in eval mode: the running statistics, buffers of the layer's own
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+for _bn in _BATCHNORMS:
+    _CANON[_bn] = _aten.batch_norm.default
 
 #: graph operations that are arithmetic on sizes (the batch symbol's expressions)
 _SYM_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -186,6 +190,16 @@ def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node]
         checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
                   same("stride", list(mod.stride)), same("padding", list(mod.padding)),
                   same("dilation", list(mod.dilation)), same("groups", mod.groups)]
+    elif cls in _BATCHNORMS:
+        a = kw.get("input")
+        if not mod.track_running_stats or "running_mean" not in ph or "running_var" not in ph:
+            return "it does not normalise with the layer's running statistics", None
+        checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
+                  None if kw.get("running_mean") is ph["running_mean"] else
+                  "its running mean is not the layer's",
+                  None if kw.get("running_var") is ph["running_var"] else
+                  "its running variance is not the layer's",
+                  same("training", False), same("eps", mod.eps)]
     elif cls is nn.GroupNorm:
         a = kw.get("input")
         checks = [param("weight", kw.get("weight")), param("bias", kw.get("bias")),
@@ -594,6 +608,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     leaves = pytree.tree_leaves((xs, ys))
     inputs: list[tuple[str, Any]] = []
     by_param: dict[str, torch.fx.Node] = {}
+    by_buffer: dict[str, torch.fx.Node] = {}
     n_user = 0
     for n, s in zip(holders, specs_in):
         kind = s.kind.name
@@ -604,6 +619,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
             by_param[target] = n
         elif kind == "BUFFER":
             inputs.append(("b", target))
+            by_buffer[target] = n
         elif kind == "CONSTANT_TENSOR":
             if not _literal(model, target):
                 raise CompiledUnsupported(
@@ -679,6 +695,11 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                 raise CompiledUnsupported(
                     f"the {r} of layer {o.name!r} is not an input of the graph")
             ph[r] = node
+        if isinstance(o.module, _BATCHNORMS):
+            for b in ("running_mean", "running_var"):
+                node = by_buffer.get(f"{o.name}.{b}" if o.name else b)
+                if node is not None:
+                    ph[b] = node
         found = [(u, a) for u in ph[roles[0]].users if u.name not in ruled
                  for why, a in [_canonical(u, o.module, ph, gm, conv1d)] if why is None]
         if len(found) != 1:
@@ -831,6 +852,10 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
     finally:
         tracer.retire()
     losses = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(losses, Tensor) or losses.ndim == 0 or losses.shape[0] != batch:
+        from dpclip.engine.errors import loss_shape_error
+
+        raise loss_shape_error(losses.ndim if isinstance(losses, Tensor) else 0)
     if tracer.violation is not None:
         raise CompiledUnsupported(f"the graph is not per-example separable: {tracer.violation}")
     lay = tracer.layout(losses)

@@ -1550,11 +1550,10 @@ class CompiledEngine(GhostEngine):
     contract as :class:`GhostEngine`, except ``fallback`` (none: a model it cannot prove raises
     :class:`~dpclip.engine.errors.UnsupportedModelError` naming the reason). Supported layers:
     ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``, ``nn.Conv2d``,
-    ``nn.GroupNorm``, ``nn.RMSNorm`` and ``transformers`` Conv1D, each called once through its own
-    forward, tied parameters included (no per-layer path yet). The program trained is the one
-    captured for
-    the proof's key: after changing Python state of the model that the key does not see, call
-    :func:`dpclip.engine.compiled.reset`."""
+    ``nn.GroupNorm``, ``nn.RMSNorm``, eval-mode BatchNorm and ``transformers`` Conv1D, each called
+    once through its own forward, tied parameters included (no per-layer path yet). The program
+    trained is the one captured for the proof's key: after changing Python state of the model that
+    the key does not see, call :func:`dpclip.engine.compiled.reset`."""
 
     name: ClassVar[str] = "compiled"
     _compiled: ClassVar[bool] = True
@@ -1563,10 +1562,10 @@ class CompiledEngine(GhostEngine):
         return UnsupportedModelError(
             f"{self.name} engine: {reason}. The compiled engine runs models whose parameters "
             "all belong to nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d, nn.Conv2d, "
-            "nn.GroupNorm, nn.RMSNorm or transformers Conv1D layers, each called once through "
-            "its own forward, with an out-of-place forward that torch.export can trace "
-            "(docs/engines.md, \"The compiled engine\"); use engine 'ghost' or 'auto' for other "
-            "models")
+            "nn.GroupNorm, nn.RMSNorm, eval-mode BatchNorm or transformers Conv1D layers, each "
+            "called once through its own forward, with an out-of-place forward that torch.export "
+            "can trace (docs/engines.md, \"The compiled engine\"); use engine 'ghost' or 'auto' "
+            "for other models")
 
     def __post_init__(self) -> None:
         if self.fallback is not None:
