@@ -215,14 +215,7 @@ def survey_compiled(name: str) -> dict:
     from dpclip.engine import CompiledEngine
     from dpclip.engine import compiled as cm
 
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    m, x, y, loss = build(name, g)
-    m = m.to(DT).eval()
-    w = Kw(m, list(x))
-    xs = tuple(v.to(DT) if v.is_floating_point() else v for v in x.values())
-    row = {"model": name, "class": type(m).__name__}
-    groups = ParamGroups.flat(w)
+    w, xs, y, loss, row, groups = _setup(name)
     real, ran = cm.Plan.run, [0]
 
     def counted(self, *a, **k):
@@ -246,15 +239,19 @@ def survey_compiled(name: str) -> dict:
     return row
 
 
-def survey(name: str) -> dict:
+def _setup(name: str) -> tuple:
+    """``(model called positionally, inputs, labels, loss, row, flat groups)`` of one model."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     m, x, y, loss = build(name, g)
     m = m.to(DT).eval()
-    w = Kw(m, list(x))
     xs = tuple(v.to(DT) if v.is_floating_point() else v for v in x.values())
-    row = {"model": name, "class": type(m).__name__}
-    groups = ParamGroups.flat(w)
+    w = Kw(m, list(x))
+    return w, xs, y, loss, {"model": name, "class": type(m).__name__}, ParamGroups.flat(w)
+
+
+def survey(name: str) -> dict:
+    w, xs, y, loss, row, groups = _setup(name)
     try:
         res = AutoEngine().compute(w, loss, xs, y, clip_weights(0.3), groups)
     except Exception as exc:  # noqa: BLE001 - recorded: the model is refused under auto
