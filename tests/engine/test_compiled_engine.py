@@ -494,3 +494,30 @@ def test_no_engine_keeps_the_steps_batch(engine):
         del x, y
         gc.collect()
         assert all(r() is None for r in refs)
+
+
+class TwiceCalled(nn.Module):
+    """One Linear applied twice and an Embedding shared by two inputs (an encoder and a decoder's
+    shared table), its weight tied to the output layer: several calls per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.shared.weight
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        h = self.mix(torch.tanh(self.mix(self.shared(src)))) + self.shared(tgt)
+        return self.out(h).mean(1)
+
+
+def test_layers_called_twice_equal_the_loop():
+    """Each call is a call of the reduction (the exact rule for several uses of one parameter),
+    as on the traced path; Pegasus and Marian run so."""
+    model = TwiceCalled().to(DT)
+    g = torch.Generator().manual_seed(5)
+    src, tgt = torch.randint(0, 7, (6, 3), generator=g), torch.randint(0, 7, (6, 3), generator=g)
+    y = torch.randint(0, 7, (6,), generator=g)
+    _check_against_the_loop(model, ce, (src, tgt), y, ParamGroups.per_layer(model))

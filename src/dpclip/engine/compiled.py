@@ -17,12 +17,13 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      memory, no grad-mode or autocast region, no other higher-order operation), one output (the
      per-example losses), no input or buffer mutation, every tensor input a parameter, a buffer or
      a step input (a tensor attribute that is not a buffer is refused);
-   * every ruled layer is called once, by the canonical operation of its class with its own
+   * every call of a ruled layer is the canonical operation of its class with its own
      parameters and configuration (``aten.linear`` with that ``nn.Linear``'s weight and bias,
      ``aten.embedding`` with the ``nn.Embedding``'s padding index, ``aten.layer_norm`` with the
      ``nn.LayerNorm``'s shape and eps, ``aten.addmm(bias, x.view(-1, nx), weight)`` for a
      ``transformers`` Conv1D, ...), and every use of a trainable parameter is such a call (a tied
-     parameter: one input of the graph, one call per layer, the reduction's tied rule): the ghost
+     parameter: one input of the graph, the calls of every layer holding it; a layer called twice:
+     two calls; the reduction's rule for several uses of a parameter): the ghost
      rule of the layer then reads exactly the per-example gradient of that operation. A layer
      called without the batch (a ``(1, T)`` position index) is read at the expansion the proof
      traced (:mod:`dpclip.engine.batchless`);
@@ -52,7 +53,7 @@ trace of the user's code decides WHICH program is trained, not whether it is pri
 Python state changes what it computes without changing the proof's key (module types, plain
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
-per-layer path (Llama's RMSNorm, ViT's embeddings), a layer called twice, sequence-first layers,
+per-layer path (Llama's RMSNorm, ViT's embeddings), sequence-first layers,
 forwards with in-place operations or grad-mode regions.
 """
 
@@ -311,6 +312,31 @@ def _iota_dims(gm: torch.fx.GraphModule, batch_expr: Any) -> dict[str, int]:
     return out
 
 
+def _claim(o: Any, roles: tuple, ph: dict, slot: dict, call: torch.fx.Node, a: torch.fx.Node,
+           specs: list, ruled: dict, expansions: dict, extra: list) -> None:
+    """Record one canonical call of owner ``o``: its spec, and the graph outputs the step reads
+    (the input and output; a batch-less call expanded by the proof's program,
+    :func:`~dpclip.engine.batchless.as_example_rows`, is read at the expansion, its only use)."""
+    spec = _Spec(o.name, o.module, roles)
+    spec.slots = {r: slot[ph[r].name] for r in roles}
+    spec.a_node = a
+    spec.call = call.name
+    specs.append(spec)
+    ruled[call.name] = spec
+    val = call.meta.get("val")
+    if isinstance(val, Tensor) and val.ndim and val.shape[0] == 1:
+        users_out = list(call.users)
+        if len(users_out) == 1 and users_out[0].target is _aten.add.Tensor and \
+                users_out[0].args[0] is call and _rows_of(users_out[0], val):
+            spec.expanded = True
+            expansions[users_out[0].name] = spec
+            extra += [a, users_out[0], call]
+            spec.a_at, spec.out_at, spec.source_at = len(extra) - 2, len(extra) - 1, len(extra)
+            return
+    extra += [a, call]
+    spec.a_at, spec.out_at = len(extra) - 1, len(extra)
+
+
 def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
     """Whether ``node``'s value is ``one`` (leading dimension 1) with the batch symbol as its
     leading dimension instead, every other dimension the same."""
@@ -390,7 +416,7 @@ class _Spec:
     among the graph's extra outputs, and the analysis's layouts."""
 
     __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
-                 "module", "roles", "config", "slots", "a_node")
+                 "module", "roles", "config", "slots", "a_node", "call")
 
     def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
         self.name = name
@@ -403,6 +429,7 @@ class _Spec:
         self.expanded = False
         self.slots: dict[str, int] = {}  # role -> position of its placeholder
         self.a_node: Any = None  # the graph node of the call's input (the rule's ``a``)
+        self.call = ""  # the name of the call's node
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -450,6 +477,8 @@ class Plan:
         #: rank broadcasts otherwise; sixty-seventh hostile review, 1.87 C)
         self.meta = [(i, t.shape, t.dtype, t.device, t.stride()) for i, t in enumerate(now)
                      if isinstance(t, Tensor)]
+        #: the names of the ruled layers when the graph was proved (some may have no call)
+        self.owners: set[str] = {sp.name for sp in specs}
         #: whether a step of the traced path ran this graph's program and passed
         #: (ghost_forward._compiled_forward): until then the engine traces
         self.confirmed = False
@@ -490,7 +519,7 @@ class Plan:
         if why is not None:
             raise CompiledUnsupported(f"{why}: user code would run on the graph's operations")
         by_name = {o.name: o for o in scan.owners}
-        if len(by_name) != len(self.specs):
+        if set(by_name) != self.owners:
             raise CompiledUnsupported(
                 "the model's trainable layers changed since its graph was proved (a parameter's "
                 "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
@@ -658,8 +687,8 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
         if t.overloadpacket in _UNINIT:
             raise CompiledUnsupported(f"the graph reads uninitialised memory ({t})")
 
-    # the ruled layers: each called once, by its canonical operation with its own parameters;
-    # every use of a trainable parameter is such a call (a tied parameter: one call per layer)
+    # the ruled layers' calls: their canonical operations with their own parameters; every use
+    # of a trainable parameter is such a call (a tied parameter: the calls of every holder)
     named = dict(model.named_parameters(remove_duplicate=False))
     by_ident: dict[int, torch.fx.Node] = {}
     for target, node in by_param.items():
@@ -675,6 +704,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     specs: list[_Spec] = []
     extra: list[torch.fx.Node] = []
     ruled: dict[str, _Spec] = {}  # call node name -> spec
+    holders_of: dict[str, tuple] = {}  # owner name -> (owner, its placeholders, Conv1D?)
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
     for o in scan.owners:
         if o.rule is _MODULE or o.rule.kind == "module":
@@ -700,47 +730,28 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                 node = by_buffer.get(f"{o.name}.{b}" if o.name else b)
                 if node is not None:
                     ph[b] = node
+        # every call of the layer through its canonical operation (a layer called twice, a
+        # shared embedding: two calls, the reduction's rule for several uses of a parameter);
+        # any other use of its parameters is refused below
         found = [(u, a) for u in ph[roles[0]].users if u.name not in ruled
                  for why, a in [_canonical(u, o.module, ph, gm, conv1d)] if why is None]
-        if len(found) != 1:
-            why = _canonical(next(iter(ph[roles[0]].users)), o.module, ph, gm, conv1d)[0] \
-                if ph[roles[0]].users and not found else None
-            raise CompiledUnsupported(
-                f"layer {o.name!r} is called {len(found)} times through its own operation"
-                + (f" (its parameters' use: {why})" if why else "")
-                + "; the compiled engine needs one call per layer")
-        call, a = found[0]
-        spec = _Spec(o.name, o.module, roles)
-        spec.slots = {r: slot[ph[r].name] for r in roles}
-        spec.a_node = a
-        specs.append(spec)
-        ruled[call.name] = spec
-        # a batch-less call expanded by the proof's program (batchless.as_example_rows): read
-        # at the expansion, its only use
-        val = call.meta.get("val")
-        if isinstance(val, Tensor) and val.ndim and val.shape[0] == 1:
-            users_out = list(call.users)
-            if len(users_out) == 1 and users_out[0].target is _aten.add.Tensor and \
-                    users_out[0].args[0] is call and _rows_of(users_out[0], val):
-                spec.expanded = True
-                expansions[users_out[0].name] = spec
-                extra += [a, users_out[0], call]
-                spec.a_at, spec.out_at, spec.source_at = (len(extra) - 2, len(extra) - 1,
-                                                           len(extra))
-                continue
-        extra += [a, call]
-        spec.a_at, spec.out_at = len(extra) - 1, len(extra)
+        for call, a in found:
+            _claim(o, roles, ph, slot, call, a, specs, ruled, expansions, extra)
+        holders_of[o.name] = (o, ph, conv1d)
     for target, node in by_param.items():
         if ident(named[target]) not in scan.by_param:  # (frozen: a constant of the graph)
             continue
         stray = [u for u in node.users if u.name not in ruled]
         if stray:
+            whys = [_canonical(stray[0], o.module, ph, gm, c1)[0]
+                    for o, ph, c1 in holders_of.values() if node in ph.values()]
             raise CompiledUnsupported(
                 f"parameter {target!r} is used outside its layer's call (by "
-                f"{getattr(stray[0].target, '__name__', stray[0].target)}); the per-layer rules "
-                "cannot see that use")
+                f"{getattr(stray[0].target, '__name__', stray[0].target)}"
+                + (f": {whys[0]}" if whys and whys[0] else "")
+                + "); the per-layer rules cannot see that use")
     # every trainable parameter is some ruled layer's (the scan refuses others)
-    owned = {f"{s.name}.{r}" if s.name else r for s in specs for r in s.roles}
+    owned = {f"{o.name}.{r}" if o.name else r for o in scan.owners for r in o.module._parameters}
     stray = [p for p in scan.params if p not in owned]
     if stray:
         raise CompiledUnsupported(f"parameter(s) {', '.join(stray)} belong to no ruled layer")
@@ -769,7 +780,9 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
 
     out_node.args = ((loss_node, *extra),)
     gm.recompile()
-    return Plan(gm, inputs, specs, model)
+    plan = Plan(gm, inputs, specs, model)
+    plan.owners = {o.name for o in scan.owners}
+    return plan
 
 
 def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.Module,
@@ -823,7 +836,7 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                     lay_a = tracer.layout(a)
                     lay_out = REWRITTEN if tracer.rewritten_to_mix(v) else tracer.layout(v)
                     k = _row_group(lay_a)
-                    found[spec.name] = _judge(spec, a, lay_a, lay_out, k, batch, tracer)
+                    found[spec.call] = _judge(spec, a, lay_a, lay_out, k, batch, tracer)
                     tracer.mark(v, (0, k) if k > 1 and v.ndim and a.ndim and
                                 v.shape[0] == a.shape[0] else (0, 1))
                 spec = expansions.get(n.name)
@@ -833,7 +846,7 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                         raise CompiledUnsupported(
                             f"the expansion of layer {spec.name!r}'s batch-less call is not "
                             "example rows")
-                    found[spec.name] = ((None, lay), 1)
+                    found[spec.call] = ((None, lay), 1)
                     tracer.mark(v, (0, 1))
             finally:
                 tracer.quiet = quiet
@@ -864,10 +877,10 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
         raise CompiledUnsupported(
             f"the per-example losses are not per-example separable (layout {lay!r}){first}")
     order = [s for s in ruled.values()]
-    missing = [s.name for s in order if s.name not in found]
+    missing = [s.name for s in order if s.call not in found]
     if missing:
         raise CompiledUnsupported(f"layer {missing[0]!r} was not reached in the analysis")
-    return [found[s.name] for s in order]
+    return [found[s.call] for s in order]
 
 
 def _judge(spec: _Spec, a: Tensor, lay_a: Any, lay_out: Any, k: int, batch: int,

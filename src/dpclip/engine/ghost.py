@@ -1551,9 +1551,9 @@ class CompiledEngine(GhostEngine):
     :class:`~dpclip.engine.errors.UnsupportedModelError` naming the reason). Supported layers:
     ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``, ``nn.Conv2d``,
     ``nn.GroupNorm``, ``nn.RMSNorm``, eval-mode BatchNorm and ``transformers`` Conv1D, each called
-    once through its own forward, tied parameters included (no per-layer path yet). The program
-    trained is the one captured for the proof's key: after changing Python state of the model that
-    the key does not see, call :func:`dpclip.engine.compiled.reset`."""
+    through its own forward, tied parameters and repeated calls included (no per-layer path yet).
+    The program trained is the one captured for the proof's key: after changing Python state of the
+    model that the key does not see, call :func:`dpclip.engine.compiled.reset`."""
 
     name: ClassVar[str] = "compiled"
     _compiled: ClassVar[bool] = True
@@ -1563,7 +1563,7 @@ class CompiledEngine(GhostEngine):
             f"{self.name} engine: {reason}. The compiled engine runs models whose parameters "
             "all belong to nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d, nn.Conv2d, "
             "nn.GroupNorm, nn.RMSNorm, eval-mode BatchNorm or transformers Conv1D layers, each "
-            "called once through its own forward, with an out-of-place forward that torch.export "
+            "called through its own forward, with an out-of-place forward that torch.export "
             "can trace (docs/engines.md, \"The compiled engine\"); use engine 'ghost' or 'auto' "
             "for other models")
 
