@@ -132,11 +132,12 @@ def test_chunks_equal_the_loop(chunk):
                             CompiledEngine(max_physical_batch=chunk))
 
 
-@pytest.mark.parametrize("name", ["bert", "roberta", "gpt2"])
+@pytest.mark.parametrize("name", ["bert", "roberta", "gpt2", "llama"])
 def test_hugging_face_models_equal_the_loop(name):
     """BERT and RoBERTa as the tokenizer gives the batch (ids, a 2-D attention mask; the position
     embedding's batch-less call read at the proof's expansion); GPT-2 (``transformers`` Conv1D as
-    ``addmm`` on the 2-D view, each example's rows a block; ``wte`` tied to ``lm_head``)."""
+    ``addmm`` on the 2-D view, each example's rows a block; ``wte`` tied to ``lm_head``); Llama
+    (its RMSNorms, on ghost's per-layer path, read as an elementwise scale: ``_ScaleRule``)."""
     pytest.importorskip("transformers")
     from tests.engine.test_hf_zoo import build
 
@@ -521,3 +522,47 @@ def test_layers_called_twice_equal_the_loop():
     src, tgt = torch.randint(0, 7, (6, 3), generator=g), torch.randint(0, 7, (6, 3), generator=g)
     y = torch.randint(0, 7, (6,), generator=g)
     _check_against_the_loop(model, ce, (src, tgt), y, ParamGroups.per_layer(model))
+
+
+class ScaledNorm(nn.Module):
+    """An RMSNorm-like module of the user's own (the per-layer path on ghost): ``weight * x``."""
+
+    def __init__(self, d: int, mix: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.mix = mix
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.mix:  # (the operand mixes the examples: refused by the separability analysis)
+            h = h - h.mean(0)
+        return self.weight * h
+
+
+class WithNorm(nn.Module):
+    def __init__(self, mix: bool = False, twice: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.head = nn.Linear(3, 6), ScaledNorm(6, mix), nn.Linear(6, 3)
+        self.twice = twice
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.inp(x))
+        if self.twice:  # (the module called twice: two products of its weight)
+            h = self.norm(h)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_an_elementwise_scale_on_the_per_layer_path_equals_the_loop(twice):
+    model = WithNorm(twice=twice).to(DT)
+    x, y = _seq()
+    _check_against_the_loop(model, ce, x, y, ParamGroups.per_layer(model))
+
+
+def test_an_elementwise_scale_of_mixed_rows_is_refused():
+    model = WithNorm(mix=True).to(DT)
+    x, y = _seq()
+    with pytest.raises(UnsupportedModelError):
+        for _ in range(2):
+            _release(model, x, y)

@@ -24,7 +24,10 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      ``transformers`` Conv1D, ...), and every use of a trainable parameter is such a call (a tied
      parameter: one input of the graph, the calls of every layer holding it; a layer called twice:
      two calls; the reduction's rule for several uses of a parameter): the ghost
-     rule of the layer then reads exactly the per-example gradient of that operation. A layer
+     rule of the layer then reads exactly the per-example gradient of that operation. A module on
+     ghost's per-layer path whose one parameter ``weight`` is used only by products ``weight * x``
+     broadcast over ``x``'s leading dimensions (Llama's RMSNorm) is read by :class:`_ScaleRule`.
+     A layer
      called without the batch (a ``(1, T)`` position index) is read at the expansion the proof
      traced (:mod:`dpclip.engine.batchless`);
    * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
@@ -53,7 +56,7 @@ trace of the user's code decides WHICH program is trained, not whether it is pri
 Python state changes what it computes without changing the proof's key (module types, plain
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
-per-layer path (Llama's RMSNorm, ViT's embeddings), sequence-first layers,
+per-layer path other than an elementwise scale (ViT's embeddings), sequence-first layers,
 forwards with in-place operations or grad-mode regions.
 """
 
@@ -71,8 +74,8 @@ from torch.utils import _pytree as pytree
 from dpclip._ident import ident
 from dpclip.engine.batch import batch_leaves
 from dpclip.engine.generators import defaults_unchanged
-from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _row_group,
-                                      layer_config)
+from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _Owner, _Rule,
+                                      _row_group, layer_config, own_param)
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import foreign_aten_kernels
 from dpclip.engine.separable import SeparabilityTracer
@@ -115,6 +118,53 @@ _UNINIT = frozenset({_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty
 #: value-keeping moves for the identity index (:func:`_iota_dims`)
 _SAME_VALUES = frozenset({_aten.detach, _aten.alias, _aten.clone, _aten.contiguous,
                           _aten._to_copy, _aten.to, _aten.lift_fresh_copy})
+
+
+class _ScaleRule(_Rule):
+    """A module on the per-layer path whose one trainable parameter ``weight`` multiplies example
+    rows elementwise, broadcast over their leading dimensions (``weight * x``: Llama's, Mistral's,
+    Qwen2's RMSNorm): the per-example gradient is the sum over positions of ``b * x``, formed and
+    kept as for a LayerNorm's weight (the vector whose norm is taken is the vector summed)."""
+
+    roles = ("weight",)
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        k = own_param(c.mod, role).ndim
+        t = c.b * c.a
+        return t.reshape(t.shape[0], -1, *t.shape[t.ndim - k:]).sum(1)
+
+
+_SCALE = _ScaleRule()
+
+
+def _scale_calls(o: Any, node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]] | None:
+    """The calls of a per-layer module's only parameter, ``weight`` (placeholder ``node``), when
+    every use is ``aten.mul.Tensor(weight, x)`` (either order) with ``x`` a tensor of the graph
+    whose trailing dimensions are the weight's and the product of ``x``'s shape (the weight only
+    broadcast): ``[(mul, x)]``; else None."""
+    if tuple(o.module._parameters) != ("weight",) or o.roles != ("weight",):
+        return None
+    w = node.meta.get("val")
+    if not isinstance(w, Tensor) or not w.ndim:
+        return None
+    got = []
+    for u in node.users:
+        if u.target is not _aten.mul.Tensor or len(u.args) != 2 or u.kwargs:
+            return None
+        x = u.args[1] if u.args[0] is node else u.args[0]
+        if x is node or not isinstance(x, torch.fx.Node):
+            return None
+        xv, out = x.meta.get("val"), u.meta.get("val")
+        if not isinstance(xv, Tensor) or not isinstance(out, Tensor) or xv.ndim <= w.ndim or \
+                xv.dtype != out.dtype or _sizes(xv.shape) != _sizes(out.shape) or \
+                _sizes(xv.shape[xv.ndim - w.ndim:]) != _sizes(w.shape):
+            return None
+        got.append((u, x))
+    return got
+
+
+def _sizes(shape: Any) -> tuple:
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in shape)
 
 
 def _mod_args(node: torch.fx.Node, mod: nn.Module, gm: torch.fx.GraphModule) -> dict | None:
@@ -416,7 +466,7 @@ class _Spec:
     among the graph's extra outputs, and the analysis's layouts."""
 
     __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
-                 "module", "roles", "config", "slots", "a_node", "call")
+                 "module", "roles", "config", "slots", "a_node", "call", "scale")
 
     def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
         self.name = name
@@ -430,6 +480,7 @@ class _Spec:
         self.slots: dict[str, int] = {}  # role -> position of its placeholder
         self.a_node: Any = None  # the graph node of the call's input (the rule's ``a``)
         self.call = ""  # the name of the call's node
+        self.scale = False  # a per-layer module read as an elementwise scale (_ScaleRule)
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -525,7 +576,7 @@ class Plan:
                 "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
         for s in self.specs:
             o = by_name.get(s.name)
-            if o is None or o.module is not s.module or o.rule is _MODULE or \
+            if o is None or o.module is not s.module or (o.rule is _MODULE) != s.scale or \
                     _static_config(s.module) != s.config:
                 raise CompiledUnsupported(
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
@@ -559,6 +610,8 @@ class Plan:
             a, out = outs[s.a_at], outs[s.out_at]
             if s.expanded:
                 a = a.expand(batch, *a.shape[1:])
+            if s.scale:  # (the per-layer module's weight, read by the elementwise rule)
+                o = _Owner(o.name, o.module, _SCALE, o.roles, o.pnames)
             c = _Call(o, a, out, None)
             c.layouts = s.layouts
             c.group = s.group
@@ -708,6 +761,15 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
     for o in scan.owners:
         if o.rule is _MODULE or o.rule.kind == "module":
+            node = by_ident.get(ident(o.module._parameters.get("weight")))
+            calls = _scale_calls(o, node) if node is not None else None
+            if calls is not None:  # (an elementwise scale: _ScaleRule)
+                ph = {"weight": node}
+                for call, a in calls:
+                    _claim(o, ("weight",), ph, slot, call, a, specs, ruled, expansions, extra)
+                    specs[-1].scale = True
+                holders_of[o.name] = (o, ph, False)
+                continue
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
                 "the compiled engine does not run yet; use engine 'ghost'")
