@@ -23,13 +23,12 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      ``nn.LayerNorm``'s shape and eps, ``aten.addmm(bias, x.view(-1, nx), weight)`` for a
      ``transformers`` Conv1D, ...), and every use of a trainable parameter is such a call (a tied
      parameter: one input of the graph, the calls of every layer holding it; a layer called twice:
-     two calls; the reduction's rule for several uses of a parameter): the ghost
-     rule of the layer then reads exactly the per-example gradient of that operation. A module on
-     ghost's per-layer path whose one parameter ``weight`` is used only by products ``weight * x``
-     broadcast over ``x``'s leading dimensions (Llama's RMSNorm) is read by :class:`_ScaleRule`.
-     A layer
-     called without the batch (a ``(1, T)`` position index) is read at the expansion the proof
-     traced (:mod:`dpclip.engine.batchless`);
+     two calls; the reduction's rule for several uses of a parameter): the ghost rule of the layer
+     then reads exactly the per-example gradient of that operation. A module on ghost's per-layer
+     path whose one parameter ``weight`` is used only by products ``weight * x`` broadcast over
+     ``x``'s leading dimensions (Llama's RMSNorm) is read by :class:`_ScaleRule`. A layer called
+     without the batch (a ``(1, T)`` position index) is read at the expansion the proof traced
+     (:mod:`dpclip.engine.batchless`);
    * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
      size of the graph: a layout cannot come from a size coincidence) under the
      :class:`~dpclip.engine.separable.SeparabilityTracer` in its structural mode: a verdict that
