@@ -20,7 +20,8 @@
 #      default since 0.3; 58.5 ms a step at 256 against 14.3 ms for make_private's whole batch)
 #   C  Tramer-Boneh Fashion-MNIST (Papernot CNN, B 2048, eps 2.7, 40 epochs), seed 0, alone on
 #      the card: `dpclip train --device cuda --eval-every 0` (train_seconds), then Opacus
-#   D  the four ~100M-parameter Hugging Face models (benchmarks/hf_models.py --size base)
+#   D  the four ~100M-parameter Hugging Face models (benchmarks/hf_models.py --size base), with
+#      engine "compiled" beside auto (BERT, GPT-2 and Llama run on it; ViT is refused)
 #   C2 benchmarks/step_profile.py: a private step against a non-private one, profiler tables
 #   E  `dpclip bench --model transformer --batch-size 256` against Opacus ghost
 #   F  if time is left: BERT with the default (SDPA) attention, to see the verdict on GPU kernels
@@ -90,7 +91,8 @@ pack
 
 echo "== D: Hugging Face models, base size ($(left) s left)"
 timeout "$(cap 230 90)" python3 benchmarks/hf_models.py --device cuda --size base --rounds 5 \
-  --warm 2 --out "$W/hf_models_cuda.json" > "$W/hf_models.log" 2>&1
+  --warm 3 --methods nonprivate,dpclip-auto,dpclip-compiled,opacus-ghost,opacus-hooks \
+  --out "$W/hf_models_cuda.json" > "$W/hf_models.log" 2>&1
 echo "hf rc $?"; cat "$W/hf_models_cuda.md" 2>/dev/null | cut -c1-400; grep -v "^|" "$W/hf_models.log" | tail -n 8
 pack
 
