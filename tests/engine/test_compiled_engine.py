@@ -132,12 +132,13 @@ def test_chunks_equal_the_loop(chunk):
                             CompiledEngine(max_physical_batch=chunk))
 
 
-@pytest.mark.parametrize("name", ["bert", "roberta", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["bert", "roberta", "gpt2", "llama", "vit"])
 def test_hugging_face_models_equal_the_loop(name):
     """BERT and RoBERTa as the tokenizer gives the batch (ids, a 2-D attention mask; the position
     embedding's batch-less call read at the proof's expansion); GPT-2 (``transformers`` Conv1D as
     ``addmm`` on the 2-D view, each example's rows a block; ``wte`` tied to ``lm_head``); Llama
-    (its RMSNorms, on ghost's per-layer path, read as an elementwise scale: ``_ScaleRule``)."""
+    (its RMSNorms, on ghost's per-layer path, read as an elementwise scale) and ViT (its class
+    token expanded to the batch, its position embeddings added: ``_BroadcastRule``)."""
     pytest.importorskip("transformers")
     from tests.engine.test_hf_zoo import build
 
@@ -562,6 +563,43 @@ def test_an_elementwise_scale_on_the_per_layer_path_equals_the_loop(twice):
 
 def test_an_elementwise_scale_of_mixed_rows_is_refused():
     model = WithNorm(mix=True).to(DT)
+    x, y = _seq()
+    with pytest.raises(UnsupportedModelError):
+        for _ in range(2):
+            _release(model, x, y)
+
+
+class Tokens(nn.Module):
+    """A class token expanded to the batch, a (1, T + 1, d) position table added, a (1, 1, d)
+    LayerScale: parameters of a module of the user's own (ghost's per-layer path) that meet the
+    examples only by broadcasting. ``mix``: the expanded token summed over the batch (refused)."""
+
+    def __init__(self, mix: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(3, 4)
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.pos = nn.Parameter(torch.randn(1, 6, 4))
+        self.scale = nn.Parameter(torch.rand(1, 1, 4) + 0.5)
+        self.head = nn.Linear(4, 3)
+        self.mix = mix
+
+    def forward(self, x: Tensor) -> Tensor:
+        cls = self.cls.expand(x.shape[0], -1, -1)
+        if self.mix:
+            cls = cls * x.sum(0, keepdim=True)[:, :1, :1]
+        h = torch.cat([cls, self.proj(x)], 1) + self.pos
+        return self.head(torch.tanh(h * self.scale)[:, 0])
+
+
+def test_parameters_broadcast_to_the_examples_equal_the_loop():
+    model = Tokens().to(DT)
+    x, y = _seq()
+    _check_against_the_loop(model, ce, x, y, ParamGroups.per_parameter(model))
+
+
+def test_a_broadcast_parameter_meeting_mixed_rows_is_refused():
+    model = Tokens(mix=True).to(DT)
     x, y = _seq()
     with pytest.raises(UnsupportedModelError):
         for _ in range(2):

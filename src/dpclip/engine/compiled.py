@@ -25,8 +25,9 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      parameter: one input of the graph, the calls of every layer holding it; a layer called twice:
      two calls; the reduction's rule for several uses of a parameter): the ghost rule of the layer
      then reads exactly the per-example gradient of that operation. A module on ghost's per-layer
-     path whose one parameter ``weight`` is used only by products ``weight * x`` broadcast over
-     ``x``'s leading dimensions (Llama's RMSNorm) is read by :class:`_ScaleRule`. A layer called
+     path whose parameters meet the examples only by broadcasting (``p * x``, ``x + p``,
+     ``p.expand(B, ...)``: Llama's RMSNorm, ViT's class token and position table) is read by
+     :class:`_BroadcastRule`, one call per use. A layer called
      without the batch (a ``(1, T)`` position index) is read at the expansion the proof traced
      (:mod:`dpclip.engine.batchless`);
    * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
@@ -55,7 +56,7 @@ trace of the user's code decides WHICH program is trained, not whether it is pri
 Python state changes what it computes without changing the proof's key (module types, plain
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
-per-layer path other than an elementwise scale (ViT's embeddings), sequence-first layers,
+per-layer path beyond broadcast uses (scaled embeddings), sequence-first layers,
 forwards with in-place operations or grad-mode regions.
 """
 
@@ -119,47 +120,83 @@ _SAME_VALUES = frozenset({_aten.detach, _aten.alias, _aten.clone, _aten.contiguo
                           _aten._to_copy, _aten.to, _aten.lift_fresh_copy})
 
 
-class _ScaleRule(_Rule):
-    """A module on the per-layer path whose one trainable parameter ``weight`` multiplies example
-    rows elementwise, broadcast over their leading dimensions (``weight * x``: Llama's, Mistral's,
-    Qwen2's RMSNorm): the per-example gradient is the sum over positions of ``b * x``, formed and
-    kept as for a LayerNorm's weight (the vector whose norm is taken is the vector summed)."""
+class _BroadcastRule(_Rule):
+    """A parameter of a module on ghost's per-layer path that meets example rows only through
+    broadcasting: ``p * x`` (``product``: Llama's RMSNorm weight), ``x + p`` or ``p.expand(B,
+    ...)`` (ViT's position embeddings and class token), ``p`` broadcast over the rows' leading
+    dimensions (and any dimension where it has size 1). The per-example gradient is ``b * x``
+    (``b``) summed over those dimensions, formed and kept as for a LayerNorm's weight (the vector
+    whose norm is taken is the vector summed). One call per use, for the one parameter it uses."""
 
     roles = ("weight",)
 
+    def __init__(self, product: bool) -> None:
+        self.product = product
+
     def per_example(self, c: _Call, role: str) -> Tensor:
-        k = own_param(c.mod, role).ndim
-        t = c.b * c.a
-        return t.reshape(t.shape[0], -1, *t.shape[t.ndim - k:]).sum(1)
+        shape = tuple(own_param(c.mod, role).shape)
+        t = c.b * c.a if self.product else c.b
+        rest = tuple(t.shape[1:])
+        tail = shape[1:] if len(shape) == len(rest) + 1 else shape  # (a leading 1: the batch's)
+        if len(rest) > len(tail):
+            t = t.reshape(t.shape[0], -1, *rest[len(rest) - len(tail):]).sum(1)
+        dims = [d + 1 for d, n in enumerate(tail) if n == 1 and t.shape[d + 1] != 1]
+        if dims:
+            t = t.sum(dims, keepdim=True)
+        return t.reshape(t.shape[0], *shape)
 
 
-_SCALE = _ScaleRule()
+_SCALE = _BroadcastRule(product=True)
+_SHIFT = _BroadcastRule(product=False)
 
 
-def _scale_calls(o: Any, node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]] | None:
-    """The calls of a per-layer module's only parameter, ``weight`` (placeholder ``node``), when
-    every use is ``aten.mul.Tensor(weight, x)`` (either order) with ``x`` a tensor of the graph
-    whose trailing dimensions are the weight's and the product of ``x``'s shape (the weight only
-    broadcast): ``[(mul, x)]``; else None."""
-    if tuple(o.module._parameters) != ("weight",) or o.roles != ("weight",):
-        return None
-    w = node.meta.get("val")
-    if not isinstance(w, Tensor) or not w.ndim:
-        return None
+def _fits(p: Tensor, rows: Tensor) -> bool:
+    """Whether ``p`` broadcasts against example rows ``rows`` (batch first) without touching the
+    batch dimension or enlarging ``rows``: right-aligned, each size of ``p`` 1 or ``rows``'s,
+    and a leading size of ``p`` at the batch's position 1."""
+    if p.ndim > rows.ndim or not p.ndim:
+        return False
+    r = _sizes(rows.shape)[rows.ndim - p.ndim:]
+    if p.ndim == rows.ndim and p.shape[0] != 1:
+        return False
+    return all(a == 1 or a == b for a, b in zip(_sizes(p.shape), r))
+
+
+def _broadcast_uses(o: Any, nodes: dict[str, torch.fx.Node]) -> list | None:
+    """The uses of a per-layer module's trainable parameters (``role -> placeholder``) when every
+    one is a broadcast use (:class:`_BroadcastRule`): ``[(role, use, x, product)]``; else None."""
     got = []
-    for u in node.users:
-        if u.target is not _aten.mul.Tensor or len(u.args) != 2 or u.kwargs:
+    for role, node in nodes.items():
+        p = node.meta.get("val")
+        if not isinstance(p, Tensor) or not node.users:
             return None
-        x = u.args[1] if u.args[0] is node else u.args[0]
-        if x is node or not isinstance(x, torch.fx.Node):
-            return None
-        xv, out = x.meta.get("val"), u.meta.get("val")
-        if not isinstance(xv, Tensor) or not isinstance(out, Tensor) or xv.ndim <= w.ndim or \
-                xv.dtype != out.dtype or _sizes(xv.shape) != _sizes(out.shape) or \
-                _sizes(xv.shape[xv.ndim - w.ndim:]) != _sizes(w.shape):
-            return None
-        got.append((u, x))
+        for u in node.users:
+            out = u.meta.get("val")
+            if not isinstance(out, Tensor) or out.dtype != p.dtype or u.kwargs:
+                return None
+            if u.target is _aten.expand.default:
+                # p (1, ...) expanded to the batch: its rows are the batch's copies of p
+                if p.shape[0] != 1 or out.ndim != p.ndim or \
+                        not isinstance(out.shape[0], torch.SymInt) or \
+                        _sizes(out.shape[1:]) != _sizes(p.shape[1:]):
+                    return None
+                got.append((role, u, u, False))
+                continue
+            if u.target not in (_aten.mul.Tensor, _aten.add.Tensor) or len(u.args) != 2:
+                return None
+            x = u.args[1] if u.args[0] is node else u.args[0]
+            xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+            if x is node or not isinstance(xv, Tensor) or xv.dtype != out.dtype or \
+                    _sizes(xv.shape) != _sizes(out.shape) or not _fits(p, xv):
+                return None
+            got.append((role, u, x, u.target is _aten.mul.Tensor))
     return got
+
+
+def _fqn(owner: str, attr: str) -> str:
+    """The model's name for attribute ``attr`` of the layer the scan names ``owner`` (the model
+    itself is ``<root>``)."""
+    return attr if owner in ("", "<root>") else f"{owner}.{attr}"
 
 
 def _sizes(shape: Any) -> tuple:
@@ -479,7 +516,9 @@ class _Spec:
         self.slots: dict[str, int] = {}  # role -> position of its placeholder
         self.a_node: Any = None  # the graph node of the call's input (the rule's ``a``)
         self.call = ""  # the name of the call's node
-        self.scale = False  # a per-layer module read as an elementwise scale (_ScaleRule)
+        #: ``(role, product)``: a per-layer module's broadcast use of one parameter
+        #: (:class:`_BroadcastRule`), else None
+        self.scale: tuple[str, bool] | None = None
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -575,7 +614,7 @@ class Plan:
                 "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
         for s in self.specs:
             o = by_name.get(s.name)
-            if o is None or o.module is not s.module or (o.rule is _MODULE) != s.scale or \
+            if o is None or o.module is not s.module or (o.rule is _MODULE) != bool(s.scale) or \
                     _static_config(s.module) != s.config:
                 raise CompiledUnsupported(
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
@@ -609,8 +648,10 @@ class Plan:
             a, out = outs[s.a_at], outs[s.out_at]
             if s.expanded:
                 a = a.expand(batch, *a.shape[1:])
-            if s.scale:  # (the per-layer module's weight, read by the elementwise rule)
-                o = _Owner(o.name, o.module, _SCALE, o.roles, o.pnames)
+            if s.scale:  # (a per-layer module's parameter in a broadcast use: its own call)
+                role, product = s.scale
+                o = _Owner(o.name, o.module, _SCALE if product else _SHIFT, (role,),
+                           (o.pnames[o.roles.index(role)],))
             c = _Call(o, a, out, None)
             c.layouts = s.layouts
             c.group = s.group
@@ -760,14 +801,14 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
     for o in scan.owners:
         if o.rule is _MODULE or o.rule.kind == "module":
-            node = by_ident.get(ident(o.module._parameters.get("weight")))
-            calls = _scale_calls(o, node) if node is not None else None
-            if calls is not None:  # (an elementwise scale: _ScaleRule)
-                ph = {"weight": node}
-                for call, a in calls:
-                    _claim(o, ("weight",), ph, slot, call, a, specs, ruled, expansions, extra)
-                    specs[-1].scale = True
-                holders_of[o.name] = (o, ph, False)
+            nodes = {r: by_ident.get(ident(o.module._parameters.get(r))) for r in o.roles}
+            uses = _broadcast_uses(o, nodes) if all(nodes.values()) else None
+            if uses is not None:  # (broadcast uses of its parameters: _BroadcastRule)
+                for role, call, a, product in uses:
+                    _claim(o, (role,), {role: nodes[role]}, slot, call, a, specs, ruled,
+                           expansions, extra)
+                    specs[-1].scale = (role, product)
+                holders_of[o.name] = (o, nodes, False)
                 continue
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
@@ -788,7 +829,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
             ph[r] = node
         if isinstance(o.module, _BATCHNORMS):
             for b in ("running_mean", "running_var"):
-                node = by_buffer.get(f"{o.name}.{b}" if o.name else b)
+                node = by_buffer.get(_fqn(o.name, b))
                 if node is not None:
                     ph[b] = node
         # every call of the layer through its canonical operation (a layer called twice, a
@@ -812,7 +853,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                 + (f": {whys[0]}" if whys and whys[0] else "")
                 + "); the per-layer rules cannot see that use")
     # every trainable parameter is some ruled layer's (the scan refuses others)
-    owned = {f"{o.name}.{r}" if o.name else r for o in scan.owners for r in o.module._parameters}
+    owned = {_fqn(o.name, r) for o in scan.owners for r in o.module._parameters}
     stray = [p for p in scan.params if p not in owned]
     if stray:
         raise CompiledUnsupported(f"parameter(s) {', '.join(stray)} belong to no ruled layer")
@@ -893,7 +934,7 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                         iota_ids[ident(v)] = iota[n.name]
                 spec = ruled.get(n.name)
                 if spec is not None and not spec.expanded:
-                    a = self.env[spec.a_node]
+                    a = v if spec.a_node is n else self.env[spec.a_node]
                     lay_a = tracer.layout(a)
                     lay_out = REWRITTEN if tracer.rewritten_to_mix(v) else tracer.layout(v)
                     k = _row_group(lay_a)
