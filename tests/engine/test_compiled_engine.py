@@ -604,3 +604,37 @@ def test_a_broadcast_parameter_meeting_mixed_rows_is_refused():
     with pytest.raises(UnsupportedModelError):
         for _ in range(2):
             _release(model, x, y)
+
+
+class PQ(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(0.5, 1.5, 4).view(1, 1, 4))
+        self.q = nn.Parameter(torch.linspace(-1.0, 1.0, 4).view(1, 1, 4))
+
+    def forward(self) -> Tensor:
+        return self.p * self.q
+
+
+class TwoInOne(nn.Module):
+    """Two parameters of one module in one product, then a layer on rows grouped by position
+    (group 3): the two broadcast uses of the product were one node, and the analysis's layouts
+    were paired with the calls by position (seventy-first hostile review: the layer after it
+    would have been read with another call's group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l, self.s, self.g = nn.Linear(3, 4), PQ(), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l(x) + self.s()
+        return self.g(h.reshape(-1, 4)).reshape(x.shape[0], -1, 3).mean(1)
+
+
+def test_two_parameters_in_one_operation_are_refused():
+    model = TwoInOne().to(DT)
+    x, y = _seq()
+    with pytest.raises(UnsupportedModelError, match="two parameters"):
+        for _ in range(2):
+            _release(model, x, y)

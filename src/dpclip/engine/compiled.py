@@ -403,6 +403,10 @@ def _claim(o: Any, roles: tuple, ph: dict, slot: dict, call: torch.fx.Node, a: t
     """Record one canonical call of owner ``o``: its spec, and the graph outputs the step reads
     (the input and output; a batch-less call expanded by the proof's program,
     :func:`~dpclip.engine.batchless.as_example_rows`, is read at the expansion, its only use)."""
+    if call.name in ruled:  # (two parameters in one operation, p * q: not a broadcast use)
+        raise CompiledUnsupported(
+            f"the operation {call.name!r} uses two parameters of layer(s) "
+            f"{ruled[call.name].name!r} and {o.name!r}; the compiled engine reads one per call")
     spec = _Spec(o.name, o.module, roles)
     spec.slots = {r: slot[ph[r].name] for r in roles}
     spec.a_node = a
@@ -877,8 +881,8 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                               uniform, iota, loss_node) for p in primes]
     if results[0] != results[1]:
         raise CompiledUnsupported("the analysis gives different layouts at two batch sizes")
-    for spec, (layouts, group) in zip(specs, results[0]):
-        spec.layouts, spec.group = layouts, group
+    for spec in specs:  # (by the call each spec reads, never by position)
+        spec.layouts, spec.group = results[0][spec.call]
 
     out_node.args = ((loss_node, *extra),)
     gm.recompile()
@@ -889,9 +893,9 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
 
 def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.Module,
                leaves: list, batch: int, ruled: dict, expansions: dict, uniform: frozenset,
-               iota: dict, loss_node: Any) -> list[tuple[Any, int]]:
+               iota: dict, loss_node: Any) -> dict[str, tuple[Any, int]]:
     """The separability analysis of the graph on public zeros at ``batch``: each ruled call's
-    ``(layouts, group)`` in the order of ``ruled``; raises :class:`CompiledUnsupported`."""
+    ``(layouts, group)`` by the name of its node; raises :class:`CompiledUnsupported`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     flat: list[Any] = []
@@ -978,11 +982,10 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
         first = f" (first mixing operation: {tracer.mixers[0]})" if tracer.mixers else ""
         raise CompiledUnsupported(
             f"the per-example losses are not per-example separable (layout {lay!r}){first}")
-    order = [s for s in ruled.values()]
-    missing = [s.name for s in order if s.call not in found]
+    missing = [s.name for s in ruled.values() if s.call not in found]
     if missing:
         raise CompiledUnsupported(f"layer {missing[0]!r} was not reached in the analysis")
-    return [found[s.call] for s in order]
+    return found
 
 
 def _judge(spec: _Spec, a: Tensor, lay_a: Any, lay_out: Any, k: int, batch: int,
