@@ -554,21 +554,6 @@ class WithNorm(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
-@pytest.mark.parametrize("twice", [False, True])
-def test_an_elementwise_scale_on_the_per_layer_path_equals_the_loop(twice):
-    model = WithNorm(twice=twice).to(DT)
-    x, y = _seq()
-    _check_against_the_loop(model, ce, x, y, ParamGroups.per_layer(model))
-
-
-def test_an_elementwise_scale_of_mixed_rows_is_refused():
-    model = WithNorm(mix=True).to(DT)
-    x, y = _seq()
-    with pytest.raises(UnsupportedModelError):
-        for _ in range(2):
-            _release(model, x, y)
-
-
 class Tokens(nn.Module):
     """A class token expanded to the batch, a (1, T + 1, d) position table added, a (1, 1, d)
     LayerScale: parameters of a module of the user's own (ghost's per-layer path) that meet the
@@ -592,14 +577,21 @@ class Tokens(nn.Module):
         return self.head(torch.tanh(h * self.scale)[:, 0])
 
 
-def test_parameters_broadcast_to_the_examples_equal_the_loop():
-    model = Tokens().to(DT)
+@pytest.mark.parametrize("build", [WithNorm, lambda: WithNorm(twice=True), Tokens],
+                         ids=["scale", "scale-called-twice", "token-position-layerscale"])
+def test_parameters_broadcast_to_the_examples_equal_the_loop(build):
+    """Parameters of user modules on ghost's per-layer path that meet the examples only by
+    broadcasting (``_BroadcastRule``): an RMSNorm-like scale (its module called once or twice),
+    a class token, a position table and a LayerScale; per-parameter groups."""
+    model = build().to(DT)
     x, y = _seq()
     _check_against_the_loop(model, ce, x, y, ParamGroups.per_parameter(model))
 
 
-def test_a_broadcast_parameter_meeting_mixed_rows_is_refused():
-    model = Tokens(mix=True).to(DT)
+@pytest.mark.parametrize("build", [lambda: WithNorm(mix=True), lambda: Tokens(mix=True)],
+                         ids=["scale-of-mixed-rows", "token-times-a-batch-sum"])
+def test_a_broadcast_parameter_meeting_mixed_rows_is_refused(build):
+    model = build().to(DT)
     x, y = _seq()
     with pytest.raises(UnsupportedModelError):
         for _ in range(2):
