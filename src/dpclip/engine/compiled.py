@@ -106,12 +106,14 @@ _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 for _bn in _BATCHNORMS:
     _CANON[_bn] = _aten.batch_norm.default
 
-#: graph operations that are arithmetic on sizes (the batch symbol's expressions)
-_SYM_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv,
-                      operator.truediv, operator.mod, operator.neg, operator.pow,
-                      operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
-                      operator.ge, operator.getitem, torch.sym_float, torch.sym_int,
-                      torch.sym_max, torch.sym_min, torch.sym_not})
+#: arithmetic on sizes (the batch symbol's expressions), emitted by :func:`_generate` as Python
+#: syntax (plain ints at run time)
+_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
+          operator.truediv: "/", operator.mod: "%", operator.pow: "**", operator.eq: "==",
+          operator.ne: "!=", operator.lt: "<", operator.le: "<=", operator.gt: ">",
+          operator.ge: ">="}
+#: the graph operations other than ATen's that the generated code runs
+_SYM_OPS = frozenset(_INFIX) | {operator.neg, operator.getitem}
 #: ATen packets whose output is uninitialised memory
 _UNINIT = frozenset({_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided,
                      _aten.new_empty_strided, _aten.empty_permuted})
@@ -436,13 +438,6 @@ def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
     return all(type(a) is int and a == b for a, b in zip(v.shape[1:], one.shape[1:]))
 
 
-#: arithmetic on sizes, emitted as Python syntax (ints and SymInt-free at run time)
-_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
-          operator.truediv: "/", operator.mod: "%", operator.pow: "**", operator.eq: "==",
-          operator.ne: "!=", operator.lt: "<", operator.le: "<=", operator.gt: ">",
-          operator.ge: ">="}
-#: constants written into the generated code as literals
-_LITERALS = (int, float, bool, str, type(None))
 
 
 def _generate(graph: torch.fx.Graph) -> Any:
@@ -552,7 +547,6 @@ class Plan:
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list[tuple[str, Any]],
                  specs: list[_Spec], model: nn.Module) -> None:
-        self.gm = gm
         self.fn = _generate(gm.graph)  # (what every step runs: :func:`_generate`)
         #: ``(kind, target)`` of each placeholder, in order ("p", name) / ("b", name) /
         #: ("c", tensor) / ("x", leaf index)
