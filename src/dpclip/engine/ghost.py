@@ -175,6 +175,8 @@ from dpclip.engine.ghost_rules import (
     _EmbeddingRule,
     _LinearRule,
     _MODULE,
+    linear_ghost_key,
+    linear_ghost_parts,
     _Owner,
     _SMALL_REDUCTION,
     _Scan,
@@ -192,6 +194,7 @@ from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
+    CompiledStep,
     _closed_chain,
     _NotTheProvedProgram,
     _RuntimeUnsupported,
@@ -643,6 +646,8 @@ class GhostEngine:
     per_example: ClassVar[bool] = True
     #: run the proof's graph instead of the user's code (:class:`CompiledEngine`)
     _compiled: ClassVar[bool] = False
+    #: where the graph cannot be proved or run, the traced path (``auto``) instead of a refusal
+    _prefer: ClassVar[bool] = False
 
     max_physical_batch: int | None = None
     norm_mode: str = "mixed"
@@ -719,6 +724,7 @@ class GhostEngine:
         #: per-layer modules taken by a structural rule: "time_step" (recurrent layers,
         #: recurrent.TimeStepRule) or "embedding_lookup" (per_layer.EmbeddingLookup)
         stepped: dict[str, str] = {}
+        compiled = CompiledStep(self._prefer) if self._compiled else None
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self.max_physical_batch))
@@ -735,7 +741,8 @@ class GhostEngine:
                         else contextlib.nullcontext():
                     part, norms, weights, loss = self._chunk(
                         model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
-                        chain, iso.gens if iso is not None else None, carry, stepped)
+                        chain, iso.gens if iso is not None else None, carry, stepped,
+                        compiled, weight_fn is not _unit_weights)
                     if i == len(chunks) - 1 and carry:
                         _release_last(model, carry)
                     # the chunk's slices of the batch are released inside its isolation: a
@@ -768,6 +775,8 @@ class GhostEngine:
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
         info = self._info(None, scan.per_layer)
+        if compiled is not None and compiled.ran:  # (the proved graph ran instead of the model)
+            info["program"] = "compiled"
         if stepped:  # (which per-layer modules skipped the replay: decided by their structure)
             for key, kind in (("time_step_rule", "time_step"),
                               ("embedding_lookup", "embedding_lookup")):
@@ -904,14 +913,21 @@ class GhostEngine:
         gens: OwnGenerators | None = None,
         carry: list[Any] | None = None,
         stepped_names: dict[str, str] | None = None,
+        compiled: CompiledStep | None = None,
+        confirm: bool = True,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
+        """One chunk. ``compiled``: the step's compiled path (None: the traced path only);
+        ``confirm``: a graph whose first step this chunk is, run traced, is adopted when it passes
+        (not on ``auto``'s public probe: the first private step is the traced one, as on the
+        compiled engine)."""
         params = scan.params
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
-        pending: list[Any] | None = [] if self._compiled else None
+        if compiled is not None:
+            compiled.pending.clear()
         calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
-                                            carry, pending)
+                                            carry, compiled)
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
@@ -1080,8 +1096,9 @@ class GhostEngine:
                 with exact_float32():  # (engine arithmetic only: the bound stays tight)
                     got = self._reduce(live, count, params, group_of, n_groups, batch,
                                        weight_fn, loss, real)
-                for plan in pending or ():  # (the compiled engine: its graph's first step passed)
-                    plan.confirmed = True
+                if compiled is not None and confirm:  # (a graph's first step passed)
+                    for plan in compiled.pending:
+                        plan.confirmed = True
                 return got
         finally:
             # (released by the next chunk once its watch is armed, or after the last chunk)
@@ -1104,12 +1121,13 @@ class GhostEngine:
         """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``;
         ``real < batch``: a chunk of one run as a batch of two, whose copy (row 1) the strategy
         never sees and whose weight is 0; ``loss``: the sum of the real examples' losses."""
+        flushed: dict[tuple, tuple[Tensor, Tensor]] = {}
         for c in live:
             if c.rule.kind != "module":  # (float16 / bfloat16 in float32: _common.HALF)
                 _widen(c)
             c.rule.prepare(c)
             if c.rule.kind in ("matmul", "embedding"):
-                _flush_tiny(c)
+                _flush_tiny(c, flushed)
         self._choose(live, batch)
         first = next(iter(params.values()))
         dtype = first.dtype
@@ -1132,8 +1150,7 @@ class GhostEngine:
                     dtypes.add(sum_dtype(t.dtype))
         rnd = _Rounding(tuple(dtypes), first.device, batch)
         acc = _GroupNorms(n_groups, rnd)
-        for c in live:
-            acc.add_call(c, count, group_of, params)
+        acc.add_calls(live, count, group_of, params)
         acc.add_formed_and_tied(group_of, params, batch, len(live), n_groups)
         sq = acc.squares(batch, ndt, first.device)
         flat = n_groups == 1
@@ -1260,6 +1277,35 @@ class _GroupNorms:
                 rel = [r for r in roles if r != "weight"]
         self.k_rel = max(self.k_rel, c.rule.rel_len(c, rel))
         return parts
+
+    def add_calls(self, calls: list[_Call], count: dict[str, int], group_of: dict[str, int],
+                  params: dict[str, Tensor]) -> None:
+        """:meth:`add_call` for every call; the Linear calls on positions whose shapes are equal
+        (ghost_rules.linear_ghost_key) are read together (ghost_rules.linear_ghost_parts: the
+        same norms and bounds, the elementwise operations made once for the group)."""
+        together: dict[tuple, list[_Call]] = {}
+        for c in calls:
+            key = linear_ghost_key(c, all(count[pn] == 1 for pn in c.owner.pnames))
+            if key is None:
+                self.add_call(c, count, group_of, params)
+            else:
+                together.setdefault(key, []).append(c)
+        for group in together.values():
+            if len(group) == 1:
+                self.add_call(group[0], count, group_of, params)
+                continue
+            w, bias = linear_ghost_parts(group, self.rnd)
+            roles = group[0].owner.roles
+            rel = [r for r in roles if r != "weight"]
+            self.k_rel = max(self.k_rel, group[0].rule.rel_len(group[0], rel))
+            for j, r in enumerate(roles):
+                part = w if r == "weight" else bias
+                gs = [group_of[c.owner.pnames[j]] for c in group]
+                if all(g == gs[0] for g in gs):  # (one group: the calls' parts summed at once)
+                    self.add(gs[0], part.sum(0))
+                else:
+                    for i, g in enumerate(gs):
+                        self.add(g, part[i])
 
     def add_call(self, c: _Call, count: dict[str, int], group_of: dict[str, int],
                  params: dict[str, Tensor]) -> None:
@@ -1400,7 +1446,7 @@ def _widen(c: _Call) -> None:
             setattr(c, name, t.float())
 
 
-def _flush_tiny(c: _Call) -> None:
+def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = None) -> None:
     """Set the entries of a matmul or embedding layer's ``a`` and ``b`` below :data:`_FLUSH` in
     magnitude to zero, for its norms AND its sums (both read ``c.a`` / ``c.b`` from here on: the
     vector summed is the one whose norm bounds it); float16 is widened to float32 first.
@@ -1414,7 +1460,12 @@ def _flush_tiny(c: _Call) -> None:
     least 2^-80 (float32) in magnitude or exactly zero, so nothing underflows in the Gram matrices
     and row norms; the few squares and products that still can (a formed gradient's squared
     entries, ``||a||^2 ||b||^2``) lose at most the smallest normal each, which
-    :func:`_underflow_floor` adds. Entries below 2^-40 (1e-12) change the gradient negligibly."""
+    :func:`_underflow_floor` adds. Entries below 2^-40 (1e-12) change the gradient negligibly.
+
+    ``shared``: the flushed inputs of the chunk's earlier calls, by memory (pointer, shape,
+    strides, dtype, device): calls reading one tensor (an attention's query, key and value
+    projections) get one flushed copy, the same values, which the reduction then reads once
+    (ghost_rules.linear_ghost_parts: one Gram matrix per distinct input)."""
     for name in ("a", "b"):
         t = getattr(c, name)
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -1430,8 +1481,16 @@ def _flush_tiny(c: _Call) -> None:
                 # (the output gradient is the engine's own: flushed in place, no allocation; a
                 # tensor that two calls share is flushed twice, to the same values)
                 torch.hardshrink(t, thr, out=t)
-            else:  # (a is the layer's input: the caller's data, or held by the forward)
+            elif shared is None or t is not getattr(c, name):
                 setattr(c, name, torch.nn.functional.hardshrink(t, thr))
+            else:  # (a is the layer's input: the caller's data, or held by the forward)
+                # (the entry holds ``t``: its memory cannot be handed to another tensor while the
+                # key is in use)
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                got = shared.get(key)
+                if got is None:
+                    got = shared[key] = (t, torch.nn.functional.hardshrink(t, thr))
+                setattr(c, name, got[1])
 
 
 def _underflow_floor(params: dict[str, Tensor], n_calls: int, dtypes: set) -> float:
@@ -1535,7 +1594,13 @@ class AutoEngine:
 
 @dataclass(frozen=True)
 class _AutoGhost(GhostEngine):
+    """``auto``'s ghost engine: the compiled path where the proof's graph is proved and runs
+    (:class:`CompiledEngine`), else the traced path; a model the ghost engine refuses on the probe
+    runs on ``vmap``."""
+
     name: ClassVar[str] = "auto"
+    _compiled: ClassVar[bool] = True
+    _prefer: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

@@ -159,11 +159,26 @@ def _printed(c: _Call) -> _Call:
     return c
 
 
+class CompiledStep:
+    """The compiled path's part in one engine call (:mod:`dpclip.engine.compiled`): ``pending``,
+    the plans whose first step the current chunk is (it runs on the traced path; the engine
+    confirms them once it passed); ``ran``, whether a chunk ran a proved graph; ``prefer``: a
+    graph that cannot be proved or run leaves the chunk to the traced path (``auto``) instead of
+    refusing the model (``compiled``)."""
+
+    __slots__ = ("pending", "ran", "prefer")
+
+    def __init__(self, prefer: bool) -> None:
+        self.pending: list[Any] = []
+        self.ran = False
+        self.prefer = prefer
+
+
 def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
              ys: Any, batch: int, chain: list[nn.Module] | None = None,
              gens: OwnGenerators | None = None,
              carry: list | None = None,
-             compiled: list | None = None) -> tuple[list[_Call], Tensor, bool]:
+             compiled: CompiledStep | None = None) -> tuple[list[_Call], Tensor, bool]:
     """The hooked forward pass: ``(calls, the per-example losses (B,), user_code)``; hooks
     removed after. ``xs``/``ys``: tensors, or tuples/dicts of tensors (:mod:`dpclip.engine.batch`).
     ``user_code`` is False only for a program of known modules and a known loss
@@ -228,7 +243,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
 
 def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: int,
                       why: str | None, program: ProvedProgram | None,
-                      carry: list | None, pending: list
+                      carry: list | None, compiled: CompiledStep
                       ) -> tuple[list[_Call], Tensor, bool] | None:
     """:func:`_forward` on the compiled engine (:mod:`dpclip.engine.compiled`): no user code runs,
     so nothing of the last chunk is left to release and the backward runs on autograd's own
@@ -237,8 +252,14 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
     the graph does not show (a tensor or module backward hook, a custom autograd Function's
     backward, a value of the batch read through an escape the export took as a constant) is
     refused there, as on the ghost engine, and the program that step ran is the graph's (the
-    proved-program match)."""
+    proved-program match).
+
+    ``compiled.prefer`` (``auto``): a graph that is not proved, or a step whose checks refuse to
+    run it (:meth:`compiled.Plan.run` checks before it runs anything), returns None too: the
+    chunk runs on the traced path, every check of the ghost engine included."""
     if why is not None:
+        if compiled.prefer:  # (the traced path refuses it with the same reason)
+            return None
         raise _RuntimeUnsupported(
             f"the forward pass and loss are not proved per-example separable: {why}. The "
             "realised batch size is private: normalise by a public constant (the expected "
@@ -246,11 +267,14 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
     try:
         plan = plan_of(program, model, scan, xs, ys)
         if not plan.confirmed:
-            pending.append(plan)
+            compiled.pending.append(plan)
             return None
         calls, losses = plan.run(model, scan, xs, ys, batch)
     except CompiledUnsupported as exc:
+        if compiled.prefer:
+            return None
         raise _RuntimeUnsupported(f"the compiled engine cannot run this model: {exc}") from None
+    compiled.ran = True
     if carry:
         carry.clear()
     return calls, _check_losses(losses, batch), False

@@ -723,6 +723,127 @@ class _LinearRule(_Rule):
         return out
 
 
+#: the Gram matrices of the calls read together by :func:`linear_ghost_parts` take at most this
+#: many floats (both Gram matrices of every call of one group); a call whose own take more is read
+#: alone, in slices of examples (``_LinearRule.norms``)
+_GROUP_TEMP_MAX_NUMEL = 1 << 23
+
+
+def linear_ghost_key(c: _Call, single: bool) -> tuple | None:
+    """The key under which :func:`linear_ghost_parts` reads ``c`` together with calls of equal
+    shapes, or None: ``c`` must be a Linear (or ``transformers`` Conv1D) call on positions
+    (``a`` of shape ``(B, T, d)`` once prepared) with the ghost choice, a weight role, parameters
+    used by this call alone (``single``), and both Gram matrices of all its examples within
+    half of ``_GROUP_TEMP_MAX_NUMEL``."""
+    if not single or type(c.rule) not in (_LinearRule, _Conv1DRule) or c.choice != "ghost":
+        return None
+    a, b = c.a, c.b
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.ndim != 3 or b.ndim != 3:
+        return None
+    roles = c.owner.roles
+    if "weight" not in roles or 2 * a.shape[0] * 2 * a.shape[1] ** 2 > _GROUP_TEMP_MAX_NUMEL:
+        return None
+    return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, tuple(roles))
+
+
+def linear_ghost_parts(calls: Sequence[_Call], rnd: _Rounding) -> tuple[Tensor, Tensor | None]:
+    """``(W, Bias)``: the squared weight bounds ``(L, B)`` and squared bias norms ``(L, B)`` (None
+    without a bias role) of ``L`` calls with one :func:`linear_ghost_key`, exactly what
+    ``_LinearRule.norms`` and ``_LinearRule.bound_sq`` give each call (the same operations on the
+    same values, the elementwise ones made once for the group: a BERT or GPT-2 step reads dozens of
+    equal-shaped projections, and each operation is a launch on a GPU). A Gram matrix of an input
+    read by several calls (the query, key and value projections of one attention) is formed once.
+    Sets ``c.kept["bias"]`` and, through ``_position_bound_sq``, ``c.formed`` of each call."""
+    first = calls[0]
+    batch, t, d = first.a.shape
+    p = first.b.shape[2]
+    dt = first.a.dtype
+    with_bias = "bias" in first.owner.roles
+    # the calls in groups whose Gram matrices fit the budget
+    per_call = 2 * batch * t * t
+    size = max(1, _GROUP_TEMP_MAX_NUMEL // per_call)
+    w_parts, b_parts = [], []
+    for lo in range(0, len(calls), size):
+        part = calls[lo:lo + size]
+        w, bias = _linear_ghost_block(part, rnd, batch, t, d, p, dt, with_bias)
+        w_parts.append(w)
+        if bias is not None:
+            b_parts.append(bias)
+    w = w_parts[0] if len(w_parts) == 1 else torch.cat(w_parts)
+    bias = None
+    if with_bias:
+        bias = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts)
+    return w, bias
+
+
+def _linear_ghost_block(calls: Sequence[_Call], rnd: _Rounding, batch: int, t: int, d: int,
+                        p: int, dt: torch.dtype, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    n = len(calls)
+    dev = calls[0].a.device
+    # one Gram matrix (and one row-norm vector) per distinct input: equal storage, offset, shape
+    # and strides are the same values (nothing writes them while the reduction reads them)
+    slot: dict[tuple, int] = {}
+    inputs: list[Tensor] = []
+    idx = []
+    for c in calls:
+        a = c.a
+        k = (a.data_ptr(), tuple(a.stride()))
+        j = slot.get(k)
+        if j is None:
+            j = slot[k] = len(inputs)
+            inputs.append(a)
+        idx.append(j)
+    ga = torch.empty((len(inputs), batch, t, t), dtype=dt, device=dev)
+    na = torch.empty((len(inputs), batch, t), dtype=dt, device=dev)
+    for j, a in enumerate(inputs):
+        torch.bmm(a, a.transpose(1, 2), out=ga[j])
+        torch.linalg.vector_norm(a, dim=2, out=na[j])
+    gb = torch.empty((n, batch, t, t), dtype=calls[0].b.dtype, device=dev)
+    nb = torch.empty((n, batch, t), dtype=calls[0].b.dtype, device=dev)
+    sums = torch.empty((n, batch, p), dtype=calls[0].b.dtype, device=dev) if with_bias else None
+    for i, c in enumerate(calls):
+        b = c.b
+        torch.bmm(b, b.transpose(1, 2), out=gb[i])
+        torch.linalg.vector_norm(b, dim=2, out=nb[i])
+        if sums is not None:
+            torch.sum(b, 1, out=sums[i])
+            c.kept["bias"] = sums[i]
+    if idx != list(range(n)):
+        sel = torch.tensor(idx, device=dev)
+        ga, na = ga.index_select(0, sel), na.index_select(0, sel)
+    sq = _gram_dot(ga.view(n * batch, t, t), gb.view(n * batch, t, t))
+    # _LinearRule.bound_sq for every (call, example) row at once
+    abs_sum = _vecdot(na.view(n * batch, t), nb.view(n * batch, t)).to(sq.dtype) \
+        * (1 + rnd.gam(max(d, p) + t + 4))
+    gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
+        + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+
+    def per_call(rows: Tensor, each: Any) -> list[tuple[int, Tensor]]:
+        """``rows`` (of the ``n * batch`` rows, ascending) split by call: ``[(call, examples)]``."""
+        out = []
+        for i in torch.unique_consecutive(torch.div(rows, batch, rounding_mode="floor")).tolist():
+            mine = rows[(rows >= i * batch) & (rows < (i + 1) * batch)] - i * batch
+            out.append((i, each(calls[i], mine)))
+        return out
+
+    def direct(rows: Tensor) -> Tensor:
+        got = per_call(rows, lambda c, r: _sq(torch.bmm(c.b[r].transpose(1, 2), c.a[r])))
+        return torch.cat([s for _, s in got])
+
+    def form(rows: Tensor) -> tuple[Tensor, Tensor]:
+        got = per_call(rows, lambda c, r: _store_formed(
+            c, r, torch.bmm(c.b[r].transpose(1, 2), c.a[r])))
+        return (torch.cat([kept + i * batch for i, (kept, _) in got]),
+                torch.cat([s for _, (_, s) in got]))
+
+    bound = _position_bound_sq(sq, abs_sum, "ghost", d * p, t, gram, _BK_BLOCK * t, rnd,
+                               direct, form)
+    bias = None
+    if sums is not None:
+        bias = _sq(sums.view(n * batch, p)).view(n, batch)
+    return bound.view(n, batch), bias
+
+
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
