@@ -511,8 +511,9 @@ def _add_train_execution_arguments(t: argparse.ArgumentParser) -> None:
                         "run is NOT private against anyone who knows the seed, and is labelled so)")
     t.add_argument("--engine", default="auto",
                    help="per-example engine: auto (default: ghost where the model is proven "
-                        "per-example separable, else vmap; recorded), ghost, compiled (ghost on "
-                        "the proved graph, explicit only), vmap, naive")
+                        "per-example separable, on its exported graph where that is proved, else "
+                        "vmap; recorded), ghost, compiled (ghost on the proved graph; refuses the "
+                        "models it cannot prove), vmap, naive")
     t.add_argument("--device", default="auto",
                    help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N; the "
                         "ledger is the same on every device (recorded in the summary)")

@@ -161,19 +161,21 @@ def test_a_model_that_cannot_take_the_probe_runs_on_vmap_recorded():
 
 def test_error_106_a_private_refusal_after_the_probe_stops_the_run():
     """docs/errors.md entry 106: a private step refused at run time after the probe chose ghost
-    stops (never a vmap fallback: the ghost forward has run the model on the private batch)."""
+    stops (never a vmap fallback: the ghost forward has run the model on the private batch).
+    On the traced path (``compiled=False``): auto's compiled path runs the proved graph, not the
+    model's switched code (tests/engine/test_auto_compiled.py)."""
     torch.manual_seed(0)
     model = _KeepsThenMixes(_keep_numpy, _read_numpy).to(DT)
     x, y = data()
     try:
-        _, info = clipped_sum(AutoEngine(), model, ce, x, y)
+        _, info = clipped_sum(AutoEngine(compiled=False), model, ce, x, y)
         assert info["engine"] == "ghost"
         _SW["on"] = True
         with pytest.raises(UnsupportedModelError, match=r"auto engine: the ghost engine refused "
                            r"a private step at run time \(.*\), after the public probe batch "
                            r"had chosen it for this model\. This is not turned into a vmap "
                            r"fallback"):
-            clipped_sum(AutoEngine(), model, ce, x, y)
+            clipped_sum(AutoEngine(compiled=False), model, ce, x, y)
     finally:
         third_review_cleanup()
         _STASH.clear()
@@ -205,7 +207,7 @@ def test_the_verdict_is_kept_by_identity_not_by_hash(monkeypatch):
             assert info["engine"] == "ghost"
         _SW["on"] = True
         with pytest.raises(UnsupportedModelError, match="refused a private step at run time"):
-            clipped_sum(AutoEngine(), model, ce, x, y)
+            clipped_sum(AutoEngine(compiled=False), model, ce, x, y)
     finally:
         third_review_cleanup()
         _STASH.clear()

@@ -1561,7 +1561,7 @@ def test_error_97_kept_input_rewritten_without_a_trace(monkeypatch):
             monkeypatch.setattr(proved_program.ProgramMatch, "_watch", lambda self: _Blind())
         want = ("input of layer 'fc2' \\(Linear\\) was rewritten after the layer used it" if blind
                 else "the memory of a tensor the call computed was written or replaced")
-        for engine in (GhostEngine(), AutoEngine()):
+        for engine in (GhostEngine(), AutoEngine(compiled=False)):  # (the traced path)
             torch.manual_seed(0)
             model = _RewriteKeptInput().to(DT)
             x, y = data()
@@ -1579,7 +1579,7 @@ def test_error_98_layer_state_written_for_the_call():
     restored after it is refused under ghost and auto (never a vmap fallback)."""
     from dpclip.engine import batch_symbol
 
-    for engine in (GhostEngine(), AutoEngine()):
+    for engine in (GhostEngine(), AutoEngine(compiled=False)):  # (the traced path)
         batch_symbol._CACHE.clear()
         torch.manual_seed(0)
         model = _RewriteWeightForTheCall().to(DT)

@@ -429,10 +429,10 @@ def test_per_layer_recompute_attacks_never_run(build):
     torch.manual_seed(0)
     model = _TwoLayers(build()).to(DT)
     x, y = data()
-    try:
-        honest, _ = clipped_sum(AutoEngine(), model, ce, x, y)
+    try:  # (the traced path: auto's compiled path runs no module code at all)
+        honest, _ = clipped_sum(AutoEngine(compiled=False), model, ce, x, y)
         _SW["on"] = True
-        got, info = clipped_sum(AutoEngine(), model, ce, x, y)
+        got, info = clipped_sum(AutoEngine(compiled=False), model, ce, x, y)
     finally:
         _SW["on"] = False
         _KEEP.clear()
@@ -518,8 +518,10 @@ def test_foreign_saved_tensor_hooks_are_still_refused():
 
 
 def _refused(build, loss, match: str) -> None:
-    """An honest call, then the attack switched on: refused under ghost and auto with ``match``."""
-    for engine in (GhostEngine(), AutoEngine()):
+    """An honest call, then the attack switched on: refused under ghost and auto's traced path
+    with ``match`` (auto's compiled path runs the proved graph, not the switched code:
+    tests/engine/test_auto_compiled.py)."""
+    for engine in (GhostEngine(), AutoEngine(compiled=False)):
         torch.manual_seed(0)
         model = build().to(DT)
         x, y = data()

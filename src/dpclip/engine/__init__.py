@@ -6,9 +6,12 @@
              ``UnsupportedModelError`` unless built with ``fallback="vmap"``;
 ``auto``   - ``ghost`` when the model is supported and proven separable, else ``vmap`` (recorded in
              ``engine_info``), decided once per model on a public probe batch before the model
-             sees private data; the default of ``dpclip train`` and ``make_private``;
+             sees private data; on the compiled path where the proof's graph is proved
+             (``engine_info["program"] == "compiled"``; ``AutoEngine(compiled=False)``: the
+             traced path only); the default of ``dpclip train`` and ``make_private``;
 ``compiled`` - ``ghost`` on the batch-size proof's graph, proved once and run instead of the
-             model's code on every step (explicit only: :mod:`dpclip.engine.compiled`);
+             model's code on every step, refusing the models it cannot prove
+             (:mod:`dpclip.engine.compiled`);
 ``naive``  - explicit per-example loop (the test oracle; slow);
 ``summed`` - plain batched backward of the summed loss (no norms; bound-based strategies, batch
              clipping).

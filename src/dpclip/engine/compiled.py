@@ -1,6 +1,7 @@
-"""The compiled path of the ghost engine (``engine="compiled"``, explicit; never chosen by
-``auto``): the batch-size proof's graph, proved per-example separable ONCE, run on every step
-instead of the user's code (``docs/compiled_engine.md``, milestone 1).
+"""The compiled path of the ghost engine (``engine="compiled"``, and ``engine="auto"`` where the
+graph is proved: ``AutoEngine(compiled=True)``): the batch-size proof's graph, proved per-example
+separable ONCE, run on every step instead of the user's code (``docs/compiled_engine.md``,
+milestones 1 and 3).
 
 The traced ghost step proves every step by watching the user's forward run (the separability
 tracer, the match against the proved program, the memory watch): about 85 us of Python per ATen

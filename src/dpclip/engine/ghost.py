@@ -1574,7 +1574,20 @@ class AutoEngine:
     first step, recorded. A private step that the ghost engine refuses after the probe chose it
     stops the run (docs/errors.md entry 106): its forward has run the model on the private
     batch, and a fallback's vmap would read what the model kept there. Options as
-    :class:`GhostEngine`.
+    :class:`GhostEngine`, and
+
+    Args:
+        compiled: ``True`` (default): where the batch-size proof's graph is proved
+            (:class:`CompiledEngine`: the layers it reads, no per-layer module other than a
+            broadcast one), the ghost engine runs that graph instead of the model's code from
+            the second private step on (``engine_info["program"] == "compiled"``); the first
+            private step of each graph runs traced and checked. The program trained is then the
+            one captured for the proof's key: a model whose Python state outside the key (a
+            global flag, an object attribute) changes what it computes keeps training the captured
+            program (call :func:`dpclip.engine.compiled.reset` after such a change). Other models,
+            and any step whose checks refuse the graph, run on the traced path. ``False``: the
+            traced path on every step (the model's own code runs, checked operation by operation;
+            about twice the step time on Hugging Face models, docs/engines.md).
     """
 
     name: ClassVar[str] = "auto"
@@ -1582,13 +1595,18 @@ class AutoEngine:
 
     max_physical_batch: int | None = None
     norm_mode: str = "mixed"
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         _check_options(self, "AutoEngine")
+        if not isinstance(self.compiled, bool):
+            raise ValueError(f"AutoEngine: compiled must be True or False, got "
+                             f"{self.compiled!r}")
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
-        engine = _AutoGhost(self.max_physical_batch, self.norm_mode, "vmap")
+        kind = _AutoGhost if self.compiled else _AutoTraced
+        engine = kind(self.max_physical_batch, self.norm_mode, "vmap")
         return engine.compute(model, loss_fn, inputs, targets, weight_fn, groups)
 
 
@@ -1604,9 +1622,17 @@ class _AutoGhost(GhostEngine):
 
 
 @dataclass(frozen=True)
+class _AutoTraced(GhostEngine):
+    """``AutoEngine(compiled=False)``: the traced path on every step."""
+
+    name: ClassVar[str] = "auto"
+
+
+@dataclass(frozen=True)
 class CompiledEngine(GhostEngine):
     """:class:`GhostEngine` that runs the batch-size proof's graph instead of the model's code
-    (:mod:`dpclip.engine.compiled`; explicit only, never chosen by ``auto``).
+    (:mod:`dpclip.engine.compiled`; ``auto`` takes the same path where the graph is proved and runs
+    the other models traced, :class:`AutoEngine`).
 
     The graph (``torch.export`` of ``loss_fn(model(xs), ys)`` with a symbolic batch size) is
     proved per-example separable once, on public zeros, by construction rather than by values;

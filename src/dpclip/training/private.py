@@ -1149,9 +1149,9 @@ def make_private(
             sensitivity doubled).
         accountant: ``"pld"`` or ``"rdp"`` (dp-accounting).
         engine: per-example gradient engine: ``"auto"`` (ghost where it proves separability,
-            else vmap, said once), ``"ghost"``, ``"compiled"`` (ghost on the proof's graph, run
-            instead of the model's code: :mod:`dpclip.engine.compiled`), ``"vmap"``, ``"naive"``,
-            ``"summed"``.
+            on the proof's graph where that is proved, else vmap, said once), ``"ghost"``,
+            ``"compiled"`` (ghost on the proof's graph, run instead of the model's code:
+            :mod:`dpclip.engine.compiled`), ``"vmap"``, ``"naive"``, ``"summed"``.
         max_physical_batch: examples per forward/backward chunk (memory; not privacy).
         device: where the model's batches, the clipped sums and the secret generators live
             (``"auto"``: CUDA when present; ``"cpu"``, ``"cuda"``, a ``torch.device``).

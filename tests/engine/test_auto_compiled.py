@@ -1,0 +1,161 @@
+"""``engine="auto"`` on the compiled path (``AutoEngine(compiled=True)``, the default): where the
+batch-size proof's graph is proved, the first private step runs traced (and adopts the graph), later
+steps run the graph; anything the compiled path refuses runs on the traced path instead of stopping
+the run; the public probe adopts nothing. Oracles: the float64 per-example loop, the explicit
+compiled engine, and the switched attacks of the traced path's suites, whose Python the graph never
+runs (refused, or the release of the honest program)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine import AutoEngine, CompiledEngine, ParamGroups, get_engine
+from dpclip.engine import compiled as compiled_mod
+from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.helpers import DT, clip_weights
+from tests.engine.test_compiled_engine import (
+    Block, C, _equal_to_the_loop, _seq, graph_runs)
+from tests.engine.test_hostile_review import (
+    _RewriteKeptInput, _RewriteWeightForTheCall, _SW, third_review_cleanup)
+from tests.engine.test_hostile_review4 import (
+    FOURTH, _KEEP, _KeepsThenMixes, _STASH, _keep_numpy, _read_numpy)
+from tests.engine.test_separability_attacks import ce, data, loo_distance
+
+
+def _step(engine, model, loss, x, y, groups=None):
+    return engine.compute(model, loss, x, y, clip_weights(C),
+                          groups or ParamGroups.flat(model))
+
+
+@pytest.mark.parametrize("groups", ["flat", "per_layer"])
+def test_auto_runs_the_graph_from_the_second_private_step(groups):
+    model = Block().to(DT)
+    x, y = _seq()
+    g = getattr(ParamGroups, groups)(model)
+    compiled_mod.reset(model)
+    programs = []
+    for _ in range(3):
+        with graph_runs() as ran:
+            res = _step(AutoEngine(), model, ce, x, y, g)
+        _equal_to_the_loop(res, model, ce, x, y, g)
+        programs.append((res.engine_info.get("program"), ran[0]))
+    # the probe (public zeros) and the first private step: traced; then the graph
+    assert programs == [(None, 0), ("compiled", 1), ("compiled", 1)]
+    assert res.engine_info["engine"] == "ghost" and res.engine_info["requested"] == "auto"
+
+
+def test_compiled_false_keeps_the_traced_path():
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    for _ in range(3):
+        with graph_runs() as ran:
+            res = _step(AutoEngine(compiled=False), model, ce, x, y)
+        assert ran[0] == 0 and "program" not in res.engine_info
+        _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+    with pytest.raises(ValueError, match="AutoEngine: compiled must be True or False"):
+        AutoEngine(compiled="yes")
+    assert get_engine("auto", compiled=False) == AutoEngine(compiled=False)
+
+
+class InPlace(nn.Module):
+    """An in-place operation in the forward: the compiled path refuses the graph (not yet
+    supported), the traced path runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        h.mul_(2.0)
+        return self.fc2(torch.tanh(h))
+
+
+def test_a_graph_the_compiled_path_refuses_runs_traced():
+    torch.manual_seed(0)
+    model = InPlace().to(DT)
+    x, y = data()
+    with pytest.raises(UnsupportedModelError, match="compiled engine"):
+        for _ in range(2):
+            _step(CompiledEngine(), model, ce, x, y)
+    for _ in range(3):
+        with graph_runs() as ran:
+            res = _step(AutoEngine(), model, ce, x, y)
+        assert ran[0] == 0 and "program" not in res.engine_info
+        assert res.engine_info["engine"] == "ghost"
+        _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+
+
+def test_a_step_whose_checks_refuse_the_graph_runs_traced():
+    """A layer reconfigured after the graph was adopted: the compiled engine refuses the step;
+    auto runs it on the traced path (and proves the new program there)."""
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    for _ in range(2):
+        _step(AutoEngine(), model, ce, x, y)
+    model.norm1.eps = 1e-3  # (a plain attribute: a new key, a new proof and graph)
+    with graph_runs() as ran:
+        res = _step(AutoEngine(), model, ce, x, y)
+    assert ran[0] == 0 and "program" not in res.engine_info
+    _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+    with graph_runs() as ran:
+        res = _step(AutoEngine(), model, ce, x, y)
+    assert ran[0] == 1 and res.engine_info["program"] == "compiled"
+    _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+
+
+def test_auto_equals_the_compiled_engine():
+    model = Block().to(DT)
+    x, y = _seq(b=7, seed=4)
+    compiled_mod.reset(model)
+    got = [[_step(e, model, ce, x, y) for _ in range(3)][-1]
+           for e in (AutoEngine(), CompiledEngine())]
+    torch.testing.assert_close(got[0].norms, got[1].norms, rtol=0, atol=0)
+    for n in got[0].grads:
+        torch.testing.assert_close(got[0].grads[n], got[1].grads[n], rtol=0, atol=0)
+
+
+#: switched attacks whose refusal on the traced path is an errors.md entry (tests/engine/
+#: test_auto_probe.py, test_hostile_review.py, test_hostile_review4.py)
+SWITCHED = {
+    "keeps-then-mixes (106)": (lambda: _KeepsThenMixes(_keep_numpy, _read_numpy), ce),
+    "kept-input-rewritten (97)": (_RewriteKeptInput, ce),
+    "weight-written-for-the-call (98)": (_RewriteWeightForTheCall, ce),
+    **{f"{k} (99/101)": FOURTH[k] for k in (
+        "node-prehook-torch-function-off", "backward-hooks-descriptor",
+        "intermediate-rewritten-before-use", "known-chain-saved-output-rewritten-after-use")},
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHED))
+def test_switched_attacks_on_the_graph_are_refused_or_release_the_honest_program(name):
+    """The attack's Python runs on the traced steps only: switched on after the graph was
+    adopted, it is refused (the graph was not adopted) or the step releases exactly what the
+    honest program releases, and every leave-one-out distance is at most C."""
+    build, loss = SWITCHED[name]
+    torch.manual_seed(0)
+    model = build().to(DT)
+    x, y = data()
+    compiled_mod.reset(model)
+    try:
+        _SW["on"] = False
+        honest = [_step(AutoEngine(), model, loss, x, y) for _ in range(3)][-1]
+        _SW["on"] = True
+        try:
+            got = _step(AutoEngine(), model, loss, x, y)
+        except UnsupportedModelError:
+            assert honest.engine_info.get("program") != "compiled"
+            return
+        assert got.engine_info.get("program") == "compiled"
+        for n in honest.grads:
+            torch.testing.assert_close(got.grads[n], honest.grads[n], rtol=0, atol=0)
+        assert loo_distance(AutoEngine(), model, loss, x, y) <= 1 + 1e-9
+    finally:
+        _SW["on"] = False
+        third_review_cleanup()
+        _KEEP.clear()
+        _STASH.clear()
