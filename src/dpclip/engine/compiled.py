@@ -570,6 +570,30 @@ class Plan:
         #: whether a step of the traced path ran this graph's program and passed
         #: (ghost_forward._compiled_forward): until then the engine traces
         self.confirmed = False
+        #: the constants the graph reads (tensors that are not the model's parameters or buffers:
+        #: a module-level tensor the forward reads, a literal it makes), copied when the graph is
+        #: adopted (:meth:`confirm`): every step runs on these copies, and a constant that holds
+        #: other values now refuses the step (seventy-second hostile review: a finalizer of a
+        #: traced step wrote a module-level tensor with one example's data, which the graph read
+        #: live on every later step, 5.15 C)
+        self.frozen: dict[int, Tensor] = {}
+
+    def constants(self) -> dict[int, Tensor]:
+        """Copies of the constants the graph reads, as they are now (taken right after the first
+        chunk of the graph's first step, traced, read them: before anything of that step is
+        released, whose finalizers could write them)."""
+        frozen = {}
+        for i, (kind, t) in enumerate(self.inputs):
+            if kind == "c" and isinstance(t, Tensor):
+                with torch.no_grad():
+                    frozen[i] = t.detach().clone(memory_format=torch.preserve_format)
+        return frozen
+
+    def confirm(self, frozen: dict[int, Tensor]) -> None:
+        """Adopt the graph (its first step, traced, passed), with the constants ``frozen`` that
+        step read (:meth:`constants`)."""
+        self.frozen = frozen
+        self.confirmed = True
 
     def _feed(self, model: nn.Module, xs: Any, ys: Any) -> list[Any]:
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -588,6 +612,19 @@ class Plan:
                     raise CompiledUnsupported(f"buffer {target!r} is missing or a tensor subclass")
             elif kind == "c":
                 t = target
+                kept = self.frozen.get(len(flat))
+                if kept is not None:
+                    with torch.no_grad():
+                        same = (t.shape == kept.shape and t.dtype == kept.dtype
+                                and t.device == kept.device and t.stride() == kept.stride()
+                                and torch.equal(t, kept))
+                    if not same:
+                        raise CompiledUnsupported(
+                            "a tensor the graph reads as a constant (not a parameter or buffer: "
+                            "a module-level tensor, a closure's) holds other values than when "
+                            "the graph was adopted; call dpclip.engine.compiled.reset(model) "
+                            "after changing it")
+                    t = kept
             else:
                 t = leaves[target]
                 if type(t) is not Tensor or t.requires_grad:

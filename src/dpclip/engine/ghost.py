@@ -125,6 +125,7 @@ weighted sum of a chunk: ``_GroupNorms``, ``_weighted_sums``) and :class:`AutoEn
 
 from __future__ import annotations
 import contextlib
+import gc
 import itertools
 import math
 import weakref
@@ -152,7 +153,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, map_batch
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
-from dpclip.engine.saved_check import all_true, still
+from dpclip.engine.saved_check import all_true, fingerprint, still
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     EmbeddingLookup,
@@ -334,11 +335,15 @@ def _release_last(model: nn.Module, carry: list[Any]) -> None:
     finalizer they run (user code) that leaves a Python attribute or a torch setting changed is
     refused and undone by the isolation; one that writes a parameter or buffer through torch
     moves its version, refused here (twenty-fifth hostile review: released after the isolation,
-    a value from this step's data reached the next step, 2.33 times the sensitivity)."""
+    a value from this step's data reached the next step, 2.33 times the sensitivity). Their
+    bytes are compared too, not only their versions: a write through ``.data`` moves no version
+    (seventy-second hostile review: 5.15 C across steps through ``engine.compute``)."""
     state = [t for t in itertools.chain(model.parameters(), model.buffers())]
     versions = [t._version for t in state]
+    prints = [fingerprint(t) for t in state]
     carry.clear()
-    if any(t._version != v for t, v in zip(state, versions)):
+    if any(t._version != v for t, v in zip(state, versions)) or not all_true(
+            [still(t, p) for t, p in zip(state, prints)]):
         raise _NotTheProvedProgram(
             "a parameter or buffer of the model was written after the step's reads, by code "
             "that ran when the step released its tensors (a weakref.finalize or __del__ of an "
@@ -717,6 +722,33 @@ class GhostEngine:
                     reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys), rows))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
+        compiled = CompiledStep(self._prefer) if self._compiled else None
+        if compiled is not None:  # (the collector paused: _chunks_gc_paused)
+            return self._chunks_gc_paused(model, loss_fn, inputs, targets, weight_fn, groups,
+                                          batch, scan, chain, compiled)
+        return self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
+                            chain, compiled)
+
+    def _chunks_gc_paused(self, *args: Any) -> EngineResult:
+        """:meth:`_chunks` with Python's cyclic garbage collector paused: a graph step runs no
+        user code, and a finalizer of an object an earlier (traced) step left in a reference cycle
+        would otherwise run at whatever allocation the collector picks, in the middle of a graph
+        step with no watch (after its forward, before its backward: a weight written through
+        ``.data`` there reaches the sum). Paused, such finalizers run after the step, where the
+        next step's checks see what they wrote (the state guard, the graph's constants)."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return self._chunks(*args)
+        finally:
+            if was:
+                gc.enable()
+
+    def _chunks(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
+                weight_fn: WeightFn, groups: ParamGroups, batch: int, scan: Any,
+                chain: list[nn.Module] | None, compiled: CompiledStep | None) -> EngineResult:
+        """The chunks of :meth:`_guarded`."""
+        params = scan.params
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
@@ -724,7 +756,6 @@ class GhostEngine:
         #: per-layer modules taken by a structural rule: "time_step" (recurrent layers,
         #: recurrent.TimeStepRule) or "embedding_lookup" (per_layer.EmbeddingLookup)
         stepped: dict[str, str] = {}
-        compiled = CompiledStep(self._prefer) if self._compiled else None
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self.max_physical_batch))
@@ -742,7 +773,7 @@ class GhostEngine:
                     part, norms, weights, loss = self._chunk(
                         model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
                         chain, iso.gens if iso is not None else None, carry, stepped,
-                        compiled, weight_fn is not _unit_weights)
+                        compiled)
                     if i == len(chunks) - 1 and carry:
                         _release_last(model, carry)
                     # the chunk's slices of the batch are released inside its isolation: a
@@ -772,6 +803,11 @@ class GhostEngine:
         finally:
             carry.clear()  # every chunk's reads are done
         assert sums is not None
+        if compiled is not None and weight_fn is not _unit_weights:
+            # a graph whose first step this was (every chunk traced, the last release checked)
+            # is adopted now; never on auto's public probe: the first private step is traced
+            for plan, frozen in zip(compiled.pending, compiled.frozen):
+                plan.confirm(frozen)
         norms = all_norms[0] if len(all_norms) == 1 else torch.cat(all_norms)
         weights = all_weights[0] if len(all_weights) == 1 else torch.cat(all_weights)
         info = self._info(None, scan.per_layer)
@@ -914,18 +950,14 @@ class GhostEngine:
         carry: list[Any] | None = None,
         stepped_names: dict[str, str] | None = None,
         compiled: CompiledStep | None = None,
-        confirm: bool = True,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
-        """One chunk. ``compiled``: the step's compiled path (None: the traced path only);
-        ``confirm``: a graph whose first step this chunk is, run traced, is adopted when it passes
-        (not on ``auto``'s public probe: the first private step is the traced one, as on the
-        compiled engine)."""
+        """One chunk. ``compiled``: the step's compiled path (None: the traced path only); a
+        graph whose first step this is runs traced and is adopted by :meth:`_guarded` once the
+        whole step passed."""
         params = scan.params
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
             xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
-        if compiled is not None:
-            compiled.pending.clear()
         calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
                                             carry, compiled)
         total = losses.sum()
@@ -1096,9 +1128,9 @@ class GhostEngine:
                 with exact_float32():  # (engine arithmetic only: the bound stays tight)
                     got = self._reduce(live, count, params, group_of, n_groups, batch,
                                        weight_fn, loss, real)
-                if compiled is not None and confirm:  # (a graph's first step passed)
-                    for plan in compiled.pending:
-                        plan.confirmed = True
+                if compiled is not None:  # a graph's first step: the constants it read, now
+                    while len(compiled.frozen) < len(compiled.pending):
+                        compiled.frozen.append(compiled.pending[len(compiled.frozen)].constants())
                 return got
         finally:
             # (released by the next chunk once its watch is armed, or after the last chunk)

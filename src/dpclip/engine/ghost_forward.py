@@ -162,15 +162,19 @@ def _printed(c: _Call) -> _Call:
 class CompiledStep:
     """The compiled path's part in one engine call (:mod:`dpclip.engine.compiled`): ``pending``,
     the plans whose first step the current chunk is (it runs on the traced path; the engine
-    confirms them once it passed); ``ran``, whether a chunk ran a proved graph; ``prefer``: a
+    confirms them once the step passed); ``ran``, whether a chunk ran a proved graph; ``prefer``: a
     graph that cannot be proved or run leaves the chunk to the traced path (``auto``) instead of
     refusing the model (``compiled``)."""
 
-    __slots__ = ("pending", "ran", "prefer")
+    __slots__ = ("pending", "ran", "traced", "prefer", "frozen")
 
     def __init__(self, prefer: bool) -> None:
         self.pending: list[Any] = []
+        #: per pending plan (by position): its constants as the step's first chunk read them
+        self.frozen: list[dict] = []
         self.ran = False
+        #: whether a chunk of this step ran on the traced path (the later ones then do too)
+        self.traced = False
         self.prefer = prefer
 
 
@@ -217,6 +221,7 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         got = _compiled_forward(model, scan, xs, ys, batch, why, program, carry, compiled)
         if got is not None:
             return got
+        compiled.traced = True
         # (the graph's first step: traced below, as on the ghost engine)
     if gens is not None and program is not None:
         gens.adopt(program.generators())
@@ -267,16 +272,23 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
     try:
         plan = plan_of(program, model, scan, xs, ys)
         if not plan.confirmed:
-            compiled.pending.append(plan)
+            if plan not in compiled.pending:
+                compiled.pending.append(plan)
             return None
+        if carry and compiled.traced:
+            # an earlier chunk of this step ran traced: its tensors, released only once the next
+            # traced chunk's watch is armed (ghost._chunk), would run their finalizers (user code)
+            # in this chunk with no watch (seventy-second hostile review: chunk 1's finalizer
+            # wrote a weight between chunk 2's graph and its backward, 3.10 C): traced as well
+            raise CompiledUnsupported("an earlier chunk of this step ran on the traced path")
+        if carry:  # (an earlier graph chunk's tensors: the engine's own, no user code made them)
+            carry.clear()
         calls, losses = plan.run(model, scan, xs, ys, batch)
     except CompiledUnsupported as exc:
         if compiled.prefer:
             return None
         raise _RuntimeUnsupported(f"the compiled engine cannot run this model: {exc}") from None
     compiled.ran = True
-    if carry:
-        carry.clear()
     return calls, _check_losses(losses, batch), False
 
 
