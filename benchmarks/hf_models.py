@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 OUT = Path(__file__).parent / "results"
-METHODS = ("nonprivate", "dpclip-auto", "dpclip-ghost", "opacus-ghost", "opacus-hooks")
+METHODS = ("nonprivate", "dpclip-auto", "dpclip-ghost", "dpclip-compiled", "opacus-ghost",
+           "opacus-hooks")
 
 
 def sizes(size: str) -> dict[str, Any]:
@@ -203,7 +204,8 @@ def stepper(method: str, base: nn.Module, x: Any, y: torch.Tensor, loss_fn: Call
 
         def info() -> dict[str, Any]:
             return {"engine": last.get("engine"), "fallback": last.get("fallback"),
-                    "per_layer": list(last.get("per_layer") or ()) or None}
+                    "per_layer": list(last.get("per_layer") or ()) or None,
+                    "program": last.get("program")}
         return step, info
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
@@ -335,7 +337,8 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         out.append(f"| {r['model']} | {r['params']:,} | {r['batch_size']} | {r['device']} | "
                    f"{r['torch']} | {r['method']} | {f(r.get('ms_per_step'))} | "
                    f"{f(r.get('ratio_to_nonprivate'))} | {mem(r)} | "
-                   f"{r.get('engine') or ''} | {per_s} | {str(note)[:160].replace('|', '/')} | "
+                   f"{r.get('engine') or ''}{' (compiled)' if r.get('program') else ''} | "
+                   f"{per_s} | {str(note)[:160].replace('|', '/')} | "
                    f"{r.get('run', '')} |")
     return "\n".join(out) + "\n"
 

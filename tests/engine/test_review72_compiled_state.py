@@ -1,4 +1,4 @@
-"""Seventy-second hostile review (auto on the compiled path): state written by a finalizer of a
+"""Seventy-second and seventy-fourth hostile reviews (auto on the compiled path): state written by a finalizer of a
 traced step, read by later graph steps.
 
 1. A module-level tensor the forward reads is a constant of the exported graph; a finalizer of the
@@ -32,6 +32,16 @@ from dpclip.engine.errors import UnsupportedModelError
 DT = torch.float64
 C = 1.0
 G = torch.ones(4, dtype=DT)  # a module-level tensor the forward reads
+
+
+@pytest.fixture(autouse=True)
+def _collected():
+    """The attacks leave finalizers in reference cycles: collected between the tests, not inside
+    a later test's step (where they would run their torch operations under the proof's export)."""
+    gc.collect()
+    yield
+    gc.collect()
+    G.fill_(1.0)
 
 
 def _real(t) -> bool:
@@ -220,3 +230,76 @@ def test_the_collector_is_paused_in_a_graph_step_and_restored():
     finally:
         compiled_mod.Plan.run = real
     assert seen == [False, False] and gc.isenabled()
+
+
+# Seventy-fourth hostile review: a finalizer attached by the forward to its INPUT, which the engine
+# itself made (a chunk of one's doubled copy, a chunk's slice), ran when the engine dropped it: after
+# the last release's check (4.76 C on the compiled engine through engine.compute). The engine call
+# now compares the parameters and buffers once more after it has dropped everything.
+
+
+def _write_input(w, d):
+    if _real(d) and float(d.abs().amax()) > 20:  # (the outlier)
+        w.data.mul_(-50.0)
+
+
+class InputFinalizer(ReadsGlobal):
+    def forward(self, x):
+        weakref.finalize(x, _write_input, self.fc1.weight, x.detach())
+        return self.fc1(torch.tanh(self.fc0(x)))
+
+
+def _later_moved(make, first: tuple, second: tuple) -> float | None:
+    _, _, x2, y2 = _data()
+    got = []
+    for a, b in (first, second):
+        model = InputFinalizer()
+        compiled_mod.reset(model)
+        eng = make()
+        try:
+            eng.compute(model, ce, a, b, wf, ParamGroups.flat(model))
+            for _ in range(2):
+                res = eng.compute(model, ce, x2, y2, wf, ParamGroups.flat(model))
+        except UnsupportedModelError:
+            return None
+        got.append(_flat(res))
+    return float((got[0] - got[1]).norm()) / C
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_finalizer_on_an_input_the_engine_made_moves_no_later_step(engine, chunked):
+    x1, y1, _, _ = _data()
+    if chunked:  # (8 rows in chunks of 4 against 7)
+        make = lambda: ENGINES[engine](max_physical_batch=4)  # noqa: E731
+        first, second = (x1, y1), (x1[1:], y1[1:])
+    else:  # a chunk of one runs as a batch of two: the engine's copy
+        make = ENGINES[engine]
+        first, second = (x1[:1], y1[:1]), (x1[1:2], y1[1:2])
+    moved = _later_moved(make, first, second)
+    assert moved is None or moved <= 1e-12, moved
+
+
+def test_the_collector_runs_in_traced_chunks():
+    """Paused for graph chunks only: a traced chunk (the first private step) keeps it, so that
+    the cycles its user code leaves are finalized inside its checks."""
+    from tests.engine.test_compiled_engine import Block, _seq
+    from tests.engine.helpers import clip_weights
+    from dpclip.engine import ghost_forward
+
+    seen = []
+    real = ghost_forward._forward_traced
+
+    def traced(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    ghost_forward._forward_traced = traced
+    try:
+        AutoEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+    finally:
+        ghost_forward._forward_traced = real
+    assert seen and all(seen)

@@ -125,7 +125,7 @@ weighted sum of a chunk: ``_GroupNorms``, ``_weighted_sums``) and :class:`AutoEn
 
 from __future__ import annotations
 import contextlib
-import gc
+import contextvars
 import itertools
 import math
 import weakref
@@ -330,6 +330,11 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
 _CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
 
 
+#: the last release's fingerprints of one engine call (GhostEngine.compute compares them again)
+_LAST_PRINTS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "dpclip_ghost_last_prints", default=None)
+
+
 def _release_last(model: nn.Module, carry: list[Any]) -> None:
     """Release the last chunk's tensors, its rules' reads done, inside the chunk's isolation: a
     finalizer they run (user code) that leaves a Python attribute or a torch setting changed is
@@ -341,6 +346,9 @@ def _release_last(model: nn.Module, carry: list[Any]) -> None:
     state = [t for t in itertools.chain(model.parameters(), model.buffers())]
     versions = [t._version for t in state]
     prints = [fingerprint(t) for t in state]
+    final = _LAST_PRINTS.get()
+    if final is not None:  # (compared again once the engine call has dropped everything)
+        final.append((state, prints))
     carry.clear()
     if any(t._version != v for t, v in zip(state, versions)) or not all_true(
             [still(t, p) for t, p in zip(state, prints)]):
@@ -668,8 +676,26 @@ class GhostEngine:
 
     def compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
-        with engine_only():  # (no user code runs between the engine's own operations)
-            return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
+        final: list[Any] = []
+        token = _LAST_PRINTS.set(final)
+        try:
+            with engine_only():  # (no user code runs between the engine's own operations)
+                res = self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
+        finally:
+            _LAST_PRINTS.reset(token)
+        # every reference of the engine to the step's batch is gone now (a chunk of one's doubled
+        # copy, the chunks' slices): what a finalizer attached to one wrote into the model's
+        # parameters or buffers when it ran is seen here (seventy-fourth hostile review: a weight
+        # written through .data after the last release's check reached the next steps, 4.76 C)
+        for state, prints in final:
+            if not all_true([still(t, p) for t, p in zip(state, prints)]):
+                raise UnsupportedModelError(
+                    f"{self.name} engine: a parameter or buffer of the model was written after "
+                    "the step's last check, by code that ran when the engine released the "
+                    "step's batch (a weakref.finalize or __del__ attached to an input or a "
+                    "tensor of the step): the next step would read a value from this step's "
+                    "data. Keep the forward free of finalizers")
+        return res
 
     def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                  weight_fn: WeightFn | None, groups: ParamGroups) -> EngineResult:
@@ -723,26 +749,8 @@ class GhostEngine:
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
         compiled = CompiledStep(self._prefer) if self._compiled else None
-        if compiled is not None:  # (the collector paused: _chunks_gc_paused)
-            return self._chunks_gc_paused(model, loss_fn, inputs, targets, weight_fn, groups,
-                                          batch, scan, chain, compiled)
         return self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
                             chain, compiled)
-
-    def _chunks_gc_paused(self, *args: Any) -> EngineResult:
-        """:meth:`_chunks` with Python's cyclic garbage collector paused: a graph step runs no
-        user code, and a finalizer of an object an earlier (traced) step left in a reference cycle
-        would otherwise run at whatever allocation the collector picks, in the middle of a graph
-        step with no watch (after its forward, before its backward: a weight written through
-        ``.data`` there reaches the sum). Paused, such finalizers run after the step, where the
-        next step's checks see what they wrote (the state guard, the graph's constants)."""
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return self._chunks(*args)
-        finally:
-            if was:
-                gc.enable()
 
     def _chunks(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn, groups: ParamGroups, batch: int, scan: Any,
@@ -770,10 +778,14 @@ class GhostEngine:
                 with Isolated(model) if chain is None else contextlib.nullcontext() as iso, \
                         method_caches_cleared(model) if chain is None \
                         else contextlib.nullcontext():
-                    part, norms, weights, loss = self._chunk(
-                        model, scan, group_of, len(groups), loss_fn, xs, ys, rows, weight_fn,
-                        chain, iso.gens if iso is not None else None, carry, stepped,
-                        compiled)
+                    try:
+                        part, norms, weights, loss = self._chunk(
+                            model, scan, group_of, len(groups), loss_fn, xs, ys, rows,
+                            weight_fn, chain, iso.gens if iso is not None else None, carry,
+                            stepped, compiled)
+                    finally:  # (a graph chunk paused the collector: back on inside the isolation)
+                        if compiled is not None:
+                            compiled.resume_gc()
                     if i == len(chunks) - 1 and carry:
                         _release_last(model, carry)
                     # the chunk's slices of the batch are released inside its isolation: a

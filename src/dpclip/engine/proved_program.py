@@ -1204,6 +1204,11 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
+        # the batch is not read again: released with the step, not with the match (which the
+        # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
+        # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later
+        # step's graph chunk, after every check of its own step, 4.76 C)
+        self._leaves = []
         hook = None
         if self.hooks is not None and self.watch is not None:
             hook = self.hooks.check(self.watch.tensors())
