@@ -131,10 +131,23 @@ def test_chunks_of_one_cannot_read_each_other_through_a_fresh_proof(engine, name
     assert loo is None or loo <= 1 + 1e-9, loo
 
 
-@pytest.mark.parametrize("engine", [GhostEngine, AutoEngine], ids=["ghost", "auto"])
+@pytest.mark.parametrize("engine", [GhostEngine, lambda **k: AutoEngine(compiled=False, **k)],
+                         ids=["ghost", "auto-traced"])
 def test_control_a_cached_proof_refuses_the_same_model(engine):
+    """(The traced path: auto's compiled path runs the proved graph, which does not read the
+    Python global at all; its release is the graph's, tests/engine/test_auto_compiled.py.)"""
     with pytest.raises(UnsupportedModelError, match="does not run the program"):
         _next_call_moved(engine, False, lambda: ce)
+
+
+def test_a_cached_proof_on_autos_graph_does_not_move_the_next_call():
+    """Auto on the compiled path: the global the model's Python carries is not read by the graph
+    (a constant of the export): refused, or the next call does not move."""
+    try:
+        moved = _next_call_moved(AutoEngine, False, lambda: ce)
+    except UnsupportedModelError:
+        return
+    assert moved <= 1e-12, moved
 
 
 def test_the_cache_key_is_canonical():

@@ -698,8 +698,11 @@ class Plan:
         tracer = SeparabilityTracer(batch)
         for t in batch_leaves(xs, "inputs") + batch_leaves(ys, "targets"):
             tracer.mark(t, (0, 1))
-        for t in outs:
-            if isinstance(t, Tensor):
+        fed = {id(t) for t in flat}
+        for t in outs:  # (what the graph computed: a parameter, buffer or constant it returns, as
+            # a batch-less layer's input, stays what it is: marked, every later trace read it as
+            # a past batch's data and refused the model)
+            if isinstance(t, Tensor) and id(t) not in fed:
                 tracer.mark(t, (0, 1))
         tracer.retire()
         return calls, losses

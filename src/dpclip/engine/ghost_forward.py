@@ -20,7 +20,7 @@ from dpclip.engine.base import LossFn
 from dpclip.engine.batch import batch_leaves, call_model
 from dpclip.engine.batch_symbol import data_independent_paths, proof_of
 from dpclip.engine.errors import UnsupportedModelError, quote_error
-from dpclip.engine.compiled import CompiledUnsupported, plan_of
+from dpclip.engine.compiled import CompiledUnsupported, _autocast_on as autocast_on, plan_of
 from dpclip.engine.batchless import (
     BroadcastGuard,
     NotBroadcast,
@@ -292,6 +292,9 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
             "realised batch size is private: normalise by a public constant (the expected "
             "batch size) outside loss_fn, or use engine 'vmap'")
     try:
+        if autocast_on():  # (refused by every graph step; not analysed under it either: the
+            # analysis runs the graph's operations, which autocast would rewrite)
+            raise CompiledUnsupported("autocast is on: the graph's operations would be rewritten")
         plan = plan_of(program, model, scan, xs, ys)
         if not plan.confirmed:
             if plan not in compiled.pending:
