@@ -159,3 +159,25 @@ def test_switched_attacks_on_the_graph_are_refused_or_release_the_honest_program
         third_review_cleanup()
         _KEEP.clear()
         _STASH.clear()
+
+
+def test_make_private_on_auto_counts_the_graph_steps():
+    """The default engine: Poisson batches of varying size, one graph after the first step; the
+    summary counts the steps that ran it (public: decided by the model and the plan)."""
+    import dpclip
+
+    model = Block().to(DT)
+    compiled_mod.reset(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(96, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (96,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = dpclip.make_private(model, opt, (x, y), noise_multiplier=1.0, delta=1e-5, steps=4,
+                             batch_size=16, verbose=False)
+    with graph_runs() as ran:
+        for xb, yb in dp.loader:
+            dp.backward(xb, yb)
+            opt.step()
+            opt.zero_grad()
+    d = dp.describe()
+    assert d["engine"] == "ghost" and d["engine_requested"] == "auto"
+    assert d["engine_compiled_steps"] == ran[0] >= 3

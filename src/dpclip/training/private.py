@@ -520,6 +520,9 @@ class PrivateTraining:
         self.state = self.strategy.init_state()
         self.steps = 0
         self.engines_ran: set[str] = set()
+        #: the ghost engine's steps on the proved graph (engine_info["program"]: public, decided
+        #: by the model's structure and the plan, never by the batch)
+        self.compiled_steps = 0
         self.fallbacks: set[str] = set()
         #: modules that took the ghost engine's per-layer path (public: module names)
         self.per_layer: set[str] = set()
@@ -748,6 +751,8 @@ class PrivateTraining:
             # eleventh hostile review); the reasons lose every shape (a shape's first dimension
             # is the private realised batch size)
             self.engines_ran.add(str(out.engine_info.get("engine")))
+            if out.engine_info.get("program") == "compiled":
+                self.compiled_steps += 1
             if out.engine_info.get("fallback"):
                 reason = public_reason(str(out.engine_info["fallback"]))
                 if reason not in self.fallbacks:  # said once per reason, naming the layers
@@ -845,6 +850,7 @@ class PrivateTraining:
             "engine_requested": self.engine.name,
             "engine_fallback": self.engine_info["fallback"],
             "engine_per_layer": sorted(self.per_layer) or None,
+            "engine_compiled_steps": self.compiled_steps,
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
@@ -873,6 +879,7 @@ class PrivateTraining:
             "randomness": self.rng.state_dict(),
             "noise_multiplier": self.noise_multiplier,
             "engines_ran": sorted(self.engines_ran),
+            "engine_compiled_steps": self.compiled_steps,
             "engine_fallbacks": sorted(self.fallbacks),
             "post_step_due": self._post_step_due,
             **({"averaging": self.averager.state_dict()} if self.averager is not None else {}),
@@ -959,6 +966,7 @@ class PrivateTraining:
             check_randomness(self.rng, self.distributed)
             assert_synchronized(self.model, self.distributed)
         self.engines_ran = set(ck.get("engines_ran", ()))
+        self.compiled_steps = int(ck.get("engine_compiled_steps", 0))
         self.fallbacks = set(ck.get("engine_fallbacks", ()))
         self._post_step_due = bool(ck.get("post_step_due", self.bound_based and not self.steps))
         self._pending = None
