@@ -181,3 +181,37 @@ def test_make_private_on_auto_counts_the_graph_steps():
     d = dp.describe()
     assert d["engine"] == "ghost" and d["engine_requested"] == "auto"
     assert d["engine_compiled_steps"] == ran[0] >= 3
+
+
+def test_a_graph_that_fails_when_it_runs_leaves_auto_on_the_traced_path():
+    """A kernel the analysis never ran (another device's) failing in a graph step: auto runs that
+    step and the next ones traced, equal to the loop; the compiled engine raises."""
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    for _ in range(2):
+        _step(AutoEngine(), model, ce, x, y)
+    plans = [p for p in compiled_mod._PLANS.values() if not isinstance(p, str)]
+    assert plans and all(p.confirmed for p in plans)
+
+    def boom(*args):
+        raise RuntimeError("no kernel for this device")
+
+    real = [p.fn for p in plans]
+    for p in plans:
+        p.fn = boom
+    try:
+        for _ in range(2):
+            with graph_runs() as ran:
+                res = _step(AutoEngine(), model, ce, x, y)
+            assert "program" not in res.engine_info
+            _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+        assert ran[0] == 0  # (not tried again)
+        assert all(p.failed and "no kernel for this device" in p.failed for p in plans)
+        for p in plans:
+            p.failed = None
+        with pytest.raises(RuntimeError, match="no kernel for this device"):
+            _step(CompiledEngine(), model, ce, x, y)
+    finally:
+        for p, f in zip(plans, real):
+            p.fn, p.failed = f, None

@@ -577,6 +577,8 @@ class Plan:
         #: traced step wrote a module-level tensor with one example's data, which the graph read
         #: live on every later step, 5.15 C)
         self.frozen: dict[int, Tensor] = {}
+        #: why the graph is not run again (auto: it failed when it ran; the traced path runs)
+        self.failed: str | None = None
 
     def constants(self) -> dict[int, Tensor]:
         """Copies of the constants the graph reads, as they are now (taken right after the first

@@ -306,10 +306,22 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
             # in this chunk with no watch (seventy-second hostile review: chunk 1's finalizer
             # wrote a weight between chunk 2's graph and its backward, 3.10 C): traced as well
             raise CompiledUnsupported("an earlier chunk of this step ran on the traced path")
+        if plan.failed is not None:
+            raise CompiledUnsupported(plan.failed)
         compiled.pause_gc()
         if carry:  # (an earlier graph chunk's tensors: the engine's own, no user code made them)
             carry.clear()
-        calls, losses = plan.run(model, scan, xs, ys, batch)
+        try:
+            calls, losses = plan.run(model, scan, xs, ys, batch)
+        except RuntimeError as exc:
+            if not compiled.prefer:
+                raise
+            # auto: a graph that fails where the model's own code runs (a kernel of this device
+            # the analysis never ran) is not run again; the step runs traced. The graph is
+            # out-of-place and runs no user code: nothing of this attempt is left anywhere
+            plan.failed = f"the graph failed when it ran: {quote_error(exc)}"
+            compiled.resume_gc()  # (the chunk runs traced: the collector as on a traced chunk)
+            return None
     except CompiledUnsupported as exc:
         if compiled.prefer:
             return None
