@@ -162,8 +162,9 @@ def _printed(c: _Call) -> _Call:
 
 class CompiledStep:
     """The compiled path's part in one engine call (:mod:`dpclip.engine.compiled`): ``pending``,
-    the plans whose first step the current chunk is (it runs on the traced path; the engine
-    confirms them once the step passed); ``ran``, whether a chunk ran a proved graph; ``prefer``: a
+    the plans whose first step this call is (its chunks run on the traced path; the engine adopts
+    them once the whole step passed, with ``frozen``, the constants the first chunk read);
+    ``ran``, whether a chunk ran a proved graph; ``traced``, whether one ran traced; ``prefer``: a
     graph that cannot be proved or run leaves the chunk to the traced path (``auto``) instead of
     refusing the model (``compiled``)."""
 
@@ -183,10 +184,9 @@ class CompiledStep:
     def pause_gc(self) -> None:
         """Pause Python's cyclic collector for a graph chunk, from its graph to the end of its
         reduction (:meth:`resume_gc`, inside the chunk's isolation): a graph chunk runs no user
-        code and has no watch, and a finalizer
-        of an object an earlier traced step left in a reference cycle would otherwise run at
-        whatever allocation the collector picks, between the graph and its backward (a weight
-        written through ``.data`` there reaches the sum). Traced chunks keep the collector, so
+        code and has no watch, and a finalizer of an object an earlier traced step left in a
+        reference cycle would otherwise run at whatever allocation the collector picks, between
+        the graph and its backward (a weight written through ``.data`` there reaches the sum). Traced chunks keep the collector, so
         that the cycles their user code leaves are finalized inside their checks where it runs
         (seventy-fourth hostile review: paused for the whole call, such a finalizer ran after
         them, 4.76 C)."""
