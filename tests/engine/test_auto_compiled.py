@@ -215,3 +215,54 @@ def test_a_graph_that_fails_when_it_runs_leaves_auto_on_the_traced_path():
     finally:
         for p, f in zip(plans, real):
             p.fn, p.failed = f, None
+
+
+class Cast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.norm, self.fc2 = nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.norm(torch.tanh(self.fc1(x * 1.0))))
+
+
+def _ce32(out: Tensor, y: Tensor) -> Tensor:
+    return torch.nn.functional.cross_entropy(out.float(), y, reduction="none")
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost"])
+def test_autocast_switched_on_between_steps_gets_a_proof_of_its_own(engine):
+    """Autocast is part of the proof's key: a step that switches it on is proved under it (traced:
+    the compiled path is not analysed under autocast) instead of refused as another program
+    (seventy-fifth hostile review), and switching it off again finds the first proof (and on auto
+    its graph). Under autocast the leave-one-out distance stays within C."""
+    from dpclip.engine import GhostEngine
+    from tests.engine.test_separability_attacks import data
+
+    make = {"auto": AutoEngine, "ghost": GhostEngine}[engine]
+    model = Cast()
+    compiled_mod.reset(model)
+    x, y = data()
+    x = x.float()
+    programs = []
+    for on in (False, False, True, True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            res = make().compute(model, _ce32, x, y, clip_weights(C), ParamGroups.flat(model))
+        programs.append(res.engine_info.get("program"))
+    want = [None, "compiled", None, None, "compiled"] if engine == "auto" else [None] * 5
+    assert programs == want
+
+
+    def release(rows):  # (one autocast region per step, as a training loop enters it: autocast's
+        # cast cache, kept for the region, would make a second step run another program)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res = make().compute(model, _ce32, x[rows], y[rows], clip_weights(C),
+                                 ParamGroups.flat(model))
+        return torch.cat([g.reshape(-1) for g in res.grads.values()]).double()
+
+    b = x.shape[0]
+    full = release(list(range(b)))
+    worst = max(float((full - release([i for i in range(b) if i != j])).norm())
+                for j in range(b))
+    assert worst <= C * (1 + 1e-6)

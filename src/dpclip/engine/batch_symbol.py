@@ -773,6 +773,20 @@ def _signature(model: Any, xs: Any, ys: Any) -> tuple:
     return (str(spec), sig, mods)
 
 
+def _autocast_key() -> tuple:
+    """The autocast regions around the step (device type and dtype of each one on): a program
+    proved without autocast is another program under it (every operation's dtype changes), so a
+    step that switches autocast on gets a proof of its own instead of a refused match."""
+    got = []
+    for dev in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                got.append((dev, torch.get_autocast_dtype(dev)))
+        except (RuntimeError, TypeError, ValueError, AttributeError):  # (a device this build lacks)
+            continue
+    return tuple(got)
+
+
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, _Proofs]" = weakref.WeakKeyDictionary()
 def _identity(fn: Any) -> Any:
     """``fn`` by identity; a bound method by its function's and its object's (``obj.loss`` is a
@@ -840,7 +854,7 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
     # fails the match, sixth hostile review: keyed by its attributes' values, every call missed
     # and a fresh proof took the carried value as a constant, 0.74 C), then by its canonical form
     # (a new lambda or loss object each step reuses the proof: fifth review)
-    rest = (_signature(model, xs, ys), tuple((ident(m), f) for m, f in expand))
+    rest = (_signature(model, xs, ys), tuple((ident(m), f) for m, f in expand), _autocast_key())
     key = (_identity(loss_fn),) + rest
     got = per_model.by_identity.get(key)
     if got is not None:
