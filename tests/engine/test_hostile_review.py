@@ -1620,6 +1620,41 @@ def test_fingerprint_sees_any_change_and_only_a_change():
     assert not unchanged(t.reshape(6, 8), p)
 
 
+@pytest.mark.parametrize("memcmp", [True, False], ids=["cpu-bytes", "accelerator-sum"])
+def test_batched_prints_agree_with_one_at_a_time(monkeypatch, memcmp):
+    """``fingerprints`` / ``all_still`` (the contexts entered once, for the release checks over a
+    model's parameters) give what ``fingerprint`` / ``still`` give tensor by tensor: the same
+    kind, shape and dtype per print, every tensor still when unchanged (non-contiguous and empty
+    ones included), and False as soon as ONE of them changed by one ulp, a write through .data
+    with its version counter unchanged included; a length mismatch is an error."""
+    from dpclip.engine import saved_check as sc
+
+    if not memcmp:
+        monkeypatch.setattr(sc, "_MEMCMP", None)
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(5, 4, generator=g), torch.randn(4, 6, generator=g, dtype=DT).t(),
+          torch.zeros(0, 3), torch.randint(0, 9, (7,), generator=g),
+          torch.randn(3, generator=g).to(torch.bfloat16)]
+    prints = sc.fingerprints(ts)
+    assert [p[1:] for p in prints] == [sc.fingerprint(t)[1:] for t in ts]
+    assert sc.all_still(ts, prints)
+    assert all(sc.all_true([sc.still(t, p)]) for t, p in zip(ts, prints))
+    for i in (0, 1, 3, 4):
+        changed = [t.clone() for t in ts]
+        flat = changed[i].view(-1) if changed[i].is_contiguous() else changed[i]
+        v = changed[i]._version
+        if changed[i].is_floating_point():
+            (flat if flat.ndim == 1 else flat[0]).data[0] = torch.nextafter(
+                changed[i].reshape(-1)[0], torch.tensor(1e9, dtype=changed[i].dtype))
+        else:
+            flat.data[0] += 1
+        assert changed[i]._version == v  # (a .data write: no version moved)
+        assert not sc.all_still(changed, prints), i
+        assert sc.all_still([t.clone() for t in ts], prints)
+    with pytest.raises(ValueError, match="tensors against"):
+        sc.all_still(ts[:2], prints)
+
+
 def test_plain_models_keep_their_fast_paths():
     """The third review's checks refuse nothing an honest model does: a known chain with a known
     loss runs untraced, a cached chain reuses its layouts, torch's own configuration types pass

@@ -153,7 +153,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import batch_leaves, call_model, map_batch
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
-from dpclip.engine.saved_check import all_true, fingerprint, still
+from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     EmbeddingLookup,
@@ -345,13 +345,12 @@ def _release_last(model: nn.Module, carry: list[Any]) -> None:
     (seventy-second hostile review: 5.15 C across steps through ``engine.compute``)."""
     state = [t for t in itertools.chain(model.parameters(), model.buffers())]
     versions = [t._version for t in state]
-    prints = [fingerprint(t) for t in state]
+    prints = fingerprints(state)
     final = _LAST_PRINTS.get()
     if final is not None:  # (compared again once the engine call has dropped everything)
         final.append((state, prints))
     carry.clear()
-    if any(t._version != v for t, v in zip(state, versions)) or not all_true(
-            [still(t, p) for t, p in zip(state, prints)]):
+    if any(t._version != v for t, v in zip(state, versions)) or not all_still(state, prints):
         raise _NotTheProvedProgram(
             "a parameter or buffer of the model was written after the step's reads, by code "
             "that ran when the step released its tensors (a weakref.finalize or __del__ of an "
@@ -504,14 +503,13 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
                     "and loss (e.g. a __del__ or a weakref finalizer of an object the step "
                     "dropped), so the layer's per-example gradient would be read from values it "
                     "never saw")
-    flags = [(c, still(t, p)) for c in live for t, v, p in c.a_print or ()
-             if t._version == v]
+    kept = [(c, t, p) for c in live for t, v, p in c.a_print or () if t._version == v]
     for c in live:
         c.a_print = None
-    if all_true([f for _, f in flags]):
+    if all_still([t for _, t, _ in kept], [p for _, _, p in kept]):
         return
-    for c, f in flags:
-        if not all_true([f]):
+    for c, t, p in kept:
+        if not all_true([still(t, p)]):
             what = "input" if c.outs is None else "argument"
             raise _NotTheProvedProgram(
                 f"the {what} of layer {c.owner.name!r} ({type(c.mod).__name__}) was rewritten "
@@ -688,7 +686,7 @@ class GhostEngine:
         # parameters or buffers when it ran is seen here (seventy-fourth hostile review: a weight
         # written through .data after the last release's check reached the next steps, 4.76 C)
         for state, prints in final:
-            if not all_true([still(t, p) for t, p in zip(state, prints)]):
+            if not all_still(state, prints):
                 raise UnsupportedModelError(
                     f"{self.name} engine: a parameter or buffer of the model was written after "
                     "the step's last check, by code that ran when the engine released the "

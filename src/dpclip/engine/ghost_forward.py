@@ -29,7 +29,7 @@ from dpclip.engine.batchless import (
     is_unbatched,
 )
 from dpclip.engine.proved_program import ProgramMatch, ProvedProgram, describe
-from dpclip.engine.saved_check import fingerprint
+from dpclip.engine.saved_check import fingerprints
 from dpclip.engine.library_code import library_changed
 from dpclip.engine.known_losses import known_loss, known_loss_fn
 from dpclip.engine.plain_module import (
@@ -156,7 +156,7 @@ def _printed(c: _Call) -> _Call:
             kept.append(c.fast[0])
         elif c.fast is not None:  # (a recurrent layer's projection inputs: TimeStepRule)
             kept += c.fast.operands()
-    c.a_print = [(t, t._version, fingerprint(t)) for t in kept]
+    c.a_print = list(zip(kept, [t._version for t in kept], fingerprints(kept)))
     return c
 
 

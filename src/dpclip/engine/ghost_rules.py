@@ -522,6 +522,19 @@ def _gam64(n: int) -> float:
     return nu / (1 - nu) if nu < 0.5 else math.inf
 
 
+def _linear_gram_error(na: Tensor, nb: Tensor, dtype: torch.dtype, d: int, p: int, t: int,
+                       rnd: _Rounding) -> tuple[Tensor, float]:
+    """The two terms of a Linear call's Gram-norm rounding bound (:meth:`_LinearRule.bound_sq`
+    and the grouped reduction, :func:`linear_ghost_parts`, share them): ``abs_sum`` (per row,
+    ``sum_t ||a_t|| ||b_t||`` rounded up, the scale the error is relative to) and ``gram`` (the
+    relative error of the two float-``dtype`` Gram matrices of ``d``- and ``p``-wide rows and
+    their float64 inner product of ``t * t`` terms). ``na``, ``nb``: the rows' norms, ``(rows, t)``."""
+    abs_sum = _vecdot(na, nb).to(dtype) * (1 + rnd.gam(max(d, p) + t + 4))
+    gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
+        + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+    return abs_sum, gram
+
+
 def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
     """``sum_k ga[i, k] gb[i, k]`` per row (summed further over ``groups`` consecutive rows), in
     float64, then rounded UP to the working dtype.
@@ -628,9 +641,7 @@ class _LinearRule(_Rule):
         t, d, p = a.shape[1], a.shape[2], b.shape[2]
         na = torch.linalg.vector_norm(a, dim=2)
         nb = torch.linalg.vector_norm(b, dim=2)
-        abs_sum = _vecdot(na, nb).to(sq.dtype) * (1 + rnd.gam(max(d, p) + t + 4))
-        gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
-            + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+        abs_sum, gram = _linear_gram_error(na, nb, sq.dtype, d, p, t, rnd)
         return _position_bound_sq(
             sq, abs_sum, c.choice, d * p, t, gram, _BK_BLOCK * t, rnd,
             lambda rows: _sq(torch.bmm(b[rows].transpose(1, 2), a[rows])),
@@ -813,10 +824,8 @@ def _linear_ghost_block(calls: Sequence[_Call], rnd: _Rounding, batch: int, t: i
         ga, na = ga.index_select(0, sel), na.index_select(0, sel)
     sq = _gram_dot(ga.view(n * batch, t, t), gb.view(n * batch, t, t))
     # _LinearRule.bound_sq for every (call, example) row at once
-    abs_sum = _vecdot(na.view(n * batch, t), nb.view(n * batch, t)).to(sq.dtype) \
-        * (1 + rnd.gam(max(d, p) + t + 4))
-    gram = rnd.gp(d) + rnd.gp(p) + rnd.gp(d) * rnd.gp(p) \
-        + _gam64(t * t + 1) * (1 + rnd.gp(d)) * (1 + rnd.gp(p))
+    abs_sum, gram = _linear_gram_error(na.view(n * batch, t), nb.view(n * batch, t), sq.dtype,
+                                       d, p, t, rnd)
 
     def per_call(rows: Tensor, each: Any) -> list[tuple[int, Tensor]]:
         """``rows`` (of the ``n * batch`` rows, ascending) split by call: ``[(call, examples)]``."""

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from dpclip.engine.memory_watch import _MEMCMP
 
-__all__ = ["all_true", "fingerprint", "same", "still", "unchanged"]
+__all__ = ["all_still", "all_true", "fingerprint", "fingerprints", "same", "still", "unchanged"]
 
 _GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 _INT = {1: torch.int8, 2: torch.int16}
@@ -161,19 +161,31 @@ def fingerprint(t: Tensor) -> Print | None:
     or None for a tensor whose bytes cannot be viewed (sparse, quantized, meta): it is then not
     checked. Runs with Python dispatch and torch functions off and without autograd (engine code:
     the trace must not see it)."""
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return _print(t)
+
+
+def fingerprints(ts: list[Tensor]) -> list[Print | None]:
+    """``[fingerprint(t) for t in ts]``, with the no-dispatch contexts entered once (for many
+    small tensors the contexts cost more than the copies)."""
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return [_print(t) for t in ts]
+
+
+def _print(t: Tensor) -> Print | None:
+    """:func:`fingerprint`'s body (its contexts entered by the caller)."""
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        if t.device.type == "cpu" and _MEMCMP is not None:
-            u = t.detach()
-            if not u.is_contiguous():
-                u = u.contiguous()
-            n = u.numel() * u.element_size()
-            copy = _space(n)
-            if n:
-                ctypes.memmove(copy.data_ptr(), u.data_ptr(), n)
-            return copy, tuple(t.shape), t.dtype, _BYTES
-        return _value(_words(t)), tuple(t.shape), t.dtype, _SUM
+    if t.device.type == "cpu" and _MEMCMP is not None:
+        u = t.detach()
+        if not u.is_contiguous():
+            u = u.contiguous()
+        n = u.numel() * u.element_size()
+        copy = _space(n)
+        if n:
+            ctypes.memmove(copy.data_ptr(), u.data_ptr(), n)
+        return copy, tuple(t.shape), t.dtype, _BYTES
+    return _value(_words(t)), tuple(t.shape), t.dtype, _SUM
 
 
 def same(now: Print | None, then: Print | None) -> Tensor | bool:
@@ -194,13 +206,27 @@ def same(now: Print | None, then: Print | None) -> Tensor | bool:
 def still(t: Tensor, then: Print | None) -> Tensor | bool:
     """``same(fingerprint(t), then)``; on the CPU one ``memcmp`` of ``t``'s memory against the
     copy when ``t`` is contiguous (no new copy)."""
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return _still(t, then)
+
+
+def all_still(ts: list[Tensor], prints: list[Print | None]) -> bool:
+    """Whether every tensor of ``ts`` still gives its print (``all_true`` of :func:`still` over
+    the pairs), the no-dispatch contexts entered once."""
+    if len(ts) != len(prints):
+        raise ValueError(f"all_still: {len(ts)} tensors against {len(prints)} prints")
+    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return all_true([_still(t, p) for t, p in zip(ts, prints)])
+
+
+def _still(t: Tensor, then: Print | None) -> Tensor | bool:
+    """:func:`still`'s body (its contexts entered by the caller)."""
     if then is not None and then[3] == _BYTES and t.layout == torch.strided and \
-            t.device.type == "cpu" and (tuple(t.shape), t.dtype) == then[1:3]:
-        with torch._C.DisableTorchFunction():
-            if t.is_contiguous():
-                n = then[0].numel()
-                return n == 0 or _MEMCMP(t.data_ptr(), then[0].data_ptr(), n) == 0
-    return same(fingerprint(t), then)
+            t.device.type == "cpu" and (tuple(t.shape), t.dtype) == then[1:3] and \
+            t.is_contiguous():
+        n = then[0].numel()
+        return n == 0 or _MEMCMP(t.data_ptr(), then[0].data_ptr(), n) == 0
+    return same(_print(t), then)
 
 
 def all_true(flags: list) -> bool:
