@@ -46,6 +46,57 @@ def test_auto_runs_the_graph_from_the_second_private_step(groups):
     assert res.engine_info["engine"] == "ghost" and res.engine_info["requested"] == "auto"
 
 
+def _hooked(m):
+    m.ff.register_forward_hook(lambda mod, i, o: o * 10)
+
+
+def _pre_hooked(m):
+    m.out.register_forward_pre_hook(lambda mod, i: (i[0] * 10,))
+
+
+def _forward_swapped(m):
+    m.forward = lambda x: Block.forward(m, x) * 10
+
+
+@pytest.mark.parametrize("change", [_pre_hooked, _forward_swapped],
+                         ids=["pre-hook", "instance-forward"])
+def test_hooks_or_a_forward_set_after_adoption_run(change):
+    """Seventy-seventh hostile review: a hook registered, or the instance's forward replaced,
+    after the graph was adopted never ran: the compiled steps trained the captured program (0.36
+    to 0.76 off the loop). They are part of the proof's key now: the step gets a proof and a graph
+    of its own, equal to the loop of the model as it is."""
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    eng = AutoEngine()
+    for _ in range(2):
+        _step(eng, model, ce, x, y)
+    change(model)
+    progs = []
+    for _ in range(2):
+        with graph_runs() as ran:
+            res = _step(eng, model, ce, x, y)
+        _equal_to_the_loop(res, model, ce, x, y, ParamGroups.flat(model))
+        progs.append(ran[0])
+    assert progs == [0, 1]  # (the new program's first step traced, then its own graph)
+
+
+def test_a_forward_hook_on_a_layer_set_after_adoption_stops_the_run():
+    """The same review's forward hook (the output of a ruled layer scaled): the compiled steps
+    ignored it; now the step is traced, which refuses a hook on a ruled layer's output, as on the
+    first step."""
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    eng = AutoEngine()
+    for _ in range(2):
+        _step(eng, model, ce, x, y)
+    _hooked(model)
+    with graph_runs() as ran, pytest.raises(UnsupportedModelError, match="forward hook"):
+        _step(eng, model, ce, x, y)
+    assert ran[0] == 0
+
+
 def test_compiled_false_keeps_the_traced_path():
     model = Block().to(DT)
     x, y = _seq()
@@ -61,8 +112,9 @@ def test_compiled_false_keeps_the_traced_path():
 
 
 class InPlace(nn.Module):
-    """An in-place operation in the forward: the compiled path refuses the graph (not yet
-    supported), the traced path runs it."""
+    """An in-place write through a view whose base is read afterwards: the compiled path refuses
+    the graph (it runs writes out of place only where no alias sees them), the traced path runs
+    it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +122,7 @@ class InPlace(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        h.mul_(2.0)
+        h[:, :4].mul_(2.0)
         return self.fc2(torch.tanh(h))
 
 
@@ -162,8 +214,8 @@ def test_switched_attacks_on_the_graph_are_refused_or_release_the_honest_program
 
 
 def test_make_private_on_auto_counts_the_graph_steps():
-    """The default engine: Poisson batches of varying size, one graph after the first step; the
-    summary counts the steps that ran it (public: decided by the model and the plan)."""
+    """The default engine: Poisson batches of varying size, one graph after the first step;
+    ``compiled_steps`` counts the steps that ran it (NON-PRIVATE: not in the summary)."""
     import dpclip
 
     model = Block().to(DT)
@@ -180,7 +232,46 @@ def test_make_private_on_auto_counts_the_graph_steps():
             opt.zero_grad()
     d = dp.describe()
     assert d["engine"] == "ghost" and d["engine_requested"] == "auto"
-    assert d["engine_compiled_steps"] == ran[0] >= 3
+    # the count is NON-PRIVATE (the non-empty batches less one): kept, never in describe()
+    assert dp.compiled_steps == ran[0] >= 3
+    assert "engine_compiled_steps" not in d and ran[0] not in (
+        v for v in d.values() if type(v) is int and v not in (d["steps"], d["planned_steps"]))
+
+
+def test_the_compiled_step_count_never_reaches_the_summary():
+    """Seventy-seventh hostile review: describe() published the compiled steps, the non-empty
+    batches less one (an empty batch runs no program, the first non-empty one adopts the graph):
+    on a dataset of 3 records at sample rate 0.4 it told D from D' without one record at noise
+    multiplier 50. Two runs of 30 steps, one whose batches are all non-empty and one with empty
+    batches: the count differs, and neither summary has a key for it."""
+    import dpclip
+
+    def run(n, rate_batch):
+        torch.manual_seed(0)
+        model = Block().to(DT)
+        compiled_mod.reset(model)
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(n, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dp = dpclip.make_private(model, opt, (x, y), noise_multiplier=50.0, delta=1e-5, steps=30,
+                                 batch_size=rate_batch, verbose=False)
+        empty = 0
+        while dp.steps < 30:
+            for xb, yb in dp.loader:
+                empty += int(len(yb) == 0)
+                dp.backward(xb, yb)
+                opt.step()
+                opt.zero_grad()
+                if dp.steps == 30:
+                    break
+        return dp, empty
+
+    full, e_full = run(48, 16)
+    sparse, e_sparse = run(2, 0.6)  # (no empty batch in 30 steps: probability 0.51**30)
+    assert e_full == 0 and e_sparse >= 1  # (the second run had empty batches)
+    assert sparse.compiled_steps < full.compiled_steps  # (what the summary used to publish)
+    for d in (full.describe(), sparse.describe()):
+        assert not any("compiled" in k for k in d)
 
 
 def test_a_graph_that_fails_when_it_runs_leaves_auto_on_the_traced_path():

@@ -619,9 +619,18 @@ _PLAIN_EXACT = frozenset({int, float, bool, str, type(None)})
 _NOT_PLAIN_EXACT = frozenset({dict, set, list, collections.OrderedDict})
 
 
+#: a module's hook registries (with their flags): what the call runs besides ``forward``
+_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                         "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                         "_backward_hooks", "_backward_pre_hooks"})
+
+
 def _python_state(mod: nn.Module) -> tuple:
     """The plain Python attributes of a module (counters, flags, sizes): a forward that changes
-    what it computes with them gets a new proof when they change. (Exact builtin types are sorted
+    what it computes with them gets a new proof when they change. Its hooks and an instance's own
+    ``forward`` too, by identity (seventy-seventh hostile review: a hook registered, or
+    ``forward`` replaced, after the graph was adopted never ran: the compiled steps trained the
+    program without it). (Exact builtin types are sorted
     by a set lookup; anything else, subclasses of int such as enums included, by isinstance.)"""
     got = []
     for k, v in vars(mod).items():
@@ -629,7 +638,11 @@ def _python_state(mod: nn.Module) -> tuple:
         if t in _PLAIN_EXACT:
             got.append((k, v))
         elif t in _NOT_PLAIN_EXACT:
+            if v and k in _HOOK_DICTS:  # (by identity: a hook added or removed, a new proof)
+                got.append((k, tuple((h, _identity(f)) for h, f in v.items())))
             continue
+        elif k == "forward":  # an instance's own forward (``m.forward = ...``): by identity
+            got.append((k, _identity(v)))
         elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
                                                                      for x in v)):
             got.append((k, _plain(v)))  # (a subclass's own __hash__ / __eq__ never decide)

@@ -729,6 +729,154 @@ def reset(model: nn.Module | None = None) -> None:
             got.clear()
 
 
+#: in-place operations the analysis writes out of place (:func:`_out_of_place`): their functional
+#: twin, and whether its result has the written tensor's dtype whatever the other operands'
+#: ("self": fills) or only when every tensor operand has it ("promote": arithmetic, where the
+#: in-place form casts the promoted result back); not ``copy_`` (its twin has no derivative)
+_OUT_OF_PLACE: dict[str, str] = {
+    "add_": "promote", "sub_": "promote", "mul_": "promote", "div_": "promote",
+    "neg_": "promote", "clamp_": "promote", "clamp_min_": "promote", "clamp_max_": "promote",
+    "relu_": "promote", "tanh_": "promote", "sigmoid_": "promote", "exp_": "promote",
+    "pow_": "promote", "sqrt_": "promote", "rsqrt_": "promote", "addcmul_": "promote",
+    "addcdiv_": "promote", "hardtanh_": "promote", "leaky_relu_": "promote",
+    "threshold_": "promote", "masked_fill_": "self", "fill_": "self", "zero_": "self",
+}
+
+
+def _alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each node's alias class (union-find root): a node is joined to every argument its
+    operation's schema says its result may alias (views, ``detach``, in-place results, the items of
+    a returned list through ``getitem``); nodes of other kinds stand alone."""
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:
+        while parent.setdefault(n, n) is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def join(a: torch.fx.Node, b: torch.fx.Node) -> None:
+        ra, rb = root(a), root(b)
+        if ra is not rb:
+            parent[ra] = rb
+
+    for n in graph.nodes:
+        root(n)
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if t is operator.getitem and n.args and isinstance(n.args[0], torch.fx.Node):
+            join(n, n.args[0])
+            continue
+        if not isinstance(t, torch._ops.OpOverload):
+            continue
+        sets = {s for r in t._schema.returns if r.alias_info is not None
+                for s in r.alias_info.before_set}
+        if not sets:
+            continue
+        for arg, val in zip(t._schema.arguments, n.args):
+            if arg.alias_info is not None and set(arg.alias_info.before_set) & sets:
+                for v in (val if isinstance(val, (list, tuple)) else (val,)):
+                    if isinstance(v, torch.fx.Node):
+                        join(n, v)
+    return {n: root(n) for n in graph.nodes}
+
+
+def _out_of_place(graph: torch.fx.Graph) -> None:
+    """Rewrite each in-place operation on a tensor the graph made (``h += residual``: ResNet, T5,
+    MPNet, Falcon) as its functional twin, the later readers of the tensor reading the twin's
+    result: the same program, out of place (the analysis and :meth:`Plan.run` then see no write).
+
+    Done only where nothing could tell the difference, else the write is left for the refusal that
+    follows: the written tensor is the operation's first argument and the only one written, the
+    twin is in :data:`_OUT_OF_PLACE` with the same arguments, the result's dtype is the written
+    tensor's (no promotion: ``"promote"`` operations need every tensor operand of that dtype), and
+    after the write no other alias of the written tensor is read (a view taken before the write, or
+    the tensor a view was taken from, would see the write: the rewrite would change what it reads)
+    and no alias is an input of the graph (a write to a parameter, buffer or the batch). Shapes need
+    no check: an in-place operation that ran has the written tensor's shape as its broadcast shape,
+    which the twin then has."""
+    while True:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        roots = _alias_roots(graph)
+        members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for n, r in roots.items():
+            members.setdefault(r, []).append(n)
+        for m in graph.nodes:
+            t = m.target
+            if m.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
+                    not t._schema.is_mutable:
+                continue
+            if t is _aten.detach_.default:
+                continue  # (autograd metadata, checked by the caller)
+            twin = _twin(m)
+            if twin is None:
+                return  # (refused by the caller, with the operation named)
+            x = m.args[0]
+            before, after = order[m], [u for u in x.users if order[u] > order[m]]
+            with graph.inserting_before(m):
+                z = graph.call_function(twin, tuple(m.args), dict(m.kwargs))
+            z.meta = dict(m.meta)
+            m.replace_all_uses_with(z)
+            for u in after:
+                u.replace_input_with(x, z)
+            graph.erase_node(m)
+            # the written tensor's class, with the twin's readers moved off it: any other member
+            # read after the write (or an input of the graph) would have seen the write
+            cls = [v for v in _alias_class(graph, x)]
+            late = [v for v in cls if v is not x and any(
+                order.get(u, before + 1) > before for u in v.users)]
+            if any(v.op == "placeholder" for v in cls) or late:
+                raise CompiledUnsupported(
+                    f"the graph writes in place ({t}) to a tensor "
+                    + ("of the graph's inputs" if any(v.op == "placeholder" for v in cls) else
+                       f"whose alias {late[0].name!r} is read after the write")
+                    + "; the compiled path runs out-of-place programs")
+            break
+        else:
+            return
+
+
+def _alias_class(graph: torch.fx.Graph, x: torch.fx.Node) -> list[torch.fx.Node]:
+    roots = _alias_roots(graph)
+    return [n for n, r in roots.items() if r is roots[x]]
+
+
+def _twin(m: torch.fx.Node) -> Any:
+    """The functional twin of in-place node ``m`` (:func:`_out_of_place`), or None."""
+    t = m.target
+    name = t._schema.name.split("::")[-1]
+    kind = _OUT_OF_PLACE.get(name)
+    if kind is None or t.namespace != "aten" or not m.args or \
+            not isinstance(m.args[0], torch.fx.Node):
+        return None
+    args = t._schema.arguments
+    written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+    if len(written) != 1 or written[0] is not args[0]:
+        return None
+    packet = getattr(_aten, name[:-1], None)
+    twin = getattr(packet, t._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable or \
+            [a.name for a in twin._schema.arguments] != [a.name for a in args]:
+        return None
+    val = m.args[0].meta.get("val")
+    if not isinstance(val, Tensor) or not (val.is_floating_point() or val.dtype in _INTS):
+        return None
+    if kind == "promote":
+        operands = pytree.tree_leaves((m.args[1:], m.kwargs))
+        for v in operands:
+            if isinstance(v, torch.fx.Node):
+                ov = v.meta.get("val")
+                if not isinstance(ov, Tensor) or ov.dtype != val.dtype:
+                    return None
+            elif isinstance(v, bool) or (isinstance(v, float) and not val.is_floating_point()):
+                return None
+    return twin
+
+
+_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
 def plan_of(program: Any, model: nn.Module, scan: Any, xs: Any, ys: Any) -> Plan:
     """The :class:`Plan` of a proof's graph (analysed on first use, cached with the graph);
     raises :class:`CompiledUnsupported` with the reason it cannot be proved."""
@@ -764,6 +912,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
             "losses): a write to the model's state from the batch")
     gm = torch.fx.GraphModule(ep.graph_module, ep.graph_module.graph.__deepcopy__())
     graph = gm.graph
+    _out_of_place(graph)  # (writes to the graph's own tensors, where nothing can tell)
     holders = [n for n in graph.nodes if n.op == "placeholder"]
     specs_in = list(sig.input_specs)
     if len(holders) != len(specs_in):
