@@ -8,6 +8,11 @@ same loop); ``dp_step`` is one step; strategies live in ``dpclip.clipping``, eng
 
 __version__ = "0.2.0"
 
+# first: MKL's alignment-independent mode must be set before its first call (dpclip.blas_mode)
+from dpclip import blas_mode as _blas_mode
+
+_blas_mode.ensure()
+
 from dpclip.accounting import Ledger, calibrate_noise_multiplier, compute_epsilon, epsilon
 from dpclip.clipping import FixedClip, StepContext, list_strategies, make_strategy
 # dpclip.lipschitz (a room above clipping and models) registers the bound-based strategies and the

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from dpclip import blas_mode
 from dpclip._ident import ident
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
@@ -853,6 +854,7 @@ class PrivateTraining:
             "engine_requested": self.engine.name,
             "engine_fallback": self.engine_info["fallback"],
             "engine_per_layer": sorted(self.per_layer) or None,
+            "cpu_blas_mode": blas_mode.mode(),
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",

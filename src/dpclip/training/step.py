@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Mapping, Protocol, r
 import torch
 from torch import Tensor, nn
 
+from dpclip import blas_mode
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
@@ -135,6 +136,7 @@ def dp_step(
     ``(units, examples per unit, ...)``, clip each unit's mean gradient, use sensitivity ``2 S``
     and divide by the public number of units per step.
     """
+    blas_mode.warn_if_off()  # (MKL without its alignment-independent mode: dpclip.blas_mode)
     # the chunks' own generators (dropout masks) seeded from the caller's noise generator (secret
     # in a secure run), never from torch's public default generator, unless the caller set a
     # source (make_private: its private key; dpclip.engine.generators.seed_source; eleventh

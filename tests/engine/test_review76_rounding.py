@@ -1,0 +1,93 @@
+"""Seventy-sixth hostile review: a Linear on a constant sequence into a LayerNorm over the
+positions makes the Linear's computed gradient rounding noise whose direction moved with the
+batch's composition: without MKL's conditional numerical reproducibility (CNR) mode a row of a
+batched product rounds by its memory alignment, which shifts when an example leaves, and every
+batching engine moved the other examples' clipped contributions by 2.99 C at B 16 and 5.85 C at
+B 64 in float32 (``benchmarks/results/rounding_loo_cpu.md``). ``import dpclip`` now switches MKL
+to CNR ``AUTO`` before its first call (``dpclip.blas_mode``); the same runs stay at C. (This test
+session runs with ``MKL_CBWR=COMPATIBLE``, tests/conftest.py: the fresh processes below start
+without it.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location("rounding_loo",
+                                               ROOT / "benchmarks" / "rounding_loo.py")
+rounding_loo = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(rounding_loo)
+
+TOL = 1 + 1e-4
+
+
+def _fresh(code: str) -> str:
+    """``code`` in a fresh interpreter without ``MKL_CBWR``, one thread; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+_LOO = ("import sys, torch; sys.path.insert(0, 'benchmarks'); import rounding_loo as r; "
+        "torch.set_num_threads(1); print(dpclip.blas_mode.mode(), "
+        "r.loo('ghost', 16, torch.float32), r.loo('vmap', 16, torch.float32))")
+
+
+def test_import_dpclip_first_switches_mkl_to_cnr_and_the_batch_no_longer_moves_an_example():
+    mode, ghost, vmap = _fresh("import dpclip; import os; " + _LOO).split()
+    if mode == "no MKL":
+        pytest.skip("torch without MKL")
+    assert mode == "AUTO"
+    assert float(ghost) <= TOL and float(vmap) <= TOL
+
+
+def test_mkl_started_before_dpclip_is_reported_and_warned():
+    """MKL cannot switch once it ran: the mode says "off", make_private's summary says so and
+    the first private step warns (once)."""
+    code = ("import warnings, torch; torch.randn(8, 8) @ torch.randn(8, 8); import dpclip; "
+            "from dpclip.engine import get_engine; "
+            "print(dpclip.blas_mode.mode()); m = torch.nn.Linear(3, 2); "
+            "x, y = torch.randn(4, 3), torch.randint(0, 2, (4,)); "
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1); "
+            "dp = dpclip.make_private(m, opt, (x, y), noise_multiplier=1.0, steps=2, "
+            "batch_size=2, verbose=False); "
+            "print(dp.describe()['cpu_blas_mode']); "
+            "warnings.simplefilter('always'); "
+            "ws = []\n"
+            "with warnings.catch_warnings(record=True) as ws:\n"
+            "    for xb, yb in dp.loader:\n"
+            "        dp.backward(xb, yb); opt.step(); opt.zero_grad()\n"
+            "print(sum('MKL ran a matrix product' in str(w.message) for w in ws))")
+    out = _fresh(code).split()
+    if out[0] == "no MKL":
+        pytest.skip("torch without MKL")
+    assert out == ["off", "off", "1"]
+
+
+def test_a_users_mkl_cbwr_is_kept():
+    env = {k: v for k, v in os.environ.items()}
+    env.update(MKL_CBWR="COMPATIBLE", PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-c", "import dpclip, os, torch; "
+                          "torch.randn(4, 4) @ torch.randn(4, 4); "
+                          "print(dpclip.blas_mode.mode(), os.environ['MKL_CBWR'])"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.startswith("no MKL"):
+        pytest.skip("torch without MKL")
+    assert out.stdout.split() == ["COMPATIBLE", "COMPATIBLE"]
+
+
+def test_naive_and_float64_stay_within_c():
+    """Without depending on MKL's mode: each example alone, or nothing to amplify."""
+    assert rounding_loo.loo("naive", 12, torch.float32) <= TOL
+    assert rounding_loo.loo("ghost", 12, torch.float64) <= TOL
