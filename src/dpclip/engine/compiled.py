@@ -58,7 +58,8 @@ Python state changes what it computes without changing the proof's key (module t
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
 per-layer path beyond broadcast uses (scaled embeddings), sequence-first layers,
-forwards with in-place operations or grad-mode regions.
+in-place writes an alias would see (:func:`_out_of_place` runs the others out of place),
+grad-mode regions.
 """
 
 from __future__ import annotations

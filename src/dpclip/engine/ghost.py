@@ -1696,8 +1696,8 @@ class CompiledEngine(GhostEngine):
             f"{self.name} engine: {reason}. The compiled engine runs models whose parameters "
             "all belong to nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d, nn.Conv2d, "
             "nn.GroupNorm, nn.RMSNorm, eval-mode BatchNorm or transformers Conv1D layers, each "
-            "called through its own forward, with an out-of-place forward that torch.export "
-            "can trace (docs/engines.md, \"The compiled engine\"); use engine 'ghost' or 'auto' "
+            "called through its own forward, with a forward that torch.export can trace and "
+            "whose in-place writes touch only tensors it made, seen by no other alias (docs/engines.md, \"The compiled engine\"); use engine 'ghost' or 'auto' "
             "for other models")
 
     def __post_init__(self) -> None:
