@@ -58,6 +58,17 @@ def _forward_swapped(m):
     m.forward = lambda x: Block.forward(m, x) * 10
 
 
+def _adopted():
+    """A Block, its batch and an auto engine whose graph was adopted (two steps)."""
+    model = Block().to(DT)
+    x, y = _seq()
+    compiled_mod.reset(model)
+    eng = AutoEngine()
+    for _ in range(2):
+        _step(eng, model, ce, x, y)
+    return model, x, y, eng
+
+
 @pytest.mark.parametrize("change", [_pre_hooked, _forward_swapped],
                          ids=["pre-hook", "instance-forward"])
 def test_hooks_or_a_forward_set_after_adoption_run(change):
@@ -65,12 +76,7 @@ def test_hooks_or_a_forward_set_after_adoption_run(change):
     after the graph was adopted never ran: the compiled steps trained the captured program (0.36
     to 0.76 off the loop). They are part of the proof's key now: the step gets a proof and a graph
     of its own, equal to the loop of the model as it is."""
-    model = Block().to(DT)
-    x, y = _seq()
-    compiled_mod.reset(model)
-    eng = AutoEngine()
-    for _ in range(2):
-        _step(eng, model, ce, x, y)
+    model, x, y, eng = _adopted()
     change(model)
     progs = []
     for _ in range(2):
@@ -85,12 +91,7 @@ def test_a_forward_hook_on_a_layer_set_after_adoption_stops_the_run():
     """The same review's forward hook (the output of a ruled layer scaled): the compiled steps
     ignored it; now the step is traced, which refuses a hook on a ruled layer's output, as on the
     first step."""
-    model = Block().to(DT)
-    x, y = _seq()
-    compiled_mod.reset(model)
-    eng = AutoEngine()
-    for _ in range(2):
-        _step(eng, model, ce, x, y)
+    model, x, y, eng = _adopted()
     _hooked(model)
     with graph_runs() as ran, pytest.raises(UnsupportedModelError, match="forward hook"):
         _step(eng, model, ce, x, y)
