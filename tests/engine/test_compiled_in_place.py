@@ -159,3 +159,17 @@ def test_the_rewrite_refuses_a_view_read_after_the_write():
     gm, _ = _graph(fn, (4, 3))
     with pytest.raises(compiled_mod.CompiledUnsupported, match="read after the write"):
         compiled_mod._out_of_place(gm.graph)
+
+
+def test_the_rewrite_sees_an_unsafe_view_as_an_alias():
+    """``aten._unsafe_view`` shares its input's memory without saying so in its schema: a write
+    to it is seen by its input, read afterwards, so the write stays (and is refused)."""
+    def fn(x):
+        h = x * 2
+        u = torch.ops.aten._unsafe_view(h, [h.shape[0], 3])
+        u.add_(1.0)
+        return (h + u).sum(1)
+
+    gm, _ = _graph(fn, (4, 3))
+    with pytest.raises(compiled_mod.CompiledUnsupported, match="read after the write"):
+        compiled_mod._out_of_place(gm.graph)

@@ -747,7 +747,8 @@ _OUT_OF_PLACE: dict[str, str] = {
 def _alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
     """Each node's alias class (union-find root): a node is joined to every argument its
     operation's schema says its result may alias (views, ``detach``, in-place results, the items of
-    a returned list through ``getitem``); nodes of other kinds stand alone."""
+    a returned list through ``getitem``) and to the input of ``_unsafe_view`` (memory shared,
+    unannotated); nodes of other kinds stand alone."""
     parent: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def root(n: torch.fx.Node) -> torch.fx.Node:
@@ -770,6 +771,9 @@ def _alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
             join(n, n.args[0])
             continue
         if not isinstance(t, torch._ops.OpOverload):
+            continue
+        if t.overloadpacket is _aten._unsafe_view and isinstance(n.args[0], torch.fx.Node):
+            join(n, n.args[0])  # (shares its input's memory; its schema does not say so)
             continue
         sets = {s for r in t._schema.returns if r.alias_info is not None
                 for s in r.alias_info.before_set}
