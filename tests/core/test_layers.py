@@ -25,7 +25,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Bottom to top. Each room lists the rooms it may import (directly); anything else is upward.
-_LEAVES = {"events", "errors", "_checks", "_ident", "devices", "runtime", "published", "store"}
+_LEAVES = {"events", "errors", "_checks", "_ident", "devices", "runtime", "published", "store",
+           "blas_mode"}
 _BASE = {"events", "errors", "_checks", "_ident"}
 ROOMS: dict[str, set[str]] = {
     # leaves: import nothing from dpclip
@@ -50,7 +51,7 @@ ROOMS: dict[str, set[str]] = {
     # the mechanism: one room over the leaf rooms
     "training": _BASE | {"accounting", "clipping", "engine", "data", "models", "noise",
                          "randomness", "devices", "diagnostics", "inputs", "interrupts",
-                         "lr_schedules", "hf", "registry", "lipschitz"},
+                         "lr_schedules", "hf", "registry", "lipschitz", "blas_mode"},
     "model_check": _BASE | {"clipping", "engine", "training"},
     # applications of the mechanism
     "audit": _BASE | {"accounting", "clipping", "data", "engine", "noise", "randomness",
