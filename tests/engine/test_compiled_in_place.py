@@ -81,8 +81,23 @@ def _mixing_write(m: nn.Module, h: Tensor) -> Tensor:
     return h
 
 
+def _piece_read_after(m: nn.Module, h: Tensor) -> Tensor:
+    h = h * 1.0
+    a, b = torch.tensor_split(h, 2, dim=1)  # (a list of views: its alias sets sit on the items)
+    a.mul_(3.0)  # the base, read afterwards, sees it (seventy-eighth hostile review)
+    return h
+
+
+def _hsplit_base_written(m: nn.Module, h: Tensor) -> Tensor:
+    h = h * 1.0
+    a, b = torch.hsplit(h, 2)
+    h.add_(1.0)  # the pieces, read afterwards, see it
+    return torch.cat([a * 2, b], 1)
+
+
 REFUSED = {"view-read-after": _view_read_after, "base-read-after": _base_read_after,
-           "promoting": _promoting, "mixing": _mixing_write}
+           "promoting": _promoting, "mixing": _mixing_write, "piece-read-after": _piece_read_after,
+           "hsplit-base-written": _hsplit_base_written}
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -98,7 +113,8 @@ def test_writes_an_alias_would_see_are_refused(name):
             CompiledEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
 
 
-@pytest.mark.parametrize("name", ["view-read-after", "base-read-after", "promoting"])
+@pytest.mark.parametrize("name", ["view-read-after", "base-read-after", "promoting",
+                                  "piece-read-after"])
 def test_on_auto_refused_writes_run_traced_and_stay_within_c(name):
     torch.manual_seed(0)
     model = Net(REFUSED[name]).to(DT)

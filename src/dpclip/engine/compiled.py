@@ -745,10 +745,10 @@ _OUT_OF_PLACE: dict[str, str] = {
 
 
 def _alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Each node's alias class (union-find root): a node is joined to every argument its
-    operation's schema says its result may alias (views, ``detach``, in-place results, the items of
-    a returned list through ``getitem``) and to the input of ``_unsafe_view`` (memory shared,
-    unannotated); nodes of other kinds stand alone."""
+    """Each node's alias class (union-find root): a node whose operation's schema annotates a
+    return (views, ``detach``, in-place results, lists of views) is joined to every annotated
+    argument, the items of a returned list through ``getitem``, and ``_unsafe_view`` to its input
+    (memory shared, unannotated); nodes of other kinds stand alone."""
     parent: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def root(n: torch.fx.Node) -> torch.fx.Node:
@@ -775,12 +775,15 @@ def _alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
         if t.overloadpacket is _aten._unsafe_view and isinstance(n.args[0], torch.fx.Node):
             join(n, n.args[0])  # (shares its input's memory; its schema does not say so)
             continue
-        sets = {s for r in t._schema.returns if r.alias_info is not None
-                for s in r.alias_info.before_set}
-        if not sets:
+        # any annotated return (a view, an in-place result, a list of views whose sets sit on
+        # the element type and read empty here: split, tensor_split, unbind) joins every
+        # annotated argument: over-joining only refuses more (seventy-eighth hostile review:
+        # tensor_split's pieces were not seen, the graph step's gradients were another program's)
+        if not any(r.alias_info is not None for r in t._schema.returns):
             continue
-        for arg, val in zip(t._schema.arguments, n.args):
-            if arg.alias_info is not None and set(arg.alias_info.before_set) & sets:
+        for arg, val in zip(t._schema.arguments, list(n.args) + [None] * len(t._schema.arguments)):
+            if arg.alias_info is not None:
+                val = n.kwargs.get(arg.name, val) if arg.kwarg_only else val
                 for v in (val if isinstance(val, (list, tuple)) else (val,)):
                     if isinstance(v, torch.fx.Node):
                         join(n, v)
