@@ -19,10 +19,14 @@ importing dpclip, as a script that computed before the import would: MKL then st
 (the rows of the table with mode ``off``).
 
     python benchmarks/rounding_loo.py [--engines naive,vmap,ghost,auto,compiled] [--batches 16,64]
-                                      [--mkl-first] [--append]
+                                      [--models linear,conv1x1] [--mkl-first] [--append]
     python benchmarks/rounding_loo.py --table
 
-Rows (MKL mode, engine, dtype, batch, LOO / C; device, torch version, date) go to
+``--models conv1x1``: a 1x1 Conv2d on a constant image instead (seventy-eighth review: torch chose
+the convolution's backend by the batch size; the engines now fix it for their call,
+``dpclip.engine._common.fixed_conv_backends``).
+
+Rows (model, MKL mode, engine, dtype, batch, LOO / C; device, torch version, date) go to
 ``benchmarks/results/rounding_loo_cpu.json`` and the Markdown table beside it. One thread.
 """
 
@@ -56,11 +60,28 @@ class ConstantSequenceNorm(nn.Module):
         return self.head(h.flatten(1))
 
 
+class ConstantImageConv(nn.Module):
+    """A 1x1 Conv2d on a constant 5x5 image, LayerNorm over the positions, a head (seventy-eighth
+    review: torch ran the convolution on its own kernel below 16 examples, on oneDNN from 16 on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(D, H, 1), nn.Linear(H * 25, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.conv(x[:, 0, :, None, None].expand(x.shape[0], D, 5, 5)).flatten(2)
+        return self.head((F.layer_norm(z, (25,), eps=EPS) * 3).flatten(1))
+
+
+MODELS = {"linear": ConstantSequenceNorm, "conv1x1": ConstantImageConv}
+
+
 def ce(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(o, y, reduction="none")
 
 
-def loo(engine_name: str, batch: int, dtype: torch.dtype, seed: int = 0) -> float:
+def loo(engine_name: str, batch: int, dtype: torch.dtype, seed: int = 0,
+        model_name: str = "linear") -> float:
     """``max_j ||S(X) - S(X without j)|| / C`` on a later step (the engine's second call)."""
     from dpclip.engine import ParamGroups, get_engine
 
@@ -68,7 +89,7 @@ def loo(engine_name: str, batch: int, dtype: torch.dtype, seed: int = 0) -> floa
     x = (torch.randn(batch, 2, D, generator=g) * SCALE).to(dtype)
     y = torch.randint(0, 5, (batch,), generator=g)
     torch.manual_seed(seed)
-    model = ConstantSequenceNorm().to(dtype)
+    model = MODELS[model_name]().to(dtype)
     engine = get_engine(engine_name)
     groups = ParamGroups.flat(model)
 
@@ -95,10 +116,12 @@ def table(rows: list[dict]) -> str:
            f"torch {meta['torch']}, {meta['device']}, one thread, {meta['date']}; the model and "
            "setting in the script's docstring (C = 1e-2, LayerNorm eps 1e-5); a sound "
            "per-example mechanism stays at 1.", "",
-           "| MKL mode | engine | dtype | batch | LOO / C |", "|---|---|---|---|---|"]
+           "| model | MKL mode | conv backend | engine | dtype | batch | LOO / C |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.get('mkl', '-')} | {r['engine']} | {r['dtype']} | {r['batch']} | "
-                   f"{r['loo_over_c']:.4f} |")
+        out.append(f"| {r.get('model', 'linear')} | {r.get('mkl', '-')} | "
+                   f"{r.get('conv', 'by batch size')} | {r['engine']} | {r['dtype']} | "
+                   f"{r['batch']} | {r['loo_over_c']:.4f} |")
     return "\n".join(out) + "\n"
 
 
@@ -106,6 +129,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="naive,vmap,ghost,auto,compiled")
     ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--models", default="linear", help="linear, conv1x1 (comma-separated)")
     ap.add_argument("--mkl-first", action="store_true",
                     help="run an MKL product before importing dpclip (MKL then stays without CNR)")
     ap.add_argument("--append", action="store_true", help="add to the rows instead of replacing")
@@ -118,15 +142,20 @@ def main() -> int:
         from dpclip import blas_mode
 
         rows = json.loads(OUT.read_text()) if args.append and OUT.exists() else []
-        for b in (int(v) for v in args.batches.split(",")):
-            for dt in (torch.float32, torch.float64):
-                for e in args.engines.split(","):
-                    rows.append({"mkl": blas_mode.mode(), "engine": e,
-                                 "dtype": str(dt).removeprefix("torch."), "batch": b,
-                                 "loo_over_c": loo(e, b, dt), "device": "cpu",
-                                 "torch": torch.__version__,
-                                 "date": datetime.date.today().isoformat()})
-                    print(rows[-1], file=sys.stderr, flush=True)
+        from dpclip.engine import _common
+
+        # (the engines' fixed convolution backend; absent from a tree older than review 78)
+        conv = "fixed" if hasattr(_common, "fixed_conv_backends") else "by batch size"
+        cells = [(name, int(b), dt) for name in args.models.split(",")
+                 for b in args.batches.split(",") for dt in (torch.float32, torch.float64)]
+        for name, b, dt in cells:
+            for e in args.engines.split(","):
+                rows.append({"model": name, "mkl": blas_mode.mode(), "conv": conv, "engine": e,
+                             "dtype": str(dt).removeprefix("torch."), "batch": b,
+                             "loo_over_c": loo(e, b, dt, model_name=name), "device": "cpu",
+                             "torch": torch.__version__,
+                             "date": datetime.date.today().isoformat()})
+                print(rows[-1], file=sys.stderr, flush=True)
         OUT.write_text(json.dumps(rows, indent=1) + "\n")
     rows = json.loads(OUT.read_text())
     OUT.with_suffix(".md").write_text(table(rows))

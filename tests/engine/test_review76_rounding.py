@@ -91,3 +91,39 @@ def test_naive_and_float64_stay_within_c():
     """Without depending on MKL's mode: each example alone, or nothing to amplify."""
     assert rounding_loo.loo("naive", 12, torch.float32) <= TOL
     assert rounding_loo.loo("ghost", 12, torch.float64) <= TOL
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap", "compiled"])
+def test_a_pointwise_convolution_runs_on_one_backend_whatever_the_batch(engine):
+    """Seventy-eighth hostile review: on one thread torch ran a 1x1 convolution on its own kernel
+    below 16 examples and on oneDNN from 16 on, so removing one example of 16 changed the others'
+    rounding: a 1x1 Conv2d on a constant image into a LayerNorm over the positions moved them by
+    2.83 C (up to 16 C with equal examples). The engines fix the backend for their call."""
+    assert torch.get_num_threads() == 1  # (tests/engine/conftest.py)
+    assert rounding_loo.loo(engine, 16, torch.float32, model_name="conv1x1") <= TOL
+
+
+def test_the_conv_backends_are_fixed_for_the_call_and_restored():
+    from dpclip.engine._common import _pointwise_kernel, fixed_conv_backends
+
+    pointwise = torch.nn.Conv2d(3, 2, 1)
+    wide = torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.Linear(4, 4))
+    assert _pointwise_kernel(pointwise) and not _pointwise_kernel(wide)
+    assert _pointwise_kernel(torch.nn.Conv1d(3, 2, 1))
+    before = (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with fixed_conv_backends(pointwise):
+            assert not torch._C._get_mkldnn_enabled() and not torch._C._get_nnpack_enabled()
+        with fixed_conv_backends(wide):  # (oneDNN at every batch size of two or more)
+            assert torch._C._get_mkldnn_enabled() == before[0]
+            assert not torch._C._get_nnpack_enabled()
+        torch.set_num_threads(2)
+        with fixed_conv_backends(pointwise):
+            assert torch._C._get_mkldnn_enabled() == before[0]
+        with pytest.raises(RuntimeError), fixed_conv_backends(pointwise):
+            raise RuntimeError("the step failed")
+        assert (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()) == before
+    finally:
+        torch.set_num_threads(threads)

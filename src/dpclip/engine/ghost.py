@@ -137,6 +137,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip._ident import ident
 from dpclip.engine._common import (
     HALF,
+    fixed_conv_backends,
     ChunkReducer,
     StepWeights,
     _Rounding,
@@ -677,7 +678,9 @@ class GhostEngine:
         final: list[Any] = []
         token = _LAST_PRINTS.set(final)
         try:
-            with engine_only():  # (no user code runs between the engine's own operations)
+            # (no user code runs between the engine's own operations; convolutions on one
+            # backend whatever the batch size: _common.fixed_conv_backends)
+            with engine_only(), fixed_conv_backends(model):
                 res = self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
         finally:
             _LAST_PRINTS.reset(token)
