@@ -24,7 +24,9 @@ importing dpclip, as a script that computed before the import would: MKL then st
 
 ``--models conv1x1``: a 1x1 Conv2d on a constant image instead (seventy-eighth review: torch chose
 the convolution's backend by the batch size; the engines now fix it for their call,
-``dpclip.engine._common.fixed_conv_backends``).
+``dpclip.engine._common.fixed_conv_backends``); ``conv1x1-matrix``: its kernel built in the
+forward from a 2-D weight (seventy-ninth review). ``--threads 2``: at batch 2, vmap ran a batch
+of one off oneDNN.
 
 Rows (model, MKL mode, engine, dtype, batch, LOO / C; device, torch version, date) go to
 ``benchmarks/results/rounding_loo_cpu.json`` and the Markdown table beside it. One thread.
@@ -73,7 +75,29 @@ class ConstantImageConv(nn.Module):
         return self.head((F.layer_norm(z, (25,), eps=EPS) * 3).flatten(1))
 
 
-MODELS = {"linear": ConstantSequenceNorm, "conv1x1": ConstantImageConv}
+class MatrixConv(nn.Module):
+    """A 1x1 convolution whose kernel its forward builds from a 2-D weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(H, D) / 2)
+        self.bias = nn.Parameter(torch.zeros(H))
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(v, self.weight[:, :, None, None], self.bias)
+
+
+class ConstantImageConvOfAMatrix(ConstantImageConv):
+    """The same with the 1x1 kernel built in the forward from a 2-D weight (seventy-ninth review:
+    no look at the model's tensors tells that this call is a 1x1 convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = MatrixConv()
+
+
+MODELS = {"linear": ConstantSequenceNorm, "conv1x1": ConstantImageConv,
+          "conv1x1-matrix": ConstantImageConvOfAMatrix}
 
 
 def ce(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -116,11 +140,12 @@ def table(rows: list[dict]) -> str:
            f"torch {meta['torch']}, {meta['device']}, one thread, {meta['date']}; the model and "
            "setting in the script's docstring (C = 1e-2, LayerNorm eps 1e-5); a sound "
            "per-example mechanism stays at 1.", "",
-           "| model | MKL mode | conv backend | engine | dtype | batch | LOO / C |",
-           "|---|---|---|---|---|---|---|"]
+           "| model | MKL mode | conv backend | threads | engine | dtype | batch | LOO / C |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r.get('model', 'linear')} | {r.get('mkl', '-')} | "
-                   f"{r.get('conv', 'by batch size')} | {r['engine']} | {r['dtype']} | "
+                   f"{r.get('conv', 'by batch size')} | {r.get('threads', 1)} | {r['engine']} | "
+                   f"{r['dtype']} | "
                    f"{r['batch']} | {r['loo_over_c']:.4f} |")
     return "\n".join(out) + "\n"
 
@@ -129,14 +154,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="naive,vmap,ghost,auto,compiled")
     ap.add_argument("--batches", default="16,64")
-    ap.add_argument("--models", default="linear", help="linear, conv1x1 (comma-separated)")
+    ap.add_argument("--models", default="linear",
+                    help="linear, conv1x1, conv1x1-matrix (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mkl-first", action="store_true",
                     help="run an MKL product before importing dpclip (MKL then stays without CNR)")
     ap.add_argument("--append", action="store_true", help="add to the rows instead of replacing")
     ap.add_argument("--table", action="store_true", help="only regenerate the .md from the .json")
     args = ap.parse_args()
     if not args.table:
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
         if args.mkl_first:
             torch.randn(8, 8) @ torch.randn(8, 8)
         from dpclip import blas_mode
@@ -144,13 +171,17 @@ def main() -> int:
         rows = json.loads(OUT.read_text()) if args.append and OUT.exists() else []
         from dpclip.engine import _common
 
-        # (the engines' fixed convolution backend; absent from a tree older than review 78)
-        conv = "fixed" if hasattr(_common, "fixed_conv_backends") else "by batch size"
+        # (the engines' fixed convolution backend: absent before review 78, by the model's
+        # tensors in review 78's version, for every call at one thread since review 79)
+        fixed = getattr(_common, "fixed_conv_backends", None)
+        conv = "by batch size" if fixed is None else \
+            "fixed (1x1 kernels seen)" if hasattr(_common, "_pointwise_kernel") else "fixed"
         cells = [(name, int(b), dt) for name in args.models.split(",")
                  for b in args.batches.split(",") for dt in (torch.float32, torch.float64)]
         for name, b, dt in cells:
             for e in args.engines.split(","):
                 rows.append({"model": name, "mkl": blas_mode.mode(), "conv": conv, "engine": e,
+                             "threads": args.threads,
                              "dtype": str(dt).removeprefix("torch."), "batch": b,
                              "loo_over_c": loo(e, b, dt, model_name=name), "device": "cpu",
                              "torch": torch.__version__,

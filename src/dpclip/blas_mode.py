@@ -11,10 +11,11 @@ MKL's CNR mode ``AUTO`` (the fastest code path of the CPU, chosen once, alignmen
 brought the same runs to 1.0000 C at 1 and 2 threads.
 
 MKL reads its mode once, at its first call, so :func:`ensure` runs at ``import dpclip`` (before the
-model or data are built): it sets ``MKL_CBWR=AUTO`` through MKL's service function and in the
-environment (child processes: data workers, ``torchrun``) unless the user set ``MKL_CBWR`` (kept:
-any CNR branch is alignment-independent). A process that ran an MKL product before importing dpclip
-cannot switch any more: :func:`mode` then says ``"off"`` and the first private step warns
+model or data are built): it asks MKL's service function for the branch the user's ``MKL_CBWR``
+names (any CNR branch is alignment-independent), else ``AUTO``, which it also puts in the
+environment (child processes: data workers, ``torchrun``). A process that ran an MKL product before
+importing dpclip cannot switch any more (a variable set after that does nothing): :func:`mode`
+then says ``"off"`` and the first private step warns
 (``dpclip.training.step``). What it does not cover (docs/engines.md, "Rounding that depends on the
 batch size"): the vectorised elementwise kernels' scalar tails (the eighth review's
 ``sin(1e16 * t)``), GPU kernels, and BLAS libraries other than MKL.
@@ -30,6 +31,7 @@ __all__ = ["ensure", "mode", "warn_if_off"]
 
 #: MKL's ``MKL_CBWR_*`` branch codes (mkl_service.h) and their environment spellings
 _AUTO = 2
+_STRICT = 0x10000
 _NAMES = {1: "off", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
           9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1",
           14: "AVX512_E1"}
@@ -63,28 +65,41 @@ def _service() -> ctypes.CDLL | None:
     return lib
 
 
+def _wanted() -> int:
+    """The CNR branch to ask MKL for: the user's ``MKL_CBWR`` (its branch name, with
+    ``,STRICT``), else ``AUTO``."""
+    spec = os.environ.get("MKL_CBWR", "").strip().upper()
+    if not spec:
+        return _AUTO
+    name, _, rest = spec.partition(",")
+    code = {v: k for k, v in _NAMES.items() if k != 1}.get(name.strip(), _AUTO)
+    return code | (_STRICT if rest.strip() == "STRICT" else 0)
+
+
 def ensure() -> str:
-    """Switch MKL to CNR ``AUTO`` unless ``MKL_CBWR`` is set or MKL already ran (module
-    docstring); the mode now in force (:func:`mode`)."""
+    """Switch MKL to CNR (the user's ``MKL_CBWR`` branch, else ``AUTO``) unless it already runs
+    (module docstring); the mode now in force (:func:`mode`)."""
     lib = _service()
     if lib is None:
         return mode()
-    if "MKL_CBWR" not in os.environ:
-        if lib.mkl_serv_cbwr_set(_AUTO) == 0:
-            os.environ["MKL_CBWR"] = "AUTO"  # (for child processes, which start MKL afresh)
+    if lib.mkl_serv_cbwr_get(1) == 1 and lib.mkl_serv_cbwr_set(_wanted()) == 0:
+        os.environ.setdefault("MKL_CBWR", "AUTO")  # (for child processes, which start afresh)
     return mode()
 
 
 def mode() -> str:
     """MKL's CNR branch in force: ``"AUTO"``, ``"COMPATIBLE"``, an instruction set, ``"off"``
-    (rows round by their alignment), ``"pending"`` (``MKL_CBWR`` set, MKL not started yet: it
-    reads the variable at its first call) or ``"no MKL"``."""
+    (MKL ran without CNR: rows round by their alignment) or ``"no MKL"``. A branch that reads off
+    is switched on when MKL has not started yet (so it is never reported as pending: a variable
+    set after MKL started does nothing, seventy-ninth hostile review)."""
     lib = _service()
     if lib is None:
         return "no MKL"
     got = lib.mkl_serv_cbwr_get(1)  # (MKL_CBWR_BRANCH)
-    if got == 1 and os.environ.get("MKL_CBWR"):
-        return "pending"
+    if got == 1:
+        if lib.mkl_serv_cbwr_set(_wanted()) != 0:  # (MKL_CBWR_ERR_MODE_CHANGE_FAILURE: it ran)
+            return "off"
+        got = lib.mkl_serv_cbwr_get(1)
     return _NAMES.get(got, f"branch {got}")
 
 
@@ -95,8 +110,7 @@ def warn_if_off() -> None:
         return
     now = mode()
     if now != "off":
-        if now not in ("pending",):
-            _WARNED.append(False)  # (settled: never asked again)
+        _WARNED.append(False)  # (settled: MKL keeps its branch for the process)
         return
     _WARNED.append(True)
     warnings.warn(
@@ -105,4 +119,4 @@ def warn_if_off() -> None:
         "and a model whose gradients cancel can let one example move the others' clipped "
         "gradients by several times the clipping norm (docs/engines.md, \"Rounding that "
         "depends on the batch size\"). Import dpclip before any computation, or set "
-        "MKL_CBWR=AUTO in the environment", RuntimeWarning, stacklevel=3)
+        "MKL_CBWR=AUTO in the environment before Python starts", RuntimeWarning, stacklevel=3)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import math
 import sys
 import threading
@@ -349,29 +348,23 @@ def _eps(dtype: torch.dtype) -> float:
     return eps
 
 
-def _pointwise_kernel(model: nn.Module) -> bool:
-    """Whether ``model`` holds a tensor shaped like a 1x1 convolution kernel (a parameter or buffer
-    of rank >= 3 whose dimensions after the first two are all 1): a ``Conv1d/2d/3d`` with
-    ``kernel_size=1``, or a weight a forward passes to ``F.conv*`` itself."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.ndim >= 3 and all(d == 1 for d in t.shape[2:]):
-            return True
-    return False
-
-
 @contextlib.contextmanager
-def fixed_conv_backends(model: nn.Module) -> Iterator[None]:
+def fixed_conv_backends() -> Iterator[None]:
     """torch's CPU convolution backend chosen independently of the batch size for the engine call
-    (seventy-eighth hostile review). torch runs a 1x1 convolution on one thread on its own kernel
-    below 16 examples and on oneDNN from 16 on (NNPACK, when it applies, from 16 on too): removing
-    one example of 16 changed every other example's rounding, which a LayerNorm over a constant
-    image's positions amplified to 4.6 C (16.1 C with equal examples) on ghost, auto, compiled
-    and vmap. NNPACK is off during the call; oneDNN too when the process runs one thread and the
-    model holds a 1x1 kernel (:func:`_pointwise_kernel`; at two threads and more torch takes
-    oneDNN at every batch size of two or more). Both flags are restored after the call."""
+    (seventy-eighth and seventy-ninth hostile reviews). torch runs a 1x1 convolution on one thread
+    on its own kernel below 16 examples and on oneDNN from 16 on (NNPACK, when it applies, from 16
+    on too): removing one example of 16 changed every other example's rounding, which a LayerNorm
+    over a constant image's positions amplified to 6.97 C (16.09 C with equal examples) on ghost,
+    auto, compiled and vmap; a 1x1 kernel built in the forward from a 2-D weight did the same
+    (13.79 C), so no look at the model's tensors can tell which calls are 1x1. NNPACK is off during
+    the call, and oneDNN too when the process runs one thread; at two threads and more torch takes
+    oneDNN for every convolution of two examples or more (the engines never run a batch of one:
+    ghost and vmap run a chunk of one as two). Both flags are restored after the call. Cost: a
+    convolutional network's private step on one thread runs torch's own kernels
+    (``benchmarks/results/rounding_loo_cpu.md`` names the measurement)."""
     nnpack = torch._C._get_nnpack_enabled()
     mkldnn = torch._C._get_mkldnn_enabled()
-    off = mkldnn and torch.get_num_threads() == 1 and _pointwise_kernel(model)
+    off = mkldnn and torch.get_num_threads() == 1
     torch._C._set_nnpack_enabled(False)
     if off:
         torch._C._set_mkldnn_enabled(False)
@@ -649,7 +642,7 @@ class MaterializingEngine(ABC):
         """See :class:`~dpclip.engine.base.Engine`; ``norms``/``weights`` are ``(B,)`` for one
         group, ``(B, G)`` otherwise."""
         # (no user code runs between the engine's own operations; convolutions on one backend)
-        with engine_only(), fixed_conv_backends(model):
+        with engine_only(), fixed_conv_backends():
             return self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
 
     def _compute(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,

@@ -680,7 +680,7 @@ class GhostEngine:
         try:
             # (no user code runs between the engine's own operations; convolutions on one
             # backend whatever the batch size: _common.fixed_conv_backends)
-            with engine_only(), fixed_conv_backends(model):
+            with engine_only(), fixed_conv_backends():
                 res = self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
         finally:
             _LAST_PRINTS.reset(token)

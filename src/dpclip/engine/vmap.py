@@ -82,7 +82,19 @@ class VmapEngine(MaterializingEngine):
             return losses_only
         per_example_grads = _per_example_grad_fn(model, loss_fn)
         detached = {n: p.detach() for n, p in params.items()}
-        return lambda xs, ys, rows: per_example_grads(detached, xs, ys)
+
+        def chunk(xs: Any, ys: Any, rows: int) -> tuple[dict[str, Tensor], Tensor]:
+            if rows != 1:
+                return per_example_grads(detached, xs, ys)
+            # a chunk of one runs as two, the example and its copy, and keeps the first row:
+            # torch picks some CPU kernels by the batch size (a convolution of one example off
+            # oneDNN, of two on it), so an example alone rounded unlike the same example beside
+            # another (seventy-ninth hostile review: 1.82 C on vmap at two threads)
+            twice = lambda t: torch.cat([t, t])  # noqa: E731
+            got, losses = per_example_grads(detached, map_batch(twice, xs), map_batch(twice, ys))
+            return {n: g[:1] for n, g in got.items()}, losses[:1]
+
+        return chunk
 
 
 def vmap_per_example_grads(
