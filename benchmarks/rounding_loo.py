@@ -24,7 +24,7 @@ importing dpclip, as a script that computed before the import would: MKL then st
 
 ``--models conv1x1``: a 1x1 Conv2d on a constant image instead (seventy-eighth review: torch chose
 the convolution's backend by the batch size; the engines now fix it for their call,
-``dpclip.engine._common.fixed_conv_backends``); ``conv1x1-matrix``: its kernel built in the
+``dpclip.engine.conv_backends``); ``conv1x1-matrix``: its kernel built in the
 forward from a 2-D weight (seventy-ninth review). ``--threads 2``: at batch 2, vmap ran a batch
 of one off oneDNN.
 

@@ -138,7 +138,7 @@ def test_vmap_runs_a_batch_of_one_as_two():
 
 
 def test_the_conv_backends_are_fixed_for_the_call_and_restored():
-    from dpclip.engine._common import fixed_conv_backends
+    from dpclip.engine.conv_backends import fixed_conv_backends
 
     before = (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled())
     threads = torch.get_num_threads()
@@ -157,3 +157,36 @@ def test_the_conv_backends_are_fixed_for_the_call_and_restored():
         assert (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()) == before
     finally:
         torch.set_num_threads(threads)
+
+
+class _BackendOn(torch.nn.Module):
+    """A 1x1 convolution run with oneDNN switched back on around it, off again before the
+    forward returns (the isolation compares the setting when user code ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 2, 1), torch.nn.Linear(2 * 4, 3)
+
+    def forward(self, x):
+        before = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(True)
+        try:
+            z = self.conv(x)
+        finally:
+            torch._C._set_mkldnn_enabled(before)
+        return self.head(z.flatten(1))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap", "auto"])
+def test_a_forward_that_switches_onednn_back_on_is_refused(engine):
+    from dpclip.engine import ParamGroups, get_engine
+    from dpclip.engine.errors import UnsupportedModelError
+
+    assert torch.get_num_threads() == 1  # (tests/engine/conftest.py: oneDNN off for the call)
+    torch.manual_seed(0)
+    model = _BackendOn()
+    x, y = torch.randn(4, 3, 2, 2), torch.randint(0, 3, (4,))
+    loss = lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none")  # noqa: E731
+    with pytest.raises(UnsupportedModelError, match="convolution backend"):
+        get_engine(engine).compute(model, loss, x, y, lambda n: (1.0 / n).clamp(max=1.0),
+                                   ParamGroups.flat(model))

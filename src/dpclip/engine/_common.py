@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
 from dpclip.engine import frames_guard
+from dpclip.engine.conv_backends import fixed_conv_backends
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.isolation import Isolated, _flushed, check_structure, engine_only
 
@@ -346,35 +347,6 @@ def _eps(dtype: torch.dtype) -> float:
     if eps is None:
         eps = _EPS[dtype] = torch.finfo(dtype).eps
     return eps
-
-
-@contextlib.contextmanager
-def fixed_conv_backends() -> Iterator[None]:
-    """torch's CPU convolution backend chosen independently of the batch size for the engine call
-    (seventy-eighth and seventy-ninth hostile reviews). torch runs a 1x1 convolution on one thread
-    on its own kernel below 16 examples and on oneDNN from 16 on (NNPACK, when it applies, from 16
-    on too): removing one example of 16 changed every other example's rounding, which a LayerNorm
-    over a constant image's positions amplified to 6.97 C (16.09 C with equal examples) on ghost,
-    auto, compiled and vmap; a 1x1 kernel built in the forward from a 2-D weight did the same
-    (13.79 C), so no look at the model's tensors can tell which calls are 1x1. NNPACK is off during
-    the call, and oneDNN too when the process runs one thread; at two threads and more torch takes
-    oneDNN for every convolution of two examples or more (the engines never run a batch of one:
-    ghost and vmap run a chunk of one as two). Both flags are restored after the call. Cost: a
-    convolutional network's private step on one thread runs torch's own kernels (the Papernot CNN
-    at batch 256: 1.51x -> 1.99x its non-private step; ``benchmarks/results/
-    cpu_engines_session14_t1.md``)."""
-    nnpack = torch._C._get_nnpack_enabled()
-    mkldnn = torch._C._get_mkldnn_enabled()
-    off = mkldnn and torch.get_num_threads() == 1
-    torch._C._set_nnpack_enabled(False)
-    if off:
-        torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_nnpack_enabled(nnpack)
-        if off:
-            torch._C._set_mkldnn_enabled(mkldnn)
 
 
 @contextlib.contextmanager

@@ -137,7 +137,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dpclip._ident import ident
 from dpclip.engine._common import (
     HALF,
-    fixed_conv_backends,
     ChunkReducer,
     StepWeights,
     _Rounding,
@@ -151,6 +150,7 @@ from dpclip.engine._common import (
     sum_dtype,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
+from dpclip.engine.conv_backends import fixed_conv_backends
 from dpclip.engine.batch import batch_leaves, call_model, map_batch
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
@@ -679,7 +679,7 @@ class GhostEngine:
         token = _LAST_PRINTS.set(final)
         try:
             # (no user code runs between the engine's own operations; convolutions on one
-            # backend whatever the batch size: _common.fixed_conv_backends)
+            # backend whatever the batch size: dpclip.engine.conv_backends)
             with engine_only(), fixed_conv_backends():
                 res = self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
         finally:

@@ -71,6 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from dpclip._ident import ident
+from dpclip.engine.conv_backends import MOVED, conv_backends_moved
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
@@ -264,6 +265,12 @@ _STALE = _IdMap()
 _METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
              "sym_storage_offset", "is_same_size", "is_floating_point", "is_complex", "dim",
              "size", "stride", "numel", "storage_offset", "is_contiguous", "is_non_overlapping_and_dense"}
+
+#: the convolutions whose CPU backend torch chooses by the batch size (dpclip.engine.conv_backends)
+_CONVOLUTIONS = frozenset(getattr(torch.ops.aten, n) for n in (
+    "convolution", "_convolution", "convolution_overrideable", "mkldnn_convolution",
+    "_nnpack_spatial_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d") if hasattr(torch.ops.aten, n))
 
 _T = torch.Tensor
 #: the ``__torch_dispatch__`` of plain tensors and parameters
@@ -688,6 +695,9 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if not self.quiet and self.violation is None and \
+                func.overloadpacket in _CONVOLUTIONS and conv_backends_moved():
+            self.violation = MOVED  # (a backend the engine fixed switched on by the forward)
         if types and not self.quiet and self.violation is None:
             # ``types`` lists argument types that take part in Python dispatch; one with its own
             # __torch_dispatch__ runs Python below this mode, out of the trace's sight (and can

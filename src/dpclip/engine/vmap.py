@@ -28,6 +28,7 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import LossFn
+from dpclip.engine.conv_backends import MOVED, conv_backends_moved
 from dpclip.engine.batch import call_model, map_batch, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 
@@ -186,11 +187,16 @@ class _Raised(UserGenerators):
     def __init__(self) -> None:
         super().__init__()
         self.raised: str | None = None
+        #: a convolution ran with a backend the engine had fixed switched back on
+        #: (dpclip.engine.conv_backends)
+        self.conv_moved = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self.see(func, kwargs, args)
+        if "conv" in getattr(func, "__name__", "") and conv_backends_moved():
+            self.conv_moved = True
         try:
             return func(*args, **kwargs)
         except Exception as exc:
@@ -226,6 +232,8 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
         finally:
             mode = watch.pop()
         mode.refuse("vmap engine")
+        if mode.conv_moved:
+            raise UnsupportedModelError(f"vmap engine: {MOVED}")
         if mode.raised is not None:
             raise UnsupportedModelError(
                 f"vmap engine: an operation of the forward or loss raised an error that the "
