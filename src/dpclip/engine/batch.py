@@ -107,6 +107,13 @@ def map_batch(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
     return pytree.tree_map(lambda t: fn(t) if isinstance(t, Tensor) else t, tree)
 
 
+def twice(t: Tensor) -> Tensor:
+    """One example's leaf as a batch of two, the example and its copy: the engines run a chunk of
+    one so (torch picks some CPU kernels by the batch size, and a batch of one would round unlike
+    the same example beside another)."""
+    return torch.cat([t, t])
+
+
 def slice_batch(tree: Any, start: int, stop: int) -> Any:
     """Examples ``start:stop`` of every leaf."""
     if isinstance(tree, Tensor):

@@ -806,10 +806,6 @@ def _out_of_place(graph: torch.fx.Graph) -> None:
     which the twin then has."""
     while True:
         order = {n: i for i, n in enumerate(graph.nodes)}
-        roots = _alias_roots(graph)
-        members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for n, r in roots.items():
-            members.setdefault(r, []).append(n)
         for m in graph.nodes:
             t = m.target
             if m.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
@@ -831,7 +827,7 @@ def _out_of_place(graph: torch.fx.Graph) -> None:
             graph.erase_node(m)
             # the written tensor's class, with the twin's readers moved off it: any other member
             # read after the write (or an input of the graph) would have seen the write
-            cls = [v for v in _alias_class(graph, x)]
+            cls = _alias_class(graph, x)
             late = [v for v in cls if v is not x and any(
                 order.get(u, before + 1) > before for u in v.users)]
             if any(v.op == "placeholder" for v in cls) or late:
@@ -846,8 +842,12 @@ def _out_of_place(graph: torch.fx.Graph) -> None:
 
 
 def _alias_class(graph: torch.fx.Graph, x: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node of ``x``'s alias class (:func:`_alias_roots`), ``x`` included."""
     roots = _alias_roots(graph)
     return [n for n, r in roots.items() if r is roots[x]]
+
+
+_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def _twin(m: torch.fx.Node) -> Any:
@@ -880,9 +880,6 @@ def _twin(m: torch.fx.Node) -> Any:
             elif isinstance(v, bool) or (isinstance(v, float) and not val.is_floating_point()):
                 return None
     return twin
-
-
-_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def plan_of(program: Any, model: nn.Module, scan: Any, xs: Any, ys: Any) -> Plan:

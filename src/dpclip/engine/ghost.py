@@ -151,7 +151,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.conv_backends import fixed_conv_backends
-from dpclip.engine.batch import batch_leaves, call_model, map_batch
+from dpclip.engine.batch import batch_leaves, call_model, map_batch, twice
 from dpclip.engine.errors import UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
@@ -603,12 +603,6 @@ def _public_probe(tree: Any) -> Any:
                                            device=t.device), tree)
 
 
-def _twice(t: Tensor) -> Tensor:
-    """One example's leaf as a batch of two: the example and its copy (a chunk of one runs so,
-    module docstring)."""
-    return torch.cat([t, t])
-
-
 def _unit_weights(norms: Tensor) -> Tensor:
     """The probe's weight function (the strategy's is not called on the probe)."""
     return torch.ones_like(norms)
@@ -970,7 +964,7 @@ class GhostEngine:
         params = scan.params
         real = batch
         if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
-            xs, ys, batch = map_batch(_twice, xs), map_batch(_twice, ys), 2
+            xs, ys, batch = map_batch(twice, xs), map_batch(twice, ys), 2
         calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
                                             carry, compiled)
         total = losses.sum()

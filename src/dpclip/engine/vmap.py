@@ -29,7 +29,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, conv_backends_moved
-from dpclip.engine.batch import call_model, map_batch, slice_batch
+from dpclip.engine.batch import call_model, map_batch, slice_batch, twice
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
@@ -91,7 +91,6 @@ class VmapEngine(MaterializingEngine):
             # torch picks some CPU kernels by the batch size (a convolution of one example off
             # oneDNN, of two on it), so an example alone rounded unlike the same example beside
             # another (seventy-ninth hostile review: 1.82 C on vmap at two threads)
-            twice = lambda t: torch.cat([t, t])  # noqa: E731
             got, losses = per_example_grads(detached, map_batch(twice, xs), map_batch(twice, ys))
             return {n: g[:1] for n, g in got.items()}, losses[:1]
 
