@@ -104,17 +104,23 @@ def main() -> int:
              + (f" Base: {revs['base']}; candidate: {revs['candidate']}." if args.revs else ""),
              "",
              "| model | batch | x non-private, base | x non-private, candidate | change % | "
-             "cpu_engines_v02 (glibc) |", "|---|---|---|---|---|---|"]
+             "cpu_engines_v02 (glibc) | ms non-private, base / candidate | "
+             "ms dpclip-ghost, base / candidate |", "|---|---|---|---|---|---|---|---|"]
     for model, batch in cell_keys:
         med = {t: statistics.median(r["ratio_to_nonprivate"] for r in rows
                                     if r["tree"] == t and r["model"] == model
                                     and r["batch_size"] == batch) for t in trees}
+        ms = {(t, k): statistics.median(r[k] for r in rows if r["tree"] == t
+                                        and r["model"] == model and r["batch_size"] == batch)
+              for t in trees for k in ("ms_nonprivate", "ms_dpclip_ghost")}
         change = 100.0 * (med["candidate"] / med["base"] - 1.0)
         ref_v = v02.get((model, batch))
         lines.append(f"| {model} | {batch} | {med['base']:.2f} | {med['candidate']:.2f} | "
-                     f"{change:+.1f} | {ref_v:.2f} |" if ref_v is not None else
-                     f"| {model} | {batch} | {med['base']:.2f} | {med['candidate']:.2f} | "
-                     f"{change:+.1f} | - |")
+                     f"{change:+.1f} | " + (f"{ref_v:.2f}" if ref_v is not None else "-") +
+                     f" | {ms['base', 'ms_nonprivate']:.2f} / "
+                     f"{ms['candidate', 'ms_nonprivate']:.2f} | "
+                     f"{ms['base', 'ms_dpclip_ghost']:.2f} / "
+                     f"{ms['candidate', 'ms_dpclip_ghost']:.2f} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

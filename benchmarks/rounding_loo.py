@@ -26,7 +26,9 @@ importing dpclip, as a script that computed before the import would: MKL then st
 the convolution's backend by the batch size; the engines now fix it for their call,
 ``dpclip.engine.conv_backends``); ``conv1x1-matrix``: its kernel built in the
 forward from a 2-D weight (seventy-ninth review). ``--threads 2``: at batch 2, vmap ran a batch
-of one off oneDNN.
+of one off oneDNN. ``gelu``: a GELU between the Linear and the LayerNorm (seventy-ninth review:
+torch's vector kernels round a tensor's last elements otherwise; ``DPCLIP_CPU_KERNELS=native``
+runs them, the default runs torch's portable kernels, ``dpclip.blas_mode.kernels``).
 
 Rows (model, MKL mode, engine, dtype, batch, LOO / C; device, torch version, date) go to
 ``benchmarks/results/rounding_loo_cpu.json`` and the Markdown table beside it. One thread.
@@ -96,8 +98,25 @@ class ConstantImageConvOfAMatrix(ConstantImageConv):
         self.conv = MatrixConv()
 
 
+class ConstantSequenceGelu(nn.Module):
+    """A Linear on a constant sequence, GELU, a LayerNorm over the positions, a head; inputs of
+    scale 1e6 and weights of 3e-6 keep GELU in its curved range (seventy-ninth review: torch's
+    vector GELU computes a tensor's last elements with scalar code that rounds otherwise, and
+    which examples lie there depends on the batch size; ``dpclip.blas_mode.kernels``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, H), nn.Linear(H * T, 5)
+        with torch.no_grad():
+            self.lin.weight.mul_(3e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.lin(x[:, :1].expand(x.shape[0], T, D) * 1e3).transpose(1, 2)
+        return self.head((F.layer_norm(F.gelu(z), (T,), eps=EPS) * 3).flatten(1))
+
+
 MODELS = {"linear": ConstantSequenceNorm, "conv1x1": ConstantImageConv,
-          "conv1x1-matrix": ConstantImageConvOfAMatrix}
+          "conv1x1-matrix": ConstantImageConvOfAMatrix, "gelu": ConstantSequenceGelu}
 
 
 def ce(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -151,11 +170,13 @@ def table(rows: list[dict]) -> str:
            f"torch {meta['torch']}, {meta['device']}, one thread, {meta['date']}; the model and "
            "setting in the script's docstring (C = 1e-2, LayerNorm eps 1e-5); a sound "
            "per-example mechanism stays at 1.", "",
-           "| model | MKL mode | conv backend | threads | engine | dtype | batch | LOO / C |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| model | MKL mode | conv backend | torch kernels | threads | engine | dtype | batch | "
+           "LOO / C |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r.get('model', 'linear')} | {r.get('mkl', '-')} | "
-                   f"{r.get('conv', 'by batch size')} | {r.get('threads', 1)} | {r['engine']} | "
+                   f"{r.get('conv', 'by batch size')} | {r.get('kernels', 'native')} | "
+                   f"{r.get('threads', 1)} | {r['engine']} | "
                    f"{r['dtype']} | "
                    f"{r['batch']} | "
                    + ("refused" if r['loo_over_c'] is None else f"{r['loo_over_c']:.4f}") + " |")
@@ -167,7 +188,7 @@ def main() -> int:
     ap.add_argument("--engines", default="naive,vmap,ghost,auto,compiled")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--models", default="linear",
-                    help="linear, conv1x1, conv1x1-matrix (comma-separated)")
+                    help="linear, conv1x1, conv1x1-matrix, gelu (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mkl-first", action="store_true",
                     help="run an MKL product before importing dpclip (MKL then stays without CNR)")
@@ -188,11 +209,14 @@ def main() -> int:
         fixed = getattr(_common, "fixed_conv_backends", None)
         conv = "by batch size" if fixed is None else \
             "fixed (1x1 kernels seen)" if hasattr(_common, "_pointwise_kernel") else "fixed"
+        # (torch's CPU kernels: vector ones before dpclip chose its portable ones at import)
+        kernels = blas_mode.kernels() if hasattr(blas_mode, "kernels") else "native"
         cells = [(name, int(b), dt) for name in args.models.split(",")
                  for b in args.batches.split(",") for dt in (torch.float32, torch.float64)]
         for name, b, dt in cells:
             for e in args.engines.split(","):
-                rows.append({"model": name, "mkl": blas_mode.mode(), "conv": conv, "engine": e,
+                rows.append({"model": name, "mkl": blas_mode.mode(), "conv": conv,
+                             "kernels": kernels, "engine": e,
                              "threads": args.threads,
                              "dtype": str(dt).removeprefix("torch."), "batch": b,
                              "loo_over_c": _loo_or_refused(e, b, dt, name), "device": "cpu",

@@ -17,8 +17,22 @@ environment (child processes: data workers, ``torchrun``). A process that ran an
 importing dpclip cannot switch any more (a variable set after that does nothing): :func:`mode`
 then says ``"off"`` and the first private step warns
 (``dpclip.training.step``). What it does not cover (docs/engines.md, "Rounding that depends on the
-batch size"): the vectorised elementwise kernels' scalar tails (the eighth review's
-``sin(1e16 * t)``), GPU kernels, and BLAS libraries other than MKL.
+batch size"): GPU kernels and BLAS libraries other than MKL.
+
+**torch's elementwise kernels** (:func:`kernels`). torch's CPU kernels for ``gelu``, ``silu``,
+``sigmoid``, ``softplus``, ``mish``, ``elu`` and other activations and transcendental functions run
+the body of a tensor through vector code and its last ``numel % (2 x vector width)`` elements (of
+each thread's share) through scalar code that rounds differently by an ulp; which examples fall
+there depends on the batch size. A model built to cancel amplified that into 2.6 C (``sin(1e16 t)``,
+eighth review) and 2.955 C with ordinary layers (GELU between a Linear and a LayerNorm over
+positions, seventy-ninth review). torch's portable kernels (``ATEN_CPU_CAPABILITY=default``)
+compute the vector body lane by lane with the same scalar function, so every element rounds the
+same wherever it lies (``tests/engine/test_cpu_kernels.py`` sweeps every unary and binary
+pointwise operator). torch reads the variable once, at its first kernel, so :func:`ensure` sets it
+at ``import dpclip``, unless ``DPCLIP_CPU_KERNELS=native`` (torch's vector kernels: faster, for a
+model whose author you trust; ``docs/privacy.md``) or the user set ``ATEN_CPU_CAPABILITY``. A
+process that ran a kernel before importing dpclip keeps the vector kernels: :func:`kernels` then
+says ``"native"`` and the first private step warns, unless the user chose native.
 """
 
 from __future__ import annotations
@@ -27,7 +41,10 @@ import ctypes
 import os
 import warnings
 
-__all__ = ["ensure", "mode", "warn_if_off"]
+__all__ = ["ensure", "kernels", "mode", "warn_if_off"]
+
+#: ``DPCLIP_CPU_KERNELS``: torch's portable kernels (``exact``, the default) or its vector kernels
+KERNEL_MODES = ("exact", "native")
 
 #: MKL's ``MKL_CBWR_*`` branch codes (mkl_service.h) and their environment spellings
 _AUTO = 2
@@ -38,6 +55,7 @@ _NAMES = {1: "off", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_
 _MODE_CHANGE_FAILURE = -8
 _LIB: list = []
 _WARNED: list[bool] = []
+_KERNELS_WARNED: list[bool] = []
 
 
 def _service() -> ctypes.CDLL | None:
@@ -76,9 +94,41 @@ def _wanted() -> int:
     return code | (_STRICT if rest.strip() == "STRICT" else 0)
 
 
+def _kernel_choice() -> str:
+    """``DPCLIP_CPU_KERNELS`` (``exact`` when unset), checked."""
+    got = os.environ.get("DPCLIP_CPU_KERNELS", "").strip().lower() or "exact"
+    if got not in KERNEL_MODES:
+        raise ValueError(f"DPCLIP_CPU_KERNELS={os.environ['DPCLIP_CPU_KERNELS']!r}: use 'exact' "
+                         "(torch's portable CPU kernels: every element rounds the same wherever "
+                         "it lies in the batch; the default) or 'native' (torch's vector kernels: "
+                         "faster, for a model whose author you trust; docs/privacy.md)")
+    return got
+
+
+def ensure_kernels() -> str:
+    """Ask torch for its portable CPU kernels (module docstring) before its first kernel runs,
+    unless ``DPCLIP_CPU_KERNELS=native`` or the user set ``ATEN_CPU_CAPABILITY``; the kernels now
+    in force (:func:`kernels`)."""
+    if _kernel_choice() == "exact":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # (children inherit it too)
+    return kernels()
+
+
+def kernels() -> str:
+    """torch's CPU kernels in force for the process: ``"exact"`` (its portable kernels: the same
+    rounding for every element) or ``"native"`` (its vector kernels, e.g. AVX512: the last
+    elements of a tensor round otherwise). Reading it fixes torch's choice (torch reads
+    ``ATEN_CPU_CAPABILITY`` once, when its first kernel runs or when asked)."""
+    import torch
+
+    return "exact" if torch.backends.cpu.get_cpu_capability() == "DEFAULT" else "native"
+
+
 def ensure() -> str:
     """Switch MKL to CNR (the user's ``MKL_CBWR`` branch, else ``AUTO``) unless it already runs
-    (module docstring); the mode now in force (:func:`mode`)."""
+    (module docstring), and ask for torch's portable CPU kernels (:func:`ensure_kernels`); the MKL
+    mode now in force (:func:`mode`)."""
+    ensure_kernels()
     lib = _service()
     if lib is None:
         return mode()
@@ -104,8 +154,22 @@ def mode() -> str:
 
 
 def warn_if_off() -> None:
-    """Warn once per process when MKL runs without CNR (it ran before dpclip was imported);
-    nothing to do once a CNR branch is in force (MKL keeps it for the process)."""
+    """Warn once per process when MKL runs without CNR (it ran before dpclip was imported), and
+    once when torch runs its vector kernels although nobody chose them (:func:`kernels`: a kernel
+    ran before dpclip was imported, or ``ATEN_CPU_CAPABILITY`` names a vector set while
+    ``DPCLIP_CPU_KERNELS`` is not ``native``); nothing to do once settled (torch and MKL keep
+    their choice for the process)."""
+    if not _KERNELS_WARNED:
+        _KERNELS_WARNED.append(True)
+        if kernels() == "native" and _kernel_choice() != "native":
+            warnings.warn(
+                "torch runs its vector CPU kernels in this process (a kernel ran before dpclip "
+                "was imported, or ATEN_CPU_CAPABILITY names a vector instruction set): their last "
+                "elements round otherwise than the rest, and a model built to cancel can let one "
+                "example move the others' clipped gradients by several times the clipping norm "
+                "(docs/engines.md, \"Rounding that depends on the batch size\"). Import dpclip "
+                "before any computation, or set DPCLIP_CPU_KERNELS=native to accept this for a "
+                "model whose author you trust", RuntimeWarning, stacklevel=3)
     if _WARNED:
         return
     now = mode()

@@ -1471,6 +1471,7 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
 #: the flush threshold of :func:`_flush_tiny` per dtype: products of two flushed values are normal
 #: numbers with a margin (float32 / bfloat16: at least 2^-80, 2^46 times the smallest normal;
 #: float64: 2^-600)
+_SCALAR_KERNELS = [torch.backends.cpu.get_cpu_capability() == "DEFAULT"]
 _FLUSH = {torch.float32: 2.0 ** -40, torch.bfloat16: 2.0 ** -40, torch.float64: 2.0 ** -300}
 #: positions per example that the absolute term of the book-keeping sums allows for
 _MAX_POSITIONS = 2 ** 24
@@ -1483,6 +1484,19 @@ def _widen(c: _Call) -> None:
         t = getattr(c, name)
         if isinstance(t, Tensor) and t.dtype in HALF:
             setattr(c, name, t.float())
+
+
+def _shrink(t: Tensor, thr: float, out: Tensor | None = None) -> Tensor:
+    """``hardshrink(t, thr)``: entries of magnitude at most ``thr`` set to zero. Under torch's
+    scalar kernels (``ATEN_CPU_CAPABILITY=default``, :func:`dpclip.blas_mode.kernels`) its kernel is ~40x
+    slower than a mask, which is used there instead (the same values)."""
+    if not _SCALAR_KERNELS[0] or t.device.type != "cpu":
+        return torch.hardshrink(t, thr, out=out) if out is not None else \
+            torch.nn.functional.hardshrink(t, thr)
+    keep = t.abs() > thr
+    if out is not None:
+        return out.mul_(keep)
+    return t * keep
 
 
 def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = None) -> None:
@@ -1519,16 +1533,16 @@ def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = No
             if name == "b" and t is getattr(c, name) and t.is_contiguous() and t._base is None:
                 # (the output gradient is the engine's own: flushed in place, no allocation; a
                 # tensor that two calls share is flushed twice, to the same values)
-                torch.hardshrink(t, thr, out=t)
+                _shrink(t, thr, out=t)
             elif shared is None or t is not getattr(c, name):
-                setattr(c, name, torch.nn.functional.hardshrink(t, thr))
+                setattr(c, name, _shrink(t, thr))
             else:  # (a is the layer's input: the caller's data, or held by the forward)
                 # (the entry holds ``t``: its memory cannot be handed to another tensor while the
                 # key is in use)
                 key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
                 got = shared.get(key)
                 if got is None:
-                    got = shared[key] = (t, torch.nn.functional.hardshrink(t, thr))
+                    got = shared[key] = (t, _shrink(t, thr))
                 setattr(c, name, got[1])
 
 

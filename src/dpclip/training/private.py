@@ -855,6 +855,7 @@ class PrivateTraining:
             "engine_fallback": self.engine_info["fallback"],
             "engine_per_layer": sorted(self.per_layer) or None,
             "cpu_blas_mode": blas_mode.mode(),
+            "cpu_kernels": blas_mode.kernels(),
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
