@@ -10,6 +10,11 @@ os.environ["MKL_CBWR"] = "COMPATIBLE"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# before any test module runs a kernel: torch takes its CPU kernels once per process, and importing
+# dpclip asks for the portable ones (dpclip.blas_mode.kernels), as it does for a user; a module
+# that computed at import would otherwise decide the whole session's kernels
+import dpclip  # noqa: E402,F401
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
