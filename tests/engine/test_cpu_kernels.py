@@ -63,19 +63,19 @@ _LOO = ("import dpclip, torch, rounding_loo as r; torch.set_num_threads({t}); "
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gelu_between_a_linear_and_a_layernorm_no_longer_moves_the_others(threads):
+def test_gelu_between_a_linear_and_a_layernorm_does_not_move_the_others(threads):
     """Review 79's model (a Linear on a constant sequence, GELU, a LayerNorm over the positions,
-    inputs of scale 1e6): 2.67 C with torch's vector kernels, C with dpclip's default."""
+    inputs of scale 1e6): 2.67 C with torch's vector kernels before the row block; C with dpclip's
+    default. (The row block alone, dpclip.engine.batch.padded_rows, now keeps this small model at
+    C with the vector kernels too: its tensors are single-threaded and a multiple of 32 long.
+    A tensor split between threads still puts a vector kernel's scalar tail on real examples:
+    mish on rows of 701 at two threads, benchmarks/results/kernel_invariance_cpu.md's padded
+    rows.)"""
     out = _fresh(_LOO.format(t=threads))
     assert out.returncode == 0, out.stderr[-2000:]
     kernels, *loos = out.stdout.split()
     assert kernels == "exact"
     assert max(map(float, loos)) <= TOL, loos
-    if _vector_kernels_exist():
-        out = _fresh(_LOO.format(t=threads), DPCLIP_CPU_KERNELS="native")
-        assert out.returncode == 0, out.stderr[-2000:]
-        kernels, *loos = out.stdout.split()
-        assert kernels == "native" and max(map(float, loos)) > 1.5, loos
 
 
 def test_the_choice_is_in_the_summary_and_a_kernel_run_first_is_warned():

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, VmapEngine
+from dpclip.engine.batch import padded_rows
 from dpclip.engine.errors import UnsupportedModelError
 from tests.engine.helpers import DT
 from tests.engine.test_separability_attacks import C, Net, ce, clipped_sum, data, loo_distance
@@ -335,19 +336,21 @@ def test_a_program_that_detects_the_proof_never_exceeds_c(name, engine):
 
 
 def test_the_coinciding_size_runs_exactly_the_proved_program():
-    """h * (B - 7) in the real run equals the proof's h * 1 at B 8: that step is accepted and its
-    clipped sum is the clean program's, bit for bit; at B 7 it is refused. (auto refuses it at
-    its first step: its public probe, two examples, is not the coinciding size.)"""
+    """h * (rows - 31) in the real run equals the proof's h * 1 when the engine runs 32 rows
+    (every chunk of 1 to 32 examples, padded to the row block: dpclip.engine.batch.padded_rows):
+    that step is accepted and its clipped sum is the clean program's, bit for bit; at 33 examples
+    (64 rows) it is refused, on ghost and on auto (whose public probe, padded to 32 rows too,
+    coincides)."""
     torch.manual_seed(0)
-    model = DETECTING["fake-detection-forward"][0]().to(DT)
+    model = _mid(lambda h: h * ((h.shape[0] - (padded_rows(1) - 1)) if _real(h) else 1))().to(DT)
     clean = Net(lambda m, h: h * 1).to(DT)
     clean.load_state_dict(model.state_dict())
-    x, y = data()
-    got, _ = clipped_sum(GhostEngine(), model, ce, x, y)
-    want, _ = clipped_sum(GhostEngine(), clean, ce, x, y)
+    x, y = data(b=33)
+    got, _ = clipped_sum(GhostEngine(), model, ce, x[:8], y[:8])
+    want, _ = clipped_sum(GhostEngine(), clean, ce, x[:8], y[:8])
     assert torch.equal(got, want)
     with pytest.raises(UnsupportedModelError, match="program that the batch-size proof traced"):
-        clipped_sum(GhostEngine(), model, ce, x[:7], y[:7])
+        clipped_sum(GhostEngine(), model, ce, x, y)
     with pytest.raises(UnsupportedModelError, match="program that the batch-size proof traced"):
         clipped_sum(AutoEngine(), model, ce, x, y)
 

@@ -107,11 +107,31 @@ def map_batch(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
     return pytree.tree_map(lambda t: fn(t) if isinstance(t, Tensor) else t, tree)
 
 
-def twice(t: Tensor) -> Tensor:
-    """One example's leaf as a batch of two, the example and its copy: the engines run a chunk of
-    one so (torch picks some CPU kernels by the batch size, and a batch of one would round unlike
-    the same example beside another)."""
-    return torch.cat([t, t])
+#: the engines run every chunk on a multiple of this many rows (:func:`padded_rows`)
+ROW_BLOCK = 32
+
+
+def padded_rows(n: int) -> int:
+    """The rows a chunk of ``n`` examples runs on: ``n`` rounded up to a multiple of
+    :data:`ROW_BLOCK`. torch's CPU kernels pick their code by the number of rows: MKL's product
+    with one output column rounds its last rows otherwise, its products of 3 and of 4 rows round
+    every row otherwise, a reduction over positions with the batch innermost in memory sums the
+    last columns on another path, a convolution of one example runs off oneDNN (eightieth and
+    seventy-ninth hostile reviews). With ``n`` examples and padding copies after them, every row
+    count is a multiple of 32 and the real examples never lie in a kernel's leftover rows: which
+    vector is computed for an example no longer depends on how many others share its batch
+    (``benchmarks/results/row_block_cpu.md``; docs/engines.md, "Rounding that depends on the
+    batch size")."""
+    return -(-n // ROW_BLOCK) * ROW_BLOCK
+
+
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """A leaf of ``n`` examples as a batch of ``rows``: the examples, then copies of the first
+    (valid input for any model; the engines give them weight 0 and drop their losses)."""
+    n = t.shape[0]
+    if rows == n:
+        return t
+    return torch.cat([t, t[:1].expand(rows - n, *t.shape[1:])])
 
 
 def slice_batch(tree: Any, start: int, stop: int) -> Any:

@@ -43,8 +43,8 @@ the arguments): their per-example gradient is recomputed per example from the ar
 output gradient's row ``i``; the outputs' trace layouts are read before the view is marked, so an
 output computed across the batch (``x.mean(0, keepdim=True)``) is refused.
 
-Edge cases: the ghost engine runs a chunk of one example as a batch of two (its copy weighted 0),
-so every call here sees at least two rows. A call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
+Edge cases: the ghost engine runs every chunk on a multiple of 32 rows (copies of its first
+example after it, weighted 0), so every call here sees at least 32 rows. A call on a constant with no leading 1 (a 1-D ``arange(T)`` into an Embedding, output ``(T, H)``) is
 expanded with an EXTRA leading dimension and every use of its output guarded
 (:class:`BroadcastGuard`, below). Code after the layer that cannot take the expanded tensor (a
 ``view(1, -1)``) raises in the engine's forward; the engine refuses the model then (``auto`` falls

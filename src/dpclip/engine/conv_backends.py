@@ -10,7 +10,8 @@ ghost, auto, compiled and vmap; a 1x1 kernel built in the forward from a 2-D wei
 
 :func:`fixed_conv_backends` switches NNPACK off for the call, and oneDNN too when the process runs
 one thread; at two threads and more torch takes oneDNN for every convolution of two examples or
-more (the engines never run a batch of one: ghost and vmap run a chunk of one as two). Both flags
+more (the engines never run a batch of one: ghost and vmap run every chunk on a multiple of 32
+rows, ``dpclip.engine.batch.padded_rows``). Both flags
 are restored after the call. A forward that switches a backend back on around its own convolution
 and off again before it returns is seen where the engine watches each operation
 (:func:`conv_backends_moved`: the separability tracer's dispatch mode, vmap's function mode).

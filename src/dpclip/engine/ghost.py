@@ -95,16 +95,23 @@ semantics instead, at every batch size, with configuration and input rank checke
 Inputs and targets may be tensors or tuples/dicts of tensors (:mod:`dpclip.engine.batch`); every
 leaf is marked as example data for the trace.
 
-A chunk of one example (``max_physical_batch=1``, a realised batch of one, the last chunk of a
-batch) runs as a batch of two: the example and a copy of it (``torch.cat([t, t])`` for every leaf).
-The copy is weighted 0 and the strategy never sees its norm or its loss (the reported loss is
-the example's: the copy's may differ, by dropout, or be non-finite).
-So a chunk of one is proved, matched against the proof and watched exactly as a batch is (the
-batch-size proof cannot run at one row: export specialises size 1), and the engine's verdict on a
-model does not depend on whether a chunk has one example: a model that keeps a value computed from
-the example with torch functions and Python dispatch both off, or writes it so into a buffer, is
-refused at one example as at many (it was accepted at one: LOO 2.70 C), and a batch reduction
-(``x - x.mean(0)``) is refused at every chunk size. The cost is a second row per chunk of one.
+Every chunk runs on a multiple of 32 rows (:func:`dpclip.engine.batch.padded_rows`): its examples,
+then copies of its first example (``pad_rows`` for every leaf). The copies are weighted 0 and the
+strategy never sees their norms or losses (the reported loss is the real examples': a copy's may
+differ, by dropout, or be non-finite). torch's CPU kernels pick their code by the number of rows
+(MKL's products of one output column or of few rows, reductions with the batch innermost, a
+convolution of one example), so an example's computed gradient depended on how many others shared
+its chunk (eightieth hostile review: up to 5.1 C through a zero-variance LayerNorm); with a row
+count that is always a multiple of 32 and the copies after the real examples, no real example
+lies in a kernel's leftover rows (docs/engines.md, "Rounding that depends on the batch size").
+This also makes a chunk of one a batch (the earlier rule ran a chunk of one as two): it is proved,
+matched against the proof and watched exactly as a batch is (the batch-size proof cannot run at
+one row: export specialises size 1), and the engine's verdict on a model does not depend on
+whether a chunk has one example: a model that keeps a value computed from the example with torch
+functions and Python dispatch both off, or writes it so into a buffer, is refused at one example
+as at many (it was accepted at one: LOO 2.70 C), and a batch reduction (``x - x.mean(0)``) is
+refused at every chunk size. The cost: up to 31 extra rows per chunk (none at batch sizes that
+are multiples of 32; ``benchmarks/results/row_block_cpu.md``).
 
 Rounding: the norms passed to ``weight_fn`` (and reported) are upper bounds of the norms of the
 vectors actually summed, rounding included (:class:`_Rounding`, ``_Rule.bound_sq``,
@@ -151,8 +158,8 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.conv_backends import fixed_conv_backends
-from dpclip.engine.batch import batch_leaves, call_model, map_batch, twice
-from dpclip.engine.errors import UnsupportedModelError, quote_error
+from dpclip.engine.batch import batch_leaves, call_model, map_batch, pad_rows, padded_rows
+from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
 from dpclip.engine.plain_module import ambient_user_code
@@ -520,6 +527,15 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
                 "would be read from values it never saw")
 
 
+class _PaddedFailure(UnsupportedModelError):
+    """The model raised on a chunk padded to the row block (:meth:`GhostEngine._chunk`); ``error``:
+    what it raised (auto's public probe reports that as it reports any error of the probe)."""
+
+    def __init__(self, error: BaseException, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 class _Refused(Exception):
     """The ghost engine refuses the model (a static reason, or a run-time one: not proven
     separable, a parameter used outside its layer, ...); ``reason`` says why."""
@@ -678,8 +694,8 @@ class GhostEngine:
                 res = self._compute(model, loss_fn, inputs, targets, weight_fn, groups)
         finally:
             _LAST_PRINTS.reset(token)
-        # every reference of the engine to the step's batch is gone now (a chunk of one's doubled
-        # copy, the chunks' slices): what a finalizer attached to one wrote into the model's
+        # every reference of the engine to the step's batch is gone now (a chunk's padding
+        # copies, the chunks' slices): what a finalizer attached to one wrote into the model's
         # parameters or buffers when it ran is seen here (seventy-fourth hostile review: a weight
         # written through .data after the last release's check reached the next steps, 4.76 C)
         for state, prints in final:
@@ -878,6 +894,9 @@ class GhostEngine:
                     reason = self._root_cost(model, loss_fn, xs, ys, groups)
             except _Refused as exc:
                 reason = exc.reason
+            except _PaddedFailure as exc:  # (the probe's two rows are padded too)
+                reason = ("the ghost engine could not run the public probe batch (every input "
+                          f"and target zero): {quote_error(exc.error)}")
             except UnsupportedModelError:
                 raise  # the refusals that stop a run stop it on the probe too
             except (RuntimeError, IndexError) as exc:  # the model cannot take the probe's values
@@ -963,10 +982,27 @@ class GhostEngine:
         whole step passed."""
         params = scan.params
         real = batch
-        if batch == 1:  # a chunk of one runs as a batch of two (module docstring)
-            xs, ys, batch = map_batch(twice, xs), map_batch(twice, ys), 2
-        calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
-                                            carry, compiled)
+        batch = padded_rows(real)  # copies of the first example after the chunk (module docstring)
+        if batch != real:
+            xs = map_batch(lambda t: pad_rows(t, batch), xs)
+            ys = map_batch(lambda t: pad_rows(t, batch), ys)
+        try:
+            calls, losses, user_code = _forward(model, scan, loss_fn, xs, ys, batch, chain, gens,
+                                                carry, compiled)
+        except (UnsupportedModelError, PrivateBufferError):
+            raise
+        except (RuntimeError, ValueError, IndexError) as exc:
+            if batch == real:
+                raise
+            # (a layer sized by the batch: a Conv1d taking the examples as channels, a head as
+            # wide as the batch; the numbers of the library's text masked: private)
+            raise _PaddedFailure(exc,
+                f"{self.name} engine: the model failed on its batch run with copies of the first "
+                "example after it, up to a multiple of 32 rows (dpclip.engine.batch.padded_rows: "
+                "the batching engines never let the number of rows set the CPU kernels' "
+                f"rounding): {quote_error(exc)}. A model whose shapes depend on the number of "
+                "examples (a layer sized by the batch, the examples read as channels) uses the "
+                "private batch size and is refused; make every layer's size independent of it")
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops
@@ -1158,8 +1194,9 @@ class GhostEngine:
         real: int,
     ) -> tuple[dict[str, Tensor], Tensor, Tensor, float]:
         """Norms, weights and the weighted sum of one chunk from the captured ``a`` and ``b``;
-        ``real < batch``: a chunk of one run as a batch of two, whose copy (row 1) the strategy
-        never sees and whose weight is 0; ``loss``: the sum of the real examples' losses."""
+        ``real < batch``: a chunk padded with copies of its first example (rows ``real:``,
+        :func:`dpclip.engine.batch.padded_rows`), which the strategy never sees and whose weights
+        are 0; ``loss``: the sum of the real examples' losses."""
         flushed: dict[tuple, tuple[Tensor, Tensor]] = {}
         for c in live:
             if c.rule.kind != "module":  # (float16 / bfloat16 in float32: _common.HALF)
@@ -1219,7 +1256,8 @@ class GhostEngine:
             norms = norms[:real]
         weights = apply_weight_fn(weight_fn, norms, self.name)
         summed = weights
-        if real < batch:  # the copy's weight: exactly 0 (its gradient is the example's: finite)
+        if real < batch:  # the copies' weights: exactly 0 (their gradients are the first
+            # example's: finite, or masked below with it)
             summed = torch.cat([weights, weights.new_zeros((batch - real, *weights.shape[1:]))])
         wts = _Weights(summed if summed.dtype == ndt else summed.to(ndt), flat)
         if finite is not None and not all_finite:

@@ -216,11 +216,11 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     proved program draws from."""
     # every operation is traced, and the batch size, private, must be used only as the leading
     # dimension (proved once per signature with a symbolic batch size; the real forward then
-    # takes the same data-independent paths). The engine runs a chunk of one example as a batch
-    # of two (GhostEngine._chunk), so that a chunk of one is proved and matched as a batch is
+    # takes the same data-independent paths). The engine runs every chunk on a multiple of 32
+    # rows (GhostEngine._chunk), so that a chunk of one is proved and matched as a batch is
     if batch < 2:  # (internal)
         raise AssertionError("ghost_forward._forward: a chunk of one reaches the forward (the "
-                             "engine runs it as a batch of two)")
+                             "engine runs every chunk on a multiple of 32 rows)")
     ambient = ambient_user_code()
     if ambient is not None:  # user code on every operation, the trace's and the backward's
         # (not a vmap fallback: vmap would run under the same user code, which sees the whole

@@ -29,7 +29,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, conv_backends_moved
-from dpclip.engine.batch import call_model, map_batch, slice_batch, twice
+from dpclip.engine.batch import call_model, map_batch, pad_rows, padded_rows, slice_batch
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
@@ -85,14 +85,17 @@ class VmapEngine(MaterializingEngine):
         detached = {n: p.detach() for n, p in params.items()}
 
         def chunk(xs: Any, ys: Any, rows: int) -> tuple[dict[str, Tensor], Tensor]:
-            if rows != 1:
+            padded = padded_rows(rows)
+            if padded == rows:
                 return per_example_grads(detached, xs, ys)
-            # a chunk of one runs as two, the example and its copy, and keeps the first row:
-            # torch picks some CPU kernels by the batch size (a convolution of one example off
-            # oneDNN, of two on it), so an example alone rounded unlike the same example beside
-            # another (seventy-ninth hostile review: 1.82 C on vmap at two threads)
-            got, losses = per_example_grads(detached, map_batch(twice, xs), map_batch(twice, ys))
-            return {n: g[:1] for n, g in got.items()}, losses[:1]
+            # a chunk runs on a multiple of 32 rows, copies of its first example after it, and
+            # keeps its own rows: torch picks some CPU kernels by the number of rows (a
+            # convolution of one example off oneDNN, of two on it; MKL's products of few rows or
+            # one column), so an example rounded unlike the same example beside more others
+            # (seventy-ninth hostile review: 1.82 C on vmap at two threads; eightieth: 2.47 C)
+            got, losses = per_example_grads(detached, map_batch(lambda t: pad_rows(t, padded), xs),
+                                            map_batch(lambda t: pad_rows(t, padded), ys))
+            return {n: g[:rows] for n, g in got.items()}, losses[:rows]
 
         return chunk
 
