@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
+from dpclip.engine.batch import padded_rows
 from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
 
 B = 5
@@ -135,7 +136,9 @@ ACROSS = {
     "glu-over-batch": (lambda h: F.glu(torch.cat([h, h.flip(0)]), 0), 64),
     "shuffle-batch-as-channels": (lambda h: F.channel_shuffle(
         torch.cat([h, h]).transpose(0, 1), 2).transpose(0, 1)[: h.shape[0]], 64),
-    "cdist-between-examples": (lambda h: torch.cdist(h.flatten(1), h.flatten(1)), B),
+    # (as wide as the rows the engine runs: the batch padded to the row block)
+    "cdist-between-examples": (lambda h: torch.cdist(h.flatten(1), h.flatten(1)),
+                               padded_rows(B)),
     "unpool-other-indices": (lambda h: F.max_unpool2d(
         F.max_pool2d(h, 2), F.max_pool2d(h, 2, return_indices=True)[1].roll(1, 0), 2), 64),
     "grid-of-other-image": (lambda h: F.grid_sample(h, _grid(h).roll(1, 0) + h[:, :1, :, :1]

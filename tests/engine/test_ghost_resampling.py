@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
+from dpclip.engine.batch import padded_rows
 from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
 
 B = 5
@@ -94,7 +95,8 @@ class _Across(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv(x)  # (B, 4, 6, 6) with x (B, 2, 6, 6)
         if self.kind == "upsample":  # batch as the height: interpolation mixes neighbours
-            h = F.interpolate(h.permute(1, 2, 0, 3), size=(6, 6), mode="bilinear")
+            h = F.interpolate(h.permute(1, 2, 0, 3), size=(padded_rows(2) + 4, 6),
+                              mode="bilinear")  # (more rows than the engine runs: mixes them)
             h = h.permute(2, 0, 1, 3)[: x.shape[0]]
         else:  # (1, B 4, 6, 6): a channel of the output interleaves examples' channels
             h = F.pixel_unshuffle(h.reshape(1, -1, 6, 6)[:, :, :4, :4], 2)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
+from dpclip.engine.batch import padded_rows
 from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
 
 T, E = 6, 8
@@ -101,8 +102,9 @@ class _Refused(nn.Module):
         torch.manual_seed(0)
         self.kind = kind
         self.fc = nn.Linear(E, E)
-        self.conv = nn.Conv1d(5, 5, 1)  # (channels = the batch size of the test)
-        self.norm = nn.LayerNorm([5, E])  # (normalised over the examples and features)
+        rows = padded_rows(5)  # (the rows the engine runs for the test's 5 examples)
+        self.conv = nn.Conv1d(rows, rows, 1)  # (channels = the examples)
+        self.norm = nn.LayerNorm([rows, E])  # (normalised over the examples and features)
         self.head = nn.Linear(E, 3)
         self.to(DT)
 

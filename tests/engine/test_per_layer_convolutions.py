@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups, UnsupportedModelError
+from dpclip.engine.batch import pad_rows, padded_rows
 from dpclip.engine.separable import MIXED, SeparabilityTracer
 from tests.engine.helpers import DT, assert_equal_to_the_loop, ce, clip_weights
 
@@ -135,7 +136,8 @@ class _Folded(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(2 * B, 3, 2, dtype=DT))
+        # (2 channels for each of the rows the engine runs: the batch padded to the row block)
+        self.weight = nn.Parameter(torch.randn(2 * padded_rows(B), 3, 2, dtype=DT))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.conv_transpose1d(x.reshape(1, -1, x.shape[-1]), self.weight
@@ -148,7 +150,7 @@ def test_convolutions_that_mix_the_examples_stay_refused(inner):
     x, y = _x(2, 3), _y()
     mod = inner().to(DT)
     with torch.no_grad():
-        n = mod(x)[:1].numel()
+        n = mod(pad_rows(x, padded_rows(x.shape[0])))[:1].numel()
     model = nn.Sequential(mod, nn.Flatten(), nn.Linear(n, 3)).to(DT)
     for engine in (GhostEngine(), AutoEngine()):
         try:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 import dpclip.engine.separable as separable
 from dpclip.engine import AutoEngine, GhostEngine, NaiveEngine, ParamGroups
+from dpclip.engine.batch import padded_rows
 from dpclip.engine.errors import UnsupportedModelError
 from tests.engine.helpers import DT, assert_close, assert_grads_close, clip_weights
 
@@ -129,11 +130,12 @@ def test_a_dtype_change_gives_the_oracle_again():
 
 def test_the_wrong_rank_for_a_known_layer_is_refused_not_assumed():
     """Conv1d reads a 2-D (C, L) tensor as ONE unbatched example: with the batch in dimension 0
-    of a 2-D input (here B = C = 4, so every shape fits) it mixes the examples. The rank check keeps such a chain
+    of a 2-D input (here the rows the engine runs = C = 32, so every shape fits) it mixes the examples. The rank check keeps such a chain
     off the untraced path, and the engine refuses a supported layer called below its batched
     rank (its rule would read the batch as channels)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv1d(4, 4, 1), nn.Linear(5, 3)).to(DT)
+    rows = padded_rows(4)  # (the rows the engine runs: 4 examples padded to the row block)
+    model = nn.Sequential(nn.Conv1d(rows, rows, 1), nn.Linear(5, 3)).to(DT)
     x, y = batch(4)
     with pytest.raises(UnsupportedModelError):
         run(GhostEngine(), model, x, y)

@@ -162,6 +162,7 @@ from dpclip.engine.batch import batch_leaves, call_model, map_batch, pad_rows, p
 from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
+from dpclip.engine.separable import mark_past_batch
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     EmbeddingLookup,
@@ -527,15 +528,6 @@ def _refuse_rewritten_inputs(live: list[_Call]) -> None:
                 "would be read from values it never saw")
 
 
-class _PaddedFailure(UnsupportedModelError):
-    """The model raised on a chunk padded to the row block (:meth:`GhostEngine._chunk`); ``error``:
-    what it raised (auto's public probe reports that as it reports any error of the probe)."""
-
-    def __init__(self, error: BaseException, message: str) -> None:
-        super().__init__(message)
-        self.error = error
-
-
 class _Refused(Exception):
     """The ghost engine refuses the model (a static reason, or a run-time one: not proven
     separable, a parameter used outside its layer, ...); ``reason`` says why."""
@@ -894,9 +886,6 @@ class GhostEngine:
                     reason = self._root_cost(model, loss_fn, xs, ys, groups)
             except _Refused as exc:
                 reason = exc.reason
-            except _PaddedFailure as exc:  # (the probe's two rows are padded too)
-                reason = ("the ghost engine could not run the public probe batch (every input "
-                          f"and target zero): {quote_error(exc.error)}")
             except UnsupportedModelError:
                 raise  # the refusals that stop a run stop it on the probe too
             except (RuntimeError, IndexError) as exc:  # the model cannot take the probe's values
@@ -984,6 +973,10 @@ class GhostEngine:
         real = batch
         batch = padded_rows(real)  # copies of the first example after the chunk (module docstring)
         if batch != real:
+            # the caller's tensors are a past batch's data in later traces, as the padded copies
+            # the forward ran are (a model that keeps the batch in a global and reads it in a
+            # later step is refused then; the trace itself sees only the copies)
+            mark_past_batch(batch_leaves(xs) + batch_leaves(ys, "targets"))
             xs = map_batch(lambda t: pad_rows(t, batch), xs)
             ys = map_batch(lambda t: pad_rows(t, batch), ys)
         try:
@@ -992,17 +985,14 @@ class GhostEngine:
         except (UnsupportedModelError, PrivateBufferError):
             raise
         except (RuntimeError, ValueError, IndexError) as exc:
-            if batch == real:
-                raise
-            # (a layer sized by the batch: a Conv1d taking the examples as channels, a head as
-            # wide as the batch; the numbers of the library's text masked: private)
-            raise _PaddedFailure(exc,
-                f"{self.name} engine: the model failed on its batch run with copies of the first "
-                "example after it, up to a multiple of 32 rows (dpclip.engine.batch.padded_rows: "
-                "the batching engines never let the number of rows set the CPU kernels' "
-                f"rounding): {quote_error(exc)}. A model whose shapes depend on the number of "
-                "examples (a layer sized by the batch, the examples read as channels) uses the "
-                "private batch size and is refused; make every layer's size independent of it")
+            if batch != real:  # (the model's own error, with what the engine changed)
+                exc.add_note(
+                    f"dpclip {self.name} engine: this batch ran with copies of its first example "
+                    "after it, up to a multiple of 32 rows (dpclip.engine.batch.padded_rows: the "
+                    "number of rows must not set the CPU kernels' rounding). A model whose "
+                    "shapes depend on the number of examples (a layer sized by the batch, the "
+                    "examples read as channels) uses the private batch size and cannot run here")
+            raise
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops

@@ -261,6 +261,15 @@ _MISSING = object()
 #: tensors that depended on the batch in an earlier traced call and are still alive (weakly held)
 _STALE = _IdMap()
 
+
+def mark_past_batch(tensors: Any) -> None:
+    """Remember ``tensors`` (weakly) as data of a past batch, MIXED in every later trace, as the
+    tracer does with what a traced call's batch touched: the caller's own tensors when the engine
+    ran copies of them (a chunk padded to the row block, ``dpclip.engine.batch.pad_rows``)."""
+    for t in tensors:
+        if isinstance(t, Tensor):
+            _STALE[t] = True
+
 #: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
 _METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
              "sym_storage_offset", "is_same_size", "is_floating_point", "is_complex", "dim",

@@ -29,7 +29,14 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, conv_backends_moved
-from dpclip.engine.batch import call_model, map_batch, pad_rows, padded_rows, slice_batch
+from dpclip.engine.batch import (
+    batch_leaves,
+    call_model,
+    map_batch,
+    pad_rows,
+    padded_rows,
+    slice_batch,
+)
 from dpclip.engine.errors import UnsupportedModelError
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
@@ -122,9 +129,22 @@ def vmap_per_example_grads(
     if not batch or not params:
         return {n: p.new_zeros((batch, *p.shape)) for n, p in params.items()}
     fn = _per_example_grad_fn(model, loss_fn)
+
+    def chunk(xs: Any, ys: Any) -> dict[str, Tensor]:
+        # every chunk on a multiple of 32 rows, copies of its first example after it (the
+        # engines' row block, dpclip.engine.batch.padded_rows: torch's CPU kernels pick their
+        # code by the number of rows; eighty-first hostile review: AdaClip's gradients, computed
+        # here, moved the others by 2.12 C where the engines' stayed at C)
+        rows = batch_leaves(xs)[0].shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            xs = map_batch(lambda t: pad_rows(t, padded), xs)
+            ys = map_batch(lambda t: pad_rows(t, padded), ys)
+        return {n: g[:rows] for n, g in fn(params, xs, ys)[0].items()}
+
     chunks = [
-        fn(params, slice_batch(inputs, s, s + max_physical_batch),
-           slice_batch(targets, s, s + max_physical_batch))[0]
+        chunk(slice_batch(inputs, s, s + max_physical_batch),
+              slice_batch(targets, s, s + max_physical_batch))
         for s in range(0, batch, max_physical_batch)
     ]
     return {n: torch.cat([c[n] for c in chunks]) for n in params}
