@@ -6,8 +6,11 @@ explicit Python loops over examples and groups, so they share no reduction code 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -318,3 +321,12 @@ def assert_equal_to_the_loop(
         assert res.engine_info.get("engine") == engine, res.engine_info
     per_ex = naive_per_example_grads(model, loss, x, y)
     assert_matches_the_loop(res, per_ex, groups, x.shape[0])
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as a module (the rounding tests reuse its models)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

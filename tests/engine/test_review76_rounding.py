@@ -10,7 +10,6 @@ without it.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,11 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.helpers import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("rounding_loo",
-                                               ROOT / "benchmarks" / "rounding_loo.py")
-rounding_loo = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(rounding_loo)
+rounding_loo = benchmark_module("rounding_loo")
 
 TOL = 1 + 1e-4
 

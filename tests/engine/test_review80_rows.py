@@ -6,21 +6,15 @@ up to 5.1 C through a zero-variance LayerNorm (``benchmarks/rounding_loo.py`` mo
 ``one-column``, ``few-rows``, ``batch-innermost``). The engines now run every chunk on a multiple
 of 32 rows, copies of its first example after it (``dpclip.engine.batch.padded_rows``)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dpclip.engine import ParamGroups, get_engine
 from dpclip.engine.batch import ROW_BLOCK, pad_rows, padded_rows
+from tests.engine.helpers import benchmark_module
 
-ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("rounding_loo",
-                                               ROOT / "benchmarks" / "rounding_loo.py")
-rounding_loo = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(rounding_loo)
+rounding_loo = benchmark_module("rounding_loo")
 
 TOL = 1 + 1e-4
 
