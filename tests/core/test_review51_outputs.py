@@ -22,6 +22,7 @@ from torch import nn
 
 import dpclip
 from dpclip.cli import main
+from dpclip.engine.batch import padded_rows
 from dpclip.training import trainer
 from dpclip.training.private import SHOW_PRIVATE_ERRORS
 
@@ -51,7 +52,8 @@ def test_an_error_inside_a_private_step_loses_its_numbers(engine, monkeypatch):
 def test_the_original_error_is_shown_when_asked(monkeypatch):
     monkeypatch.setenv(SHOW_PRIVATE_ERRORS, "1")
     dp, (xs, ys) = _private_with_a_shape_bug("vmap")
-    with pytest.raises(RuntimeError, match=rf"\({len(xs)}x8 and 9x2\)"):
+    # (the rows the engine ran: the batch padded to the row block, dpclip.engine.batch)
+    with pytest.raises(RuntimeError, match=rf"\({padded_rows(len(xs))}x8 and 9x2\)"):
         dp.backward(xs, ys)
 
 
