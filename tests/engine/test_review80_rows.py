@@ -111,3 +111,28 @@ def test_adaclips_per_example_gradients_run_on_the_row_block_too(engine, model, 
     """Eighty-first hostile review: AdaClip's gradients (vmap_per_example_grads) were not padded:
     2.12 (one-column, 12) and 1.59 (batch-innermost, 4) times its sensitivity."""
     assert _adaclip_loo(engine, batch, model) <= TOL
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_model_sized_by_the_batch_fails_with_its_own_error_and_a_note(engine):
+    """A layer as wide as the batch cannot run on the padded rows: the model's own error (type and
+    text), with a note that says what the engine changed and no number."""
+
+    class SizedByTheBatch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix = torch.nn.Linear(5, 5)  # (the 5 examples as features)
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.mix(x.t()).t())
+
+    model = SizedByTheBatch()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        get_engine(engine).compute(model, lambda o, t: F.cross_entropy(o, t, reduction="none"),
+                                   x, y, lambda n: torch.clamp(1 / n, max=1.0),
+                                   ParamGroups.flat(model))
+    notes = getattr(info.value, "__notes__", [])
+    assert any("multiple of 32 rows" in n and not any(c.isdigit() for c in n.split("32")[1])
+               for n in notes), notes

@@ -125,6 +125,17 @@ def padded_rows(n: int) -> int:
     return -(-n // ROW_BLOCK) * ROW_BLOCK
 
 
+def note_padded(exc: BaseException, engine: str) -> None:
+    """Add to an error the model raised on a padded chunk what the engine changed (its type and
+    text stay the model's own; no number: the batch size is private)."""
+    exc.add_note(
+        f"dpclip {engine} engine: this batch ran with copies of its first example after it, up "
+        "to a multiple of 32 rows (dpclip.engine.batch.padded_rows: the number of rows must not "
+        "set the CPU kernels' rounding). A model whose shapes depend on the number of examples "
+        "(a layer sized by the batch, the examples read as channels) uses the private batch size "
+        "and cannot run here")
+
+
 def pad_rows(t: Tensor, rows: int) -> Tensor:
     """A leaf of ``n`` examples as a batch of ``rows``: the examples, then copies of the first
     (valid input for any model; the engines give them weight 0 and drop their losses)."""

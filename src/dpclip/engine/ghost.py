@@ -158,7 +158,14 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.conv_backends import fixed_conv_backends
-from dpclip.engine.batch import batch_leaves, call_model, map_batch, pad_rows, padded_rows
+from dpclip.engine.batch import (
+    batch_leaves,
+    call_model,
+    map_batch,
+    note_padded,
+    pad_rows,
+    padded_rows,
+)
 from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError, quote_error
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
@@ -986,12 +993,7 @@ class GhostEngine:
             raise
         except (RuntimeError, ValueError, IndexError) as exc:
             if batch != real:  # (the model's own error, with what the engine changed)
-                exc.add_note(
-                    f"dpclip {self.name} engine: this batch ran with copies of its first example "
-                    "after it, up to a multiple of 32 rows (dpclip.engine.batch.padded_rows: the "
-                    "number of rows must not set the CPU kernels' rounding). A model whose "
-                    "shapes depend on the number of examples (a layer sized by the batch, the "
-                    "examples read as channels) uses the private batch size and cannot run here")
+                note_padded(exc, self.name)
             raise
         total = losses.sum()
         left = ambient_user_code()

@@ -33,11 +33,12 @@ from dpclip.engine.batch import (
     batch_leaves,
     call_model,
     map_batch,
+    note_padded,
     pad_rows,
     padded_rows,
     slice_batch,
 )
-from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError
 
 __all__ = ["VmapEngine", "vmap_per_example_grads"]
 
@@ -100,8 +101,15 @@ class VmapEngine(MaterializingEngine):
             # convolution of one example off oneDNN, of two on it; MKL's products of few rows or
             # one column), so an example rounded unlike the same example beside more others
             # (seventy-ninth hostile review: 1.82 C on vmap at two threads; eightieth: 2.47 C)
-            got, losses = per_example_grads(detached, map_batch(lambda t: pad_rows(t, padded), xs),
-                                            map_batch(lambda t: pad_rows(t, padded), ys))
+            try:
+                got, losses = per_example_grads(detached,
+                                                map_batch(lambda t: pad_rows(t, padded), xs),
+                                                map_batch(lambda t: pad_rows(t, padded), ys))
+            except (UnsupportedModelError, PrivateBufferError):
+                raise
+            except (RuntimeError, ValueError, IndexError) as exc:
+                note_padded(exc, "vmap")
+                raise
             return {n: g[:rows] for n, g in got.items()}, losses[:rows]
 
         return chunk
