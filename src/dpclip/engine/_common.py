@@ -392,19 +392,19 @@ def _exact_inside() -> Iterator[None]:
     # (a profile function the forward set scaled the weights by 50 where apply_weight_fn returned
     # them and removed itself before the chunk's settings were compared: LOO 50 C under ghost,
     # thirty-ninth review); the caller's are put back after
-    callbacks = (sys.gettrace(), sys.getprofile())
-    if callbacks != (None, None):
-        sys.settrace(None)
-        sys.setprofile(None)
+    # (a callback set from C that Python cannot put back, torch.profiler's stack tracer, stays
+    # on: frames_guard.callbacks_off; cProfile's is put back by its own enable: before, a step run
+    # under cProfile or torch.profiler(with_stack=True) failed with "'Profile' object is not
+    # callable")
+    found, left = frames_guard.callbacks_off()
     try:
         with _precise():
             yield
-            if sys.gettrace() is not None or sys.getprofile() is not None:
+            if sys.gettrace() is not left[0] or sys.getprofile() is not left[1]:
                 raise UnsupportedModelError(_CHANGED_INSIDE)
     finally:
-        if callbacks != (None, None):
-            sys.settrace(callbacks[0])
-            sys.setprofile(callbacks[1])
+        if found[0] is not left[0] or found[1] is not left[1]:
+            frames_guard.put_back_callbacks(*found)
 
 
 frames_guard.own_code(_exact_inside)  # (it puts the caller's callbacks back)

@@ -60,13 +60,14 @@ own loop can find the run's objects; see docs/privacy.md on the noise generator'
 
 from __future__ import annotations
 
+import _lsprof
 import contextlib
 import importlib
 import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["FrameAccessRefused", "guarded", "own_code"]
+__all__ = ["FrameAccessRefused", "callbacks_off", "guarded", "own_code", "put_back_callbacks"]
 
 #: events that hand out a frame or arbitrary objects, or install a callback that receives frames
 _EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
@@ -282,6 +283,50 @@ def own_code(*functions: Any) -> None:
     for f in functions:
         f = getattr(f, "__wrapped__", f)
         _OWN.add(f.__code__)
+
+
+def _removable(callback: Any) -> bool:
+    """Whether an interpreter callback (what ``sys.gettrace()`` / ``sys.getprofile()`` return)
+    can be switched off here and put back exactly: one set from Python (``sys.settrace`` /
+    ``sys.setprofile``: a callable, put back by the same call) or ``cProfile``'s profiler (set
+    from C, put back by its own C ``enable``). Any other object there was set from C by an
+    extension (``torch.profiler``'s Python stack tracer, ``with_stack=True``): Python cannot put
+    it back once switched off (``sys.setprofile`` of it installs a call of an object that is not
+    callable: the next Python call raises ``TypeError``), and it runs that extension's C code,
+    which is inside the trust boundary (module docstring): it stays on."""
+    return callback is None or callable(callback) or isinstance(callback, _lsprof.Profiler)
+
+
+def callbacks_off() -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """Switch off this thread's trace and profile callbacks where :func:`_removable`; returns
+    ``(found, left)``: the callbacks found, and those left on (``None`` where switched off). Put
+    ``found`` back with :func:`put_back_callbacks`."""
+    found = (sys.gettrace(), sys.getprofile())
+    left = tuple(c if not _removable(c) else None for c in found)
+    if found[0] is not left[0]:
+        sys.settrace(None)
+    if found[1] is not left[1]:
+        sys.setprofile(None)
+    return found, left  # type: ignore[return-value]
+
+
+def put_back_callbacks(trace: Any, profile: Any) -> None:
+    """Make this thread's trace and profile callbacks ``trace`` and ``profile`` again (as read
+    from ``sys.gettrace()`` / ``sys.getprofile()`` before): a Python callable with
+    ``sys.settrace`` / ``sys.setprofile``; ``cProfile``'s profiler by its C ``enable`` (the
+    class's own method: a subclass's override is not called; its flags are kept); an object set
+    from C that is not callable cannot be put back from Python: it is left off (a tool that
+    :func:`callbacks_off` never switches off)."""
+    if sys.gettrace() is not trace and (trace is None or callable(trace)):
+        sys.settrace(trace)
+    if sys.getprofile() is not profile:
+        if isinstance(profile, _lsprof.Profiler):
+            _lsprof.Profiler.enable(profile)
+        elif profile is None or callable(profile):
+            sys.setprofile(profile)
+
+
+_OWN.update((callbacks_off.__code__, put_back_callbacks.__code__))
 
 
 _REFUSAL = ("was called inside the private step (by the forward, the loss, or a finalizer that "

@@ -242,8 +242,7 @@ def _interpreter_callbacks() -> tuple:
 
 
 def _set_interpreter_callbacks(v: tuple) -> None:
-    sys.settrace(v[0])
-    sys.setprofile(v[1])
+    frames_guard.put_back_callbacks(v[0], v[1])
 
 
 #: the signals whose handlers a Python program can set (read once)
@@ -388,9 +387,8 @@ def engine_only() -> Iterator[None]:
         # finalizer freed by the engine after the last chunk: it scaled the result on the return
         # of compute, 50 C under ghost and auto, forty-fifth hostile review) is put back before
         # the call returns, and the call refused
-        if (sys.gettrace(), sys.getprofile()) != interpreter:
-            sys.settrace(interpreter[0])
-            sys.setprofile(interpreter[1])
+        if sys.gettrace() is not interpreter[0] or sys.getprofile() is not interpreter[1]:
+            frames_guard.put_back_callbacks(*interpreter)
             changed = True
     if changed:
         raise UnsupportedModelError(

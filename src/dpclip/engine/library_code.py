@@ -372,8 +372,14 @@ def _operator_methods(ins: dis.Instruction) -> tuple[str, ...]:
     return _UNARY.get(op, ())
 
 
-#: the class attributes every module call goes through before ``forward``
-_CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "forward")
+#: the class attributes every module call goes through before ``forward``; the attribute lookups
+#: too: ``__getattribute__`` finds ``forward`` (and every attribute the forward reads), and
+#: ``__getattr__`` its parameters and submodules (eighty-third hostile review: ``nn.Linear`` or
+#: ``nn.Module.__getattribute__`` replaced by one that wrapped ``forward`` in code adding row 0 to
+#: every row ran untraced in a known chain, and unseen between a ruled layer's computation and
+#: its record on the traced path: LOO 2.55-2.81 C under ghost and auto)
+_CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "forward", "__getattribute__",
+              "__getattr__")
 
 #: per module class, its lookups (found the first time the class is asked about)
 _BY_CLASS: dict[type, _Lookups] = {}
