@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from dpclip.engine import ghost, ghost_rules
+from dpclip.engine import ghost
 from dpclip.engine.ghost_rules import _dot64, _gam64
 
 
