@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpclip.engine import ghost
-from dpclip.engine.ghost_rules import _dot64, _gam64
+from dpclip.engine.ghost_rules import _dot64, _gam64, _scaled
 
 
 def _rows(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +37,8 @@ def test_dot64_within_the_float64_bound_of_the_exact_sum(k):
 @pytest.mark.parametrize("k", [100, 4096, 8193, 9999, 20_000])
 def test_dot64_of_a_row_does_not_depend_on_the_other_rows(k):
     """einsum splits a row longer than numpy's buffer where the buffer ends (k 8193: 8 of 24
-    rows changed with their position, k 9999: all): _dot64 sums in column blocks, so a row has
-    the same bits in a batch of 1, 5, 33 or 200 rows, at any position."""
+    rows changed with their position, k 9999: all): _dot64 takes one dot product per row, so a
+    row has the same bits in a batch of 1, 5, 33 or 200 rows, at any position."""
     x, y = _rows(200 if k <= 4096 else 40, k, seed=1)
     whole = _dot64(x, y)
     n = x.shape[0]
@@ -103,15 +103,42 @@ def test_shrink_uses_numpy_under_the_portable_kernels(monkeypatch):
     if not ghost._SCALAR_KERNELS[0]:
         pytest.skip("torch's vector CPU kernels are on (DPCLIP_CPU_KERNELS=native)")
     calls = []
-    real = ghost.np.multiply
+    real = ghost._NP_MUL
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ghost.np, "multiply", spy)
+    monkeypatch.setattr(ghost, "_NP_MUL", spy)
     t = _tiny_mix(torch.float32)
     got = ghost._shrink(t, ghost._FLUSH[torch.float32])
     assert calls
     torch.testing.assert_close(got, torch.nn.functional.hardshrink(t, ghost._FLUSH[torch.float32]),
                                rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_is_torchs_product_bit_for_bit(dtype):
+    """The weights' scaling of a layer's rows (``ghost_rules._scaled``, numpy on the CPU): the
+    same bits as torch's ``x * w`` (a correctly rounded product), subnormals, overflow, inf and
+    NaN included, broadcast and on a strided view."""
+    g = torch.Generator().manual_seed(3)
+    fin = torch.finfo(dtype)
+    x = torch.randn(33, 7, 5, generator=g, dtype=dtype) * torch.exp2(
+        torch.randint(-160, 160, (33, 7, 5), generator=g).to(dtype))
+    x.view(-1)[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, fin.tiny / 4],
+                                  dtype=dtype)
+    w = torch.rand(33, generator=g, dtype=dtype)
+    w[:3] = torch.tensor([0.0, 1.0, fin.tiny], dtype=dtype)
+    ints = torch.int32 if dtype == torch.float32 else torch.int64
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(ints).masked_fill(t.isnan().contiguous(), 0)
+
+    for xs, ws in ((x, w.view(-1, 1, 1)), (x.transpose(1, 2), w.view(-1, 1, 1)),
+                   (x[:, 0], w.view(-1, 1)), (x.flatten(1), w.view(-1, 1))):
+        got = _scaled(xs, ws)
+        want = xs * ws
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(bits(got), bits(want))
+        assert torch.equal(got.isnan(), want.isnan())

@@ -407,7 +407,6 @@ def _exact_inside() -> Iterator[None]:
             frames_guard.put_back_callbacks(*found)
 
 
-frames_guard.own_code(_exact_inside)  # (it puts the caller's callbacks back)
 
 
 @contextlib.contextmanager

@@ -92,6 +92,9 @@ class _State(threading.local):
         self.depth = 0
         self.why: str | None = None
         self.busy = False
+        #: the trace and profile callbacks found when the outermost window was entered (the
+        #: caller's): the only ones :func:`put_back_callbacks` installs inside it
+        self.entry: tuple[Any, Any] = (None, None)
 
 
 _STATE = _State()
@@ -316,7 +319,23 @@ def put_back_callbacks(trace: Any, profile: Any) -> None:
     ``sys.settrace`` / ``sys.setprofile``; ``cProfile``'s profiler by its C ``enable`` (the
     class's own method: a subclass's override is not called; its flags are kept); an object set
     from C that is not callable cannot be put back from Python: it is left off (a tool that
-    :func:`callbacks_off` never switches off)."""
+    :func:`callbacks_off` never switches off).
+
+    Inside a private step it installs nothing but ``None`` and the callbacks found when the step's
+    outermost window was entered (the caller's own): model code calling it (it is a plain
+    function, and the audit hook lets it set callbacks) installed its own profile function, which
+    then scaled the engine's result by 50 on a return outside the reductions (eighty-fifth hostile
+    review: LOO 110.9 C under ghost, vmap and auto's first step); such a call is refused here and
+    the step refused at its end."""
+    st = _STATE
+    if st.depth:
+        for got, was, kind in ((trace, st.entry[0], "trace"), (profile, st.entry[1], "profile")):
+            if got is not None and got is not was:
+                why = (f"dpclip.engine.frames_guard.put_back_callbacks, asked to install a {kind} "
+                       "function the step did not begin with,")
+                if st.why is None:
+                    st.why = why
+                raise FrameAccessRefused(f"{why} {_REFUSAL}")
     if sys.gettrace() is not trace and (trace is None or callable(trace)):
         sys.settrace(trace)
     if sys.getprofile() is not profile:
@@ -349,6 +368,7 @@ def guarded() -> Iterator[None]:
     st = _STATE
     if st.depth == 0:
         st.why = None
+        st.entry = (sys.gettrace(), sys.getprofile())
     st.depth += 1
     try:
         yield

@@ -138,7 +138,6 @@ import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -193,6 +192,10 @@ from dpclip.engine.ghost_rules import (
     _EmbeddingRule,
     _LinearRule,
     _MODULE,
+    _NP_ABS,
+    _NP_GREATER,
+    _NP_MUL,
+    _from_numpy,
     linear_ghost_key,
     linear_ghost_parts,
     _Owner,
@@ -1529,13 +1532,13 @@ def _shrink(t: Tensor, thr: float, out: Tensor | None = None) -> Tensor:
         return torch.hardshrink(t, thr, out=out) if out is not None else \
             torch.nn.functional.hardshrink(t, thr)
     if t.dtype in (torch.float32, torch.float64) and not t.is_conj() and not t.is_neg():
-        x = t.detach().numpy()
-        keep = np.abs(x) > thr
+        x = t.detach().numpy()  # (numpy's ufuncs as bound at import: ghost_rules._NP_MUL)
+        keep = _NP_GREATER(_NP_ABS(x), thr)
         if out is not None:
-            np.multiply(x, keep, out=x)
+            _NP_MUL(x, keep, out=x)
             torch.autograd.graph.increment_version(out)  # (an in-place write, as torch's)
             return out
-        return torch.from_numpy(np.multiply(x, keep))
+        return _from_numpy(_NP_MUL(x, keep))
     keep = t.abs() > thr
     if out is not None:
         return out.mul_(keep)

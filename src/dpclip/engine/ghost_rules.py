@@ -539,28 +539,42 @@ def _linear_gram_error(na: Tensor, nb: Tensor, dtype: torch.dtype, d: int, p: in
 def _dot64(x: Tensor, y: Tensor) -> Tensor:
     """Per row, the inner product of two ``(rows, k)`` tensors in float64 (a float64 tensor on
     their device): the rows cast to float64 (exact for float32 and narrower), then products and
-    sum in float64. On the CPU, for float32 rows, numpy's: its cast and its ``einsum`` are ~4x
-    faster than torch's portable CPU kernels (:func:`dpclip.blas_mode.kernels`), which dpclip
-    runs (the Gram inner products of a transformer step: ~20 % of it). ``einsum`` splits a row
-    longer than numpy's buffer (8192 elements) where the buffer ends, which depends on the row's
-    position: the arrays are cast before it (not by its buffered cast) and the rows summed in
-    column blocks of at most :data:`_DOT_BLOCK` (and the buffer), block sums added in order, so
-    that a row's value does not depend on the other rows. The error stays that of a float64 sum
-    of ``k`` terms (any summation tree: ``_gam64(k)``)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and y.dtype == torch.float32:
-        xn = x.detach().numpy().astype(np.float64)
-        yn = y.detach().numpy().astype(np.float64)
-        k = xn.shape[1]
-        blk = max(1, min(_DOT_BLOCK, np.getbufsize()))
-        out = np.einsum("ij,ij->i", xn[:, :blk], yn[:, :blk])
-        for lo in range(blk, k, blk):
-            out += np.einsum("ij,ij->i", xn[:, lo:lo + blk], yn[:, lo:lo + blk])
-        return torch.from_numpy(out)
+    sum in float64. On the CPU, for float32 rows, numpy's ``vecdot`` (numpy >= 2): with the cast
+    ~4x faster than torch's portable CPU kernels (:func:`dpclip.blas_mode.kernels`), which dpclip
+    runs (the Gram inner products of a transformer step: ~20 % of it). Each row is one dot
+    product whatever its position, so its value does not depend on the other rows (``einsum``
+    splits a row longer than numpy's buffer where the buffer ends: 20 of 20 rows of 9999 changed
+    with their position); the error is that of a float64 sum of ``k`` terms in any order
+    (``_gam64(k)``). numpy's functions are the ones bound when dpclip was imported (a forward
+    that replaced ``numpy.einsum`` scaled one example's Gram rows by 0.02: LOO 3.18 C,
+    eighty-fifth hostile review)."""
+    if _NP_VECDOT is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
+            and y.dtype == torch.float32:
+        xn = x.detach().numpy().astype(_NP_F64)
+        yn = y.detach().numpy().astype(_NP_F64)
+        return _from_numpy(_NP_VECDOT(xn, yn))
     return _vecdot(x.double(), y.double())
 
 
-#: the longest stretch of a row that :func:`_dot64` hands numpy's ``einsum`` at once
-_DOT_BLOCK = 2048
+#: numpy's and torch's functions that the CPU passes call, bound at import (what a forward or a
+#: loss rebinds in numpy's namespace later does not reach the engine; ufuncs are C objects)
+_NP_VECDOT = getattr(np, "vecdot", None)
+_NP_MUL = np.multiply
+_NP_ABS = np.absolute
+_NP_GREATER = np.greater
+_NP_F64 = np.dtype("float64")
+_from_numpy = torch.from_numpy
+
+
+def _scaled(x: Tensor, w: Tensor) -> Tensor:
+    """``x * w`` (broadcast; a new tensor): the rows of a layer's ``a`` or ``b`` scaled by the
+    clipping weights before the book-keeping products. On the CPU, for float32 / float64 operands
+    of one dtype, by numpy (~4x torch's portable CPU kernels, :mod:`dpclip.blas_mode`): a product
+    is correctly rounded in both, so the values are the same bits."""
+    if x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and \
+            x.dtype in (torch.float32, torch.float64):
+        return _from_numpy(_NP_MUL(x.detach().numpy(), w.detach().numpy()))
+    return x * w
 
 
 def _gram_dot(ga: Tensor, gb: Tensor, groups: int = 1) -> Tensor:
@@ -740,9 +754,9 @@ class _LinearRule(_Rule):
         if a.ndim == 2:
             if g_w is not None:
                 if a.shape[1] < b.shape[1]:  # scale the narrower of a and b by the weights
-                    out["weight"] = torch.mm(b.t(), a * w.col2(g_w))
+                    out["weight"] = torch.mm(b.t(), _scaled(a, w.col2(g_w)))
                 else:
-                    bw = b * w.col2(g_w)
+                    bw = _scaled(b, w.col2(g_w))
                     out["weight"] = torch.mm(bw.t(), a)
                     if g_b == g_w:
                         out["bias"] = bw.sum(0)
@@ -752,7 +766,7 @@ class _LinearRule(_Rule):
             return out
         if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
             wb, formed = _split_formed(c, w.col(g_w))
-            bw = b * wb.view(-1, 1, 1)
+            bw = _scaled(b, wb.view(-1, 1, 1))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
                 bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
             if formed is not None:
@@ -1149,7 +1163,7 @@ class _ConvRule(_Rule):
         b = c.b
         if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
             wc, formed = _split_formed(c, w.col(groups["weight"]))
-            bw = b * wc.view(-1, *([1] * (b.ndim - 1)))
+            bw = _scaled(b, wc.view(-1, *([1] * (b.ndim - 1))))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
                 c, self._flat(c, c.a[sl]), self._flat(c, bw[sl]), c.mod.weight.shape,
                 c.mod.groups))
@@ -1227,7 +1241,7 @@ class _EmbeddingRule(_Rule):
 
     def weighted(self, c: _Call, groups: dict[str, int], w: _Weights) -> dict[str, Tensor]:
         x, b = c.a, c.b
-        bw = b * w.col2(groups["weight"]).unsqueeze(2)
+        bw = _scaled(b, w.col2(groups["weight"]).unsqueeze(2))
         return {"weight": _bk_sum(b.shape[0], lambda sl: b.new_zeros(
             c.mod.num_embeddings, b.shape[2]).index_add_(0, x[sl].flatten(),
                                                          bw[sl].reshape(-1, b.shape[2])))}

@@ -1086,4 +1086,5 @@ class Isolated:
 
 
 # the engine's own code that puts interpreter callbacks back inside a step (dpclip.engine.frames_guard)
-frames_guard.own_code(_set_interpreter_callbacks, engine_only)
+# (the engine sets interpreter callbacks through frames_guard.callbacks_off / put_back_callbacks
+# only: those two are the audit hook's own code, and the put-back installs only the step's own)
