@@ -152,3 +152,24 @@ def test_numpy_replaced_from_the_forward_does_not_reach_the_engine(engine, names
         for n, f in saved.items():
             setattr(np, n, f)
     assert all(v is None or v <= 1 + 1e-5 for v in got), got
+
+
+def test_numpy_error_handling_is_off_inside_the_reductions():
+    """numpy's passes in ghost's reduction run with its floating-point error handling off: a
+    ``np.seterrcall`` function (Python) or a warning (``warnings.showwarning``) would otherwise
+    run inside the reduction on an infinity or NaN of a non-finite example."""
+    from dpclip.engine._common import exact_float32
+
+    old = np.seterr(all="call")
+    old_call = np.seterrcall(lambda *a: None)
+    try:
+        with exact_float32():
+            inside = np.geterr()
+            with np.errstate(all="ignore"):
+                pass
+            assert set(np.geterr().values()) == {"ignore"}
+        assert set(inside.values()) == {"ignore"}
+        assert set(np.geterr().values()) == {"call"}  # put back after
+    finally:
+        np.seterr(**old)
+        np.seterrcall(old_call)

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.batch import check_batch, first_tensor, slice_batch
-from dpclip.engine import frames_guard
+from dpclip.engine import frames_guard, torch_names
 from dpclip.engine.conv_backends import fixed_conv_backends
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.isolation import Isolated, _flushed, check_structure, engine_only
@@ -382,6 +383,8 @@ def exact_float32() -> Iterator[None]:
 
 #: one reduction at a time changes the process-wide precision settings
 _EXACT_LOCK = threading.RLock()
+#: numpy's error-state context, as bound at import (:func:`_exact_inside`)
+_NP_ERRSTATE = np.errstate
 
 
 @contextlib.contextmanager
@@ -398,7 +401,12 @@ def _exact_inside() -> Iterator[None]:
     # callable")
     found, left = frames_guard.callbacks_off()
     try:
-        with _precise():
+        torch_names.check("at a reduction")
+        # (numpy's floating-point error handling off: the reductions' numpy passes, ghost._shrink
+        # and ghost_rules._dot64 / _scaled, meet the infinities and NaNs of non-finite examples,
+        # which the engine masks; a warning there printed numpy's RuntimeWarning to the user and
+        # ran warnings.showwarning, a np.seterrcall function would run inside the reduction)
+        with _precise(), _NP_ERRSTATE(all="ignore"):
             yield
             if sys.gettrace() is not left[0] or sys.getprofile() is not left[1]:
                 raise UnsupportedModelError(_CHANGED_INSIDE)

@@ -211,6 +211,7 @@ from dpclip.engine.ghost_rules import (
 )
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
+from dpclip.engine import torch_names
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
@@ -999,6 +1000,7 @@ class GhostEngine:
             if batch != real:  # (the model's own error, with what the engine changed)
                 note_padded(exc, self.name)
             raise
+        torch_names.check("after the forward and loss")  # (before the backward reads them)
         total = losses.sum()
         left = ambient_user_code()
         if left is not None:  # entered by the forward or loss and not left: the backward's ops

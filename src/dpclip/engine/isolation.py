@@ -70,7 +70,7 @@ from torch import nn
 
 from dpclip._ident import ident
 from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
-from dpclip.engine import frames_guard
+from dpclip.engine import frames_guard, torch_names
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.hf_hooks import prime
@@ -379,7 +379,10 @@ def engine_only() -> Iterator[None]:
     try:
         # (innermost: frames and the collector's objects out of reach of every user code the
         # call runs, forty-sixth hostile review, dpclip.engine.frames_guard)
-        with torch._C._DisablePythonDispatcher(), signals_deferred(), frames_guard.guarded():
+        # (torch's names that dpclip's arithmetic looks up: taken at the step's start, compared
+        # where user code has run, eighty-sixth hostile review, dpclip.engine.torch_names)
+        with torch._C._DisablePythonDispatcher(), signals_deferred(), frames_guard.guarded(), \
+                torch_names.watching():
             yield
     finally:
         gc.callbacks[:] = callbacks + [c for c in gc.callbacks if c not in callbacks]
@@ -402,6 +405,7 @@ def engine_only() -> Iterator[None]:
 def collector_paused() -> Iterator[None]:
     """The cyclic garbage collector paused (its finalizers and callbacks run at any allocation):
     around the release of a step (the noise drawn and added)."""
+    torch_names.check("at the release")
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -1065,6 +1069,8 @@ class Isolated:
         if got:
             self._state.put_back()
             changed += got
+        if exc_type is None and not changed:
+            torch_names.check("after a chunk")
         if changed and exc_type is None:
             raise UnsupportedModelError(
                 f"the forward or loss changed {', '.join(changed)} during a private step (put "
