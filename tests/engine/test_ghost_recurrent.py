@@ -488,3 +488,36 @@ def test_the_cells_helpers_are_bound_at_import_and_must_be_torchs():
     mixing.__qualname__ = mixing.__name__ = "_rnn_helper"
     assert not R._own_or_ours(mixing)
     assert R.library_changed() is None
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_vmap_engine_refuses_a_recurrent_layer_with_a_clear_error(cls):
+    """torch.func's vmap has no batching rule for torch's fused recurrent kernel: engine 'vmap'
+    failed with a bare ``RuntimeError: output with shape [1, 32] doesn't match the broadcast
+    shape [32, 1, 32]``; now an UnsupportedModelError naming the layer and the engines that run
+    it. 'auto' runs the model (ghost's per-layer path)."""
+    from dpclip.engine import VmapEngine
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.r = cls(4, 8, batch_first=True)
+            self.o = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.o(self.r(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(6, 3, 4), torch.randint(0, 2, (6,))
+
+    def loss(o, t):
+        return torch.nn.functional.cross_entropy(o, t, reduction="none")
+
+    def wf(n):
+        return torch.clamp(1 / n, max=1)
+
+    with pytest.raises(UnsupportedModelError, match=r"recurrent layer 'r'.*engine 'ghost' or 'auto'"):
+        VmapEngine().compute(model, loss, x, y, wf, ParamGroups.flat(model))
+    res = AutoEngine().compute(model, loss, x, y, wf, ParamGroups.flat(model))
+    assert res.norms.shape == (6,) and torch.isfinite(res.norms).all()

@@ -79,6 +79,16 @@ class VmapEngine(MaterializingEngine):
         # example, the mask applied (auto's fallback always ran so)
         from dpclip.engine.batch_symbol import data_independent_paths
 
+        for qualname, mod in model.named_modules():
+            if isinstance(mod, nn.RNNBase):
+                # (torch.func's vmap has no batching rule for torch's fused recurrent kernel: it
+                # failed with "output with shape [1, 32] doesn't match the broadcast shape
+                # [32, 1, 32]" for every batch-first LSTM / GRU / RNN)
+                raise UnsupportedModelError(
+                    f"vmap engine: the recurrent layer {qualname!r} "
+                    f"({type(mod).__name__}) cannot run under torch.func's vmap (its fused "
+                    "kernel has no batching rule); use engine 'ghost' or 'auto' (their per-layer "
+                    "path runs nn.LSTM / nn.GRU / nn.RNN by their time-step cells) or 'naive'")
         with data_independent_paths():
             return super()._compute(model, loss_fn, inputs, targets, weight_fn, groups)
 
