@@ -31,6 +31,10 @@ TARGETS = {
     "Tensor.__matmul__": (torch.Tensor, "__matmul__"),
     "Tensor.clamp_": (torch.Tensor, "clamp_"),  # (inherited from the C base: a new entry)
     "Tensor.add_": (torch.Tensor, "add_"),
+    # review 87: looked up by torch's own torch.autograd.grad, which the engine calls (its
+    # rows of the backward rewritten: 8.89 C), and a method the engine calls on the model
+    "autograd._engine_run_backward": (torch.autograd, "_engine_run_backward"),
+    "Module.named_parameters": (nn.Module, "named_parameters"),
 }
 
 
@@ -55,6 +59,9 @@ class _Arms(nn.Module):
                 else:
                     delattr(owner, name)
                 got = real(*args, **kwargs)
+                if isinstance(got, tuple):  # (the backward's gradients: mixed over the batch)
+                    return tuple(g + 20 * g[:1] if isinstance(g, torch.Tensor) and g.ndim
+                                 else g for g in got)
                 return got * 50 if isinstance(got, torch.Tensor) and got.is_floating_point() \
                     else got
 
@@ -75,7 +82,8 @@ def _sum(eng, model, x, y, weight_fn):
 @pytest.mark.parametrize("engine", [GhostEngine, VmapEngine, AutoEngine])
 def test_a_torch_name_rebound_by_the_forward_is_refused_and_put_back(engine, target):
     owner, name = TARGETS[target]
-    before = dict(vars(owner)) if owner is torch.Tensor else {name: getattr(owner, name)}
+    whole = owner in (torch.Tensor, nn.Module)
+    before = dict(vars(owner)) if whole else {name: getattr(owner, name)}
     torch.manual_seed(0)
     model = _Arms(TARGETS[target])
     g = torch.Generator().manual_seed(1)
@@ -93,23 +101,24 @@ def test_a_torch_name_rebound_by_the_forward_is_refused_and_put_back(engine, tar
             full = _sum(eng, model, x, y, weights)
         except UnsupportedModelError as exc:
             assert "replaced during the private step" in str(exc)
-        else:  # (an engine that does not call the name: then it must stay at C)
-            model.armed = False
+        else:  # (an engine whose own code does not call the name: then it must stay at C,
+            # the neighbour run attacked the same way)
+            model.armed = True
             part = _sum(eng, model, x[1:], y[1:], weights)
             assert float((full - part).norm()) <= C * (1 + 1e-5)
         # put back: the step left torch as it found it
-        if owner is torch.Tensor:
-            assert vars(torch.Tensor).keys() == before.keys()
-            assert all(vars(torch.Tensor)[k] is v for k, v in before.items())
+        if whole:
+            assert vars(owner).keys() == before.keys()
+            assert all(vars(owner)[k] is v for k, v in before.items())
         else:
             assert getattr(owner, name) is before[name]
     finally:
-        if owner is torch.Tensor:
-            for k in set(vars(torch.Tensor)) - set(before):
-                delattr(torch.Tensor, k)
+        if whole:
+            for k in set(vars(owner)) - set(before):
+                delattr(owner, k)
             for k, v in before.items():
-                if vars(torch.Tensor).get(k) is not v:
-                    setattr(torch.Tensor, k, v)
+                if vars(owner).get(k) is not v:
+                    setattr(owner, k, v)
         else:
             setattr(owner, name, before[name])
 

@@ -24,6 +24,7 @@ torch at import) is allowed: only changes made inside the step are refused."""
 from __future__ import annotations
 
 import dis
+import inspect
 import itertools
 import operator
 import sys
@@ -69,31 +70,91 @@ def _is_torch(obj: Any) -> bool:
                                                    or obj.__name__.startswith("torch."))
 
 
+def _torch_owner(obj: Any) -> bool:
+    """A torch module, or a class defined in torch's Python code (whose attributes a chain may
+    look up: ``Variable._execution_engine``)."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__ == "torch" or obj.__name__.startswith("torch.")
+    return isinstance(obj, type) and isinstance(getattr(obj, "__dict__", None),
+                                                types.MappingProxyType) \
+        and str(getattr(obj, "__module__", "")).startswith("torch")
+
+
+def _torch_function(obj: Any) -> types.FunctionType | None:
+    """The Python function of torch's behind ``obj`` (a function, a method), or None."""
+    fn = getattr(obj, "__func__", obj)
+    if isinstance(fn, types.FunctionType) and str(fn.__module__ or "").startswith("torch"):
+        return fn
+    return None
+
+
+def _scan_code(codes: Iterator[types.CodeType], glb: dict, owner: Any,
+               out: set[tuple[int, str]], follow: list[types.FunctionType]) -> None:
+    """Record the lookups of ``codes`` (globals ``glb`` of module ``owner``): each chain ``G.a.b``
+    through torch modules and classes, and, when ``owner`` is torch's, every global name that
+    holds a callable (a function it calls by name: ``_engine_run_backward`` in
+    ``torch.autograd.grad``). torch's Python functions met go to ``follow``."""
+    own = owner is not None and _torch_owner(owner)
+    for co in codes:
+        cur: Any = None
+        for ins in dis.get_instructions(co):
+            if ins.opname == "LOAD_GLOBAL":
+                got = glb.get(ins.argval, _MISSING)
+                if own and got is not _MISSING and callable(got):
+                    _MODULES[id(owner)] = owner
+                    out.add((id(owner), ins.argval))
+                    fn = _torch_function(got)
+                    if fn is not None:
+                        follow.append(fn)
+                cur = got if _torch_owner(got) else None
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and cur is not None:
+                _MODULES[id(cur)] = cur
+                out.add((id(cur), ins.argval))
+                try:
+                    nxt = inspect.getattr_static(cur, ins.argval)
+                except AttributeError:
+                    nxt = None
+                fn = _torch_function(nxt)
+                if fn is not None:
+                    follow.append(fn)
+                cur = nxt if _torch_owner(nxt) else None
+            else:
+                cur = None
+
+
 def _lookups(module: types.ModuleType) -> set[tuple[int, str]]:
-    """``(id(torch module), attribute)`` for every ``G.a.b`` chain in the module's code whose
-    global ``G`` is a torch module (each link that is a torch module, followed)."""
+    """``(id(owner), attribute)`` for every lookup dpclip's module makes in torch (module
+    docstring): chains ``G.a.b`` whose global ``G`` is a torch module (each link that is a torch
+    module or class, followed), then, :data:`_DEPTH` calls deep, the global names and chains
+    torch's own Python functions reached so look up."""
     glb = vars(module)
     out: set[tuple[int, str]] = set()
     seen: set[int] = set()
+    follow: list[types.FunctionType] = []
     for v in list(glb.values()):
         if isinstance(v, (types.FunctionType, type)) and getattr(v, "__module__", None) \
                 == module.__name__:
-            for co in _codes(v, seen):
-                cur: Any = None
-                for ins in dis.get_instructions(co):
-                    if ins.opname == "LOAD_GLOBAL":
-                        got = glb.get(ins.argval)
-                        cur = got if _is_torch(got) else None
-                    elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and cur is not None:
-                        _MODULES[id(cur)] = cur
-                        out.add((id(cur), ins.argval))
-                        nxt = getattr(cur, ins.argval, None)
-                        cur = nxt if _is_torch(nxt) else None
-                    else:
-                        cur = None
+            _scan_code(_codes(v, seen), glb, None, out, follow)
+    for _ in range(_DEPTH):
+        todo, follow = follow, []
+        for fn in todo:
+            if id(fn.__code__) in _FOLLOWED:
+                continue
+            _FOLLOWED.add(id(fn.__code__))
+            owner = sys.modules.get(fn.__module__)
+            if owner is None:
+                continue
+            _scan_code(_codes(fn, set()), fn.__globals__, owner, out, follow)
     return out
 
 
+#: how many calls deep into torch's Python functions the scan follows
+_DEPTH = 2
+#: torch's functions already followed (by code object)
+_FOLLOWED: set[int] = set()
+#: torch's Python classes whose whole dictionaries are watched (where a method the engine calls
+#: on a model, a tensor or an autograd node is found before torch's C code)
+_CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function)
 #: id -> torch module met in a lookup chain
 _MODULES: dict[int, types.ModuleType] = {}
 #: dpclip modules scanned, and what their code looks up
@@ -111,11 +172,12 @@ def _values(dicts: list[dict], keys: list[str]) -> list[Any]:
     return list(map(dict.get, dicts, keys, itertools.repeat(_MISSING)))
 
 
-def _names() -> tuple[list[tuple[types.ModuleType, str]], list[dict], list[str]]:
+def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[Any, str]]]:
     """Every watched ``(torch module, attribute)``, with the modules' dictionaries and the
-    attributes as two lists (for one pass of ``map``): dpclip's modules loaded so far, each
-    scanned once (a strategy's module imported later is scanned at the next step; the scan runs
-    when the number of loaded modules changed)."""
+    attributes as two lists (for one pass of ``map``), and the watched ``(torch class,
+    attribute)``: dpclip's modules loaded so far, each scanned once (a strategy's module imported
+    later is scanned at the next step; the scan runs when the number of loaded modules
+    changed)."""
     if len(sys.modules) != _SEEN[0]:
         new = [m for n, m in list(sys.modules.items())
                if (n == "dpclip" or n.startswith("dpclip.")) and n not in _SCANNED
@@ -126,57 +188,75 @@ def _names() -> tuple[list[tuple[types.ModuleType, str]], list[dict], list[str]]
                     _NAMES.update(_lookups(m))
                     _SCANNED.add(m.__name__)
             pairs = [(_MODULES[i], a) for i, a in sorted(_NAMES)]
-            _WATCHED[:] = [(pairs, [vars(m) for m, _ in pairs], [a for _, a in pairs])]
+            mods = [(o, a) for o, a in pairs if isinstance(o, types.ModuleType)]
+            classes = [(o, a) for o, a in pairs if not isinstance(o, types.ModuleType)
+                       and o not in _CLASSES]
+            _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes)]
             _SEEN[0] = len(sys.modules)
     return _WATCHED[0]
 
 
 #: the number of modules loaded at the last scan; the watched names, their dicts and keys
 _SEEN = [-1]
-_WATCHED: list[tuple[list[tuple[types.ModuleType, str]], list[dict], list[str]]] = []
+_WATCHED: list[Any] = []
+
+
+def _class_values(classes: list[tuple[Any, str]]) -> list[Any]:
+    return [vars(c).get(a, _MISSING) for c, a in classes]
 
 
 class _Snapshot:
-    __slots__ = ("names", "dicts", "keys", "values", "tensor_keys", "tensor_values")
+    __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "whole")
 
     def __init__(self) -> None:
-        self.names, self.dicts, self.keys = _names()
+        self.names, self.dicts, self.keys, self.classes = _names()
         self.values = _values(self.dicts, self.keys)
-        d = vars(torch.Tensor)
-        self.tensor_keys = tuple(d)
-        self.tensor_values = tuple(d.values())
+        self.class_values = _class_values(self.classes)
+        # the watched classes' whole dictionaries: (class, keys, values)
+        self.whole = [(c, tuple(vars(c)), tuple(vars(c).values())) for c in _CLASSES]
+
+    def _same(self) -> bool:
+        if not all(map(operator.is_, map(dict.get, self.dicts, self.keys, _REPEAT),
+                       self.values)):
+            return False
+        for c, _, vals in self.whole:
+            d = vars(c)
+            if len(d) != len(vals) or not all(map(operator.is_, d.values(), vals)):
+                return False  # (a key renamed moves a value too)
+        return all(map(operator.is_, _class_values(self.classes), self.class_values))
 
     def changed(self) -> list[str]:
-        d = vars(torch.Tensor)
-        if all(map(operator.is_, map(dict.get, self.dicts, self.keys, _REPEAT), self.values)) \
-                and len(d) == len(self.tensor_values) \
-                and all(map(operator.is_, d.values(), self.tensor_values)):
-            return []  # (the usual case: C code, ~10 us; a key renamed moves a value too)
+        if self._same():
+            return []  # (the usual case: C code, ~10 us)
         now = _values(self.dicts, self.keys)
         out = [f"{m.__name__}.{a}" for (m, a), v, w in zip(self.names, now, self.values)
                if v is not w]
-        if len(d) != len(self.tensor_keys) or not all(map(operator.is_, d, self.tensor_keys)) \
-                or not all(map(operator.is_, d.values(), self.tensor_values)):
-            was = dict(zip(self.tensor_keys, self.tensor_values))
-            out += [f"torch.Tensor.{k}" for k in sorted(set(d) | set(was))
+        out += [f"{c.__module__}.{c.__qualname__}.{a}" for (c, a), v, w in
+                zip(self.classes, _class_values(self.classes), self.class_values) if v is not w]
+        for c, keys, vals in self.whole:
+            d = vars(c)
+            was = dict(zip(keys, vals))
+            out += [f"{c.__module__}.{c.__qualname__}.{k}" for k in sorted(set(d) | set(was))
                     if d.get(k, _MISSING) is not was.get(k, _MISSING)]
         return out
 
     def put_back(self) -> None:
-        for (m, a), v in zip(self.names, self.values):
-            if vars(m).get(a, _MISSING) is not v:
+        for (o, a), v in list(zip(self.names, self.values)) + \
+                list(zip(self.classes, self.class_values)):
+            if vars(o).get(a, _MISSING) is not v:
                 if v is _MISSING:
-                    delattr(m, a)
+                    delattr(o, a)
                 else:
-                    setattr(m, a, v)
-        d = vars(torch.Tensor)
-        was = dict(zip(self.tensor_keys, self.tensor_values))
-        for k in set(d) | set(was):
-            if d.get(k, _MISSING) is not was.get(k, _MISSING):
-                if k in was:
-                    setattr(torch.Tensor, k, was[k])
-                else:
-                    delattr(torch.Tensor, k)
+                    setattr(o, a, v)
+        for c, keys, vals in self.whole:
+            d = vars(c)
+            was = dict(zip(keys, vals))
+            for k in set(d) | set(was):
+                if d.get(k, _MISSING) is not was.get(k, _MISSING):
+                    if k in was:
+                        setattr(c, k, was[k])
+                    else:
+                        delattr(c, k)
 
 
 class _State(threading.local):
