@@ -166,3 +166,101 @@ def test_detach_frees_the_optimizer_for_public_fine_tuning():
     dp.loop_guard.detach()
     F.cross_entropy(model(x[:0].new_zeros(4, 5)), torch.zeros(4).long()).backward()
     opt.step()  # no longer checked
+
+
+# ------------------------------------------- eighty-eighth hostile review (the user's loop)
+
+def test_a_closure_passed_to_the_optimizer_step_is_refused():
+    """torch's optimizers call the closure inside step, after the pre-step check: its backward
+    replaced the released gradient with a raw one (LOO of the applied update 928 C)."""
+    model, opt, dp = _setup()
+    x, y = dp.sample()
+    dp.backward(x, y)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(LoopRuleError, match="closure"):
+        opt.step(closure)
+    with pytest.raises(LoopRuleError, match="closure"):
+        opt.step(closure=closure)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_frozen_parameters_raw_gradient_is_refused():
+    """A parameter frozen when make_private was built, unfrozen for a raw backward and frozen
+    again: its p.grad was applied by the optimizer unclipped (11.4 C)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = make_private(model, opt, (x, y), noise_multiplier=1.0, steps=10, batch_size=10,
+                      verbose=False)
+    xb, yb = dp.sample()
+    model[2].bias.requires_grad_(True)
+    F.cross_entropy(model(xb), yb).backward()
+    model[2].bias.requires_grad_(False)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = None
+    dp.backward(xb, yb)
+    with pytest.raises(LoopRuleError, match="did not release"):
+        opt.step()
+
+
+def test_a_checkpoint_with_an_unreleased_draw_is_refused():
+    """A batch drawn, then the state saved and loaded into a new PrivateTraining: the loop could
+    draw again (rejection sampling: a target in 0 of 200 released batches at q = 0.5)."""
+    model, opt, dp = _setup()
+    dp.sample()
+    with pytest.raises(LoopRuleError, match="never released"):
+        dp.state_dict()
+
+
+def _resume_setup(activation, loss_fn):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), activation, nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return make_private(model, opt, (x, y), noise_multiplier=1.0, steps=10, batch_size=10,
+                        verbose=False, loss_fn=loss_fn)
+
+
+def _ce(o, t):
+    return F.cross_entropy(o, t, reduction="none")
+
+
+def _ce_smoothed(o, t):
+    return F.cross_entropy(o, t, reduction="none", label_smoothing=0.5)
+
+
+@pytest.mark.parametrize("other", ["activation", "loss", "loss-lambda"])
+def test_a_resume_into_another_function_is_refused(other):
+    """The same checkpoint resumed into a model with another activation (its state_dict still
+    loads) or another loss continued the same secret noise on another function: the difference
+    of the two releases was the noise-free difference of the clipped sums (residual 2e-5 against
+    18 for independent noise)."""
+    dp1 = _resume_setup(nn.ReLU(), _ce)
+    ck = dp1.state_dict()
+    if other == "activation":
+        dp2 = _resume_setup(nn.Tanh(), _ce)
+    elif other == "loss":
+        dp2 = _resume_setup(nn.ReLU(), _ce_smoothed)
+    else:
+        dp2 = _resume_setup(nn.ReLU(), lambda o, t: F.cross_entropy(
+            o, t, reduction="none", label_smoothing=0.5))
+        dp1 = _resume_setup(nn.ReLU(), lambda o, t: F.cross_entropy(o, t, reduction="none"))
+        ck = dp1.state_dict()
+    with pytest.raises(ValueError, match="other settings"):
+        dp2.load_state_dict(ck)
+    same = _resume_setup(nn.ReLU(), _ce)
+    same.load_state_dict(_resume_setup(nn.ReLU(), _ce).state_dict())  # the same: resumes

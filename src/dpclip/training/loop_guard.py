@@ -68,6 +68,16 @@ _HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     guard = _ACTIVE.get(optimizer)
     if guard is not None:
+        # (torch passes step's own positional arguments with the optimizer first)
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+            # (torch's optimizers call the closure inside step, after this check: its backward
+            # replaced the released gradient with a raw one, 928 C; eighty-eighth review)
+            raise LoopRuleError(
+                "optimizer.step(closure): a closure is called inside step, after the check that "
+                "the gradient applied is the one dp.backward released, and its backward would "
+                "replace it with a raw, unclipped, un-noised gradient. Call dp.backward(x, y), "
+                "then optimizer.step() without a closure (optimizers that need one, LBFGS, "
+                "cannot train privately this way)")
         guard.check_optimizer_step(optimizer)
 
 
@@ -138,6 +148,18 @@ class LoopGuard:
         self._drawn_versions = None
         self._released = {ident(p): (name, g, g._version) for name, (p, g) in grads.items()}
 
+    def check_checkpoint(self) -> None:
+        """``dp.state_dict()``: refused while a drawn batch is unreleased (the checkpoint would
+        carry the sampler past that draw without the refusal of a second one: loaded into a new
+        ``PrivateTraining``, the loop could draw again, rejection sampling; a target example was
+        in 0 of 200 released batches at q = 0.5, eighty-eighth hostile review)."""
+        if self._drawn_versions is not None:
+            raise LoopRuleError(
+                "dp.state_dict(): the batch drawn last was never released by dp.backward (or its "
+                "backward failed). A checkpoint taken now, loaded and drawn from again, would "
+                "skip that batch: rejection sampling, which the accountant does not cover. "
+                "Release the batch (dp.backward(x, y), an unwanted one too), then save")
+
     def on_failed_release(self) -> None:
         """Keep the batch marked unreleased (the next draw is refused)."""
         if self._drawn_versions is None:
@@ -159,12 +181,16 @@ class LoopGuard:
                 grad = p.grad
                 entry = released.get(ident(p))
                 if entry is None:
-                    if grad is not None and p.requires_grad:
+                    # (whatever its requires_grad: torch's optimizers update every parameter
+                    # with a gradient; one unfrozen, given a raw backward and frozen again was
+                    # applied unclipped, 11.4 C, eighty-eighth review)
+                    if grad is not None:
                         raise LoopRuleError(
                             "optimizer.step(): a parameter of the optimizer has a gradient that "
-                            "dp.backward did not release (a loss.backward() outside dp.backward?)"
-                            "; only released gradients may be applied: remove the extra "
-                            "backward")
+                            "dp.backward did not release (a loss.backward() outside dp.backward, "
+                            "or on a parameter frozen since?); only released gradients may be "
+                            "applied: remove the extra backward (or set that parameter's .grad to "
+                            "None)")
                     continue
                 name, g, version = entry
                 if grad is not g or g._version != version:

@@ -357,7 +357,8 @@ class PrivateTraining:
         self._settings_fp = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", repr((
             run_config, repr(augment), int(augment_multiplicity),
             repr(features), repr(preprocess), reproducible_noise,
-            getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)))).encode()).hexdigest()
+            getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__),
+            _function_fingerprint(model, loss_fn)))).encode()).hexdigest()
         self._prepare_state(engine, noise_multiplier)
         if self.preprocess is not None:  # every input checked: the release, first in the ledger
             for event in self.preprocess.events:
@@ -874,7 +875,9 @@ class PrivateTraining:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume (model, optimizer, strategy state, ledger, step, and the PRIVATE
-        randomness state: keep it secret)."""
+        randomness state: keep it secret). Refused while a drawn batch is unreleased
+        (:meth:`LoopGuard.check_checkpoint`)."""
+        self.loop_guard.check_checkpoint()
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -946,7 +949,8 @@ class PrivateTraining:
             raise ValueError(
                 "checkpoint was written by a run with other settings (strategy or its parameters "
                 "such as the clip norm, unit, sampling, steps, epsilon, engine, augmentation, "
-                "multiplicity, features, preprocessing or loss), or by an older dpclip: "
+                "multiplicity, features, preprocessing, the model's modules or the loss), or by "
+                "an older dpclip: "
                 "a resumed run continues the checkpoint's secret noise stream, and the same noise "
                 "on another function releases the difference without noise. Resume with exactly "
                 "the settings it was written with, or start a new run")
@@ -1270,3 +1274,72 @@ def private_step_error(exc: BaseException) -> BaseException | None:
     except Exception:  # noqa: BLE001 - another signature: a RuntimeError with the type's name
         new = RuntimeError(f"{type(exc).__name__}: {text}{hint}")
     return new
+
+
+def _function_fingerprint(model: nn.Module, loss_fn: Any) -> str:
+    """What the released function is made of besides the settings: the model's modules (each
+    one's class, its configuration ``extra_repr`` and, for a class outside torch, its code) and
+    the loss's code (a function's source or bytecode, defaults and closure values; a module's
+    class and configuration; a ``functools.partial``'s function and arguments). A checkpoint
+    resumed into a run whose function differs would continue the same secret noise on another
+    function: a ReLU swapped for a Tanh, or a lambda loss given label smoothing, released the
+    noise-free difference of the two clipped sums (eighty-eighth hostile review: the loss was
+    fingerprinted by ``__qualname__``, ``"<lambda>"`` for every lambda, the model not at all)."""
+    parts: list[str] = []
+    for name, mod in model.named_modules():
+        cls = type(mod)
+        parts.append(f"{name}:{cls.__module__}.{cls.__qualname__}:{mod.extra_repr()}")
+        if not cls.__module__.startswith("torch."):
+            parts.append(_code_text(cls))
+    parts.append(_callable_text(loss_fn, 0))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _code_text(obj: Any) -> str:
+    """The source of a function or class where Python can read it, else its code objects'
+    instructions, constants and names (a lambda typed in a notebook has no readable file)."""
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        pass
+    codes = [getattr(obj, "__code__", None)] if not isinstance(obj, type) else [
+        getattr(v, "__code__", None) for v in vars(obj).values()]
+    out = []
+    for co in codes:
+        if co is not None:
+            out.append(repr((co.co_code, co.co_names, [
+                c if not hasattr(c, "co_code") else c.co_code for c in co.co_consts])))
+    return "\n".join(out)
+
+
+def _callable_text(fn: Any, depth: int) -> str:
+    if fn is None or depth > 3:
+        return repr(fn)
+    if isinstance(fn, functools.partial):
+        return "partial(" + _callable_text(fn.func, depth + 1) + re.sub(
+            r" at 0x[0-9a-fA-F]+", "", repr((fn.args, fn.keywords))) + ")"
+    if isinstance(fn, nn.Module):
+        cls = type(fn)
+        config = {k: v for k, v in vars(fn).items()
+                  if isinstance(v, (bool, int, float, str, type(None)))}
+        text = f"{cls.__module__}.{cls.__qualname__}{sorted(config.items())}"
+        return text if cls.__module__.startswith("torch.") else text + _code_text(cls)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        cls = type(fn)
+        return f"{cls.__module__}.{cls.__qualname__}:" + re.sub(r" at 0x[0-9a-fA-F]+", "",
+                                                                repr(fn))
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            v = None
+        cells.append(_callable_text(v, depth + 1) if callable(v) else
+                     re.sub(r" at 0x[0-9a-fA-F]+", "", repr(v)))
+    return "\n".join([f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}",
+                      _code_text(fn), re.sub(r" at 0x[0-9a-fA-F]+", "", repr(
+                          (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__",
+                                                                      None)))), *cells])
