@@ -12,9 +12,13 @@ compiled; ``torch.Tensor.__matmul__`` 1205 C, 30 C under vmap; ``torch.Tensor.cl
 :func:`watching` (entered by :func:`dpclip.engine.isolation.engine_only`, the outermost call of a
 step) takes, once per step, the objects under every ``torch...`` attribute that the code of
 dpclip's loaded modules looks up (``torch.mm``, ``torch.linalg.vecdot``, ``F.pad``: found in their
-bytecode, module globals that are torch modules followed by attribute loads), and the whole
-``torch.Tensor`` class dictionary (where ``x @ y``, ``x.clamp_`` and operators are found before
-torch's C base class, which cannot be changed). :func:`check` compares them by identity where
+bytecode, module globals that are torch modules followed by attribute loads, through torch's
+modules and classes), then, two calls deep, the global names holding callables that torch's own
+Python functions so reached look up (eighty-seventh hostile review: ``torch.autograd.grad`` looks
+up ``_engine_run_backward``, rebound from the forward: 8.89 C), and the whole class dictionaries
+of ``torch.Tensor`` (where ``x @ y``, ``x.clamp_`` and operators are found before torch's C base
+class, which cannot be changed), ``nn.Module`` and ``autograd.Function``. Not watched: what torch
+looks up deeper, in C++, or in other classes. :func:`check` compares them by identity where
 user code has just run and engine code follows: after each chunk's forward and loss, at the
 entry of every reduction (``exact_float32``) and of the release, and when the step ends. A
 change is put back and the step refused. Names bound at import (``_vecdot =
