@@ -67,7 +67,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["FrameAccessRefused", "callbacks_off", "guarded", "own_code", "put_back_callbacks"]
+__all__ = ["FrameAccessRefused", "callbacks_off", "guarded", "put_back_callbacks"]
 
 #: events that hand out a frame or arbitrary objects, or install a callback that receives frames
 _EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
@@ -78,7 +78,8 @@ _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 #: events refused whoever asks (the collector's objects) / allowed to the engine's own code only
 _OBJECTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 _CALLBACKS = frozenset({"sys.settrace", "sys.setprofile"})
-#: the engine's own functions that put interpreter callbacks back (filled by :func:`own_code`)
+#: the engine's own functions that set interpreter callbacks (:func:`callbacks_off` and
+#: :func:`put_back_callbacks`, filled where they are defined; nothing else can be added)
 _OWN: set[Any] = set()
 
 
@@ -276,16 +277,6 @@ def _install() -> None:
             _allow()
             sys.addaudithook(_hook)
             _INSTALLED = True
-
-
-def own_code(*functions: Any) -> None:
-    """Register the engine's functions that set interpreter callbacks inside a step (putting
-    back what was there: :mod:`dpclip.engine.isolation`,
-    :func:`dpclip.engine._common.exact_float32`); a context manager's generator function is given
-    by its ``__wrapped__``."""
-    for f in functions:
-        f = getattr(f, "__wrapped__", f)
-        _OWN.add(f.__code__)
 
 
 def _removable(callback: Any) -> bool:
