@@ -142,3 +142,58 @@ def test_scaled_is_torchs_product_bit_for_bit(dtype):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(bits(got), bits(want))
         assert torch.equal(got.isnan(), want.isnan())
+
+
+def test_dot64_in_blocks_equals_the_whole_float64_copy_bit_for_bit(monkeypatch):
+    """Rows x width above ``_DOT_BLOCK_NUMEL`` go through two cached float64 buffers block by
+    block (a partial last block, a strided input): every row the same bits as one ``vecdot`` of
+    the whole float64 copies (the path below the threshold)."""
+    import numpy as np
+
+    from dpclip.engine import ghost_rules
+
+    x, y = _rows(150, 4096, seed=4)  # 64 rows a block: 64, 64, 22
+    assert 150 * 4096 > ghost_rules._DOT_BLOCK_NUMEL
+    for xs, ys in ((x, y), (x.t().contiguous().t(), y)):  # (a column-major x: strided rows)
+        want = np.vecdot(np.ascontiguousarray(xs.numpy(), dtype=np.float64),
+                         np.ascontiguousarray(ys.numpy(), dtype=np.float64))
+        got = _dot64(xs, ys)
+        assert got.dtype == torch.float64
+        assert torch.equal(got, torch.from_numpy(want))
+    # blocks of 7 rows: the same bits again
+    whole = _dot64(x, y)
+    monkeypatch.setattr(ghost_rules, "_DOT_BLOCK_NUMEL", 7 * 4096)
+    assert torch.equal(_dot64(x, y), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shrink_in_blocks_is_hardshrink(dtype, monkeypatch):
+    """Above ``_SHRINK_BLOCK`` entries a contiguous tensor is flushed block by block through
+    cached buffers: the same values as torch's hardshrink, tiny entries, signed zeros, infinities
+    and NaN at the block edges included, out of place and in place (version counted up); a
+    strided tensor of the same size takes the whole-tensor path, the same values."""
+    monkeypatch.setattr(ghost, "_SCALAR_KERNELS", [True])
+    block = ghost._SHRINK_BLOCK
+    thr = ghost._FLUSH[dtype]
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(3 * block + 17, generator=g, dtype=dtype)
+    mix = _tiny_mix(dtype).flatten()
+    for edge in (0, block - 3, block, 2 * block + 1, t.numel() - mix.numel()):
+        t[edge:edge + mix.numel()] = mix[: t.numel() - edge]
+    t = t.view(-1, 1)
+    want = torch.nn.functional.hardshrink(t, thr)
+    got = ghost._shrink(t, thr)
+    assert got.shape == t.shape and got.data_ptr() != t.data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # the zeros' signs as the whole-tensor numpy pass gives them
+    monkeypatch.setattr(ghost, "_SHRINK_BLOCK", 1 << 40)
+    assert torch.equal(got.signbit(), ghost._shrink(t, thr).signbit())
+    monkeypatch.setattr(ghost, "_SHRINK_BLOCK", block)
+    u = t.clone()
+    v0 = u._version
+    assert ghost._shrink(u, thr, out=u) is u and u._version > v0
+    torch.testing.assert_close(u, want, rtol=0, atol=0, equal_nan=True)
+    wide = t.view(-1)[: 2 * block].view(2, block).t()  # not contiguous
+    torch.testing.assert_close(ghost._shrink(wide, thr),
+                               torch.nn.functional.hardshrink(wide, thr), rtol=0, atol=0,
+                               equal_nan=True)

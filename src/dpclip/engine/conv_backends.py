@@ -18,21 +18,43 @@ and off again before it returns is seen where the engine watches each operation
 Cost: a convolutional network's private step on one thread runs torch's own kernels (the Papernot
 CNN at batch 256: 1.51x -> 1.99x its non-private step;
 ``benchmarks/results/cpu_engines_session14_t1.md``).
+
+**Threads** (eighty-ninth hostile review). MKL and torch divide a product's or a reduction's work
+among the intra-op threads by its shape, and beyond two threads they split it otherwise for 64 rows
+than for 32 (the reduction dimension shared between threads: a different summation order for every
+row). A model built to cancel turned that into 7.99 C at 3 threads, 8.56 C at 4, 5.04 C at 6 and
+7.86 C at 8 on ghost, auto and compiled (vmap too at 8), where one and two threads moved nothing
+(``benchmarks/kernel_invariance.py``, ``benchmarks/rounding_loo.py``). torch's default is one
+thread per core, so an ordinary 8-core machine was exposed. :func:`fixed_conv_backends` therefore
+runs the engine call at ``min(threads, 2)`` intra-op threads (:func:`engine_threads`:
+``DPCLIP_ENGINE_THREADS``, ``2`` by default, ``1``, or ``all`` to keep the process's count for a
+model whose author you trust) and restores the count after it; a forward that raises it around its
+own operations is refused where the engine watches each operation, as for the backends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import warnings
 from typing import Iterator
 
 import torch
 
-__all__ = ["conv_backends_moved", "fixed_conv_backends", "MOVED"]
+__all__ = ["ENGINE_THREADS_ENV", "conv_backends_moved", "engine_threads", "fixed_conv_backends",
+           "MOVED", "THREADS_MOVED", "threads_moved", "warn_if_capped"]
 
-#: ``(oneDNN enabled, NNPACK enabled)`` as the engine call fixed them; None outside a call
-_FIXED: contextvars.ContextVar[tuple[bool, bool] | None] = contextvars.ContextVar(
+#: ``(oneDNN enabled, NNPACK enabled, intra-op threads)`` as the engine call fixed them; None
+#: outside a call
+_FIXED: contextvars.ContextVar[tuple[bool, bool, int] | None] = contextvars.ContextVar(
     "dpclip_conv_backends", default=None)
+
+#: the environment variable of :func:`engine_threads`
+ENGINE_THREADS_ENV = "DPCLIP_ENGINE_THREADS"
+#: the thread counts at which no batch-size dependent rounding was found (module docstring)
+_PROVEN_THREADS = 2
+_CAP_WARNED: list[bool] = []
 
 #: the refusal's text (the tracer and vmap's watch say it)
 MOVED = ("the forward switched a convolution backend (oneDNN or NNPACK) back on during the step: "
@@ -41,23 +63,79 @@ MOVED = ("the forward switched a convolution backend (oneDNN or NNPACK) back on 
          "size\"); leave torch.backends.mkldnn and torch.backends.nnpack as the engine sets them")
 
 
+#: the refusal's text when the forward raised the thread count the engine fixed
+THREADS_MOVED = ("the forward changed torch's intra-op thread count during the step: beyond two "
+                 "threads MKL and torch split a product's work by its size, so an example's "
+                 "rounding would depend on the others' presence (docs/engines.md, \"Rounding "
+                 "that depends on the batch size\"); leave torch.set_num_threads as the engine "
+                 "sets it (DPCLIP_ENGINE_THREADS=all keeps the process's count)")
+
+
+def engine_threads() -> int | None:
+    """The most intra-op threads an engine call runs at: ``DPCLIP_ENGINE_THREADS`` (``2`` when
+    unset, ``1``, or ``all``: None, the process's own count), checked."""
+    raw = os.environ.get(ENGINE_THREADS_ENV, "").strip().lower() or str(_PROVEN_THREADS)
+    if raw == "all":
+        return None
+    if raw in ("1", "2"):
+        return int(raw)
+    raise ValueError(
+        f"{ENGINE_THREADS_ENV}={os.environ[ENGINE_THREADS_ENV]!r}: use '2' (the default: the "
+        "private step runs torch at no more than two threads, where no rounding that depends on "
+        "the batch size was found), '1', or 'all' (the process's thread count: faster on many "
+        "cores, for a model whose author you trust; docs/engines.md, \"Rounding that depends on "
+        "the batch size\")")
+
+
+def warn_if_capped() -> None:
+    """Warn once per process when the engines will run at fewer threads than torch has
+    (:func:`engine_threads`), naming the switch."""
+    if _CAP_WARNED:
+        return
+    cap, have = engine_threads(), torch.get_num_threads()
+    if cap is None or have <= cap:
+        return
+    _CAP_WARNED.append(True)
+    warnings.warn(
+        f"the private step runs torch at {cap} intra-op threads (this process has {have}): with "
+        "more, MKL and torch split a product's work by its size, so a model built to cancel "
+        "could let one example move the others' clipped gradients by several times the "
+        "clipping norm (docs/engines.md, \"Rounding that depends on the batch size\"). Set "
+        f"{ENGINE_THREADS_ENV}=all to keep {have} threads for a model whose author you trust",
+        RuntimeWarning, stacklevel=3)
+
+
 def conv_backends_moved() -> bool:
     """Whether oneDNN or NNPACK is not as the current engine call fixed it (False outside one)."""
     want = _FIXED.get()
     return want is not None and \
-        (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()) != want
+        (torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()) != want[:2]
+
+
+def threads_moved() -> bool:
+    """Whether torch's intra-op thread count is not the one the current engine call fixed (False
+    outside one)."""
+    want = _FIXED.get()
+    return want is not None and torch.get_num_threads() != want[2]
 
 
 @contextlib.contextmanager
 def fixed_conv_backends() -> Iterator[None]:
-    """The module docstring's fixed backends for the engine call; both flags restored after it."""
+    """The module docstring's fixed backends and thread count for the engine call; all restored
+    after it."""
     nnpack = torch._C._get_nnpack_enabled()
     mkldnn = torch._C._get_mkldnn_enabled()
-    off = mkldnn and torch.get_num_threads() == 1
+    threads = torch.get_num_threads()
+    cap = engine_threads()
+    capped = cap is not None and threads > cap
+    if capped:
+        torch.set_num_threads(cap)
+    run = torch.get_num_threads()
+    off = mkldnn and run == 1
     torch._C._set_nnpack_enabled(False)
     if off:
         torch._C._set_mkldnn_enabled(False)
-    token = _FIXED.set((mkldnn and not off, False))
+    token = _FIXED.set((mkldnn and not off, False, run))
     try:
         yield
     finally:
@@ -65,3 +143,5 @@ def fixed_conv_backends() -> Iterator[None]:
         torch._C._set_nnpack_enabled(nnpack)
         if off:
             torch._C._set_mkldnn_enabled(mkldnn)
+        if capped:
+            torch.set_num_threads(threads)

@@ -550,9 +550,23 @@ def _dot64(x: Tensor, y: Tensor) -> Tensor:
     eighty-fifth hostile review)."""
     if _NP_VECDOT is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
             and y.dtype == torch.float32:
-        xn = x.detach().numpy().astype(_NP_F64)
-        yn = y.detach().numpy().astype(_NP_F64)
-        return _from_numpy(_NP_VECDOT(xn, yn))
+        xn, yn = x.detach().numpy(), y.detach().numpy()
+        rows, k = xn.shape
+        step = max(1, _DOT_BLOCK_NUMEL // max(k, 1))
+        if step >= rows:
+            return _from_numpy(_NP_VECDOT(xn.astype(_NP_F64), yn.astype(_NP_F64)))
+        # block by block through two float64 buffers that stay in cache (the whole float64 copies
+        # of a transformer's Gram matrices were 67 MB each, mapped afresh every step): each row
+        # is still one vecdot of the same float64 row, so the same value
+        out = _NP_EMPTY(rows, dtype=_NP_F64)
+        sx = _NP_EMPTY((step, k), dtype=_NP_F64)
+        sy = _NP_EMPTY((step, k), dtype=_NP_F64)
+        for i in range(0, rows, step):
+            j = min(i + step, rows)
+            _NP_COPYTO(sx[:j - i], xn[i:j])
+            _NP_COPYTO(sy[:j - i], yn[i:j])
+            _NP_VECDOT(sx[:j - i], sy[:j - i], out=out[i:j])
+        return _from_numpy(out)
     return _vecdot(x.double(), y.double())
 
 
@@ -563,6 +577,11 @@ _NP_MUL = np.multiply
 _NP_ABS = np.absolute
 _NP_GREATER = np.greater
 _NP_F64 = np.dtype("float64")
+_NP_EMPTY = np.empty
+_NP_BOOL = np.dtype("bool")
+_NP_COPYTO = np.copyto
+#: float64 elements per buffer of :func:`_dot64`'s blocks (2 MiB)
+_DOT_BLOCK_NUMEL = 1 << 18
 _from_numpy = torch.from_numpy
 
 
@@ -766,9 +785,12 @@ class _LinearRule(_Rule):
             return out
         if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
             wb, formed = _split_formed(c, w.col(g_w))
-            bw = _scaled(b, wb.view(-1, 1, 1))
+            # (each block's rows of b scaled as the block is reached: the same products as
+            # scaling all of b first, without a whole scaled copy of b)
+            wcol = wb.view(-1, 1, 1)
             out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
-                bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
+                _scaled(b[sl], wcol[sl]).reshape(-1, b.shape[-1]).t(),
+                a[sl].reshape(-1, a.shape[-1])))
             if formed is not None:
                 out["weight"].add_(formed)
         if g_b is not None:
@@ -862,9 +884,12 @@ def _linear_ghost_block(calls: Sequence[_Call], rnd: _Rounding, batch: int, t: i
             torch.sum(b, 1, out=sums[i])
             c.kept["bias"] = sums[i]
     if idx != list(range(n)):
-        sel = torch.tensor(idx, device=dev)
-        ga, na = ga.index_select(0, sel), na.index_select(0, sel)
-    sq = _gram_dot(ga.view(n * batch, t, t), gb.view(n * batch, t, t))
+        # (each call's rows against its input's Gram matrix, which is not copied per call: the
+        # same row values, so the same sums)
+        sq = torch.cat([_gram_dot(ga[j], gb[i]) for i, j in enumerate(idx)])
+        na = na.index_select(0, torch.tensor(idx, device=dev))
+    else:
+        sq = _gram_dot(ga.view(n * batch, t, t), gb.view(n * batch, t, t))
     # _LinearRule.bound_sq for every (call, example) row at once
     abs_sum, gram = _linear_gram_error(na.view(n * batch, t), nb.view(n * batch, t), sq.dtype,
                                        d, p, t, rnd)
@@ -1163,10 +1188,10 @@ class _ConvRule(_Rule):
         b = c.b
         if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
             wc, formed = _split_formed(c, w.col(groups["weight"]))
-            bw = _scaled(b, wc.view(-1, *([1] * (b.ndim - 1))))
+            wcol = wc.view(-1, *([1] * (b.ndim - 1)))  # (each block scaled as it is reached)
             out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
-                c, self._flat(c, c.a[sl]), self._flat(c, bw[sl]), c.mod.weight.shape,
-                c.mod.groups))
+                c, self._flat(c, c.a[sl]), self._flat(c, _scaled(b[sl], wcol[sl])),
+                c.mod.weight.shape, c.mod.groups))
             if formed is not None:
                 out["weight"].add_(formed.view(c.mod.weight.shape))
         if "bias" in groups:

@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from dpclip._ident import ident
-from dpclip.engine.conv_backends import MOVED, conv_backends_moved
+from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
@@ -704,9 +704,11 @@ class SeparabilityTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.quiet and self.violation is None and \
-                func.overloadpacket in _CONVOLUTIONS and conv_backends_moved():
-            self.violation = MOVED  # (a backend the engine fixed switched on by the forward)
+        if not self.quiet and self.violation is None:
+            if func.overloadpacket in _CONVOLUTIONS and conv_backends_moved():
+                self.violation = MOVED  # (a backend the engine fixed switched on by the forward)
+            elif threads_moved():  # (the thread count the engine fixed, raised by the forward)
+                self.violation = THREADS_MOVED
         if types and not self.quiet and self.violation is None:
             # ``types`` lists argument types that take part in Python dispatch; one with its own
             # __torch_dispatch__ runs Python below this mode, out of the trace's sight (and can

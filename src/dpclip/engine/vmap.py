@@ -28,7 +28,7 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import LossFn
-from dpclip.engine.conv_backends import MOVED, conv_backends_moved
+from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
 from dpclip.engine.batch import (
     batch_leaves,
     call_model,
@@ -230,6 +230,8 @@ class _Raised(UserGenerators):
         #: a convolution ran with a backend the engine had fixed switched back on
         #: (dpclip.engine.conv_backends)
         self.conv_moved = False
+        #: an operation ran at a thread count other than the one the engine fixed
+        self.threads_moved = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -237,6 +239,8 @@ class _Raised(UserGenerators):
         self.see(func, kwargs, args)
         if "conv" in getattr(func, "__name__", "") and conv_backends_moved():
             self.conv_moved = True
+        if threads_moved():
+            self.threads_moved = True
         try:
             return func(*args, **kwargs)
         except Exception as exc:
@@ -274,6 +278,8 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
         mode.refuse("vmap engine")
         if mode.conv_moved:
             raise UnsupportedModelError(f"vmap engine: {MOVED}")
+        if mode.threads_moved:
+            raise UnsupportedModelError(f"vmap engine: {THREADS_MOVED}")
         if mode.raised is not None:
             raise UnsupportedModelError(
                 f"vmap engine: an operation of the forward or loss raised an error that the "

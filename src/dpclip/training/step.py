@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip import blas_mode
+from dpclip.engine.conv_backends import warn_if_capped
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
@@ -137,6 +138,7 @@ def dp_step(
     and divide by the public number of units per step.
     """
     blas_mode.warn_if_off()  # (MKL without its alignment-independent mode: dpclip.blas_mode)
+    warn_if_capped()  # (the engines run torch at <= 2 threads: dpclip.engine.conv_backends)
     # the chunks' own generators (dropout masks) seeded from the caller's noise generator (secret
     # in a secure run), never from torch's public default generator, unless the caller set a
     # source (make_private: its private key; dpclip.engine.generators.seed_source; eleventh
