@@ -144,3 +144,16 @@ def test_dp_step_warns_once_naming_the_switch(threads, monkeypatch):
     mine = [w for w in got if "intra-op threads" in str(w.message)]
     assert len(mine) == 1 and "DPCLIP_ENGINE_THREADS=all" in str(mine[0].message)
     assert torch.get_num_threads() == 8
+
+
+def test_make_private_reports_the_engine_threads(threads, monkeypatch):
+    import dpclip
+
+    m = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dp = dpclip.make_private(m, opt, (x, y), noise_multiplier=1.0, steps=2, batch_size=2,
+                             verbose=False)
+    assert dp.describe()["engine_threads"] == 2
+    monkeypatch.setenv("DPCLIP_ENGINE_THREADS", "all")
+    assert dp.describe()["engine_threads"] == 8

@@ -1,5 +1,6 @@
-"""torch's CPU convolution backend fixed for an engine call, whatever the batch size (seventy-eighth
-and seventy-ninth hostile reviews; docs/engines.md, "Rounding that depends on the batch size").
+"""torch's CPU convolution backends and intra-op thread count fixed for an engine call, whatever the
+batch size (seventy-eighth, seventy-ninth and eighty-ninth hostile reviews; docs/engines.md, "Rounding
+that depends on the batch size").
 
 torch runs a 1x1 convolution on one thread on its own kernel below 16 examples and on oneDNN from 16
 on (NNPACK, when it applies, from 16 on too), and a convolution of ONE small example off oneDNN
@@ -42,7 +43,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["ENGINE_THREADS_ENV", "conv_backends_moved", "engine_threads", "fixed_conv_backends",
+__all__ = ["ENGINE_THREADS_ENV", "conv_backends_moved", "engine_thread_count", "engine_threads",
+           "fixed_conv_backends",
            "MOVED", "THREADS_MOVED", "threads_moved", "warn_if_capped"]
 
 #: ``(oneDNN enabled, NNPACK enabled, intra-op threads)`` as the engine call fixed them; None
@@ -85,6 +87,12 @@ def engine_threads() -> int | None:
         "the batch size was found), '1', or 'all' (the process's thread count: faster on many "
         "cores, for a model whose author you trust; docs/engines.md, \"Rounding that depends on "
         "the batch size\")")
+
+
+def engine_thread_count() -> int:
+    """The intra-op threads an engine call started now would run torch at."""
+    cap, have = engine_threads(), torch.get_num_threads()
+    return have if cap is None else min(cap, have)
 
 
 def warn_if_capped() -> None:

@@ -785,12 +785,9 @@ class _LinearRule(_Rule):
             return out
         if g_w is not None:  # (w*b)^T a over the (example, position) rows of each block
             wb, formed = _split_formed(c, w.col(g_w))
-            # (each block's rows of b scaled as the block is reached: the same products as
-            # scaling all of b first, without a whole scaled copy of b)
-            wcol = wb.view(-1, 1, 1)
+            bw = _scaled(b, wb.view(-1, 1, 1))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: torch.mm(
-                _scaled(b[sl], wcol[sl]).reshape(-1, b.shape[-1]).t(),
-                a[sl].reshape(-1, a.shape[-1])))
+                bw[sl].reshape(-1, b.shape[-1]).t(), a[sl].reshape(-1, a.shape[-1])))
             if formed is not None:
                 out["weight"].add_(formed)
         if g_b is not None:
@@ -1188,10 +1185,10 @@ class _ConvRule(_Rule):
         b = c.b
         if "weight" in groups:  # a convolution weight-gradient with the weighted b per block
             wc, formed = _split_formed(c, w.col(groups["weight"]))
-            wcol = wc.view(-1, *([1] * (b.ndim - 1)))  # (each block scaled as it is reached)
+            bw = _scaled(b, wc.view(-1, *([1] * (b.ndim - 1))))
             out["weight"] = _bk_sum(b.shape[0], lambda sl: self._weight_grad(
-                c, self._flat(c, c.a[sl]), self._flat(c, _scaled(b[sl], wcol[sl])),
-                c.mod.weight.shape, c.mod.groups))
+                c, self._flat(c, c.a[sl]), self._flat(c, bw[sl]), c.mod.weight.shape,
+                c.mod.groups))
             if formed is not None:
                 out["weight"].add_(formed.view(c.mod.weight.shape))
         if "bias" in groups:

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from dpclip import blas_mode
+from dpclip.engine.conv_backends import engine_thread_count
 from dpclip._ident import ident
 from dpclip.accounting import Ledger
 from dpclip.accounting import epsilon as ledger_epsilon
@@ -857,6 +858,7 @@ class PrivateTraining:
             "engine_per_layer": sorted(self.per_layer) or None,
             "cpu_blas_mode": blas_mode.mode(),
             "cpu_kernels": blas_mode.kernels(),
+            "engine_threads": engine_thread_count(),
             **self.rng.describe(),
             "distributed": self.distributed.describe() if self.distributed is not None else None,
             "augment": self.augment.spec if self.augment is not None else "none",
