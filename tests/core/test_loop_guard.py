@@ -264,3 +264,29 @@ def test_a_resume_into_another_function_is_refused(other):
         dp2.load_state_dict(ck)
     same = _resume_setup(nn.ReLU(), _ce)
     same.load_state_dict(_resume_setup(nn.ReLU(), _ce).state_dict())  # the same: resumes
+
+
+def test_an_interrupt_during_the_release_bookkeeping_lands_after_it_is_accounted(monkeypatch):
+    """A Ctrl-C (SIGINT) arriving while dp.backward hands its release out: the loop guard had
+    taken the gradients before the ledger recorded the event, so a KeyboardInterrupt in between
+    left gradients optimizer.step() accepted and a ledger one step short. The release is now
+    accounted first and no signal handler runs inside the bookkeeping: the interrupt is raised
+    after it, the step counted."""
+    import signal
+
+    model, opt, dp = _setup()
+    cls = type(dp.ledger)
+    real = cls.record
+
+    def record(self, event):
+        signal.raise_signal(signal.SIGINT)  # (the handler runs after the bookkeeping)
+        return real(self, event)
+
+    monkeypatch.setattr(cls, "record", record)
+    x, y = dp.sample()
+    with pytest.raises(KeyboardInterrupt):
+        dp.backward(x, y)
+    monkeypatch.setattr(cls, "record", real)
+    assert dp.steps == 1 and dp.ledger.steps == 1
+    opt.step()  # the release is counted: applying it is allowed
+    assert dp.epsilon() > 0

@@ -43,13 +43,15 @@ from typing import Iterator
 
 import torch
 
+from dpclip import blas_mode
+
 __all__ = ["ENGINE_THREADS_ENV", "conv_backends_moved", "engine_thread_count", "engine_threads",
            "fixed_conv_backends",
            "MOVED", "THREADS_MOVED", "threads_moved", "warn_if_capped"]
 
-#: ``(oneDNN enabled, NNPACK enabled, intra-op threads)`` as the engine call fixed them; None
-#: outside a call
-_FIXED: contextvars.ContextVar[tuple[bool, bool, int] | None] = contextvars.ContextVar(
+#: ``(oneDNN enabled, NNPACK enabled, intra-op threads, MKL's threads)`` as the engine call fixed
+#: them; None outside a call
+_FIXED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "dpclip_conv_backends", default=None)
 
 #: the environment variable of :func:`engine_threads`
@@ -66,7 +68,8 @@ MOVED = ("the forward switched a convolution backend (oneDNN or NNPACK) back on 
 
 
 #: the refusal's text when the forward raised the thread count the engine fixed
-THREADS_MOVED = ("the forward changed torch's intra-op thread count during the step: beyond two "
+THREADS_MOVED = ("the forward changed torch's intra-op thread count (or MKL's own, through its "
+                 "thread-local or domain settings) during the step: beyond two "
                  "threads MKL and torch split a product's work by its size, so an example's "
                  "rounding would depend on the others' presence (docs/engines.md, \"Rounding "
                  "that depends on the batch size\"); leave torch.set_num_threads as the engine "
@@ -124,7 +127,9 @@ def threads_moved() -> bool:
     """Whether torch's intra-op thread count is not the one the current engine call fixed (False
     outside one)."""
     want = _FIXED.get()
-    return want is not None and torch.get_num_threads() != want[2]
+    return want is not None and want[2] is not None and (
+        torch.get_num_threads() != want[2]
+        or (want[3] is not None and blas_mode.mkl_threads() != want[3]))
 
 
 @contextlib.contextmanager
@@ -139,11 +144,19 @@ def fixed_conv_backends() -> Iterator[None]:
     if capped:
         torch.set_num_threads(cap)
     run = torch.get_num_threads()
+    # MKL's own count can exceed torch's (a thread-local or BLAS-domain setting: set through
+    # ctypes from a forward, 8.47 C, ninetieth review; MKL_DOMAIN_NUM_THREADS): held at torch's
+    mkl = blas_mode.mkl_threads() if cap is not None else None
+    local = None
+    if mkl is not None and max(mkl) > run:
+        local = blas_mode.set_mkl_local_threads(run)
+        mkl = blas_mode.mkl_threads()
     off = mkldnn and run == 1
     torch._C._set_nnpack_enabled(False)
     if off:
         torch._C._set_mkldnn_enabled(False)
-    token = _FIXED.set((mkldnn and not off, False, run))
+    # (DPCLIP_ENGINE_THREADS=all: the model is trusted with the thread count, nothing watched)
+    token = _FIXED.set((mkldnn and not off, False, run if cap is not None else None, mkl))
     try:
         yield
     finally:
@@ -151,5 +164,7 @@ def fixed_conv_backends() -> Iterator[None]:
         torch._C._set_nnpack_enabled(nnpack)
         if off:
             torch._C._set_mkldnn_enabled(mkldnn)
+        if local is not None:
+            blas_mode.set_mkl_local_threads(local)
         if capped:
             torch.set_num_threads(threads)

@@ -76,7 +76,7 @@ from dpclip.engine import ENGINES, ParamGroups, get_engine
 from dpclip.engine.batch import check_batch, map_batch
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import seed_source
-from dpclip.engine.isolation import check_structure
+from dpclip.engine.isolation import check_structure, signals_deferred
 from dpclip.engine.known_losses import cross_entropy_per_example
 from dpclip.events import GaussianEvent
 from dpclip.inputs import check_class_targets, convert_arrays
@@ -768,13 +768,18 @@ class PrivateTraining:
         params = out.params  # the parameters the engine differentiated, found during this call
         if params is None:
             params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        for name, p in params.items():
-            p.grad = out.grads[name]
-        self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
-        self.ledger.record(out.event)
-        self.state = out.state
-        self.steps += 1
-        self.last_output = out
+        # the release accounted before its gradients are handed out, and no signal handler in
+        # between: a KeyboardInterrupt landing after the loop guard had taken the gradients but
+        # before the ledger's record let the next optimizer.step() apply a release the ledger
+        # never counted (one step of epsilon missing from every report)
+        with signals_deferred():
+            self.ledger.record(out.event)
+            self.steps += 1
+            self.state = out.state
+            self.last_output = out
+            for name, p in params.items():
+                p.grad = out.grads[name]
+            self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
         if self.bound_based:
             self._post_step_due = True
         self._average_due = self.averager is not None
