@@ -290,3 +290,30 @@ def test_an_interrupt_during_the_release_bookkeeping_lands_after_it_is_accounted
     assert dp.steps == 1 and dp.ledger.steps == 1
     opt.step()  # the release is counted: applying it is allowed
     assert dp.epsilon() > 0
+
+
+def test_a_warning_raised_as_an_error_after_the_step_leaves_the_release_accounted():
+    """Ninety-first hostile review: with warnings turned into errors, the engine-fallback notice
+    raised between dp_step's return and the ledger's record: dp.backward failed with the ledger
+    at 0 steps, and the noisy release sat in _release's frame, reachable from the traceback. The
+    release is now accounted (and its gradients handed to the loop) before anything can raise;
+    the loop goes on."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(12, 3))  # (auto falls back to vmap: a warning)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 10, (128, 3), generator=g)
+    y = torch.randint(0, 3, (128,), generator=g)
+    dp = make_private(model, None, (x, y), noise_multiplier=1.0, steps=10, batch_size=32,
+                      engine="auto", verbose=False)
+    xb, yb = dp.sample()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Warning, match="ran on 'vmap'"):
+            dp.backward(xb, yb)
+    assert dp.ledger.steps == 1 and dp.steps == 1 and dp.epsilon() > 0
+    xb, yb = dp.sample()  # (the release counted: the loop goes on)
+    dp.backward(xb, yb)
+    assert dp.ledger.steps == 2

@@ -13,7 +13,7 @@ so memory stays at one chunk of per-example gradients whatever the batch size.
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 import gc
 import math
 import sys
@@ -350,7 +350,7 @@ def _eps(dtype: torch.dtype) -> float:
     return eps
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def exact_float32() -> Iterator[None]:
     """Full float32 products (no TF32, no bfloat16 factors, no autocast) for the engine's own
     arithmetic: the norms, the directly formed gradients and the weighted sums of the ghost
@@ -383,11 +383,42 @@ def exact_float32() -> Iterator[None]:
 
 #: one reduction at a time changes the process-wide precision settings
 _EXACT_LOCK = threading.RLock()
-#: numpy's error-state context, as bound at import (:func:`_exact_inside`)
+class _NumpyErrorsOff:
+    """numpy's floating-point error handling off (``np.errstate(all="ignore")``) through numpy's
+    C-level pieces bound at import: ``np.errstate``'s Python methods (and its module's globals,
+    which they look up) would be code a forward could replace and that ran inside the reduction
+    (ninety-first hostile review); numpy < 2 (no such pieces): ``np.errstate`` as bound at
+    import."""
+
+    __slots__ = ("_token", "_other")
+
+    def __enter__(self) -> None:
+        if _NP_EXTOBJ is None:
+            self._other = _NP_ERRSTATE(all="ignore")
+            self._other.__enter__()
+        else:
+            self._token = _NP_EXTOBJ[0].set(_NP_EXTOBJ[1](all="ignore"))
+
+    def __exit__(self, *exc: Any) -> bool:
+        if _NP_EXTOBJ is None:
+            self._other.__exit__(*exc)
+        else:
+            _NP_EXTOBJ[0].reset(self._token)
+        return False
+
+
+#: numpy's error-state context, as bound at import (numpy < 2: :class:`_NumpyErrorsOff`)
 _NP_ERRSTATE = np.errstate
+try:  # numpy >= 2: the context variable and the C function np.errstate uses
+    from numpy._core import _ufunc_config as _np_ufunc_config
+
+    _NP_EXTOBJ: tuple | None = (_np_ufunc_config._extobj_contextvar,
+                                _np_ufunc_config._make_extobj)
+except (ImportError, AttributeError):
+    _NP_EXTOBJ = None
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _exact_inside() -> Iterator[None]:
     """:func:`exact_float32` once the lock is held and the collector paused: autocast (a
     per-thread state) off, then the precision switches."""
@@ -401,12 +432,14 @@ def _exact_inside() -> Iterator[None]:
     # callable")
     found, left = frames_guard.callbacks_off()
     try:
-        torch_names.check("at a reduction")
         # (numpy's floating-point error handling off: the reductions' numpy passes, ghost._shrink
         # and ghost_rules._dot64 / _scaled, meet the infinities and NaNs of non-finite examples,
         # which the engine masks; a warning there printed numpy's RuntimeWarning to the user and
         # ran warnings.showwarning, a np.seterrcall function would run inside the reduction)
-        with _precise(), _NP_ERRSTATE(all="ignore"):
+        with _precise(), _NumpyErrorsOff():
+            # the names' check last, after every library context entered above: code any of them
+            # ran that replaced a name the arithmetic calls is seen here (ninety-first review)
+            torch_names.check("at a reduction")
             yield
             if sys.gettrace() is not left[0] or sys.getprofile() is not left[1]:
                 raise UnsupportedModelError(_CHANGED_INSIDE)
@@ -417,10 +450,10 @@ def _exact_inside() -> Iterator[None]:
 
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _precise() -> Iterator[None]:
     """Autocast off, gradual underflow, the precision switches at IEEE (:func:`exact_float32`)."""
-    with contextlib.ExitStack() as stack:
+    with _cm.ExitStack() as stack:
         for dev in ("cpu", "cuda"):
             if _autocast_on(dev):
                 stack.enter_context(torch.autocast(dev, enabled=False))
@@ -453,7 +486,7 @@ _CHANGED_INSIDE = (
     "the settings were put back")
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _exact_switches() -> Iterator[None]:
     """The legacy switches at "highest" / no TF32 and every per-backend precision at IEEE (or
     inheriting IEEE), put back exactly; refused if found changed at the end (:func:`exact_float32`)."""

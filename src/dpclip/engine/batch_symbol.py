@@ -46,7 +46,7 @@ the real-batch tracer still checks every call's operations, and Python escapes o
 from __future__ import annotations
 
 import collections
-import contextlib
+from dpclip.engine import _cm
 import functools
 import operator
 import re
@@ -548,7 +548,7 @@ def _uniform_index(node: Any, shaped: set[str], uniform: set[str],
     return True
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _as_in_the_real_run() -> Iterator[None]:
     """The user code the proof runs sees the compile flags the real run sees: the real run is made
     to take libraries' export paths (:func:`data_independent_paths` sets
@@ -928,7 +928,7 @@ def _method_caches(model: Any) -> list[Any]:
     return list(found.values())
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def method_caches_cleared(model: Any) -> Iterator[None]:
     """Around each chunk of the ghost engine that runs user code: every memoising cache of the
     model classes' methods (:func:`_method_caches`) is cleared when the chunk starts and when it
@@ -946,7 +946,7 @@ def method_caches_cleared(model: Any) -> Iterator[None]:
             c.cache_clear()
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def caches_of_the_proof_cleared(model: Any) -> Iterator[None]:
     """Around the batch-size proof: every memoising cache of the model classes' methods
     (:func:`_method_caches`) that missed during the proof is cleared after it. What such a cache
@@ -1032,7 +1032,7 @@ def _ops_with_python_decompositions() -> list[Any]:
     return _PY_KERNEL_OPS
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _eager_kernels() -> Iterator[None]:
     """Run the proof with the C++ composite and autograd kernels an eager run uses: the proof
     records its operations for the real run to match (:mod:`dpclip.engine.proved_program`), so
@@ -1217,7 +1217,7 @@ def _folds_as_eager(tensor1: Tensor, tensor2: Tensor) -> bool:
     return True
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def data_independent_paths() -> Iterator[None]:
     """Make libraries that check ``torch.compiler.is_exporting()`` take their data-independent
     path, as they do in the proof (which runs under ``torch.export``).

@@ -53,7 +53,7 @@ back to ``vmap``, which runs the user's program unchanged).
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -98,7 +98,7 @@ def as_example_rows(out: Tensor, leaf: Tensor) -> Tensor:
     return out + z.reshape(z.shape[0], *([1] * (out.ndim - 1)))
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def expanding_hooks(modules: Sequence[tuple[nn.Module, bool]],
                     expand: Callable[[Tensor], Tensor]) -> Iterator[None]:
     """Forward hooks on ``modules`` (``(module, output_only)`` pairs; removed on exit) that return

@@ -35,7 +35,7 @@ own operations is refused where the engine watches each operation, as for the ba
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 import contextvars
 import os
 import warnings
@@ -132,7 +132,7 @@ def threads_moved() -> bool:
         or (want[3] is not None and blas_mode.mkl_threads() != want[3]))
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def fixed_conv_backends() -> Iterator[None]:
     """The module docstring's fixed backends and thread count for the engine call; all restored
     after it."""

@@ -61,7 +61,7 @@ own loop can find the run's objects; see docs/privacy.md on the noise generator'
 from __future__ import annotations
 
 import _lsprof
-import contextlib
+from dpclip.engine import _cm
 import importlib
 import sys
 import threading
@@ -346,7 +346,7 @@ _REFUSAL = ("was called inside the private step (by the forward, the loss, or a 
             "set interpreter callbacks, in code a private step runs")
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def guarded() -> Iterator[None]:
     """Frame and object introspection refused in this thread inside (module docstring). The exit
     raises :class:`~dpclip.engine.errors.UnsupportedModelError` when anything asked, even if the

@@ -45,7 +45,7 @@ explicit generators.
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 import contextvars
 from typing import Any, Callable, Iterable, Iterator
 
@@ -63,7 +63,7 @@ def current_seed_source() -> Callable[[], int] | None:
     return _SOURCE.get()
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def seed_source(draw: Callable[[], int] | None) -> Iterator[None]:
     """Within this context every :class:`OwnGenerators` takes its seed from ``draw()`` instead of
     the caller's default generator. ``make_private`` and ``dpclip train`` pass their private
@@ -92,7 +92,7 @@ def _defaults() -> list[torch.Generator]:
     return gens
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def defaults_unchanged() -> Iterator[None]:
     """The default generators' states (CPU, and CUDA where initialised) as they were before the
     block: the separability proof runs the user's forward on fake tensors, whose draws do not

@@ -131,7 +131,7 @@ weighted sum of a chunk: ``_GroupNorms``, ``_weighted_sums``) and :class:`AutoEn
 """
 
 from __future__ import annotations
-import contextlib
+from dpclip.engine import _cm
 import contextvars
 import itertools
 import math
@@ -748,7 +748,7 @@ class GhostEngine:
         chain = _closed_chain(model, scan, loss_fn, inputs, targets) \
             if step and weight_fn.closed else None  # type: ignore[union-attr]
         with state_guard(model, "dp_step") if step and chain is None \
-                else contextlib.nullcontext():
+                else _cm.nullcontext():
             return self._guarded(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
                                  chain)
 
@@ -792,9 +792,9 @@ class GhostEngine:
                 # (and the model's method caches are empty when it starts and when it ends: a
                 # value a private chunk cached, read by a later proof, was a constant there;
                 # sixty-fourth hostile review, 2.05 C across steps)
-                with Isolated(model) if chain is None else contextlib.nullcontext() as iso, \
+                with Isolated(model) if chain is None else _cm.nullcontext() as iso, \
                         method_caches_cleared(model) if chain is None \
-                        else contextlib.nullcontext():
+                        else _cm.nullcontext():
                     try:
                         part, norms, weights, loss = self._chunk(
                             model, scan, group_of, len(groups), loss_fn, xs, ys, rows,
@@ -862,7 +862,7 @@ class GhostEngine:
         if verdict is None:
             # (dp_step's: the probe runs the model's code too; its state is guarded as the step's)
             with state_guard(model, "dp_step") if type(weight_fn) is StepWeights \
-                    else contextlib.nullcontext():
+                    else _cm.nullcontext():
                 verdict = self._probe(model, loss_fn, inputs, targets, groups)
             _keep_verdict(model, verdict)
         if verdict.reason is not None:

@@ -8,7 +8,7 @@ when it is met on its public probe batch (and into a stop on a private step afte
 
 from __future__ import annotations
 import collections
-import contextlib
+from dpclip.engine import _cm
 import gc
 import os
 from typing import Any, Callable
@@ -357,7 +357,7 @@ def _forward_traced(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
     """The traced forward; ``program``: what the batch-size proof ran, matched op by op against
     this run (:mod:`dpclip.engine.proved_program`: the step must be the program that was proved)."""
     tracer = SeparabilityTracer(batch)
-    saved: Any = contextlib.nullcontext()
+    saved: Any = _cm.nullcontext()
     if program is not None:
         tracer.match = ProgramMatch(program, batch, model, xs, ys)
         saved = tracer.match.watching()  # what the backward reads and runs is watched too
@@ -522,7 +522,7 @@ def _chain_call(tracer: SeparabilityTracer, chain: list[nn.Module],
     cached = _CHAIN_LAYOUTS.get(key) if key is not None else None
     chain_tracer = tracer if cached is None else None
     with torch.enable_grad():
-        with chain_tracer or contextlib.nullcontext():
+        with chain_tracer or _cm.nullcontext():
             h = xs
             for mod in chain:
                 owner = by_module.get(ident(mod))
@@ -568,7 +568,7 @@ def _user_loss(tracer: SeparabilityTracer, loss_fn: LossFn, out: Any, ys: Any,
     return _check_losses(raw, batch)
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _engine_code(tracer: SeparabilityTracer) -> Any:
     """The engine's own operations inside the traced forward: the tracer's Python checks and the
     proved-program match pause (layouts are still tracked)."""

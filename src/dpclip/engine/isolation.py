@@ -50,7 +50,7 @@ settings and the generators). A closed program (no user code: the bench's MLP ce
 from __future__ import annotations
 
 import collections
-import contextlib
+from dpclip.engine import _cm
 import contextvars
 import gc
 import operator
@@ -268,7 +268,7 @@ def _set_signal_handlers(v: tuple) -> None:
                 pass
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def signals_deferred() -> Iterator[None]:
     """No Python signal handler runs inside: every handler is replaced by one that records the
     signal, and the recorded signals are handed to the handlers they were meant for (in order of
@@ -335,7 +335,7 @@ def _set_dispatch_sets(v: tuple[int, int]) -> None:
                 pass
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def engine_only() -> Iterator[None]:
     """The engines' own code runs with no user code reachable between its operations:
     :func:`signals_deferred`, the collector's callbacks taken out, no Python kernel registered
@@ -401,14 +401,14 @@ def engine_only() -> Iterator[None]:
             "not set interpreter callbacks from code a step can run")
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def collector_paused() -> Iterator[None]:
     """The cyclic garbage collector paused (its finalizers and callbacks run at any allocation):
     around the release of a step (the noise drawn and added)."""
-    torch_names.check("at the release")
     collecting = gc.isenabled()
     gc.disable()
     try:
+        torch_names.check("at the release")  # (last before the release: ninety-first review)
         yield
     finally:
         if collecting:
@@ -871,7 +871,7 @@ _CHECKED: contextvars.ContextVar[Any] = contextvars.ContextVar("dpclip_structure
                                                                default=None)
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def structure_checked(model: Any) -> Iterator[None]:
     """Within this context (``dp_step``, right after its own :func:`check_structure`), the
     engines skip the check for ``model``: only dpclip code runs between the two."""

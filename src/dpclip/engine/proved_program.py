@@ -42,7 +42,7 @@ about as much as the real-batch trace's own bookkeeping.
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 import math
 import weakref
 from typing import Any, Iterator
@@ -731,7 +731,7 @@ class ProgramRecorder(TorchDispatchMode):
             return ("l", type(a), tuple(self._spec(x, lift) for x in a))
         return ("v", a)
 
-    @contextlib.contextmanager
+    @_cm.contextmanager
     def engine(self) -> Iterator[None]:
         """The engine's own code in the proof (the batch-less expansion): not recorded."""
         paused, self.paused = self.paused, True
@@ -897,7 +897,7 @@ class ProgramMatch:
             for _, (s, a) in pairs:
                 _read(s, a, w.reads, w.first)
 
-    @contextlib.contextmanager
+    @_cm.contextmanager
     def watching(self) -> Any:
         """Around the forward and the loss: every tensor autograd saves is watched
         (:class:`~dpclip.engine.memory_watch.SavedTensorWatch`) and every hook registration is

@@ -42,7 +42,7 @@ measured there.
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 from functools import partial
 from typing import Any, Iterator
 
@@ -340,7 +340,7 @@ def _uses_in_call(outs: list[Tensor], window: tuple[Any, int],
     return count
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def recording() -> Iterator[list]:
     """Record the projections (``(weight, bias, a, out)`` of every ``F.linear``) of the recurrent
     operation run inside (:func:`_note`): the input projection of each layer and direction over

@@ -43,7 +43,7 @@ that existed before the forward.
 from __future__ import annotations
 
 import collections
-import contextlib
+from dpclip.engine import _cm
 import ctypes
 import ctypes.util
 import sys
@@ -444,7 +444,7 @@ def _repair(before: tuple[list, list], after: tuple[list, list]) -> list[tuple[s
     return changed
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     """Refuse and undo any change of the model's state in the block: parameter data, buffers, module
     tensor attributes and the module tree itself (see the module docstring). Raises

@@ -28,6 +28,7 @@ torch at import) is allowed: only changes made inside the step are refused."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dis
 import inspect
 import itertools
@@ -54,6 +55,11 @@ def _codes(obj: Any, seen: set[int]) -> Iterator[types.CodeType]:
             if f is not None:
                 yield from _codes(f, seen)
         return
+    inner = getattr(obj, "__wrapped__", None)
+    if isinstance(inner, types.FunctionType):
+        # (a decorated function, a context manager's generator: its own code, which the
+        # wrapper's does not show; ninety-first review)
+        yield from _codes(inner, seen)
     code = getattr(obj, "__code__", None)
     if isinstance(code, types.CodeType):
         stack = [code]
@@ -94,6 +100,19 @@ def _foreign_module(obj: Any) -> bool:
         and not obj.__name__.startswith("dpclip.")
 
 
+def _mutable_foreign_class(cls: type) -> bool:
+    """A class of another library's (torch's, numpy's, the standard library's) whose dictionary
+    code can change: its methods (``torch.no_grad.__enter__``, ``torch.autocast.__exit__``) run
+    when dpclip's code uses the class, so a replacement would run inside the engine (ninety-first
+    hostile review: ``contextlib.ExitStack.__enter__`` set from the forward, 50 C)."""
+    return cls is not object and not (cls.__flags__ & _IMMUTABLE) and \
+        not str(getattr(cls, "__module__", "")).startswith("dpclip")
+
+
+#: Py_TPFLAGS_IMMUTABLETYPE: a type whose attributes cannot be set (builtins, static C types)
+_IMMUTABLE = 1 << 8
+
+
 def _torch_function(obj: Any) -> types.FunctionType | None:
     """The Python function of torch's behind ``obj`` (a function, a method), or None."""
     fn = getattr(obj, "__func__", obj)
@@ -112,6 +131,8 @@ def _scan_code(codes: Iterator[types.CodeType], glb: dict, owner: Any,
 
     def link(o: Any) -> bool:  # (a chain goes on through torch's modules and classes, and
         # through other libraries' modules in dpclip's own code)
+        if _WINDOW[0] and isinstance(o, type) and _mutable_foreign_class(o):
+            _FOUND_CLASSES.add(o)  # (its whole dictionary and its bases' are watched)
         return _torch_owner(o) or (owner is None and _foreign_module(o))
 
     for co in codes:
@@ -150,6 +171,7 @@ def _lookups(module: types.ModuleType) -> set[tuple[int, str]]:
     out: set[tuple[int, str]] = set()
     seen: set[int] = set()
     follow: list[types.FunctionType] = []
+    _WINDOW[0] = module.__name__.startswith(_WINDOW_MODULES)
     for v in list(glb.values()):
         if isinstance(v, (types.FunctionType, type)) and getattr(v, "__module__", None) \
                 == module.__name__:
@@ -157,9 +179,10 @@ def _lookups(module: types.ModuleType) -> set[tuple[int, str]]:
     for _ in range(_DEPTH):
         todo, follow = follow, []
         for fn in todo:
-            if id(fn.__code__) in _FOLLOWED:
+            key = (id(fn.__code__), _WINDOW[0])
+            if key in _FOLLOWED:
                 continue
-            _FOLLOWED.add(id(fn.__code__))
+            _FOLLOWED.add(key)
             owner = sys.modules.get(fn.__module__)
             if owner is None:
                 continue
@@ -169,8 +192,15 @@ def _lookups(module: types.ModuleType) -> set[tuple[int, str]]:
 
 #: how many calls deep into torch's Python functions the scan follows
 _DEPTH = 2
-#: torch's functions already followed (by code object)
-_FOLLOWED: set[int] = set()
+#: torch's functions already followed (by code object, and whether from a window module)
+_FOLLOWED: set[tuple[int, bool]] = set()
+#: dpclip's modules whose code runs inside a step's windows (the reductions, the release): the
+#: classes of other libraries they use are watched whole (:data:`_FOUND_CLASSES`); whether the
+#: module being scanned is one
+_WINDOW_MODULES = ("dpclip.engine", "dpclip.clipping", "dpclip.lipschitz", "dpclip.noise",
+                   "dpclip.training.step", "dpclip.training.release", "dpclip.training.units",
+                   "dpclip.training.noise_shard", "dpclip.blas_mode", "dpclip._ident")
+_WINDOW = [False]
 #: torch's Python classes whose whole dictionaries are watched (where a method the engine calls
 #: on a model, a tensor or an autograd node is found before torch's C code)
 _CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function)
@@ -179,7 +209,10 @@ _CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function)
 #: not define; a forward that rebound ``builtins.min`` made the book-keeping blocks overlap, each
 #: example from row 64 on summed up to four times with its weight computed once: 3.72 C under
 #: ghost, auto and compiled, eighty-ninth hostile review)
-_WHOLE = (*_CLASSES, builtins)
+_WHOLE = (*_CLASSES, builtins, contextlib)
+#: other libraries' classes met in the lookups (:func:`_mutable_foreign_class`); watched whole,
+#: with their bases
+_FOUND_CLASSES: set[type] = set()
 #: id -> torch module met in a lookup chain
 _MODULES: dict[int, types.ModuleType] = {}
 #: dpclip modules scanned, and what their code looks up
@@ -197,13 +230,14 @@ def _values(dicts: list[dict], keys: list[str]) -> list[Any]:
     return list(map(dict.get, dicts, keys, itertools.repeat(_MISSING)))
 
 
-def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[Any, str]]]:
+def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[Any, str]],
+                      list[Any]]:
     """Every watched ``(torch module, attribute)``, with the modules' dictionaries and the
     attributes as two lists (for one pass of ``map``), and the watched ``(torch class,
     attribute)``: dpclip's modules loaded so far, each scanned once (a strategy's module imported
     later is scanned at the next step; the scan runs when the number of loaded modules
     changed)."""
-    if len(sys.modules) != _SEEN[0]:
+    if len(sys.modules) != _SEEN[0] or not _WATCHED:
         new = [m for n, m in list(sys.modules.items())
                if (n == "dpclip" or n.startswith("dpclip.")) and n not in _SCANNED
                and isinstance(m, types.ModuleType)]
@@ -214,9 +248,21 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                     _SCANNED.add(m.__name__)
             pairs = [(_MODULES[i], a) for i, a in sorted(_NAMES)]
             mods = [(o, a) for o, a in pairs if isinstance(o, types.ModuleType)]
+            whole: list[Any] = list(_WHOLE)
+            # (the context managers among them: their __enter__ / __exit__ run, unnamed by any
+            # lookup, where dpclip's code enters them; other classes' attributes are watched by
+            # name as they are looked up)
+            for c in sorted((c for c in _FOUND_CLASSES
+                             if hasattr(c, "__enter__") or hasattr(c, "__exit__")), key=_label):
+                for b in c.__mro__:
+                    if isinstance(b, type) and _mutable_foreign_class(b) and b not in whole:
+                        whole.append(b)
             classes = [(o, a) for o, a in pairs if not isinstance(o, types.ModuleType)
-                       and o not in _CLASSES]
-            _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes)]
+                       and o not in whole]
+            # (live views of the whole dictionaries: one pass of C code over all their entries)
+            views = ([vars(o).keys() for o in whole], [vars(o).values() for o in whole])
+            _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes,
+                            (whole, views))]
             _SEEN[0] = len(sys.modules)
     return _WATCHED[0]
 
@@ -238,23 +284,40 @@ def _label(o: Any) -> str:
 
 
 class _Snapshot:
-    __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "whole")
+    __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "owners",
+                 "kviews", "vviews", "lens", "flat_keys", "flat_values")
 
     def __init__(self) -> None:
-        self.names, self.dicts, self.keys, self.classes = _names()
+        self.names, self.dicts, self.keys, self.classes, (self.owners, views) = _names()
         self.values = _values(self.dicts, self.keys)
         self.class_values = _class_values(self.classes)
-        # the watched classes' whole dictionaries: (class, keys, values)
-        self.whole = [(c, tuple(vars(c)), tuple(vars(c).values())) for c in _WHOLE]
+        # the watched classes' (and the builtins module's) whole dictionaries: their sizes, and
+        # their keys and values flat, in order
+        self.kviews, self.vviews = views
+        self.lens = tuple(map(len, self.vviews))
+        self.flat_keys = tuple(itertools.chain.from_iterable(self.kviews))
+        self.flat_values = tuple(itertools.chain.from_iterable(self.vviews))
+
+    @property
+    def whole(self) -> list[tuple[Any, tuple, tuple]]:
+        """``(owner, keys, values)`` of every dictionary watched whole, as taken."""
+        out, at = [], 0
+        for o, n in zip(self.owners, self.lens):
+            out.append((o, self.flat_keys[at:at + n], self.flat_values[at:at + n]))
+            at += n
+        return out
 
     def _same(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.dicts, self.keys, _REPEAT),
                        self.values)):
             return False
-        for c, _, vals in self.whole:
-            d = vars(c)
-            if len(d) != len(vals) or not all(map(operator.is_, d.values(), vals)):
-                return False  # (a key renamed moves a value too)
+        # (a key renamed, added or removed moves the keys or the sizes)
+        if tuple(map(len, self.vviews)) != self.lens or \
+                not all(map(operator.is_, itertools.chain.from_iterable(self.vviews),
+                            self.flat_values)) or \
+                not all(map(operator.is_, itertools.chain.from_iterable(self.kviews),
+                            self.flat_keys)):
+            return False
         return all(map(operator.is_, _class_values(self.classes), self.class_values))
 
     def changed(self) -> list[str]:

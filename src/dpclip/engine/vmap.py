@@ -8,7 +8,7 @@ reduces them at once to norms and the weighted sum, and moves to the next chunk.
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -194,7 +194,7 @@ def _slots(model: nn.Module) -> list[tuple[dict[str, Any], str, str]]:
     return slots
 
 
-@contextlib.contextmanager
+@_cm.contextmanager
 def _parameters_replaced(model: nn.Module, params: dict[str, Tensor]) -> Iterator[None]:
     """Run ``model`` with its trainable parameters replaced by ``params`` (canonical names), and
     put the original parameters back afterwards, also on error.

@@ -698,10 +698,12 @@ class PrivateTraining:
             )
         self.loop_guard.check_batch()
         self._pending = None
+        before = self.steps
         try:
             loss = self._release(inputs, targets)
         except BaseException:
-            self.loop_guard.on_failed_release()
+            if self.steps == before:  # (an error after the release was accounted: released)
+                self.loop_guard.on_failed_release()
             raise
         return loss
 
@@ -726,30 +728,51 @@ class PrivateTraining:
             self.state = self.strategy.public_refresh(self.state, norms)
         z = self.noise_multiplier
         ctx = self._plan.ctx(step, z)
-        try:
-            # the model's own randomness (dropout) from the run's private key, never from the
-            # public default generator (dpclip.engine.generators.seed_source)
-            with seed_source(functools.partial(self.rng.chunk_seed, step)):
-                out = dp_step(
-                    self._step_model(), inputs, targets, loss_fn=self._step_loss,
-                    strategy=self.strategy, state=self.state, engine=self._step_engine,
-                    groups=self.groups, sampler=self.sampler, base_noise_multiplier=z, ctx=ctx,
-                    generator=self._noise_generator(step),
-                    unit=self.unit,
-                )
-        except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300 chars
-            from dpclip.hf import with_hf_recipe
+        # from the step to its accounting in one region without Python signal handlers (a
+        # Ctrl-C lands after it), the release accounted before anything of it is handed out, and
+        # nothing between that can raise (a warning turned into an error by the user's filter,
+        # raised by the fallback notice between the step and the ledger's record, left a noisy
+        # release in _release's frame, reachable from the traceback and never counted: ninety-
+        # first hostile review)
+        with signals_deferred():
+            try:
+                # the model's own randomness (dropout) from the run's private key, never from
+                # the public default generator (dpclip.engine.generators.seed_source)
+                with seed_source(functools.partial(self.rng.chunk_seed, step)):
+                    out = dp_step(
+                        self._step_model(), inputs, targets, loss_fn=self._step_loss,
+                        strategy=self.strategy, state=self.state, engine=self._step_engine,
+                        groups=self.groups, sampler=self.sampler, base_noise_multiplier=z,
+                        ctx=ctx, generator=self._noise_generator(step),
+                        unit=self.unit,
+                    )
+            except UnsupportedModelError as exc:  # a transformers model: the recipe, not 1,300
+                from dpclip.hf import with_hf_recipe  # chars
 
-            short = with_hf_recipe(exc, self.model)
-            if short is None:
+                short = with_hf_recipe(exc, self.model)
+                if short is None:
+                    raise
+                raise short from exc
+            except Exception as exc:  # noqa: BLE001 - any other error of the private step
+                scrubbed = private_step_error(exc)
+                if scrubbed is None:
+                    raise
+                raise scrubbed from None
+            try:
+                self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
+            except BaseException:
+                out = None  # (nothing of a refused release stays in this frame)
                 raise
-            raise short from exc
-        except Exception as exc:  # noqa: BLE001 - any other error of the private step
-            scrubbed = private_step_error(exc)
-            if scrubbed is None:
-                raise
-            raise scrubbed from None
-        self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
+            self.ledger.record(out.event)
+            self.steps += 1
+            self.state = out.state
+            self.last_output = out
+            params = out.params  # the parameters the engine differentiated, found in this call
+            if params is None:
+                params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+            for name, p in params.items():
+                p.grad = out.grads[name]
+            self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
         if out.engine_info is not None:
             # public record, from every step: the engine is decided by the requested name or, for
             # auto, on a public probe batch, whatever the step's size (leaving out the steps of
@@ -765,21 +788,6 @@ class PrivateTraining:
                     _warn_fallback(self.engine.name, str(out.engine_info.get("engine")), reason)
                 self.fallbacks.add(reason)
             self.per_layer.update(out.engine_info.get("per_layer") or ())
-        params = out.params  # the parameters the engine differentiated, found during this call
-        if params is None:
-            params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        # the release accounted before its gradients are handed out, and no signal handler in
-        # between: a KeyboardInterrupt landing after the loop guard had taken the gradients but
-        # before the ledger's record let the next optimizer.step() apply a release the ledger
-        # never counted (one step of epsilon missing from every report)
-        with signals_deferred():
-            self.ledger.record(out.event)
-            self.steps += 1
-            self.state = out.state
-            self.last_output = out
-            for name, p in params.items():
-                p.grad = out.grads[name]
-            self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
         if self.bound_based:
             self._post_step_due = True
         self._average_due = self.averager is not None

@@ -19,7 +19,7 @@ noisy sum is divided by the expected batch size as always and mapped back by
 
 from __future__ import annotations
 
-import contextlib
+from dpclip.engine import _cm
 import hashlib
 import math
 from dataclasses import dataclass
@@ -146,7 +146,7 @@ def dp_step(
     # in them is outside every check (the engine this step calls does not check again)
     check_structure(model, "dp_step")
     seeds = seed_source(_SeedsOf(generator)) if current_seed_source() is None \
-        else contextlib.nullcontext()
+        else _cm.nullcontext()
     # no user code runs between the engine's reduction and the release (a signal handler or a
     # Python kernel the model installed rewrote the clipped sum before the noise: fortieth and
     # forty-first reviews)
