@@ -174,7 +174,9 @@ def add_gaussian_noise_all(
     tensors = [values[n] for n in names]
     if not tensors:
         return {}
-    if isinstance(std, Mapping):  # per-tensor std (per-layer noise): one draw, scaled per tensor
+    if not isinstance(std, (int, float, dict)) and isinstance(std, Mapping):
+        std = dict(std)  # (the release passes a float or a dict: no abc / typing code inside it)
+    if isinstance(std, dict):  # per-tensor std (per-layer noise): one draw, scaled per tensor
         stds = [float(std[n]) for n in names]
         for v in stds:
             if not (math.isfinite(v) and v >= 0):

@@ -19,7 +19,9 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Callable, Generator, Iterator, TypeVar
 
-__all__ = ["ExitStack", "contextmanager", "nullcontext"]
+import torch
+
+__all__ = ["ExitStack", "contextmanager", "no_grad", "nullcontext"]
 
 T = TypeVar("T")
 
@@ -135,3 +137,25 @@ class ExitStack:
         if pending is not None and pending is not value:
             raise pending
         return suppressed and pending is None
+
+
+#: torch's grad-mode switch and reading, C functions bound at import
+_SET_GRAD = torch._C._set_grad_enabled
+_IS_GRAD = torch._C.is_grad_enabled
+
+
+class no_grad:
+    """``torch.no_grad()`` for the engine's windows (ninety-second hostile review): torch's is a
+    Python class whose ``__new__`` / ``__init__`` / ``__enter__`` look up torch's globals
+    (``torch._jit_internal.is_scripting``, rebound from the forward: 10.7 C under ghost); this one
+    calls torch's C switch, bound at import. Reentrant; restores the mode it found."""
+
+    __slots__ = ("_prev",)
+
+    def __enter__(self) -> None:
+        self._prev = _IS_GRAD()
+        _SET_GRAD(False)
+
+    def __exit__(self, *exc: Any) -> bool:
+        _SET_GRAD(self._prev)
+        return False

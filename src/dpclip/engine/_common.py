@@ -499,7 +499,7 @@ def _exact_switches() -> Iterator[None]:
 
     def legacy() -> tuple | None:
         try:
-            return (torch.get_float32_matmul_precision(), c._get_cublas_allow_tf32(),
+            return (c._get_float32_matmul_precision(), c._get_cublas_allow_tf32(),
                     c._get_cudnn_allow_tf32())
         except (RuntimeError, AttributeError):
             return None
@@ -553,9 +553,12 @@ class _Rounding:
         u_p = self.u
         if self.u <= 2.0 ** -24:  # float32 (or float64) factors may be rounded by the backend
             try:
-                prec = torch.get_float32_matmul_precision()
-                tf32 = device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
-                                                  or torch.backends.cudnn.allow_tf32)
+                # (torch's C getters: the Python wrappers and torch.backends' descriptors look
+                # up names a forward could replace, run inside the reduction; ninety-second
+                # hostile review)
+                prec = torch._C._get_float32_matmul_precision()
+                tf32 = device.type == "cuda" and (torch._C._get_cublas_allow_tf32()
+                                                  or torch._C._get_cudnn_allow_tf32())
             except RuntimeError:  # (the per-backend API was used: assume the coarsest factors)
                 prec, tf32 = "medium", True
             if prec == "medium":

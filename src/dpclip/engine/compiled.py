@@ -81,6 +81,7 @@ from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _Owne
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import foreign_aten_kernels
 from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine import _cm
 
 __all__ = ["CompiledUnsupported", "Plan", "plan_of", "reset"]
 
@@ -588,7 +589,7 @@ class Plan:
         frozen = {}
         for i, (kind, t) in enumerate(self.inputs):
             if kind == "c" and isinstance(t, Tensor):
-                with torch.no_grad():
+                with _cm.no_grad():
                     frozen[i] = t.detach().clone(memory_format=torch.preserve_format)
         return frozen
 
@@ -617,7 +618,7 @@ class Plan:
                 t = target
                 kept = self.frozen.get(len(flat))
                 if kept is not None:
-                    with torch.no_grad():
+                    with _cm.no_grad():
                         same = (t.shape == kept.shape and t.dtype == kept.dtype
                                 and t.device == kept.device and t.stride() == kept.stride()
                                 and torch.equal(t, kept))

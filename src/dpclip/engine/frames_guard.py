@@ -73,6 +73,10 @@ __all__ = ["FrameAccessRefused", "callbacks_off", "guarded", "put_back_callbacks
 _EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
                      "sys._getframemodulename", "gc.get_objects", "gc.get_referrers",
                      "gc.get_referents", "sys.settrace", "sys.setprofile"})
+#: a function's part whose replacement (event ``object.__setattr__``) changes what the function
+#: does while it stays the same object (its defaults: the library functions a window runs take
+#: none, and torch's symbolic tracing sets some inside a step)
+_FUNCTION_PARTS = frozenset({"__code__"})
 #: attribute reads (event ``object.__getattr__``) that hand out a frame
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 #: events refused whoever asks (the collector's objects) / allowed to the engine's own code only
@@ -246,6 +250,11 @@ def _hook(event: str, args: tuple) -> None:
     if not st.depth or st.busy:
         return
     if event not in _EVENTS:
+        if event == "object.__setattr__" and len(args) >= 2 and args[1] in _FUNCTION_PARTS:
+            # a function's code or defaults replaced in place: the object the names' watch
+            # compares by identity stays the same (ninety-second review); nothing dpclip or
+            # torch runs inside a step does it
+            _refuse(st, f"setting a function's {args[1]}")
         if event != "object.__getattr__" or len(args) < 2 or args[1] not in _FRAME_ATTRS:
             return
     st.busy = True  # (the lookup below raises the event again)
@@ -261,13 +270,17 @@ def _hook(event: str, args: tuple) -> None:
     if ok:
         return
     what = f"{event} ({args[1]})" if event == "object.__getattr__" else event
+    _refuse(st, what)
+
+
+def _refuse(st: Any, what: str) -> None:
     if st.why is None:
         st.why = what
     raise FrameAccessRefused(
         f"{what} inside a private step: code the step runs (the forward, the loss, or a "
         "finalizer the engine's own code set off) may not reach the engine's frames, callbacks "
-        "or the process's objects (it could rewrite the step's result or read the secret noise "
-        "generator); the step is refused")
+        "or the process's objects, nor change a function's code in place (it could rewrite the "
+        "step's result or read the secret noise generator); the step is refused")
 
 
 def _install() -> None:

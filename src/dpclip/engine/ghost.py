@@ -760,7 +760,7 @@ class GhostEngine:
         params = scan.params
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
-            with torch.no_grad():
+            with _cm.no_grad():
                 for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
                     reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys), rows))
             grads, norms, weights, loss_sum = reducer.result()
@@ -1166,7 +1166,7 @@ class GhostEngine:
         held = [(c.a, c.edge, c.b) for c in live]
         _refuse_rewritten_inputs(live)
         try:
-            with torch.no_grad():
+            with _cm.no_grad():
                 loss = float(total if real == batch else losses[:real].sum())
                 with exact_float32():  # (engine arithmetic only: the bound stays tight)
                     got = self._reduce(live, count, params, group_of, n_groups, batch,
@@ -1599,7 +1599,7 @@ def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = No
         if thr is None:
             raise UnsupportedModelError(f"ghost engine: a layer's tensors are {t.dtype}; "
                                         "supported: float16, bfloat16, float32, float64")
-        with torch.no_grad():
+        with _cm.no_grad():
             if name == "b" and t is getattr(c, name) and t.is_contiguous() and t._base is None:
                 # (the output gradient is the engine's own: flushed in place, no allocation; a
                 # tensor that two calls share is flushed twice, to the same values)

@@ -577,6 +577,7 @@ _NP_MUL = np.multiply
 _NP_ABS = np.absolute
 _NP_GREATER = np.greater
 _NP_F64 = np.dtype("float64")
+_LAYER_NORM = torch.layer_norm
 _NP_EMPTY = np.empty
 _NP_BOOL = np.dtype("bool")
 _NP_COPYTO = np.copyto
@@ -1297,7 +1298,11 @@ class _TrailingNormRule(_AffineNormRule):
 
 class _LayerNormRule(_TrailingNormRule):
     def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
-        return F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
+        # (torch's C function, as F.layer_norm calls it: F.layer_norm's Python reads
+        # torch.backends.cudnn.enabled through a Python descriptor a forward could replace,
+        # run inside the reduction: 10.7 C, ninety-second hostile review; the flag only picks a
+        # CUDA kernel, and layer_norm's kernels do not look at it)
+        return _LAYER_NORM(a, mod.normalized_shape, None, None, mod.eps, True)
 
 
 class _RMSNormRule(_TrailingNormRule):

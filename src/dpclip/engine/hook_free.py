@@ -41,6 +41,7 @@ from torch import Tensor
 
 from dpclip._ident import ident
 from dpclip.engine.memory_watch import call_releasing
+from dpclip.engine import _cm
 
 __all__ = ["hook_free_grad"]
 
@@ -81,7 +82,7 @@ class _Root(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
         box = ctx.box
         targets = {ident(e.node): e.node for e in box["edges"]}
-        with torch.no_grad():
+        with _cm.no_grad():
             box["got"] = _walk(box["root"], g, targets)
         raise _Stop
 

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.memory_watch import _MEMCMP
+from dpclip.engine import _cm
 
 __all__ = ["all_still", "all_true", "fingerprint", "fingerprints", "same", "still", "unchanged"]
 
@@ -161,14 +162,14 @@ def fingerprint(t: Tensor) -> Print | None:
     or None for a tensor whose bytes cannot be viewed (sparse, quantized, meta): it is then not
     checked. Runs with Python dispatch and torch functions off and without autograd (engine code:
     the trace must not see it)."""
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return _print(t)
 
 
 def fingerprints(ts: list[Tensor]) -> list[Print | None]:
     """``[fingerprint(t) for t in ts]``, with the no-dispatch contexts entered once (for many
     small tensors the contexts cost more than the copies)."""
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return [_print(t) for t in ts]
 
 
@@ -199,14 +200,14 @@ def same(now: Print | None, then: Print | None) -> Tensor | bool:
         a, b = now[0], then[0]
         return a.numel() == b.numel() and (
             a.numel() == 0 or _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0)
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return now[0] == then[0]
 
 
 def still(t: Tensor, then: Print | None) -> Tensor | bool:
     """``same(fingerprint(t), then)``; on the CPU one ``memcmp`` of ``t``'s memory against the
     copy when ``t`` is contiguous (no new copy)."""
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return _still(t, then)
 
 
@@ -215,7 +216,7 @@ def all_still(ts: list[Tensor], prints: list[Print | None]) -> bool:
     the pairs), the no-dispatch contexts entered once."""
     if len(ts) != len(prints):
         raise ValueError(f"all_still: {len(ts)} tensors against {len(prints)} prints")
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return all_true([_still(t, p) for t, p in zip(ts, prints)])
 
 
@@ -236,7 +237,7 @@ def all_true(flags: list) -> bool:
         return False
     if not tensors:
         return True
-    with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         return bool(torch.stack(tensors).all())
 
 

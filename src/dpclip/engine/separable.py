@@ -73,6 +73,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_
 from dpclip._ident import ident
 from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
+from dpclip.engine import _cm
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
@@ -393,7 +394,7 @@ def _one_hot(tr: "SeparabilityTracer", args: tuple, kwargs: dict) -> Any:
             tr.violation = ("F.one_hot reads a tensor made by torch.empty (or empty_like, "
                             "new_empty) before it was written in full: uninitialised memory can "
                             "hold other examples' data")
-        with _no_dispatch_modes(), torch.no_grad():  # read-only, below the trace
+        with _no_dispatch_modes(), _cm.no_grad():  # read-only, below the trace
             ok = bool(((y >= 0) & (y < k)).all())
         if not ok:
             # whatever the labels are (example data, a constant, uninitialised memory): code
@@ -802,7 +803,7 @@ class SeparabilityTracer(TorchDispatchMode):
             return None
         quiet, self.quiet = self.quiet, True
         try:
-            with _no_dispatch_modes(), torch.no_grad():
+            with _no_dispatch_modes(), _cm.no_grad():
                 return t.clone()
         finally:
             self.quiet = quiet

@@ -211,7 +211,7 @@ class _Snapshot:
                     orig = flat[off * per:(off + shape.numel()) * per].clone().view(
                         dtype).view(shape)
                     break
-        with torch.no_grad():
+        with _cm.no_grad():
             if (t.shape, t.dtype, t.device) == (shape, dtype, dev):
                 t.detach().copy_(orig)
             else:
@@ -407,7 +407,7 @@ class _PlanSnapshot:
     def restore(self, i: int) -> None:
         """Put tensor ``i``'s original shape, dtype and bytes back (the object stays the same)."""
         t, orig = self.tensors[i], self._orig(i)
-        with torch.no_grad():
+        with _cm.no_grad():
             if (t.shape, t.dtype, t.device) == (orig.shape, orig.dtype, orig.device) and \
                     t.layout is torch.strided:
                 t.detach().copy_(orig)
@@ -451,7 +451,7 @@ def state_guard(model: nn.Module, where: str = "dp_step") -> Iterator[None]:
     :class:`~dpclip.engine.errors.PrivateBufferError` (docs/errors.md, entry 79; buffers: the running
     statistics entry)."""
     prime(model)  # (transformers' output-capturing hooks: installed before the snapshot)
-    with torch.no_grad():
+    with _cm.no_grad():
         sig, recs = _tree(model)
         tensors = _state_tensors(recs)
         plan = _plan_for(model, tensors)
@@ -477,7 +477,7 @@ def _check(model: nn.Module, sig: list[tuple], recs: list[tuple], tensors: list[
            snap: "_Snapshot | _PlanSnapshot") -> list[tuple[str, str]]:
     """After the block: repair the tree's structure and restore the tensors that changed (see
     :func:`state_guard`); the (kind, name) of what changed."""
-    with torch.no_grad():
+    with _cm.no_grad():
         changed: list[tuple[str, str]] = []
         before: tuple[list, list] | None = None
         if _tree(model, False)[0] != sig:

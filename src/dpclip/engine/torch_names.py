@@ -204,12 +204,15 @@ _WINDOW = [False]
 #: torch's Python classes whose whole dictionaries are watched (where a method the engine calls
 #: on a model, a tensor or an autograd node is found before torch's C code)
 _CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function)
-#: the dictionaries watched whole: those classes', and the builtins module's (``min``, ``len``,
+#: the dictionaries watched whole: those classes', torch._tensor's (the globals its Python
+#: methods look up: ``Tensor.__rdiv__``'s wrapper calls ``has_torch_function`` and
+#: ``handle_torch_function`` from there, 50 C under vmap for a strategy's ``C / n``,
+#: ninety-second hostile review), contextlib's, and the builtins module's (``min``, ``len``,
 #: ``range``, ``sum``: every bare name dpclip's or torch's Python code calls that its module does
 #: not define; a forward that rebound ``builtins.min`` made the book-keeping blocks overlap, each
 #: example from row 64 on summed up to four times with its weight computed once: 3.72 C under
 #: ghost, auto and compiled, eighty-ninth hostile review)
-_WHOLE = (*_CLASSES, builtins, contextlib)
+_WHOLE = (*_CLASSES, builtins, contextlib, torch._tensor)
 #: other libraries' classes met in the lookups (:func:`_mutable_foreign_class`); watched whole,
 #: with their bases
 _FOUND_CLASSES: set[type] = set()
@@ -231,7 +234,7 @@ def _values(dicts: list[dict], keys: list[str]) -> list[Any]:
 
 
 def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[Any, str]],
-                      list[Any]]:
+                      tuple[list[Any], tuple], list[types.CellType]]:
     """Every watched ``(torch module, attribute)``, with the modules' dictionaries and the
     attributes as two lists (for one pass of ``map``), and the watched ``(torch class,
     attribute)``: dpclip's modules loaded so far, each scanned once (a strategy's module imported
@@ -261,8 +264,10 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                        and o not in whole]
             # (live views of the whole dictionaries: one pass of C code over all their entries)
             views = ([vars(o).keys() for o in whole], [vars(o).values() for o in whole])
+            values = [vars(o).get(a) for o, a in mods + classes] + \
+                [v for o in whole for v in list(vars(o).values())]
             _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes,
-                            (whole, views))]
+                            (whole, views), _closure_cells(values))]
             _SEEN[0] = len(sys.modules)
     return _WATCHED[0]
 
@@ -272,8 +277,46 @@ _SEEN = [-1]
 _WATCHED: list[Any] = []
 
 
+def _closure_cells(values: list[Any]) -> list[types.CellType]:
+    """The closure cells of the Python functions among ``values`` (and of the functions those
+    cells hold, two deep): a cell's contents can be set in place (``cell.cell_contents = f``, no
+    audit event) while the function holding it stays the same object; torch's
+    ``Tensor.__rdiv__`` is a wrapper whose cell holds the function it calls (a forward that set
+    it: 50 C under ghost, vmap and auto). A function's code and defaults are guarded by the
+    frames guard's audit hook instead (``object.__setattr__``)."""
+    out: list[types.CellType] = []
+    seen: set[int] = set()
+    todo = [(v, 0) for v in values]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        elif isinstance(v, property):
+            todo.extend((f, depth) for f in (v.fget, v.fset, v.fdel) if f is not None)
+            continue
+        if not isinstance(v, types.FunctionType) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        for cell in v.__closure__ or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            out.append(cell)
+            if depth < 2:
+                todo.append((inner, depth + 1))
+    return out
+
+
+_CELL = operator.attrgetter("cell_contents")
+
+
 def _class_values(classes: list[tuple[Any, str]]) -> list[Any]:
     return [vars(c).get(a, _MISSING) for c, a in classes]
+
+
+def _cell_label(v: Any) -> str:
+    return str(getattr(v, "__qualname__", None) or type(v).__name__)
 
 
 def _label(o: Any) -> str:
@@ -285,10 +328,12 @@ def _label(o: Any) -> str:
 
 class _Snapshot:
     __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "owners",
-                 "kviews", "vviews", "lens", "flat_keys", "flat_values")
+                 "kviews", "vviews", "lens", "flat_keys", "flat_values", "cells", "cell_values")
 
     def __init__(self) -> None:
-        self.names, self.dicts, self.keys, self.classes, (self.owners, views) = _names()
+        self.names, self.dicts, self.keys, self.classes, (self.owners, views), self.cells = \
+            _names()
+        self.cell_values = tuple(map(_CELL, self.cells))
         self.values = _values(self.dicts, self.keys)
         self.class_values = _class_values(self.classes)
         # the watched classes' (and the builtins module's) whole dictionaries: their sizes, and
@@ -318,7 +363,21 @@ class _Snapshot:
                 not all(map(operator.is_, itertools.chain.from_iterable(self.kviews),
                             self.flat_keys)):
             return False
+        try:
+            if not all(map(operator.is_, map(_CELL, self.cells), self.cell_values)):
+                return False
+        except ValueError:  # (a cell emptied)
+            return False
         return all(map(operator.is_, _class_values(self.classes), self.class_values))
+
+    def _cells_now(self) -> list[Any]:
+        out = []
+        for c in self.cells:
+            try:
+                out.append(c.cell_contents)
+            except ValueError:
+                out.append(_MISSING)
+        return out
 
     def changed(self) -> list[str]:
         if self._same():
@@ -333,9 +392,14 @@ class _Snapshot:
             was = dict(zip(keys, vals))
             out += [f"{_label(c)}.{k}" for k in sorted(set(d) | set(was))
                     if d.get(k, _MISSING) is not was.get(k, _MISSING)]
+        out += [f"a closure cell of a watched function (holding {_cell_label(w)})"
+                for v, w in zip(self._cells_now(), self.cell_values) if v is not w]
         return out
 
     def put_back(self) -> None:
+        for c, v, w in zip(self.cells, self._cells_now(), self.cell_values):
+            if v is not w:
+                c.cell_contents = w
         for (o, a), v in list(zip(self.names, self.values)) + \
                 list(zip(self.classes, self.class_values)):
             if vars(o).get(a, _MISSING) is not v:

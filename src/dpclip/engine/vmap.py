@@ -96,7 +96,7 @@ class VmapEngine(MaterializingEngine):
                      params: dict[str, Tensor]) -> ChunkGrads:
         if not params:  # nothing trainable: norms are zero, only the losses are needed
             def losses_only(xs: Any, ys: Any, rows: int) -> tuple[dict[str, Tensor], Tensor]:
-                with torch.no_grad():
+                with _cm.no_grad():
                     return {}, _per_example_losses(model, loss_fn, xs, ys, rows)
             return losses_only
         per_example_grads = _per_example_grad_fn(model, loss_fn)

@@ -159,6 +159,11 @@ def release(
 
     Raises ``ValueError`` for a non-finite or negative multiplier, sensitivity or divisor.
     """
+    # (a per-tensor sensitivity as a plain dict before the window: inside, isinstance(..,
+    # Mapping) ran typing's and abc's Python, which a forward could replace: the noise zeroed
+    # through make_private, ninety-second hostile review)
+    if not isinstance(sensitivity, (int, float, dict)) and isinstance(sensitivity, Mapping):
+        sensitivity = dict(sensitivity)
     with collector_paused():  # (a collector callback or cyclic finalizer scaled the sums before
         # the noise: 1000 C, forty-second hostile review)
         return _release(sums, noise_multiplier, sensitivity, divisor, generator, strategy, state,
@@ -174,7 +179,7 @@ def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
              shard: NoiseShardLike | None) -> Released:
     z = noise_multiplier
     std: float | dict[str, float]
-    if isinstance(sensitivity, Mapping):
+    if isinstance(sensitivity, dict):
         std = {n: noise_std(z, sensitivity[n]) for n in sums}
     else:
         std = noise_std(z, sensitivity) * noise_scale

@@ -54,6 +54,7 @@ from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.isolation import Isolated
 from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
+from dpclip.engine import _cm
 
 __all__ = [
     "UNITS",
@@ -313,7 +314,7 @@ def frozen_bn_buffers(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
+        with _cm.no_grad():
             for m, bufs in saved:
                 for k, b in bufs.items():
                     getattr(m, k).copy_(b)
