@@ -94,19 +94,46 @@ def library_calls(monkeypatch):
         sys.setprofile(None)
 
 
+class ConvNorm(nn.Module):
+    """Ninety-third hostile review: a convolution (F.pad, torch.ops.aten.convolution_backward's
+    packet reading its instance attribute _op: 26.6 C), GroupNorm and eval BatchNorm (F.group_norm
+    / F.batch_norm reading torch.backends.cudnn.enabled through a replaceable getter: 10.4 /
+    11.3 C) inside the reduction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 32, 3, padding=1, padding_mode="reflect")
+        self.gn = nn.GroupNorm(4, 32)
+        self.conv1 = nn.Conv1d(32, 4, 3)
+        self.bn = nn.BatchNorm1d(4).eval()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.gn(self.conv(x)).flatten(2)  # (B, 32, 16)
+        h = self.bn(self.conv1(h))  # (B, 4, 14)
+        return self.head(h.mean(2))
+
+
 def _unexpected(seen):
     return sorted(k for k in seen if k not in ALLOWED)
 
 
-@pytest.mark.parametrize("engine", ["ghost", "vmap"])
-def test_the_engines_windows_run_no_other_library_python(library_calls, engine):
+@pytest.mark.parametrize("engine,kind", [("ghost", "tiny"), ("vmap", "tiny"),
+                                         ("ghost", "conv"), ("auto", "conv"),
+                                         ("ghost-gram", "conv")])
+def test_the_engines_windows_run_no_other_library_python(library_calls, engine, kind):
     torch.manual_seed(0)
-    model = Tiny()
-    x, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    if kind == "tiny":
+        model = Tiny()
+        x, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    else:
+        model = ConvNorm()
+        x, y = torch.randn(6, 2, 4, 4), torch.randint(0, 3, (6,))
     loss = nn.CrossEntropyLoss(reduction="none")
     wf = lambda n: 1.0 / torch.clamp(n, min=1.0)  # noqa: E731 - (a scalar / tensor)
+    eng = get_engine("ghost", norm_mode="ghost") if engine == "ghost-gram" else get_engine(engine)
     for _ in range(2):
-        get_engine(engine).compute(model, loss, x, y, wf, ParamGroups.flat(model))
+        eng.compute(model, loss, x, y, wf, ParamGroups.flat(model))
     assert _unexpected(library_calls) == []
 
 

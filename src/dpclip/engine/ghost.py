@@ -1512,6 +1512,8 @@ def _weighted_sums(live: list[_Call], count: dict[str, int], params: dict[str, T
 _SCALAR_KERNELS = [torch.backends.cpu.get_cpu_capability() == "DEFAULT"]
 #: entries per block of :func:`_shrink`'s numpy pass (256 KiB of float32)
 _SHRINK_BLOCK = 1 << 16
+#: torch's C hardshrink, bound at import (F.hardshrink's Python looks up names at run time)
+_HARDSHRINK = torch.hardshrink
 _FLUSH = {torch.float32: 2.0 ** -40, torch.bfloat16: 2.0 ** -40, torch.float64: 2.0 ** -300}
 #: positions per example that the absolute term of the book-keeping sums allows for
 _MAX_POSITIONS = 2 ** 24
@@ -1535,8 +1537,8 @@ def _shrink(t: Tensor, thr: float, out: Tensor | None = None) -> Tensor:
     gradients below a max-pool; each entry alone, so no rounding to depend on the batch), which
     is used there for float32 and float64 (the same values; a zero's sign may differ)."""
     if not _SCALAR_KERNELS[0] or t.device.type != "cpu":
-        return torch.hardshrink(t, thr, out=out) if out is not None else \
-            torch.nn.functional.hardshrink(t, thr)
+        return _HARDSHRINK(t, thr, out=out) if out is not None else \
+            _HARDSHRINK(t, thr)
     if t.dtype in (torch.float32, torch.float64) and not t.is_conj() and not t.is_neg():
         x = t.detach().numpy()  # (numpy's ufuncs as bound at import: ghost_rules._NP_MUL)
         if x.size > _SHRINK_BLOCK and x.flags.c_contiguous:

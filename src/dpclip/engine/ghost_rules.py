@@ -577,7 +577,18 @@ _NP_MUL = np.multiply
 _NP_ABS = np.absolute
 _NP_GREATER = np.greater
 _NP_F64 = np.dtype("float64")
+#: torch's C functions the reductions call, bound at import (their Python wrappers in
+#: torch.nn.functional and torch.ops look up names and descriptors a forward could replace, run
+#: inside the reduction: F.layer_norm / F.group_norm / F.batch_norm read
+#: torch.backends.cudnn.enabled through a Python getter, 10.4-11.3 C; torch.ops.aten's packet
+#: calls its instance attribute _op, 26.6 C; ninety-second and ninety-third hostile reviews).
+#: The cudnn flag F.* would pass only picks a CUDA kernel for these operations.
 _LAYER_NORM = torch.layer_norm
+_GROUP_NORM = torch.group_norm
+_BATCH_NORM = torch.batch_norm
+_RMS_NORM = torch.rms_norm
+_PAD = torch._C._nn.pad
+_CONV_BACKWARD = torch.ops.aten.convolution_backward.default._op
 _NP_EMPTY = np.empty
 _NP_BOOL = np.dtype("bool")
 _NP_COPYTO = np.copyto
@@ -1016,7 +1027,7 @@ class _ConvRule(_Rule):
         mod = c.mod
         if isinstance(mod.padding, str) or mod.padding_mode != "zeros":
             mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-            c.a = F.pad(c.a, mod._reversed_padding_repeated_twice, mode=mode)
+            c.a = _PAD(c.a, mod._reversed_padding_repeated_twice, mode)
         _fold_rows(c)  # (on the rows: F.pad's modes take the layer's own rank)
 
     def dims(self, c: _Call) -> tuple[int, int, int, int]:
@@ -1039,7 +1050,7 @@ class _ConvRule(_Rule):
         a = self._flat(c, a)
         pad = self._padding(c)
         if any(pad):
-            a = F.pad(a, [q for p in reversed(pad) for q in (p, p)])
+            a = _PAD(a, [q for p in reversed(pad) for q in (p, p)])
         nd = a.ndim - 2
         batch, channels, g = a.shape[0], a.shape[1], mod.groups
         channels_last = g == 1 and channels > 1
@@ -1073,7 +1084,7 @@ class _ConvRule(_Rule):
                      groups: int) -> Tensor:
         mod = c.mod
         dummy = grad_out.new_empty(1).expand(*shape)
-        return torch.ops.aten.convolution_backward(
+        return _CONV_BACKWARD(
             grad_out, inp, dummy, None, mod.stride, self._padding(c), mod.dilation, False,
             [0] * (inp.ndim - 2), groups, [False, True, False])[1]
 
@@ -1309,7 +1320,7 @@ class _RMSNormRule(_TrailingNormRule):
     roles = ("weight",)
 
     def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
-        return F.rms_norm(a, mod.normalized_shape, None, mod.eps)
+        return _RMS_NORM(a, mod.normalized_shape, None, mod.eps)
 
 
 class _ChannelNormRule(_AffineNormRule):
@@ -1328,7 +1339,7 @@ class _ChannelNormRule(_AffineNormRule):
 
 class _GroupNormRule(_ChannelNormRule):
     def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
-        return F.group_norm(a, mod.num_groups, None, None, mod.eps)
+        return _GROUP_NORM(a, mod.num_groups, None, None, mod.eps, True)
 
 
 class _EvalBatchNormRule(_ChannelNormRule):
@@ -1336,7 +1347,8 @@ class _EvalBatchNormRule(_ChannelNormRule):
     (Training-mode BatchNorm mixes examples and is refused before we get here.)"""
 
     def _xhat(self, mod: nn.Module, a: Tensor) -> Tensor:
-        return F.batch_norm(a, mod.running_mean, mod.running_var, None, None, False, 0.0, mod.eps)
+        return _BATCH_NORM(a, None, None, mod.running_mean, mod.running_var, False, 0.0, mod.eps,
+                           True)
 
 
 class _Conv1DRule(_LinearRule):

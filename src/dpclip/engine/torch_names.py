@@ -262,6 +262,12 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                         whole.append(b)
             classes = [(o, a) for o, a in pairs if not isinstance(o, types.ModuleType)
                        and o not in whole]
+            # (a warning whose frame is a watched module's code adds "__warningregistry__" to its
+            # globals: made beforehand, so that the registry fills in place; an LSTM's step was
+            # refused for it, ninety-third review)
+            for o in whole:
+                if isinstance(o, types.ModuleType) and o is not builtins:
+                    vars(o).setdefault("__warningregistry__", {})
             # (live views of the whole dictionaries: one pass of C code over all their entries)
             views = ([vars(o).keys() for o in whole], [vars(o).values() for o in whole])
             values = [vars(o).get(a) for o, a in mods + classes] + \
