@@ -41,7 +41,7 @@ import ctypes
 import os
 import warnings
 
-__all__ = ["ensure", "kernels", "mkl_threads", "mode", "set_mkl_local_threads", "warn_if_off"]
+__all__ = ["ensure", "kernels", "mode", "warn_if_off"]
 
 #: ``DPCLIP_CPU_KERNELS``: torch's portable kernels (``exact``, the default) or its vector kernels
 KERNEL_MODES = ("exact", "native")
@@ -135,49 +135,6 @@ def ensure() -> str:
     if lib.mkl_serv_cbwr_get(1) == 1 and lib.mkl_serv_cbwr_set(_wanted()) == 0:
         os.environ.setdefault("MKL_CBWR", "AUTO")  # (for child processes, which start afresh)
     return mode()
-
-
-def _thread_fns() -> tuple | None:
-    """MKL's thread getters and its thread-local setter in torch's CPU library (C interfaces), or
-    None (another BLAS)."""
-    if _THREAD_FNS:
-        return _THREAD_FNS[0]
-    lib = _service()
-    fns = None
-    if lib is not None:
-        try:
-            get_max, get_domain = lib.MKL_Get_Max_Threads, lib.mkl_serv_domain_get_max_threads
-            set_local = lib.MKL_Set_Num_Threads_Local
-            get_max.restype, get_max.argtypes = ctypes.c_int, []
-            get_domain.restype, get_domain.argtypes = ctypes.c_int, [ctypes.c_int]
-            set_local.restype, set_local.argtypes = ctypes.c_int, [ctypes.c_int]
-            fns = (get_max, get_domain, set_local)
-        except AttributeError:
-            fns = None
-    _THREAD_FNS.append(fns)
-    return fns
-
-
-_THREAD_FNS: list = []
-#: MKL_DOMAIN_BLAS (mkl_service.h)
-_DOMAIN_BLAS = 1
-
-
-def mkl_threads() -> tuple[int, int] | None:
-    """The threads MKL's products would run at in this thread: ``(its maximum, the BLAS
-    domain's)``, which a thread-local or domain setting can raise above torch's count
-    (``torch.get_num_threads`` reads OpenMP's; ninetieth hostile review), or None without MKL."""
-    fns = _thread_fns()
-    if fns is None:
-        return None
-    return fns[0](), fns[1](_DOMAIN_BLAS)
-
-
-def set_mkl_local_threads(n: int) -> int | None:
-    """Set MKL's thread-local thread count (over its global and domain settings; 0: none); the
-    previous one (None without MKL)."""
-    fns = _thread_fns()
-    return None if fns is None else fns[2](n)
 
 
 def mode() -> str:

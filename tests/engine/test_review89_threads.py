@@ -165,11 +165,11 @@ class _MKLLocal(Compare):
     step."""
 
     def forward(self, x):
-        from dpclip import blas_mode
+        from dpclip.engine import conv_backends as cb
 
-        old = blas_mode.set_mkl_local_threads(8)
+        old = cb.set_mkl_local_threads(8)
         h1 = (self.W @ x.t()).t()
-        blas_mode.set_mkl_local_threads(old)
+        cb.set_mkl_local_threads(old)
         h2 = (x.unsqueeze(1) * self.W).sum(-1)
         z = self.ln(torch.stack([h1, h2], -1))
         return self.head(z.flatten(1)).squeeze(-1)
@@ -177,9 +177,9 @@ class _MKLLocal(Compare):
 
 @pytest.mark.parametrize("engine", ["ghost", "auto", "compiled"])
 def test_mkls_own_thread_count_raised_in_the_forward_is_refused(engine, monkeypatch):
-    from dpclip import blas_mode
+    from dpclip.engine import conv_backends as cb
 
-    if blas_mode.mkl_threads() is None:
+    if cb.mkl_threads() is None:
         pytest.skip("torch does not run MKL here")
     monkeypatch.delenv("DPCLIP_ENGINE_THREADS", raising=False)
     was = torch.get_num_threads()
@@ -191,15 +191,15 @@ def test_mkls_own_thread_count_raised_in_the_forward_is_refused(engine, monkeypa
         wf = lambda n: torch.clamp(1.0 / n, max=1.0)  # noqa: E731
         with pytest.raises(UnsupportedModelError, match="MKL's own"):
             get_engine(engine).compute(model, _loss, x, y, wf, ParamGroups.flat(model))
-        assert blas_mode.mkl_threads() == (2, 2)
+        assert cb.mkl_threads() == (2, 2)
     finally:
         torch.set_num_threads(was)
 
 
 def test_an_mkl_count_above_torchs_is_held_for_the_call_and_restored(monkeypatch):
-    from dpclip import blas_mode
+    from dpclip.engine import conv_backends as cb
 
-    if blas_mode.mkl_threads() is None:
+    if cb.mkl_threads() is None:
         pytest.skip("torch does not run MKL here")
     monkeypatch.delenv("DPCLIP_ENGINE_THREADS", raising=False)
     was = torch.get_num_threads()
@@ -212,18 +212,18 @@ def test_an_mkl_count_above_torchs_is_held_for_the_call_and_restored(monkeypatch
             self.fc = nn.Linear(3, 1)
 
         def forward(self, x):
-            inside.append(blas_mode.mkl_threads())
+            inside.append(cb.mkl_threads())
             return self.fc(x).squeeze(-1)
 
-    before = blas_mode.set_mkl_local_threads(8)  # (as MKL_DOMAIN_NUM_THREADS or a library would)
+    before = cb.set_mkl_local_threads(8)  # (as MKL_DOMAIN_NUM_THREADS or a library would)
     try:
-        assert blas_mode.mkl_threads() == (8, 8)
+        assert cb.mkl_threads() == (8, 8)
         model = Spy()
         get_engine("ghost").compute(model, _loss, torch.randn(4, 3), torch.randn(4),
                                     lambda n: torch.clamp(1.0 / n, max=1.0),
                                     ParamGroups.flat(model))
         assert inside and set(inside) == {(2, 2)}
-        assert blas_mode.mkl_threads() == (8, 8)  # the caller's again
+        assert cb.mkl_threads() == (8, 8)  # the caller's again
     finally:
-        blas_mode.set_mkl_local_threads(before)
+        cb.set_mkl_local_threads(before)
         torch.set_num_threads(was)

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 from dpclip.engine import _cm
 import contextvars
+import ctypes
 import os
 import warnings
 from typing import Iterator
 
 import torch
-
-from dpclip import blas_mode
 
 __all__ = ["ENGINE_THREADS_ENV", "conv_backends_moved", "engine_thread_count", "engine_threads",
            "fixed_conv_backends",
@@ -74,6 +73,60 @@ THREADS_MOVED = ("the forward changed torch's intra-op thread count (or MKL's ow
                  "rounding would depend on the others' presence (docs/engines.md, \"Rounding "
                  "that depends on the batch size\"); leave torch.set_num_threads as the engine "
                  "sets it (DPCLIP_ENGINE_THREADS=all keeps the process's count)")
+
+
+def _torch_cpu_library() -> ctypes.CDLL | None:
+    """torch's CPU library when torch runs MKL (whose thread functions it exports), else None."""
+    try:
+        if not torch.backends.mkl.is_available():
+            return None
+        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        return ctypes.CDLL(path) if os.path.exists(path) else None
+    except OSError:
+        return None
+
+
+def _thread_fns() -> tuple | None:
+    """MKL's thread getters and its thread-local setter in torch's CPU library (C interfaces), or
+    None (another BLAS)."""
+    if _THREAD_FNS:
+        return _THREAD_FNS[0]
+    lib = _torch_cpu_library()
+    fns = None
+    if lib is not None:
+        try:
+            get_max, get_domain = lib.MKL_Get_Max_Threads, lib.mkl_serv_domain_get_max_threads
+            set_local = lib.MKL_Set_Num_Threads_Local
+            get_max.restype, get_max.argtypes = ctypes.c_int, []
+            get_domain.restype, get_domain.argtypes = ctypes.c_int, [ctypes.c_int]
+            set_local.restype, set_local.argtypes = ctypes.c_int, [ctypes.c_int]
+            fns = (get_max, get_domain, set_local)
+        except AttributeError:
+            fns = None
+    _THREAD_FNS.append(fns)
+    return fns
+
+
+_THREAD_FNS: list = []
+#: MKL_DOMAIN_BLAS (mkl_service.h)
+_DOMAIN_BLAS = 1
+
+
+def mkl_threads() -> tuple[int, int] | None:
+    """The threads MKL's products would run at in this thread: ``(its maximum, the BLAS
+    domain's)``, which a thread-local or domain setting can raise above torch's count
+    (``torch.get_num_threads`` reads OpenMP's; ninetieth hostile review), or None without MKL."""
+    fns = _thread_fns()
+    if fns is None:
+        return None
+    return fns[0](), fns[1](_DOMAIN_BLAS)
+
+
+def set_mkl_local_threads(n: int) -> int | None:
+    """Set MKL's thread-local thread count (over its global and domain settings; 0: none); the
+    previous one (None without MKL)."""
+    fns = _thread_fns()
+    return None if fns is None else fns[2](n)
 
 
 def engine_threads() -> int | None:
@@ -129,7 +182,7 @@ def threads_moved() -> bool:
     want = _FIXED.get()
     return want is not None and want[2] is not None and (
         torch.get_num_threads() != want[2]
-        or (want[3] is not None and blas_mode.mkl_threads() != want[3]))
+        or (want[3] is not None and mkl_threads() != want[3]))
 
 
 @_cm.contextmanager
@@ -146,11 +199,11 @@ def fixed_conv_backends() -> Iterator[None]:
     run = torch.get_num_threads()
     # MKL's own count can exceed torch's (a thread-local or BLAS-domain setting: set through
     # ctypes from a forward, 8.47 C, ninetieth review; MKL_DOMAIN_NUM_THREADS): held at torch's
-    mkl = blas_mode.mkl_threads() if cap is not None else None
+    mkl = mkl_threads() if cap is not None else None
     local = None
     if mkl is not None and max(mkl) > run:
-        local = blas_mode.set_mkl_local_threads(run)
-        mkl = blas_mode.mkl_threads()
+        local = set_mkl_local_threads(run)
+        mkl = mkl_threads()
     off = mkldnn and run == 1
     torch._C._set_nnpack_enabled(False)
     if off:
@@ -165,6 +218,6 @@ def fixed_conv_backends() -> Iterator[None]:
         if off:
             torch._C._set_mkldnn_enabled(mkldnn)
         if local is not None:
-            blas_mode.set_mkl_local_threads(local)
+            set_mkl_local_threads(local)
         if capped:
             torch.set_num_threads(threads)
