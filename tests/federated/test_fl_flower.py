@@ -54,8 +54,9 @@ def test_documented_command_runs_6_clients_3_rounds_first_time(tmp_path, capsys)
     db = tmp_path / "r.db"
     rc = main(["fl", "flower", "--spec", str(path), "--out", str(tmp_path / "result.json"),
                "--workdir", str(tmp_path / "w"), "--db", str(db), "--timeout", "540"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert rc == 0, out + captured.err  # (the error names the logs' last lines)
     for r in (1, 2, 3):
         assert f"dpclip fl: round {r}/3 done" in out
     result = json.loads((tmp_path / "result.json").read_text())
@@ -73,3 +74,30 @@ def test_server_wait_scales_with_the_number_of_clients():
     fl, _ = _server_for(dict(spec, num_users=20, dataset_options={"n_train": 400}), None)
     assert fl.wait_timeout == 230.0
     assert _server_for(spec, 15.0)[0].wait_timeout == 15.0  # --wait-timeout still wins
+
+
+def test_ports_are_outside_the_outgoing_range_distinct_and_free():
+    import socket
+
+    from dpclip.federated.launch import _ephemeral_range, _free_port
+
+    low, high = _ephemeral_range()
+    taken: set[int] = set()
+    ports = [_free_port(taken) for _ in range(30)]
+    assert len(set(ports)) == 30 and taken == set(ports)
+    # (a port in the range can become the source port of the SuperNodes' own connections)
+    assert all(not low <= p <= high for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_a_failure_names_the_log_lines_that_report_it(tmp_path):
+    from dpclip.federated.launch import _log_tails
+
+    (tmp_path / "supernode0.log").write_text("INFO ok\n" * 50)
+    (tmp_path / "supernode1.log").write_text("INFO start\nTraceback (most recent call last):\n"
+                                             "OSError: [Errno 98] Address already in use\n")
+    text = _log_tails(tmp_path)
+    assert "supernode1.log" in text and "Address already in use" in text
+    assert "supernode0.log" not in text

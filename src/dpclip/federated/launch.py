@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,51 @@ __all__ = ["run_local_deployment"]
 TOOLS = ("flower-superlink", "flower-supernode", "flwr")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _free_port(taken: set[int] | None = None) -> int:
+    """A port free on 127.0.0.1 now, outside the kernel's range for outgoing connections and not
+    in ``taken`` (which it joins). A port picked from that range (``bind(0)``) can be taken as the
+    source port of any connection made before the process meant for it binds it: the SuperNodes
+    connect to the SuperLink while the later ones start."""
+    taken = set() if taken is None else taken
+    low, _ = _ephemeral_range()
+    pick = random.Random()
+    for _ in range(200):
+        port = pick.randrange(20000, low) if low > 21000 else pick.randrange(low // 2, low)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    with socket.socket() as s:  # (a crowded machine: the kernel's choice)
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    taken.add(port)
+    return port
+
+
+def _log_tails(logs: Path, lines: int = 12) -> str:
+    """The last lines of every log that reports an error (all of them if none does)."""
+    files = sorted(logs.glob("*.log"))
+    bad = [f for f in files if any(k in f.read_text(errors="replace")
+                                   for k in ("Traceback", "ERROR", "Error"))]
+    out = []
+    for f in bad or files:
+        tail = f.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {f.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(out)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -89,7 +131,8 @@ def run_local_deployment(spec_path: str | os.PathLike, *, out: str | os.PathLike
     app = write_flower_app(work / "app", spec_path, result_path)
     home = work / "flwr_home"
     home.mkdir(exist_ok=True)
-    port = _free_port()
+    ports: set[int] = set()
+    port = _free_port(ports)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
         "insecure = true\n")
@@ -106,6 +149,7 @@ def run_local_deployment(spec_path: str | os.PathLike, *, out: str | os.PathLike
                                       stderr=subprocess.STDOUT, env=env, start_new_session=True))
 
     echo(f"dpclip fl flower: {users} users, {rounds} rounds on localhost:{port} (logs: {logs})")
+    stream = None
     try:
         start([tools[0], "--insecure", "--isolation", "subprocess",
                "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
@@ -115,11 +159,12 @@ def run_local_deployment(spec_path: str | os.PathLike, *, out: str | os.PathLike
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
                     break
             if procs[0].poll() is not None:
-                raise RuntimeError(f"the SuperLink exited; see {logs / 'superlink.log'}")
+                raise RuntimeError(f"the SuperLink exited before its API was up:\n"
+                                   f"{_log_tails(logs)}\n(logs: {logs})")
             time.sleep(0.3)
         for user in range(users):
             start([tools[1], "--insecure", "--superlink", f"127.0.0.1:{port}",
-                   "--port", str(_free_port()), "--node-config", f"user={user}"],
+                   "--port", str(_free_port(ports)), "--node-config", f"user={user}"],
                   f"supernode{user}.log")
         run = subprocess.Popen([tools[2], "run", str(app), "local", "--stream"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -129,26 +174,39 @@ def run_local_deployment(spec_path: str | os.PathLike, *, out: str | os.PathLike
         os.set_blocking(run.stdout.fileno(), False)
         tail: list[str] = []
         echoed = 0
+        stream = open(logs / "run.log", "w")  # what ``flwr run --stream`` printed, kept
+        procs_started = list(procs[:-1])
         while time.monotonic() < deadline and not result_path.exists():
             line = run.stdout.readline()
             if line:
+                stream.write(line)
+                stream.flush()
                 tail = (tail + [line.rstrip()])[-40:]
                 if "dpclip fl: round" in line:
                     echo(line[line.index("dpclip fl: round"):].rstrip())
                     echoed += 1
                 continue
+            dead = [p for p in procs_started if p.poll() is not None]
+            if dead:  # a SuperNode (or the SuperLink) ended: the run cannot finish
+                raise RuntimeError(f"{len(dead)} of the Flower processes exited during the run "
+                                   f"(exit codes {[p.returncode for p in dead]}):\n"
+                                   f"{_log_tails(logs)}\n(logs: {logs})")
             if run.poll() is not None and not result_path.exists():
                 time.sleep(1.0)  # the ServerApp writes the result as the run ends
                 if not result_path.exists():
                     raise RuntimeError("the Flower run ended without a result:\n"
-                                       + "\n".join(tail[-20:]) + f"\n(logs: {logs})")
+                                       + "\n".join(tail[-20:]) + "\n" + _log_tails(logs)
+                                       + f"\n(logs: {logs})")
             time.sleep(0.2)
         if not result_path.exists():
             raise RuntimeError(f"the Flower run did not finish within {limit:.0f} s (--timeout); "
-                               f"every process was stopped; logs: {logs}")
+                               "every process was stopped; the server's last lines:\n"
+                               + "\n".join(tail[-20:]) + f"\n{_log_tails(logs)}\n(logs: {logs})")
         time.sleep(0.5)  # the file is written in one call; let it close
     finally:
         _stop(procs)
+        if stream is not None:
+            stream.close()
     result = json.loads(result_path.read_text())
     clips = result.get("clip_history") or []
     done = max(len(clips), int(result.get("rounds") or 0))
