@@ -59,10 +59,31 @@ def test_sharded_sampler_refuses_other_schemes():
 def test_resolve_distributed():
     assert resolve_distributed(False) is None
     assert resolve_distributed(None) is None  # no group initialised in this process
-    ctx = _ctx(1, 2)
-    assert resolve_distributed(ctx) is ctx
+    ctx = _ctx(0, 1)
+    assert resolve_distributed(ctx) is ctx  # one process: no group needed
+    with pytest.raises(ValueError, match="names 2 ranks but no torch.distributed process group"):
+        resolve_distributed(_ctx(1, 2))
     with pytest.raises(TypeError, match="distributed must be"):
         resolve_distributed("yes")
+
+
+def test_a_context_that_does_not_match_its_group_is_refused(tmp_path):
+    """Review 94: a hand-made context claiming 2 ranks on a group of 1 would draw half the noise
+    (its shard) and the all-reduce would add no other: half the coordinates without noise."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        for bad in (_ctx(0, 2), DistributedContext(rank=0, world_size=1, backend="nccl")):
+            with pytest.raises(ValueError, match="does not match its process group|backend"):
+                resolve_distributed(bad)
+            with pytest.raises(ValueError, match="does not match its process group|backend"):
+                _make(distributed=bad)
+        good = _ctx(0, 1)
+        assert resolve_distributed(good) is good
+    finally:
+        dist.destroy_process_group()
 
 
 def test_distributed_true_without_a_group_fails_clearly(monkeypatch):
@@ -86,6 +107,9 @@ def _make(**kw):
     (dict(strategy="fixed", strategy_params={"unit": "bc"}), "unit=bc"),
     (dict(strategy="fixed", sampling="fixed-size"), "PLD accountant"),
 ])
-def test_make_private_refuses_what_it_cannot_distribute(kw, match):
+def test_make_private_refuses_what_it_cannot_distribute(kw, match, monkeypatch):
+    import dpclip.training.distributed as d
+
+    monkeypatch.setattr(d, "check_context", lambda ctx, owner: None)  # (no group of 2 here)
     with pytest.raises(ValueError, match=match):
         _make(**kw)

@@ -70,6 +70,7 @@ __all__ = [
     "ShardedSampler",
     "assert_synchronized",
     "barrier",
+    "check_context",
     "broadcast_module",
     "data_digest",
     "broadcast_tensor_",
@@ -175,6 +176,7 @@ def resolve_distributed(distributed: Any, owner: str = "make_private") -> Distri
     N independent runs over the same data are not the distributed mechanism and the choice must be
     explicit."""
     if isinstance(distributed, DistributedContext):
+        check_context(distributed, owner)
         return distributed
     if distributed is True:
         ctx = init_from_env()
@@ -198,6 +200,39 @@ def resolve_distributed(distributed: Any, owner: str = "make_private") -> Distri
         return None
     raise TypeError(f"{owner}: distributed must be None, True, False or a DistributedContext, "
                     f"got {type(distributed).__name__}")
+
+
+def check_context(ctx: DistributedContext, owner: str = "make_private") -> None:
+    """A context given by hand must be the process group it names: its rank, world size and
+    backend as torch.distributed reports them for its group. A context claiming more ranks than
+    the group has drew only its shard of the noise while the all-reduce added no other shard
+    (ninety-fourth hostile review: ``DistributedContext(rank=0, world_size=2)`` on a group of one
+    would release half the coordinates without noise; only gloo's allgather stopped it, by
+    accident)."""
+    import torch.distributed as dist
+
+    live = dist.is_available() and dist.is_initialized()
+    if not live:
+        if ctx.world_size > 1 or ctx.group is not None:
+            raise ValueError(
+                f"{owner}: distributed={ctx!r} names {ctx.world_size} ranks but no torch."
+                "distributed process group is initialised; call torch.distributed."
+                "init_process_group first (or pass distributed=True under torchrun)")
+        return
+    try:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        backend = str(dist.get_backend(ctx.group))
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{owner}: distributed={ctx!r}: its group is not usable from this "
+                         f"process ({exc})") from None
+    if (size, rank) != (ctx.world_size, ctx.rank):
+        raise ValueError(
+            f"{owner}: distributed={ctx!r} does not match its process group: torch.distributed "
+            f"reports rank {rank} of {size}; build the context with dpclip.training.distributed."
+            "init_from_env() or pass distributed=True")
+    if backend.lower() != str(ctx.backend).lower():
+        raise ValueError(f"{owner}: distributed={ctx!r}: the group's backend is {backend!r}, "
+                         f"not {ctx.backend!r}")
 
 
 # --------------------------------------------------------------------------------- collectives

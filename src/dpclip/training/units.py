@@ -52,6 +52,7 @@ from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.isolation import Isolated
+from dpclip.engine.unit_guard import UnitGuard
 from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
 from dpclip.engine import _cm
@@ -344,23 +345,28 @@ def unit_sum(
     )
     per_unit: dict[str, list[Tensor]] = {n: [] for n in names}
     losses = torch.zeros(k, dtype=torch.float64)
-    with frozen_bn_buffers(model):
+    wrt = [params[n] for n in names]
+
+    def one_unit(x: Tensor, y: Tensor) -> tuple[Tensor, tuple]:
+        loss_vec = loss_fn(model(x), y)
+        return loss_vec.detach(), torch.autograd.grad(loss_vec.mean(), wrt, allow_unused=True)
+
+    with frozen_bn_buffers(model), UnitGuard(model) as guard:
         for j in range(k):
-            x, y = inputs[j], targets[j]
-            if x.shape[0] == 0:
+            if inputs[j].shape[0] == 0:
                 for n in names:
                     per_unit[n].append(torch.zeros_like(params[n]))
                 continue
-            # nothing a unit leaves in process state reaches the next unit or call
-            # (dpclip.engine.isolation; tenth hostile review: a float attribute carried between
-            # units moved a GBC release 2.90 C against the declared 2 C, a BC step 2.00 C)
+            # nothing a unit leaves in process state reaches the next unit or call: the model's
+            # state (dpclip.engine.isolation; tenth hostile review: a float attribute carried
+            # between units moved a GBC release 2.90 C against the declared 2 C, a BC step 2.00 C)
+            # and every tensor or Python value computed from the unit's examples (UnitGuard;
+            # ninety-fourth: a module-level global, 3.99 C through make_private)
             with Isolated(model):
-                loss_vec = loss_fn(model(x), y)
-                loss = loss_vec.mean()
-                gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+                loss_vec, gs = guard.run(inputs[j], targets[j], one_unit)
             for n, g in zip(names, gs):
                 per_unit[n].append(torch.zeros_like(params[n]) if g is None else g.detach())
-            losses[j] = float(loss_vec.detach().sum())
+            losses[j] = float(loss_vec.sum())
     if k:
         reducer.add_chunk({n: torch.stack(v) for n, v in per_unit.items()},
                           losses.to(inputs.device))

@@ -1,0 +1,198 @@
+"""What one clipping unit's forward may do with its examples: the guard of the unit path
+(``dpclip.training.units.unit_sum``: batch clipping and general batch clipping).
+
+A unit's examples may mix inside the unit (that is what a unit is: its gradient is clipped as
+one vector), but nothing computed from them may reach another unit's computation, or a later call's:
+the declared sensitivity (``2 C`` for a replaced example) and the subsampling argument (an example
+affects only the steps that draw it) both rest on it. ``Isolated`` guards the model's own state; a
+Python global outside the model is out of its sight (ninety-fourth hostile review: a forward
+setting ``CARRY[0] = sign(float(x[:, 0].sum()))`` in a module-level list and scaling the next
+unit's output by it moved a GBC release by **3.99 C** against the declared 2 C through
+``make_private``, and a BC release at steps that did not draw the example by ~2 C).
+
+:class:`UnitGuard` tags every tensor computed from a unit's examples with the unit (a
+process-wide map of tensor identities, weak: it keeps nothing alive) and, while a unit runs:
+
+* refuses every operation that reads tagged values into Python (``.item()``, ``bool(t)``,
+  ``nonzero``, an operation returning a Python value), and every escape of a tagged tensor out of
+  the dispatcher (``.numpy()``, ``.tolist()``, ``__array__``, raw storage, DLPack, ``.data``,
+  printing), and gradient hooks registered in the forward: a Python value can be kept anywhere;
+* refuses every operation reading a tensor tagged by another unit or an earlier call (a tensor
+  kept in a global, a closure, an attribute outside the model, or written in place into any tensor
+  by an earlier unit); a training-mode batch norm's running statistics are exempt as written-only
+  arguments (their values never reach the output; they are restored after the call);
+* hands the unit a copy of its slice of the batch (a view's ``_base`` is the whole batch: the
+  other units' examples).
+
+What it does not see, as everywhere in dpclip: the unit's SIZE read as a Python number
+(``len(x)``, ``x.shape[0]``) and kept for a later call (for fixed-size mini-sets it is public; a
+Poisson BC batch's size is private), code run on other threads, and C extensions that read
+tensor memory without the dispatcher (docs/engines.md, "trust boundary").
+"""
+
+from __future__ import annotations
+
+from itertools import count
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name
+
+__all__ = ["UnitGuard", "UnitDataRefused"]
+
+_aten = torch.ops.aten
+
+#: tensor identity -> the unit (a process-wide serial number) whose examples it was computed from
+_TAGS = _IdMap()
+_SERIAL = count(1)
+
+#: operations whose running-statistics arguments are only written in training mode (their old
+#: values never reach the outputs): schema index of running_mean, running_var, training
+_BN_WRITE_ONLY = {
+    _aten.native_batch_norm: (3, 4, 5),
+    _aten._native_batch_norm_legit: (3, 4, 5),
+    _aten._batch_norm_with_update: (3, 4, None),
+    _aten.cudnn_batch_norm: (3, 4, 5),
+    _aten.miopen_batch_norm: (3, 4, 5),
+}
+
+#: size / stride queries (metadata, not values)
+_METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+             "numel", "dim", "is_contiguous", "storage_offset"}
+
+
+class UnitDataRefused(UnsupportedModelError):
+    """A unit's forward did something with its examples that could carry them to another unit or
+    a later call (the error names it; per-example clipping, ``unit='example'``, does not need
+    this guard's assumptions)."""
+
+
+def _bn_exempt(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
+    """The running statistics of a training-mode batch norm (written, never read)."""
+    got = _BN_WRITE_ONLY.get(func.overloadpacket)
+    if got is None:
+        return ()
+    rm, rv, tr = got
+    training = True if tr is None else (args[tr] if len(args) > tr else kwargs.get("training"))
+    if training is not True:
+        return ()
+    return tuple(args[i] for i in (rm, rv) if i < len(args) and isinstance(args[i], Tensor))
+
+
+class _TagDispatch(TorchDispatchMode):
+    def __init__(self, guard: "UnitGuard") -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        g = self.guard
+        unit = g.unit
+        exempt = _bn_exempt(func, args, kwargs) if unit else ()
+        mine = False
+        for t in tree_leaves((args, kwargs)):
+            if not isinstance(t, Tensor):
+                continue
+            tag = _TAGS.get(t)
+            if tag is None:
+                continue
+            if tag == unit:
+                mine = True
+            elif not any(t is e for e in exempt):
+                g.refuse(f"the operation {_name(func)} reads a tensor computed from the examples "
+                         "of another clipping unit or an earlier call (kept in a global, a "
+                         "closure, an attribute outside the model, or written into a tensor in "
+                         "place): it would carry those examples into this unit's gradient")
+        out = func(*args, **kwargs)
+        if not mine:
+            return out
+        meta = _meta(func)
+        if meta.data_dep:
+            g.refuse(f"the operation {_name(func)} reads values computed from the unit's "
+                     "examples into Python (e.g. .item(), float(t), bool(t), nonzero): a Python "
+                     "value can carry them into another unit's or a later step's computation")
+        for o in tree_leaves(out):
+            if isinstance(o, Tensor):
+                _TAGS[o] = unit
+            elif o is not None and _name(func).split(".")[0] not in _METADATA:
+                g.refuse(f"the operation {_name(func)} returns a Python value computed from the "
+                         "unit's examples")
+        if meta.mutable:  # (batch norm's statistics too: restored after the call, tagged)
+            for i, name in meta.writes:
+                w = args[i] if i < len(args) else kwargs.get(name)
+                for t in tree_leaves(w):
+                    if isinstance(t, Tensor):
+                        _TAGS[t] = unit
+        return out
+
+
+class _TagFunction(TorchFunctionMode):
+    def __init__(self, guard: "UnitGuard") -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        g = self.guard
+        if g.unit:
+            kind = _func_kind(func)
+            if kind == _K_HOOK:
+                g.refuse(f"a gradient hook ({getattr(func, '__name__', func)}) is registered in "
+                         "a unit's forward: its code runs in the backward pass, unguarded")
+            elif kind == _K_ESCAPE and args and isinstance(args[0], Tensor) and \
+                    _TAGS.get(args[0]) is not None:
+                g.refuse(f"Tensor.{getattr(func, '__name__', func)} takes values computed from "
+                         "the unit's examples out of the dispatcher (to NumPy, Python, raw memory "
+                         "or the tensor's .data): they could reach another unit's computation")
+        return func(*args, **(kwargs or {}))
+
+
+class UnitGuard:
+    """``with UnitGuard() as guard:`` around the unit loop; ``guard.run(x, y, fn)`` runs one unit
+    (``fn(x, y)``, its forward, loss and gradients) on copies of its examples, tagged; raises
+    :class:`UnitDataRefused` naming the first refused operation. The model's buffers and
+    parameters are untagged at the end (the caller restores what the units wrote)."""
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.unit = 0
+        self.violation: str | None = None
+
+    def refuse(self, why: str) -> None:
+        if self.violation is None:
+            self.violation = why
+        raise UnitDataRefused(f"unit clipping: {why}. A unit's examples may mix inside the unit "
+                              "but must not reach another unit or step; remove it from the "
+                              "forward and loss, or clip per example (unit='example')")
+
+    def run(self, x: Tensor, y: Tensor, fn: Any) -> Any:
+        self.unit = next(_SERIAL)
+        x, y = x.clone(), y.clone()  # (a view's _base would be the whole batch)
+        _TAGS[x] = self.unit
+        _TAGS[y] = self.unit
+        try:
+            with _TagFunction(self), _TagDispatch(self):
+                got = fn(x, y)
+        finally:
+            self.unit = 0
+        if self.violation is not None:  # (a refusal the user code caught)
+            raise UnitDataRefused(f"unit clipping: {self.violation}")
+        return got
+
+    def __enter__(self) -> "UnitGuard":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.model is not None:
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                _TAGS.pop(t)
+        dead = [k for k, (ref, _) in _TAGS.d.items() if ref() is None]
+        for k in dead:  # (the map is process-wide: the call's dead tensors leave it)
+            del _TAGS.d[k]
