@@ -32,6 +32,8 @@ tensor memory without the dispatcher (docs/engines.md, "trust boundary").
 
 from __future__ import annotations
 
+import weakref
+from bisect import bisect_right
 from itertools import count
 from typing import Any
 
@@ -48,9 +50,17 @@ __all__ = ["UnitGuard", "UnitDataRefused"]
 
 _aten = torch.ops.aten
 
-#: tensor identity -> the unit (a process-wide serial number) whose examples it was computed from
+#: storage (or, for a tensor without one, tensor) identity -> the unit (a process-wide serial
+#: number) whose examples it was computed from. Keyed by the STORAGE: every alias of a tagged
+#: tensor (views, ``as_subclass``, ``_make_subclass``, a ``.data`` assignment) shares its storage
+#: object (ninety-fifth review: aliases made outside the dispatcher came out untagged, 3.99 C)
 _TAGS = _IdMap()
 _SERIAL = count(1)
+#: the tagged storages' address ranges, sorted by start: a tensor re-made over the same memory
+#: without the dispatcher (DLPack, ``torch._C._to_dlpack`` then ``from_dlpack``) has a storage
+#: object of its own but lies inside one of these (ninety-fifth review, 3.99 C)
+_STARTS: list[int] = []
+_RANGES: list[tuple[int, Any]] = []  # (end, weak reference to the storage), parallel to _STARTS
 
 #: operations whose running-statistics arguments are only written in training mode (their old
 #: values never reach the outputs): schema index of running_mean, running_var, training
@@ -66,6 +76,8 @@ _BN_WRITE_ONLY = {
 _METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
              "numel", "dim", "is_contiguous", "storage_offset"}
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
 
 class UnitDataRefused(UnsupportedModelError):
     """A unit's forward did something with its examples that could carry them to another unit or
@@ -73,16 +85,77 @@ class UnitDataRefused(UnsupportedModelError):
     this guard's assumptions)."""
 
 
-def _bn_exempt(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
-    """The running statistics of a training-mode batch norm (written, never read)."""
+def _storage(t: Tensor) -> Any:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # (sparse, nested: no one storage)
+        return None
+
+
+def tag_of(t: Tensor) -> int | None:
+    """The unit whose examples ``t`` (or memory it lies in) was computed from, or None."""
+    st = _storage(t)
+    if st is None:
+        return _TAGS.get(t)
+    got = _TAGS.get(st)
+    if got is not None or not _STARTS:
+        return got
+    ptr = st.data_ptr()
+    i = bisect_right(_STARTS, ptr) - 1
+    while i >= 0:
+        end, ref = _RANGES[i]
+        owner = ref()
+        if owner is None:  # (a dead storage: its range is free memory now)
+            del _STARTS[i], _RANGES[i]
+            i -= 1
+            continue
+        return _TAGS.get(owner) if ptr < end else None
+    return None
+
+
+def _set_tag(t: Tensor, unit: int) -> None:
+    st = _storage(t)
+    if st is None:
+        _TAGS[t] = unit
+        return
+    _TAGS[st] = unit
+    ptr, n = st.data_ptr(), st.nbytes()
+    if ptr and n:
+        i = bisect_right(_STARTS, ptr)
+        if i and _STARTS[i - 1] == ptr:
+            _RANGES[i - 1] = (ptr + n, weakref.ref(st))
+        else:
+            _STARTS.insert(i, ptr)
+            _RANGES.insert(i, (ptr + n, weakref.ref(st)))
+
+
+def _bn_exempt(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The argument positions of a training-mode batch norm's running statistics (written, never
+    read), when neither shares its memory with another argument (ninety-fifth review: the
+    previous unit's carry given as running_mean AND as bias, read into the output, 3.99 C)."""
     got = _BN_WRITE_ONLY.get(func.overloadpacket)
     if got is None:
         return ()
     rm, rv, tr = got
     training = True if tr is None else (args[tr] if len(args) > tr else kwargs.get("training"))
-    if training is not True:
+    if training is not True or len(args) <= rv:
         return ()
-    return tuple(args[i] for i in (rm, rv) if i < len(args) and isinstance(args[i], Tensor))
+    stats = [args[i] for i in (rm, rv)]
+    if not all(isinstance(t, Tensor) for t in stats):
+        return ()
+    ptrs = {_storage(t).data_ptr() for t in stats if _storage(t) is not None}
+    others = [t for j, t in enumerate(tree_leaves((args[:rm], args[rv + 1:], kwargs)))
+              if isinstance(t, Tensor)]
+    if len(ptrs) < 2 or any(_storage(t) is None or _storage(t).data_ptr() in ptrs
+                            for t in others):
+        return ()
+    return (rm, rv)
+
+
+_MIXED_IN = ("the operation {} reads a tensor computed from the examples of another clipping "
+             "unit or an earlier call (kept in a global, a closure, an attribute outside the "
+             "model, or written into a tensor in place): it would carry those examples into this "
+             "unit's gradient")
 
 
 class _TagDispatch(TorchDispatchMode):
@@ -97,20 +170,29 @@ class _TagDispatch(TorchDispatchMode):
         unit = g.unit
         exempt = _bn_exempt(func, args, kwargs) if unit else ()
         mine = False
-        for t in tree_leaves((args, kwargs)):
-            if not isinstance(t, Tensor):
-                continue
-            tag = _TAGS.get(t)
-            if tag is None:
-                continue
-            if tag == unit:
-                mine = True
-            elif not any(t is e for e in exempt):
-                g.refuse(f"the operation {_name(func)} reads a tensor computed from the examples "
-                         "of another clipping unit or an earlier call (kept in a global, a "
-                         "closure, an attribute outside the model, or written into a tensor in "
-                         "place): it would carry those examples into this unit's gradient")
-        out = func(*args, **kwargs)
+        leaves = [(i, t) for i, t in enumerate(args)] + [(-1, t) for t in kwargs.values()]
+        for i, a in leaves:
+            for t in (a,) if isinstance(a, Tensor) else tree_leaves(a):
+                if not isinstance(t, Tensor):
+                    continue
+                if type(t) not in _PLAIN:
+                    g.refuse(f"the operation {_name(func)} takes a tensor of the subclass "
+                             f"{type(t).__name__}, whose own code runs outside this guard")
+                tag = tag_of(t)
+                if tag is None:
+                    continue
+                if tag == unit:
+                    mine = True
+                elif i not in exempt or i < 0:
+                    g.refuse(_MIXED_IN.format(_name(func)))
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if mine:  # (whether an operation fails is a bit of the unit's data: 28th review's
+                # rule of the tracer; ninety-fifth review: an index error caught, 3.99 C)
+                g.note(f"the operation {_name(func)} failed on values computed from the unit's "
+                       "examples: whether it fails is information the forward can keep")
+            raise
         if not mine:
             return out
         meta = _meta(func)
@@ -120,7 +202,7 @@ class _TagDispatch(TorchDispatchMode):
                      "value can carry them into another unit's or a later step's computation")
         for o in tree_leaves(out):
             if isinstance(o, Tensor):
-                _TAGS[o] = unit
+                _set_tag(o, unit)
             elif o is not None and _name(func).split(".")[0] not in _METADATA:
                 g.refuse(f"the operation {_name(func)} returns a Python value computed from the "
                          "unit's examples")
@@ -129,7 +211,7 @@ class _TagDispatch(TorchDispatchMode):
                 w = args[i] if i < len(args) else kwargs.get(name)
                 for t in tree_leaves(w):
                     if isinstance(t, Tensor):
-                        _TAGS[t] = unit
+                        _set_tag(t, unit)
         return out
 
 
@@ -142,16 +224,26 @@ class _TagFunction(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         g = self.guard
         if g.unit:
+            for t in tree_leaves((args, kwargs or {})):
+                if isinstance(t, Tensor) and type(t) not in _PLAIN:
+                    g.refuse(f"{getattr(func, '__name__', func)} takes a tensor of the subclass "
+                             f"{type(t).__name__}, whose own code runs outside this guard")
             kind = _func_kind(func)
             if kind == _K_HOOK:
                 g.refuse(f"a gradient hook ({getattr(func, '__name__', func)}) is registered in "
                          "a unit's forward: its code runs in the backward pass, unguarded")
-            elif kind == _K_ESCAPE and args and isinstance(args[0], Tensor) and \
-                    _TAGS.get(args[0]) is not None:
+            elif kind == _K_ESCAPE and any(isinstance(t, Tensor) and tag_of(t) is not None
+                                           for t in tree_leaves((args, kwargs or {}))):
                 g.refuse(f"Tensor.{getattr(func, '__name__', func)} takes values computed from "
                          "the unit's examples out of the dispatcher (to NumPy, Python, raw memory "
                          "or the tensor's .data): they could reach another unit's computation")
         return func(*args, **(kwargs or {}))
+
+
+def _message(why: str) -> str:
+    return (f"unit clipping: {why}. A unit's examples may mix inside the unit but must not reach "
+            "another unit or step; remove it from the forward and loss, or clip per example "
+            "(unit='example')")
 
 
 class UnitGuard:
@@ -165,34 +257,45 @@ class UnitGuard:
         self.unit = 0
         self.violation: str | None = None
 
-    def refuse(self, why: str) -> None:
+    def note(self, why: str) -> None:
         if self.violation is None:
             self.violation = why
-        raise UnitDataRefused(f"unit clipping: {why}. A unit's examples may mix inside the unit "
-                              "but must not reach another unit or step; remove it from the "
-                              "forward and loss, or clip per example (unit='example')")
+
+    def refuse(self, why: str) -> None:
+        self.note(why)
+        raise UnitDataRefused(_message(self.violation))
 
     def run(self, x: Tensor, y: Tensor, fn: Any) -> Any:
         self.unit = next(_SERIAL)
         x, y = x.clone(), y.clone()  # (a view's _base would be the whole batch)
-        _TAGS[x] = self.unit
-        _TAGS[y] = self.unit
+        _set_tag(x, self.unit)
+        _set_tag(y, self.unit)
         try:
             with _TagFunction(self), _TagDispatch(self):
                 got = fn(x, y)
+        except Exception as exc:
+            if self.violation is not None and not isinstance(exc, UnitDataRefused):
+                raise UnitDataRefused(_message(self.violation)) from exc
+            raise
         finally:
             self.unit = 0
         if self.violation is not None:  # (a refusal the user code caught)
-            raise UnitDataRefused(f"unit clipping: {self.violation}")
+            raise UnitDataRefused(_message(self.violation))
         return got
 
     def __enter__(self) -> "UnitGuard":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.model is not None:
+        if self.model is not None:  # (restored by the caller: what the units wrote is gone)
             for t in list(self.model.parameters()) + list(self.model.buffers()):
+                st = _storage(t)
                 _TAGS.pop(t)
+                if st is not None:
+                    _TAGS.pop(st)
         dead = [k for k, (ref, _) in _TAGS.d.items() if ref() is None]
-        for k in dead:  # (the map is process-wide: the call's dead tensors leave it)
+        for k in dead:  # (the maps are process-wide: the call's dead tensors leave them)
             del _TAGS.d[k]
+        live = [(a, r) for a, r in zip(_STARTS, _RANGES) if r[1]() is not None]
+        _STARTS[:] = [a for a, _ in live]
+        _RANGES[:] = [r for _, r in live]
