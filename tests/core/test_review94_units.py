@@ -284,3 +284,60 @@ def test_review95_modes_switched_off_are_outside_the_guard():
     x, y = _units()
     with pytest.raises(UnitDataRefused):
         unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))
+
+
+# ----------------------------------------------------------------------- ninety-sixth review
+
+_GEN = torch.Generator().manual_seed(2)
+
+
+class _GenCarry(_Lin):
+    """A draw count on a generator of the forward's own depends on the unit (3.99 C before)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = torch.sign(torch.rand((), generator=_GEN) - 0.5)
+        torch.poisson(torch.relu(x[:, 0].sum()).expand(3), generator=_GEN)
+        return self.fc(x) * s
+
+
+def test_review96_a_generator_of_the_forward_is_refused():
+    torch.manual_seed(0)
+    m = _GenCarry()
+    x, y = _units()
+    with pytest.raises(UnitDataRefused, match="torch.Generator of the forward's own"):
+        unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))
+
+
+class _Uninit(_Lin):
+    """Reads torch.empty's bytes: the memory the previous unit freed (3.99 C before)."""
+
+    seen: list = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        type(self).seen.append(torch.empty(3001).abs().sum())
+        _ = torch.full((3001,), 1000.0) * x[:, 0].sum()  # freed when the forward returns
+        return self.fc(x)
+
+
+def test_review96_uninitialised_memory_reads_zeros_in_a_unit():
+    torch.manual_seed(0)
+    m = _Uninit()
+    _Uninit.seen.clear()
+    x, y = _units(k=4)
+    unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))
+    assert [float(v) for v in _Uninit.seen] == [0.0] * 4
+
+
+class _Grows(_Lin):
+    def forward(self, x: Tensor) -> Tensor:
+        t = torch.zeros(1)
+        t.resize_(3001)
+        return self.fc(x) * (1 + 0 * t.sum())
+
+
+def test_review96_growing_a_tensor_in_a_unit_is_refused():
+    torch.manual_seed(0)
+    m = _Grows()
+    x, y = _units()
+    with pytest.raises(UnitDataRefused, match="grows a tensor's memory"):
+        unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))

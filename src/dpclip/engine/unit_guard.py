@@ -43,7 +43,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dpclip.engine import _cm
 from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.generators import _defaults
 from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name
 
 __all__ = ["UnitGuard", "UnitDataRefused"]
@@ -77,6 +79,10 @@ _METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size"
              "numel", "dim", "is_contiguous", "storage_offset"}
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+
+#: operations that re-point a tensor at other memory or may grow it (uninitialised bytes)
+_RESHAPED = {_aten.set_, _aten.resize_, _aten.resize_as_, _aten.resize_as_sparse_,
+             _aten.sparse_resize_, _aten.sparse_resize_and_clear_}
 
 
 class UnitDataRefused(UnsupportedModelError):
@@ -170,10 +176,21 @@ class _TagDispatch(TorchDispatchMode):
         unit = g.unit
         exempt = _bn_exempt(func, args, kwargs) if unit else ()
         mine = False
+        packet = func.overloadpacket
+        if unit and packet in _RESHAPED:
+            g.refuse(f"the operation {_name(func)} re-points or grows a tensor's memory in a "
+                     "unit: the new bytes may hold what the previous unit freed")
         leaves = [(i, t) for i, t in enumerate(args)] + [(-1, t) for t in kwargs.values()]
         for i, a in leaves:
             for t in (a,) if isinstance(a, Tensor) else tree_leaves(a):
                 if not isinstance(t, Tensor):
+                    if unit and isinstance(t, torch.Generator) and \
+                            not any(t is d for d in _defaults()):
+                        g.refuse(f"the operation {_name(func)} draws from a torch.Generator of "
+                                 "the forward's own: its state can carry a unit's values (set "
+                                 "through get_state / set_state, or a draw count that depends on "
+                                 "them) to the next unit; draw from the default generator (each "
+                                 "unit runs under its own seed)")
                     continue
                 if type(t) not in _PLAIN:
                     g.refuse(f"the operation {_name(func)} takes a tensor of the subclass "
@@ -187,6 +204,11 @@ class _TagDispatch(TorchDispatchMode):
                     g.refuse(_MIXED_IN.format(_name(func)))
         try:
             out = func(*args, **kwargs)
+            if unit and _meta(func).uninit and isinstance(out, Tensor):
+                # (ninety-sixth review: torch.empty handed a unit the bytes the previous unit
+                # freed, 3.99 C: a unit gets zeros instead)
+                with _cm.no_grad():
+                    out.zero_()
         except Exception:
             if mine:  # (whether an operation fails is a bit of the unit's data: 28th review's
                 # rule of the tracer; ninety-fifth review: an index error caught, 3.99 C)
