@@ -19,6 +19,7 @@ from typing import Union
 
 from dpclip.accounting.accountants import (
     DEFAULT_PLD_DISCRETIZATION,
+    PLDGridTooLarge,
     check_accountant,
     check_delta,
     compute_epsilon,
@@ -60,9 +61,12 @@ def _event_epsilon_fn(
             raise TypeError(
                 f"{what} must return a dpclip.events event, got {type(ev).__name__} for {x!r}"
             )
-        return compute_epsilon(
-            ev, delta, accountant, value_discretization_interval=vdi, rdp_orders=orders
-        ).epsilon
+        try:
+            return compute_epsilon(
+                ev, delta, accountant, value_discretization_interval=vdi, rdp_orders=orders
+            ).epsilon
+        except PLDGridTooLarge:  # (a noise multiplier far below any useful one: infeasible)
+            return math.inf
 
     return f
 
