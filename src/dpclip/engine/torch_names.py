@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import dis
+import gc
 import inspect
 import itertools
 import operator
@@ -315,6 +317,116 @@ def _closure_cells(values: list[Any]) -> list[types.CellType]:
 
 
 _CELL = operator.attrgetter("cell_contents")
+_VALUE = operator.attrgetter("value")
+
+
+def _tag_offset() -> int | None:
+    """The offset of a dict's version tag (``ma_version_tag``, PEP 509) in its object, or None
+    where it cannot be used: CPython 3.11 to 3.13 give every dict a 64-bit tag that changes at
+    every change of an entry (a key added, removed, or bound to another object; never two dicts,
+    or one dict at two times, with one tag). A tag that is the same means the same entries, so
+    :meth:`_Snapshot._same` compares the watched dictionaries' tags (one number per dictionary)
+    and compares entry by entry only where one moved. Python 3.14 no longer changes the field
+    (and other builds may lay the object out otherwise): the layout is checked here, on dicts of
+    several sizes and every kind of change, and anything unexpected means no tags (every check
+    compares the entries, as before)."""
+    if sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13):
+        return None
+    head = object.__basicsize__  # (ob_refcnt, ob_type; then ma_used, then the tag)
+    off = head + ctypes.sizeof(ctypes.c_ssize_t)
+    try:
+        def used(d: dict) -> int:
+            return ctypes.c_ssize_t.from_address(id(d) + head).value
+
+        def tag(d: dict) -> int:
+            return ctypes.c_uint64.from_address(id(d) + off).value
+
+        seen: set[int] = set()
+        d: dict = {}
+        for i in range(40):  # (ma_used where it is expected: the layout is this one)
+            if used(d) != len(d):
+                return None
+            d[i] = object()
+
+        def moved(change: Any, target: dict) -> bool:
+            before = tag(target)
+            change()
+            after = tag(target)
+            if after == before or after in seen:
+                return False
+            seen.add(after)
+            return True
+
+        class _Probe:
+            x = 1
+
+        mod = types.ModuleType("_dpclip_tag_probe")
+        cls_dict = gc.get_referents(_Probe.__dict__)
+        if len(cls_dict) != 1 or type(cls_dict[0]) is not dict:
+            return None
+        # (a class's dictionary is found behind its mappingproxy by the proxy's one field, as
+        # the collector finds it: gc.get_referents is refused inside a step, frames_guard)
+        for c in (_Probe, *_CLASSES, contextlib.ExitStack):
+            if _proxied(vars(c)) is not gc.get_referents(vars(c))[0]:
+                return None
+        changes = [
+            (lambda: d.__setitem__(0, object()), d), (lambda: d.__setitem__("new", 1), d),
+            (lambda: d.__delitem__("new"), d), (lambda: d.pop(1), d),
+            (lambda: d.setdefault("s", 1), d), (lambda: d.update({2: object()}), d),
+            (lambda: d.popitem(), d), (lambda: d.__ior__({3: object()}), d), (d.clear, d),
+            (lambda: setattr(_Probe, "x", object()), cls_dict[0]),
+            (lambda: delattr(_Probe, "x"), cls_dict[0]),
+            (lambda: setattr(mod, "y", object()), vars(mod)),
+            (lambda: exec("z = 1", vars(mod)), vars(mod)),
+        ]
+        if not all(moved(fn, target) for fn, target in changes):
+            return None
+        before = tag(d)
+        d.get("absent")
+        _ = len(d)
+        if tag(d) != before:  # (reading does not move it)
+            return None
+    except Exception:  # noqa: BLE001 - an unexpected layout: no tags
+        return None
+    return off
+
+
+def _proxied(proxy: types.MappingProxyType) -> Any:
+    """The mapping a ``mappingproxy`` wraps (its one field, after the object header)."""
+    if type(proxy) is not types.MappingProxyType:
+        raise TypeError(f"not a mappingproxy: {type(proxy).__name__}")
+    at = ctypes.c_void_p.from_address(id(proxy) + object.__basicsize__).value
+    return ctypes.cast(at, ctypes.py_object).value
+
+
+#: where a dict's version tag is (:func:`_tag_offset`), or None: entries compared one by one
+_TAG_OFFSET = _tag_offset()
+
+
+def _dict_of(o: Any) -> Any:
+    """A module's or a class's own dictionary object (a class's, behind its mappingproxy; used
+    only where :func:`_tag_offset` checked that layout)."""
+    if isinstance(o, types.ModuleType):
+        return vars(o)
+    if _TAG_OFFSET is None:
+        return None
+    return _proxied(vars(o))
+
+
+def _tag_readers(dicts: list[dict]) -> tuple[list[dict], list[ctypes.c_uint64]] | None:
+    """The distinct dicts of ``dicts`` (kept, so that their memory stays theirs) and a reader of
+    each one's version tag; None without tags."""
+    if _TAG_OFFSET is None:
+        return None
+    out: list[dict] = []
+    seen: set[int] = set()
+    for d in dicts:
+        if type(d) is not dict:
+            return None
+        if id(d) not in seen:
+            seen.add(id(d))
+            out.append(d)
+    return out, [ctypes.c_uint64.from_address(id(d) + _TAG_OFFSET) for d in out]
 
 
 def _class_values(classes: list[tuple[Any, str]]) -> list[Any]:
@@ -334,11 +446,19 @@ def _label(o: Any) -> str:
 
 class _Snapshot:
     __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "owners",
-                 "kviews", "vviews", "lens", "flat_keys", "flat_values", "cells", "cell_values")
+                 "kviews", "vviews", "lens", "flat_keys", "flat_values", "cells", "cell_values",
+                 "watched", "tagged", "readers", "tags")
 
-    def __init__(self) -> None:
+    def __init__(self, watched: Any = None) -> None:
+        self.watched = watched if watched is not None else _names()
         self.names, self.dicts, self.keys, self.classes, (self.owners, views), self.cells = \
-            _names()
+            self.watched
+        # the version tags of every dictionary watched (:func:`_tag_offset`), read first: a
+        # change made after them moves a tag, so the values below are never newer than them
+        tagged = _tag_readers([*self.dicts, *(_dict_of(o) for o in self.owners),
+                               *(_dict_of(c) for c, _ in self.classes)])
+        self.tagged, self.readers = tagged if tagged is not None else ([], None)
+        self.tags = tuple(map(_VALUE, self.readers)) if self.readers is not None else None
         self.cell_values = tuple(map(_CELL, self.cells))
         self.values = _values(self.dicts, self.keys)
         self.class_values = _class_values(self.classes)
@@ -359,6 +479,31 @@ class _Snapshot:
         return out
 
     def _same(self) -> bool:
+        try:
+            cells_same = all(map(operator.is_, map(_CELL, self.cells), self.cell_values))
+        except ValueError:  # (a cell emptied)
+            return False
+        if not cells_same:
+            return False
+        if self.readers is None:
+            return self._same_entries()
+        tags = tuple(map(_VALUE, self.readers))
+        if tags == self.tags:
+            return True  # (no watched dictionary changed since its entries were last compared)
+        if not self._same_entries():
+            return False
+        # (a dictionary changed back and forth, or an entry not watched changed: the entries
+        # compared equal after the tags were read, so those tags stand for the values taken)
+        self.tags = tags
+        return True
+
+    def reusable(self, watched: Any) -> bool:
+        """Whether this snapshot, taken at an earlier step, still holds every watched value now
+        (the same watched names, no watched dictionary changed since, the same closure cells):
+        the next step's snapshot then is this one."""
+        return watched is self.watched and self.readers is not None and self._same()
+
+    def _same_entries(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.dicts, self.keys, _REPEAT),
                        self.values)):
             return False
@@ -369,11 +514,7 @@ class _Snapshot:
                 not all(map(operator.is_, itertools.chain.from_iterable(self.kviews),
                             self.flat_keys)):
             return False
-        try:
-            if not all(map(operator.is_, map(_CELL, self.cells), self.cell_values)):
-                return False
-        except ValueError:  # (a cell emptied)
-            return False
+        # (the closure cells: compared by the caller, :meth:`_same`)
         return all(map(operator.is_, _class_values(self.classes), self.class_values))
 
     def _cells_now(self) -> list[Any]:
@@ -428,6 +569,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.depth = 0
         self.snap: _Snapshot | None = None
+        self.last: _Snapshot | None = None  # (the previous step's, if it ended unchanged)
 
 
 _STATE = _State()
@@ -440,7 +582,10 @@ class watching:
     def __enter__(self) -> None:
         st = _STATE
         if st.depth == 0:
-            st.snap = _Snapshot()
+            watched = _names()
+            last, st.last = st.last, None
+            st.snap = last if last is not None and last.reusable(watched) else \
+                _Snapshot(watched)
         st.depth += 1
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -450,6 +595,7 @@ class watching:
             snap, st.snap = st.snap, None
             if snap is not None and exc_type is None:
                 _refuse_changes(snap, "when the step ended")
+                st.last = snap
             elif snap is not None:
                 snap.put_back()
 
