@@ -262,6 +262,13 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                 for b in c.__mro__:
                     if isinstance(b, type) and _mutable_foreign_class(b) and b not in whole:
                         whole.append(b)
+            # (a module of a class of its own, torch._VF's VFModule: its class's __getattr__
+            # or properties answer names its dictionary lacks; watched whole, ninety-ninth
+            # hostile review)
+            for m in dict.fromkeys(o for o, _ in mods):
+                for b in type(m).__mro__:
+                    if isinstance(b, type) and _mutable_foreign_class(b) and b not in whole:
+                        whole.append(b)
             classes = [(o, a) for o, a in pairs if not isinstance(o, types.ModuleType)
                        and o not in whole]
             # (a warning whose frame is a watched module's code adds "__warningregistry__" to its
@@ -274,8 +281,14 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
             views = ([vars(o).keys() for o in whole], [vars(o).values() for o in whole])
             values = [vars(o).get(a) for o, a in mods + classes] + \
                 [v for o in whole for v in list(vars(o).values())]
+            # (what looks a name up besides the dictionaries: each watched module's class and
+            # each watched class's bases and metaclass, ninety-ninth hostile review)
+            modules = list(dict.fromkeys([m for m, _ in mods] +
+                                         [o for o in whole if isinstance(o, types.ModuleType)]))
+            kinds = list(dict.fromkeys([c for c, _ in classes] +
+                                       [o for o in whole if isinstance(o, type)]))
             _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes,
-                            (whole, views), _closure_cells(values))]
+                            (whole, views), _closure_cells(values), (modules + kinds, kinds))]
             _SEEN[0] = len(sys.modules)
     return _WATCHED[0]
 
@@ -283,6 +296,27 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
 #: the number of modules loaded at the last scan; the watched names, their dicts and keys
 _SEEN = [-1]
 _WATCHED: list[Any] = []
+
+
+_MRO = type.__dict__["__mro__"].__get__
+_BASES = type.__dict__["__bases__"].__get__
+_SET_BASES = type.__dict__["__bases__"].__set__
+_STR = {str}
+
+
+def _odd_keys(dicts: list[Any]) -> list[Any]:
+    """The dicts of ``dicts`` holding a key that is not exactly a ``str`` (types read, no key's
+    code run)."""
+    return [d for d in dicts if not set(map(type, d)) <= _STR]
+
+
+def _odd_message(odd: list[Any]) -> str:
+    names = [next((v for k, v in d.items() if type(k) is str and k == "__name__"
+                   and type(v) is str), "a class") for d in odd[:3]]
+    return ("a key that is not a string was put in the dictionary of a module or class whose "
+            f"names dpclip's arithmetic looks up ({', '.join(names)}): looking a name up there "
+            "would run that key's __eq__ inside the engine (ninety-ninth hostile review); the "
+            "step is refused. Remove it (module and class attributes are named by strings)")
 
 
 def _closure_cells(values: list[Any]) -> list[types.CellType]:
@@ -447,18 +481,27 @@ def _label(o: Any) -> str:
 class _Snapshot:
     __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "owners",
                  "kviews", "vviews", "lens", "flat_keys", "flat_values", "cells", "cell_values",
-                 "watched", "tagged", "readers", "tags")
+                 "watched", "tagged", "readers", "tags", "typed", "types", "kinds", "mros",
+                 "bases")
 
     def __init__(self, watched: Any = None) -> None:
         self.watched = watched if watched is not None else _names()
-        self.names, self.dicts, self.keys, self.classes, (self.owners, views), self.cells = \
-            self.watched
+        self.names, self.dicts, self.keys, self.classes, (self.owners, views), self.cells, \
+            (self.typed, self.kinds) = self.watched
+        self.types = tuple(map(type, self.typed))
+        self.mros = tuple(map(_MRO, self.kinds))
+        self.bases = tuple(map(_BASES, self.kinds))
         # the version tags of every dictionary watched (:func:`_tag_offset`), read first: a
         # change made after them moves a tag, so the values below are never newer than them
         tagged = _tag_readers([*self.dicts, *(_dict_of(o) for o in self.owners),
                                *(_dict_of(c) for c, _ in self.classes)])
         self.tagged, self.readers = tagged if tagged is not None else ([], None)
         self.tags = tuple(map(_VALUE, self.readers)) if self.readers is not None else None
+        # (every key a string before any lookup: a key of another type with a string's hash
+        # runs its __eq__ inside the compare's lookups, ninety-ninth hostile review)
+        odd = _odd_keys(self._all_dicts())
+        if odd:
+            raise UnsupportedModelError(_odd_message(odd))
         self.cell_values = tuple(map(_CELL, self.cells))
         self.values = _values(self.dicts, self.keys)
         self.class_values = _class_values(self.classes)
@@ -478,18 +521,40 @@ class _Snapshot:
             at += n
         return out
 
+    def _all_dicts(self) -> list[Any]:
+        """Every dictionary watched (the modules', the classes' behind their proxies), once."""
+        if self.readers is not None:
+            return self.tagged
+        seen: set[int] = set()
+        out = []
+        for d in [*self.dicts, *(vars(o) for o in self.owners),
+                  *(vars(c) for c, _ in self.classes)]:
+            if id(d) not in seen:
+                seen.add(id(d))
+                out.append(d)
+        return out
+
+    def _lookups_same(self) -> bool:
+        """Each watched module's class, each watched class's MRO and metaclass the same objects
+        (by identity; no code of theirs runs)."""
+        return all(map(operator.is_, map(type, self.typed), self.types)) and \
+            all(map(operator.is_, map(_MRO, self.kinds), self.mros))
+
     def _same(self) -> bool:
         try:
             cells_same = all(map(operator.is_, map(_CELL, self.cells), self.cell_values))
         except ValueError:  # (a cell emptied)
             return False
-        if not cells_same:
+        if not cells_same or not self._lookups_same():
             return False
         if self.readers is None:
-            return self._same_entries()
+            return not _odd_keys(self._all_dicts()) and self._same_entries()
         tags = tuple(map(_VALUE, self.readers))
         if tags == self.tags:
             return True  # (no watched dictionary changed since its entries were last compared)
+        # (a dictionary whose tag moved: its keys all strings before it is looked into)
+        if _odd_keys([d for d, t, w in zip(self.tagged, tags, self.tags) if t != w]):
+            return False
         if not self._same_entries():
             return False
         # (a dictionary changed back and forth, or an entry not watched changed: the entries
@@ -529,8 +594,15 @@ class _Snapshot:
     def changed(self) -> list[str]:
         if self._same():
             return []  # (the usual case: C code, ~10 us)
+        odd = _odd_keys(self._all_dicts())
+        if odd:  # (nothing is looked up in them, nor put back: the step is refused)
+            raise UnsupportedModelError(_odd_message(odd))
+        out = [f"the class of {_label(o)}" for o, t in zip(self.typed, self.types)
+               if type(o) is not t]
+        out += [f"the bases of {_label(c)}" for c, mro in zip(self.kinds, self.mros)
+                if _MRO(c) is not mro]
         now = _values(self.dicts, self.keys)
-        out = [f"{m.__name__}.{a}" for (m, a), v, w in zip(self.names, now, self.values)
+        out += [f"{m.__name__}.{a}" for (m, a), v, w in zip(self.names, now, self.values)
                if v is not w]
         out += [f"{_label(c)}.{a}" for (c, a), v, w in
                 zip(self.classes, _class_values(self.classes), self.class_values) if v is not w]
@@ -544,6 +616,17 @@ class _Snapshot:
         return out
 
     def put_back(self) -> None:
+        if _odd_keys(self._all_dicts()):  # (no lookup in them: the step is refused)
+            return
+        for o, t in zip(self.typed, self.types):
+            if type(o) is not t:
+                with contextlib.suppress(Exception):
+                    object.__setattr__(o, "__class__", t)
+        for c, b in zip(self.kinds, self.bases):  # (a watched class's own bases; a base of its
+            # that is not watched and was changed stays changed: the step is refused anyway)
+            if _BASES(c) is not b:
+                with contextlib.suppress(Exception):
+                    _SET_BASES(c, b)
         for c, v, w in zip(self.cells, self._cells_now(), self.cell_values):
             if v is not w:
                 c.cell_contents = w
