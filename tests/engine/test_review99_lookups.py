@@ -232,3 +232,38 @@ def test_a_module_of_its_own_class_has_its_class_watched():
     _loo(GhostEngine(), model, x, y)
     whole = torch_names._names()[4][0]
     assert type(torch._VF) in whole
+
+
+def _add_module_getattr():
+    vars(torch.random)["__getattr__"] = lambda name: (lambda *a, **k: None)
+
+
+def _set_metaclass_attr():
+    type(torch.autograd.Function).__getattribute__ = type.__getattribute__  # (a pass-through)
+
+
+@pytest.mark.parametrize("change", [_add_module_getattr, _set_metaclass_attr],
+                         ids=["module-__getattr__", "metaclass"])
+def test_what_answers_missing_names_is_watched(change):
+    """A module's ``__getattr__`` (PEP 562: it answers the names its dictionary lacks, and
+    ``torch.random._GeneratorContextManager`` is one the engine's code looks up) and a watched
+    class's metaclass (``FunctionMeta``: class-level lookups) changed inside the step are
+    refused and put back."""
+    meta = type(torch.autograd.Function)
+    had = "__getattribute__" in vars(meta)
+    torch.manual_seed(0)
+    model = _Net()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    eng = GhostEngine()
+    try:
+        _loo(eng, model, x, y)
+        model.arm = change
+        with pytest.raises(UnsupportedModelError, match="during the private step"):
+            _loo(eng, model, x, y)
+        assert "__getattr__" not in vars(torch.random)
+        assert ("__getattribute__" in vars(meta)) == had
+    finally:
+        model.arm = None
+        vars(torch.random).pop("__getattr__", None)
+        if not had and "__getattribute__" in vars(meta):
+            del meta.__getattribute__

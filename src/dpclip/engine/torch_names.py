@@ -269,6 +269,17 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                 for b in type(m).__mro__:
                     if isinstance(b, type) and _mutable_foreign_class(b) and b not in whole:
                         whole.append(b)
+            # (a class's own attributes are looked up through its metaclass: FunctionMeta,
+            # ABCMeta; watched whole where code can change them)
+            for c in [o for o, _ in pairs if isinstance(o, type)] + \
+                    [o for o in whole if isinstance(o, type)]:
+                for b in type(c).__mro__:
+                    if isinstance(b, type) and _mutable_foreign_class(b) and b not in whole:
+                        whole.append(b)
+            # (a module's __getattr__ answers every name its dictionary lacks, PEP 562: watched
+            # as a name of each watched module, present or not, ninety-ninth review)
+            mods += [(m, "__getattr__") for m in dict.fromkeys(o for o, _ in mods)
+                     if (m, "__getattr__") not in mods]
             classes = [(o, a) for o, a in pairs if not isinstance(o, types.ModuleType)
                        and o not in whole]
             # (a warning whose frame is a watched module's code adds "__warningregistry__" to its
