@@ -298,8 +298,28 @@ def _names() -> tuple[list[tuple[Any, str]], list[dict], list[str], list[tuple[A
                                          [o for o in whole if isinstance(o, types.ModuleType)]))
             kinds = list(dict.fromkeys([c for c, _ in classes] +
                                        [o for o in whole if isinstance(o, type)]))
+            cells = _closure_cells(values)
+            # (every entry of the watched modules' dictionaries, and of the modules whose
+            # globals the watched functions and the functions their closures hold read: an
+            # operator of torch.Tensor's looks torch.floor_divide up, a closure of torch.unique's
+            # torch.functional._unique_impl, names no scan of dpclip's code lists: 648 C under
+            # ghost, hundredth hostile review)
+            mwhole = [m for m in modules if m is not builtins and m not in whole]
+            for v in values + [c.cell_contents for c in cells if _filled(c)]:
+                fn = getattr(v, "__func__", v)
+                if isinstance(v, property):
+                    fn = v.fget
+                if not isinstance(fn, types.FunctionType):
+                    continue
+                owner = sys.modules.get(str(getattr(fn, "__module__", "") or ""))
+                if owner is not None and _foreign_module(owner) and owner is not builtins and \
+                        vars(owner) is fn.__globals__ and owner not in whole and \
+                        owner not in mwhole:
+                    mwhole.append(owner)
+            for o in mwhole:
+                vars(o).setdefault("__warningregistry__", {})
             _WATCHED[:] = [(mods, [vars(m) for m, _ in mods], [a for _, a in mods], classes,
-                            (whole, views), _closure_cells(values), (modules + kinds, kinds))]
+                            (whole, views), cells, (modules + kinds, kinds), mwhole)]
             _SEEN[0] = len(sys.modules)
     return _WATCHED[0]
 
@@ -313,6 +333,43 @@ _MRO = type.__dict__["__mro__"].__get__
 _BASES = type.__dict__["__bases__"].__get__
 _SET_BASES = type.__dict__["__bases__"].__set__
 _STR = {str}
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _submodule(owner: types.ModuleType, key: str, value: Any) -> bool:
+    """Whether ``owner.key = value`` is the import system's: ``value`` is the module
+    ``sys.modules`` holds under ``owner``'s name dot ``key`` (a submodule imported inside the
+    step, torch's lazy ``torch._dynamo`` on a proof's first trace); or an operator namespace's
+    (``torch.ops.aten``) packet of the operator ``key``, which it makes at the first lookup."""
+    if type(owner) is _OP_NAMESPACE:  # (torch.ops.aten caches each operator's packet at its
+        # first lookup: a packet of that very operator, calling torch's compiled function)
+        ns = vars(owner).get("name")
+        op = vars(value).get("_op") if type(value) is _OP_PACKET else None
+        return type(ns) is str and op is not None and \
+            vars(value).get("_qualified_op_name") == f"{ns}::{key}" and \
+            type(op) is types.BuiltinFunctionType and op.__name__ == key
+    return isinstance(value, types.ModuleType) and \
+        sys.modules.get(f"{owner.__name__}.{key}") is value and value.__name__ == \
+        f"{owner.__name__}.{key}"
+
+
+def _flags(old: Any, new: Any) -> bool:
+    """Whether a module global went from one plain value to another (a bool, a number, a
+    string, None: torch's own state flags, ``torch.compiler._is_exporting_flag`` set by an export
+    inside the step): no code of the forward's can run through them."""
+    return type(old) in _PLAIN_DATA and type(new) in _PLAIN_DATA
+
+
+_PLAIN_DATA = frozenset({bool, int, float, complex, str, type(None)})
+_OP_NAMESPACE = torch._ops._OpNamespace
+_OP_PACKET = torch._ops.OpOverloadPacket
 
 
 def _odd_keys(dicts: list[Any]) -> list[Any]:
@@ -493,21 +550,27 @@ class _Snapshot:
     __slots__ = ("names", "dicts", "keys", "values", "classes", "class_values", "owners",
                  "kviews", "vviews", "lens", "flat_keys", "flat_values", "cells", "cell_values",
                  "watched", "tagged", "readers", "tags", "typed", "types", "kinds", "mros",
-                 "bases")
+                 "bases", "mwhole", "mcopy", "mpos")
 
     def __init__(self, watched: Any = None) -> None:
         self.watched = watched if watched is not None else _names()
         self.names, self.dicts, self.keys, self.classes, (self.owners, views), self.cells, \
-            (self.typed, self.kinds) = self.watched
+            (self.typed, self.kinds), self.mwhole = self.watched
         self.types = tuple(map(type, self.typed))
         self.mros = tuple(map(_MRO, self.kinds))
         self.bases = tuple(map(_BASES, self.kinds))
         # the version tags of every dictionary watched (:func:`_tag_offset`), read first: a
         # change made after them moves a tag, so the values below are never newer than them
-        tagged = _tag_readers([*self.dicts, *(_dict_of(o) for o in self.owners),
+        tagged = _tag_readers([*self.dicts, *(vars(m) for m in self.mwhole),
+                               *(_dict_of(o) for o in self.owners),
                                *(_dict_of(c) for c, _ in self.classes)])
         self.tagged, self.readers = tagged if tagged is not None else ([], None)
         self.tags = tuple(map(_VALUE, self.readers)) if self.readers is not None else None
+        # the modules watched whole: each dictionary's keys and values, in order, and its place
+        # among the tagged dictionaries
+        self.mcopy = [(tuple(vars(m)), tuple(vars(m).values())) for m in self.mwhole]
+        at = {id(d): i for i, d in enumerate(self.tagged)}
+        self.mpos = [at.get(id(vars(m)), -1) for m in self.mwhole]
         # (every key a string before any lookup: a key of another type with a string's hash
         # runs its __eq__ inside the compare's lookups, ninety-ninth hostile review)
         odd = _odd_keys(self._all_dicts())
@@ -559,7 +622,8 @@ class _Snapshot:
         if not cells_same or not self._lookups_same():
             return False
         if self.readers is None:
-            return not _odd_keys(self._all_dicts()) and self._same_entries()
+            return not _odd_keys(self._all_dicts()) and self._same_entries() and \
+                all(map(self._module_same, range(len(self.mwhole))))
         tags = tuple(map(_VALUE, self.readers))
         if tags == self.tags:
             return True  # (no watched dictionary changed since its entries were last compared)
@@ -568,10 +632,52 @@ class _Snapshot:
             return False
         if not self._same_entries():
             return False
+        moved = {i for i, (t, w) in enumerate(zip(tags, self.tags)) if t != w}
+        if not all(self._module_same(j) for j, i in enumerate(self.mpos)
+                   if i in moved or i < 0):
+            return False
         # (a dictionary changed back and forth, or an entry not watched changed: the entries
         # compared equal after the tags were read, so those tags stand for the values taken)
         self.tags = tags
         return True
+
+    def _module_same(self, j: int) -> bool:
+        """Whether module ``j`` watched whole holds the entries it held (by identity, in order),
+        but for submodules the import system added (:func:`_submodule`; then taken as the new
+        entries)."""
+        m = self.mwhole[j]
+        d = vars(m)
+        keys, vals = self.mcopy[j]
+        if len(d) == len(keys) and all(map(operator.is_, d.values(), vals)) and \
+                all(map(operator.is_, d.keys(), keys)):
+            return True
+        if _odd_keys([d]):
+            return False
+        old = dict(zip(keys, vals))
+        if any(k not in d for k in keys):
+            return False
+        for k, v in list(d.items()):
+            w = old.get(k, _MISSING)
+            if w is _MISSING:
+                if not _submodule(m, k, v):
+                    return False
+            elif w is not v and not _flags(w, v):
+                return False
+        self.mcopy[j] = (tuple(d), tuple(d.values()))
+        return True
+
+    def _module_changes(self) -> list[str]:
+        out = []
+        for j, m in enumerate(self.mwhole):
+            if self._module_same(j):
+                continue
+            d = vars(m)
+            old = dict(zip(*self.mcopy[j]))
+            out += [f"{m.__name__}.{k}" for k in sorted(set(d) | set(old))
+                    if d.get(k, _MISSING) is not old.get(k, _MISSING)
+                    and not (k not in old and _submodule(m, k, d[k]))
+                    and not (k in old and k in d and _flags(old[k], d[k]))]
+        return out
 
     def reusable(self, watched: Any) -> bool:
         """Whether this snapshot, taken at an earlier step, still holds every watched value now
@@ -612,6 +718,7 @@ class _Snapshot:
                if type(o) is not t]
         out += [f"the bases of {_label(c)}" for c, mro in zip(self.kinds, self.mros)
                 if _MRO(c) is not mro]
+        out += self._module_changes()
         now = _values(self.dicts, self.keys)
         out += [f"{m.__name__}.{a}" for (m, a), v, w in zip(self.names, now, self.values)
                if v is not w]
@@ -633,6 +740,15 @@ class _Snapshot:
             if type(o) is not t:
                 with contextlib.suppress(Exception):
                     object.__setattr__(o, "__class__", t)
+        for j, m in enumerate(self.mwhole):  # (the modules watched whole, entry by entry)
+            d = vars(m)
+            old = dict(zip(*self.mcopy[j]))
+            for k in [k for k in d if k not in old and not _submodule(m, k, d[k])]:
+                del d[k]
+            for k, v in old.items():
+                now = d.get(k, _MISSING)
+                if now is not v and not (now is not _MISSING and _flags(v, now)):
+                    d[k] = v
         for c, b in zip(self.kinds, self.bases):  # (a watched class's own bases; a base of its
             # that is not watched and was changed stays changed: the step is refused anyway)
             if _BASES(c) is not b:
