@@ -110,7 +110,9 @@ def test_a_tensor_written_in_place_carries_nothing_to_the_next_unit():
     torch.manual_seed(0)
     m = _InPlaceCarry()
     x, y = _units()
-    with pytest.raises(UnitDataRefused, match="another clipping unit or an earlier call"):
+    # (refused at the write since review 101: the global was made outside the unit)
+    with pytest.raises(UnitDataRefused,
+                       match="another clipping unit or an earlier call|made outside the unit"):
         unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))
 
 

@@ -57,6 +57,11 @@ _aten = torch.ops.aten
 #: tensor (views, ``as_subclass``, ``_make_subclass``, a ``.data`` assignment) shares its storage
 #: object (ninety-fifth review: aliases made outside the dispatcher came out untagged, 3.99 C)
 _TAGS = _IdMap()
+#: storage identity -> the unit during which the dispatcher made it from no unit's values (a
+#: ``torch.zeros`` in the forward): the unit may write its values into it, and only into such
+#: memory or its own (a hundred-and-first review: a tensor made outside the unit, whose memory
+#: numpy, a bytearray or a raw pointer also held, carried one unit's value to the next, 4.0 C)
+_BORN = _IdMap()
 _SERIAL = count(1)
 #: the tagged storages' address ranges, sorted by start: a tensor re-made over the same memory
 #: without the dispatcher (DLPack, ``torch._C._to_dlpack`` then ``from_dlpack``) has a storage
@@ -117,6 +122,12 @@ def tag_of(t: Tensor) -> int | None:
             continue
         return _TAGS.get(owner) if ptr < end else None
     return None
+
+
+def born_in(t: Tensor) -> int | None:
+    """The unit during which ``t``'s memory was made by the dispatcher, or None."""
+    st = _storage(t)
+    return _BORN.get(st if st is not None else t)
 
 
 def _set_tag(t: Tensor, unit: int) -> None:
@@ -202,9 +213,26 @@ class _TagDispatch(TorchDispatchMode):
                     mine = True
                 elif i not in exempt or i < 0:
                     g.refuse(_MIXED_IN.format(_name(func)))
+        meta = _meta(func)
+        if unit and mine and meta.mutable:
+            # (the unit's values written only into the unit's own memory: a tensor made before
+            # the unit may be shared outside torch, with a NumPy array, a bytearray or a raw
+            # pointer taken earlier, which no tag follows; a hundred-and-first review: 4.0 C)
+            for i, name in meta.writes:
+                if i in exempt:
+                    continue
+                w = args[i] if i < len(args) else kwargs.get(name)
+                for t in tree_leaves(w):
+                    if isinstance(t, Tensor) and tag_of(t) != unit and born_in(t) != unit:
+                        g.refuse(f"the operation {_name(func)} writes values computed from the "
+                                 "unit's examples into a tensor made outside the unit (a "
+                                 "global, an attribute, a tensor over NumPy's or a buffer's "
+                                 "memory): whatever else holds that memory would carry them to "
+                                 "another unit or a later step; write into a tensor the forward "
+                                 "makes (e.g. torch.zeros inside it)")
         try:
             out = func(*args, **kwargs)
-            if unit and _meta(func).uninit and isinstance(out, Tensor):
+            if unit and meta.uninit and isinstance(out, Tensor):
                 # (ninety-sixth review: torch.empty handed a unit the bytes the previous unit
                 # freed, 3.99 C: a unit gets zeros instead)
                 with _cm.no_grad():
@@ -216,8 +244,18 @@ class _TagDispatch(TorchDispatchMode):
                        "examples: whether it fails is information the forward can keep")
             raise
         if not mine:
+            if unit:  # (memory the dispatcher made in this unit, not a view of an input's)
+                ins = {st.data_ptr() for a in leaves for t in
+                       ((a[1],) if isinstance(a[1], Tensor) else tree_leaves(a[1]))
+                       if isinstance(t, Tensor) and (st := _storage(t)) is not None}
+                for o in tree_leaves(out):
+                    if isinstance(o, Tensor):
+                        st = _storage(o)
+                        if st is None:
+                            _BORN[o] = unit
+                        elif st.data_ptr() not in ins or not st.data_ptr():
+                            _BORN[st] = unit
             return out
-        meta = _meta(func)
         if meta.data_dep:
             g.refuse(f"the operation {_name(func)} reads values computed from the unit's "
                      "examples into Python (e.g. .item(), float(t), bool(t), nonzero): a Python "
@@ -254,8 +292,9 @@ class _TagFunction(TorchFunctionMode):
             if kind == _K_HOOK:
                 g.refuse(f"a gradient hook ({getattr(func, '__name__', func)}) is registered in "
                          "a unit's forward: its code runs in the backward pass, unguarded")
-            elif kind == _K_ESCAPE and any(isinstance(t, Tensor) and tag_of(t) is not None
-                                           for t in tree_leaves((args, kwargs or {}))):
+            elif kind == _K_ESCAPE and any(isinstance(t, Tensor) and (
+                    tag_of(t) is not None or born_in(t) == g.unit)
+                    for t in tree_leaves((args, kwargs or {}))):
                 g.refuse(f"Tensor.{getattr(func, '__name__', func)} takes values computed from "
                          "the unit's examples out of the dispatcher (to NumPy, Python, raw memory "
                          "or the tensor's .data): they could reach another unit's computation")
@@ -315,9 +354,10 @@ class UnitGuard:
                 _TAGS.pop(t)
                 if st is not None:
                     _TAGS.pop(st)
-        dead = [k for k, (ref, _) in _TAGS.d.items() if ref() is None]
-        for k in dead:  # (the maps are process-wide: the call's dead tensors leave them)
-            del _TAGS.d[k]
+        for table in (_TAGS, _BORN):  # (the maps are process-wide: the call's dead tensors
+            # leave them)
+            for k in [k for k, (ref, _) in table.d.items() if ref() is None]:
+                del table.d[k]
         live = [(a, r) for a, r in zip(_STARTS, _RANGES) if r[1]() is not None]
         _STARTS[:] = [a for a, _ in live]
         _RANGES[:] = [r for _, r in live]
