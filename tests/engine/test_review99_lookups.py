@@ -21,31 +21,13 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from dpclip.clipping import FixedClip
 from dpclip.engine import AutoEngine, GhostEngine, ParamGroups
 from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.test_torch_names_tags import _Net, _loss
 
 C = 1.0
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(4, 8)
-        self.l2 = nn.Linear(8, 2)
-        self.arm = None
-
-    def forward(self, x):
-        if self.arm is not None:
-            self.arm()
-        return self.l2(torch.tanh(self.l1(x)))
-
-
-def _loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
 
 
 def _weights(norms):
@@ -165,7 +147,7 @@ def test_a_name_redirected_around_its_entry_is_refused_on_a_later_step(engine, a
     try:
         for _ in range(3):  # (the watch's snapshot is reused from here on)
             assert _loo(eng, model, x, y) <= C * (1 + 1e-5)
-        model.arm = ATTACKS[attack]
+        model.action = ATTACKS[attack]
         for _ in range(2):
             try:
                 got = _loo(eng, model, x, y)
@@ -177,7 +159,7 @@ def test_a_name_redirected_around_its_entry_is_refused_on_a_later_step(engine, a
         assert type(torch) is types.ModuleType
         assert torch.Tensor.__bases__ == (torch._C.TensorBase,)
     finally:
-        model.arm = None
+        model.action = None
         _clean_up()
     assert _loo(eng, model, x, y) <= C * (1 + 1e-5)  # (and the next clean step runs)
 
@@ -192,7 +174,7 @@ def test_a_key_that_runs_code_inside_the_compare_is_refused(engine):
     try:
         for _ in range(3):
             assert _loo(eng, model, x, y) <= C * (1 + 1e-5)
-        model.arm = _odd_key(_colliding_name())
+        model.action = _odd_key(_colliding_name())
         _Key.fire[0], _Key.calls[0] = 0, 0
         try:  # (how many times the key's __eq__ runs in one call: each is tried below)
             eng.compute(model, _loss, x, y, _weights, ParamGroups.flat(model))
@@ -215,7 +197,7 @@ def test_a_key_that_runs_code_inside_the_compare_is_refused(engine):
                 if getattr(torch.mm, "_dpclip_once", False):
                     torch.mm = torch._C._VariableFunctions.mm
     finally:
-        model.arm = None
+        model.action = None
         _Key.fire[0] = 0
         _clean_up()
     assert _loo(eng, model, x, y) <= C * (1 + 1e-5)
@@ -257,13 +239,13 @@ def test_what_answers_missing_names_is_watched(change):
     eng = GhostEngine()
     try:
         _loo(eng, model, x, y)
-        model.arm = change
+        model.action = change
         with pytest.raises(UnsupportedModelError, match="during the private step"):
             _loo(eng, model, x, y)
         assert "__getattr__" not in vars(torch.random)
         assert ("__getattribute__" in vars(meta)) == had
     finally:
-        model.arm = None
+        model.action = None
         vars(torch.random).pop("__getattr__", None)
         if not had and "__getattribute__" in vars(meta):
             del meta.__getattribute__
