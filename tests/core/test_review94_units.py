@@ -341,5 +341,5 @@ def test_review96_growing_a_tensor_in_a_unit_is_refused():
     torch.manual_seed(0)
     m = _Grows()
     x, y = _units()
-    with pytest.raises(UnitDataRefused, match="grows a tensor's memory"):
+    with pytest.raises(UnitDataRefused, match="grows or maps a tensor's memory"):
         unit_sum(m, _loss, x, y, _wf, ParamGroups.flat(m))

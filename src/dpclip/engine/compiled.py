@@ -80,7 +80,7 @@ from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _Owne
                                       _row_group, layer_config, own_param)
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import foreign_aten_kernels
-from dpclip.engine.separable import SeparabilityTracer
+from dpclip.engine.separable import SeparabilityTracer, _meta
 from dpclip.engine import _cm
 
 __all__ = ["CompiledUnsupported", "Plan", "plan_of", "reset"]
@@ -445,8 +445,10 @@ def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
 
 def _generate(graph: torch.fx.Graph) -> Any:
     """A Python function running ``graph`` (placeholders in, the output node's values out) that
-    calls each ATen operation's C++ entry point (``OpOverload._op``, taken now) held in its own
-    namespace: nothing is looked up at run time, so no patch of ``torch.ops``, of
+    calls each ATen operation through torch's compiled entry for the operator its schema names
+    (made once with the operation's analysis, ``separable.call_op``; not ``OpOverload._op``, an
+    attribute a forward could replace before the graph is made: hundred-and-second hostile
+    review), held in its own namespace: nothing is looked up at run time, so no patch of ``torch.ops``, of
     ``OpOverload.__call__`` or of ``nn.Module.__call__`` (a global module hook on a GraphModule:
     sixty-sixth hostile review, 2.29 C and 1.43 C) reaches the step; no builtins either (the
     namespace's ``__builtins__`` is empty: arithmetic on sizes, indexing and list displays are
@@ -489,7 +491,10 @@ def _generate(graph: torch.fx.Graph) -> Any:
             lines.append(f"{name} = -({render(n.args[0])})")
         elif isinstance(n.target, torch._ops.OpOverload):
             fn = f"_f{i}"
-            space[fn] = n.target._op
+            # (the dispatcher's entry found by the schema's name, not the overload's ``_op``
+            # attribute, which a forward could have replaced before the graph was made:
+            # hundred-and-second hostile review, 8.68 C on every graph step)
+            space[fn] = _meta(n.target).op
             args = [render(a) for a in n.args] + [f"{k}={render(v)}" for k, v in n.kwargs.items()]
             lines.append(f"{name} = {fn}({', '.join(args)})")
         else:

@@ -57,7 +57,7 @@ from dpclip._ident import ident
 from dpclip.engine.errors import PerLayerNotProved, PerLayerUnsupported, quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
-from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
+from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap, call_op
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
            "join_layouts", "module_grads", "output_tensors", "own_param", "replay", "scale_holds",
@@ -554,7 +554,7 @@ def replay(entries: list[tuple[Any, tuple, dict, int]], grads: Sequence[bool],
             if math_args is not None:  # (its output alone: a read of the others fails)
                 out = _SDPA_MATH(*math_args[0], **math_args[1])[0]
             else:
-                out = func(*args, **kwargs)
+                out = call_op(func, args, kwargs)
         got = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (tuple, list)) \
             else []
         for j, o in enumerate(got):

@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dpclip._ident import ident
 from dpclip.engine.hook_watch import HookWatch
 from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
+from dpclip.engine.separable import call_op
 
 __all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram", "storage_key"]
 
@@ -675,7 +676,7 @@ class ProgramRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = call_op(func, args, kwargs)
         if self.paused or _skip(func):
             return out
         outs = [o for o in _outputs(out) if o is not None]

@@ -205,7 +205,8 @@ _WINDOW_MODULES = ("dpclip.engine", "dpclip.clipping", "dpclip.lipschitz", "dpcl
 _WINDOW = [False]
 #: torch's Python classes whose whole dictionaries are watched (where a method the engine calls
 #: on a model, a tensor or an autograd node is found before torch's C code)
-_CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function)
+_CLASSES = (torch.Tensor, torch.nn.Module, torch.autograd.Function, torch._ops.OpOverload,
+            torch._ops.OpOverloadPacket, torch._ops.OperatorBase)
 #: the dictionaries watched whole: those classes', torch._tensor's (the globals its Python
 #: methods look up: ``Tensor.__rdiv__``'s wrapper calls ``has_torch_function`` and
 #: ``handle_torch_function`` from there, 50 C under vmap for a strategy's ``C / n``,

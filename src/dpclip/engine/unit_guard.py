@@ -41,12 +41,13 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from dpclip._ident import ident
 from dpclip.engine import _cm
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import _defaults
-from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name
+from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name, call_op
 
 __all__ = ["UnitGuard", "UnitDataRefused"]
 
@@ -87,7 +88,8 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 #: operations that re-point a tensor at other memory or may grow it (uninitialised bytes)
 _RESHAPED = {_aten.set_, _aten.resize_, _aten.resize_as_, _aten.resize_as_sparse_,
-             _aten.sparse_resize_, _aten.sparse_resize_and_clear_}
+             _aten.sparse_resize_, _aten.sparse_resize_and_clear_, _aten._resize_output_,
+             _aten.from_file}
 
 
 class UnitDataRefused(UnsupportedModelError):
@@ -146,7 +148,7 @@ def _set_tag(t: Tensor, unit: int) -> None:
             _RANGES.insert(i, (ptr + n, weakref.ref(st)))
 
 
-def _bn_exempt(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
+def _bn_exempt(func: Any, args: tuple, kwargs: dict, own: frozenset) -> tuple[int, ...]:
     """The argument positions of a training-mode batch norm's running statistics (written, never
     read), when neither shares its memory with another argument (ninety-fifth review: the
     previous unit's carry given as running_mean AND as bias, read into the output, 3.99 C)."""
@@ -161,12 +163,77 @@ def _bn_exempt(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
     if not all(isinstance(t, Tensor) for t in stats):
         return ()
     ptrs = {_storage(t).data_ptr() for t in stats if _storage(t) is not None}
+    if not ptrs <= own:  # (only the model's own buffers, which the unit loop puts back; a
+        # global given as running_mean kept the unit's batch mean: 4.0 C, hundred-and-third
+        # review)
+        return ()
     others = [t for j, t in enumerate(tree_leaves((args[:rm], args[rv + 1:], kwargs)))
               if isinstance(t, Tensor)]
     if len(ptrs) < 2 or any(_storage(t) is None or _storage(t).data_ptr() in ptrs
                             for t in others):
         return ()
     return (rm, rv)
+
+
+#: (operator identity, argument shapes and values) -> the output shapes a meta run gives, or
+#: None where the meta run fails (the shapes depend on the values)
+_SHAPES: dict[Any, Any] = {}
+
+
+def _key(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return ("T", tuple(a.shape), a.dtype, a.layout, a.device.type)
+    try:
+        hash(a)
+    except TypeError:
+        return ("?", type(a).__name__)
+    return a
+
+
+def _check_shapes(g: "UnitGuard", func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Refuse an operation on the unit's values whose output shapes are not those its meta
+    kernel gives from the inputs' shapes alone: a shape that depends on the values can be read
+    into Python without any dispatched operation (``.shape``; ``to_sparse()._values().shape[0]``,
+    ``bincount(out=)``, ``pack_padded_sequence(...).data.shape[0]``: 4.0 C, hundred-and-third
+    review); torch's own tags mark only some of these operations."""
+    flat, spec = tree_flatten((args, kwargs))
+    key = (ident(func), spec, tuple(_key(a) for a in flat))
+    want = _SHAPES.get(key, _MISSING)
+    if want is _MISSING:
+        try:
+            margs, mkw = tree_unflatten(
+                [a.to("meta") if isinstance(a, Tensor) else a for a in flat], spec)
+            with _cm.no_grad():
+                got = _meta(func).op(*margs, **mkw)
+            want = tuple(tuple(o.shape) if isinstance(o, Tensor) else None
+                         for o in tree_leaves(got))
+        except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent one
+            want = None
+        if len(_SHAPES) > 100_000:
+            _SHAPES.clear()
+        _SHAPES[key] = want
+    have = tuple(tuple(o.shape) if isinstance(o, Tensor) else None for o in tree_leaves(out))
+    if want is None or want != have or any(
+            o.layout != torch.strided for o in tree_leaves(out) if isinstance(o, Tensor)):
+        g.refuse(f"the operation {_name(func)} on the unit's values gives outputs whose shape "
+                 "or layout depends on the values (or that torch cannot size from the shapes "
+                 "alone): the shape can be read into Python without any operation")
+
+
+_MISSING = object()
+
+
+def _bn_stats(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The running-statistics tensors a training-mode batch norm writes."""
+    got = _BN_WRITE_ONLY.get(func.overloadpacket)
+    if got is None:
+        return []
+    rm, rv, tr = got
+    training = True if tr is None else (args[tr] if len(args) > tr else kwargs.get("training"))
+    if training is False:
+        return []
+    return [t for i in (rm, rv) for t in tree_leaves(args[i] if i < len(args) else None)
+            if isinstance(t, Tensor)]
 
 
 _MIXED_IN = ("the operation {} reads a tensor computed from the examples of another clipping "
@@ -185,12 +252,13 @@ class _TagDispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         g = self.guard
         unit = g.unit
-        exempt = _bn_exempt(func, args, kwargs) if unit else ()
+        exempt = _bn_exempt(func, args, kwargs, g.buffers) if unit else ()
         mine = False
         packet = func.overloadpacket
         if unit and packet in _RESHAPED:
-            g.refuse(f"the operation {_name(func)} re-points or grows a tensor's memory in a "
-                     "unit: the new bytes may hold what the previous unit freed")
+            g.refuse(f"the operation {_name(func)} re-points, grows or maps a tensor's memory "
+                     "in a unit: the new bytes may hold what the previous unit freed, or be "
+                     "shared with a file")
         leaves = [(i, t) for i, t in enumerate(args)] + [(-1, t) for t in kwargs.values()]
         for i, a in leaves:
             for t in (a,) if isinstance(a, Tensor) else tree_leaves(a):
@@ -214,6 +282,15 @@ class _TagDispatch(TorchDispatchMode):
                 elif i not in exempt or i < 0:
                     g.refuse(_MIXED_IN.format(_name(func)))
         meta = _meta(func)
+        stats = _bn_stats(func, args, kwargs) if unit and mine else ()
+        for t in stats:  # (written although the schema does not say so: the model's own
+            # buffers, put back by the unit loop, or the unit's own memory; a global given as
+            # running_mean kept the unit's batch mean, 4.0 C, hundred-and-third review)
+            st = _storage(t)
+            if not (st is not None and st.data_ptr() in g.buffers) and tag_of(t) != unit \
+                    and born_in(t) != unit:
+                g.refuse(f"the operation {_name(func)} writes the unit's batch statistics into "
+                         "a tensor that is neither the model's own buffer nor made in the unit")
         if unit and mine and meta.mutable:
             # (the unit's values written only into the unit's own memory: a tensor made before
             # the unit may be shared outside torch, with a NumPy array, a bytearray or a raw
@@ -231,7 +308,7 @@ class _TagDispatch(TorchDispatchMode):
                                  "another unit or a later step; write into a tensor the forward "
                                  "makes (e.g. torch.zeros inside it)")
         try:
-            out = func(*args, **kwargs)
+            out = call_op(func, args, kwargs)
             if unit and meta.uninit and isinstance(out, Tensor):
                 # (ninety-sixth review: torch.empty handed a unit the bytes the previous unit
                 # freed, 3.99 C: a unit gets zeros instead)
@@ -244,7 +321,8 @@ class _TagDispatch(TorchDispatchMode):
                        "examples: whether it fails is information the forward can keep")
             raise
         if not mine:
-            if unit:  # (memory the dispatcher made in this unit, not a view of an input's)
+            if unit and meta.fresh:  # (memory the dispatcher made in this unit: no output of
+                # the schema aliases an argument, and none lies in an input's storage)
                 ins = {st.data_ptr() for a in leaves for t in
                        ((a[1],) if isinstance(a[1], Tensor) else tree_leaves(a[1]))
                        if isinstance(t, Tensor) and (st := _storage(t)) is not None}
@@ -256,10 +334,22 @@ class _TagDispatch(TorchDispatchMode):
                         elif st.data_ptr() not in ins or not st.data_ptr():
                             _BORN[st] = unit
             return out
+        if not meta.fresh:  # (a view made from the unit's values over memory that is not the
+            # unit's would make that memory look like the unit's own: slice_inverse(G, t),
+            # hundred-and-third review)
+            outs = {st.data_ptr() for o in tree_leaves(out) if isinstance(o, Tensor)
+                    and (st := _storage(o)) is not None}
+            for a in leaves:
+                for t in (a[1],) if isinstance(a[1], Tensor) else tree_leaves(a[1]):
+                    if isinstance(t, Tensor) and (st := _storage(t)) is not None and \
+                            st.data_ptr() in outs and tag_of(t) != unit and born_in(t) != unit:
+                        g.refuse(f"the operation {_name(func)} makes a view of a tensor made "
+                                 "outside the unit from the unit's values")
         if meta.data_dep:
             g.refuse(f"the operation {_name(func)} reads values computed from the unit's "
                      "examples into Python (e.g. .item(), float(t), bool(t), nonzero): a Python "
                      "value can carry them into another unit's or a later step's computation")
+        _check_shapes(g, func, args, kwargs, out)
         for o in tree_leaves(out):
             if isinstance(o, Tensor):
                 _set_tag(o, unit)
@@ -301,6 +391,24 @@ class _TagFunction(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _clear(unit: int) -> None:
+    """Zero the memory of every live tensor computed from ``unit``'s examples (the unit's result
+    is a copy): code that runs after the unit, outside the guard's modes (a finalizer of the
+    unit's copy of its examples, which dies when the unit ends), finds zeros where the unit's
+    values were (hundred-and-third review: a ``weakref.finalize`` read a kept tensor's value with
+    ``.numpy()`` between two units, 4.0 C)."""
+    with _cm.no_grad(), torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        for ref, tag in list(_TAGS.d.values()):
+            if tag != unit:
+                continue
+            obj = ref()
+            if isinstance(obj, torch.UntypedStorage):
+                if obj.nbytes():
+                    obj.fill_(0)
+            elif isinstance(obj, Tensor):
+                obj.zero_()
+
+
 def _message(why: str) -> str:
     return (f"unit clipping: {why}. A unit's examples may mix inside the unit but must not reach "
             "another unit or step; remove it from the forward and loss, or clip per example "
@@ -317,6 +425,10 @@ class UnitGuard:
         self.model = model
         self.unit = 0
         self.violation: str | None = None
+        #: the memory of the model's buffers (batch norm's running statistics: written-only
+        #: arguments a unit may write, put back by the unit loop)
+        self.buffers = frozenset(st.data_ptr() for b in (model.buffers() if model is not None
+                                                         else ()) if (st := _storage(b)) is not None)
 
     def note(self, why: str) -> None:
         if self.violation is None:
@@ -331,6 +443,7 @@ class UnitGuard:
         x, y = x.clone(), y.clone()  # (a view's _base would be the whole batch)
         _set_tag(x, self.unit)
         _set_tag(y, self.unit)
+        got: Any = None
         try:
             with _TagFunction(self), _TagDispatch(self):
                 got = fn(x, y)
@@ -339,7 +452,15 @@ class UnitGuard:
                 raise UnitDataRefused(_message(self.violation)) from exc
             raise
         finally:
-            self.unit = 0
+            unit, self.unit = self.unit, 0
+            # the result copied, then every tensor of the unit's zeroed (the result's originals
+            # too: a loss vector the forward kept a reference to), before anything of the unit's
+            # can die and run a finalizer outside the modes
+            with _cm.no_grad(), torch._C._DisableTorchDispatch(), \
+                    torch._C.DisableTorchFunction():
+                got = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, got)
+            _clear(unit)
+            del x, y
         if self.violation is not None:  # (a refusal the user code caught)
             raise UnitDataRefused(_message(self.violation))
         return got
