@@ -477,8 +477,8 @@ def _fused_rnn(tr: "SeparabilityTracer", func: Any, args: tuple, kwargs: dict) -
         # their projections recorded for the time-step rule (no operation of its own)
         with recording() as projections:
             out = as_cells(RNN_OPS[func], args)
-    else:
-        out = call_op(func, args, kwargs)
+    else:  # (a torch function under the function mode: torch._VF's, watched by torch_names)
+        out = func(*args, **kwargs)
     ts = _tensors(args, kwargs)
     if all(tr.layout(t) is None for t in ts):
         return out  # constants in: the dispatch trace judged it (constant out)
