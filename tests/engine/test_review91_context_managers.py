@@ -125,7 +125,10 @@ def test_contextlibs_class_replaced_from_the_forward_is_refused(restored, engine
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_exitstack_methods_replaced_from_the_forward_never_run_in_the_engine(restored, engine):
-    assert _loo(engine, "exitstack") <= 1.0 + 1e-4  # (50 C before)
+    try:  # (refused since review 99: contextlib's classes are watched whole, as torch's)
+        assert _loo(engine, "exitstack") <= 1.0 + 1e-4  # (50 C before)
+    except UnsupportedModelError as exc:
+        assert "ExitStack" in str(exc) and "replaced during the private step" in str(exc)
     assert not FIRED
 
 
