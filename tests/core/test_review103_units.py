@@ -244,3 +244,49 @@ def test_batch_norm_still_trains_on_its_own_buffers():
     got = unit_sum(m, _loss, x, torch.zeros(2, 4), _wf, ParamGroups.flat(m))
     assert all(torch.isfinite(g).all() for g in got.grads.values())
     assert torch.equal(m[1].running_mean, before)
+
+
+class _Seq(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.e = nn.Embedding(20, 16)
+        if kind == "encoder":
+            self.body = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.1)
+        else:
+            self.body = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](
+                16, 16, batch_first=True, num_layers=2)
+        self.o = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.body(self.e(x))
+        h = h[0][:, -1] if isinstance(h, tuple) else h.mean(1)
+        return self.o(h)
+
+
+class _ConvNorms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.o = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.gn(self.bn(self.c(x)))), 2)
+        return self.o(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn", "encoder", "conv"])
+def test_ordinary_models_run_in_units(kind):
+    """The output-shape check and the write rule refuse none of torch's ordinary layers (oneDNN's
+    LSTM layer, whose meta kernel sizes its workspace otherwise, included)."""
+    torch.manual_seed(0)
+    if kind == "conv":
+        m, x = _ConvNorms(), torch.randn(3, 4, 1, 10, 10)
+    else:
+        m, x = _Seq(kind), torch.randint(0, 20, (3, 4, 6))
+    y = torch.randint(0, 3, (3, 4))
+    got = unit_sum(m, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y, _wf,
+                   ParamGroups.flat(m))
+    assert got.norms.shape == (3,) and torch.isfinite(got.norms).all()

@@ -190,12 +190,11 @@ def _key(a: Any) -> Any:
     return a
 
 
-def _check_shapes(g: "UnitGuard", func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Refuse an operation on the unit's values whose output shapes are not those its meta
-    kernel gives from the inputs' shapes alone: a shape that depends on the values can be read
-    into Python without any dispatched operation (``.shape``; ``to_sparse()._values().shape[0]``,
-    ``bincount(out=)``, ``pack_padded_sequence(...).data.shape[0]``: 4.0 C, hundred-and-third
-    review); torch's own tags mark only some of these operations."""
+def _expected_shapes(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The output shapes the meta kernel of ``func`` gives from the arguments' shapes (taken
+    before the operation runs: an in-place one changes them), or None where the meta run fails
+    (the shapes depend on the values, or torch has no meta kernel for it); cached by operator
+    and argument shapes and values."""
     flat, spec = tree_flatten((args, kwargs))
     key = (ident(func), spec, tuple(_key(a) for a in flat))
     want = _SHAPES.get(key, _MISSING)
@@ -212,7 +211,19 @@ def _check_shapes(g: "UnitGuard", func: Any, args: tuple, kwargs: dict, out: Any
         if len(_SHAPES) > 100_000:
             _SHAPES.clear()
         _SHAPES[key] = want
+    return want
+
+
+def _check_shapes(g: "UnitGuard", func: Any, want: Any, out: Any) -> None:
+    """Refuse an operation on the unit's values whose output shapes are not those its meta
+    kernel gives from the inputs' shapes alone (:func:`_expected_shapes`): a shape that depends on
+    the values can be read into Python without any dispatched operation (``.shape``;
+    ``to_sparse()._values().shape[0]``, ``bincount(out=)``, ``pack_padded_sequence(...).data.
+    shape[0]``: 4.0 C, hundred-and-third review); torch's own tags mark only some of these."""
     have = tuple(tuple(o.shape) if isinstance(o, Tensor) else None for o in tree_leaves(out))
+    if func.overloadpacket in _STATIC_SHAPES:
+        want = have  # (its output shapes follow from the input shapes; its meta kernel, where
+        # there is one, sizes oneDNN's workspace otherwise than the CPU kernel)
     if want is None or want != have or any(
             o.layout != torch.strided for o in tree_leaves(out) if isinstance(o, Tensor)):
         g.refuse(f"the operation {_name(func)} on the unit's values gives outputs whose shape "
@@ -221,6 +232,10 @@ def _check_shapes(g: "UnitGuard", func: Any, args: tuple, kwargs: dict, out: Any
 
 
 _MISSING = object()
+#: operators whose outputs' shapes follow from the inputs' shapes alone but not as their meta
+#: kernels say (oneDNN's recurrent layer and its backward: an LSTM's time steps, its workspace)
+_STATIC_SHAPES = {p for p in (getattr(_aten, n, None) for n in (
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if p is not None}
 
 
 def _bn_stats(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
@@ -307,6 +322,7 @@ class _TagDispatch(TorchDispatchMode):
                                  "memory): whatever else holds that memory would carry them to "
                                  "another unit or a later step; write into a tensor the forward "
                                  "makes (e.g. torch.zeros inside it)")
+        want = _expected_shapes(func, args, kwargs) if unit and mine else None
         try:
             out = call_op(func, args, kwargs)
             if unit and meta.uninit and isinstance(out, Tensor):
@@ -349,7 +365,7 @@ class _TagDispatch(TorchDispatchMode):
             g.refuse(f"the operation {_name(func)} reads values computed from the unit's "
                      "examples into Python (e.g. .item(), float(t), bool(t), nonzero): a Python "
                      "value can carry them into another unit's or a later step's computation")
-        _check_shapes(g, func, args, kwargs, out)
+        _check_shapes(g, func, want, out)
         for o in tree_leaves(out):
             if isinstance(o, Tensor):
                 _set_tag(o, unit)
