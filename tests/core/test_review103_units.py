@@ -290,3 +290,37 @@ def test_ordinary_models_run_in_units(kind):
     got = unit_sum(m, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y, _wf,
                    ParamGroups.flat(m))
     assert got.norms.shape == (3,) and torch.isfinite(got.norms).all()
+
+
+class _ReadsItsBN(nn.Module):
+    """Hundred-and-fifth review: the model's own BatchNorm in training mode (the ordinary call)
+    writes the unit's batch mean into ``running_mean``; the next unit's forward reads that buffer
+    as a tensor (no Python read): 4.0 C against 2 C through ``unit_sum``, 3.894 C through
+    ``make_private(unit="gbc")``. Now the statistics are the unit's (a later unit's read is
+    refused, or finds them put back: they are restored after every unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2, bias=False)
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, x):
+        rm = self.bn.running_mean[0] * 10.0  # 0 at the first unit, else the carried sign
+        s = rm + (rm == 0).float()
+        out = self.fc(x) * s
+        self.bn(torch.sign(x[:, 0].sum()).detach().reshape(1, 1).expand(2, 1))
+        return out
+
+
+def test_a_unit_does_not_read_the_previous_unit_s_batch_statistics():
+    x, xp, y = _batches()
+    got = []
+    try:
+        for xx in (x, xp):
+            torch.manual_seed(0)
+            m = _ReadsItsBN()
+            got.append(unit_sum(m, _loss, xx, y, _wf, ParamGroups.flat(m)))
+    except UnitDataRefused as exc:
+        assert "unit clipping" in str(exc)
+        return
+    assert _dist(*got) <= 2 * C * (1 + 1e-6)  # (4.0 C before)

@@ -372,6 +372,10 @@ class _TagDispatch(TorchDispatchMode):
             elif o is not None and _name(func).split(".")[0] not in _METADATA:
                 g.refuse(f"the operation {_name(func)} returns a Python value computed from the "
                          "unit's examples")
+        for t in stats:  # (written by native_batch_norm with no schema annotation: the
+            # unit's, so that a later unit's read of them is refused; hundred-and-fifth review:
+            # the next unit read the model's own running_mean, 4.0 C)
+            _set_tag(t, unit)
         if meta.mutable:  # (batch norm's statistics too: restored after the call, tagged)
             for i, name in meta.writes:
                 w = args[i] if i < len(args) else kwargs.get(name)
@@ -477,9 +481,21 @@ class UnitGuard:
                 got = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, got)
             _clear(unit)
             del x, y
+            self._untag_model()
         if self.violation is not None:  # (a refusal the user code caught)
             raise UnitDataRefused(_message(self.violation))
         return got
+
+    def _untag_model(self) -> None:
+        """The model's parameters and buffers untagged (the unit loop puts back what a unit
+        wrote in them, after each unit)."""
+        if self.model is None:
+            return
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            st = _storage(t)
+            _TAGS.pop(t)
+            if st is not None:
+                _TAGS.pop(st)
 
     def __enter__(self) -> "UnitGuard":
         return self

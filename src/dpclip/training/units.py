@@ -362,7 +362,9 @@ def unit_sum(
             # between units moved a GBC release 2.90 C against the declared 2 C, a BC step 2.00 C)
             # and every tensor or Python value computed from the unit's examples (UnitGuard;
             # ninety-fourth: a module-level global, 3.99 C through make_private)
-            with Isolated(model):
+            # (batch norm's running statistics put back after EACH unit: the next unit's
+            # forward may read them, hundred-and-fifth hostile review: 4.0 C)
+            with frozen_bn_buffers(model), Isolated(model):
                 loss_vec, gs = guard.run(inputs[j], targets[j], one_unit)
             for n, g in zip(names, gs):
                 per_unit[n].append(torch.zeros_like(params[n]) if g is None else g.detach())
