@@ -324,3 +324,45 @@ def test_a_unit_does_not_read_the_previous_unit_s_batch_statistics():
         assert "unit clipping" in str(exc)
         return
     assert _dist(*got) <= 2 * C * (1 + 1e-6)  # (4.0 C before)
+
+
+_CARRY: list = [None]
+
+
+class _BNNumpyView(nn.Module):
+    """Hundred-and-seventh review: the model's own BatchNorm buffer shared with a NumPy view taken
+    in ``__init__``; read in Python right after the training-mode batch norm wrote the unit's
+    batch mean into it (inside the unit): 4.0 C against 2 C (GBC), 2.0 C into a BC call without
+    the example. Now a unit's batch norm writes its statistics into copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2, bias=False)
+        self.bn = nn.BatchNorm1d(1, momentum=1.0)
+        self.stats_np = self.bn.running_mean.numpy()
+
+    def forward(self, x):
+        s = _CARRY[0]
+        out = self.fc(x) * (1.0 if s is None else s)
+        self.bn(torch.sign(x[:, 0].sum()).detach().reshape(1, 1).expand(2, 1))
+        _CARRY[0] = float(self.stats_np[0]) or None
+        return out
+
+
+def test_a_numpy_view_of_the_model_s_batch_norm_buffer_sees_nothing():
+    x, xp, y = _batches()
+    got, nxt = [], []
+    try:
+        for xx in (x, xp):
+            _CARRY[0] = None
+            torch.manual_seed(0)
+            m = _BNNumpyView()
+            got.append(unit_sum(m, _loss, xx, y, _wf, ParamGroups.flat(m)))
+            nxt.append(unit_sum(m, _loss, x[1:], y[1:], _wf, ParamGroups.flat(m)))
+    except UnitDataRefused as exc:
+        assert "unit clipping" in str(exc)
+        return
+    finally:
+        _CARRY[0] = None
+    assert _dist(*got) <= 2 * C * (1 + 1e-6)  # (4.0 C before)
+    assert _dist(*nxt) <= 1e-6  # (2.0 C before)

@@ -197,8 +197,29 @@ def call_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)`` for an ATen overload inside a dispatch mode, through torch's
     compiled entry for the operator its schema names (:attr:`_Meta.op`), made once with
     the rest of the operator's analysis: what the engines prove an operation is, and what they run,
-    are the same operator."""
-    return _meta(func).op(*args, **kwargs)
+    are the same operator. The Python dispatcher is off while it runs: a forward that switched it
+    on around one operation had the C++ dispatcher hand that operation to a Python kernel kept in
+    the overload's own ``py_kernels``, below every mode (hundred-and-sixth hostile review: every
+    row given example 0's, 12.4 C under ghost, auto and vmap)."""
+    with _NO_PY_DISPATCHER():
+        return _meta(func).op(*args, **kwargs)
+
+
+_NO_PY_DISPATCHER = torch._C._DisablePythonDispatcher
+_PY_DISPATCHER_KEY = torch._C.DispatchKey.PythonDispatcher
+
+
+def python_dispatcher_on() -> bool:
+    """Whether torch's Python dispatcher is on in this thread (a forward switched it on: every
+    operation may then run a Python kernel of the overload object's, below the engines' modes)."""
+    return bool(torch._C._dispatch_tls_is_dispatch_key_included(_PY_DISPATCHER_KEY))
+
+
+#: refusal of :func:`python_dispatcher_on` during the forward and loss
+PY_DISPATCHER = ("the forward or loss switched torch's Python dispatcher on "
+                 "(torch._C._EnablePythonDispatcher / enable_python_dispatcher): every operation "
+                 "may then run a Python kernel held by the operator object, below the engine's "
+                 "checks (hundred-and-sixth hostile review: 12.4 C); leave it off")
 
 
 def _meta(func: Any) -> _Meta:
@@ -786,6 +807,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.violation = MOVED  # (a backend the engine fixed switched on by the forward)
             elif threads_moved():  # (the thread count the engine fixed, raised by the forward)
                 self.violation = THREADS_MOVED
+            elif python_dispatcher_on():
+                self.violation = PY_DISPATCHER
         if types and not self.quiet and self.violation is None:
             # ``types`` lists argument types that take part in Python dispatch; one with its own
             # __torch_dispatch__ runs Python below this mode, out of the trace's sight (and can

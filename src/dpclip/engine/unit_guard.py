@@ -238,17 +238,26 @@ _STATIC_SHAPES = {p for p in (getattr(_aten, n, None) for n in (
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if p is not None}
 
 
-def _bn_stats(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
-    """The running-statistics tensors a training-mode batch norm writes."""
+def _bn_copies(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]]:
+    """``args`` with a training-mode batch norm's running statistics replaced by copies, and the
+    copies (empty for any other operation)."""
     got = _BN_WRITE_ONLY.get(func.overloadpacket)
     if got is None:
-        return []
+        return args, []
     rm, rv, tr = got
     training = True if tr is None else (args[tr] if len(args) > tr else kwargs.get("training"))
     if training is False:
-        return []
-    return [t for i in (rm, rv) for t in tree_leaves(args[i] if i < len(args) else None)
-            if isinstance(t, Tensor)]
+        return args, []
+    if any(k in kwargs for k in ("running_mean", "running_var")):
+        raise UnitDataRefused(_message("a batch norm's running statistics given by keyword"))
+    out = list(args)
+    copies = []
+    with _cm.no_grad():
+        for i in (rm, rv):
+            if i < len(out) and isinstance(out[i], Tensor):
+                out[i] = out[i].clone()
+                copies.append(out[i])
+    return tuple(out), copies
 
 
 _MIXED_IN = ("the operation {} reads a tensor computed from the examples of another clipping "
@@ -297,15 +306,16 @@ class _TagDispatch(TorchDispatchMode):
                 elif i not in exempt or i < 0:
                     g.refuse(_MIXED_IN.format(_name(func)))
         meta = _meta(func)
-        stats = _bn_stats(func, args, kwargs) if unit and mine else ()
-        for t in stats:  # (written although the schema does not say so: the model's own
-            # buffers, put back by the unit loop, or the unit's own memory; a global given as
-            # running_mean kept the unit's batch mean, 4.0 C, hundred-and-third review)
-            st = _storage(t)
-            if not (st is not None and st.data_ptr() in g.buffers) and tag_of(t) != unit \
-                    and born_in(t) != unit:
-                g.refuse(f"the operation {_name(func)} writes the unit's batch statistics into "
-                         "a tensor that is neither the model's own buffer nor made in the unit")
+        stats: list[Tensor] = []
+        if unit and mine:
+            # a training-mode batch norm's running statistics (written, never read into the
+            # outputs) are given as fresh copies: no unit writes into memory that existed before
+            # it (the model's own buffer, shared with a NumPy view taken in __init__, was read in
+            # Python within the unit: 4.0 C, hundred-and-seventh review; a global as
+            # running_mean, 4.0 C, hundred-and-third). The unit loop puts the buffers back anyway.
+            args, stats = _bn_copies(func, args, kwargs)
+            for c in stats:  # (the unit's own memory: it may write there)
+                _BORN[_storage(c)] = unit
         if unit and mine and meta.mutable:
             # (the unit's values written only into the unit's own memory: a tensor made before
             # the unit may be shared outside torch, with a NumPy array, a bytearray or a raw

@@ -29,6 +29,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
+from dpclip.engine.separable import PY_DISPATCHER, python_dispatcher_on
 from dpclip.engine.batch import (
     batch_leaves,
     call_model,
@@ -251,6 +252,8 @@ class _Raised(UserGenerators):
         self.conv_moved = False
         #: an operation ran at a thread count other than the one the engine fixed
         self.threads_moved = False
+        #: an operation ran with torch's Python dispatcher on (switched on by the forward)
+        self.py_dispatcher = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -260,6 +263,8 @@ class _Raised(UserGenerators):
             self.conv_moved = True
         if threads_moved():
             self.threads_moved = True
+        if python_dispatcher_on():
+            self.py_dispatcher = True
         try:
             return func(*args, **kwargs)
         except Exception as exc:
@@ -299,6 +304,8 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
             raise UnsupportedModelError(f"vmap engine: {MOVED}")
         if mode.threads_moved:
             raise UnsupportedModelError(f"vmap engine: {THREADS_MOVED}")
+        if mode.py_dispatcher:
+            raise UnsupportedModelError(f"vmap engine: {PY_DISPATCHER}")
         if mode.raised is not None:
             raise UnsupportedModelError(
                 f"vmap engine: an operation of the forward or loss raised an error that the "
