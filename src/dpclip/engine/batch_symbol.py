@@ -63,6 +63,7 @@ from torch.utils import _pytree as pytree
 from dpclip._ident import ident
 from dpclip.engine.batch import call_model
 from dpclip.engine.generators import defaults_unchanged
+from dpclip.engine.op_entry import proof_export
 from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
 from dpclip.engine.recurrent import proof_kernels
 
@@ -989,7 +990,7 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
                               (xs, ys))
     traced = _LossOfModel(model, loss_fn, expand)
     try:
-        with warnings.catch_warnings(), _eager_kernels():
+        with warnings.catch_warnings(), _eager_kernels(), proof_export():
             warnings.simplefilter("ignore")
             ep = export(traced, (xs, ys), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure to trace is "not proven"

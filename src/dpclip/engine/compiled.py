@@ -446,7 +446,7 @@ def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
 def _generate(graph: torch.fx.Graph) -> Any:
     """A Python function running ``graph`` (placeholders in, the output node's values out) that
     calls each ATen operation through torch's compiled entry for the operator its schema names
-    (made once with the operation's analysis, ``separable.call_op``; not ``OpOverload._op``, an
+    (made once with the operation's analysis, ``op_entry.call_op``; not ``OpOverload._op``, an
     attribute a forward could replace before the graph is made: hundred-and-second hostile
     review), held in its own namespace: nothing is looked up at run time, so no patch of ``torch.ops``, of
     ``OpOverload.__call__`` or of ``nn.Module.__call__`` (a global module hook on a GraphModule:

@@ -57,7 +57,8 @@ from dpclip._ident import ident
 from dpclip.engine.errors import PerLayerNotProved, PerLayerUnsupported, quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
-from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap, call_op
+from dpclip.engine.op_entry import call_op
+from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
            "join_layouts", "module_grads", "output_tensors", "own_param", "replay", "scale_holds",

@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dpclip._ident import ident
 from dpclip.engine.hook_watch import HookWatch
 from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
-from dpclip.engine.separable import call_op
+from dpclip.engine.op_entry import call_op
 
 __all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram", "storage_key"]
 

@@ -61,9 +61,7 @@ global copy of the dataset). Custom ``autograd.Function`` backward code is refus
 from __future__ import annotations
 
 import math
-import operator
 import weakref
-import types
 from typing import Any, Callable
 
 import torch
@@ -75,7 +73,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_
 from dpclip._ident import ident
 from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
-from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine.op_entry import PY_DISPATCHER, call_op, python_dispatcher_on, verified
 from dpclip.engine import _cm
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
@@ -147,14 +145,13 @@ class _Meta:
                  "uninit", "full_write", "fresh", "op")
 
     def __init__(self, func: Any) -> None:
-        schema = _verified(func)
+        schema, self.op = verified(func)
         #: torch's compiled entry for the operator the schema names (:func:`call_op`): made anew
         #: from the name this analysis read, not the overload object's ``_op`` or its
         #: class's ``__call__``, which a forward can replace (hundred-and-second hostile review:
         #: ``torch.ops.aten.relu.default._op`` set to a wrapper that mixed the batch from its
         #: fifth call, 7.98 C under ghost, 8.68 C under auto and compiled; ``OpOverload.__call__``
         #: 10.93 C)
-        self.op = _GET_OP(schema.name, schema.overload_name)[0]
         tags = vars(func)["_tags"]  # (the registry's: checked by _verified)
         self.mutable = schema.is_mutable
         # ops whose rule judges their data-dependence itself (integer indexing is not)
@@ -187,102 +184,16 @@ class _Meta:
 
 #: keyed by ``ident(op)``, holding the op (an OpOverload's ``__hash__`` is Python code)
 _METAS: dict[int, tuple[Any, _Meta]] = {}
-_GET_OP = torch._C._get_operation_overload
-_GET_SCHEMA = torch._C._get_schema
-_OP_OVERLOAD = torch._ops.OpOverload
-_OP_PACKET = torch._ops.OpOverloadPacket
-
-
-def call_op(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func(*args, **kwargs)`` for an ATen overload inside a dispatch mode, through torch's
-    compiled entry for the operator its schema names (:attr:`_Meta.op`), made once with
-    the rest of the operator's analysis: what the engines prove an operation is, and what they run,
-    are the same operator. The Python dispatcher is off while it runs: a forward that switched it
-    on around one operation had the C++ dispatcher hand that operation to a Python kernel kept in
-    the overload's own ``py_kernels``, below every mode (hundred-and-sixth hostile review: every
-    row given example 0's, 12.4 C under ghost, auto and vmap)."""
-    with _NO_PY_DISPATCHER():
-        return _meta(func).op(*args, **kwargs)
-
-
-_NO_PY_DISPATCHER = torch._C._DisablePythonDispatcher
-_PY_DISPATCHER_KEY = torch._C.DispatchKey.PythonDispatcher
-
-
-def python_dispatcher_on() -> bool:
-    """Whether torch's Python dispatcher is on in this thread (a forward switched it on: every
-    operation may then run a Python kernel of the overload object's, below the engines' modes)."""
-    return bool(torch._C._dispatch_tls_is_dispatch_key_included(_PY_DISPATCHER_KEY))
-
-
-#: refusal of :func:`python_dispatcher_on` during the forward and loss
-PY_DISPATCHER = ("the forward or loss switched torch's Python dispatcher on "
-                 "(torch._C._EnablePythonDispatcher / enable_python_dispatcher): every operation "
-                 "may then run a Python kernel held by the operator object, below the engine's "
-                 "checks (hundred-and-sixth hostile review: 12.4 C); leave it off")
-
-
 def _meta(func: Any) -> _Meta:
     e = _METAS.get(ident(func))
     if e is not None and e[0] is func:
-        d = vars(func)
-        if all(map(_IS, map(d.get, _WATCHED_ATTRS), e[2])):
-            return e[1]
-        _refuse_forged(func, "its attributes were changed after torch made it")
+        verified(func)  # (its attributes still those torch registered: else refused)
+        return e[1]
     m = _Meta(func)
-    d = vars(func)
-    _METAS[ident(func)] = (func, m, tuple(map(d.get, _WATCHED_ATTRS)))
+    _METAS[ident(func)] = (func, m)
     return m
 
 
-#: the attributes of an ATen overload object that torch's and dpclip's code read to know what it
-#: is (hundred-and-fourth hostile review): compared by identity at every analysis lookup
-_WATCHED_ATTRS = ("_schema", "_overloadpacket", "_tags", "_overloadname", "_name")
-_IS = operator.is_
-
-
-def _refuse_forged(func: Any, why: str) -> None:
-    raise UnsupportedModelError(
-        f"an ATen operator object ({type(func).__name__}) is not what torch registered: {why} "
-        "(its schema, packet, tags or names; hundred-and-fourth hostile review: relu's schema "
-        "set to flipud's ran a batch flip proved pointwise, 5.8 C). Do not change torch.ops' "
-        "objects")
-
-
-def _verified(func: Any) -> Any:
-    """The schema of ``func``, an ATen overload, after checking at its first sight that the
-    object is torch's: of the class itself, its schema, tags and names those torch's registry
-    holds for the operator, its packet the one ``torch.ops`` holds for it. Everything dpclip
-    knows about an operation (its rule, what it writes, what runs) comes from that schema's name;
-    a forward that set ``relu.default._schema`` to ``flipud``'s before relu's first sight had
-    relu run as a batch flip with relu's pointwise rule (5.8 C under ghost, auto and compiled),
-    and ``flip``'s tags and packet set to relu's had a batch flip proved pointwise (3.46 C)."""
-    if type(func) is not _OP_OVERLOAD:
-        _refuse_forged(func, f"an object of class {type(func).__name__}")
-    d = vars(func)
-    schema = d.get("_schema")
-    if type(schema) is not torch.FunctionSchema:
-        _refuse_forged(func, "its schema is not a schema")
-    name, overload = schema.name, schema.overload_name
-    try:
-        real = _GET_SCHEMA(name, overload)
-        got = _GET_OP(name, overload)
-    except RuntimeError:
-        got = None
-    if got is None:
-        _refuse_forged(func, f"torch has no operator {name}.{overload or 'default'}")
-    ns, _, short = name.partition("::")
-    packet = d.get("_overloadpacket")
-    space = vars(torch.ops).get(ns)
-    if str(real) != str(schema) or type(got[0]) is not types.BuiltinFunctionType or \
-            type(packet) is not _OP_PACKET or space is None or \
-            vars(space).get(short) is not packet or \
-            vars(packet).get("_qualified_op_name") != name or \
-            list(d.get("_tags") or ()) != list(got[2]) or \
-            d.get("_overloadname") != (overload or "default") or \
-            d.get("_name") != (name if not overload else f"{name}.{overload}"):
-        _refuse_forged(func, f"its schema, packet, tags or names are not those of {name}")
-    return schema
 
 
 def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:

@@ -47,7 +47,8 @@ from dpclip._ident import ident
 from dpclip.engine import _cm
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import _defaults
-from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name, call_op
+from dpclip.engine.op_entry import call_op
+from dpclip.engine.separable import _IdMap, _K_ESCAPE, _K_HOOK, _func_kind, _meta, _name
 
 __all__ = ["UnitGuard", "UnitDataRefused"]
 

@@ -29,7 +29,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
-from dpclip.engine.separable import PY_DISPATCHER, python_dispatcher_on
+from dpclip.engine.op_entry import PY_DISPATCHER, python_dispatcher_on
 from dpclip.engine.batch import (
     batch_leaves,
     call_model,
