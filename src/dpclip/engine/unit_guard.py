@@ -233,6 +233,7 @@ def _check_shapes(g: "UnitGuard", func: Any, want: Any, out: Any) -> None:
 
 
 _MISSING = object()
+_SEEDED = torch.Tag.nondeterministic_seeded
 #: operators whose outputs' shapes follow from the inputs' shapes alone but not as their meta
 #: kernels say (oneDNN's recurrent layer and its backward: an LSTM's time steps, its workspace)
 _STATIC_SHAPES = {p for p in (getattr(_aten, n, None) for n in (
@@ -361,6 +362,15 @@ class _TagDispatch(TorchDispatchMode):
                         elif st.data_ptr() not in ins or not st.data_ptr():
                             _BORN[st] = unit
             return out
+        if _SEEDED in vars(func).get("_tags", ()):
+            # (how far a random operation on the unit's values moves the generator can depend
+            # on them: poisson(rate 0) draws nothing; the state, or a later draw read into
+            # Python, then carried a bit to the next unit, 4.0 C, hundred-and-ninth review): the
+            # unit's generators start again from a fresh derived seed
+            if g.gens is None:
+                g.refuse(f"the random operation {_name(func)} on the unit's values runs where "
+                         "the unit's generators cannot be reseeded")
+            g.gens.reseed()
         if not meta.fresh:  # (a view made from the unit's values over memory that is not the
             # unit's would make that memory look like the unit's own: slice_inverse(G, t),
             # hundred-and-third review)
@@ -456,6 +466,9 @@ class UnitGuard:
         self.model = model
         self.unit = 0
         self.violation: str | None = None
+        #: the unit's own generators (dpclip.engine.generators.OwnGenerators), reseeded after a
+        #: random operation on the unit's values
+        self.gens: Any = None
         #: the memory of the model's buffers (batch norm's running statistics: written-only
         #: arguments a unit may write, put back by the unit loop)
         self.buffers = frozenset(st.data_ptr() for b in (model.buffers() if model is not None

@@ -254,6 +254,8 @@ class _Raised(UserGenerators):
         self.threads_moved = False
         #: an operation ran with torch's Python dispatcher on (switched on by the forward)
         self.py_dispatcher = False
+        #: an autograd.Function with a vmap rule of its own ran (its name)
+        self.custom_vmap: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -265,6 +267,8 @@ class _Raised(UserGenerators):
             self.threads_moved = True
         if python_dispatcher_on():
             self.py_dispatcher = True
+        if func is _CUSTOM_FUNCTION_CALL and args and _own_vmap_rule(args[0]):
+            self.custom_vmap = getattr(args[0], "__qualname__", "an autograd.Function")
         try:
             return func(*args, **kwargs)
         except Exception as exc:
@@ -272,6 +276,23 @@ class _Raised(UserGenerators):
                 name = getattr(func, "__name__", None) or str(func)
                 self.raised = f"{name} raised {type(exc).__name__}"
             raise
+
+
+def _own_vmap_rule(cls: Any) -> bool:
+    """Whether an autograd.Function class defines its own ``vmap`` rule (found in its classes'
+    dictionaries, no attribute lookup of its metaclass's)."""
+    if not isinstance(cls, type):
+        return True
+    for c in _MRO(cls):
+        got = vars(c).get("vmap")
+        if got is not None:
+            return got is not _FUNCTION_VMAP
+    return False
+
+
+_MRO = type.__dict__["__mro__"].__get__
+_FUNCTION_VMAP = vars(torch.autograd.Function)["vmap"]
+_CUSTOM_FUNCTION_CALL = torch._functorch.autograd_function.custom_function_call
 
 
 def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
@@ -306,6 +327,13 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
             raise UnsupportedModelError(f"vmap engine: {THREADS_MOVED}")
         if mode.py_dispatcher:
             raise UnsupportedModelError(f"vmap engine: {PY_DISPATCHER}")
+        if mode.custom_vmap is not None:
+            raise UnsupportedModelError(
+                f"vmap engine: the autograd.Function {mode.custom_vmap} has a vmap rule of its "
+                "own (a vmap staticmethod): torch.func hands it the whole batch, so it can mix "
+                "the examples (hundred-and-eighth hostile review: every row given example 0's, "
+                "3.94 C under auto); use generate_vmap_rule=True, engine 'naive', or a model "
+                "without it")
         if mode.raised is not None:
             raise UnsupportedModelError(
                 f"vmap engine: an operation of the forward or loss raised an error that the "

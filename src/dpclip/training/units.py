@@ -364,7 +364,8 @@ def unit_sum(
             # ninety-fourth: a module-level global, 3.99 C through make_private)
             # (batch norm's running statistics put back after EACH unit: the next unit's
             # forward may read them, hundred-and-fifth hostile review: 4.0 C)
-            with frozen_bn_buffers(model), Isolated(model):
+            with frozen_bn_buffers(model), Isolated(model) as iso:
+                guard.gens = iso.gens  # (reseeded after each random draw on the unit's values)
                 loss_vec, gs = guard.run(inputs[j], targets[j], one_unit)
             for n, g in zip(names, gs):
                 per_unit[n].append(torch.zeros_like(params[n]) if g is None else g.detach())
