@@ -17,7 +17,6 @@ give the output shapes its meta kernel gives from the input shapes alone."""
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import weakref
@@ -31,16 +30,11 @@ from torch import nn
 from dpclip.engine import ParamGroups
 from dpclip.engine.unit_guard import UnitDataRefused
 from dpclip.training.units import unit_sum
+from tests.core.test_review101_units import _batches, _dist, _loss, _wf
 
 C = 1.0
 
 
-def _wf(n):
-    return torch.clamp(C / n, max=1.0)
-
-
-def _loss(o, y):
-    return o.sum(dim=1) + 0 * y
 
 
 class BNGlobal:
@@ -191,18 +185,6 @@ def _model(chan):
             return out
     torch.manual_seed(0)
     return M()
-
-
-def _batches():
-    x = torch.tensor([3.0, 1.0, 1.0, 1.0]).repeat(2, 2, 1)  # 2 units of 2
-    xp = x.clone()
-    xp[0, 0] = -100.0 * x[0, 0]  # one example of unit 0 replaced
-    return x, xp, torch.zeros(2, 2)
-
-
-def _dist(a, b):
-    return math.sqrt(sum(float(((a.grads[n].double() - b.grads[n].double()) ** 2).sum())
-                         for n in a.grads))
 
 
 @pytest.mark.parametrize("channel", list(CHANNELS))
