@@ -66,6 +66,7 @@ from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.op_entry import proof_export
 from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
 from dpclip.engine.recurrent import proof_kernels
+from dpclip.engine.views import view_inner
 
 __all__ = ["batch_size_uses", "data_independent_paths", "proof_of"]
 
@@ -772,6 +773,9 @@ def _modules(model: nn.Module) -> list[nn.Module]:
         children = m.__dict__.get("_modules")
         if children:
             stack.extend(c for c in reversed(children.values()) if c is not None)
+        inner = view_inner(m)
+        if inner is not None:  # (a library view: the model it views, dpclip.engine.views)
+            stack.append(inner)
     return out
 
 

@@ -181,6 +181,10 @@ def _fname(func: Any) -> str:
     return name
 
 
+#: lists and tuples looked through per operation (:meth:`BroadcastGuard._nested`); beyond, refused
+_MAX_NESTED = 10_000
+
+
 class BroadcastGuard(TorchFunctionMode):
     """Admits only right-aligned elementwise broadcasts of the guarded tensors (see above)."""
 
@@ -234,6 +238,14 @@ class BroadcastGuard(TorchFunctionMode):
         ts = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
         hit = [t for t in ts if t in self.guarded]
         if not hit:
+            inner = self._nested(args, kwargs)
+            if inner is not None:
+                # (a guarded tensor inside a list or tuple, e.g. torch.cat([pe], -1): the result
+                # had the engine's shape where the user's program has another, unguarded: its
+                # size carried the padded batch into every loss, hundred-and-tenth hostile review:
+                # LOO 11.3 C under ghost and auto)
+                raise self._refuse(self.guarded[inner][0],
+                                   f"{_fname(func) or repr(func)} inside a list or tuple")
             return func(*args, **kwargs)
         name = self.guarded[hit[0]][0]
         fname = _fname(func)
@@ -269,6 +281,25 @@ class BroadcastGuard(TorchFunctionMode):
             return out
         raise self._refuse(name, f"{fname} whose result has shape {got}, not the user's {user} "
                                  "(the output's first dimension is not broadcast there)")
+
+    def _nested(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """A guarded tensor inside the arguments' lists and tuples (at any depth), or None. The
+        items are read through the base classes' own iterators (a subclass's ``__iter__`` would
+        be the model's code, and torch's argument parser reads the items without it)."""
+        todo = [v for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple))]
+        seen = 0
+        while todo:
+            v = todo.pop()
+            seen += 1
+            if seen > _MAX_NESTED:
+                return next(iter(self.guarded.keys()), None)  # (not looked through: refused)
+            for e in (list.__iter__(v) if isinstance(v, list) else tuple.__iter__(v)):
+                if isinstance(e, Tensor):
+                    if e in self.guarded:
+                        return e
+                elif isinstance(e, (list, tuple)):
+                    todo.append(e)
+        return None
 
     def _move(self, func: Any, fname: str, args: tuple, kwargs: dict, hit: list[Tensor],
               name: str) -> Any:

@@ -148,6 +148,8 @@ from dpclip.engine._common import (
     StepWeights,
     _Rounding,
     apply_weight_fn,
+    half_subnormal,
+    underflow_margin,
     exact_float32,
     batch_chunks,
     check_batch,
@@ -213,7 +215,7 @@ from dpclip.engine.ghost_rules import (
 )
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
-from dpclip.engine import torch_names
+from dpclip.engine import torch_names, views
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
@@ -567,28 +569,14 @@ class _Verdict:
 _VERDICTS: dict[int, tuple["weakref.ref[nn.Module]", _Verdict]] = {}
 
 
-#: exact types of the views the library builds around a model for ONE step, and the attribute
-#: holding the model they view (the K-copy view of augmentation multiplicity,
-#: ``dpclip.training.multiplicity.KCopyModel``, registers itself): a fresh view every step must
-#: not get a fresh probe after the model it views has run on private data, so the verdict belongs
-#: to that model. Exact types only: a user class cannot name itself a view.
-_VIEW_TYPES: dict[type, str] = {}
-
-
 def register_view(cls: type, attr: str) -> None:
     """Declare ``cls`` a per-step view of the model held in its attribute ``attr`` (the verdict
-    of ``fallback="vmap"`` is then kept for that model)."""
-    _VIEW_TYPES[cls] = attr
+    of ``fallback="vmap"`` is then kept for that model; the engines' walks of the module tree go
+    on into it: :mod:`dpclip.engine.views`)."""
+    views.register_view(cls, attr)
 
 
-def _owner(model: nn.Module) -> nn.Module:
-    """The model whose verdict applies: ``model``, or the model a library view wraps."""
-    for _ in range(8):
-        attr = _VIEW_TYPES.get(type(model))
-        if attr is None:
-            break
-        model = object.__getattribute__(model, attr)
-    return model
+_owner = views.owner
 
 
 def _verdict_of(model: nn.Module) -> _Verdict | None:
@@ -1255,6 +1243,9 @@ class GhostEngine:
         if real < batch:
             norms = norms[:real]
         weights = apply_weight_fn(weight_fn, norms, self.name)
+        # (the book-keeping products (w b) a underflowing lose an absolute amount whatever w;
+        # w b itself must be normal: weights below tiny / flush are 0, _underflow_margin)
+        weights = underflow_margin(weights, norms, *_underflow_margin(params, dtypes))
         summed = weights
         if real < batch:  # the copies' weights: exactly 0 (their gradients are the first
             # example's: finite, or masked below with it)
@@ -1616,6 +1607,21 @@ def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = No
                 if got is None:
                     got = shared[key] = (t, _shrink(t, thr))
                 setattr(c, name, got[1])
+
+
+def _underflow_margin(params: dict[str, Tensor], dtypes: set) -> tuple[float, float, float]:
+    """``(absolute, covered, zero_below)`` of :func:`_common.underflow_margin` for the ghost sums:
+    each book-keeping product ``(w b) a`` (and each ``w g`` of a formed gradient) that underflows
+    loses at most half the smallest subnormal, at most :data:`_MAX_POSITIONS` per entry of the
+    summed vector; :func:`_underflow_floor`'s ``numel _MAX_POSITIONS tiny`` covers that for
+    weights of ``eps`` and more. ``w b`` is a normal number when ``w >= tiny / flush`` (the
+    flushed ``b`` is 0 or at least the flush threshold): below, the weight is 0 (hundred-and-
+    eleventh hostile review: ``w b`` rounded to 2^-149, times ``a = 2^40``: LOO 50 C)."""
+    wide = all(d == torch.float64 for d in dtypes)
+    dt = torch.float64 if wide else torch.float32
+    numel = sum(p.numel() for p in params.values())
+    fi = torch.finfo(dt)
+    return (numel * _MAX_POSITIONS * half_subnormal(dt), fi.eps, fi.tiny / _FLUSH[dt])
 
 
 def _underflow_floor(params: dict[str, Tensor], n_calls: int, dtypes: set) -> float:

@@ -59,6 +59,7 @@ from torch._utils import _flatten_dense_tensors
 from dpclip._ident import ident
 from dpclip.engine.errors import PrivateBufferError
 from dpclip.engine.hf_hooks import prime
+from dpclip.engine.views import view_inner
 
 __all__ = ["state_guard"]
 
@@ -112,6 +113,9 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
             for k, ch in cs.items():
                 if ch is not None:
                     push((f"{name}.{k}" if name else k, ch))
+        inner = view_inner(mod)
+        if inner is not None:  # (a library view: the model it views, its own attributes too)
+            push((name, inner))
     return sig, recs
 
 

@@ -95,7 +95,7 @@ _RESHAPED = {_aten.set_, _aten.resize_, _aten.resize_as_, _aten.resize_as_sparse
 
 class UnitDataRefused(UnsupportedModelError):
     """A unit's forward did something with its examples that could carry them to another unit or
-    a later call (the error names it; per-example clipping, ``unit='example'``, does not need
+    a later call (the error names it; per-example clipping, ``unit='ic'``, does not need
     this guard's assumptions)."""
 
 
@@ -453,7 +453,7 @@ def _clear(unit: int) -> None:
 def _message(why: str) -> str:
     return (f"unit clipping: {why}. A unit's examples may mix inside the unit but must not reach "
             "another unit or step; remove it from the forward and loss, or clip per example "
-            "(unit='example')")
+            "(unit='ic')")
 
 
 class UnitGuard:

@@ -93,6 +93,7 @@ from dpclip.training.units import (
     MiniSetSampler,
     UnitConfig,
     check_batchnorm,
+    check_instance_norm_stats,
     check_unit_sampling,
     expected_units,
     public_unit_norms,
@@ -445,6 +446,7 @@ class PrivateTraining:
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         check_batchnorm(self.model, self.unit,
                         cli=self._flags.get("batch_size", "").startswith("--"))
+        check_instance_norm_stats(self.model, self.unit)
         return self.strategy
 
     def _prepare_public(self, public_data: tuple[Tensor, Tensor] | None) -> None:

@@ -47,6 +47,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
@@ -439,6 +440,25 @@ def check_batchnorm(model: nn.Module, unit: UnitConfig, *, cli: bool = False) ->
         f"the model has BatchNorm layer {bn[0][0]!r}: BatchNorm mixes the examples of a batch, "
         "so per-example clipping (unit=ic) cannot bound one example's influence. Use GroupNorm "
         f"or LayerNorm instead, or batch clipping (unit=bc): {fix}")
+
+
+def check_instance_norm_stats(model: nn.Module, unit: UnitConfig) -> None:
+    """Refuse an InstanceNorm with ``track_running_stats=True`` under per-example clipping: its
+    training-mode forward normalises each example by its own statistics (per example) but
+    averages them over the batch into ``running_mean`` / ``running_var``, buffers that would
+    leave the run unnoised (before, the refusal came later, from the engine's proof, as "the step
+    does not run the program that the batch-size proof traced", which named no cause)."""
+    if not unit.is_individual:
+        return
+    found = [n or "<root>" for n, m in model.named_modules()
+             if isinstance(m, _InstanceNorm) and m.track_running_stats]
+    if found:
+        raise ValueError(
+            f"the model has InstanceNorm layer {found[0]!r} with track_running_stats=True: in "
+            "training mode it averages the batch's instance statistics into its running_mean / "
+            "running_var buffers, which would leave the run without noise. Build it with "
+            "track_running_stats=False (instance statistics at evaluation too: the default), or "
+            "use batch clipping (unit='bc'), under which the unit's statistics are discarded")
 
 
 def public_fraction_of(unit: UnitConfig, strategy: Any, *, where: str = "") -> float:
