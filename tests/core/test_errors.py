@@ -524,3 +524,22 @@ def test_cli_old_unit_spelling_is_a_warning(capsys):
     assert ("dpclip train: warning: TrainConfig: the clipping unit setting unit='bc' inside the "
             "strategy's parameters is deprecated; give it as its own argument: unit='bc' (CLI "
             "--unit bc; spec [train] unit = \"bc\")") in err
+
+
+def test_instance_norm_with_running_statistics_under_per_example_clipping():
+    """errors.md 135: refused when make_private is called, naming the layer and the fix (before,
+    the engine's proof refused the first step with a message that named no cause)."""
+    import dpclip
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, track_running_stats=True),
+                          nn.Flatten(), nn.Linear(18, 2))
+    x, y = torch.randn(32, 2, 8), torch.randint(0, 2, (32,))
+    with pytest.raises(ValueError, match=r"the model has InstanceNorm layer '1' with "
+                                         r"track_running_stats=True: .* Build it with "
+                                         r"track_running_stats=False"):
+        dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                            batch_size=8, steps=1, noise_multiplier=1.0, verbose=False)
+    ok = nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3), nn.Flatten(), nn.Linear(18, 2))
+    dpclip.make_private(ok, torch.optim.SGD(ok.parameters(), lr=0.1), (x, y), batch_size=8,
+                        steps=1, noise_multiplier=1.0, verbose=False)
