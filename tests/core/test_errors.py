@@ -543,3 +543,36 @@ def test_instance_norm_with_running_statistics_under_per_example_clipping():
     ok = nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3), nn.Flatten(), nn.Linear(18, 2))
     dpclip.make_private(ok, torch.optim.SGD(ok.parameters(), lr=0.1), (x, y), batch_size=8,
                         steps=1, noise_multiplier=1.0, verbose=False)
+
+
+def test_spectral_norm_vectors_updated_in_the_step_name_the_fix():
+    """errors.md 137: spectral normalisation's power-iteration buffers, updated at every
+    training-mode forward (once per chunk: they would count the chunks), are refused with a fix
+    that works: the layer in eval mode for the private step, its vectors refreshed between steps."""
+    import dpclip
+    from dpclip.engine.errors import PrivateBufferError
+    from torch import nn
+
+    def run(fix: bool) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(),
+                              nn.utils.parametrizations.spectral_norm(nn.Linear(16, 8)),
+                              nn.Tanh(), nn.Linear(8, 2))
+        x, y = torch.randn(64, 2, 8), torch.randint(0, 2, (64,))
+        dp = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                                 batch_size=16, steps=2, noise_multiplier=1.0, verbose=False)
+        for xb, yb in dp.loader:
+            if fix:
+                model[1].eval()  # the documented fix
+            dp.step(xb, yb)
+            if fix:
+                with torch.no_grad():
+                    model[1].train()
+                    model[1](torch.randn(4, 16))  # (public data: refreshes _u and _v)
+                    model[1].eval()
+
+    with pytest.raises(PrivateBufferError, match=r"spectral normalisation updates its "
+                                                 r"power-iteration vectors .* Fix: put the "
+                                                 r"spectral-normalised layers in eval mode"):
+        run(fix=False)
+    run(fix=True)

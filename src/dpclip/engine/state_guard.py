@@ -507,6 +507,21 @@ def _refuse(changed: list[tuple[str, str]], where: str) -> None:
         for kind, n in changed:
             seen.setdefault(n, kind)
         listed = ", ".join(repr(n) for n in seen)
+        power = [n for n, k in seen.items() if k == _BUFFER
+                 and (n.endswith(("._u", "._v", "_u", "_v")) and ("parametrizations" in n
+                                                                 or n.endswith(("weight_u",
+                                                                                "weight_v"))))]
+        if power:
+            raise PrivateBufferError(
+                f"{where}: the model changed buffer(s) {listed} while computing private "
+                "gradients: spectral normalisation updates its power-iteration vectors at every "
+                "training-mode forward, and the engine runs the forward once per chunk, so their "
+                "values would count the chunks (the private batch size) and leave the run "
+                "without noise. Buffers were restored. Fix: put the spectral-normalised layers "
+                "in eval mode for the private step (their vectors are then used as they are: "
+                "`layer.eval()`), and refresh the vectors between steps from the weights alone "
+                "(e.g. a training-mode forward of those layers on public data under "
+                "torch.no_grad())")
         if any(k == _BUFFER for k in seen.values()):
             raise PrivateBufferError(
                 f"{where}: the model changed buffer(s) {listed} while computing private "
