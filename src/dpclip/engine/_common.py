@@ -214,10 +214,11 @@ def underflow_margin(weights: Tensor, norms: Tensor, absolute: float, covered: f
     return out
 
 
-def half_subnormal(dtype: torch.dtype) -> float:
-    """Half the smallest subnormal of ``dtype``: the most a product loses when it underflows."""
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """The smallest subnormal of ``dtype``: more than a product loses when it underflows (half
+    of it; the half itself is not a float64 for float64)."""
     fi = torch.finfo(dtype)
-    return fi.tiny * fi.eps / 2
+    return fi.tiny * fi.eps
 
 
 _TINY: dict[torch.dtype, float] = {}
@@ -663,10 +664,10 @@ class BoundedChunkReducer(ChunkReducer):
         tiny = max((torch.finfo(d).tiny for d in dtypes), default=0.0)
         self.floor = 0.0 if not numel else (  # (nothing trainable: nothing summed, norms 0)
             math.sqrt((numel + lay.n_groups + 8) * torch.finfo(torch.float64).tiny) + numel * tiny)
-        # each product w g of the weighted sum loses at most half its dtype's smallest subnormal
+        # each product w g of the weighted sum loses at most half its dtype's smallest subnormal (counted whole)
         # when it underflows, whatever w: numel of them per example; the floor's ``numel tiny``
         # (twice in the norm) covers that for weights of eps / 4 and more (underflow_margin)
-        self.margin = (numel * max(map(half_subnormal, dtypes), default=0.0),
+        self.margin = (numel * max(map(smallest_subnormal, dtypes), default=0.0),
                        max((torch.finfo(d).eps for d in dtypes), default=0.0))
 
 

@@ -148,7 +148,7 @@ from dpclip.engine._common import (
     StepWeights,
     _Rounding,
     apply_weight_fn,
-    half_subnormal,
+    smallest_subnormal,
     underflow_margin,
     exact_float32,
     batch_chunks,
@@ -1621,7 +1621,7 @@ def _underflow_margin(params: dict[str, Tensor], dtypes: set) -> tuple[float, fl
     dt = torch.float64 if wide else torch.float32
     numel = sum(p.numel() for p in params.values())
     fi = torch.finfo(dt)
-    return (numel * _MAX_POSITIONS * half_subnormal(dt), fi.eps, fi.tiny / _FLUSH[dt])
+    return (numel * _MAX_POSITIONS * smallest_subnormal(dt), fi.eps, fi.tiny / _FLUSH[dt])
 
 
 def _underflow_floor(params: dict[str, Tensor], n_calls: int, dtypes: set) -> float:
