@@ -235,6 +235,16 @@ class BroadcastGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.guarded:
             return func(*args, **kwargs)
+        foreign = [t for t in types if t is not Tensor and t is not nn.Parameter]
+        if foreign:
+            # (an argument with a __torch_function__ of its own, a tensor subclass or any object:
+            # torch runs it after this mode, with the mode popped, so whatever it holds (a
+            # guarded stand-in as an attribute) is used unwatched: hundred-and-fourteenth hostile
+            # review, torch.cos(Holder(pe)) returning ones_like(pe).sum(): LOO 11.3 C)
+            raise self._refuse(next(iter(self.guarded.values()))[0],
+                               f"{_fname(func) or repr(func)} with an argument of type "
+                               f"{foreign[0].__name__}, which has a __torch_function__ of its own "
+                               "(the engine cannot watch what it does with the output)")
         ts = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
         hit = [t for t in ts if t in self.guarded]
         if not hit:

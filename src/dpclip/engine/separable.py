@@ -1088,6 +1088,12 @@ class SeparabilityTracer(TorchDispatchMode):
         for t in self._written(func, args, kwargs):
             old = self.raw_layout(t)
             new = self._fit(lay, t)
+            if new is not None and new is not MIXED and _overlapping(t):
+                # (a write into memory its own elements share, e.g. a constant expanded to the
+                # batch (stride 0): every example's value lands in one row, the last or an OR of
+                # them: hundred-and-thirteenth hostile review, masked_fill_ of an expanded zeros,
+                # LOO 3.46 C under ghost, auto and compiled)
+                new = MIXED
             if new is not None and self.violation is None:
                 try:
                     ptr = t.untyped_storage().data_ptr()
@@ -1130,6 +1136,21 @@ class SeparabilityTracer(TorchDispatchMode):
             return t.untyped_storage().data_ptr() in self._mixed_in_place
         except Exception:  # noqa: BLE001
             return False
+
+
+def _overlapping(t: Any) -> bool:
+    """Whether some elements of ``t`` share memory (torch's internal-overlap test; a tensor it
+    cannot decide, e.g. one with symbolic strides it cannot read, counts as overlapping)."""
+    if not isinstance(t, Tensor):
+        return False
+    try:
+        return _HAS_INTERNAL_OVERLAP(t) != 0
+    except Exception:  # noqa: BLE001
+        return True
+
+
+#: torch's C test, bound at import (0: no overlap, 1: overlap, 2: too hard to tell)
+_HAS_INTERNAL_OVERLAP = torch._debug_has_internal_overlap
 
 
 # ----------------------------------------------------------------------------------- rules
