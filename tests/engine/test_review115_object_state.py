@@ -101,3 +101,44 @@ def test_a_transformers_cache_kept_on_the_model_is_refused_under_vmap():
             get_engine("vmap").compute(model, _loss, ids, y,
                                        lambda n: torch.clamp(1e-3 / n, max=1.0),
                                        ParamGroups.flat(model))
+
+
+class _Builtins(nn.Module):
+    """A value of one example kept in a mutable builtin attribute (naive runs the examples one
+    by one: the next example reads it)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import array
+        import collections
+
+        import numpy as np
+
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3).double()
+        self.kind = kind
+        self.store = {"deque": collections.deque([1.0]), "bytearray": bytearray(b"\x01"),
+                      "array": array.array("d", [1.0]), "ndarray": np.ones(1)}[kind]
+
+    def forward(self, x):
+        sign = 1.0 if float(x[0, 0]) >= 0 else -1.0
+        if self.kind == "deque":
+            k = self.store[-1]
+            self.store.append(sign)
+        elif self.kind == "bytearray":
+            k = 1.0 if self.store[0] == 1 else -1.0
+            self.store[0] = 1 if sign > 0 else 2
+        else:
+            k = float(self.store[0])
+            self.store[0] = sign
+        return self.fc(x) * k
+
+
+@pytest.mark.parametrize("kind", ["deque", "bytearray", "array", "ndarray"])
+def test_a_value_kept_in_a_mutable_builtin_attribute_is_refused(kind):
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    x[0, 0] = -1.0
+    model = _Builtins(kind)
+    with pytest.raises(UnsupportedModelError, match="attribute 'store'"):
+        get_engine("naive").compute(model, _loss, x, y, lambda n: torch.clamp(1.0 / n, max=1.0),
+                                    ParamGroups.flat(model))

@@ -49,6 +49,7 @@ settings and the generators). A closed program (no user code: the bench's MLP ce
 
 from __future__ import annotations
 
+import array as _array
 import collections
 from dpclip.engine import _cm
 import contextvars
@@ -65,6 +66,7 @@ import sys
 import types
 from typing import Any, Iterator
 
+import numpy as _np
 import torch
 from torch import nn
 
@@ -548,6 +550,8 @@ def _same(a: Any, b: Any) -> bool:
         return _same(a.keys, b.keys) and _same(a.values, b.values)
     if t is _Obj:
         return a.cls is b.cls and _same(a.state, b.state)
+    if t is _Raw:
+        return a == b
     if t is frozenset:
         return len(a) == len(b) and frozenset(map(_strict_key, a)) == frozenset(map(_strict_key, b))
     if t is dict:
@@ -607,7 +611,41 @@ _CONTAINERS = (dict, list, set, frozenset, tuple)
 
 
 def _is_container(v: Any) -> bool:
-    return isinstance(v, _CONTAINERS) or _object_parts(type(v)) is not None
+    return isinstance(v, _CONTAINERS) or type(v) in _MUTABLE_BUILTINS or \
+        _object_parts(type(v)) is not None
+
+
+class _Raw:
+    """The content of a mutable builtin that holds values, not objects (a ``bytearray``, an
+    ``array.array``, a NumPy array): its type, shape and bytes, compared by value."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Raw and self.key == other.key
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _raw(v: Any) -> Any:
+    """``_Raw`` of a bytearray, array.array or NumPy array (a deque: its items, as a list's)."""
+    t = type(v)
+    if t is collections.deque:
+        return tuple(v)
+    if t is bytearray:
+        return _Raw((t, bytes(v)))
+    if t is _array.array:
+        return _Raw((t, v.typecode, v.tobytes()))
+    # (a NumPy array: dtype, shape, strides and the bytes; a view's base is its own attribute)
+    return _Raw((t, v.dtype.str, v.shape, v.strides, v.tobytes()))
+
+
+#: mutable builtins whose state is compared by value or items (hundred-and-fifteenth review's
+#: object state, the same for the C types a model could keep a value in)
+_MUTABLE_BUILTINS = frozenset({collections.deque, bytearray, _array.array, _np.ndarray})
 
 
 #: per class: how its instances' attributes are read (:func:`_object_parts`), or None
@@ -725,6 +763,14 @@ def _content(v: Any, depth: int = _DEPTH, path: frozenset = frozenset()) -> Any:
         items = values = tuple(v)
     elif isinstance(v, (set, frozenset)):
         return frozenset(v)
+    elif t in _MUTABLE_BUILTINS:
+        got = _raw(v)
+        if type(got) is _Raw or not any(map(_is_container, got)):
+            return got
+        path = path | {ident(v)}
+        inner = tuple((i, _content(x, depth - 1, path)) for i, x in enumerate(got)
+                      if _is_container(x) and ident(x) not in path)
+        return _Nested(got, inner) if inner else got
     else:
         parts = _object_parts(t)
         if parts is None:
@@ -772,6 +818,19 @@ def _contents(d: dict) -> dict:
 
 def _refill(v: Any, content: Any) -> None:
     if type(content) is _TooDeep:
+        return
+    if type(content) is _Raw:  # (a mutable builtin holding values: its bytes put back)
+        t = type(v)
+        if t is bytearray:
+            v[:] = content.key[1]
+        elif t is _array.array:
+            v[:] = _array.array(content.key[1], content.key[2])
+        elif t is _np.ndarray and v.flags.writeable and v.shape == content.key[2]:
+            v[...] = _np.frombuffer(content.key[4], dtype=content.key[1]).reshape(v.shape)
+        return
+    if type(v) is collections.deque:
+        v.clear()
+        v.extend(_items(content))
         return
     if type(content) is _Obj:  # (an object: its instance dictionary put back)
         parts = _object_parts(type(v))
