@@ -1139,14 +1139,32 @@ class SeparabilityTracer(TorchDispatchMode):
 
 
 def _overlapping(t: Any) -> bool:
-    """Whether some elements of ``t`` share memory (torch's internal-overlap test; a tensor it
-    cannot decide, e.g. one with symbolic strides it cannot read, counts as overlapping)."""
+    """Whether some elements of ``t`` may share memory: torch's internal-overlap test, and where
+    it cannot tell (a strided view such as ``h[:, :3]``), the dimensions by increasing stride,
+    each stride beyond the last offset the smaller ones reach (else overlapping). A symbolic
+    size or stride is not compared (a comparison would guard the proof's batch symbol): such a
+    tensor overlaps only where a dimension of more than one element has stride 0 (an expand)."""
     if not isinstance(t, Tensor):
         return False
     try:
-        return _HAS_INTERNAL_OVERLAP(t) != 0
+        got = _HAS_INTERNAL_OVERLAP(t)
+    except Exception:  # noqa: BLE001
+        got = 2
+    if got != 2:
+        return got == 1
+    try:
+        dims = [(st, sz) for sz, st in zip(t.shape, t.stride())]
     except Exception:  # noqa: BLE001
         return True
+    if not all(type(st) is int and type(sz) is int for st, sz in dims):
+        return any(type(st) is int and st == 0 and not (type(sz) is int and sz <= 1)
+                   for st, sz in dims)
+    reach = 0
+    for st, sz in sorted(d for d in dims if d[1] > 1):
+        if st <= reach:
+            return True
+        reach += (sz - 1) * st
+    return False
 
 
 #: torch's C test, bound at import (0: no overlap, 1: overlap, 2: too hard to tell)
