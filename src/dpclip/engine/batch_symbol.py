@@ -645,8 +645,10 @@ def _python_state(mod: nn.Module) -> tuple:
             continue
         elif k == "forward":  # an instance's own forward (``m.forward = ...``): by identity
             got.append((k, _identity(v)))
-        elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
-                                                                     for x in v)):
+        elif issubclass(t, _PLAIN) or (issubclass(t, tuple) and all(
+                issubclass(type(x), _PLAIN) for x in tuple.__iter__(v))):
+            # (by the type alone: isinstance reads v.__class__, a property of the model's class,
+            # whose code ran here; hundred-and-sixteenth hostile review)
             got.append((k, _plain(v)))  # (a subclass's own __hash__ / __eq__ never decide)
     return tuple(got)
 
@@ -657,17 +659,17 @@ def _plain(v: Any) -> Any:
     ``__dict__``, which the isolation does not compare (seventh hostile review: ``self.tag.k =
     example`` on an ``int`` subclass changed the key, a fresh proof took the carried value: LOO
     2.51 C), nor by a ``__hash__`` / ``__eq__`` of its own."""
-    t = type(v)
-    if t is tuple or isinstance(v, tuple):
-        return (t, tuple(_plain(x) for x in v))
-    if isinstance(v, bool) or t in _PLAIN_EXACT:
+    t = type(v)  # (the type alone, and the builtins' own methods: no code of the class runs)
+    if issubclass(t, tuple):
+        return (_Same(t), tuple(_plain(x) for x in tuple.__iter__(v)))
+    if t in _PLAIN_EXACT:
         return (t, v.hex() if t is float else v)
-    if isinstance(v, int):
-        return (t, int.__index__(v))
-    if isinstance(v, float):
-        return (t, float.hex(float.__float__(v)))
-    if isinstance(v, str):
-        return (t, str.__str__(v))
+    if issubclass(t, int):
+        return (_Same(t), int.__index__(v))
+    if issubclass(t, float):
+        return (_Same(t), float.hex(float.__float__(v)))
+    if issubclass(t, str):
+        return (_Same(t), str.__str__(v))
     return _Same(v)
 
 

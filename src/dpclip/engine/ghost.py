@@ -169,6 +169,7 @@ from dpclip.engine.batch import (
     padded_rows,
 )
 from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError, quote_error
+from dpclip.engine.op_entry import no_compiled_autograd
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
 from dpclip.engine.separable import mark_past_batch
@@ -1060,10 +1061,11 @@ class GhostEngine:
                 stepped = [c for c in live if c.outs is not None and _time_step(c)]
                 for c in stepped:
                     inputs.extend(c.fast.edges)
-                if user_code:  # no hook of the graph runs (dpclip.engine.hook_free)
-                    bs = hook_free_grad(total, inputs)
-                else:  # known modules and loss: no user code could reach the graph's nodes
-                    bs = list(torch.autograd.grad(total, inputs, allow_unused=True))
+                with no_compiled_autograd():  # (a compiler would return the gradients)
+                    if user_code:  # no hook of the graph runs (dpclip.engine.hook_free)
+                        bs = hook_free_grad(total, inputs)
+                    else:  # known modules and loss: no user code could reach the graph's nodes
+                        bs = list(torch.autograd.grad(total, inputs, allow_unused=True))
                 k = 0
                 for c in live:
                     c.edge = None  # the graph is freed: no node references left behind

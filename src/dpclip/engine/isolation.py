@@ -49,13 +49,17 @@ settings and the generators). A closed program (no user code: the bench's MLP ce
 
 from __future__ import annotations
 
+import _random
 import array as _array
 import collections
 from dpclip.engine import _cm
 import contextvars
+import functools
 import gc
 import operator
+import re
 import threading
+import weakref
 import ctypes
 import ctypes.util
 import _signal
@@ -572,16 +576,23 @@ def _deep_same(a: Any, b: Any, depth: int = 64) -> bool:
         return a.hex() == b.hex()
     if t in _PLAIN_EXACT:
         return a == b
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_deep_same(x, y, depth - 1) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        if len(a) != len(b):
+    # (exact builtin containers only, read through their own C methods: the deep copies this
+    # is for are torch.export's; a subclass's methods would be the model's code)
+    if t is list or t is tuple:
+        xs, ys = tuple(_L_ITER(a) if t is list else _T_ITER(a)), \
+            tuple(_L_ITER(b) if t is list else _T_ITER(b))
+        return len(xs) == len(ys) and all(_deep_same(x, y, depth - 1) for x, y in zip(xs, ys))
+    if t is dict:
+        ka, kb = tuple(_D_KEYS(a)), tuple(_D_KEYS(b))
+        if len(ka) != len(kb):
             return False
-        keys = {_strict_key(k): k for k in b}
-        return all(_strict_key(k) in keys and _deep_same(v, b[keys[_strict_key(k)]], depth - 1)
-                   for k, v in a.items())
-    if isinstance(a, (set, frozenset)):
-        return frozenset(map(_strict_key, a)) == frozenset(map(_strict_key, b))
+        # (no key of theirs hashed: the keys as strict keys, objects by identity)
+        mb = dict(zip(map(_strict_key, kb), _D_VALUES(b)))
+        return all(sk in mb and _deep_same(x, mb[sk], depth - 1)
+                   for sk, x in zip(map(_strict_key, ka), _D_VALUES(a)))
+    if t is set or t is frozenset:
+        return frozenset(map(_strict_key, frozenset(a))) == \
+            frozenset(map(_strict_key, frozenset(b)))
     return False
 
 
@@ -593,8 +604,8 @@ def _strict_key(x: Any) -> Any:
     if t in _PLAIN_EXACT:
         return (t, x)
     if t is tuple:
-        return (t, tuple(map(_strict_key, x)))
-    return (t, ident(x))
+        return (t, tuple(map(_strict_key, _T_ITER(x))))
+    return (ident(t), ident(x))  # (a class's own __hash__ is never called)
 
 
 def _eq(a: Any, b: Any) -> bool:
@@ -606,18 +617,128 @@ def _eq(a: Any, b: Any) -> bool:
         return False
 
 
-_DICTS = (dict, collections.OrderedDict)
 _CONTAINERS = (dict, list, set, frozenset, tuple)
+
+# Every read below goes through the base classes' own C methods and descriptors, chosen by
+# ``type(v)`` alone: ``isinstance`` reads ``v.__class__`` (a property of the model's class),
+# ``len``, ``iter``, ``v.values()`` and ``==`` call a subclass's methods, and any of them would
+# run the model's code inside the engine (hundred-and-sixteenth hostile review: a ``__class__``
+# property ran in the walk at a chunk's end, installed a signal handler and scaled the chunk's
+# clipped sum by 50: LOO 50 C under every engine, through make_private too).
+_D_KEYS, _D_VALUES = dict.keys, dict.values
+_OD_KEYS, _OD_VALUES = collections.OrderedDict.keys, collections.OrderedDict.values
+_L_ITER, _T_ITER = list.__iter__, tuple.__iter__
+_S_ITER, _FS_ITER = set.__iter__, frozenset.__iter__
+_DQ_ITER = collections.deque.__iter__
+_REF_CALL = weakref.ref.__call__
+_F = types.FunctionType.__dict__
+_F_PARTS = tuple((k, _F[k].__get__) for k in ("__code__", "__defaults__", "__kwdefaults__",
+                                              "__closure__", "__dict__"))
+_M = types.MethodType.__dict__
+_M_SELF, _M_FUNC = _M["__self__"].__get__, _M["__func__"].__get__
+_CELL = types.CellType.__dict__["cell_contents"].__get__
+_RNG_STATE = _random.Random.getstate
+_EMPTY_CELL = object()
+
+#: C types whose instances hold no state a call could change (compared by identity)
+_IMMUTABLE_C = frozenset({
+    complex, bytes, range, slice, type(Ellipsis), type(NotImplemented),
+    types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+    types.MethodWrapperType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
+    types.GetSetDescriptorType, types.MemberDescriptorType, types.CodeType,
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.finfo, torch.iinfo,
+    torch.Generator, type(re.compile("")), _np.dtype, type(_np.dtype("f4")),
+    type(torch.float32), type(torch.contiguous_format), type(torch.strided),
+})
+_IMMUTABLE_BASES = (_np.generic, torch.Tensor, nn.Module, type, types.ModuleType)
+#: C types whose state cannot be read without running code: an attribute holding one is refused
+_OPAQUE = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
+           types.MappingProxyType, types.FrameType, types.TracebackType,
+           type(functools.lru_cache()(lambda: None)))  # (an lru_cache's entries are its own)
+
+#: ``Py_TPFLAGS_HEAPTYPE``: a class made by a class statement (not a type written in C)
+_HEAPTYPE = 1 << 9
+_CLASS_DICT = type.__dict__["__dict__"].__get__
+#: libraries whose classes' own dictionaries are not snapshot for the objects entered (their
+#: class attributes are the library's globals: module docstring, "Trust boundary")
+_LIB_PREFIXES = ("torch", "transformers", "peft", "dpclip", "numpy", "builtins", "collections",
+                 "functools", "typing", "enum", "abc", "types")
+
+#: per class: how its instances are read (:func:`_kind`)
+_KINDS: dict[type, Any] = {}
+_MISSING = object()
+
+
+def _kind(t: type) -> Any:
+    """How the instances of class ``t`` are snapshot: ``None`` (by identity: plain values, code,
+    tensors and modules walked elsewhere, immutable C types), a container kind (``"dict"``,
+    ``"odict"``, ``"list"``, ``"tuple"``, ``"set"``, ``"deque"``, ``"raw"``), ``"func"``,
+    ``"method"``, ``"ref"``, ``"rng"``, ``("obj", dict descriptor, slots, user classes)``, or
+    ``"opaque"`` (state that cannot be read: refused). Decided from the class alone, cached."""
+    got = _KINDS.get(t, _MISSING)
+    if got is not _MISSING:
+        return got
+    _KINDS[t] = got = _decide_kind(t)
+    return got
+
+
+def _decide_kind(t: type) -> Any:
+    if t in _PLAIN_EXACT or t is float or t in _IMMUTABLE_C:
+        return None
+    if issubclass(t, collections.OrderedDict):
+        return "odict"
+    if issubclass(t, dict):
+        return "dict"
+    if issubclass(t, list):
+        return "list"
+    if issubclass(t, tuple):
+        return "tuple"
+    if issubclass(t, (set, frozenset)):
+        return "set"
+    if t is collections.deque:
+        return "deque"
+    if t in (bytearray, _array.array, _np.ndarray):
+        return "raw"
+    if issubclass(t, (collections.deque, bytearray, _array.array, _np.ndarray)) or \
+            issubclass(t, _OPAQUE):
+        return "opaque"  # (a subclass: its items or bytes are not read through its own code)
+    if t is types.FunctionType:
+        return "func"
+    if t is types.MethodType:
+        return "method"
+    if issubclass(t, _IMMUTABLE_BASES) or issubclass(t, BaseException):
+        return None
+    if issubclass(t, _random.Random):
+        return "rng"
+    if t is weakref.ref:
+        return "ref"
+    ddesc, slots, odd = None, [], False
+    user = []
+    for c in t.__mro__:
+        cd = _CLASS_DICT(c)
+        if ddesc is None and "__dict__" in cd:
+            ddesc = cd["__dict__"]
+            odd = type(ddesc) is not types.GetSetDescriptorType
+        slots += [("@" + k, v.__get__) for k, v in cd.items()
+                  if type(v) is types.MemberDescriptorType]
+        mod = cd.get("__module__")
+        if c.__flags__ & _HEAPTYPE and not (type(mod) is str and
+                                            mod.split(".")[0] in _LIB_PREFIXES):
+            user.append(c)
+    if odd:
+        return "opaque"  # (a class whose __dict__ is not the standard descriptor)
+    if ddesc is None and not slots and not t.__flags__ & _HEAPTYPE:
+        return "opaque"  # (a C type with no attributes to read: its state is its own)
+    return ("obj", ddesc.__get__ if ddesc is not None else None, tuple(slots), tuple(user))
 
 
 def _is_container(v: Any) -> bool:
-    return isinstance(v, _CONTAINERS) or type(v) in _MUTABLE_BUILTINS or \
-        _object_parts(type(v)) is not None
+    return _kind(type(v)) is not None
 
 
 class _Raw:
     """The content of a mutable builtin that holds values, not objects (a ``bytearray``, an
-    ``array.array``, a NumPy array): its type, shape and bytes, compared by value."""
+    ``array.array``, a NumPy array, a ``random.Random``'s state): its type and bytes."""
 
     __slots__ = ("key",)
 
@@ -630,11 +751,8 @@ class _Raw:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _raw(v: Any) -> Any:
-    """``_Raw`` of a bytearray, array.array or NumPy array (a deque: its items, as a list's)."""
+def _raw(v: Any) -> _Raw:
     t = type(v)
-    if t is collections.deque:
-        return tuple(v)
     if t is bytearray:
         return _Raw((t, bytes(v)))
     if t is _array.array:
@@ -643,67 +761,9 @@ def _raw(v: Any) -> Any:
     return _Raw((t, v.dtype.str, v.shape, v.strides, v.tobytes()))
 
 
-#: mutable builtins whose state is compared by value or items (hundred-and-fifteenth review's
-#: object state, the same for the C types a model could keep a value in)
-_MUTABLE_BUILTINS = frozenset({collections.deque, bytearray, _array.array, _np.ndarray})
-
-
-#: per class: how its instances' attributes are read (:func:`_object_parts`), or None
-_PARTS: dict[type, Any] = {}
-_MISSING = object()
-#: ``Py_TPFLAGS_HEAPTYPE``: a class made by a class statement (not a type written in C)
-_HEAPTYPE = 1 << 9
-_CLASS_DICT = type.__dict__["__dict__"].__get__
-#: classes whose instances are never entered: walked elsewhere, or code rather than state
-_NOT_ENTERED = (torch.Tensor, nn.Module, type, types.ModuleType, types.FunctionType,
-                types.MethodType, BaseException)
-
-
-def _object_parts(t: type) -> Any:
-    """``(dict descriptor or None, ((key, slot descriptor), ...))`` for the instances of a class
-    written in Python that are plain objects (not tensors, modules, classes, functions), else None.
-
-    An object a module holds in an attribute (or a container holds) is state like a container:
-    a transformers ``DynamicCache`` kept on the model appended each call's keys and values to
-    its layers' tensors, compared by identity only, and the next step's attention read the last
-    step's examples under vmap (hundred-and-fifteenth hostile review: 2.59 C on auto's vmap
-    fallback). Its attributes are read through the class's own C descriptors (no code of the
-    object's runs); a ``__dict__`` that is not the standard descriptor is not entered."""
-    got = _PARTS.get(t, _MISSING)
-    if got is not _MISSING:
-        return got
-    got = None
-    if t.__flags__ & _HEAPTYPE and not issubclass(t, _NOT_ENTERED) and \
-            not issubclass(t, _CONTAINERS):
-        ddesc, slots, odd = None, [], False
-        for c in t.__mro__:
-            cd = _CLASS_DICT(c)
-            if ddesc is None and "__dict__" in cd:
-                ddesc = cd["__dict__"]
-                odd = type(ddesc) is not types.GetSetDescriptorType
-            slots += [("@" + k, v) for k, v in cd.items()
-                      if type(v) is types.MemberDescriptorType]
-        if not odd and (ddesc is not None or slots):
-            got = (ddesc, tuple(slots))
-    _PARTS[t] = got
-    return got
-
-
-def _object_state(v: Any, parts: Any) -> dict:
-    """An object's attributes (its ``__dict__``'s entries, its set slots as ``@name``), read
-    through its class's descriptors."""
-    ddesc, slots = parts
-    out = dict(ddesc.__get__(v)) if ddesc is not None else {}
-    for key, desc in slots:
-        try:
-            out[key] = desc.__get__(v)
-        except AttributeError:  # (an unset slot)
-            pass
-    return out
-
-
 class _Obj:
-    """An object's content: its class and its attributes' content (:func:`_content`)."""
+    """An object's content: its class and the content of its attributes (and of its user
+    classes' own dictionaries: a class attribute is state too)."""
 
     __slots__ = ("cls", "state")
 
@@ -714,6 +774,44 @@ class _Obj:
         return type(other) is _Obj and _same(self, other)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _object_state(v: Any, kind: Any) -> dict:
+    """The attributes of an object (its ``__dict__``, its set slots as ``@name``, its user
+    classes' own dictionaries as ``@@i``) or of a function / method / weak reference, read
+    through C descriptors."""
+    if kind == "func":
+        out = {}
+        for k, get in _F_PARTS:
+            x = get(v)
+            if k == "__closure__" and x is not None:
+                cells = []
+                for c in x:
+                    try:
+                        cells.append(_CELL(c))
+                    except ValueError:  # (an empty cell)
+                        cells.append(_EMPTY_CELL)
+                x = tuple(cells)
+            out[k] = x
+        return out
+    if kind == "method":
+        return {"__self__": _M_SELF(v), "__func__": _M_FUNC(v)}
+    if kind == "ref":
+        return {"referent": _REF_CALL(v)}
+    if kind == "rng":
+        return {"state": _RNG_STATE(v)}
+    _, dget, slots, user = kind
+    out = dict(dget(v)) if dget is not None else {}
+    for key, get in slots:
+        try:
+            out[key] = get(v)
+        except AttributeError:  # (an unset slot)
+            pass
+    for i, c in enumerate(user):
+        out[f"@@{i}"] = dict(_CLASS_DICT(c))
+    return out
+
+
 #: containers inside containers are snapshot at every depth (fifth hostile review:
 #: ``self.box[0][0]`` written under vmap kept the inner list's identity and a shallow content missed
 #: it, 3.45 C; sixth: a fixed depth of four missed the fifth level, 3.45 C); beyond this depth a
@@ -722,7 +820,8 @@ _DEPTH = 64
 
 
 class _TooDeep:
-    """The content of a container nested deeper than :data:`_DEPTH`: equal to nothing."""
+    """The content of a container nested deeper than :data:`_DEPTH`, or of an object whose state
+    cannot be read (:func:`_kind`: ``"opaque"``): equal to nothing."""
 
     __slots__ = ()
 
@@ -734,7 +833,7 @@ class _TooDeep:
 
 class _Nested:
     """A container's content when some of its items are containers too: its items (by identity)
-    and ``(position, content)`` of each item that is a container."""
+    and ``(position, content)`` of each item that is a container (a dict's keys: ``("key", i)``)."""
 
     __slots__ = ("items", "inner")
 
@@ -747,40 +846,44 @@ class _Nested:
 
 def _content(v: Any, depth: int = _DEPTH, path: frozenset = frozenset()) -> Any:
     """The content of a container attribute (its items by identity, and those of the containers
-    among them, at every depth; a container that holds itself is not entered again), else None."""
-    if depth <= 0:
-        return _TooDeep()
-    # (subclasses too: a defaultdict or Counter is a dict; seventh hostile review)
+    and objects among them, at every depth; one that holds itself is not entered again), else
+    None (a value compared by identity)."""
     t = type(v)
-    if t is dict or t is collections.OrderedDict or isinstance(v, dict):
-        if not v:  # (most: a module's hook tables)
+    kind = _kind(t)
+    if kind is None:
+        return None
+    if depth <= 0 or kind == "opaque":
+        return _TooDeep()
+    keys: tuple = ()
+    if kind == "dict" or kind == "odict":
+        ks = tuple((_OD_KEYS if kind == "odict" else _D_KEYS)(v))
+        if not ks:  # (most: a module's hook tables)
             return ()
-        items = _Pairs(tuple(v), tuple(v.values()))
-        values = items.values
-    elif t is tuple or t is list or isinstance(v, (list, tuple)):
-        if not v:
+        items: Any = _Pairs(ks, tuple((_OD_VALUES if kind == "odict" else _D_VALUES)(v)))
+        values, keys = items.values, ks
+    elif kind == "list" or kind == "tuple":
+        items = values = tuple((_L_ITER if kind == "list" else _T_ITER)(v))
+        if not items:
             return ()
-        items = values = tuple(v)
-    elif isinstance(v, (set, frozenset)):
-        return frozenset(v)
-    elif t in _MUTABLE_BUILTINS:
-        got = _raw(v)
-        if type(got) is _Raw or not any(map(_is_container, got)):
-            return got
-        path = path | {ident(v)}
-        inner = tuple((i, _content(x, depth - 1, path)) for i, x in enumerate(got)
-                      if _is_container(x) and ident(x) not in path)
-        return _Nested(got, inner) if inner else got
+    elif kind == "set":
+        # (a frozenset made from a set copies the stored hashes: no element's __hash__ runs)
+        items = frozenset(v)
+        values = tuple(_FS_ITER(items))
+    elif kind == "deque":
+        items = values = tuple(_DQ_ITER(v))
+        if not items:
+            return ()
+    elif kind == "raw":
+        return _raw(v)
     else:
-        parts = _object_parts(t)
-        if parts is None:
-            return None
-        return _Obj(t, _content(_object_state(v, parts), depth - 1, path | {ident(v)}))
-    if not any(map(_is_container, values)):
+        return _Obj(t, _content(_object_state(v, kind), depth - 1, path | {ident(v)}))
+    if not any(map(_is_container, values)) and not any(map(_is_container, keys)):
         return items
     path = path | {ident(v)}
     inner = tuple((i, _content(x, depth - 1, path)) for i, x in enumerate(values)
-                  if _is_container(x) and ident(x) not in path)
+                  if _is_container(x) and ident(x) not in path) + \
+        tuple((("key", i), _content(x, depth - 1, path)) for i, x in enumerate(keys)
+              if _is_container(x) and ident(x) not in path)
     if inner:
         return _Nested(items, inner)
     return items
@@ -810,49 +913,52 @@ def _items(content: Any) -> Any:
 
 
 def _contents(d: dict) -> dict:
-    """``{key: content}`` of the container attributes of a module's ``__dict__``."""
+    """``{key: content}`` of the container and object attributes of a module's ``__dict__``."""
     return {k: _content(v) for k, v in d.items()
             if _is_container(v) and not (type(v) is tuple and not any(map(_is_container, v)))}
     # (a tuple of no containers is immutable: compared by identity as an attribute)
 
 
 def _refill(v: Any, content: Any) -> None:
-    if type(content) is _TooDeep:
-        return
-    if type(content) is _Raw:  # (a mutable builtin holding values: its bytes put back)
+    """Put a container's (or a plain object's) snapshot back (exact builtin types and objects'
+    dictionaries only: what else changed is refused anyway)."""
+    if type(content) in (_TooDeep, _Raw):
         t = type(v)
-        if t is bytearray:
-            v[:] = content.key[1]
-        elif t is _array.array:
-            v[:] = _array.array(content.key[1], content.key[2])
-        elif t is _np.ndarray and v.flags.writeable and v.shape == content.key[2]:
-            v[...] = _np.frombuffer(content.key[4], dtype=content.key[1]).reshape(v.shape)
+        if type(content) is _Raw:
+            if t is bytearray:
+                v[:] = content.key[1]
+            elif t is _array.array:
+                v[:] = _array.array(content.key[1], content.key[2])
+            elif t is _np.ndarray and v.flags.writeable and v.shape == content.key[2]:
+                v[...] = _np.frombuffer(content.key[4], dtype=content.key[1]).reshape(v.shape)
         return
-    if type(v) is collections.deque:
-        v.clear()
-        v.extend(_items(content))
-        return
+    t = type(v)
     if type(content) is _Obj:  # (an object: its instance dictionary put back)
-        parts = _object_parts(type(v))
-        if parts is not None and parts[0] is not None and type(content.state) is not _TooDeep:
-            d = parts[0].__get__(v)
+        kind = _kind(t)
+        if type(kind) is tuple and kind[1] is not None and type(content.state) is not _TooDeep:
+            d = kind[1](v)
             state = dict(_items(content.state) or ())
             d.clear()
             d.update({k: x for k, x in state.items() if not k.startswith("@")})
         return
     items = _items(content)
-    if isinstance(v, dict):
+    if t is dict or t is collections.OrderedDict:
         v.clear()
         v.update(items)
-    elif isinstance(v, list):
+    elif t is list:
         v[:] = list(items)
-    elif isinstance(v, set):
+    elif t is set:
         v.clear()
         v.update(items)
+    elif t is collections.deque:
+        v.clear()
+        v.extend(items)
+    else:
+        return
     if type(content) is _Nested:  # the inner containers: the objects the items hold again
-        values = [x for _, x in items] if isinstance(v, dict) else list(items)
+        values = [x for _, x in items] if t in (dict, collections.OrderedDict) else list(items)
         for i, sub in content.inner:
-            if type(sub) is not _TooDeep:
+            if type(i) is int and type(sub) is not _TooDeep:
                 _refill(values[i], sub)
 
 

@@ -33,6 +33,7 @@ from dpclip.engine._common import (
 from dpclip.engine.base import LossFn
 from dpclip.engine.batch import call_model, first_tensor, map_batch, slice_batch
 from dpclip.engine.generators import OwnGenerators
+from dpclip.engine.op_entry import no_compiled_autograd
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
 
@@ -86,7 +87,8 @@ def _naive_loop(
             losses.append(loss.detach())
             if not params:
                 continue
-            gs = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            with no_compiled_autograd():
+                gs = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (name, p), g in zip(params.items(), gs):
                 rows[name].append(torch.zeros_like(p) if g is None else g.detach())
     grads = {

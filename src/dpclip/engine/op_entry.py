@@ -150,3 +150,39 @@ def verified(func: Any) -> tuple[Any, Any]:
     got = (schema, _GET_OP(schema.name, schema.overload_name)[0])
     _ENTRIES[ident(func)] = (func, got, tuple(map(d.get, _WATCHED_ATTRS)))
     return got
+
+
+#: torch's switch of compiled autograd (a process-wide C setting), bound at import; None where
+#: this torch has none
+_SET_AUTOGRAD_COMPILER = getattr(getattr(getattr(getattr(torch._C, "_dynamo", None),
+                                                 "compiled_autograd", None), "__dict__", {}),
+                                 "get", lambda _k: None)("set_autograd_compiler")
+
+COMPILED_AUTOGRAD = (
+    "compiled autograd is switched on (torch._dynamo.compiled_autograd, or torch._C._dynamo."
+    "compiled_autograd.set_autograd_compiler, set before or during the step): it hands the "
+    "engine's backward pass to a compiler whose code returns the gradients, which could rewrite "
+    "one example's gradient with another's (hundred-and-eighteenth hostile review: a forward "
+    "that set it from a finalizer for the next step: 14.8 C). Switch it off for private training")
+
+
+class no_compiled_autograd:
+    """Around an engine's backward pass: compiled autograd off, and refused where it was on.
+    torch has no getter: the switch is set to off, which returns the previous setting; a
+    compiler found there (set before the backward, or by code that ran during it) is refused,
+    and the switch stays off."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        if _SET_AUTOGRAD_COMPILER is None:
+            return
+        prev = _SET_AUTOGRAD_COMPILER(None, False)
+        if prev[0] is not None:
+            raise UnsupportedModelError(COMPILED_AUTOGRAD)
+
+    def __exit__(self, *exc: Any) -> bool:
+        if _SET_AUTOGRAD_COMPILER is not None and \
+                _SET_AUTOGRAD_COMPILER(None, False)[0] is not None and exc[0] is None:
+            raise UnsupportedModelError(COMPILED_AUTOGRAD)
+        return False

@@ -57,7 +57,7 @@ from dpclip._ident import ident
 from dpclip.engine.errors import PerLayerNotProved, PerLayerUnsupported, quote_error
 from dpclip.engine.memory_watch import MemoryWatch
 from dpclip.engine.proved_program import _written
-from dpclip.engine.op_entry import call_op
+from dpclip.engine.op_entry import call_op, no_compiled_autograd
 from dpclip.engine.separable import MIXED, SeparabilityTracer, _IdMap
 
 __all__ = ["PerLayerNotProved", "PerLayerUnsupported", "RecomputeTracer", "check_module_windows",
@@ -726,8 +726,9 @@ def module_grads(c: Any, batch: int) -> dict[str, Tensor]:
                 env[n] = p[r]
             return replay(entries, grads, cuts, env, outs, shapes)
 
-        _, back = vjp(f, own)
-        return back(tuple(b_rows))[0]
+        with no_compiled_autograd():
+            _, back = vjp(f, own)
+            return back(tuple(b_rows))[0]
 
     allowed = list(fixed.values()) + [t for _, _, _, vs in module_state(mod) for t, _ in vs] + \
         list(reads.values()) + _literals(entries)

@@ -1105,9 +1105,14 @@ class SeparabilityTracer(TorchDispatchMode):
                         "that existed before the forward pass (a parameter, buffer, module "
                         "attribute or global): it would carry private data out of the step, or "
                         "into the next one")
-            if new == old:
+            if new == old and new is not MIXED:
                 continue
-            if new is MIXED and old is not MIXED:  # (read by the ghost engine: rewritten_to_mix)
+            # (a MIXED result written through a view that already read MIXED, e.g. f[H:] of a
+            # flat view of a (B, H) tensor, changes the rows of the storage's other views all the
+            # same: the storage is tainted below; skipped before, the base kept its layout (0, 1)
+            # while each row held others' data: hundred-and-seventeenth hostile review, 2.05 to
+            # 4.72 C under ghost and auto)
+            if new is MIXED:  # (read by the ghost engine: rewritten_to_mix)
                 try:
                     self._mixed_in_place.add(t.untyped_storage().data_ptr())
                 except Exception:  # noqa: BLE001

@@ -99,8 +99,8 @@ def _tree(model: nn.Module, full: bool = True) -> tuple[list[tuple], list[tuple]
         add(m)
         d = mod.__dict__
         ps, bs, cs = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
-        a = tuple((k, v) for k, v in d.items() if isinstance(v, Tensor)) \
-            if _has_tensor(d) else ()
+        a = tuple((k, v) for k, v in d.items() if issubclass(type(v), Tensor)) \
+            if _has_tensor(d) else ()  # (by the type alone: no __class__ property of theirs)
         append((m, tuple(ps) if ps else (), tuple(map(ident, ps.values())) if ps else (),
                 tuple(bs) if bs else (), tuple(map(ident, bs.values())) if bs else (),
                 tuple((k, ident(v)) for k, v in a) if a else (),

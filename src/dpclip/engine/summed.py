@@ -17,6 +17,7 @@ from dpclip.engine._common import batch_chunks, check_batch, check_chunk_size, t
 from dpclip.engine.batch import call_model
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
 from dpclip.engine.isolation import Isolated, check_structure
+from dpclip.engine.op_entry import no_compiled_autograd
 
 __all__ = ["SummedEngine"]
 
@@ -73,7 +74,9 @@ class SummedEngine:
                     loss_sum += float(total.detach())
                     if not params or not total.requires_grad:
                         continue
-                    gs = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+                    with no_compiled_autograd():
+                        gs = torch.autograd.grad(total, list(params.values()),
+                                                 allow_unused=True)
                 for name, g in zip(params, gs):
                     if g is not None:
                         grads[name] += g

@@ -29,7 +29,7 @@ from dpclip.engine._common import (
 )
 from dpclip.engine.base import LossFn
 from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
-from dpclip.engine.op_entry import PY_DISPATCHER, python_dispatcher_on
+from dpclip.engine.op_entry import PY_DISPATCHER, no_compiled_autograd, python_dispatcher_on
 from dpclip.engine.batch import (
     batch_leaves,
     call_model,
@@ -48,7 +48,8 @@ def _kept_graph(mod: nn.Module) -> str | None:
     """The name of a tensor attribute or buffer of ``mod`` that has an autograd graph (a
     ``grad_fn``): a view or a product of a parameter kept across calls."""
     for name, v in list(vars(mod).items()) + list(mod._buffers.items()):
-        if isinstance(v, Tensor) and not isinstance(v, nn.Parameter) and \
+        t = type(v)  # (the type alone: isinstance reads a __class__ of the model's class)
+        if issubclass(t, Tensor) and not issubclass(t, nn.Parameter) and \
                 v.grad_fn is not None:
             return f"{'buffer' if name in mod._buffers else 'attribute'} {name!r}"
     return None
@@ -316,8 +317,9 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
         # them, 3.17 C under auto; sixty-seventh hostile review)
         xs, ys = map_batch(_contiguous, xs), map_batch(_contiguous, ys)
         try:
-            got = vmap(fn, in_dims=(None, _in_dims(xs), _in_dims(ys)),
-                       randomness="different")(params, xs, ys)
+            with no_compiled_autograd():
+                got = vmap(fn, in_dims=(None, _in_dims(xs), _in_dims(ys)),
+                           randomness="different")(params, xs, ys)
         finally:
             mode = watch.pop()
         mode.refuse("vmap engine")

@@ -41,6 +41,7 @@ from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
+from dpclip.engine.op_entry import no_compiled_autograd
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.generators import current_seed_source, seed_source
 from dpclip.engine.isolation import (Isolated, check_structure, engine_only,
@@ -521,5 +522,6 @@ def nonprivate_step_grads(
     """Mean-loss gradients of an ordinary (non-private) step, for baselines and benchmarks."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     loss = loss_fn(call_model(model, inputs), targets).mean()
-    gs = torch.autograd.grad(loss, list(params.values()))
+    with no_compiled_autograd():
+        gs = torch.autograd.grad(loss, list(params.values()))
     return dict(zip(params, gs))

@@ -53,6 +53,7 @@ from dpclip.clipping.capabilities import capabilities_of, strategy_name
 from dpclip.engine._common import ChunkReducer, trainable_params
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.isolation import Isolated
+from dpclip.engine.op_entry import no_compiled_autograd
 from dpclip.engine.unit_guard import UnitGuard
 from dpclip.errors import DeprecatedSpellingWarning
 from dpclip.events import REPLACE_ONE, DpEvent, SampledWithoutReplacementEvent
@@ -350,7 +351,9 @@ def unit_sum(
 
     def one_unit(x: Tensor, y: Tensor) -> tuple[Tensor, tuple]:
         loss_vec = loss_fn(model(x), y)
-        return loss_vec.detach(), torch.autograd.grad(loss_vec.mean(), wrt, allow_unused=True)
+        with no_compiled_autograd():
+            return loss_vec.detach(), torch.autograd.grad(loss_vec.mean(), wrt,
+                                                          allow_unused=True)
 
     with frozen_bn_buffers(model), UnitGuard(model) as guard:
         for j in range(k):
