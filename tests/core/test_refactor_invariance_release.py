@@ -17,6 +17,11 @@ pre-refactor code was kept: tests/core/_invariance_cases.py). ``per-layer-noise`
 more on 2026-12-02 (issue 31, commit 25003bb): one of its steps has a chunk of one example, which
 the ghost engine now runs as a batch of two (the example and its copy, weighted 0), so its rounding
 moved: the ledger is unchanged, the final weights moved by at most 7.5e-9 (largest weight 0.15).
+
+Re-recorded on 2026-12-06 (issue 31, hundred-and-twentieth hostile review): the ghost engine's
+rounding factor of the norms is now taken for the chunk's public size (4096 examples) instead
+of its padded realised rows, so every ghost-run case's weights moved in the last digits (the
+norms by about 2.4e-4 relative); the ledgers are unchanged. Cases re-recorded: fixed-poisson, fixed-size, per-layer-noise, transfer, vdv.
 """
 
 from __future__ import annotations

@@ -641,7 +641,8 @@ class GhostEngine:
     Args:
         max_physical_batch: process the batch in chunks of at most this many examples (memory only;
             ``weight_fn`` is called once per chunk, so it must be row-wise, as for ``vmap``).
-            ``None`` (default): one chunk.
+            ``None`` (default): chunks of at most 4096 examples (one chunk for smaller batches).
+            The norms' rounding factor is taken for this public size, never the realised batch.
         norm_mode: ``"mixed"`` (default: per-layer choice by cost), ``"ghost"`` or ``"direct"``
             (see :data:`NORM_MODES`).
         fallback: ``None`` (default): a model with a layer the engine does not support raises
@@ -750,7 +751,7 @@ class GhostEngine:
         if not batch or not params:
             reducer = ChunkReducer(params, groups, weight_fn, self.name, inputs)
             with _cm.no_grad():
-                for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
+                for rows, xs, ys in batch_chunks(inputs, targets, batch, self._chunk_size()):
                     reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys), rows))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
@@ -772,7 +773,7 @@ class GhostEngine:
         stepped: dict[str, str] = {}
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
-                                                  self.max_physical_batch))
+                                                  self._chunk_size()))
             for i in range(len(chunks)):
                 rows, xs, ys = chunks[i]
                 # user code runs isolated: generators of the chunk's own, and nothing it leaves
@@ -1171,6 +1172,11 @@ class GhostEngine:
                 carry.append((held, late))
             del held, late
 
+    def _chunk_size(self) -> int:
+        """The most examples a chunk holds: ``max_physical_batch``, else :data:`_PUBLIC_ROWS`
+        (public either way: the norms' rounding factor is taken for that many rows)."""
+        return self.max_physical_batch or _PUBLIC_ROWS
+
     def _reduce(
         self,
         live: list[_Call],
@@ -1227,7 +1233,14 @@ class GhostEngine:
         # the addition of the directly formed gradients (_FORM_RATIO: one per layer),
         # the sums over layers and groups, the square root and the strategy's few operations on
         # the norm (32)
-        rho = _rho(rnd, batch, acc.k_rel, len(live), n_groups)
+        # (for the chunk's PUBLIC row count, never the realised one: with the padded batch in
+        # it, every example's norm and weight moved when the batch crossed a multiple of 32
+        # rows; the quantile count flipped every bit at a threshold, 513 times its sensitivity,
+        # and the other examples' weights moved the release by 1.13 C at B = 65,536:
+        # hundred-and-twentieth hostile review)
+        rows = padded_rows(self._chunk_size())
+        assert batch <= rows
+        rho = _rho(rnd, rows, acc.k_rel, len(live), n_groups)
         norms = sq.sqrt() * (1 + rho)
         # underflow, which no relative bound covers (module docstring, "Underflow"): an absolute
         # term from public sizes, then one ulp up (the addition itself rounds)
@@ -1510,6 +1523,9 @@ _HARDSHRINK = torch.hardshrink
 _FLUSH = {torch.float32: 2.0 ** -40, torch.bfloat16: 2.0 ** -40, torch.float64: 2.0 ** -300}
 #: positions per example that the absolute term of the book-keeping sums allows for
 _MAX_POSITIONS = 2 ** 24
+#: the examples of a chunk when ``max_physical_batch`` is None (a public size: the norms'
+#: rounding factor is taken for its padded rows, whatever the realised batch)
+_PUBLIC_ROWS = 4096
 
 
 def _widen(c: _Call) -> None:

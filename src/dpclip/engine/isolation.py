@@ -341,6 +341,29 @@ def _set_dispatch_sets(v: tuple[int, int]) -> None:
                 pass
 
 
+_EVAL_FRAME = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+
+FRAME_CALLBACK = (
+    "a frame-evaluation callback is set (PEP 523: torch._C._dynamo.eval_frame.set_eval_frame, or "
+    "its bytecode debugger callback) outside torch.compile: it is handed every Python frame the "
+    "engine and the release run, with their locals, and could rewrite the gradients or cancel "
+    "the noise (hundred-and-nineteenth hostile review: 50 C under every engine); it was taken "
+    "out and the step refused. Do not set it in the model's code")
+
+
+def _frame_callbacks() -> Any:
+    """The frame-evaluation callbacks torch's C entry points set (None where none is)."""
+    if _EVAL_FRAME is None:
+        return None
+    got = (_EVAL_FRAME.get_eval_frame_callback(), _EVAL_FRAME.get_bytecode_debugger_callback())
+    return None if got == (None, None) else got
+
+
+def _clear_frame_callbacks() -> None:
+    _EVAL_FRAME.set_eval_frame(None)
+    _EVAL_FRAME.set_bytecode_debugger_callback(None)
+
+
 @_cm.contextmanager
 def engine_only() -> Iterator[None]:
     """The engines' own code runs with no user code reachable between its operations:
@@ -366,6 +389,9 @@ def engine_only() -> Iterator[None]:
             "operations and inside the engine's own arithmetic and the release, outside every "
             "check (every engine refuses it). Leave the context before the step "
             "(torch.device(...) is allowed)")
+    if _frame_callbacks() is not None:
+        _clear_frame_callbacks()
+        raise UnsupportedModelError(FRAME_CALLBACK + " (found when the step starts)")
     over = foreign_aten_kernels()
     if over:
         raise UnsupportedModelError(
@@ -399,6 +425,9 @@ def engine_only() -> Iterator[None]:
         if sys.gettrace() is not interpreter[0] or sys.getprofile() is not interpreter[1]:
             frames_guard.put_back_callbacks(*interpreter)
             changed = True
+        if _frame_callbacks() is not None:  # (set during the call: taken out, the call refused)
+            _clear_frame_callbacks()
+            raise UnsupportedModelError(FRAME_CALLBACK)
     if changed:
         raise UnsupportedModelError(
             "an interpreter callback (sys.settrace / sys.setprofile) was set during the private "

@@ -1,0 +1,69 @@
+"""Hundred-and-nineteenth hostile review: a frame-evaluation callback (PEP 523,
+``torch._C._dynamo.eval_frame.set_eval_frame``) set by the forward and left on: Python hands it
+every frame the engine and the release run, with their locals, after every check; it scaled the
+gradients by 50 (LOO 50 C under every engine) or cancelled the noise through make_private. Now a
+step refuses it when it starts and when it ends (and takes it out).
+
+Hundred-and-twentieth: the ghost engine's rounding factor of the norms was taken for the chunk's
+padded row count, a function of the realised batch size: every example's norm moved when the
+batch crossed a multiple of 32 rows, so the quantile count flipped every bit at a threshold (513
+times its sensitivity under ghost, auto and compiled) and the other examples' weights moved the
+release (1.13 C at B = 65,536). Now it is taken for the chunk's public size
+(``max_physical_batch``, else 4096 examples, chunks beyond)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine.errors import UnsupportedModelError
+
+_EF = torch._C._dynamo.eval_frame
+
+
+def _loss(o, y):
+    return nn.functional.cross_entropy(o, y, reduction="none")
+
+
+class _SetsCallback(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        _EF.set_eval_frame(lambda *a: None)  # (any callable: set and left on)
+        _EF.set_eval_frame(None)
+        _EF.set_bytecode_debugger_callback(lambda *a: None)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "auto", "vmap", "naive"])
+def test_a_frame_callback_left_by_the_forward_is_refused(engine):
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    model = _SetsCallback()
+    try:
+        with pytest.raises(UnsupportedModelError, match="frame-evaluation callback"):
+            get_engine(engine).compute(model, _loss, x, y, lambda n: torch.clamp(1 / n, max=1.0),
+                                       ParamGroups.flat(model))
+    finally:
+        _EF.set_bytecode_debugger_callback(None)
+    assert _EF.get_bytecode_debugger_callback() is None  # (taken out by the engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "auto", "compiled"])
+def test_the_norms_do_not_depend_on_the_realised_batch_size(engine):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1, bias=False)
+    x = torch.randn(40, 8)
+    x = x / x.norm(dim=1, keepdim=True)
+    y = torch.zeros(40, dtype=torch.long)
+    eng = get_engine(engine)
+    got = {}
+    for b in (32, 33):  # (32 -> 64 padded rows)
+        res = eng.compute(model, lambda o, t: o[:, 0], x[:b], y[:b],
+                          lambda n: torch.clamp(1.0 / n, max=1.0), ParamGroups.flat(model))
+        got[b] = res.norms[:32]
+    assert torch.equal(got[32], got[33])  # (2e-6 relative apart before: every bit flipped)
