@@ -619,6 +619,17 @@ _PLAIN = (int, float, bool, str, type(None))
 #: exact types that are plain (kept in the key) or never plain (skipped) without an isinstance
 _PLAIN_EXACT = frozenset({int, float, bool, str, type(None)})
 _NOT_PLAIN_EXACT = frozenset({dict, set, list, collections.OrderedDict})
+_NONE_TYPE = type(None)
+
+
+def plain_exact(t: type) -> bool:
+    """``plain_exact(t)`` by identity: a set lookup hashes ``t``, and a class whose metaclass
+    has a ``__hash__`` of its own would run it (hundred-and-twenty-second hostile review)."""
+    return t is float or t is int or t is str or t is bool or t is _NONE_TYPE
+
+
+def _not_plain_exact(t: type) -> bool:
+    return t is dict or t is list or t is set or t is collections.OrderedDict
 
 
 #: a module's hook registries (with their flags): what the call runs besides ``forward``
@@ -637,9 +648,9 @@ def _python_state(mod: nn.Module) -> tuple:
     got = []
     for k, v in vars(mod).items():
         t = type(v)
-        if t in _PLAIN_EXACT:
+        if plain_exact(t):
             got.append((k, v))
-        elif t in _NOT_PLAIN_EXACT:
+        elif _not_plain_exact(t):
             if v and k in _HOOK_DICTS:  # (by identity: a hook added or removed, a new proof)
                 got.append((k, tuple((h, _identity(f)) for h, f in v.items())))
             continue
@@ -662,7 +673,7 @@ def _plain(v: Any) -> Any:
     t = type(v)  # (the type alone, and the builtins' own methods: no code of the class runs)
     if issubclass(t, tuple):
         return (_Same(t), tuple(_plain(x) for x in tuple.__iter__(v)))
-    if t in _PLAIN_EXACT:
+    if plain_exact(t):
         return (t, v.hex() if t is float else v)
     if issubclass(t, int):
         return (_Same(t), int.__index__(v))
@@ -715,14 +726,14 @@ def _canon(v: Any, depth: int = 4) -> Any:
     two calls that pass equal but distinct objects (a new ``lambda`` or loss object each step)
     reuse one proof."""
     t = type(v)
-    if t in _PLAIN_EXACT:
+    if plain_exact(t):
         return (t, v.hex()) if t is float else (t, v)  # (hex: one NaN equals another)
     if depth <= 0:
         return _Same(v)
     d = depth - 1
     if t is tuple or t is list:
         return (t, tuple(_canon(x, d) for x in v))
-    if t in _MAPS:
+    if t is dict or t is collections.OrderedDict:
         return (t, tuple((_canon(k, d), _canon(x, d)) for k, x in v.items()))
     if t is set or t is frozenset:
         return (t, frozenset(_canon(x, d) for x in v))

@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from dpclip._ident import ident
-from dpclip.engine.batch_symbol import _PLAIN_EXACT, _modules
+from dpclip.engine.batch_symbol import _modules, plain_exact
 from dpclip.engine import frames_guard, torch_names
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import OwnGenerators
@@ -539,6 +539,10 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("garbage collector (enabled, thresholds, callbacks)", _garbage_collector,
      _set_garbage_collector),
     ("dispatch key sets", _dispatch_repr, _set_dispatch_sets),
+    # (a frame-evaluation callback set inside a chunk, hundred-and-nineteenth review; set and
+    # taken out between two comparisons it is out of reach: docs/engines.md, trust boundary)
+    ("frame-evaluation callback", lambda: _frame_callbacks(),
+     lambda v: _clear_frame_callbacks() if v is None else None),
     ("global module hooks", lambda: tuple(tuple(d.items()) for d in _global_hooks()),
      lambda v: [(d.clear(), d.update(items)) for d, items in zip(_global_hooks(), v)]),
 )
@@ -575,7 +579,7 @@ def _same(a: Any, b: Any) -> bool:
                                      all(_same(x, y) for x, y in zip(a, b)))
     if t is float:
         return a.hex() == b.hex()
-    if t in _PLAIN_EXACT:
+    if plain_exact(t):
         return a == b
     if t is _Nested:
         return _same(a.items, b.items) and _same(a.inner, b.inner)
@@ -603,7 +607,7 @@ def _deep_same(a: Any, b: Any, depth: int = 64) -> bool:
         return False
     if t is float:
         return a.hex() == b.hex()
-    if t in _PLAIN_EXACT:
+    if plain_exact(t):
         return a == b
     # (exact builtin containers only, read through their own C methods: the deep copies this
     # is for are torch.export's; a subclass's methods would be the model's code)
@@ -630,7 +634,7 @@ def _strict_key(x: Any) -> Any:
     t = type(x)
     if t is float:
         return (t, x.hex())
-    if t in _PLAIN_EXACT:
+    if plain_exact(t):
         return (t, x)
     if t is tuple:
         return (t, tuple(map(_strict_key, _T_ITER(x))))
@@ -679,6 +683,7 @@ _IMMUTABLE_C = frozenset({
     torch.Generator, type(re.compile("")), _np.dtype, type(_np.dtype("f4")),
     type(torch.float32), type(torch.contiguous_format), type(torch.strided),
 })
+_IMMUTABLE_IDS = frozenset(map(ident, _IMMUTABLE_C))
 _IMMUTABLE_BASES = (_np.generic, torch.Tensor, nn.Module, type, types.ModuleType)
 #: C types whose state cannot be read without running code: an attribute holding one is refused
 _OPAQUE = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
@@ -688,13 +693,16 @@ _OPAQUE = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
 #: ``Py_TPFLAGS_HEAPTYPE``: a class made by a class statement (not a type written in C)
 _HEAPTYPE = 1 << 9
 _CLASS_DICT = type.__dict__["__dict__"].__get__
+#: a class's MRO and flags through type's own descriptors (a metaclass property never runs)
+_MRO = type.__dict__["__mro__"].__get__
+_FLAGS = type.__dict__["__flags__"].__get__
 #: libraries whose classes' own dictionaries are not snapshot for the objects entered (their
 #: class attributes are the library's globals: module docstring, "Trust boundary")
 _LIB_PREFIXES = ("torch", "transformers", "peft", "dpclip", "numpy", "builtins", "collections",
                  "functools", "typing", "enum", "abc", "types")
 
 #: per class: how its instances are read (:func:`_kind`)
-_KINDS: dict[type, Any] = {}
+_KINDS: dict[int, tuple[type, Any]] = {}
 _MISSING = object()
 
 
@@ -704,15 +712,18 @@ def _kind(t: type) -> Any:
     ``"odict"``, ``"list"``, ``"tuple"``, ``"set"``, ``"deque"``, ``"raw"``), ``"func"``,
     ``"method"``, ``"ref"``, ``"rng"``, ``("obj", dict descriptor, slots, user classes)``, or
     ``"opaque"`` (state that cannot be read: refused). Decided from the class alone, cached."""
-    got = _KINDS.get(t, _MISSING)
-    if got is not _MISSING:
-        return got
-    _KINDS[t] = got = _decide_kind(t)
-    return got
+    # (keyed by the class's identity: a dict lookup hashes its key, and a metaclass with a
+    # __hash__ of its own ran it inside the walk: hundred-and-twenty-second hostile review)
+    got = _KINDS.get(ident(t))
+    if got is not None and got[0] is t:
+        return got[1]
+    kind = _decide_kind(t)
+    _KINDS[ident(t)] = (t, kind)  # (the class kept: its id is not reused)
+    return kind
 
 
 def _decide_kind(t: type) -> Any:
-    if t in _PLAIN_EXACT or t is float or t in _IMMUTABLE_C:
+    if plain_exact(t) or ident(t) in _IMMUTABLE_IDS:
         return None
     if issubclass(t, collections.OrderedDict):
         return "odict"
@@ -726,7 +737,7 @@ def _decide_kind(t: type) -> Any:
         return "set"
     if t is collections.deque:
         return "deque"
-    if t in (bytearray, _array.array, _np.ndarray):
+    if t is bytearray or t is _array.array or t is _np.ndarray:  # (identity: no class's ==)
         return "raw"
     if issubclass(t, (collections.deque, bytearray, _array.array, _np.ndarray)) or \
             issubclass(t, _OPAQUE):
@@ -743,7 +754,7 @@ def _decide_kind(t: type) -> Any:
         return "ref"
     ddesc, slots, odd = None, [], False
     user = []
-    for c in t.__mro__:
+    for c in _MRO(t):
         cd = _CLASS_DICT(c)
         if ddesc is None and "__dict__" in cd:
             ddesc = cd["__dict__"]
@@ -751,12 +762,12 @@ def _decide_kind(t: type) -> Any:
         slots += [("@" + k, v.__get__) for k, v in cd.items()
                   if type(v) is types.MemberDescriptorType]
         mod = cd.get("__module__")
-        if c.__flags__ & _HEAPTYPE and not (type(mod) is str and
+        if _FLAGS(c) & _HEAPTYPE and not (type(mod) is str and
                                             mod.split(".")[0] in _LIB_PREFIXES):
             user.append(c)
     if odd:
         return "opaque"  # (a class whose __dict__ is not the standard descriptor)
-    if ddesc is None and not slots and not t.__flags__ & _HEAPTYPE:
+    if ddesc is None and not slots and not _FLAGS(t) & _HEAPTYPE:
         return "opaque"  # (a C type with no attributes to read: its state is its own)
     return ("obj", ddesc.__get__ if ddesc is not None else None, tuple(slots), tuple(user))
 
@@ -985,7 +996,8 @@ def _refill(v: Any, content: Any) -> None:
     else:
         return
     if type(content) is _Nested:  # the inner containers: the objects the items hold again
-        values = [x for _, x in items] if t in (dict, collections.OrderedDict) else list(items)
+        values = [x for _, x in items] if t is dict or t is collections.OrderedDict \
+            else list(items)
         for i, sub in content.inner:
             if type(i) is int and type(sub) is not _TooDeep:
                 _refill(values[i], sub)
@@ -997,7 +1009,7 @@ _TABLES = {"_parameters": "<parameter>", "_buffers": "<buffer>", "_modules": "<s
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    return a is b or (type(a) in _PLAIN_EXACT and _same(a, b))
+    return a is b or (plain_exact(type(a)) and _same(a, b))
 
 
 class _Module:

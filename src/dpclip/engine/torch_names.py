@@ -376,7 +376,7 @@ _OP_PACKET = torch._ops.OpOverloadPacket
 def _odd_keys(dicts: list[Any]) -> list[Any]:
     """The dicts of ``dicts`` holding a key that is not exactly a ``str`` (types read, no key's
     code run)."""
-    return [d for d in dicts if not set(map(type, d)) <= _STR]
+    return [d for d in dicts if not all(type(k) is str for k in d)]  # (no class hashed)
 
 
 def _odd_message(odd: list[Any]) -> str:

@@ -87,6 +87,11 @@ _METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size"
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
+
+def _plain_tensor(t: type) -> bool:
+    """``t in _PLAIN`` by identity (a tuple's ``in`` calls ``==``, a metaclass's own)."""
+    return t is Tensor or t is torch.nn.Parameter
+
 #: operations that re-point a tensor at other memory or may grow it (uninitialised bytes)
 _RESHAPED = {_aten.set_, _aten.resize_, _aten.resize_as_, _aten.resize_as_sparse_,
              _aten.sparse_resize_, _aten.sparse_resize_and_clear_, _aten._resize_output_,
@@ -297,7 +302,7 @@ class _TagDispatch(TorchDispatchMode):
                                  "them) to the next unit; draw from the default generator (each "
                                  "unit runs under its own seed)")
                     continue
-                if type(t) not in _PLAIN:
+                if not _plain_tensor(type(t)):
                     g.refuse(f"the operation {_name(func)} takes a tensor of the subclass "
                              f"{type(t).__name__}, whose own code runs outside this guard")
                 tag = tag_of(t)
@@ -416,7 +421,7 @@ class _TagFunction(TorchFunctionMode):
         g = self.guard
         if g.unit:
             for t in tree_leaves((args, kwargs or {})):
-                if isinstance(t, Tensor) and type(t) not in _PLAIN:
+                if issubclass(type(t), Tensor) and not _plain_tensor(type(t)):
                     g.refuse(f"{getattr(func, '__name__', func)} takes a tensor of the subclass "
                              f"{type(t).__name__}, whose own code runs outside this guard")
             kind = _func_kind(func)
