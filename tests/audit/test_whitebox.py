@@ -88,9 +88,12 @@ def test_engines_agree():
     b = dirac_canary_audit(FixedClip(0.5), n_canaries=200, noise_multiplier=1.0, delta=DELTA,
                            seed=7, engine="ghost")
     # the engines' float32 sums differ by ~1.02e-7 in every score (the same before and after the
-    # float64 noise draw of issue 32); atol 1e-7 passed only while no score came close to 0
-    np.testing.assert_allclose(a.in_scores, b.in_scores, rtol=1e-5, atol=2e-7)
-    np.testing.assert_allclose(a.out_scores, b.out_scores, rtol=1e-5, atol=2e-7)
+    # float64 noise draw of issue 32); atol 1e-7 passed only while no score came close to 0.
+    # Since the ghost engine takes its norms' rounding factor for its public chunk size (4096
+    # examples: about 2.5e-4 relative, vmap's for its 256; hundred-and-twentieth review), its
+    # clipped vectors are that much shorter: the scores (~1e-2) differ by up to ~1.3e-6
+    np.testing.assert_allclose(a.in_scores, b.in_scores, rtol=5e-4, atol=3e-6)
+    np.testing.assert_allclose(a.out_scores, b.out_scores, rtol=5e-4, atol=3e-6)
 
 
 def test_ideal_bounds_grow_with_mu():

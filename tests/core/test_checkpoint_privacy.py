@@ -111,3 +111,17 @@ def test_a_checkpoint_cannot_be_loaded_into_an_object_that_already_released_step
     fresh = build()
     fresh.load_state_dict(ck)  # (before any step: the resume)
     assert fresh.steps == 2 and fresh.ledger.steps == 2
+
+
+def test_a_finished_checkpoint_keeps_no_count_of_compiled_steps():
+    """Hundred-and-twenty-third hostile review: the finished checkpoint kept
+    ``private.engine_compiled_steps`` (NON-PRIVATE: the non-empty Poisson batches less one; a
+    threshold on it told D from D' in 83 % of runs)."""
+    from dpclip.training.checkpoint import finished_checkpoint
+
+    ck = {"private": {"randomness": {"mode": "secure", "state": 1}, "engine_compiled_steps": 16,
+                      "data_fingerprint": "x", "step": 24},
+          "torch_rng": b"", "data_fingerprint": "x"}
+    out = finished_checkpoint(ck)
+    assert "engine_compiled_steps" not in out["private"]
+    assert out["private"]["step"] == 24 and out["private"]["finished"] is True

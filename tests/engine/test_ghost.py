@@ -250,7 +250,10 @@ def test_chunking_gives_the_same_result(mode):
     model, x, y, loss_fn = make("conv_variety", 7)
     groups = ParamGroups.per_layer(model)
     wfn = clip_weights(0.3)
-    one = GhostEngine(norm_mode=mode).compute(model, loss_fn, x, y, wfn, groups)
+    # (the norms' rounding factor is taken for the public chunk size: every size here pads to 32
+    # rows, as one chunk of the 7 examples does; the default, 4096 examples, gives a larger one)
+    one = GhostEngine(max_physical_batch=7, norm_mode=mode).compute(model, loss_fn, x, y, wfn,
+                                                                   groups)
     for size in (1, 2, 6, 7):
         many = GhostEngine(max_physical_batch=size, norm_mode=mode).compute(
             model, loss_fn, x, y, wfn, groups)
@@ -267,9 +270,11 @@ def test_float32_model_is_close_to_vmap():
     ref = VmapEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
     res = GhostEngine().compute(model, ce, x, y, clip_weights(0.5), groups)
     assert res.norms.dtype == torch.float32
-    torch.testing.assert_close(res.norms, ref.norms, rtol=1e-4, atol=1e-6)
+    # (ghost's norms are upper bounds with a rounding factor for its public chunk size, 4096
+    # examples: about 2.5e-4 relative in float32; vmap's for its chunk of 256)
+    torch.testing.assert_close(res.norms, ref.norms, rtol=5e-4, atol=1e-6)
     for n in ref.grads:
-        torch.testing.assert_close(res.grads[n], ref.grads[n], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(res.grads[n], ref.grads[n], rtol=5e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------- hypothesis: shapes

@@ -100,3 +100,30 @@ def test_a_tied_parameter_s_bound_does_not_depend_on_the_realised_batch_size(eng
                           lambda n: torch.clamp(1e-6 / n, max=1.0), ParamGroups.flat(model))
         got[b] = res.norms[:32]
     assert torch.equal(got[32], got[33])  # (1.3 % apart before)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "auto", "compiled"])
+def test_a_closed_program_s_dropout_draws_from_the_secret_chunk_seeds(engine):
+    """Hundred-and-twenty-third hostile review: an ``nn.Sequential`` with a Dropout (a closed
+    program: known modules, known loss, a strategy of dpclip's own) ran without the chunk's own
+    generators, so its masks came from torch's public generator, by row position: 4.5 C through
+    make_private. Now the masks follow the chunk seeds (the run's private randomness): with the
+    public generator the same and only the chunk seeds other, the release moves."""
+    import dpclip
+
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+    def release(salt: bytes) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 32), nn.Dropout(0.5), nn.Tanh(), nn.Linear(32, 3))
+        dp = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (xs, ys),
+                                 noise_multiplier=1.0, steps=2, batch_size=16.0, engine=engine,
+                                 reproducible_noise=True, seed=7, verbose=False)
+        dp.rng._model_salt = dp.rng._model_salt + salt  # (the chunk seeds only, not the noise)
+        xb, yb = dp.sample()
+        torch.manual_seed(2024)  # (the public generator: the same both times)
+        dp.backward(xb, yb)
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    assert not torch.equal(release(b""), release(b"x"))  # (equal before: public masks)

@@ -774,6 +774,7 @@ class GhostEngine:
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self._chunk_size()))
+            draws = chain is not None and any(_draws(m) for m in chain)
             for i in range(len(chunks)):
                 rows, xs, ys = chunks[i]
                 # user code runs isolated: generators of the chunk's own, and nothing it leaves
@@ -782,7 +783,13 @@ class GhostEngine:
                 # (and the model's method caches are empty when it starts and when it ends: a
                 # value a private chunk cached, read by a later proof, was a constant there;
                 # sixty-fourth hostile review, 2.05 C across steps)
-                with Isolated(model) if chain is None else _cm.nullcontext() as iso, \
+                # (a closed program that draws, a Dropout in an nn.Sequential, draws from the
+                # chunk's own generators too: its masks came from torch's public generator,
+                # handed out by row position, so one example's presence moved every later row's
+                # mask: LOO 4.5 C under auto, ghost and compiled through make_private, and the
+                # public generator's state told the padded batch size; hundred-and-twenty-third
+                # hostile review)
+                with Isolated(model) if chain is None or draws else _cm.nullcontext() as iso, \
                         method_caches_cleared(model) if chain is None \
                         else _cm.nullcontext():
                     try:
@@ -1629,6 +1636,15 @@ def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = No
                 if got is None:
                     got = shared[key] = (t, _shrink(t, thr))
                 setattr(c, name, got[1])
+
+
+def _draws(m: nn.Module) -> bool:
+    """Whether a module of a closed program draws random numbers (a dropout in training mode)."""
+    return m.training and type(m).__name__ in _RANDOM_MODULES and getattr(m, "p", 0) > 0
+
+
+#: the known modules that draw (``ghost_forward._POINTWISE_MODULES``)
+_RANDOM_MODULES = frozenset({"Dropout", "AlphaDropout"})
 
 
 def _underflow_margin(params: dict[str, Tensor], dtypes: set) -> tuple[float, float, float]:

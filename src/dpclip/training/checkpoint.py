@@ -71,8 +71,8 @@ def atomic_private_save(obj: Any, path: Path) -> None:
 
 def finished_checkpoint(ck: Mapping[str, Any]) -> dict[str, Any]:
     """The checkpoint a finished run keeps: ``ck`` without the generator states of
-    ``private.randomness`` (only its public ``mode`` is kept), without ``data_fingerprint`` and
-    ``torch_rng``, marked ``finished`` (with :data:`FINISHED_NOTE`)."""
+    ``private.randomness`` (only its public ``mode`` is kept), without ``data_fingerprint``,
+    ``torch_rng`` and the compiled-step count, marked ``finished`` (with :data:`FINISHED_NOTE`)."""
     out = dict(ck)
     private = dict(ck["private"])
     # the mode ("secure" / "reproducible") is public (run summaries say it); the states go
@@ -81,6 +81,10 @@ def finished_checkpoint(ck: Mapping[str, Any]) -> dict[str, Any]:
     # which neighbouring dataset was trained on), at both places the checkpoint keeps it (the
     # copy under "private" survived: thirty-second hostile review)
     private.pop("data_fingerprint", None)
+    # the count of compiled steps (NON-PRIVATE: the non-empty Poisson batches less one, which a
+    # resumed run needs and a finished one does not; review 77 took it out of describe(), the
+    # hundred-and-twenty-third found it kept here: 83 % to tell D from D')
+    private.pop("engine_compiled_steps", None)
     out["private"] = {**private, "finished": True}
     out.pop("data_fingerprint", None)
     # torch's public generator: before the chunks took their seeds from the run's private key it
