@@ -521,9 +521,11 @@ def _add_train_execution_arguments(t: argparse.ArgumentParser) -> None:
                    help="evaluate on the test split every N epochs (default 1); 0: only at the "
                         "end (an execution setting: the model does not change)")
     t.add_argument("--max-physical-batch", type=int, default=None,
-                   help="memory knob: examples per forward/backward chunk (results do not "
-                        "change); default: the engine's own (ghost / auto: the whole batch in "
-                        "one pass; vmap / naive: 256 per-example gradients at a time)")
+                   help="memory knob: examples per forward/backward chunk (results change "
+                        "only in the last digits: the norms' rounding bound is taken for it); "
+                        "default: the engine's own (ghost / auto: up to 4096 examples a pass, "
+                        "the whole batch below; vmap / naive: 256 per-example gradients at a "
+                        "time)")
     t.add_argument("--data-dir", help="directory with the dataset files; when given it is the "
                    "only place searched (else $DPCLIP_DATA, /usr/share/datasets/<name>)")
     t.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
@@ -676,7 +678,8 @@ def _add_audit_run_arguments(au: argparse.ArgumentParser) -> None:
     au.add_argument("--reproducible-noise", action="store_true",
                     help="black-box: the run's noise and sampling from --seed (as dpclip train)")
     au.add_argument("--max-physical-batch", type=int, default=None,
-                    help="memory knob (results do not change); default: the engine's own")
+                    help="memory knob (results change only in the last digits); default: the "
+                        "engine's own")
     au.add_argument("--device", default="cpu")
     au.add_argument("--canary", default="ood", choices=["ood", "mislabelled"],
                     help="black-box canaries: random out-of-distribution inputs with random labels "
@@ -910,7 +913,8 @@ def _add_search_commands(sub: Any) -> None:
     s.add_argument("--engine", default="auto",
                    help="auto (default), ghost, compiled, vmap, naive")
     s.add_argument("--max-physical-batch", type=int, default=None,
-                   help="memory knob (results do not change); default: the engine's own")
+                   help="memory knob (results change only in the last digits); default: the "
+                        "engine's own")
     s.add_argument("--device", default="cpu")
     s.add_argument("--data-dir")
     s.add_argument("--db", help="SQLite results database (default $DPCLIP_DB or "
