@@ -114,7 +114,8 @@ def test_norms_of_an_ordinary_float32_model_still_bound_the_float64_loop_closely
     exact = naive_per_example_grads(model.double(), ce, x.double(), y)["layer.weight"]
     true = exact.flatten(1).norm(dim=1)
     assert bool((res.norms.double() >= true).all())
-    torch.testing.assert_close(res.norms.double(), true, rtol=2e-4, atol=0)
+    # (a rounding factor for the public chunk size, 4096 examples: about 2.6e-4 in float32)
+    torch.testing.assert_close(res.norms.double(), true, rtol=5e-4, atol=0)
 
 
 def test_vmap_was_and_stays_sound():

@@ -246,4 +246,6 @@ def test_none_leaves_pass_through():
     for eng in (NaiveEngine(), VmapEngine(), GhostEngine()):
         res = eng.compute(model, ce, {"x": x, "extra": None}, y, clip_weights(1.0),
                           ParamGroups.flat(model))
-        assert_grads_close(res.grads, ref.grads, rtol=1e-12)
+        # (ghost's norms are bounds with a rounding factor for its public chunk size, 4096
+        # examples: about 5e-13 relative in float64, vmap's for 256)
+        assert_grads_close(res.grads, ref.grads, rtol=1e-11)

@@ -982,22 +982,30 @@ def _refill(v: Any, content: Any) -> None:
             d.update({k: x for k, x in state.items() if not k.startswith("@")})
         return
     items = _items(content)
-    if t is dict or t is collections.OrderedDict:
-        v.clear()
-        v.update(items)
-    elif t is list:
-        v[:] = list(items)
-    elif t is set:
-        v.clear()
-        v.update(items)
-    elif t is collections.deque:
+    kind = _kind(t)
+    # (through the base classes' own C methods: a subclass's would be the model's code)
+    # (keys and set elements are hashed again: only plain ones, whose hash is the builtin's; a
+    # container with others is left as the model left it: the change is refused anyway)
+    if kind == "dict" or kind == "odict":
+        if not all(plain_exact(type(k)) for k, _ in items):
+            return
+        dict.clear(v)
+        for k, x in items:
+            dict.__setitem__(v, k, x)
+    elif kind == "list":
+        list.__setitem__(v, slice(None), list(items))
+    elif kind == "set" and issubclass(t, set):
+        if not all(plain_exact(type(k)) for k in items):
+            return
+        set.clear(v)
+        set.update(v, items)
+    elif kind == "deque":
         v.clear()
         v.extend(items)
     else:
         return
     if type(content) is _Nested:  # the inner containers: the objects the items hold again
-        values = [x for _, x in items] if t is dict or t is collections.OrderedDict \
-            else list(items)
+        values = [x for _, x in items] if kind == "dict" or kind == "odict" else list(items)
         for i, sub in content.inner:
             if type(i) is int and type(sub) is not _TooDeep:
                 _refill(values[i], sub)
