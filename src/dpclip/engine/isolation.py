@@ -959,6 +959,16 @@ def _contents(d: dict) -> dict:
     # (a tuple of no containers is immutable: compared by identity as an attribute)
 
 
+def _plain_hashable(x: Any, depth: int = 8) -> bool:
+    """Whether hashing ``x`` runs only builtin code: a plain value, or an exact tuple or
+    frozenset of such (a frozenset's hash reads its elements' stored hashes)."""
+    t = type(x)
+    if plain_exact(t) or t is frozenset:
+        return True
+    return t is tuple and depth > 0 and all(_plain_hashable(e, depth - 1)
+                                            for e in _T_ITER(x))
+
+
 def _refill(v: Any, content: Any) -> None:
     """Put a container's (or a plain object's) snapshot back (exact builtin types and objects'
     dictionaries only: what else changed is refused anyway)."""
@@ -987,7 +997,7 @@ def _refill(v: Any, content: Any) -> None:
     # (keys and set elements are hashed again: only plain ones, whose hash is the builtin's; a
     # container with others is left as the model left it: the change is refused anyway)
     if kind == "dict" or kind == "odict":
-        if not all(plain_exact(type(k)) for k, _ in items):
+        if not all(_plain_hashable(k) for k, _ in items):
             return
         dict.clear(v)
         for k, x in items:
@@ -995,7 +1005,7 @@ def _refill(v: Any, content: Any) -> None:
     elif kind == "list":
         list.__setitem__(v, slice(None), list(items))
     elif kind == "set" and issubclass(t, set):
-        if not all(plain_exact(type(k)) for k in items):
+        if not all(_plain_hashable(k) for k in items):
             return
         set.clear(v)
         set.update(v, items)
