@@ -1110,7 +1110,6 @@ _ROOTS = tuple(p.rstrip(".") for p in _LIBRARIES)
 #: a class's own namespace and MRO, read past any metaclass (which can define ``__dict__`` or
 #: ``__mro__`` on its classes)
 _NAMESPACE = type.__dict__["__dict__"].__get__
-_MRO = type.__dict__["__mro__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
 #: ident(class) -> (class, the top-level package that really defines it, "" for none): see

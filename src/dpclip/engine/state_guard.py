@@ -42,7 +42,6 @@ that existed before the forward.
 
 from __future__ import annotations
 
-import collections
 from dpclip.engine import _cm
 import ctypes
 import ctypes.util
@@ -64,11 +63,6 @@ from dpclip.engine.views import view_inner
 __all__ = ["state_guard"]
 
 _PARAM, _BUFFER, _ATTR, _CHILD = "parameter", "buffer", "attribute", "submodule"
-
-
-#: value types of a module's ``__dict__`` that are never tensors (exact types, not subclasses)
-_PLAIN = frozenset({bool, int, float, str, type(None), dict, set, list, tuple,
-                    collections.OrderedDict})
 
 
 def _has_tensor(d: dict) -> bool:

@@ -333,7 +333,6 @@ _WATCHED: list[Any] = []
 _MRO = type.__dict__["__mro__"].__get__
 _BASES = type.__dict__["__bases__"].__get__
 _SET_BASES = type.__dict__["__bases__"].__set__
-_STR = {str}
 
 
 def _filled(cell: types.CellType) -> bool:
