@@ -1,4 +1,5 @@
 import os
+import signal
 
 # MKL (inside torch's CPU wheel) picks its code path by CPU maker: an AMD and an Intel machine add
 # up a matrix product in different orders, and the bit-for-bit invariance tests
@@ -16,6 +17,12 @@ import torch  # noqa: E402
 import dpclip  # noqa: E402,F401
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# A shell without job control starts a background command (`cmd &`) with SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: the Ctrl-C tests (tests/core/test_interrupt.py,
+# tests/engine/test_review40_signals.py) would test the shell, not dpclip. Put Python's own back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

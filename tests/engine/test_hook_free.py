@@ -137,26 +137,34 @@ def test_no_graph_and_no_edges():
     assert hook_free_grad(y, [get_gradient_edge(other)]) == [None]
 
 
-def test_saved_tensors_are_let_go_once_their_node_ran():
-    """Under the step's SavedTensorWatch the walk frees each node's saved tensors after the node
-    ran (autograd's engine does; a node called from Python does not): the backward's peak memory
-    stays the engine's. The gradients are unchanged."""
+def test_the_walk_frees_no_saved_tensor_so_no_finalizer_runs_in_it():
+    """The walk keeps every saved tensor with the graph (the chunk releases the graph where its
+    checks run): freeing one inside the backward ran a finalizer the forward had attached to it
+    after the loss had returned (hundred-and-twenty-seventh hostile review: it rewrote another
+    saved tensor, LOO 11 C). The gradients are unchanged."""
+    import weakref
+
     from dpclip.engine.memory_watch import SavedTensorWatch
 
     torch.manual_seed(0)
     fc = nn.Linear(5, 6).to(DT)
     x = torch.randn(4, 5, dtype=DT)
+    ran = []
     with SavedTensorWatch(lambda t: None):
         o = fc(x)
         t = torch.tanh(o * 1.0)
         total = (t * t).sum()
     node = t.grad_fn  # TanhBackward0: saves its result
-    assert torch.equal(node._saved_result, t)
+    with torch._C.DisableTorchFunction():
+        weakref.finalize(t.untyped_storage(), ran.append, "finalizer")
+    want = 2 * t.detach() * (1 - t.detach() ** 2)
+    del t
     (got,) = hook_free_grad(total, [get_gradient_edge(o)])
-    with pytest.raises(RuntimeError, match="freed by dpclip's hook-free backward"):
-        node._saved_result
-    want = 2 * t * (1 - t ** 2)
+    assert ran == []  # (before: the walk let the saved result go, and the finalizer ran)
+    assert torch.equal(node._saved_result, torch.tanh(o.detach() * 1.0))  # (still held)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    del node, total
+    assert ran == ["finalizer"]  # released with the graph
 
 
 def _engine_backwards(monkeypatch, model, loss_fn) -> int:

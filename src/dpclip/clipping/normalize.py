@@ -34,6 +34,22 @@ __all__ = ["AUTO_V_MIN_NORM", "AutoS", "AutoV", "PSAC"]
 #: gradient is 0, so any finite weight is sound) and ``w(n) n = C n / max(n, tiny) <= C`` always.
 AUTO_V_MIN_NORM = 1e-12
 
+_F32 = torch.finfo(torch.float32)
+
+
+def _check_range(owner: str, small: str, value: float, max_weight: float, fix: str) -> None:
+    """The weights are taken in the norms' dtype (float32 for a float32 model): the stability
+    constant ``small`` must be a normal float32 (below, ``n + small`` rounds to 0 at ``n = 0``) and
+    the largest weight (Auto-S, Auto-V: at a zero gradient) finite there. Otherwise a step failed or not
+    according to whether the batch held an example with an exactly zero gradient: one bit about
+    the data, no noise over it (hundred-and-twenty-fifth hostile review)."""
+    if value < _F32.tiny:
+        raise ValueError(f"{owner}: {small} must be at least {_F32.tiny:.4g} (the smallest normal "
+                         f"float32, in which the weights are taken), got {value!r}")
+    if not max_weight <= _F32.max:
+        raise ValueError(f"{owner}: the largest weight it gives ({max_weight:.4g}) overflows "
+                         f"float32 (max {_F32.max:.4g}); {fix}")
+
 
 @dataclass(frozen=True)
 class AutoS(StrategyBase):
@@ -64,6 +80,8 @@ class AutoS(StrategyBase):
 
     def __post_init__(self) -> None:
         set_positive_finite(self, "AutoS", "clip_norm", "gamma")
+        _check_range("AutoS", "gamma", self.gamma, self.clip_norm / self.gamma,
+                     "raise gamma or lower clip_norm")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)
@@ -96,6 +114,8 @@ class AutoV(StrategyBase):
 
     def __post_init__(self) -> None:
         set_positive_finite(self, "AutoV", "clip_norm")
+        _check_range("AutoV", "clip_norm", self.clip_norm, self.clip_norm / AUTO_V_MIN_NORM,
+                     f"clip_norm must be at most {_F32.max * AUTO_V_MIN_NORM:.4g}")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)
@@ -135,6 +155,8 @@ class PSAC(StrategyBase):
         if self.r > 1:
             raise ValueError(f"PSAC: r must be in (0, 1] (Xia et al.; 0.1 recommended), got "
                              f"{self.r!r}")
+        _check_range("PSAC", "r", self.r, self.clip_norm / (2 * self.r ** 0.5 - self.r),
+                     "raise r or lower clip_norm")
 
     def weights(self, norms: Tensor, state: State) -> Tensor:
         n = finite_or_inf(norms)

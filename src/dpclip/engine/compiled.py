@@ -75,11 +75,12 @@ from torch.utils import _pytree as pytree
 
 from dpclip._ident import ident
 from dpclip.engine.batch import batch_leaves
+from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _Owner, _Rule,
                                       _row_group, layer_config, own_param)
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
-from dpclip.engine.proved_program import foreign_aten_kernels
+from dpclip.engine.proved_program import _LAST, _equal, foreign_aten_kernels
 from dpclip.engine.separable import SeparabilityTracer, _meta
 from dpclip.engine import _cm
 
@@ -590,12 +591,26 @@ class Plan:
     def constants(self) -> dict[int, Tensor]:
         """Copies of the constants the graph reads, as they are now (taken right after the first
         chunk of the graph's first step, traced, read them: before anything of that step is
-        released, whose finalizers could write them)."""
+        released, whose finalizers could write them). A constant the traced chunk read from
+        outside the call must still hold the values it had when the chunk's loss returned (the
+        proved-program match's, ``proved_program._LAST``): written between (user code that ran
+        in the backward, a finalizer of a saved tensor the walk let go), the graph would freeze
+        one example's data into every later step (hundred-and-twenty-seventh hostile review:
+        8.3 C through make_private); refused."""
         frozen = {}
         for i, (kind, t) in enumerate(self.inputs):
             if kind == "c" and isinstance(t, Tensor):
                 with _cm.no_grad():
                     frozen[i] = t.detach().clone(memory_format=torch.preserve_format)
+                    last = _LAST.get(t)
+                    if last is not None and not _equal(frozen[i], last):
+                        raise UnsupportedModelError(
+                            "a tensor the compiled graph reads as a constant (a module-level "
+                            "tensor, a closure's) was written after the traced step's loss "
+                            "returned (by a finalizer or other code that ran in the backward or "
+                            "the engine's reductions): the graph would read one step's data on "
+                            "every later step. Keep such tensors constant, or register them as "
+                            "buffers")
         return frozen
 
     def confirm(self, frozen: dict[int, Tensor]) -> None:

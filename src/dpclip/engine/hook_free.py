@@ -25,10 +25,15 @@ creation of its nodes and the backward, keeps ``torch.autograd.grad``.
 
 Costs: the graph is walked in Python (a few microseconds per node;
 benchmarks/results/hook_free_cost_cpu.md). Memory: autograd's engine frees a node's saved tensors
-once the node has run; a node called from Python does not, so the walk lets go of the tensors a
-node unpacked through the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch` right after
-it ran (``call_releasing``; every traced step saves through it). Where no such watch packed them,
-they are freed with the graph at the end of the chunk instead.
+once the node has run; the walk does not. Freeing a tensor the forward made can run user code (a
+``weakref.finalize`` or ``__del__`` attached to it or to its storage), and inside the backward
+that code ran after the loss had returned, past every check of the forward: it rewrote a tensor
+an earlier node had saved (its version counter set back) so that every row's gradient carried
+example 0 (LOO 11.0 C under ghost, auto and compiled), or wrote a constant of the compiled graph
+before its copy was taken (8.3 C on every later step; hundred-and-twenty-seventh hostile review).
+The saved tensors stay with the graph, which the chunk hands to the next chunk's armed watch or to
+the last chunk's release check (``ghost._release_last``): the backward's peak memory is then the
+forward's saved tensors plus the output gradients (benchmarks/results/saved_release_memory_cpu.md).
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ import torch
 from torch import Tensor
 
 from dpclip._ident import ident
-from dpclip.engine.memory_watch import call_releasing
 from dpclip.engine import _cm
 
 __all__ = ["hook_free_grad"]
@@ -139,7 +143,7 @@ def _walk(root: Any, root_grad: Tensor, targets: dict[int, Any]) -> dict[int, di
         args = [ins.get(i) for i in range(len(n._input_metadata))]
         outs: Any = (None,) * len(children[k])
         if any(a is not None for a in args):
-            outs = call_releasing(n, *args)  # (its saved tensors let go after it ran)
+            outs = n(*args)  # (its saved tensors stay with the graph: module docstring)
             if not isinstance(outs, (tuple, list)):
                 outs = (outs,)
         for (c, nr), g in zip(children[k], outs):

@@ -381,19 +381,11 @@ class SavedTensorWatch:
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             d = t.detach()
             self._sink(d)
-            # (a list: the hook-free backward empties it once its node has run, see
-            # call_releasing)
             return [d, d._version]
 
     @staticmethod
     def unpack(packed: list) -> Tensor:
         d, version = packed
-        if d is None:
-            raise RuntimeError(
-                "Trying to backward through the graph a second time: the saved tensors of this "
-                "node were freed by dpclip's hook-free backward once the node ran")
-        if _RELEASE.stack:
-            _RELEASE.stack[-1].append(packed)
         if d._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -417,32 +409,6 @@ class SavedTensorWatch:
 
 
 _ACTIVE: list[SavedTensorWatch] = []
-class _Releasing(threading.local):
-    """Per thread (autograd runs a device's nodes on its own thread): the packed tensors unpacked
-    by the node :func:`call_releasing` is running."""
-
-    def __init__(self) -> None:
-        self.stack: list[list[list]] = []
-
-
-_RELEASE = _Releasing()
-
-
-def call_releasing(node: Any, *args: Any) -> Any:
-    """``node(*args)`` (an autograd node called by :mod:`dpclip.engine.hook_free`), then the saved
-    tensors the call unpacked through a :class:`SavedTensorWatch` are let go, as autograd's engine
-    frees a node's saved tensors once it has run: the backward's peak memory stays the engine's.
-    Each saved tensor belongs to one node, which the walk calls once."""
-    got: list[list] = []
-    _RELEASE.stack.append(got)
-    try:
-        return node(*args)
-    finally:
-        _RELEASE.stack.pop()
-        for packed in got:
-            packed[0] = None
-
-
 def _top_hooks() -> Any:
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(True)

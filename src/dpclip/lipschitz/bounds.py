@@ -333,23 +333,26 @@ def _unsupported(name: str, module: nn.Module, reason: str) -> UnsupportedLayerE
 
 
 # --------------------------------------------------------------- operator-norm cache (speed only)
-#: ``ident(weight) -> (weakref to weight, {(version, data_ptr, dtype, key): OperatorNormBound})``.
-#: Entries are valid only for the exact tensor contents they were computed (or rescaled) for: the
-#: key holds the tensor's version counter, which every in-place change (optimizer step, ``mul_``,
-#: ``copy_``) increments, and the weak reference is checked, so a freed tensor whose id is reused
-#: never lends its entries to another.
-_NORM_CACHE: dict[int, tuple[weakref.ref, dict[tuple, OperatorNormBound]]] = {}
+#: ``ident(weight) -> (weakref to weight, {(version, data_ptr, dtype, key): (OperatorNormBound,
+#: copy of the weight)})``. An entry is used only for the values it was computed (or rescaled)
+#: for: the key holds the tensor's version counter (every in-place change through torch moves it)
+#: and the entry a copy of the weight, compared before use: a write through ``.data`` or a NumPy
+#: view moves no version, and the certificate then took the old norm (weights scaled 30x through
+#: ``p.data.mul_`` between two ``make_private`` steps: the noise calibrated to a sensitivity 16.7
+#: times too small; hundred-and-twenty-fifth hostile review). The weak reference is checked, so a
+#: freed tensor whose id is reused never lends its entries to another.
+_NORM_CACHE: dict[int, tuple[weakref.ref, dict[tuple, tuple[OperatorNormBound, Tensor]]]] = {}
 _NORM_CACHE_MAX = 4096
 
 
-def _entries(weight: Tensor) -> dict[tuple, OperatorNormBound]:
+def _entries(weight: Tensor) -> dict[tuple, tuple[OperatorNormBound, Tensor]]:
     slot = _NORM_CACHE.get(ident(weight))
     if slot is not None and slot[0]() is weight:
         return slot[1]
     if len(_NORM_CACHE) >= _NORM_CACHE_MAX:  # drop entries of freed tensors
         for k in [k for k, (ref, _) in _NORM_CACHE.items() if ref() is None]:
             del _NORM_CACHE[k]
-    entries: dict[tuple, OperatorNormBound] = {}
+    entries: dict[tuple, tuple[OperatorNormBound, Tensor]] = {}
     _NORM_CACHE[ident(weight)] = (weakref.ref(weight), entries)
     return entries
 
@@ -369,11 +372,25 @@ def _cached_operator_norm(
     entries = _entries(weight)
     k = _cache_key(weight, key)
     hit = entries.get(k) if reuse else None
-    if hit is None:
-        hit = compute()
-        entries.clear()  # older versions can never match again
-        entries[k] = hit
-    return hit
+    if hit is not None and _same_values(weight, hit[1]):
+        return hit[0]
+    bound = compute()
+    entries.clear()  # older versions can never match again
+    entries[k] = (bound, _copy(weight))
+    return bound
+
+
+def _copy(weight: Tensor) -> Tensor:
+    with torch.no_grad():
+        return weight.detach().clone()
+
+
+def _same_values(weight: Tensor, copy: Tensor) -> bool:
+    """Whether ``weight`` still holds the values of ``copy`` (NaN where it was NaN)."""
+    with torch.no_grad():
+        w = weight.detach()
+        return w.shape == copy.shape and w.dtype == copy.dtype and w.device == copy.device \
+            and bool(torch.eq(w, copy).logical_or_(w.isnan() & copy.isnan()).all())
 
 
 def rescale_weight_(weight: Tensor, factor: float) -> None:
@@ -388,9 +405,10 @@ def rescale_weight_(weight: Tensor, factor: float) -> None:
     with torch.no_grad():
         weight.mul_(factor)
     entries.clear()
-    for (_, _, _, key), bound in old.items():
-        entries[_cache_key(weight, key)] = OperatorNormBound(
-            bound.value * factor * (1.0 + RESCALE_SLACK), bound.method)
+    now = _copy(weight) if old else None
+    for (_, _, _, key), (bound, before) in old.items():
+        entries[_cache_key(weight, key)] = (OperatorNormBound(
+            bound.value * factor * (1.0 + RESCALE_SLACK), bound.method), now)
 
 
 def _affine_leaf(

@@ -30,12 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from dpclip import blas_mode
-from dpclip.engine.conv_backends import warn_if_capped
+from dpclip.engine.conv_backends import fixed_conv_backends, warn_if_capped
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
 from dpclip.engine._common import (HALF, BoundedChunkReducer, StepWeights, check_per_example_model,
-                                   trainable_params)
+                                   exact_float32, trainable_params)
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
@@ -498,16 +498,23 @@ def transformed_sum(
         chunk=chunk)
     batch = check_batch(inputs, targets, engine.name)
     device = first_tensor(inputs).device
-    for start in range(0, batch, chunk):
-        stop = min(start + chunk, batch)
-        # each chunk isolated as the engines' own (tenth hostile review: a float attribute
-        # carried to the next call moved an AdaClip release 1.92 against sensitivity 1)
-        with Isolated(model):
-            raw = per_example(model, loss_fn, slice_batch(inputs, start, stop),
-                              slice_batch(targets, start, stop))
-        grads = strategy.transform(raw, state)
-        reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=device))
-    grads, norms, weights, _ = reducer.result()
+    # the engines' fixed backends and thread count (at more intra-op threads MKL splits a product
+    # of 33 rows otherwise than one of 32: removing one example changed the others' gradients,
+    # 7.9 times AdaClip's sensitivity at 8 threads), and their exact float32 for the transform
+    # and the sum (under autocast the sum was taken in bfloat16: 1.11 times; hundred-and-twenty-
+    # fifth hostile review)
+    with fixed_conv_backends():
+        for start in range(0, batch, chunk):
+            stop = min(start + chunk, batch)
+            # each chunk isolated as the engines' own (tenth hostile review: a float attribute
+            # carried to the next call moved an AdaClip release 1.92 against sensitivity 1)
+            with Isolated(model):
+                raw = per_example(model, loss_fn, slice_batch(inputs, start, stop),
+                                  slice_batch(targets, start, stop))
+            with exact_float32():
+                grads = strategy.transform(raw, state)
+                reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=device))
+        grads, norms, weights, _ = reducer.result()
     info = {"engine": "naive" if isinstance(engine, NaiveEngine) else "vmap",
             "requested": engine.name,
             "fallback": None if engine.name in ("vmap", "naive") else
