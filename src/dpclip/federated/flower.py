@@ -130,6 +130,7 @@ class DPFedAvgStrategy(Strategy):
         if not users:  # Flower would skip the round: privatize it here (noise + ledger)
             out = self.server.finish_round([], [])
             self.round_clips.append(out.clip_norm)
+            self._announce(out.clip_norm)  # (the same line as a round with users)
             return []
         cfg = {"round": self.server.round_index, "seed": self.config.seed,
                "epochs": self.config.local.epochs, "batch_size": self.config.local.batch_size,
@@ -151,9 +152,16 @@ class DPFedAvgStrategy(Strategy):
         self.round_clips.append(out.clip_norm)
         # no failure count: whether a client failed shows that it was (secretly) sampled, and
         # a failure can depend on its data (twelfth hostile review); kept only as NON-PRIVATE
-        print(f"dpclip fl: round {self.server.round_index}/{self.config.rounds} done, clip "
-              f"{out.clip_norm:.4g}", flush=True)
+        self._announce(out.clip_norm)
         return self._parameters(), {"clip_norm": out.clip_norm}
+
+    def _announce(self, clip_norm: float) -> None:
+        """The round's line, printed for EVERY round, with users or none: printed only where
+        ``aggregate_fit`` ran, its absence showed the rounds whose secret Poisson sample was
+        empty (unnoised, unaccounted: membership told with 84 % accuracy at an accounted user
+        epsilon of 0.051; hundred-and-twenty-ninth hostile review). The clip is a release."""
+        print(f"dpclip fl: round {self.server.round_index}/{self.config.rounds} done, clip "
+              f"{clip_norm:.4g}", flush=True)
 
     # -- no federated evaluation (centralised evaluation is done by the caller) ----------------
     def configure_evaluate(self, server_round: int, parameters: Parameters,

@@ -736,6 +736,9 @@ class PrivateTraining:
         # raised by the fallback notice between the step and the ledger's record, left a noisy
         # release in _release's frame, reachable from the traceback and never counted: ninety-
         # first hostile review)
+        # the gradient slots as the step starts (the forward and loss may not fill them:
+        # _check_grad_slots)
+        slots = [(p, p.grad) for p in self.model.parameters()]
         with signals_deferred():
             try:
                 # the model's own randomness (dropout) from the run's private key, never from
@@ -761,6 +764,7 @@ class PrivateTraining:
                     raise
                 raise scrubbed from None
             try:
+                _check_grad_slots(slots)
                 self._plan.check_emitted(ctx, z, out.event)  # a privacy bug otherwise: refused
             except BaseException:
                 out = None  # (nothing of a refused release stays in this frame)
@@ -768,13 +772,18 @@ class PrivateTraining:
             self.ledger.record(out.event)
             self.steps += 1
             self.state = out.state
-            self.last_output = out
             params = out.params  # the parameters the engine differentiated, found in this call
             if params is None:
                 params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+            # the previous gradients and output, let go below where a check follows (their
+            # finalizers are user code)
+            old: list[Any] = [self.last_output, slots]
+            slots = []
+            self.last_output = out
             for name, p in params.items():
                 p.grad = out.grads[name]
             self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
+            _let_go(old, self.model, [out.grads[n] for n in params], self.optimizer)
         if out.engine_info is not None:
             # public record, from every step: the engine is decided by the requested name or, for
             # auto, on a public probe batch, whatever the step's size (leaving out the steps of
@@ -1360,3 +1369,44 @@ def _callable_text(fn: Any, depth: int) -> str:
                       _code_text(fn), re.sub(r" at 0x[0-9a-fA-F]+", "", repr(
                           (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__",
                                                                       None)))), *cells])
+
+
+def _check_grad_slots(slots: list[tuple[Tensor, Any]]) -> None:
+    """The forward and loss left every parameter's ``.grad`` as the step found it: a tensor they
+    put there, with a ``weakref.finalize`` attached, was dropped when the release replaced it,
+    after every check, and the finalizer wrote the released gradient with the step's labels
+    (hundred-and-twenty-eighth hostile review: the trained weights 1000 apart on neighbouring
+    datasets under ghost, auto and compiled). Refused."""
+    if any(p.grad is not g for p, g in slots):
+        raise UnsupportedModelError(
+            "make_private: the forward or loss set a parameter's .grad during the private step "
+            "(the step computes the gradients itself and replaces .grad after it): whatever it "
+            "put there would run user code after the step's checks. Leave .grad alone in the "
+            "model's code")
+
+
+def _let_go(old: list[Any], model: nn.Module, released: list[Tensor],
+            optimizer: torch.optim.Optimizer | None) -> None:
+    """Drop ``old`` (the previous release's gradients and output) where a check follows: a
+    finalizer the loss attached to one runs here (user code, after the step's checks), inside a
+    chunk isolation (module attributes, torch settings, generators: put back and refused), and a
+    write of the parameters, buffers, the gradients just released or the optimizer's state is
+    refused (hundred-and-twenty-eighth hostile review: a finalizer on the gradient slot wrote
+    1000 x the count of one label into the released gradient, unnoised)."""
+    from dpclip.engine.isolation import Isolated
+    from dpclip.engine.saved_check import all_still, fingerprints
+
+    state = [t for st in (optimizer.state.values() if optimizer is not None else ())
+             for t in st.values() if isinstance(t, Tensor)]
+    watched = [*model.parameters(), *model.buffers(), *released, *state]
+    versions = [t._version for t in watched]
+    prints = fingerprints(watched)
+    with Isolated(model):
+        old.clear()
+    if any(t._version != v for t, v in zip(watched, versions)) or not all_still(watched, prints):
+        raise UnsupportedModelError(
+            "make_private: code that ran when the previous step's gradients were let go (a "
+            "weakref.finalize or __del__ the forward or loss attached to them) wrote the "
+            "model's parameters or buffers, the gradients just released or the optimizer's "
+            "state: they may now hold private data, unnoised. Discard this model; keep "
+            "finalizers out of the model's code")
