@@ -101,4 +101,67 @@ def test_a_finalizer_on_the_previous_gradient_cannot_write_the_release(engine):
     try:
         _run(engine, _marks_the_old_gradient, 2)
     except UnsupportedModelError as exc:  # ghost: the loss runs at step 2 and its finalizer too
-        assert "were let go" in str(exc)
+        assert "were let" in str(exc)
+
+
+# ---------------------------------------------------------------- review 130: the drawn batch
+
+_FIRED: list = []
+
+
+def _poison_labels(labels, step):
+    if not _OWNER or _OWNER[1].steps <= step:  # (an engine's own copy, dropped in the step)
+        return
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch.no_grad():
+        _OWNER[0].fc2.weight.data[0, 0] += 1000.0 * sum(1 for v in labels if v == 2)
+    _FIRED.append(1)
+
+
+def _marks_the_batch(out, y):
+    """Hundred-and-thirtieth hostile review: the loss sees the drawn labels themselves (a batch of
+    32 needs no padding) and attaches a finalizer to their storage, which died when the loop
+    dropped the batch, after every check: the weights 6000-18000 apart on neighbouring
+    datasets. Now the batch is let go at the next release, inside its check."""
+    losses = nn.functional.cross_entropy(out, y, reduction="none")
+    if _OWNER and (_real(y) or torch._C._functorch.is_functorch_wrapped_tensor(y)):
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            t = y
+            while torch._C._functorch.is_functorch_wrapped_tensor(t):  # (vmap's wrapper)
+                t = torch._C._functorch.get_unwrapped(t)
+            t = t._base if t._base is not None else t
+            storage, labels = t.untyped_storage(), t.reshape(-1).tolist()
+        weakref.finalize(storage, _poison_labels, labels, _OWNER[1].steps)
+        del storage
+    return losses
+
+
+@pytest.mark.parametrize("engine", ["ghost", "auto", "vmap"])
+@pytest.mark.parametrize("inline", [False, True], ids=["loop", "inline"])
+def test_a_finalizer_on_the_drawn_batch_cannot_write_the_model_unseen(engine, inline):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 5, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (32,), generator=g)
+    model = _Net()
+    before = model.fc2.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only a finalizer moves the weights
+    dp = dpclip.make_private(model, opt, (x, y), loss_fn=_marks_the_batch, noise_multiplier=0.0,
+                             batch_size=32.0, steps=3, engine=engine,
+                             strategy_params={"clip_norm": 1.0}, reproducible_noise=True, seed=3,
+                             verbose=False)
+    _OWNER[:] = [model, dp]
+    _FIRED.clear()
+    try:
+        for _ in range(3):
+            if inline:
+                dp.step(*dp.sample())
+            else:
+                xb, yb = dp.sample()
+                dp.backward(xb, yb)
+                opt.step()
+                del xb, yb
+    except UnsupportedModelError as exc:
+        assert "were let" in str(exc)  # (refused where the finalizer ran)
+        return
+    finally:
+        _OWNER.clear()
+    assert torch.equal(model.fc2.weight.detach(), before), _FIRED  # (before: + 1000 x count)

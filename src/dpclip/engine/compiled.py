@@ -638,10 +638,8 @@ class Plan:
                 t = target
                 kept = self.frozen.get(len(flat))
                 if kept is not None:
-                    with _cm.no_grad():
-                        same = (t.shape == kept.shape and t.dtype == kept.dtype
-                                and t.device == kept.device and t.stride() == kept.stride()
-                                and torch.equal(t, kept))
+                    with _cm.no_grad():  # (by bits: -0.0 is not 0.0)
+                        same = t.stride() == kept.stride() and _equal(t, kept)
                     if not same:
                         raise CompiledUnsupported(
                             "a tensor the graph reads as a constant (not a parameter or buffer: "

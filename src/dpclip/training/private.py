@@ -546,6 +546,11 @@ class PrivateTraining:
         self.loop_guard = LoopGuard(self.optimizer)
         self._post_step_due = self.bound_based  # ClipWeights(theta_0): data-free initial weights
         self.last_output: StepOutput | None = None
+        #: the batch of the last release, let go at the next one inside its check (_let_go): the
+        #: loss may see the drawn tensors themselves, and a finalizer it attached to their storage
+        #: ran when the loop dropped them, after every check (hundred-and-thirtieth hostile
+        #: review: the trained weights 6000-18000 apart on neighbouring datasets)
+        self._held: Any = None
 
     # ----------------------------------------------------------------------------- planning
 
@@ -777,13 +782,16 @@ class PrivateTraining:
                 params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
             # the previous gradients and output, let go below where a check follows (their
             # finalizers are user code)
-            old: list[Any] = [self.last_output, slots]
+            old: list[Any] = [self.last_output, slots, self._held]
             slots = []
+            self._held = (inputs, targets)
             self.last_output = out
             for name, p in params.items():
                 p.grad = out.grads[name]
             self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
-            _let_go(old, self.model, [out.grads[n] for n in params], self.optimizer)
+            # (the isolation's own generators seeded from the run's private key, as the step's)
+            with seed_source(functools.partial(self.rng.chunk_seed, step)):
+                _let_go(old, self.model, [out.grads[n] for n in params], self.optimizer)
         if out.engine_info is not None:
             # public record, from every step: the engine is decided by the requested name or, for
             # auto, on a public probe batch, whatever the step's size (leaving out the steps of
@@ -1387,7 +1395,7 @@ def _check_grad_slots(slots: list[tuple[Tensor, Any]]) -> None:
 
 def _let_go(old: list[Any], model: nn.Module, released: list[Tensor],
             optimizer: torch.optim.Optimizer | None) -> None:
-    """Drop ``old`` (the previous release's gradients and output) where a check follows: a
+    """Drop ``old`` (the previous release's gradients, output and batch) where a check follows: a
     finalizer the loss attached to one runs here (user code, after the step's checks), inside a
     chunk isolation (module attributes, torch settings, generators: put back and refused), and a
     write of the parameters, buffers, the gradients just released or the optimizer's state is
@@ -1405,8 +1413,8 @@ def _let_go(old: list[Any], model: nn.Module, released: list[Tensor],
         old.clear()
     if any(t._version != v for t, v in zip(watched, versions)) or not all_still(watched, prints):
         raise UnsupportedModelError(
-            "make_private: code that ran when the previous step's gradients were let go (a "
-            "weakref.finalize or __del__ the forward or loss attached to them) wrote the "
+            "make_private: code that ran when the previous step's gradients and batch were let "
+            "go (a weakref.finalize or __del__ the forward or loss attached to them) wrote the "
             "model's parameters or buffers, the gradients just released or the optimizer's "
             "state: they may now hold private data, unnoised. Discard this model; keep "
             "finalizers out of the model's code")
