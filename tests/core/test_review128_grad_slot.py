@@ -165,3 +165,49 @@ def test_a_finalizer_on_the_drawn_batch_cannot_write_the_model_unseen(engine, in
     finally:
         _OWNER.clear()
     assert torch.equal(model.fc2.weight.detach(), before), _FIRED  # (before: + 1000 x count)
+
+
+# ---------------------------------------------------------------- review 132: the strategy state
+
+class _Bomb:
+    def __init__(self, labels):
+        self.labels = labels
+
+    def __del__(self):
+        if _OWNER:
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), \
+                    torch.no_grad():
+                _OWNER[0].fc2.weight.data[0, 0] += 1000.0 * sum(1 for v in self.labels if v == 2)
+
+
+def _fills_the_state(out, y):
+    """Hundred-and-thirty-second hostile review: the loss put an object into ``dp.state``; the
+    strategy's new state replaced it after every check and before the let-go, and its ``__del__``
+    wrote the weights with the labels (1000 apart on neighbouring datasets)."""
+    losses = nn.functional.cross_entropy(out, y, reduction="none")
+    if _real(y) and len(_OWNER) > 1 and isinstance(_OWNER[1].state, dict):
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            _OWNER[1].state[("bomb", id(y))] = _Bomb(y.tolist())
+    return losses
+
+
+@pytest.mark.parametrize("engine", ["ghost", "auto"])
+def test_an_object_the_loss_put_in_the_strategy_state_cannot_write_the_model(engine):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 5, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (32,), generator=g)
+    model = _Net()
+    before = model.fc2.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the bomb moves the weights
+    dp = dpclip.make_private(model, opt, (x, y), loss_fn=_fills_the_state, noise_multiplier=0.0,
+                             batch_size=32.0, steps=2, engine=engine, strategy="quantile",
+                             reproducible_noise=True, seed=3, verbose=False)
+    _OWNER[:] = [model, dp]
+    try:
+        dp.step(*dp.sample())
+    except UnsupportedModelError as exc:
+        assert "were let" in str(exc)
+        return
+    finally:
+        _OWNER.clear()
+    assert torch.equal(model.fc2.weight.detach(), before)  # (before: + 1000 x count)

@@ -1196,9 +1196,13 @@ class ProgramMatch:
             # still the version and the values it had when the call started (see _Versioned)
             e = self.outside.get(ident(a))
             return e is not None and e[0]() is a and e[1] == a._version and _equal(a, e[2])
-        if kind == "c":  # (a literal: by bits, as the arguments above)
+        if kind == "c":  # (a literal: by bits, as the arguments above, and by its memory:
+            # its strides, offset and whole storage; a literal showing the proof's values over a
+            # storage holding others, read through as_strided with an absolute offset, carried
+            # the padded batch size: 12.4 C, hundred-and-thirty-second hostile review)
             c = s[1]
-            return isinstance(a, Tensor) and not is_fake(a) and _equal(a, c)
+            return isinstance(a, Tensor) and not is_fake(a) and self._name(a) is None and \
+                _equal(a, c) and _same_memory(a, c)
         return False  # "?": not matchable
 
     def finish(self, losses: Any) -> None:
@@ -1317,6 +1321,24 @@ class CallWindow:
         self.fixed: dict[Any, tuple[Tensor, int]] = {}
         #: the storages (data pointers) the call's matched operations wrote
         self.written: set[int] = set()
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` have the same strides and storage offset, and storages of the same bytes."""
+    if a.stride() != b.stride() or a.storage_offset() != b.storage_offset():
+        return False
+    with _cm.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        if sa.nbytes() != sb.nbytes() or sa.device != sb.device:
+            return False
+        if sa.data_ptr() == sb.data_ptr():
+            return True
+        return bool(torch.equal(_storage_bytes(sa), _storage_bytes(sb)))
+
+
+def _storage_bytes(storage: Any) -> Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
 
 
 def _bits(x: float) -> bytes:

@@ -776,14 +776,16 @@ class PrivateTraining:
                 raise
             self.ledger.record(out.event)
             self.steps += 1
+            # the previous gradients, output, batch and strategy state, let go below where a
+            # check follows (their finalizers are user code: nothing is dropped before; the
+            # strategy state replaced here was, and an object the loss had put in it wrote the
+            # weights: 1000 apart, hundred-and-thirty-second hostile review)
+            old: list[Any] = [self.last_output, slots, self._held, self.state]
+            slots = []
             self.state = out.state
             params = out.params  # the parameters the engine differentiated, found in this call
             if params is None:
                 params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-            # the previous gradients and output, let go below where a check follows (their
-            # finalizers are user code)
-            old: list[Any] = [self.last_output, slots, self._held]
-            slots = []
             self._held = (inputs, targets)
             self.last_output = out
             for name, p in params.items():
