@@ -86,6 +86,34 @@ def _package_dir(fn: types.FunctionType) -> str | None:
     return os.path.realpath(list(path)[0]) + os.sep if path else None
 
 
+_HEAPTYPE = 1 << 9  # (Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not C)
+#: the builtins that are not C objects of the builtins module, as they were when dpclip loaded
+_NOT_C = frozenset({"__loader__", "__spec__", "ExceptionGroup", "open", "quit", "exit",
+                    "copyright", "credits", "license", "help"})
+_AT_IMPORT = {n: getattr(builtins, n) for n in _NOT_C if hasattr(builtins, n)}
+
+
+def _python_builtin(name: str, obj: Any) -> bool:
+    """Whether ``obj``, found in the builtins module under ``name``, is the interpreter's own:
+    a C function of the builtins module, a C type, or a constant. torch's code that dpclip's
+    separability rules take as a whole (the recurrent layers' time steps, ``recurrent._lstm``)
+    calls builtins such as ``zip``; a forward that replaced ``builtins.zip`` in an eager call
+    before the first step (a ``zip`` subclass that rewrote the final states of an LSTM as their
+    batch sum) had every step's snapshot hold the fake, and the time-step rule then gave each
+    example the other examples' gradients: 7.99 C through make_private (hundred-and-thirty-sixth
+    hostile review)."""
+    if obj is _MISSING or obj is None or obj is Ellipsis or obj is NotImplemented or \
+            isinstance(obj, (bool, int, float, str)):
+        return True
+    if name in _NOT_C and obj is _AT_IMPORT.get(name, _MISSING):
+        return True  # (builtins that are not C objects: io.open, site's exit, ...)
+    if isinstance(obj, type):
+        return not (obj.__flags__ & _HEAPTYPE) and obj.__module__ == "builtins"
+    if isinstance(obj, types.BuiltinFunctionType):
+        return getattr(obj, "__self__", None) is builtins and obj.__name__ == name
+    return False
+
+
 def _own(name: str, obj: Any) -> bool:
     """Whether ``obj``, found under ``name``, is torch's own (or Python's): see the module
     docstring."""
@@ -224,9 +252,13 @@ class _Lookups:
                     if arg in glb:
                         cur = glb[arg]
                         self.add(glb, arg, cur, True, where)
-                    else:
+                    else:  # a builtin: absent from the globals, and Python's own in builtins
                         cur = getattr(builtins, arg, _MISSING)
                         self.add(glb, arg, _MISSING, True, where)
+                        self.add(builtins, arg, cur, False, where)
+                        if self.bad is None and not _python_builtin(arg, cur):
+                            self.bad = (f"{where}: the builtin {arg!r} is {_describe(cur)}, not "
+                                        f"Python's own (replaced in the builtins module{_FIX})")
                     callees.append((cur, None))
                     local_self = False
                 elif op == "LOAD_DEREF" and arg in cells:
