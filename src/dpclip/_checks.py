@@ -48,3 +48,32 @@ def check_open_unit(name: str, value: Any, owner: str = "") -> None:
         ok = False
     if not ok:
         raise ValueError(f"{owner}{name} must be in (0, 1), got {value!r}")
+
+
+def library_object(value: Any, cls: type, where: str) -> Any:
+    """A fresh ``cls`` built from the fields of ``value``, which must be exactly a ``cls`` (a
+    frozen dataclass of the library's) holding nothing but its fields.
+
+    Such objects (an :class:`~dpclip.data.augment.Augmentation`, a
+    :class:`~dpclip.data.features.Scattering`) run on the whole drawn batch before any engine sees
+    it, so only the library's own tested per-example maps are accepted: not a subclass
+    (forty-third hostile review), and not an instance whose ``__dict__`` holds a function that
+    hides a method (``object.__setattr__(aug, "apply", f)``: the type check passed and
+    ``x + 50 x.sum(0)`` moved the release by 20.2 C under every engine, hundred-and-thirty-ninth
+    hostile review). ``TypeError`` naming ``where`` otherwise."""
+    import dataclasses
+
+    if type(value) is not cls:
+        raise TypeError(
+            f"{where}: {type(value).__name__} is not dpclip's own {cls.__name__} (a subclass's "
+            "methods would run on the whole drawn batch before any engine checks them); put "
+            "other transforms in the model, where the engines check them")
+    names = [f.name for f in dataclasses.fields(cls)]
+    extra = sorted(set(vars(value)) - set(names)) if hasattr(value, "__dict__") else []
+    if extra or type(vars(value)) is not dict:
+        raise TypeError(
+            f"{where}: this {cls.__name__} carries attributes of its own ({', '.join(extra)}): "
+            "one set on the instance hides the library's method of the same name, which runs on "
+            f"the whole drawn batch. Pass a {cls.__name__} built by its constructor (or its "
+            "text form) unchanged")
+    return cls(**{n: vars(value)[n] for n in names})

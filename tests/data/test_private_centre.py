@@ -185,7 +185,7 @@ def test_refusals_of_the_run():
     # the centre alone costs more than the target: the error names the option to raise
     with pytest.raises(ValueError, match="centre_noise_multiplier"):
         _dp(x, y, centre=PrivateCentre(0.2))
-    with pytest.raises(TypeError, match="preprocess= must have"):
+    with pytest.raises(TypeError, match="preprocess= must be a dpclip.data.private_centre"):
         _dp(x, y, centre=object())
     assert ledger_epsilon(_dp(x, y)._plan.ledger(1.0, steps=0), DELTA) > 0  # planned first
 

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dpclip._checks import library_object
+
 __all__ = ["AUGMENT_OPS", "PAD_MODES", "Augmentation", "parse_augment"]
 
 AUGMENT_OPS = ("crop", "flip")
@@ -150,14 +152,13 @@ class Augmentation:
 def parse_augment(spec: "str | Augmentation | None", where: str = "augment") -> Augmentation | None:
     """``None`` for ``None`` / ``"none"`` / ``""``; otherwise the :class:`Augmentation` (clear
     errors naming ``where`` and the grammar)."""
-    if spec is None or type(spec) is Augmentation:
+    if spec is None:
         return spec
-    if isinstance(spec, Augmentation):  # (a subclass's apply runs on the whole drawn batch before
-        # any engine sees it: a "batch mixup" moved the release by 6.01 C, forty-third review)
-        raise TypeError(
-            f"{where}: {type(spec).__name__} subclasses Augmentation; only the library's own "
-            "Augmentation (a per-example map it tests) is accepted: put other transforms in the "
-            "model, where the engines check them")
+    if isinstance(spec, Augmentation):  # (its apply runs on the whole drawn batch before any
+        # engine sees it: a subclass's "batch mixup" moved the release by 6.01 C, forty-third
+        # review; a function set on the instance, 20.2 C, hundred-and-thirty-ninth): a fresh
+        # copy of the library's own class only
+        return library_object(spec, Augmentation, where)
     if not isinstance(spec, str):
         raise ValueError(f"{where} must be a string: {_GRAMMAR}; got {type(spec).__name__} "
                          f"{spec!r}")

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
-from dpclip.engine.batch import check_batch, first_tensor, slice_batch
+from dpclip.engine.batch import check_batch, first_tensor, owned_slice
 from dpclip.engine import frames_guard, torch_names
 from dpclip.engine.conv_backends import fixed_conv_backends
 from dpclip.engine.errors import UnsupportedModelError
@@ -81,17 +81,16 @@ def batch_chunks(inputs: Any, targets: Any, batch: int,
     ``start:start + rows`` of ``inputs``/``targets`` and ``rows <= size`` (``None``: one chunk).
 
     ``size`` (``max_physical_batch``) is a public memory knob; ``batch`` (the realised, private
-    batch size from :func:`check_batch`) only ends the loop. A batch that fits one chunk is
-    yielded as it is, not sliced; an empty batch yields no chunk.
+    batch size from :func:`check_batch`) only ends the loop. Every chunk is a copy the engine
+    owns (:func:`~dpclip.engine.batch.owned_slice`), a batch that fits one chunk too: the caller
+    drops ITS tensors when it likes, after every check, and nothing the model or loss attached to
+    what they were handed may run then (the engines drop a chunk inside its isolation); an empty
+    batch yields no chunk. No reference to a chunk is kept here once it is yielded.
     """
-    step = size or batch
-    if step >= batch:
-        if batch:
-            yield batch, inputs, targets
-        return
+    step = size or max(batch, 1)
     for start in range(0, batch, step):
         stop = min(start + step, batch)
-        yield stop - start, slice_batch(inputs, start, stop), slice_batch(targets, start, stop)
+        yield stop - start, owned_slice(inputs, start, stop), owned_slice(targets, start, stop)
 
 
 def check_weight_fn(weight_fn: WeightFn | None, engine: str) -> WeightFn:
@@ -719,6 +718,7 @@ class MaterializingEngine(ABC):
         for rows, xs, ys in batch_chunks(inputs, targets, batch, self.max_physical_batch):
             with Isolated(model):  # (what a chunk leaves in process state: dpclip.engine.isolation)
                 got = chunk_grads(xs, ys, rows)
+                del xs, ys  # (the engine's copies, dropped inside the isolation: batch_chunks)
             with exact_float32():  # (a step under autocast: LOO 1.16 C, thirty-eighth review)
                 reducer.add_chunk(*got)
         grads, norms, weights, loss_sum = reducer.result()

@@ -771,6 +771,11 @@ class GhostEngine:
         #: per-layer modules taken by a structural rule: "time_step" (recurrent layers,
         #: recurrent.TimeStepRule) or "embedding_lookup" (per_layer.EmbeddingLookup)
         stepped: dict[str, str] = {}
+        # the forward sees only the engine's copies of the batch (batch_chunks); the caller's
+        # tensors are a past batch's data in later traces, as those copies are (a model that
+        # reaches the batch some other way, keeps it in a global and reads it in a later step is
+        # refused then)
+        mark_past_batch(batch_leaves(inputs) + batch_leaves(targets, "targets"))
         try:
             chunks: list[Any] = list(batch_chunks(inputs, targets, batch,
                                                   self._chunk_size()))
@@ -984,10 +989,6 @@ class GhostEngine:
         real = batch
         batch = padded_rows(real)  # copies of the first example after the chunk (module docstring)
         if batch != real:
-            # the caller's tensors are a past batch's data in later traces, as the padded copies
-            # the forward ran are (a model that keeps the batch in a global and reads it in a
-            # later step is refused then; the trace itself sees only the copies)
-            mark_past_batch(batch_leaves(xs) + batch_leaves(ys, "targets"))
             xs = map_batch(lambda t: pad_rows(t, batch), xs)
             ys = map_batch(lambda t: pad_rows(t, batch), ys)
         try:

@@ -129,8 +129,10 @@ class _Slot:
 
 
 def _geometry(t: Tensor) -> tuple:
-    """What decides which elements of its storage ``t`` reads: sizes, strides, offset."""
-    return t.shape, t.stride(), t.storage_offset()
+    """What decides which elements of its storage ``t`` reads and how: sizes, strides, offset,
+    dtype and the negative / conjugate bits (``torch._C._set_neg`` flips how a tensor reads with
+    the same bytes and no version bump: hundred-and-thirty-seventh hostile review)."""
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.is_neg(), t.is_conj()
 
 
 class MemoryWatch:

@@ -31,16 +31,11 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import LossFn
-from dpclip.engine.batch import call_model, first_tensor, map_batch, slice_batch
+from dpclip.engine.batch import call_model, first_tensor, owned_slice
 from dpclip.engine.generators import OwnGenerators
 from dpclip.engine.op_entry import no_compiled_autograd
 
 __all__ = ["NaiveEngine", "naive_per_example_grads"]
-
-
-def _own(t: Tensor) -> Tensor:
-    """An example's data in storage of its own (the values, contiguous; autograd kept)."""
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def naive_per_example_grads(
@@ -75,8 +70,8 @@ def _naive_loop(
             with OwnGenerators(), watch:
                 # (own copies: a slice of the batch shares its storage, which as_strided or
                 # a storage read from the example reaches beyond it: sixty-seventh review)
-                loss = loss_fn(call_model(model, map_batch(_own, slice_batch(inputs, i, i + 1))),
-                               map_batch(_own, slice_batch(targets, i, i + 1)))
+                loss = loss_fn(call_model(model, owned_slice(inputs, i, i + 1)),
+                               owned_slice(targets, i, i + 1))
             watch.refuse(engine + " engine")
             if loss.ndim == 0 or loss.shape[0] != 1:
                 raise ValueError(

@@ -308,13 +308,16 @@ class ProvedProgram:
     is one tensor) and ``loss_out`` (name of the loss function's output)."""
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "grad_off",
-                 "_at_batch", "_outside", "_generators", "_lifted", "shapes", "exported")
+                 "_at_batch", "_outside", "_generators", "_lifted", "shapes", "exported",
+                 "meta")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
         #: recording index -> the shape of each tensor output as the proof saw it (a size: an int,
         #: or ``(sympy expression, int)`` for a symbolic one), None for a non-tensor output
         self.shapes: dict[int, list[tuple[Any, ...] | None]] = {}
+        #: recording index -> :func:`_meta` of the operation's tensor arguments and outputs
+        self.meta: dict[int, tuple] = {}
         self.split = 0
         self.model_out: Any = None
         self.loss_out: Any = None
@@ -650,6 +653,31 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
         names.set(t, ("in", frozenset(idx)))
 
 
+def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
+    """What decides how an operation reads its tensors and what it makes, beyond their names and
+    memory: the dtype and the negative and conjugate bits of every tensor argument (lists one
+    level deep) and output. ``torch._C._set_neg`` flips how a tensor reads with no operation, no
+    version bump and the same bytes; a default dtype switched around one factory call makes its
+    output another dtype with the same arguments (hundred-and-thirty-seventh hostile review: each
+    carried the padded batch size into a sign: 60.6 C under ghost, auto and compiled)."""
+    got: list[Any] = []
+
+    def add(t: Tensor) -> None:
+        got.append((t.dtype, t.is_neg(), t.is_conj()))
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            add(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    add(b)
+    for o in _outputs(out):
+        if o is not None:
+            add(o)
+    return tuple(got)
+
+
 def _outputs(out: Any) -> list[Tensor | None]:
     if isinstance(out, Tensor):
         return [out]
@@ -702,6 +730,7 @@ class ProgramRecorder(TorchDispatchMode):
             self.program.grad_off.add(len(self.program.entries))
         self.program.entries.append((func, spec_args, spec_kwargs, k))
         self.program.shapes[k] = [None if o is None else _shape_spec(o) for o in _outputs(out)]
+        self.program.meta[k] = _meta(args, kwargs, out)
         for j, o in enumerate(_outputs(out)):
             if o is not None:
                 self._names.set(o, ("op", k, j))
@@ -1098,6 +1127,12 @@ class ProgramMatch:
                 # layer called twice, once on a constant the proof's dead code dropped): the same
                 # values, named as that one
                 seen = self._recomputed(func, args, kwargs)
+                if seen is not None and self.program.meta.get(seen) != _meta(args, kwargs, out):
+                    self._fail(f"operation {k} ({_short(func)}) repeats operation {seen} on "
+                               "tensors or with outputs of other dtypes or negative / conjugate "
+                               "bits than the proof's (the default dtype or a tensor's bits "
+                               "changed with no operation)")
+                    return
                 if seen is not None:
                     outs = _outputs(out)
                     for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs,
@@ -1112,6 +1147,14 @@ class ProgramMatch:
                     self.first_extra = why
                 return
             self._fail(why)
+            return
+        if self.program.meta.get(index) != _meta(args, kwargs, out):
+            # (the same names, values and memory read otherwise: a negative bit set with no
+            # operation, a default dtype switched around one factory call; see _meta)
+            self._fail(f"operation {k} ({_short(func)}) has a tensor argument or output of "
+                       "another dtype, or with another negative / conjugate bit, than in the "
+                       "proof (set with no operation: torch._C._set_neg, a default dtype "
+                       "switched around one call)")
             return
         if not pure:
             # a write (or a draw) may change what a view of the written tensor reads: the same

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dpclip.engine._common import batch_chunks, check_batch, check_chunk_size, trainable_params
 from dpclip.engine.batch import call_model
@@ -73,10 +73,12 @@ class SummedEngine:
                     total = losses.sum()
                     loss_sum += float(total.detach())
                     if not params or not total.requires_grad:
+                        del xs, ys, losses, total  # (inside the isolation: batch_chunks)
                         continue
                     with no_compiled_autograd():
                         gs = torch.autograd.grad(total, list(params.values()),
                                                  allow_unused=True)
+                    del xs, ys, losses, total  # (the engine's copies: batch_chunks)
                 for name, g in zip(params, gs):
                     if g is not None:
                         grads[name] += g

@@ -37,7 +37,7 @@ from dpclip.engine.batch import (
     note_padded,
     pad_rows,
     padded_rows,
-    slice_batch,
+    owned_slice,
 )
 from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError
 
@@ -182,8 +182,8 @@ def vmap_per_example_grads(
         return {n: g[:rows] for n, g in fn(params, xs, ys)[0].items()}
 
     chunks = [
-        chunk(slice_batch(inputs, s, s + max_physical_batch),
-              slice_batch(targets, s, s + max_physical_batch))
+        chunk(owned_slice(inputs, s, s + max_physical_batch),
+              owned_slice(targets, s, s + max_physical_batch))
         for s in range(0, batch, max_physical_batch)
     ]
     return {n: torch.cat([c[n] for c in chunks]) for n in params}

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from dpclip import blas_mode
+from dpclip._checks import library_object
 from dpclip.engine.conv_backends import engine_thread_count
 from dpclip._ident import ident
 from dpclip.accounting import Ledger
@@ -647,8 +648,12 @@ class PrivateTraining:
             # batch before any engine sees it; one that added the batch sum moved the release by
             # 3.66 C, forty-third hostile review)
             raise TypeError(f"features= must be 'scattering' or a dpclip.data.features.Scattering "
-                            f"(a fixed per-example map the library tests), got {features!r}; put "
-                            "other transforms in the model or in the data")
+                            f"(a fixed per-example map the library tests), got "
+                            f"{type(features).__name__}; put other transforms in the model or "
+                            "in the data")
+        # (and a fresh copy: a function set on the instance hid transform_images, 20.2 C,
+        # hundred-and-thirty-ninth hostile review)
+        features = library_object(features, Scattering, "features=")
         if not isinstance(self._x, Tensor):
             raise ValueError("features= needs the training inputs as one tensor of images, got "
                              f"{type(self._x).__name__}")

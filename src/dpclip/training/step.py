@@ -38,7 +38,7 @@ from dpclip.engine._common import (HALF, BoundedChunkReducer, StepWeights, check
                                    exact_float32, trainable_params)
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
-from dpclip.engine.batch import call_model, check_batch, first_tensor, slice_batch
+from dpclip.engine.batch import call_model, check_batch, first_tensor, owned_slice
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
 from dpclip.engine.op_entry import no_compiled_autograd
@@ -509,8 +509,9 @@ def transformed_sum(
             # each chunk isolated as the engines' own (tenth hostile review: a float attribute
             # carried to the next call moved an AdaClip release 1.92 against sensitivity 1)
             with Isolated(model):
-                raw = per_example(model, loss_fn, slice_batch(inputs, start, stop),
-                                  slice_batch(targets, start, stop))
+                # (the engine's own copies, dropped as the call returns, inside the isolation)
+                raw = per_example(model, loss_fn, owned_slice(inputs, start, stop),
+                                  owned_slice(targets, start, stop))
             with exact_float32():
                 grads = strategy.transform(raw, state)
                 reducer.add_chunk(grads, torch.full((stop - start,), math.nan, device=device))

@@ -1,0 +1,111 @@
+"""Hundred-and-thirty-seventh hostile review: the proved-program match compared each operation's
+name and arguments (names, numbers, literals) and the memory watch each tensor's bytes and
+geometry; neither looked at a tensor's NEGATIVE BIT or at the DTYPE of an operation's output.
+(1) ``torch._C._set_neg(s, bit)`` (not an operation: no dispatch, no version bump, the same bytes)
+flipped how a matched ``clone(s)`` read; (2) the default dtype switched to float64 around one
+``torch.full`` (no dtype argument) made its fill 16777217 instead of 16777216. Either carried
+the padded batch size (``len(x) > 32``: 33 rows pad to 64) or a bit of example 0 into the sign of
+every example's output: LOO 60.6 C (13.7 C from example 0) under ghost on every step and under
+auto and compiled on the first, through ``make_private`` too. Now every matched operation's
+tensor arguments and outputs must have the proof's dtypes and negative / conjugate bits, and the
+memory watch compares those bits and the dtype too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import get_engine
+from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.helpers import loo_distance
+
+DT = torch.float64
+C = 0.01
+
+
+def _real(x):
+    return type(x) is torch.Tensor
+
+
+def _first_bit(x):
+    with torch._C.DisableTorchFunction():
+        g = torch._C._DisableTorchDispatch()
+        try:
+            return bool(x[0, 0] > 0)
+        finally:
+            del g
+
+
+def _bit(x, mode):
+    if not _real(x):  # the proof runs on fakes
+        return False
+    return len(x) > 32 if mode == "size" else _first_bit(x)
+
+
+class _Base(nn.Module):
+    mode = "size"
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3).to(DT)
+
+
+class _NegBit(_Base):
+    def forward(self, x):
+        s = torch.ones(3, dtype=DT)
+        torch._C._set_neg(s, _bit(x, self.mode))
+        return self.fc(x) * s.clone()
+
+
+class _NegBitLate(_Base):
+    """The bit set after the tensor's last use in the forward: the backward reads it."""
+
+    def forward(self, x):
+        s = torch.ones(1, 3, dtype=DT).expand(len(x), 3).clone().requires_grad_(False)
+        out = self.fc(x) * s  # (mul saves s for the backward)
+        torch._C._set_neg(s, _bit(x, self.mode))
+        return out
+
+
+class _DefaultDtype(_Base):
+    def forward(self, x):
+        old = torch.get_default_dtype()
+        if _bit(x, self.mode):
+            torch.set_default_dtype(torch.float64)
+        s = torch.full((3,), 16777217.0)
+        torch.set_default_dtype(old)
+        gate = (s - 16777216.5) * 2
+        return self.fc(x) * (1 - 2 * gate)
+
+
+def _value(cls):
+    return type(cls.__name__ + "Value", (cls,), {"mode": "value"})
+
+
+def _ce(o, y):
+    return nn.functional.cross_entropy(o, y, reduction="none")
+
+
+def _data(b, mode):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, 4, generator=g, dtype=DT).abs() + 0.5
+    if mode == "value":
+        x[1:, 0] = -x[1:, 0]  # example 0's bit True, the others' False
+    return x, torch.zeros(b, dtype=torch.long)
+
+
+@pytest.mark.parametrize("model", [_NegBit, _NegBitLate, _DefaultDtype, _value(_NegBit),
+                                   _value(_DefaultDtype)],
+                         ids=["neg-size", "neg-late-size", "dtype-size", "neg-value",
+                              "dtype-value"])
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_bit_or_dtype_set_with_no_operation_is_refused_or_bounded(model, name):
+    x, y = _data(33 if model.mode == "size" else 8, model.mode)
+    try:
+        d = loo_distance(lambda: get_engine(name), model, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        return  # refused: sound
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 60.6 C / 13.7 C)
+
