@@ -1484,10 +1484,9 @@ def _rule_for(mod: nn.Module) -> _Rule | None:
 def _is_hf_conv1d(mod: nn.Module) -> bool:
     """Whether ``mod`` is a ``transformers`` ``Conv1D`` (or a subclass keeping its forward), without
     importing ``transformers`` (a model holding one has imported it already)."""
-    import sys
+    from dpclip.engine.library_code import hf_conv1d
 
-    pu = sys.modules.get("transformers.pytorch_utils")
-    cls = getattr(pu, "Conv1D", None) if pu is not None else None
+    cls = hf_conv1d()  # (transformers' own class and forward, checked against its source file)
     if cls is None or not isinstance(mod, cls):
         return False
     from dpclip.engine.plain_module import class_data, same_code

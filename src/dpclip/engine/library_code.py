@@ -79,6 +79,81 @@ def _torch_file(obj: Any) -> bool:
     return f is not None and f.startswith(tuple(_TRUSTED_DIRS))
 
 
+#: (file, qualified name, first line) -> whether a function's code there is the file's own
+_GENUINE: dict[tuple[str, str, int], types.CodeType | None] = {}
+
+
+def _compiled_at(path: str, qualname: str, line: int) -> types.CodeType | None:
+    """The code object ``path``'s source compiles to for ``qualname`` at ``line``, or None."""
+    key = (path, qualname, line)
+    if key not in _GENUINE:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                top = compile(fh.read(), path, "exec", dont_inherit=True)
+        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+            top = None
+        stack, found = [top] if top is not None else [], None
+        while stack:
+            code = stack.pop()
+            if code.co_qualname == qualname and code.co_firstlineno == line:
+                found = code
+                break
+            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        _GENUINE[key] = found
+    return _GENUINE[key]
+
+
+def hf_conv1d() -> type | None:
+    """``transformers.pytorch_utils.Conv1D`` when it is transformers' own, untouched: the class
+    defined in that module, its ``forward`` the function that module's source file defines
+    (its code equal to what the file compiles to, its globals the module's, no closure), the
+    module loaded from the ``transformers`` package's folder. None otherwise (also when
+    ``transformers`` is not imported).
+
+    The Conv1D rule runs this forward untraced, as library code. Before, the class was read from
+    the module attribute and its forward trusted by its file name, any package in a folder
+    named ``site-packages`` counting as a library: a Conv1D whose forward a package there
+    replaced (``h + 10 h.sum(0)`` before the product), or a function whose ``co_filename`` was
+    rewritten into torch's folder, ran as proved: LOO 13.47 C under ghost, auto and
+    ``make_private`` (hundred-and-thirty-eighth hostile review)."""
+    pu = sys.modules.get("transformers.pytorch_utils")
+    top = sys.modules.get("transformers")
+    cls = getattr(pu, "Conv1D", None) if pu is not None else None
+    fwd = vars(cls).get("forward") if isinstance(cls, type) else None
+    # (the verdict of the last look, while every object it depends on is the same one)
+    seen = (pu, top, cls, fwd, getattr(fwd, "__code__", None), getattr(fwd, "__globals__", None),
+            getattr(fwd, "__closure__", None), getattr(cls, "__module__", None))
+    if _CONV1D_SEEN and len(_CONV1D_SEEN[0]) == len(seen) and \
+            all(a is b for a, b in zip(_CONV1D_SEEN[0], seen)):
+        return _CONV1D_SEEN[1]
+    got = _hf_conv1d(pu, top, cls)
+    _CONV1D_SEEN[:] = [seen, got]
+    return got
+
+
+#: [the objects hf_conv1d's last verdict depended on, that verdict]
+_CONV1D_SEEN: list[Any] = []
+
+
+def _hf_conv1d(pu: Any, top: Any, cls: Any) -> type | None:
+    home = getattr(top, "__path__", None)
+    file = getattr(pu, "__file__", None)
+    if not isinstance(cls, type) or not home or not isinstance(file, str) or \
+            cls.__module__ != "transformers.pytorch_utils":
+        return None
+    file = os.path.realpath(file)
+    if not file.startswith(os.path.realpath(list(home)[0]) + os.sep):
+        return None
+    fwd = cls.__dict__.get("forward")
+    if not isinstance(fwd, types.FunctionType) or fwd.__closure__ is not None or \
+            fwd.__globals__ is not vars(pu) or os.path.realpath(fwd.__code__.co_filename) != file:
+        return None
+    code = fwd.__code__
+    ref = _compiled_at(file, code.co_qualname, code.co_firstlineno)
+    return cls if ref is not None and code.co_qualname == "Conv1D.forward" and code == ref \
+        else None
+
+
 def _package_dir(fn: types.FunctionType) -> str | None:
     """The folder of the top-level package that defines ``fn`` (None for a lone module)."""
     top = sys.modules.get((fn.__module__ or "").split(".")[0])
@@ -426,9 +501,10 @@ def _lookups_of(cls: type) -> _Lookups:
         fwd = getattr(cls, "forward", None)
         raw = fwd.__func__ if isinstance(fwd, types.MethodType) else fwd
         if isinstance(raw, types.FunctionType) and not _torch_file(raw) and \
-                not _stdlib_file(raw):  # a ruled layer of another library (transformers)
+                not _stdlib_file(raw) and cls is hf_conv1d():
+            # a ruled layer of another library: transformers' own Conv1D only (hf_conv1d)
             pkg = _package_dir(raw)
-            if pkg is not None and pkg not in _TRUSTED_DIRS and "site-packages" in pkg:
+            if pkg is not None and pkg not in _TRUSTED_DIRS:
                 _TRUSTED_DIRS.append(pkg)
         f = _function(fwd)
         if f is None:

@@ -656,11 +656,14 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
 def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
     """What decides how an operation reads its tensors and what it makes, beyond their names and
     memory: the dtype and the negative and conjugate bits of every tensor argument (lists one
-    level deep) and output. ``torch._C._set_neg`` flips how a tensor reads with no operation, no
-    version bump and the same bytes; a default dtype switched around one factory call makes its
-    output another dtype with the same arguments (hundred-and-thirty-seventh hostile review: each
-    carried the padded batch size into a sign: 60.6 C under ghost, auto and compiled)."""
-    got: list[Any] = []
+    level deep), and the default dtype. ``torch._C._set_neg`` flips how a tensor reads with no
+    operation, no version bump and the same bytes; a default dtype switched around one factory
+    call makes its output another dtype with the same arguments (hundred-and-thirty-seventh
+    hostile review: each carried the padded batch size into a sign: 60.6 C under ghost, auto and
+    compiled). (Not the outputs' dtypes: some fake kernels give other dtypes than the real ones,
+    ``native_layer_norm``'s statistics of a bfloat16 input; they follow from the arguments and
+    the default dtype.)"""
+    got: list[Any] = [torch.get_default_dtype()]
 
     def add(t: Tensor) -> None:
         got.append((t.dtype, t.is_neg(), t.is_conj()))
@@ -672,9 +675,6 @@ def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
             for b in a:
                 if isinstance(b, Tensor):
                     add(b)
-    for o in _outputs(out):
-        if o is not None:
-            add(o)
     return tuple(got)
 
 
