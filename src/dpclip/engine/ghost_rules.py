@@ -410,11 +410,22 @@ def _bk_blocks(batch: int) -> list[slice]:
 
 
 def _bk_sum(batch: int, part: Any) -> Tensor:
-    """``sum`` over the book-keeping blocks of ``part(slice)`` (see ``_BK_BLOCK``)."""
+    """``sum`` over the book-keeping blocks of ``part(slice)`` (see ``_BK_BLOCK``), the blocks'
+    sums added in float64 and cast once (a float32 accumulator rounds each addition on the grid
+    of the running total, and removing one example shifts every later block's composition:
+    the hundred-and-fortieth hostile review's attack on the chunks' accumulator, here per block
+    of 64 examples)."""
     out = None
-    for sl in _bk_blocks(batch):
+    blocks = _bk_blocks(batch)
+    for sl in blocks:
         r = part(sl)
-        out = r if out is None else out.add_(r)
+        if out is None:
+            out = r if len(blocks) == 1 or r.dtype != torch.float32 else r.double()
+        else:
+            out.add_(r)
+    if out is not None and len(blocks) > 1 and out.dtype == torch.float64 and \
+            r.dtype == torch.float32:
+        out = out.float()
     return out  # type: ignore[return-value]
 
 

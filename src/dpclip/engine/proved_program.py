@@ -1129,9 +1129,9 @@ class ProgramMatch:
                 seen = self._recomputed(func, args, kwargs)
                 if seen is not None and self.program.meta.get(seen) != _meta(args, kwargs, out):
                     self._fail(f"operation {k} ({_short(func)}) repeats operation {seen} on "
-                               "tensors or with outputs of other dtypes or negative / conjugate "
-                               "bits than the proof's (the default dtype or a tensor's bits "
-                               "changed with no operation)")
+                               "tensors of other dtypes or negative / conjugate bits, or under "
+                               "another default dtype, than the proof's (changed with no "
+                               "operation)")
                     return
                 if seen is not None:
                     outs = _outputs(out)
@@ -1151,10 +1151,10 @@ class ProgramMatch:
         if self.program.meta.get(index) != _meta(args, kwargs, out):
             # (the same names, values and memory read otherwise: a negative bit set with no
             # operation, a default dtype switched around one factory call; see _meta)
-            self._fail(f"operation {k} ({_short(func)}) has a tensor argument or output of "
-                       "another dtype, or with another negative / conjugate bit, than in the "
-                       "proof (set with no operation: torch._C._set_neg, a default dtype "
-                       "switched around one call)")
+            self._fail(f"operation {k} ({_short(func)}) has a tensor argument of another "
+                       "dtype or negative / conjugate bit, or runs under another default dtype, "
+                       "than in the proof (set with no operation: torch._C._set_neg, a default "
+                       "dtype switched around one call)")
             return
         if not pure:
             # a write (or a draw) may change what a view of the written tensor reads: the same
