@@ -27,6 +27,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -436,6 +437,20 @@ def _affine_leaf(
     )
 
 
+def _finite(name: str, m: nn.Module, attr: str, value: Any, positive: bool = True) -> float:
+    """A layer's constant as the rule reads it at this certification: a real finite number (and
+    > 0 where ``positive``), else ``UnsupportedLayerError``. The constructors check them once;
+    the module's attributes can change after (hundred-and-forty-fourth hostile review)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value > 0 or not positive)
+    if not ok:
+        raise _unsupported(name, m, f"{attr}={value!r} must be a finite number"
+                           + (" > 0" if positive else "")
+                           + " (it enters the certified bound; set it at construction and leave "
+                           "it)")
+    return float(value)
+
+
 def _rule_linear(
     m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
 ) -> _Leaf:
@@ -477,6 +492,7 @@ def _rule_leaky_relu(
     m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
 ) -> _Leaf:
     assert isinstance(m, nn.LeakyReLU)
+    _finite(name, m, "negative_slope", m.negative_slope, positive=False)
     rho = max(1.0, abs(float(m.negative_slope)))
     return _Leaf(rho, rho * x, "max(1, |negative_slope|)")
 
@@ -498,7 +514,12 @@ def _rule_tempered_sigmoid(
     m: nn.Module, name: str, si: tuple[int, ...], so: tuple[int, ...], x: float, ctx: _Ctx
 ) -> _Leaf:
     assert isinstance(m, TemperedSigmoid)
-    s, t, o = m.scale, m.inverse_temperature, m.offset
+    # (read every certification: constants made negative after construction certified a negative
+    # Lipschitz constant and output bound, 5.24 times the declared sensitivity; hundred-and-
+    # forty-fourth hostile review)
+    s = _finite(name, m, "scale", m.scale)
+    t = _finite(name, m, "inverse_temperature", m.inverse_temperature)
+    o = _finite(name, m, "offset", m.offset, positive=False)
     n = _numel(si)
     rho = s * t / 4.0
     cap = max(abs(o), abs(s - o)) * math.sqrt(n)  # range (-o, s - o)
@@ -523,6 +544,13 @@ def _rule_avgpool(
     ones = torch.ones((1, *si), dtype=torch.float64, requires_grad=True)
     out = m(ones)
     (col,) = torch.autograd.grad(out.sum(), ones)
+    if out.numel() and (bool((out.detach() < 0).any()) or bool((col < 0).any())):
+        # (a negative divisor_override: a non-positive map, whose clamped maxima certified
+        # Lipschitz 0 and released the layers before it without noise: 2.29 times the declared
+        # sensitivity; hundred-and-forty-fourth hostile review)
+        raise _unsupported(name, m, "divisor_override must be a positive number (a negative "
+                           "divisor makes the pool a non-positive map, outside the Schur test's "
+                           "proof); use divisor_override=None or > 0")
     row_max = float(out.detach().amax()) if out.numel() else 0.0
     col_max = float(col.amax()) if col.numel() else 0.0
     rho = math.sqrt(max(row_max, 0.0) * max(col_max, 0.0)) * (1.0 + NUMERICAL_SLACK)
@@ -534,7 +562,7 @@ def _rule_groupnorm(
 ) -> _Leaf:
     assert isinstance(m, nn.GroupNorm)
     n = _numel(si)
-    rho = 1.0 / math.sqrt(m.eps)
+    rho = 1.0 / math.sqrt(_finite(name, m, "eps", m.eps))
     return _Leaf(rho, min(math.sqrt(n), rho * x), "1/sqrt(eps)")
 
 
@@ -543,7 +571,8 @@ def _rule_lip_groupnorm(
 ) -> _Leaf:
     assert isinstance(m, LipGroupNorm)
     n = _numel(si)
-    return _Leaf(m.lipschitz, min(math.sqrt(n), m.lipschitz * x), "floored scale: L")
+    lip = _finite(name, m, "lipschitz", m.lipschitz)
+    return _Leaf(lip, min(math.sqrt(n), lip * x), "floored scale: L")
 
 
 #: exact type -> rule (exact types: a subclass may override ``forward`` and void the proof)

@@ -256,6 +256,20 @@ class _LipBase(StrategyBase):
             param_sens = {p: total for p in scales}
         else:
             param_sens = {p: layer_sens[owner[p]] for p in scales}
+        if self.noise == "per-layer" and self.num_layers is not None and \
+                len(layer_sens) != self.num_layers:
+            # the event is num_layers Gaussians (step_event), one per block noised: a model that
+            # certifies another number of blocks (num_layers passed too small, or a tie undone
+            # between steps) released more Gaussians than the ledger counts (2.83 times the
+            # recorded sensitivity, epsilon 21.0 spent against 2.23 recorded over 10 steps;
+            # hundred-and-forty-fourth hostile review)
+            raise ValueError(
+                f"{self.name}: per-layer noise is planned for num_layers={self.num_layers} noise "
+                f"blocks but the model now certifies {len(layer_sens)} (its parametrised layers, "
+                "merged where they share a parameter): the ledger would count fewer Gaussians "
+                "than are released. Leave num_layers unset (strategy.bind(model, input_shape) "
+                "sets it from the model) and keep the model's layers and ties as they were when "
+                "the run was planned")
         new_state = {**state, "sensitivity": total, "num_noise_blocks": self._blocks(len(layer_sens))}
         cert = LipCertificate(total, layer_sens, scales, param_sens, bound)
         return new_state, cert
