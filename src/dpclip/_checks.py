@@ -76,4 +76,15 @@ def library_object(value: Any, cls: type, where: str) -> Any:
             "one set on the instance hides the library's method of the same name, which runs on "
             f"the whole drawn batch. Pass a {cls.__name__} built by its constructor (or its "
             "text form) unchanged")
+    # every field a plain value of Python's own types (not a subclass: a `flip` whose __bool__
+    # ran inside Augmentation.apply, or a float subclass whose __float__ ran inside
+    # PrivateCentre.release, reached the private batch through the caller's frame: 15.2 C and
+    # 20.2 C, hundred-and-forty-second hostile review)
+    for n in names:
+        v = vars(value)[n]
+        if type(v) not in (bool, int, float, str, type(None)):
+            raise TypeError(
+                f"{where}: {cls.__name__}.{n} is a {type(v).__name__}, not a plain bool, int, "
+                f"float or str: the library's code reads it on the private data. Build the "
+                f"{cls.__name__} from plain values")
     return cls(**{n: vars(value)[n] for n in names})

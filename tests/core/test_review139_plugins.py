@@ -107,3 +107,30 @@ def test_the_library_objects_are_used_as_fresh_equal_copies():
     x, y = _target()
     _released(x, y, "auto", augment=aug)  # (accepted: the library's own, unchanged)
     _released(x.reshape(N, -1), y, "auto", preprocess=PrivateCentre(8.0))
+
+
+# ---------------------------------------------------------------- review 142: hostile fields
+
+class _Flip:
+    """A ``flip`` whose ``__bool__`` runs inside ``Augmentation.apply`` on the drawn batch."""
+
+    def __bool__(self):
+        return True
+
+
+class _Z(float):
+    """A noise multiplier whose ``__float__`` runs inside ``PrivateCentre.release``."""
+
+    def __float__(self):
+        return 8.0
+
+
+def test_a_field_that_is_not_a_plain_value_is_refused():
+    """Hundred-and-forty-second hostile review: the fresh copy kept the fields as they were; a
+    field's own methods (``__bool__``, ``__float__``) ran on the private data through the
+    caller's frame (15.2 C, 20.2 C). Every field must be a plain bool, int, float or str."""
+    x, y = _target()
+    with pytest.raises(TypeError, match="Augmentation.flip is a _Flip"):
+        _released(x, y, "auto", augment=Augmentation(flip=_Flip()))
+    with pytest.raises(TypeError, match="PrivateCentre.noise_multiplier is a _Z"):
+        _released(x.reshape(N, -1), y, "auto", preprocess=PrivateCentre(_Z(8.0)))

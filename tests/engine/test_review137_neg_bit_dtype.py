@@ -109,3 +109,39 @@ def test_a_bit_or_dtype_set_with_no_operation_is_refused_or_bounded(model, name)
         return  # refused: sound
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 60.6 C / 13.7 C)
 
+
+
+# ---------------------------------------------------------------- review 142: numerical settings
+
+class _OneProductInBf16(nn.Module):
+    """Hundred-and-forty-second hostile review: oneDNN and its bf16 float32-matmul precision
+    switched on around ONE product and put back before the chunk's end: on a CPU with bf16
+    support that product rounds otherwise (the gate flips every example's sign: 60.9 C under
+    ghost, auto and compiled; 13.5 C from example 0). Refused now whatever the CPU: every
+    traced operation finds torch's numerical settings as the engine call fixed them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("a", torch.randn(8, 16))
+
+    def forward(self, x):
+        s1 = self.a @ self.a.t()
+        old_k = torch.backends.mkldnn.matmul.fp32_precision
+        old_m = torch._C._get_mkldnn_enabled()
+        if _bit(x, "size"):
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+            torch._C._set_mkldnn_enabled(True)
+        s2 = self.a @ self.a.t()
+        torch.backends.mkldnn.matmul.fp32_precision = old_k
+        torch._C._set_mkldnn_enabled(old_m)
+        gate = (s2 != s1).any().to(x.dtype)
+        return self.fc(x) * (1 - 2 * gate)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_numerical_setting_switched_for_one_operation_is_refused(name):
+    x, y = _data(33, "size")
+    with pytest.raises(UnsupportedModelError, match="numerical settings"):
+        loo_distance(lambda: get_engine(name), _OneProductInBf16, x.float(), y, C, loss=_ce)

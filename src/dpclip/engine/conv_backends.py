@@ -38,9 +38,10 @@ from __future__ import annotations
 from dpclip.engine import _cm
 import contextvars
 import ctypes
+import functools
 import os
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -169,6 +170,70 @@ def warn_if_capped() -> None:
         RuntimeWarning, stacklevel=3)
 
 
+def _getters() -> tuple:
+    """torch's C getters of every process-wide setting that chooses how a kernel rounds (the
+    backends, the float32 matmul precision per backend, TF32, reduced-precision reductions,
+    deterministic kernels, the attention backends); those this torch has."""
+    C = torch._C
+    names = ("_get_mkldnn_enabled", "_get_nnpack_enabled", "_get_float32_matmul_precision",
+             "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_onednn_allow_tf32",
+             "_get_cpu_allow_fp16_reduced_precision_reduction",
+             "_get_cublas_allow_fp16_reduced_precision_reduction",
+             "_get_cublas_allow_bf16_reduced_precision_reduction",
+             "_get_deterministic_algorithms", "_get_mkldnn_deterministic",
+             "_get_cudnn_deterministic", "_get_cudnn_enabled", "_get_flash_sdp_enabled",
+             "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
+             "_get_fa3_sdp_enabled", "_get_overrideable_sdp_enabled")
+    got: list[Any] = [getattr(C, n) for n in names if callable(getattr(C, n, None))]
+    fp32 = getattr(C, "_get_fp32_precision_getter", None)
+    if callable(fp32):
+        for key in (("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"),
+                    ("mkldnn", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),
+                    ("cuda", "all"), ("generic", "all")):
+            try:
+                fp32(*key)
+            except (RuntimeError, TypeError, ValueError):
+                continue
+            got.append(functools.partial(fp32, *key))
+    return tuple(got)
+
+
+_GETTERS = _getters()
+
+
+def numerics() -> tuple:
+    """The values of :func:`_getters`' settings now (a getter that raises, as the legacy matmul
+    precision does once its two APIs are mixed, counts as the value ``"unreadable"``)."""
+    try:
+        return tuple(g() for g in _GETTERS)
+    except RuntimeError:
+        return tuple(_read(g) for g in _GETTERS)
+
+
+def _read(getter: Any) -> Any:
+    try:
+        return getter()
+    except RuntimeError:
+        return "unreadable"
+
+
+#: the refusal's text when the forward switched a numerical setting for some operations
+NUMERICS_MOVED = ("the forward changed one of torch's numerical settings during the step (oneDNN "
+                  "or NNPACK on or off, a float32 matmul precision, TF32, reduced-precision "
+                  "reductions, deterministic kernels, an attention backend) and may have put "
+                  "it back: an operation then rounds otherwise than the proof's, chosen by "
+                  "data the proof does not see (a oneDNN bf16 product switched on for one "
+                  "operation carried the batch size into a sign: 60.9 C, hundred-and-forty-"
+                  "second hostile review); set them before the step and leave them")
+
+
+def numerics_moved() -> bool:
+    """Whether any of those settings differs from its value when the current engine call fixed
+    the backends (False outside one)."""
+    want = _FIXED.get()
+    return want is not None and numerics() != want[4]
+
+
 def conv_backends_moved() -> bool:
     """Whether oneDNN or NNPACK is not as the current engine call fixed it (False outside one)."""
     want = _FIXED.get()
@@ -209,7 +274,8 @@ def fixed_conv_backends() -> Iterator[None]:
     if off:
         torch._C._set_mkldnn_enabled(False)
     # (DPCLIP_ENGINE_THREADS=all: the model is trusted with the thread count, nothing watched)
-    token = _FIXED.set((mkldnn and not off, False, run if cap is not None else None, mkl))
+    token = _FIXED.set((mkldnn and not off, False, run if cap is not None else None, mkl,
+                        numerics()))
     try:
         yield
     finally:

@@ -71,7 +71,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from dpclip._ident import ident
-from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
+from dpclip.engine.conv_backends import (
+    MOVED,
+    NUMERICS_MOVED,
+    THREADS_MOVED,
+    conv_backends_moved,
+    numerics_moved,
+    threads_moved,
+)
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 from dpclip.engine.op_entry import PY_DISPATCHER, call_op, python_dispatcher_on, verified
 from dpclip.engine import _cm
@@ -718,6 +725,8 @@ class SeparabilityTracer(TorchDispatchMode):
                 self.violation = MOVED  # (a backend the engine fixed switched on by the forward)
             elif threads_moved():  # (the thread count the engine fixed, raised by the forward)
                 self.violation = THREADS_MOVED
+            elif numerics_moved():  # (a setting that chooses how a kernel rounds, for this op)
+                self.violation = NUMERICS_MOVED
             elif python_dispatcher_on():
                 self.violation = PY_DISPATCHER
         if types and not self.quiet and self.violation is None:

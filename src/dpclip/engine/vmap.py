@@ -28,7 +28,14 @@ from dpclip.engine._common import (
     trainable_params,
 )
 from dpclip.engine.base import LossFn
-from dpclip.engine.conv_backends import MOVED, THREADS_MOVED, conv_backends_moved, threads_moved
+from dpclip.engine.conv_backends import (
+    MOVED,
+    NUMERICS_MOVED,
+    THREADS_MOVED,
+    conv_backends_moved,
+    numerics_moved,
+    threads_moved,
+)
 from dpclip.engine.op_entry import PY_DISPATCHER, no_compiled_autograd, python_dispatcher_on
 from dpclip.engine.batch import (
     batch_leaves,
@@ -253,6 +260,8 @@ class _Raised(UserGenerators):
         self.conv_moved = False
         #: an operation ran at a thread count other than the one the engine fixed
         self.threads_moved = False
+        #: a numerical setting (conv_backends.numerics) differed from the engine call's
+        self.numerics_moved = False
         #: an operation ran with torch's Python dispatcher on (switched on by the forward)
         self.py_dispatcher = False
         #: an autograd.Function with a vmap rule of its own ran (its name)
@@ -266,6 +275,8 @@ class _Raised(UserGenerators):
             self.conv_moved = True
         if threads_moved():
             self.threads_moved = True
+        if numerics_moved():
+            self.numerics_moved = True
         if python_dispatcher_on():
             self.py_dispatcher = True
         if func is _CUSTOM_FUNCTION_CALL and args and _own_vmap_rule(args[0]):
@@ -327,6 +338,8 @@ def _per_example_grad_fn(model: nn.Module, loss_fn: LossFn) -> _GradFn:
             raise UnsupportedModelError(f"vmap engine: {MOVED}")
         if mode.threads_moved:
             raise UnsupportedModelError(f"vmap engine: {THREADS_MOVED}")
+        if mode.numerics_moved:
+            raise UnsupportedModelError(f"vmap engine: {NUMERICS_MOVED}")
         if mode.py_dispatcher:
             raise UnsupportedModelError(f"vmap engine: {PY_DISPATCHER}")
         if mode.custom_vmap is not None:
