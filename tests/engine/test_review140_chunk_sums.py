@@ -60,3 +60,65 @@ def test_the_others_chunk_sums_cannot_round_one_example_above_c(name):
     loo = float((_release(name, x, m) - _release(name, x[1:], m)).norm())
     # |x_0| = 0.99 exactly; before: 1.31 C (vmap) / the float32 simulation's figure (ghost)
     assert loo <= 1.0, loo
+
+
+# ---------------------------------------------------------------- review 141: inside one product
+
+def _steered_chunk(head: float, n: int, climb: float = 0.98) -> list[float]:
+    """``n`` values after ``head`` such that a SEQUENTIAL float32 sum of ``[head, *values]`` and
+    of ``values`` alone (the neighbour without the head: every example one position earlier)
+    drift apart: both climb to a power of two ``P``, the neighbour's just below (grid ``q``), the
+    full sum at or above (grid ``2q``); then each value keeps the lower sum exact and makes the
+    upper an exact tie rounding upwards (``q`` more per value)."""
+    best = max((((n - math.ceil(2.0 ** e / climb) - 1) * 2.0 ** (e - 24), e)
+                for e in range(1, 40) if math.ceil(2.0 ** e / climb) + 1 < n - 2))
+    e = best[1]
+    big, q = 2.0 ** e, 2.0 ** (e - 24)
+    c = math.floor(climb / (2 * q)) * (2 * q)
+    xs, low, high, a = [], 0.0, head, 2
+    while big - a * q - low > c:
+        xs.append(c)
+        low, high = low + c, high + c
+    xs.append(big - a * q - low)
+    low, high = big - a * q, float(F32(high + xs[-1]))
+    while len(xs) < n:
+        for k in range(1, 9):
+            v = (a - k) * q
+            nl, nh = float(F32(low + v)), float(F32(high + v))
+            if nl < big <= nh and nl == low + v and nh - nl > high - low:
+                xs.append(v)
+                low, high, a = nl, nh, k
+                break
+        else:
+            xs.append(0.0)
+    return xs
+
+
+@pytest.mark.parametrize("name, positions", [("ghost", 0), ("auto", 0), ("ghost", 16)],
+                         ids=["ghost", "auto", "ghost-kept-sequence"])
+def test_the_others_rounding_inside_one_product_cannot_move_one_example_above_c(name, positions):
+    """Hundred-and-forty-first hostile review: ghost's weighted sum over one chunk's examples
+    was one float32 product (``torch.mm``), which MKL sums one example after another: one chunk
+    of 4096 designed examples moved the release by 1.22 C (63.4 C at 65,536 in one chunk),
+    through make_private too. The rules' products over the examples run in float64 now."""
+    b, head = 4096, 0.97998046875
+    x = np.zeros(b)
+    x[0] = head
+    x[1:] = _steered_chunk(head, b - 1)
+    x = torch.from_numpy(x.astype(np.float32)).reshape(b, 1)
+    if positions:  # (a sequence: the design at position 0, its per-example sums kept: _kept_sum)
+        x = torch.cat([x[:, None], x.new_zeros(b, positions - 1, 1)], 1)
+    assert float(x.abs().max()) < 0.99
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1, bias=False)
+
+    def release(xs):
+        res = get_engine(name).compute(
+            model, lambda o, y: (o * y).flatten(1).sum(1), xs, torch.ones_like(xs),
+            lambda n: torch.where(n > 0, torch.clamp(1.0 / n, max=1.0), torch.ones_like(n)),
+            ParamGroups.flat(model))
+        assert bool((res.weights == 1).all())
+        return res.grads["weight"].double().reshape(-1)
+
+    loo = float((release(x) - release(x[1:])).norm())
+    assert loo <= 1.0, loo  # (|x_0| = 0.98; before: 1.2247 C)

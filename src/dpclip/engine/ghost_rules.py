@@ -444,11 +444,24 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
 
 
 def _kept_sum(g: Tensor, w: Tensor) -> Tensor:
-    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)`` (float16 and
-    bfloat16 in float32: _common.HALF)."""
-    if g.dtype in HALF:
-        return (w.float() @ g.reshape(g.shape[0], -1).float()).view(g.shape[1:])
-    return (w.to(g.dtype) @ g.reshape(g.shape[0], -1)).view(g.shape[1:])
+    """``sum_i w_i g_i`` for per-example tensors ``g`` of shape ``(B, *shape)``, in float64 for
+    float32 and narrower ``g`` (the weights as the engine computed them: float32 for half
+    layers, _common.HALF; their products exact in float64, the sum over the examples rounding at
+    float64's unit: a float32 ``w @ g`` sums the examples one after another in MKL, and a designed
+    batch steered its rounding by one example's presence, 1.22 C at one chunk of 4096;
+    hundred-and-forty-first hostile review). Float64 ``g`` as it is."""
+    flat = g.reshape(g.shape[0], -1)
+    if g.dtype == torch.float64:
+        return (w.to(g.dtype) @ flat).view(g.shape[1:])
+    w = w.float() if g.dtype in HALF else w.to(g.dtype)
+    return (w.double() @ flat.double()).view(g.shape[1:])
+
+
+def widen64(t: Any) -> Any:
+    """A float32 / float16 / bfloat16 tensor in float64 (exact); anything else as it is."""
+    if isinstance(t, Tensor) and t.dtype in (torch.float32, *HALF):
+        return t.double()
+    return t
 
 
 def _sq(g: Tensor) -> Tensor:
