@@ -20,9 +20,15 @@ def test_chunks_cover_the_batch_in_order(size):
     assert all(xs.shape[0] == rows == ys["a"].shape[0] for rows, xs, ys in chunks)
 
 
-def test_one_chunk_is_the_batch_itself_and_an_empty_batch_no_chunk():
+def test_one_chunk_is_an_owned_copy_of_the_batch_and_an_empty_batch_no_chunk():
+    """Every chunk, one holding the whole batch too, is a copy in storage of its own: the model
+    never holds the caller's tensors (hundred-and-thirtieth hostile review)."""
     x, y = torch.randn(5, 3), torch.arange(5)
     ((rows, xs, ys),) = batch_chunks(x, y, 5, 8)
-    assert rows == 5 and xs is x and ys is y
+    assert rows == 5 and torch.equal(xs, x) and torch.equal(ys, y)
+    assert xs.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert ys.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    for _, xs, _ in batch_chunks(x, y, 5, 2):  # (slices too: not views of the caller's storage)
+        assert xs.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     assert list(batch_chunks(x[:0], y[:0], 0, 8)) == []
     assert list(batch_chunks(x[:0], y[:0], 0, None)) == []
