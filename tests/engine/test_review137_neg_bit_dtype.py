@@ -145,3 +145,42 @@ def test_a_numerical_setting_switched_for_one_operation_is_refused(name):
     x, y = _data(33, "size")
     with pytest.raises(UnsupportedModelError, match="numerical settings"):
         loo_distance(lambda: get_engine(name), _OneProductInBf16, x.float(), y, C, loss=_ce)
+
+
+# ---------------------------------------------------------------- review 145: gradient cuts
+
+class _CutInTheRealRun(_Base):
+    """Hundred-and-forty-fifth hostile review: a ``detach`` (or a recomputation under
+    ``no_grad``) made in the real run only, when the padded batch exceeds 32 rows: the match took
+    the detach as an identity (and the recomputation as the proof's operation), so every
+    example's gradient through ``fc1`` was cut by the batch size: 18.5 C under ghost, auto and
+    compiled. Now whether each argument requires grad is part of the match."""
+
+    how = "detach"
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = nn.Linear(4, 6).to(DT), nn.Linear(6, 3).to(DT)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if _bit(x, "size"):
+            if self.how == "detach":
+                h = h.detach()
+            else:
+                with torch.no_grad():
+                    h = torch.tanh(self.fc1(x))
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad"])
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_gradient_cut_only_in_the_real_run_is_refused_or_bounded(how, name):
+    model = type("_Cut", (_CutInTheRealRun,), {"how": how})
+    x, y = _data(33, "size")
+    try:
+        d = loo_distance(lambda: get_engine(name), model, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        return  # refused: sound
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 18.5 C)

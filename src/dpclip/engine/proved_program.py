@@ -309,7 +309,7 @@ class ProvedProgram:
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "grad_off",
                  "_at_batch", "_outside", "_generators", "_lifted", "shapes", "exported",
-                 "meta")
+                 "meta", "grad_off_index")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -327,6 +327,8 @@ class ProvedProgram:
         #: run must run each with the same grad mode (thirty-fifth hostile review: grad mode
         #: flipped for one operation from example data read unseen, LOO 3.24 C)
         self.grad_off: set[int] = set()
+        #: the same operations by their recording index (the name their outputs carry)
+        self.grad_off_index: set[int] = set()
         self._at_batch: dict[int, list[tuple[Any, tuple, dict]]] = {}
         self._outside: list[Any] | None = None
         self._generators: list[Any] | None = None
@@ -656,17 +658,21 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
 def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
     """What decides how an operation reads its tensors and what it makes, beyond their names and
     memory: the dtype and the negative and conjugate bits of every tensor argument (lists one
-    level deep), and the default dtype. ``torch._C._set_neg`` flips how a tensor reads with no
+    level deep) and whether it requires grad, and the default dtype. ``torch._C._set_neg`` flips
+    how a tensor reads with no
     operation, no version bump and the same bytes; a default dtype switched around one factory
     call makes its output another dtype with the same arguments (hundred-and-thirty-seventh
     hostile review: each carried the padded batch size into a sign: 60.6 C under ghost, auto and
     compiled). (Not the outputs' dtypes: some fake kernels give other dtypes than the real ones,
     ``native_layer_norm``'s statistics of a bfloat16 input; they follow from the arguments and
-    the default dtype.)"""
+    the default dtype.) Whether an argument requires grad tells where the real run cut the
+    gradient: a ``detach`` (matched as an identity) or a recomputation under ``no_grad`` (named
+    as the proof's operation) added in the real run only, from the padded batch size, cut every
+    example's gradient through a layer: 18.5 C, 36.5 C (hundred-and-forty-fifth hostile review)."""
     got: list[Any] = [torch.get_default_dtype()]
 
     def add(t: Tensor) -> None:
-        got.append((t.dtype, t.is_neg(), t.is_conj()))
+        got.append((t.dtype, t.is_neg(), t.is_conj(), t.requires_grad))
 
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
@@ -728,6 +734,7 @@ class ProgramRecorder(TorchDispatchMode):
         spec_kwargs = {key: self._spec(v, lift) for key, v in kwargs.items()}
         if not torch.is_grad_enabled():
             self.program.grad_off.add(len(self.program.entries))
+            self.program.grad_off_index.add(k)
         self.program.entries.append((func, spec_args, spec_kwargs, k))
         self.program.shapes[k] = [None if o is None else _shape_spec(o) for o in _outputs(out)]
         self.program.meta[k] = _meta(args, kwargs, out)
@@ -1127,11 +1134,13 @@ class ProgramMatch:
                 # layer called twice, once on a constant the proof's dead code dropped): the same
                 # values, named as that one
                 seen = self._recomputed(func, args, kwargs)
-                if seen is not None and self.program.meta.get(seen) != _meta(args, kwargs, out):
+                if seen is not None and (self.program.meta.get(seen) != _meta(args, kwargs, out)
+                                         or (seen in self.program.grad_off_index)
+                                         is torch.is_grad_enabled()):
                     self._fail(f"operation {k} ({_short(func)}) repeats operation {seen} on "
-                               "tensors of other dtypes or negative / conjugate bits, or under "
-                               "another default dtype, than the proof's (changed with no "
-                               "operation)")
+                               "tensors of other dtypes, negative / conjugate bits or gradient "
+                               "requirements, or under another default dtype or grad mode, than "
+                               "the proof's")
                     return
                 if seen is not None:
                     outs = _outputs(out)
@@ -1152,9 +1161,10 @@ class ProgramMatch:
             # (the same names, values and memory read otherwise: a negative bit set with no
             # operation, a default dtype switched around one factory call; see _meta)
             self._fail(f"operation {k} ({_short(func)}) has a tensor argument of another "
-                       "dtype or negative / conjugate bit, or runs under another default dtype, "
-                       "than in the proof (set with no operation: torch._C._set_neg, a default "
-                       "dtype switched around one call)")
+                       "dtype, negative / conjugate bit or gradient requirement (a detach or a "
+                       "no_grad recomputation the proof did not make), or runs under another "
+                       "default dtype, than in the proof (set with no operation: "
+                       "torch._C._set_neg, a default dtype switched around one call)")
             return
         if not pure:
             # a write (or a draw) may change what a view of the written tensor reads: the same

@@ -60,7 +60,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from dpclip.accounting import compute_epsilon
 from dpclip.data.base import TensorSplit
-from dpclip.federated.client import LocalTraining, local_seed, local_update
+from dpclip.federated.client import LocalTraining, local_seed, local_update, user_key
 from dpclip.federated.server import FedAvgServer
 from dpclip.federated.simulation import FedAvgConfig, build_server, declared_weights
 from dpclip.federated.spec import build_data, build_model_for, build_run, config_from_spec
@@ -244,7 +244,7 @@ class UserClient(flwr.client.NumPyClient):
                                  float(config["lr"]))
         delta = local_update(self.model, theta, self.data, training, loss_fn=self.loss_fn,
                              seed=local_seed(int(config["seed"]), int(config["round"]),
-                                             self.user_id))
+                                             user_key(self.data)))
         return [delta.numpy()], 1, {USER_KEY: self.user_id}
 
 

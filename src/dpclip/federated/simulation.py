@@ -33,7 +33,7 @@ from dpclip.federated.aggregator import (
     check_federated_strategy,
     make_user_sampler,
 )
-from dpclip.federated.client import LocalTraining, local_seed, local_update
+from dpclip.federated.client import LocalTraining, local_seed, local_update, user_key
 from dpclip.federated.data import FederatedData
 from dpclip.federated.server import FedAvgServer, ServerOptimizer, evaluate
 from dpclip.randomness import PrivateRandomness
@@ -174,11 +174,12 @@ def run_fedavg(data: FederatedData, model: nn.Module, strategy: ClippingStrategy
                           user_weights=user_weights)
     worker = copy.deepcopy(model)
     history: list[dict[str, Any]] = []
+    keys = [user_key(split) for split in data.users]  # (each user's own: client.local_seed)
     for r in range(config.rounds):
         users = server.sample_users()
         theta = server.theta
         deltas = [local_update(worker, theta, data.users[u], config.local, loss_fn=loss_fn,
-                               seed=local_seed(config.seed, r, u)) for u in users]
+                               seed=local_seed(config.seed, r, keys[u])) for u in users]
         out = server.finish_round(deltas if deltas else torch.zeros(0, theta.numel()), users)
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
             acc, loss = evaluate(model, data.test.inputs, data.test.targets, loss_fn=loss_fn,
