@@ -184,3 +184,32 @@ def test_a_gradient_cut_only_in_the_real_run_is_refused_or_bounded(how, name):
     except UnsupportedModelError:
         return  # refused: sound
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 18.5 C)
+
+
+# ---------------------------------------------------------------- review 148: positional generator
+
+class _PoissonReseeded(_Base):
+    """Hundred-and-forty-eighth hostile review: ``aten::poisson`` takes its generator
+    positionally, and the match compared only a ``generator=`` keyword's state: the model's own
+    generator reseeded from the padded batch size right before the draw (8 with seed 0, 2 with
+    seed 1) flipped every example's sign: 60.6 C under ghost and auto."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.Generator()
+        self.register_buffer("rate", torch.full((1,), 5.0, dtype=DT))
+
+    def forward(self, x):
+        self.g.manual_seed(1 if _bit(x, "size") else 0)
+        gate = (torch.poisson(self.rate, self.g) < 5).to(DT)
+        return self.fc(x) * (1 - 2 * gate)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_positional_generator_reseeded_before_its_draw_is_refused_or_bounded(name):
+    x, y = _data(33, "size")
+    try:
+        d = loo_distance(lambda: get_engine(name), _PoissonReseeded, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        return  # refused: sound
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 60.6 C)
