@@ -213,3 +213,33 @@ def test_a_positional_generator_reseeded_before_its_draw_is_refused_or_bounded(n
     except UnsupportedModelError:
         return  # refused: sound
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 60.6 C)
+
+
+# ---------------------------------------------------------------- review 149: complex layers
+
+class _ComplexLayer(nn.Module):
+    """Hundred-and-forty-ninth hostile review: a complex ``nn.Linear`` was accepted by the ghost
+    engines; the underflow flush skipped its (non-floating) ``a``, whose squares underflowed to 0
+    in the norm while ``b a^T`` did not: weight 1, the example summed unclipped (1.15e6 C at
+    C = 1e-8). A complex trainable parameter is refused now (engine 'vmap' or real models)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0 = nn.Linear(16, 1)
+        self.fc = nn.Linear(16, 4, bias=False, dtype=torch.cfloat)
+
+    def forward(self, x):
+        return self.fc(torch.sign(x).to(torch.cfloat) * 2e-23).real * 9e18 \
+            + self.fc0(x) * 1e-30
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_complex_layer_is_not_summed_unclipped(name):
+    x, y = torch.randn(6, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(6)
+    try:
+        d = loo_distance(lambda: get_engine(name), _ComplexLayer, x, y, 1e-4,
+                         loss=lambda o, t: o.sum(1))
+    except (UnsupportedModelError, RuntimeError):
+        return  # refused (vmap, auto's fallback, cannot run complex norms either)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3g} C"  # (before: 115 C)

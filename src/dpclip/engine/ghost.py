@@ -298,6 +298,15 @@ def _scan(model: nn.Module) -> _Scan:
         if not roles:
             continue
         where = qual or "<root>"
+        odd = [a for a, p in own_params.items() if p is not None and p.requires_grad
+               and not p.is_floating_point()]
+        if odd:  # (a complex weight's norms skipped the underflow flush and dropped their
+            # imaginary parts: one example summed unclipped, 1.15e6 C at C = 1e-8; hundred-and-
+            # forty-ninth hostile review)
+            reasons.append(f"{where!r} ({type(mod).__name__}): trainable parameter(s) "
+                           f"{', '.join(odd)} of a complex dtype (the ghost rules bound real "
+                           "gradients only; use engine 'vmap' or real parameters)")
+            continue
         rule = _rule_for(mod)
         if rule is None or any(attr not in rule.roles for attr in roles):
             # no rule for the type (or parameters its rule does not know): the per-layer path
@@ -1653,6 +1662,13 @@ def _flush_tiny(c: _Call, shared: dict[tuple, tuple[Tensor, Tensor]] | None = No
     (ghost_rules.linear_ghost_parts: one Gram matrix per distinct input)."""
     for name in ("a", "b"):
         t = getattr(c, name)
+        if isinstance(t, Tensor) and t.is_complex():
+            # (a complex activation or output gradient: the norms take |t|^2 as real squares
+            # and drop the imaginary parts, and the flush below would skip it: hundred-and-
+            # forty-ninth hostile review)
+            raise _RuntimeUnsupported(
+                f"layer {c.owner.name!r} ran on a complex tensor; the ghost rules bound real "
+                "gradients only (use engine 'vmap' or keep the model real)")
         if not isinstance(t, Tensor) or not t.is_floating_point():
             continue
         if t.dtype in HALF:
