@@ -394,8 +394,10 @@ class ChunkReducer:
             self._weights.append(self._apply_weight_fn(norms))
         norms = torch.cat(self._norms) if len(self._norms) > 1 else self._norms[0]
         weights = torch.cat(self._weights) if len(self._weights) > 1 else self._weights[0]
-        sums = {n: g if g.dtype == self._out[n] else g.to(self._out[n])
-                for n, g in self.sums.items()}
+        with exact_float32():  # (the cast with gradual underflow: under the user's
+            # flush-to-zero a subnormal sum was flushed, 2.1 C at C = 1.5e-38)
+            sums = {n: g if g.dtype == self._out[n] else g.to(self._out[n])
+                    for n, g in self.sums.items()}
         return sums, norms, weights, self.loss_sum
 
 

@@ -851,9 +851,10 @@ class GhostEngine:
         finally:
             carry.clear()  # every chunk's reads are done
         assert sums is not None
-        for n, g in sums.items():  # (the float64 accumulators of several chunks, cast once)
-            if g.dtype != params[n].dtype and g.dtype == torch.float64:
-                sums[n] = g.to(sum_dtype(params[n].dtype))
+        with exact_float32():  # (the float64 sums cast once, with gradual underflow)
+            for n, g in sums.items():
+                if g.dtype != params[n].dtype and g.dtype == torch.float64:
+                    sums[n] = g.to(sum_dtype(params[n].dtype))
         if compiled is not None and weight_fn is not _unit_weights:
             # a graph whose first step this was (every chunk traced, the last release checked)
             # is adopted now; never on auto's public probe: the first private step is traced

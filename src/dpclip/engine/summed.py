@@ -17,6 +17,7 @@ from dpclip.engine._common import (
     batch_chunks,
     check_batch,
     check_chunk_size,
+    exact_float32,
     sum_dtype,
     trainable_params,
 )
@@ -108,9 +109,10 @@ class SummedEngine:
                 for name, g in zip(params, gs):
                     if g is not None:
                         grads[name] += g
-        if wide:  # (cast once, to the parameters' sum dtype)
+        if wide:  # (cast once, to the parameters' sum dtype, with gradual underflow)
             own = trainable_params(model)
-            grads = {n: g.to(sum_dtype(own[n].dtype)) for n, g in grads.items()}
+            with exact_float32():
+                grads = {n: g.to(sum_dtype(own[n].dtype)) for n, g in grads.items()}
         return EngineResult(grads=grads, norms=None, weights=None, loss_sum=loss_sum)
 
 
