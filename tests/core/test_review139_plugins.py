@@ -134,3 +134,36 @@ def test_a_field_that_is_not_a_plain_value_is_refused():
         _released(x, y, "auto", augment=Augmentation(flip=_Flip()))
     with pytest.raises(TypeError, match="PrivateCentre.noise_multiplier is a _Z"):
         _released(x.reshape(N, -1), y, "auto", preprocess=PrivateCentre(_Z(8.0)))
+
+
+# ---------------------------------------------------------------- review 147: drawing errors
+
+def test_an_error_while_forming_the_drawn_batch_quotes_no_number(monkeypatch):
+    """Hundred-and-forty-seventh hostile review: an error raised in ``sample()`` (a malformed
+    record's collate) left with torch's message, which quoted the record's shape and its
+    position in the secret batch; it is scrubbed as the step's errors are."""
+    from torch.utils.data import Dataset
+
+    monkeypatch.delenv("DPCLIP_SHOW_PRIVATE_ERRORS", raising=False)
+
+    class _Odd(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = [torch.randn(4, generator=g) for _ in range(40)]
+            self.x[7] = torch.randn(5, generator=g)  # (one record of another shape)
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return self.x[i], i % 3
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    dp = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), _Odd(),
+                             noise_multiplier=1.0, steps=60, batch_size=8, verbose=False)
+    with pytest.raises(RuntimeError) as got:
+        for _ in range(60):
+            dp.step(*dp.sample())
+    assert "numbers removed" in str(got.value)
+    assert not any(ch.isdigit() for ch in str(got.value).split(" [numbers removed")[0])

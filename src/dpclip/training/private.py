@@ -623,13 +623,21 @@ class PrivateTraining:
         params = self._draw_augmentation(idx) if self.augment is not None else None
         if self.unit.unit == "bc":  # the whole batch is one unit
             idx = idx.unsqueeze(0)
-        batch = self._gather(idx)
-        if self.multiplicity > 1:  # K copies of every example, (B, K, ...)
-            batch = (expand_copies(batch[0], self.multiplicity), batch[1])
-        if params is not None:
-            batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
-        if self.features is not None:  # the fixed per-example map, after the augmentation
-            batch = (self.features.transform_images(batch[0]), batch[1])
+        try:
+            batch = self._gather(idx)
+            if self.multiplicity > 1:  # K copies of every example, (B, K, ...)
+                batch = (expand_copies(batch[0], self.multiplicity), batch[1])
+            if params is not None:
+                batch = (self.augment.apply(batch[0], params), batch[1])  # type: ignore[union-attr]
+            if self.features is not None:  # the fixed per-example map, after the augmentation
+                batch = (self.features.transform_images(batch[0]), batch[1])
+        except Exception as exc:  # noqa: BLE001 - an error while forming the drawn batch
+            # (a malformed record's collate error quoted its private shape and its position in
+            # the secret batch: hundred-and-forty-seventh hostile review; as the step's errors)
+            scrubbed = private_step_error(exc)
+            if scrubbed is None:
+                raise
+            raise scrubbed from None
         self._pending = batch
         self.loop_guard.record_draw(batch)
         return batch
