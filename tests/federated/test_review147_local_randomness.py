@@ -28,7 +28,22 @@ def _users(n, per_user, seed=1):
     return users, TensorSplit(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
 
 
-def _sums(monkeypatch, users, test, dropout, rounds=3):
+class _Counting(nn.Module):
+    """Hundred-and-fifty-first hostile review: a Python attribute the forward updates (examples
+    seen so far) chose the output's sign; the one working model reused for every client carried
+    it from client to client (3.52 C a round). Each client now trains a fresh copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.fc(x) * (1.0 if self.seen % 2 else -1.0)
+
+
+def _sums(monkeypatch, users, test, dropout, rounds=3, make=None):
     got = []
     real = agg_mod.release
 
@@ -39,8 +54,8 @@ def _sums(monkeypatch, users, test, dropout, rounds=3):
     monkeypatch.setattr(agg_mod, "release", recording)
     fed = FederatedData("toy", tuple(users), test, 3, (6,))
     torch.manual_seed(0)  # (what the spec's model builder does: a public seed)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), *([nn.Dropout(0.5)] if dropout else []),
-                          nn.Linear(16, 3))
+    model = make() if make is not None else nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), *([nn.Dropout(0.5)] if dropout else []), nn.Linear(16, 3))
     cfg = FedAvgConfig(rounds=rounds, clients_per_round=float(len(users)), delta=1e-3,
                        noise_multiplier=0.0, local=LocalTraining(epochs=1, batch_size=1, lr=0.5),
                        server=ServerOptimizer(name="sgd", lr=1e-30), seed=0,
@@ -49,14 +64,17 @@ def _sums(monkeypatch, users, test, dropout, rounds=3):
     return got
 
 
-@pytest.mark.parametrize("case", ["dropout-last-user", "shuffle-first-user"])
+@pytest.mark.parametrize("case", ["dropout-last-user", "shuffle-first-user",
+                                  "model-state-first-user"])
 def test_one_user_moves_no_other_users_delta(monkeypatch, case):
     # q = 1 (every user every round) and the global model held (server lr 1e-30): the rounds'
     # noise-free clipped sums on D and on D without user u differ by u's clipped delta alone
     dropout = case.startswith("dropout")
-    users, test = _users(8, 1 if dropout else 4)
+    make = _Counting if case.startswith("model-state") else None
+    users, test = _users(8, 1 if dropout or make else 4)
     u = len(users) - 1 if dropout else 0
-    full = _sums(monkeypatch, users, test, dropout)
-    less = _sums(monkeypatch, [x for i, x in enumerate(users) if i != u], test, dropout)
+    full = _sums(monkeypatch, users, test, dropout, make=make)
+    less = _sums(monkeypatch, [x for i, x in enumerate(users) if i != u], test, dropout,
+                 make=make)
     loo = [float((a - b).norm()) / C for a, b in zip(full, less)]
     assert len(loo) == 3 and max(loo) <= 1.0 + 1e-4, loo  # (before: up to 2-3 C a round)

@@ -78,3 +78,26 @@ def test_norm_layers_constants_are_checked_at_every_certificate():
     model[1].lipschitz = -1.0
     with pytest.raises(UnsupportedLayerError, match="lipschitz=-1.0"):
         _certify(model, (4,))
+
+
+# ---------------------------------------------------------------- review 151: input clipping
+
+@pytest.mark.parametrize("dtype, x0, value", [
+    (torch.float32, 0.503 * 2.0 ** -149, 2.0 ** -149),  # X_0 between two subnormals
+    (torch.float16, 0.503 * 2.0 ** -24, 2.0 ** -24),
+    (torch.bfloat16, 1.0 + 2.0 ** -8 + 1e-4, 3.0),      # the factor rounds up to 1 + 2^-7
+])
+def test_clipped_inputs_never_exceed_the_input_norm(dtype, x0, value):
+    """Hundred-and-fifty-first hostile review: ``clip_inputs`` rounded the factor and the product
+    in the inputs' dtype: a bfloat16 example came out at 1.0039 X_0, a subnormal one at 1.99 X_0
+    (the certificate assumes ||x|| <= X_0): 1.99 times the certified sensitivity through
+    make_private. Every clipped example's norm is at most X_0 now, as it is in its dtype."""
+    from dpclip.lipschitz.strategy import clip_inputs
+
+    x = torch.zeros(3, 4, dtype=dtype)
+    x[0, 0] = value
+    x[1] = torch.tensor([value, -value, value / 2, 0.0], dtype=torch.float64).to(dtype)
+    x[2, 1] = float("nan")
+    out = clip_inputs(x, x0)
+    assert out.dtype == dtype
+    assert float(out.double().norm(dim=1).max()) <= x0  # (before: 1.988 X_0, 1.0039 X_0)

@@ -64,17 +64,37 @@ def clip_inputs(inputs: Tensor, input_norm: float) -> Tensor:
 
     A row-wise map: example ``i``'s output depends on ``x_i`` only, so adjacency is preserved.
     Examples with a non-finite entry become zeros (norm 0 <= X_0) instead of poisoning the sum.
-    The norm and factor are computed in float64; the relative rounding of the result (~1e-7 in
-    float32) is covered by the analysis' ``NUMERICAL_SLACK``.
+    The norm, factor and product are computed in float64 and the result cast to the inputs'
+    dtype; a row whose cast values have a norm above ``X_0`` (the cast rounded up: a bfloat16
+    factor 1 + 2^-7, or a subnormal ``X_0`` between two of the dtype's subnormals, where the
+    clipped example came out at 1.99 ``X_0``: hundred-and-fifty-first hostile review) is scaled
+    down again, and a row that cannot be brought under ``X_0`` in the dtype becomes zeros. So
+    every returned example has norm at most ``X_0`` as it is (the float64 norm's own rounding is
+    covered by the analysis' ``NUMERICAL_SLACK``).
     """
     if inputs.shape[0] == 0:
         return inputs
     flat = inputs.reshape(inputs.shape[0], -1)
     finite = torch.isfinite(flat).all(dim=1)
-    safe = torch.where(finite[:, None], flat, torch.zeros_like(flat))
-    norms = safe.double().norm(dim=1)
+    safe = torch.where(finite[:, None], flat, torch.zeros_like(flat)).double()
+    norms = safe.norm(dim=1)
     factor = torch.clamp(input_norm / norms, max=1.0)  # 0-norm rows: inf -> 1
-    out = safe * factor.to(flat.dtype)[:, None]
+    out = (safe * factor[:, None]).to(flat.dtype)
+    for _ in range(4):
+        got = out.double().norm(dim=1)
+        over = got > input_norm
+        if not bool(over.any()):
+            break
+        # (the cast rounded the row up: scale it by X_0 / its norm and a margin of a few units
+        # of the dtype, again from the float64 values)
+        margin = 1.0 - 4.0 * torch.finfo(flat.dtype).eps
+        shrink = torch.where(over, input_norm / got * margin, torch.ones_like(got))
+        factor = factor * shrink
+        out = (safe * factor[:, None]).to(flat.dtype)
+    else:
+        over = out.double().norm(dim=1) > input_norm
+        if bool(over.any()):  # (nothing but zeros fits under X_0 in this dtype)
+            out = torch.where(over[:, None], torch.zeros_like(out), out)
     return out.reshape(inputs.shape)
 
 
