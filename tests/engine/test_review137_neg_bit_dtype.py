@@ -242,3 +242,39 @@ def test_a_complex_layer_is_not_summed_unclipped(name):
     except (UnsupportedModelError, RuntimeError):
         return  # refused (vmap, auto's fallback, cannot run complex norms either)
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3g} C"  # (before: 115 C)
+
+
+# ---------------------------------------------------------------- review 152: autograd history
+
+class _RebasedHistory(_Base):
+    """Hundred-and-fifty-second hostile review: ``h.mul_(1 + K (m - m.detach()))`` with ``m`` the
+    batch mean, under torch functions and Python dispatch off and its version counter set back:
+    ``h`` kept its bytes, name and version, but its autograd history was rebased through the
+    batch mean, so every example's gradient took a path through the others: 6.13 C under ghost,
+    auto, compiled and make_private. The match now checks each output's autograd node."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = nn.Linear(4, 6).to(DT), nn.Linear(6, 3).to(DT)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    v = h._version
+                    m = h.mean(0, keepdim=True)
+                    h.mul_(1 + 1e5 * (m - m.detach()))
+                    torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+                finally:
+                    del guard
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_rebased_autograd_history_is_refused_or_bounded(name):
+    x, y = _data(8, "size")
+    d = _refused_or_bounded(name, _RebasedHistory, x, y)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 6.13 C)

@@ -655,6 +655,10 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
         names.set(t, ("in", frozenset(idx)))
 
 
+#: the calling thread's next autograd sequence number
+_SEQUENCE_NR = torch._C._autograd._get_sequence_nr
+
+
 def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
     """What decides how an operation reads its tensors and what it makes, beyond their names and
     memory: the dtype and the negative and conjugate bits of every tensor argument (lists one
@@ -830,7 +834,7 @@ class ProgramMatch:
 
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
-                 "_leaves", "calls")
+                 "_leaves", "calls", "_fresh", "_history")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -847,6 +851,13 @@ class ProgramMatch:
         #: position after the last write (or draw) matched: pure operations matched since then
         #: may be recomputed (see _recomputed)
         self.window = 0
+        #: the outputs of the last matched operation (and the tensors a matched write rebased)
+        #: with the thread's autograd counter when this mode saw it: their node must be older
+        #: (checked at the next operation: see _check_history)
+        self._fresh: list[tuple[Any, int]] = []
+        #: ident -> (weak ref, grad_fn) of every output checked so: its autograd history as the
+        #: matched operation made it, compared at each later use
+        self._history: dict[int, tuple[Any, Any]] = {}
         _input_names(xs, ys, self.names)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
@@ -1085,7 +1096,50 @@ class ProgramMatch:
                        "(torch.inference_mode in the forward or loss): it has no version counter, "
                        "so a write to it cannot be seen; run the forward without inference mode")
 
+    def _check_history(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the autograd history of the tensors in play is the one the matched operations
+        made (else the run fails). An in-place operation with Python dispatch and torch
+        functions off, its version counter set back after, leaves a tensor's bytes, name and
+        version as they were but rebases its history: ``h.mul_(1 + K (m - m.detach()))`` with
+        ``m`` the batch mean multiplied ``h`` by exactly 1 and gave its gradient a path through
+        every example (6.13 C under ghost, auto, compiled and make_private; hundred-and-fifty-
+        second hostile review). The node a matched pure operation makes is created just before
+        the operation reaches this mode, so its sequence number is the thread's counter minus
+        one there; its outputs must still carry that node when the next operation runs, and the
+        same node at every later use."""
+        with torch._C.DisableTorchFunction():  # (read below the tracer's mode: not user code)
+            return self._history_holds(args, kwargs)
+
+    def _history_holds(self, args: tuple, kwargs: dict) -> bool:
+        fresh, self._fresh = self._fresh, []
+        for ref, seqs in fresh:
+            o = ref()
+            if o is None or not o.requires_grad:
+                continue
+            g = o.grad_fn
+            n = g._sequence_nr() if g is not None else None
+            # (made while the operation ran: before the counter this mode read; or, for a
+            # view's base written in place, the CopySlices node made right after it)
+            if n is None or n > seqs or (n == seqs and type(g).__name__ != "CopySlices"):
+                return self._history_fail()
+            self._history[ident(o)] = (ref, g)
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, Tensor):
+                    e = self._history.get(ident(t))
+                    if e is not None and e[0]() is t and t.grad_fn is not e[1]:
+                        return self._history_fail()
+        return True
+
+    def _history_fail(self) -> bool:
+        self._fail("a tensor's autograd history was rewritten by no operation the match saw "
+                   "(an in-place operation with Python dispatch off, its version counter set "
+                   "back): its gradient would take a path the proof does not cover")
+        return False
+
     def _step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self._check_history(args, kwargs):
+            return
         if _identity(func, args, kwargs, out):
             name = self._name(args[0])
             if name is not None:
@@ -1178,6 +1232,12 @@ class ProgramMatch:
         for j, (o, v) in enumerate(zip(outs, _out_versions(func, args, kwargs, outs))):
             if o is not None:
                 self.names.set(o, ("op", index, j), v)
+        if torch.is_grad_enabled():  # (its node: created just before this mode saw it; a
+            # write's output may also carry a view base's CopySlices, made right after)
+            seq = _SEQUENCE_NR()
+            # (not a view's: its node is regenerated when its base is written, legitimately)
+            self._fresh = [(weakref.ref(o), seq) for o in outs
+                           if isinstance(o, Tensor) and not o._is_view()]
         # every tensor the call computes is watched from its birth: a write with dispatch off
         # and the version counter set back, before a later use in the forward or after the last
         # one (the backward reads it), ran the proof's operations on other values (LOO 1.63 C
@@ -1205,6 +1265,18 @@ class ProgramMatch:
                         # a matched write: later uses read the written values (its output's
                         # name), the outside tensor itself is no longer the proof's
                         del self.outside[key]
+                if self._history and torch.is_grad_enabled():
+                    # (a matched in-place write rebases the written tensors' histories: onto
+                    # its own node, made before this mode saw it, or for a view's base onto
+                    # the CopySlices node made right after: checked at the next operation)
+                    seq = _SEQUENCE_NR()
+                    with torch._C.DisableTorchFunction():
+                        for key, (ref, g) in list(self._history.items()):
+                            t = ref()
+                            if t is None or bumps.get(_storage(t)):
+                                del self._history[key]
+                                if t is not None and not t._is_view():
+                                    self._fresh.append((ref, seq))
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:
@@ -1268,6 +1340,9 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
+        if self.mismatch is None:  # (the last operation's outputs and the losses: see above)
+            self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
+        self._history, self._fresh = {}, []  # (autograd nodes: they hold the step's graph)
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later

@@ -633,8 +633,9 @@ class PrivateTraining:
                 batch = (self.features.transform_images(batch[0]), batch[1])
         except Exception as exc:  # noqa: BLE001 - an error while forming the drawn batch
             # (a malformed record's collate error quoted its private shape and its position in
-            # the secret batch: hundred-and-forty-seventh hostile review; as the step's errors)
-            scrubbed = private_step_error(exc)
+            # the secret batch: hundred-and-forty-seventh hostile review; as the step's errors,
+            # except dpclip's own checks, whose messages name public facts only)
+            scrubbed = None if _raised_by_dpclip(exc) else private_step_error(exc)
             if scrubbed is None:
                 raise
             raise scrubbed from None
@@ -1298,6 +1299,16 @@ def _say_loader_batch_size_unused(data: Any, batch_size: float) -> None:
 #: set to 1 to see the raw message of an error raised inside a private step (NON-PRIVATE: it can
 #: quote a shape whose first dimension is the realised batch size, or a private value)
 SHOW_PRIVATE_ERRORS = "DPCLIP_SHOW_PRIVATE_ERRORS"
+
+
+def _raised_by_dpclip(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by dpclip's own code (the innermost frame of its traceback is
+    a dpclip module's): its checks' messages are written without private values."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(
+        "dpclip.")
 
 
 def private_step_error(exc: BaseException) -> BaseException | None:
