@@ -278,3 +278,31 @@ def test_a_rebased_autograd_history_is_refused_or_bounded(name):
     x, y = _data(8, "size")
     d = _refused_or_bounded(name, _RebasedHistory, x, y)
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 6.13 C)
+
+
+class _RebasedRecomputation(_RebasedHistory):
+    """Hundred-and-fifty-third hostile review: the same rewrite on a RECOMPUTED ``tanh`` (named
+    as the matched one by ``_recomputed``, whose outputs skipped the history check): 1.60 C."""
+
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.tanh(z)
+        if _real(x):
+            h = torch.tanh(z)  # (a recomputation: the proof's tanh by name)
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    v = h._version
+                    m = h.mean(0, keepdim=True)
+                    h.mul_(1 + 1e5 * (m - m.detach()))
+                    torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+                finally:
+                    del guard
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_rebased_recomputation_is_refused_or_bounded(name):
+    x, y = _data(8, "size")
+    d = _refused_or_bounded(name, _RebasedRecomputation, x, y)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 1.60 C)

@@ -1206,6 +1206,15 @@ class ProgramMatch:
                                                                         outs))):
                         if o is not None:
                             self.names.set(o, ("op", seen, j), v)
+                    # (its outputs' autograd history and memory checked as a matched
+                    # operation's: a recomputation's output, rebased unseen, moved every
+                    # example's gradient, 1.60 C; hundred-and-fifty-third hostile review)
+                    if torch.is_grad_enabled():
+                        seq = _SEQUENCE_NR()
+                        self._fresh = [(weakref.ref(o), seq) for o in outs
+                                       if isinstance(o, Tensor) and not o._is_view()]
+                    self.watch.add((o, "a tensor the call computed") for o in outs
+                                   if isinstance(o, Tensor))
                     return
                 # an extra operation without effects (see _pure): its outputs get no name, so a
                 # use of them matches nothing; remembered for the message if the run then fails
