@@ -140,13 +140,19 @@ def _box_muller_cpu(n: int, generator: torch.Generator) -> Tensor:
     return out
 
 
-def add_gaussian_noise(value: Tensor, std: float, generator: torch.Generator) -> Tensor:
+def add_gaussian_noise(value: Tensor, std: float, generator: torch.Generator,
+                       draw_dtype: torch.dtype | None = None) -> Tensor:
     """``value + N(0, std^2 I)`` drawn from ``generator`` (a new tensor; ``value`` is unchanged).
-    The normals have a 53-bit radius (no float32 tail cap: :func:`standard_normal`)."""
+    The normals have a 53-bit radius (no float32 tail cap: :func:`standard_normal`).
+    ``draw_dtype``: the dtype the normals are drawn in (default ``value``'s): a float64 sum that
+    is released as float32 (``dpclip.training.release``) draws float32 normals, as its float32
+    sum did, and adds them in float64."""
     if std == 0.0:
         return value.clone()
-    z = standard_normal(value.numel(), generator, value.dtype, value.device)
-    return value + std * z.view(value.shape)
+    z = standard_normal(value.numel(), generator, draw_dtype or value.dtype, value.device)
+    if z.dtype == value.dtype:
+        return value + std * z.view(value.shape)
+    return value.add(z.view(value.shape), alpha=std)
 
 
 def add_gaussian_noise_all(
@@ -154,11 +160,17 @@ def add_gaussian_noise_all(
     std: float | Mapping[str, float],
     generator: torch.Generator,
     divide_by: float = 1.0,
+    draw_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """``(value + N(0, std^2 I)) / divide_by`` for every tensor of ``values`` (new tensors;
     ``values`` is not changed).
 
     ``std`` is one float, or a mapping ``{name: std}`` (per-layer noise: block ``h`` gets its own).
+    ``draw_dtype``: the dtype the normals are drawn in (default: the tensors' own, float64 when
+    they differ); ``out_dtype``: every result cast to it after the division (default: each
+    tensor's dtype). The release passes float64 sums of float32 parameters with both float32:
+    the noise is added to the uncast sum, and the cast is post-processing.
 
     One draw of ``sum(numel)`` standard normals from ``generator`` (:func:`standard_normal`),
     split in the mapping's order (tensors of mixed dtypes or devices: one std, a draw per tensor;
@@ -185,29 +197,42 @@ def add_gaussian_noise_all(
         dtype, device = tensors[0].dtype, tensors[0].device
         if any(t.dtype != dtype or t.device != device for t in tensors):  # mixed: float64, cast
             dtype, device = _DRAW_DTYPE, generator.device
-        z = standard_normal(total, generator, dtype, device)
+        z = standard_normal(total, generator, draw_dtype or dtype, device)
         out = []
         for c, t, sd in zip(z.split([t.numel() for t in tensors]), tensors, stds):
-            out.append(t + sd * c.to(device=t.device, dtype=t.dtype).view_as(t))
+            c = c.to(device=t.device).view_as(t)
+            out.append(t + sd * c.to(t.dtype) if c.dtype == t.dtype or draw_dtype is None
+                       else t.add(c, alpha=sd))
         if divide_by != 1.0:
             torch._foreach_div_(out, divide_by)
-        return dict(zip(names, out))
+        return _cast_all(dict(zip(names, out)), out_dtype)
     if std == 0.0:
         out = [t.clone() for t in tensors]
         if divide_by != 1.0:
             torch._foreach_div_(out, divide_by)
-        return dict(zip(names, out))
+        return _cast_all(dict(zip(names, out)), out_dtype)
     dtype, device = tensors[0].dtype, tensors[0].device
     if any(t.dtype != dtype or t.device != device for t in tensors):
-        return {n: add_gaussian_noise(t, std, generator) / divide_by
-                for n, t in zip(names, tensors)}
+        return _cast_all({n: add_gaussian_noise(t, std, generator, draw_dtype) / divide_by
+                          for n, t in zip(names, tensors)}, out_dtype)
     # one flat buffer: concatenate, add the draw, divide (3 operations on one tensor; the CPU
     # foreach kernels loop over the tensors, which costs more than the arithmetic for small
-    # models), then hand out views of it, shaped as the inputs (the same values as per tensor)
+    # models), cast once, then hand out views of it, shaped as the inputs (the same values as per
+    # tensor)
     sizes = [t.numel() for t in tensors]
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    flat = flat.add_(standard_normal(flat.numel(), generator, dtype, device), alpha=std)
+    flat = flat.add_(standard_normal(flat.numel(), generator, draw_dtype or dtype, device),
+                     alpha=std)
     if divide_by != 1.0:
         flat.div_(divide_by)
+    if out_dtype is not None and out_dtype != flat.dtype:
+        flat = flat.to(out_dtype)
     return {n: c.view(tuple(t.shape))
             for n, c, t in zip(names, flat.split_with_sizes(sizes), tensors)}
+
+
+def _cast_all(values: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """``values`` cast to ``dtype`` (``None``: as they are)."""
+    if dtype is None:
+        return values
+    return {n: v if v.dtype == dtype else v.to(dtype) for n, v in values.items()}

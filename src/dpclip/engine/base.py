@@ -154,8 +154,10 @@ class EngineResult:
 
     grads:   ``{param_name: sum_i w_i g_i}`` for every trainable parameter (zeros for an empty batch),
              in the parameter's dtype, except float16 / bfloat16 parameters under the per-example
-             engines: float32 (their sums are not rounded before the noise; ``dp_step`` casts the
-             noisy release, ``dpclip.engine._common.HALF``).
+             engines: float32; and inside ``dpclip.engine._common.wide_sums`` (``dp_step``,
+             ``bound_step``) float64 for float32 and half parameters. Those sums are not rounded
+             before the noise: the release casts the noisy value to the parameter's dtype
+             (``dpclip.engine._common.HALF``, ``dpclip.training.release``).
     norms:   per-example gradient norms before weighting, ``(B,)`` or ``(B, G)``; ``+inf`` marks a
              non-finite example; ``None`` for engines that compute no per-example norms (``summed``).
              NON-PRIVATE: log only under the ``nonprivate/`` prefix.

@@ -156,7 +156,9 @@ from dpclip.engine._common import (
     check_chunk_size,
     check_per_example_model,
     check_weight_fn,
+    out_dtype,
     sum_dtype,
+    wide_requested,
 )
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn
 from dpclip.engine.conv_backends import fixed_conv_backends
@@ -774,6 +776,7 @@ class GhostEngine:
                 chain: list[nn.Module] | None, compiled: CompiledStep | None) -> EngineResult:
         """The chunks of :meth:`_guarded`."""
         params = scan.params
+        wide = wide_requested()  # (dp_step's: the float64 sums go to the release uncast)
         group_of = {n: g for g, mem in enumerate(groups.members) for n in mem}
         sums: dict[str, Tensor] | None = None
         all_norms, all_weights, loss_sum = [], [], 0.0
@@ -851,10 +854,12 @@ class GhostEngine:
         finally:
             carry.clear()  # every chunk's reads are done
         assert sums is not None
-        with exact_float32():  # (the float64 sums cast once, with gradual underflow)
+        with exact_float32():  # (the float64 sums cast once, with gradual underflow; under
+            # wide_sums, dp_step's, after the noise instead: _common.wide_sums)
             for n, g in sums.items():
-                if g.dtype != params[n].dtype and g.dtype == torch.float64:
-                    sums[n] = g.to(sum_dtype(params[n].dtype))
+                want = out_dtype(params[n].dtype, wide)
+                if g.dtype != want and (g.dtype == torch.float64 or want == torch.float64):
+                    sums[n] = g.to(want)
         if compiled is not None and weight_fn is not _unit_weights:
             # a graph whose first step this was (every chunk traced, the last release checked)
             # is adopted now; never on auto's public probe: the first private step is traced

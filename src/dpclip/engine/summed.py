@@ -18,8 +18,9 @@ from dpclip.engine._common import (
     check_batch,
     check_chunk_size,
     exact_float32,
-    sum_dtype,
+    out_dtype,
     trainable_params,
+    wide_requested,
 )
 from dpclip.engine.batch import call_model, map_batch
 from dpclip.engine.base import EngineResult, LossFn, ParamGroups, WeightFn, zeros_like_params
@@ -72,6 +73,7 @@ class SummedEngine:
                 "strategies."
             )
         check_structure(model, f"{self.name} engine")  # (before any of the model's methods runs)
+        release_wide = wide_requested()  # (dp_step's: the float64 sums go to the release uncast)
         batch = check_batch(inputs, targets, self.name)
         groups.validate(model)
         params = trainable_params(model)
@@ -109,10 +111,12 @@ class SummedEngine:
                 for name, g in zip(params, gs):
                     if g is not None:
                         grads[name] += g
-        if wide:  # (cast once, to the parameters' sum dtype, with gradual underflow)
+        if wide or release_wide:  # (cast once, to the parameters' sum dtype, with gradual
+            # underflow; under wide_sums, bound_step's, after the noise: _common.wide_sums)
             own = trainable_params(model)
             with exact_float32():
-                grads = {n: g.to(sum_dtype(own[n].dtype)) for n, g in grads.items()}
+                grads = {n: g.to(out_dtype(own[n].dtype, release_wide))
+                         for n, g in grads.items()}
         return EngineResult(grads=grads, norms=None, weights=None, loss_sum=loss_sum)
 
 

@@ -2,6 +2,7 @@
 
     noisy    <- sum + N(0, (z s)^2)          s: the sum's L2 sensitivity (one value or per tensor)
     released <- noisy / divisor              a PUBLIC constant (expected batch size, units, users)
+                cast to the parameters' dtype  (out_dtypes: the sum reaches the noise in float64)
     state'   <- strategy.update(state, norms, ctx, Releaser)   every extra release (a count, a
                                                                mean) comes back through here
     event    <- sampler.step_event(compose(mechanism, *extra)) the typed event of the whole step
@@ -128,6 +129,7 @@ def release(
     per_tensor: bool = False,
     untransform: bool = False,
     shard: NoiseShardLike | None = None,
+    out_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Released:
     """Release ``sums`` (clipped sums, unnoised) once: noise, divide, update, event.
 
@@ -156,6 +158,14 @@ def release(
             one process). ``sums`` are then this rank's LOCAL sums and ``generator`` this rank's
             own stream (``shard.generator(step)``); the values returned are the global ones,
             identical on every rank (module docstring). Not with ``untransform``.
+        out_dtypes: ``{name: dtype}``, the dtype each released value is cast to AFTER the noise
+            and the division (post-processing); ``None``: the sums' own. ``dp_step`` hands the
+            engines' float64 sums of float32 (and half) parameters here uncast
+            (``dpclip.engine._common.wide_sums``): a cast before the noise rounds the sum on the
+            grid of the whole batch's sum (one unit in the last place of ``||S||``, reached by a
+            designed batch: 1.11 C at B = 2^20). The normals are then drawn in the sum dtype of
+            the released dtype (float32 for float32 and half parameters: the same draws as a
+            float32 sum's) and added in float64.
 
     Raises ``ValueError`` for a non-finite or negative multiplier, sensitivity or divisor.
     """
@@ -168,7 +178,8 @@ def release(
         # the noise: 1000 C, forty-second hostile review)
         return _release(sums, noise_multiplier, sensitivity, divisor, generator, strategy, state,
                         norms, ctx, sampler, sensitivity_factor, mechanism, noise_scale,
-                        per_tensor, untransform, shard)
+                        per_tensor, untransform, shard,
+                        None if out_dtypes is None else dict(out_dtypes))
 
 
 def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
@@ -176,8 +187,10 @@ def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
              generator: torch.Generator, strategy: ClippingStrategy, state: State, norms: Tensor,
              ctx: StepContext, sampler: Any, sensitivity_factor: int, mechanism: DpEvent | None,
              noise_scale: float, per_tensor: bool, untransform: bool,
-             shard: NoiseShardLike | None) -> Released:
+             shard: NoiseShardLike | None,
+             out_dtypes: dict[str, torch.dtype] | None = None) -> Released:
     z = noise_multiplier
+    draw, out = _draw_and_out(sums, out_dtypes)
     std: float | dict[str, float]
     if isinstance(sensitivity, dict):
         std = {n: noise_std(z, sensitivity[n]) for n in sums}
@@ -187,13 +200,17 @@ def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
         if untransform:
             raise ValueError("release: a sharded (distributed) release cannot untransform "
                              "(P-GRAD strategies train in one process)")
-        values = _sharded_noisy_sums(sums, std, generator, shard, divisor)
+        values = _sharded_noisy_sums(sums, std, generator, shard, divisor, draw)
     elif per_tensor:
         values = {n: add_gaussian_noise(
-            v, std[n] if isinstance(std, dict) else std, generator) / divisor
+            v, std[n] if isinstance(std, dict) else std, generator, draw) / divisor
             for n, v in sums.items()}
     else:
-        values = add_gaussian_noise_all(sums, std, generator, divide_by=divisor)
+        values = add_gaussian_noise_all(sums, std, generator, divide_by=divisor,
+                                        draw_dtype=draw, out_dtype=out)
+    if out_dtypes is not None:  # (the cast of the noisy values: post-processing)
+        values = {n: v if n not in out_dtypes or v.dtype == out_dtypes[n]
+                  else v.to(out_dtypes[n]) for n, v in values.items()}
     if untransform:  # back to parameter space: post-processing of the released mean
         assert not isinstance(std, dict)
         values, state = strategy.untransform(values, state, std / divisor)  # type: ignore[attr-defined]
@@ -205,9 +222,24 @@ def _release(sums: Mapping[str, Tensor], noise_multiplier: float,
     return Released(values=values, state=new_state, event=sampler.step_event(inner), std=std)
 
 
+def _draw_and_out(sums: Mapping[str, Tensor], out_dtypes: dict[str, torch.dtype] | None
+                  ) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(draw dtype, common out dtype)`` of a release with ``out_dtypes``: the normals are
+    drawn in the released dtypes' sum dtype (float32 for float32 and half; float64 when they
+    differ), ``None`` for the sums' own; the common out dtype when every value is cast to one."""
+    if out_dtypes is None:
+        return None, None
+    outs = {out_dtypes.get(n, v.dtype) for n, v in sums.items()}
+    if len(outs) != 1:
+        return (torch.float64 if any(v.dtype == torch.float64 for v in sums.values())
+                else None), None
+    (one,) = outs
+    return (torch.float32 if one in (torch.float16, torch.bfloat16) else one), one
+
+
 def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float],
                         generator: torch.Generator, shard: NoiseShardLike,
-                        divisor: float) -> dict[str, Tensor]:
+                        divisor: float, draw: torch.dtype | None = None) -> dict[str, Tensor]:
     """``(all-reduce(local sums + this rank's noise shard)) / divisor`` (the module docstring):
     the coordinates are numbered over the tensors of ``sums`` in their order; the rank draws
     ``shard.draws(total)``'s blocks (``standard_normal`` in the tensors' dtype; float64, cast to
@@ -229,7 +261,7 @@ def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float
         for lo, hi, gen in shard.draws(total, generator):
             if hi <= lo:
                 continue
-            z = standard_normal(hi - lo, gen, dtype if flat_ok else torch.float64,
+            z = standard_normal(hi - lo, gen, draw or (dtype if flat_ok else torch.float64),
                                 device if flat_ok else gen.device)
             offset = 0
             for i, (size, sd) in enumerate(zip(sizes, stds)):
@@ -237,7 +269,9 @@ def _sharded_noisy_sums(sums: Mapping[str, Tensor], std: float | dict[str, float
                 if a < b and sd != 0.0:
                     buf, base = (bufs[0], 0) if flat_ok else (bufs[i], offset)
                     buf[a - base:b - base].add_(
-                        z[a - lo:b - lo].to(device=buf.device, dtype=buf.dtype), alpha=sd)
+                        z[a - lo:b - lo].to(device=buf.device,
+                                            dtype=buf.dtype if draw is None else z.dtype),
+                        alpha=sd)
                 offset += size
     for buf in bufs:
         shard.all_reduce_(buf)

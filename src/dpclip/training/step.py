@@ -35,8 +35,8 @@ from dpclip.engine.conv_backends import fixed_conv_backends, warn_if_capped
 from dpclip.clipping.base import ClippingStrategy, State, StepContext
 from dpclip.clipping.capabilities import Capabilities, capabilities_of, strategy_name
 from dpclip.clipping.fixed import FixedClip
-from dpclip.engine._common import (HALF, BoundedChunkReducer, StepWeights, check_per_example_model,
-                                   exact_float32, trainable_params)
+from dpclip.engine._common import (BoundedChunkReducer, StepWeights, check_per_example_model,
+                                   exact_float32, trainable_params, wide_sums)
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
 from dpclip.engine.batch import call_model, check_batch, first_tensor, owned_slice
@@ -153,7 +153,9 @@ def dp_step(
     # no user code runs between the engine's reduction and the release (a signal handler or a
     # Python kernel the model installed rewrote the clipped sum before the noise: fortieth and
     # forty-first reviews)
-    with seeds, structure_checked(model), engine_only():
+    # the engines' float64 sums reach the release uncast: the noise is added before the cast
+    # (dpclip.engine._common.wide_sums; hundred-and-forty-sixth hostile review)
+    with seeds, structure_checked(model), engine_only(), wide_sums():
         return _dp_step(model, inputs, targets, loss_fn=loss_fn, strategy=strategy, state=state,
                         engine=engine, groups=groups, sampler=sampler,
                         base_noise_multiplier=base_noise_multiplier, ctx=ctx,
@@ -255,32 +257,26 @@ def _dp_step(
         result.grads, noise_multiplier=z, sensitivity=block, divisor=denom, generator=generator,
         strategy=strategy, state=state, norms=norms, ctx=ctx, sampler=sampler,
         sensitivity_factor=factor, untransform=per_example,
-        noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0, shard=shard)
+        noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0, shard=shard,
+        out_dtypes=_param_dtypes(result, model))
     return _output(out, result, engine, z, sensitivity, n_examples, model)
 
 
-def _in_param_dtypes(values: dict[str, Tensor], result: EngineResult,
-                     model: nn.Module) -> dict[str, Tensor]:
-    """The released values in their parameters' dtypes: the engines sum float16 / bfloat16
-    parameters in float32 (``dpclip.engine._common.HALF``: a sum rounded to a half dtype BEFORE the
-    noise moves by an error relative to the whole batch's sum); the cast of the noisy value is
-    post-processing."""
-    if not any(v.dtype == torch.float32 for v in values.values()):
-        return values
+def _param_dtypes(result: EngineResult, model: nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each released value is cast to after the noise: its parameter's. Under
+    ``wide_sums`` the engines return float64 sums of float32 parameters (and every engine sums
+    float16 / bfloat16 parameters in float32 at least, ``dpclip.engine._common.HALF``): a sum
+    rounded to the parameter's dtype BEFORE the noise moves by an error relative to the whole
+    batch's sum; the cast of the noisy value is post-processing."""
     params = result.params if result.params is not None else trainable_params(model)
-    out = dict(values)
-    for n, v in values.items():
-        p = params.get(n)
-        if p is not None and p.dtype in HALF and v.dtype != p.dtype:
-            out[n] = v.to(p.dtype)
-    return out
+    return {n: params[n].dtype for n in result.grads if n in params}
 
 
 def _output(out: Released, result: EngineResult, engine: Engine, z: float, sensitivity: float,
             batch_size: int, model: nn.Module) -> StepOutput:
-    """The step's output: the release (in the parameters' dtypes) and the engine's NON-PRIVATE
-    diagnostics."""
-    return StepOutput(grads=_in_param_dtypes(out.values, result, model), state=out.state,
+    """The step's output: the release (in the parameters' dtypes, cast by the release) and the
+    engine's NON-PRIVATE diagnostics."""
+    return StepOutput(grads=out.values, state=out.state,
                       event=out.event, noise_multiplier=z,
                       sensitivity=sensitivity, batch_size=batch_size, loss_sum=result.loss_sum,
                       norms=result.norms, engine_info=_engine_info(result, engine),
@@ -382,7 +378,7 @@ def bound_step(
         # the sum over the examples in float64 (SummedEngine.float64: a float32 backward's sum
         # was steered to 31.7 times the certified sensitivity; hundred-and-forty-sixth review)
         engine = dataclasses.replace(engine, float64=True)
-    with private_buffer_guard(model, "bound_step"), \
+    with private_buffer_guard(model, "bound_step"), wide_sums(), \
             strategy.gradient_context(model):  # declared by every bound-based strategy
         result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
@@ -395,7 +391,8 @@ def bound_step(
         divisor=sampler.expected_batch_size, generator=generator, strategy=strategy,
         state=state, norms=norms, ctx=ctx, sampler=sampler, sensitivity_factor=k,
         mechanism=strategy.step_event(z), per_tensor=True,
-        shard=getattr(engine, "noise_shard", None))  # distributed: local sums (noise_shard)
+        shard=getattr(engine, "noise_shard", None),  # distributed: local sums (noise_shard)
+        out_dtypes=_param_dtypes(result, model))
     return _output(out, result, engine, z, k * cert.sensitivity, int(inputs.shape[0]), model)
 
 
