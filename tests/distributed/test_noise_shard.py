@@ -224,8 +224,9 @@ def test_reproducible_release_is_the_concatenation_of_every_ranks_own_draw(noise
         # one rank: the one-process stream, bit for bit; W ranks: rank r's own stream of step 0
         g = rng.noise if world == 1 else rng.rank_noise(0, r, world)
         z = standard_normal(hi - lo, g, torch.float32, "cpu")
-        parts.append(torch.zeros(hi - lo).add_(z, alpha=Z * CLIP).div_(B))
-    expected = torch.cat(parts)
+        # (float32 draws added to the float64 sum, divided, then cast: the release's order)
+        parts.append(torch.zeros(hi - lo, dtype=torch.float64).add_(z, alpha=Z * CLIP).div_(B))
+    expected = torch.cat(parts).float()
     for res in out:
         assert torch.equal(res["reproducible"][0], expected)
 

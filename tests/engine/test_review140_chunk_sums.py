@@ -126,6 +126,16 @@ def test_the_others_rounding_inside_one_product_cannot_move_one_example_above_c(
 
 # ---------------------------------------------------------------- review 146: the summed engine
 
+def steered_lip_batch(b: int = 16384, head: float = 0.9765625):
+    """Review 146's batch for a ``Linear(1, 2)`` under Lip-DP-SGD: example 0 at ``head``, the
+    others a steered chunk (:func:`_steered_chunk`); labels 0."""
+    x = np.zeros(b)
+    x[0] = head
+    x[1:] = _steered_chunk(head, b - 1)
+    return (torch.from_numpy(x.astype(np.float32)).reshape(b, 1),
+            torch.zeros(b, dtype=torch.long))
+
+
 def test_a_bound_based_strategy_sums_the_batch_in_float64():
     """Hundred-and-forty-sixth hostile review: Lip-DP-SGD (``auto`` runs the summed engine) took
     one float32 backward of the batch, whose weight gradient MKL sums one example after another:
@@ -134,12 +144,7 @@ def test_a_bound_based_strategy_sums_the_batch_in_float64():
     summed engine on float64 copies of the model (``SummedEngine.float64``)."""
     import dpclip
 
-    b, head = 16384, 0.9765625
-    x = np.zeros(b)
-    x[0] = head
-    x[1:] = _steered_chunk(head, b - 1)
-    x = torch.from_numpy(x.astype(np.float32)).reshape(b, 1)
-    y = torch.zeros(b, dtype=torch.long)
+    x, y = steered_lip_batch()
 
     def released(xs, ys):
         model = nn.Linear(1, 2, bias=False)

@@ -119,3 +119,83 @@ def test_outside_dp_step_the_engines_return_the_parameters_dtype():
         assert {g.dtype for g in wide.grads.values()} == {torch.float64}
         for n, g in plain.grads.items():  # (the same sum, cast)
             assert torch.equal(wide.grads[n].float(), g)
+
+
+# ------------------------------------------------- review 154: the setting and the summed engine
+
+class _SwitchesWideOff(nn.Module):
+    """Hundred-and-fifty-fourth hostile review: the forward sets dpclip's wide-sum setting off;
+    under ``auto`` the public probe runs it inside the step, before the ghost pass reads it, and
+    the sum was cast before the noise again (1.0073 C at B = 2^16)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x):
+        from dpclip.engine import _common
+
+        _common._WIDE.set(False)
+        return self.fc(x)
+
+
+def test_a_forward_that_switches_the_wide_sums_off_is_refused():
+    from dpclip.engine.errors import UnsupportedModelError
+
+    x, y = _batch()
+    model = _SwitchesWideOff()
+    dp = dpclip.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), noise_multiplier=1.0,
+        steps=2, batch_size=float(B), engine="auto", strategy="fixed",
+        strategy_params={"clip_norm": C}, loss_fn=_loss, reproducible_noise=True, seed=7,
+        verbose=False)
+    xb, yb = dp.sample()
+    with pytest.raises(UnsupportedModelError, match="rounded before the noise"):
+        dp.backward(xb, yb)
+
+
+def test_the_summed_engine_sums_in_float64_inside_any_step(tmp_path):
+    """Review 154: a distributed run wraps the summed engine (``ShardNoiseEngine``), which
+    ``bound_step``'s float64 switch did not see: Lip-DP-SGD's sum was one float32 backward again
+    (2.45 times the certified sensitivity at B = 16,384). Inside ``wide_sums`` (every step) the
+    summed engine sums in float64 whatever wraps it; shown on a one-process gloo group."""
+    import torch.distributed as dist
+
+    from tests.engine.test_review140_chunk_sums import steered_lip_batch
+
+    x, y = steered_lip_batch()
+    seen: dict[str, torch.Tensor] = {}
+    real = step_module.release
+
+    def released(xs, ys):
+        def spy(sums, **kw):
+            seen["sum"] = sums["weight"].detach().clone()
+            return real(sums, **kw)
+
+        model = nn.Linear(1, 2, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+        step_module.release = spy
+        try:
+            dp = dpclip.make_private(
+                model, torch.optim.SGD(model.parameters(), lr=0.0), (xs, ys),
+                noise_multiplier=1.0, steps=2, batch_size=float(xs.shape[0]), engine="auto",
+                strategy="lip-dp-sgd", strategy_params={"input_norm": 1.0}, input_shape=(1,),
+                reproducible_noise=True, seed=7, verbose=False, distributed=True)
+            assert "ShardNoiseEngine" in repr(dp._step_engine)
+            xb, yb = dp.sample()
+            dp.backward(xb, yb)
+        finally:
+            step_module.release = real
+        return seen["sum"].double(), float(dp.strategy.sensitivity(dp.state))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        full, delta = released(x, y)
+        less, _ = released(x[1:], y[1:])
+    finally:
+        dist.destroy_process_group()
+    # example 0's own gradient: 0.49 Delta; before: 2.45 Delta
+    assert float((full - less).norm()) / delta <= 1.0

@@ -427,6 +427,12 @@ def _ours(top: Any) -> bool:
             and top[1] is SavedTensorWatch.unpack)
 
 
+def saved_watch_on_top(watch: SavedTensorWatch) -> bool:
+    """``watch``'s hooks are the top of autograd's saved-tensor hooks stack."""
+    top = _top_hooks()
+    return _ours(top) and top[0].__self__ is watch
+
+
 def foreign_saved_tensor_hooks() -> Any:
     """The saved-tensor hooks on top of autograd's stack unless they are an active
     :class:`SavedTensorWatch` of the engine: None when there are none (or only the engine's)."""

@@ -56,7 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dpclip._ident import ident
 from dpclip.engine.hook_watch import HookWatch
-from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch
+from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch, saved_watch_on_top
 from dpclip.engine.op_entry import call_op
 
 __all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram", "storage_key"]
@@ -608,23 +608,37 @@ class _NoVersion(Exception):
     """A tensor of the call has no version counter (an inference tensor)."""
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
-    """Storage data pointer -> number of arguments of the call that its schema writes."""
+def _write_specs(func: Any) -> tuple:
+    """The arguments of ``func``'s schema that it writes (cached per operation)."""
     e = _WRITES.get(ident(func))
     if e is not None and e[0] is func:
-        specs = e[1]
-    else:
-        specs = tuple((i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
-                      if arg.alias_info is not None and arg.alias_info.is_write)
-        _WRITES[ident(func)] = (func, specs)
+        return e[1]
+    specs = tuple((i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
+                  if arg.alias_info is not None and arg.alias_info.is_write)
+    _WRITES[ident(func)] = (func, specs)
+    return specs
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
+    """Storage data pointer -> number of arguments of the call that its schema writes."""
     bumps: dict[int, int] = {}
-    for spec in specs:
+    for spec in _write_specs(func):
         v = _arg(spec, args, kwargs)
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(t, Tensor):
                 k = _storage(t)
                 bumps[k] = bumps.get(k, 0) + 1
     return bumps
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensor arguments the schema of ``func`` writes (cached as :func:`_written`)."""
+    out: list[Tensor] = []
+    for spec in _write_specs(func):
+        v = _arg(spec, args, kwargs)
+        out.extend(t for t in (v if isinstance(v, (list, tuple)) else (v,))
+                   if isinstance(t, Tensor))
+    return out
 
 
 def _state_names(model: Any, names: _Names, only_new: bool = False) -> None:
@@ -657,6 +671,75 @@ def _input_names(xs: Any, ys: Any, names: _Names) -> None:
 
 #: the calling thread's next autograd sequence number
 _SEQUENCE_NR = torch._C._autograd._get_sequence_nr
+#: the autograd nodes of ATen's view operations (C++ classes; a Python Function's node is
+#: ``<name>Backward`` without the number): the links a view's history may have between the view
+#: and its base (the view's own nodes, or the ``AsStridedBackward0`` autograd regenerates after
+#: its base was written)
+_VIEW_NODES = frozenset(f"{n}Backward{i}" for n in (
+    "AsStrided", "View", "Slice", "Select", "Transpose", "T", "Permute", "Expand", "Unsqueeze",
+    "Squeeze", "Unbind", "Split", "SplitWithSizes", "Diagonal", "Unfold", "Alias", "ViewAsReal",
+    "ViewAsComplex", "ReshapeAlias", "Real", "Imag", "NegView", "Conj", "Narrow", "TensorSplit",
+    "Indices", "Values") for i in range(4))
+_PY_NODE = torch.autograd.function.BackwardCFunction
+#: the longest chain of view nodes walked from a view to its base
+_VIEW_DEPTH = 64
+
+
+def _view_node(g: Any) -> bool:
+    """``g`` is the autograd node of an ATen view (a C++ class of :data:`_VIEW_NODES`)."""
+    return (type(g).__name__ in _VIEW_NODES and type(g).__module__ == "builtins"
+            and not isinstance(g, _PY_NODE))
+
+
+def _edges_of(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """``(nodes, leaves)``: the autograd nodes an operation on these arguments links its own node
+    to (each tensor argument's node, and down its view nodes its base's) and the leaves whose
+    accumulators it may link to. Read when the operation reaches this mode: below autograd, so a
+    tensor it writes still carries its node from before the write."""
+    nodes: list[Any] = []
+    leaves: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if not isinstance(t, Tensor) or not t.requires_grad:
+                continue
+            g = t.grad_fn
+            if g is None:
+                leaves.append(t)
+                continue
+            for _ in range(_VIEW_DEPTH):
+                nodes.append(g)
+                if not _view_node(g) or not g.next_functions:
+                    break
+                nxt = g.next_functions[0][0]
+                if nxt is None:
+                    break
+                if type(nxt).__name__ == "AccumulateGrad":
+                    leaves.append(nxt.variable)
+                    break
+                g = nxt
+    return tuple(nodes), tuple(leaves)
+
+
+def _linked(g: Any, allowed: tuple[tuple, tuple]) -> bool:
+    """Every edge of ``g`` (or, for a view node autograd regenerated above a written base, of
+    the first node below its view nodes whose edges are not all allowed) leads to a node or leaf
+    of ``allowed`` (:func:`_edges_of` of the operation that made it)."""
+    nodes, leaves = allowed
+    for _ in range(_VIEW_DEPTH):
+        bad = None
+        for nf, _ in g.next_functions:
+            if nf is None or any(nf is n for n in nodes):
+                continue
+            if type(nf).__name__ == "AccumulateGrad" and any(nf.variable is t for t in leaves):
+                continue
+            bad = nf
+            break
+        if bad is None:
+            return True
+        if not _view_node(g) or len(g.next_functions) != 1:
+            return False
+        g = bad
+    return False
 
 
 def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
@@ -834,7 +917,7 @@ class ProgramMatch:
 
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
-                 "_leaves", "calls", "_fresh", "_history")
+                 "_leaves", "calls", "_fresh", "_history", "_saved_watch")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -858,6 +941,8 @@ class ProgramMatch:
         #: ident -> (weak ref, grad_fn) of every output checked so: its autograd history as the
         #: matched operation made it, compared at each later use
         self._history: dict[int, tuple[Any, Any]] = {}
+        #: the step's saved-tensor watch while the forward and loss run (see watching)
+        self._saved_watch: SavedTensorWatch | None = None
         _input_names(xs, ys, self.names)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
@@ -951,8 +1036,13 @@ class ProgramMatch:
         (:class:`~dpclip.engine.memory_watch.SavedTensorWatch`) and every hook registration is
         seen (:class:`~dpclip.engine.hook_watch.HookWatch`), whatever the torch function state."""
         self.hooks = HookWatch()
-        with SavedTensorWatch(self.saved), self.hooks:
-            yield
+        w = SavedTensorWatch(self.saved)
+        with w, self.hooks:
+            self._saved_watch = w
+            try:
+                yield
+            finally:
+                self._saved_watch = None
 
     def saved(self, t: Tensor) -> None:
         """Sink of the step's :class:`~dpclip.engine.memory_watch.SavedTensorWatch`: ``t``, a tensor
@@ -1112,7 +1202,7 @@ class ProgramMatch:
 
     def _history_holds(self, args: tuple, kwargs: dict) -> bool:
         fresh, self._fresh = self._fresh, []
-        for ref, seqs in fresh:
+        for ref, seqs, allowed in fresh:
             o = ref()
             if o is None or not o.requires_grad:
                 continue
@@ -1122,14 +1212,61 @@ class ProgramMatch:
             # view's base written in place, the CopySlices node made right after it)
             if n is None or n > seqs or (n == seqs and type(g).__name__ != "CopySlices"):
                 return self._history_fail()
+            # (and linked to the operation's arguments only: a node's sequence number can be
+            # set from Python (Node._set_sequence_nr) and another thread's counter starts at 0,
+            # so a rewrite made in a joined thread passed the test above: 1.60 C, hundred-and-
+            # fifty-fifth hostile review; the rewrite's node links to the matched node itself)
+            if not _linked(g, allowed):
+                return self._history_fail()
             self._history[ident(o)] = (ref, g)
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, Tensor):
                     e = self._history.get(ident(t))
-                    if e is not None and e[0]() is t and t.grad_fn is not e[1]:
+                    if e is not None and e[0]() is t and t.grad_fn is e[1]:
+                        continue
+                    if t._is_view() and t.requires_grad:
+                        if not self._view_holds(t):
+                            return self._history_fail()
+                    elif e is not None and e[0]() is t:
                         return self._history_fail()
         return True
+
+    def _view_holds(self, t: Tensor) -> bool:
+        """A view's history, when it is not the node recorded at its birth: view nodes only (its
+        own, or the one autograd regenerates after a write to its base) down to its base's
+        current node, which must be the one the match checked. A hidden in-place write THROUGH
+        the view (dispatch off, version counter set back) rebases the base onto a CopySlices
+        node no matched operation made, and the view onto a regenerated node above it: its
+        gradient then takes that path, though the view alone is used afterwards."""
+        base = t._base
+        if base is None:
+            return False
+        end = base.grad_fn
+        e = self._history.get(ident(base))
+        if e is not None and e[0]() is base and e[1] is not end:
+            return False  # (the base's own history rewritten)
+        node = t.grad_fn
+        for _ in range(_VIEW_DEPTH):
+            if node is None:
+                return False
+            if end is None:  # (a leaf base: its gradient accumulator)
+                if type(node).__name__ == "AccumulateGrad" and node.variable is base:
+                    return True
+            elif node is end:
+                return True
+            if isinstance(node, _PY_NODE) or type(node).__name__ not in _VIEW_NODES or \
+                    type(node).__module__ != "builtins" or not node.next_functions:
+                return False
+            node = node.next_functions[0][0]
+        return False
+
+    def _views_born(self, outs: Any) -> None:
+        """Record the node of each view a matched operation made (before any user code runs)."""
+        with torch._C.DisableTorchFunction():
+            for o in outs:
+                if isinstance(o, Tensor) and o._is_view() and o.requires_grad:
+                    self._history[ident(o)] = (weakref.ref(o), o.grad_fn)
 
     def _history_fail(self) -> bool:
         self._fail("a tensor's autograd history was rewritten by no operation the match saw "
@@ -1138,6 +1275,16 @@ class ProgramMatch:
         return False
 
     def _step(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        w = self._saved_watch
+        if w is not None and not saved_watch_on_top(w):
+            # (the engine's saved-tensor hooks popped around one operation and pushed back: what
+            # it saved had no hooks, and an unpack hook registered on it then handed the
+            # backward example 0's activation for every row: 3.38 C at B = 8, 8.17 C at 32
+            # under ghost, auto, compiled and make_private; hundred-and-fifty-fifth review)
+            self._fail(f"operation {self.k} ({_short(func)}) ran without the engine's "
+                       "saved-tensor hooks on top of autograd's stack (popped, or others pushed "
+                       "above them): what it saves for the backward would not be watched")
+            return
         if not self._check_history(args, kwargs):
             return
         if _identity(func, args, kwargs, out):
@@ -1211,8 +1358,11 @@ class ProgramMatch:
                     # example's gradient, 1.60 C; hundred-and-fifty-third hostile review)
                     if torch.is_grad_enabled():
                         seq = _SEQUENCE_NR()
-                        self._fresh = [(weakref.ref(o), seq) for o in outs
+                        with torch._C.DisableTorchFunction():
+                            allowed = _edges_of(args, kwargs)
+                        self._fresh = [(weakref.ref(o), seq, allowed) for o in outs
                                        if isinstance(o, Tensor) and not o._is_view()]
+                        self._views_born(outs)
                     self.watch.add((o, "a tensor the call computed") for o in outs
                                    if isinstance(o, Tensor))
                     return
@@ -1244,9 +1394,13 @@ class ProgramMatch:
         if torch.is_grad_enabled():  # (its node: created just before this mode saw it; a
             # write's output may also carry a view base's CopySlices, made right after)
             seq = _SEQUENCE_NR()
-            # (not a view's: its node is regenerated when its base is written, legitimately)
-            self._fresh = [(weakref.ref(o), seq) for o in outs
+            with torch._C.DisableTorchFunction():
+                allowed = _edges_of(args, kwargs)
+            # (not a view's: its node is regenerated when its base is written, legitimately;
+            # a view's node as it is now, and its base's at each later use: _view_holds)
+            self._fresh = [(weakref.ref(o), seq, allowed) for o in outs
                            if isinstance(o, Tensor) and not o._is_view()]
+            self._views_born(outs)
         # every tensor the call computes is watched from its birth: a write with dispatch off
         # and the version counter set back, before a later use in the forward or after the last
         # one (the backward reads it), ran the proof's operations on other values (LOO 1.63 C
@@ -1274,18 +1428,31 @@ class ProgramMatch:
                         # a matched write: later uses read the written values (its output's
                         # name), the outside tensor itself is no longer the proof's
                         del self.outside[key]
-                if self._history and torch.is_grad_enabled():
+                if torch.is_grad_enabled():
                     # (a matched in-place write rebases the written tensors' histories: onto
                     # its own node, made before this mode saw it, or for a view's base onto
-                    # the CopySlices node made right after: checked at the next operation)
+                    # the CopySlices node made right after: checked at the next operation,
+                    # linked to the write's arguments and the tensor's node before it)
                     seq = _SEQUENCE_NR()
                     with torch._C.DisableTorchFunction():
+                        nodes, leaves = _edges_of(args, kwargs)
+                        queued = {ident(o) for o in outs if isinstance(o, Tensor)}
                         for key, (ref, g) in list(self._history.items()):
                             t = ref()
                             if t is None or bumps.get(_storage(t)):
                                 del self._history[key]
                                 if t is not None and not t._is_view():
-                                    self._fresh.append((ref, seq))
+                                    queued.add(key)
+                                    self._fresh.append((ref, seq, ((*nodes, g), leaves)))
+                        # (a written view's base the match never recorded, e.g. made without
+                        # gradient and given one by this write: its node from now on)
+                        for w in _written_tensors(func, args, kwargs):
+                            root = w._base if w._is_view() else w
+                            if root is not None and ident(root) not in queued:
+                                queued.add(ident(root))
+                                prior = root.grad_fn
+                                self._fresh.append((weakref.ref(root), seq, (
+                                    nodes if prior is None else (*nodes, prior), leaves)))
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:

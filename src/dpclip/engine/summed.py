@@ -52,7 +52,8 @@ class SummedEngine:
     #: the sum over the examples formed in float64: the model runs on float64 copies of its
     #: floating parameters, buffers and inputs (``torch.func.functional_call``; the model itself
     #: untouched), the gradients are summed over the chunks in float64 and cast once. Set by
-    #: :func:`dpclip.training.step.bound_step`: a bound-based strategy's sensitivity holds for the
+    #: :func:`dpclip.training.step.bound_step`, and implied inside ``_common.wide_sums`` (every
+    #: ``dp_step``, whatever engine wraps this one): a bound-based strategy's sensitivity holds for the
     #: exact sum, and a float32 backward sums the examples one after another in MKL, which a
     #: designed batch steered to 31.7 times the certified sensitivity at B = 65,536 (7646 times
     #: at 2^20; hundred-and-forty-sixth hostile review). Batch clipping clips each unit's sum,
@@ -78,8 +79,11 @@ class SummedEngine:
         groups.validate(model)
         params = trainable_params(model)
         grads = zeros_like_params(model)
-        wide = self.float64 and any(p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                                    for p in params.values())
+        # (inside dp_step / bound_step, wide_sums, whatever wraps this engine: a distributed
+        # run's summed engine inside DistributedEngine kept the float32 backward, 31.7 times the
+        # certified sensitivity at B = 65,536; hundred-and-fifty-fourth hostile review)
+        wide = (self.float64 or release_wide) and any(
+            p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params.values())
         if wide:  # (see the field: float64 copies, the model untouched)
             copies = {n: t.detach().double().requires_grad_(t.requires_grad)
                       if t.is_floating_point() and t.dtype != torch.float64 else t

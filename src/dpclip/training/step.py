@@ -39,6 +39,7 @@ from dpclip.engine._common import (BoundedChunkReducer, StepWeights, check_per_e
                                    exact_float32, trainable_params, wide_sums)
 from dpclip.engine.ghost import AutoEngine, GhostEngine
 from dpclip.engine.base import Engine, EngineResult, LossFn, ParamGroups
+from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.batch import call_model, check_batch, first_tensor, owned_slice
 from dpclip.engine.errors import PrivateBufferError  # defined below the engine (state_guard)
 from dpclip.engine.naive import NaiveEngine, naive_per_example_grads
@@ -239,6 +240,7 @@ def _dp_step(
         factor = sampler.sensitivity_factor
         denom = sampler.expected_batch_size
         n_examples = check_batch(inputs, targets, "dp_step")
+    _check_wide(result, model, engine)
     sensitivity = factor * strategy.sensitivity(state)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     factors = strategy.group_noise(state) if capabilities_of(strategy).per_group else None
@@ -260,6 +262,27 @@ def _dp_step(
         noise_scale=_noise_scale(strategy, ctx) if per_example else 1.0, shard=shard,
         out_dtypes=_param_dtypes(result, model))
     return _output(out, result, engine, z, sensitivity, n_examples, model)
+
+
+def _check_wide(result: EngineResult, model: nn.Module, engine: Any) -> None:
+    """The engine's sums of float32 and half parameters came back in float64 (``wide_sums``):
+    a model whose code switched the setting off (auto's public probe runs the forward inside the
+    step, before the ghost pass reads it) had its sum cast before the noise, rounded on the grid
+    of the batch's sum (1.0073 C at B = 2^16; hundred-and-fifty-fourth hostile review)."""
+    params = result.params if result.params is not None else trainable_params(model)
+    for n, g in result.grads.items():
+        p = params.get(n)
+        if p is not None and p.dtype in _NARROW and g.dtype != torch.float64:
+            raise UnsupportedModelError(
+                f"dp_step: engine {getattr(engine, 'name', type(engine).__name__)!r} returned "
+                f"the clipped sum of parameter {n!r} in {g.dtype}, rounded before the noise "
+                "(dpclip sums float32 and half parameters in float64 and casts the noisy "
+                "value): the model's code changed dpclip's own settings "
+                "(dpclip.engine._common._WIDE). Leave dpclip's internals alone in the forward")
+
+
+#: parameter dtypes whose sums reach the release in float64 (``_common.wide_sums``)
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _param_dtypes(result: EngineResult, model: nn.Module) -> dict[str, torch.dtype]:
@@ -381,6 +404,7 @@ def bound_step(
     with private_buffer_guard(model, "bound_step"), wide_sums(), \
             strategy.gradient_context(model):  # declared by every bound-based strategy
         result = engine.compute(model, loss_fn, x, targets, weight_fn, groups)
+    _check_wide(result, model, engine)
     z = strategy.noise_multiplier(state, base_noise_multiplier)
     k = sampler.sensitivity_factor
     norms = result.norms if result.norms is not None else torch.empty(0)

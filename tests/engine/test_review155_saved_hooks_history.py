@@ -1,0 +1,138 @@
+"""Hundred-and-fifty-fifth hostile review (a fresh attack on the proof), and what it showed of the
+autograd-history check.
+
+1. The engine's saved-tensor hooks popped around one matched operation and pushed back: what that
+   operation saved had no hooks, and an unpack hook the forward then registered on it handed the
+   backward example 0's activation for every row: 3.38 C at B = 8 (8.17 C at 32) under ghost,
+   auto, compiled and make_private. Every matched operation must now find the step's own
+   saved-tensor watch on top of autograd's stack.
+2. Review 152's hidden rebase run in a joined thread: a node made there takes that thread's
+   autograd sequence number (from 0), below the main thread's counter, so the history check's
+   only test (the node older than the counter) passed it: 1.60 C. The same with
+   ``Node._set_sequence_nr`` in the main thread. A checked node must now link only to the nodes
+   of its operation's arguments (the rewrite's node links to the matched node itself).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import get_engine
+from tests.engine.test_review137_neg_bit_dtype import (C, DT, _ce, _data, _real,
+                                                       _RebasedHistory, _rebase_unseen,
+                                                       _refused_or_bounded)
+
+AC = torch._C._autograd
+
+
+class _PoppedSavedHooks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = nn.Linear(4, 6).to(DT), nn.Linear(6, 3).to(DT)
+
+    def forward(self, x):
+        z = self.fc1(x)
+        if not _real(x):
+            return self.fc(torch.tanh(z))
+        top = AC._top_saved_tensors_default_hooks(True)
+        if top is not None:
+            AC._pop_saved_tensors_default_hooks()
+        h = torch.tanh(z)
+        if top is not None:
+            AC._push_saved_tensors_default_hooks(*top)
+        with torch._C.DisableTorchFunction():
+            keep = {}
+
+            def pack(t):
+                keep["t"] = t.detach()
+
+            def unpack(_):
+                t = keep["t"]
+                return t[:1].expand_as(t).contiguous() * 3.0  # example 0's, for every row
+
+            h.grad_fn._raw_saved_result.register_hooks(pack, unpack)
+        return self.fc(h)
+
+
+class _ThreadRebase(_RebasedHistory):
+    """Review 152's rewrite (``_RebasedHistory``) made in a joined thread."""
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if _real(x):
+            t = threading.Thread(target=_rebase_unseen, args=(h,))
+            t.start()
+            t.join()
+        return self.fc(h)
+
+
+class _SequenceSetBack(_ThreadRebase):
+    """The rebase in the main thread, its node's sequence number set to the matched node's."""
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                n = h.grad_fn._sequence_nr()
+            _rebase_unseen(h)
+            with torch._C.DisableTorchFunction():
+                h.grad_fn._set_sequence_nr(n)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack],
+                         ids=["popped-saved-hooks", "thread", "sequence-set-back"])
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_review155_attacks_are_refused_or_bounded(model, name):
+    x, y = _data(8, "size")
+    d = _refused_or_bounded(name, model, x, y)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.38 C / 1.60 C / 1.60 C)
+
+
+def test_popped_saved_hooks_are_refused_through_make_private():
+    import dpclip
+    from dpclip.engine.errors import UnsupportedModelError
+
+    x, y = _data(8, "size")
+    model = _PoppedSavedHooks()
+    dp = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                             noise_multiplier=1.0, steps=2, batch_size=8.0, engine="auto",
+                             strategy="fixed", strategy_params={"clip_norm": C}, loss_fn=_ce,
+                             reproducible_noise=True, seed=3, verbose=False)
+    xb, yb = dp.sample()
+    with pytest.raises(UnsupportedModelError, match="saved-tensor hooks"):
+        dp.backward(xb, yb)
+
+
+def test_legitimate_in_place_writes_still_run_on_ghost():
+    """No false refusal from the link check: in-place arithmetic on an activation and on a view
+    of it, a copy written through views of a clone, equal to the loop."""
+    from dpclip.engine import ParamGroups
+    from tests.engine.helpers import assert_equal_to_the_loop, clip_weights
+
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc1, self.fc = nn.Linear(4, 6).to(DT), nn.Linear(6, 3).to(DT)
+
+        def forward(self, x):
+            h = self.fc1(x) * 1.5
+            h.add_(0.25)
+            h[:, :2].mul_(2.0)
+            g = h.clone()
+            g[:, 1:] = h[:, 1:] * 2.0
+            g[:, 0].add_(h[:, 0])
+            return self.fc(g + h)
+
+    x, y = _data(8, "size")
+    model = Writes()
+    groups = ParamGroups.flat(model)
+    for name in ("ghost", "auto"):
+        res = get_engine(name).compute(model, _ce, x, y, clip_weights(C), groups)
+        assert_equal_to_the_loop(res, model, _ce, x, y, groups)
