@@ -25,9 +25,13 @@ class ZeroEngine:
     name, per_example = "zero", True
 
     def compute(self, model, loss_fn, inputs, targets, weight_fn, groups):
+        from dpclip.engine._common import out_dtype, wide_requested
+
         b = inputs.shape[0]
         norms = torch.zeros(b)
-        return EngineResult({n: torch.zeros_like(p) for n, p in model.named_parameters()},
+        wide = wide_requested()  # (inside dp_step: float64 sums, cast after the noise)
+        return EngineResult({n: torch.zeros_like(p, dtype=out_dtype(p.dtype, wide))
+                             for n, p in model.named_parameters()},
                             norms, weight_fn(norms), 0.0)
 
 

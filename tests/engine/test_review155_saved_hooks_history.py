@@ -9,8 +9,13 @@ autograd-history check.
 2. Review 152's hidden rebase run in a joined thread: a node made there takes that thread's
    autograd sequence number (from 0), below the main thread's counter, so the history check's
    only test (the node older than the counter) passed it: 1.60 C. The same with
-   ``Node._set_sequence_nr`` in the main thread. A checked node must now link only to the nodes
-   of its operation's arguments (the rewrite's node links to the matched node itself).
+   ``Node._set_sequence_nr`` in the main thread.
+3. Hundred-and-fifty-sixth review: against a first fix (the node's edges must lead to its
+   operation's arguments' nodes), a node of ANOTHER class whose edges lead only there
+   (``detach_`` then ``addmm_`` onto the matched ``tanh``'s argument): 14.3 C under ghost, auto,
+   compiled and make_private. Each checked node must now have the signature of the node the
+   proof's operation made (``proved_program._node_sig``: its class, and where each edge leads,
+   by the names of the proof's tensors).
 """
 
 from __future__ import annotations
@@ -85,13 +90,58 @@ class _SequenceSetBack(_ThreadRebase):
         return self.fc(h)
 
 
-@pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack],
-                         ids=["popped-saved-hooks", "thread", "sequence-set-back"])
+def _addmm_rebase(h, z, k=1000.0):
+    """Hundred-and-fifty-sixth hostile review: ``h`` detached, then ``h.addmm_(M, z, beta=0)``
+    onto the matched ``tanh``'s own argument ``z`` (a built-in node of another class whose
+    edges lead only to allowed nodes), the bytes put back, the sequence number and the version
+    set back: every row's gradient gets ``K (g_0 - g_1)``."""
+    with torch._C.DisableTorchFunction():
+        guard = torch._C._DisableTorchDispatch()
+        try:
+            v, n = h._version, h.grad_fn._sequence_nr()
+            keep = h.detach().clone()
+            m = torch.eye(h.shape[0], dtype=h.dtype)
+            m[0, :] += k
+            m[1, :] -= k
+            h.detach_()
+            h.addmm_(m, z, beta=0.0)
+            with torch.no_grad():
+                h.copy_(keep)
+            h.grad_fn._set_sequence_nr(n)
+            torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+        finally:
+            del guard
+
+
+class _NodeOfAnotherClass(_RebasedHistory):
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.tanh(z)
+        if _real(x):
+            _addmm_rebase(h, z)
+        return self.fc(h)
+
+
+class _NodeOfAnotherClassInAThread(_RebasedHistory):
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.tanh(z)
+        if _real(x):
+            t = threading.Thread(target=_addmm_rebase, args=(h, z))
+            t.start()
+            t.join()
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack,
+                                   _NodeOfAnotherClass, _NodeOfAnotherClassInAThread],
+                         ids=["popped-saved-hooks", "thread", "sequence-set-back",
+                              "node-of-another-class", "node-of-another-class-thread"])
 @pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
 def test_review155_attacks_are_refused_or_bounded(model, name):
     x, y = _data(8, "size")
     d = _refused_or_bounded(name, model, x, y)
-    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.38 C / 1.60 C / 1.60 C)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.38 / 1.60 / 1.60 / 14.3 / 14.3 C)
 
 
 def test_popped_saved_hooks_are_refused_through_make_private():

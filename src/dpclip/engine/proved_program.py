@@ -309,7 +309,7 @@ class ProvedProgram:
 
     __slots__ = ("entries", "split", "model_out", "loss_out", "unmatchable", "grad_off",
                  "_at_batch", "_outside", "_generators", "_lifted", "shapes", "exported",
-                 "meta", "grad_off_index")
+                 "meta", "grad_off_index", "sigs")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple, dict, int]] = []
@@ -318,6 +318,8 @@ class ProvedProgram:
         self.shapes: dict[int, list[tuple[Any, ...] | None]] = {}
         #: recording index -> :func:`_meta` of the operation's tensor arguments and outputs
         self.meta: dict[int, tuple] = {}
+        #: key -> the autograd node signature (_node_sig) of what each operation made
+        self.sigs: dict[Any, tuple] = {}
         self.split = 0
         self.model_out: Any = None
         self.loss_out: Any = None
@@ -691,55 +693,66 @@ def _view_node(g: Any) -> bool:
             and not isinstance(g, _PY_NODE))
 
 
-def _edges_of(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """``(nodes, leaves)``: the autograd nodes an operation on these arguments links its own node
-    to (each tensor argument's node, and down its view nodes its base's) and the leaves whose
-    accumulators it may link to. Read when the operation reaches this mode: below autograd, so a
-    tensor it writes still carries its node from before the write."""
-    nodes: list[Any] = []
-    leaves: list[Tensor] = []
-    for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if not isinstance(t, Tensor) or not t.requires_grad:
-                continue
-            g = t.grad_fn
-            if g is None:
-                leaves.append(t)
-                continue
-            for _ in range(_VIEW_DEPTH):
-                nodes.append(g)
-                if not _view_node(g) or not g.next_functions:
-                    break
-                nxt = g.next_functions[0][0]
-                if nxt is None:
-                    break
-                if type(nxt).__name__ == "AccumulateGrad":
-                    leaves.append(nxt.variable)
-                    break
-                g = nxt
-    return tuple(nodes), tuple(leaves)
+#: how many levels of autograd nodes no key names are described in a node's signature
+_SIG_DEPTH = 3
 
 
-def _linked(g: Any, allowed: tuple[tuple, tuple]) -> bool:
-    """Every edge of ``g`` (or, for a view node autograd regenerated above a written base, of
-    the first node below its view nodes whose edges are not all allowed) leads to a node or leaf
-    of ``allowed`` (:func:`_edges_of` of the operation that made it)."""
-    nodes, leaves = allowed
-    for _ in range(_VIEW_DEPTH):
-        bad = None
-        for nf, _ in g.next_functions:
-            if nf is None or any(nf is n for n in nodes):
-                continue
-            if type(nf).__name__ == "AccumulateGrad" and any(nf.variable is t for t in leaves):
-                continue
-            bad = nf
-            break
-        if bad is None:
-            return True
-        if not _view_node(g) or len(g.next_functions) != 1:
-            return False
-        g = bad
-    return False
+def _node_sig(g: Any, keys: dict[int, tuple[Any, Any]], names: Any,
+              depth: int = _SIG_DEPTH) -> tuple:
+    """What an autograd node computes, compared between the proof and the real run: its class,
+    and for each edge in order where it leads: nothing, a node recorded under a key (an output
+    of a matched operation, or a tensor a matched write rebased) with its input number, a leaf's
+    accumulator (by the leaf's name), or an unrecorded node described the same way
+    (``_SIG_DEPTH`` levels, then its class). A history rewritten unseen (``detach_`` and an
+    in-place ``addmm_`` onto the matched operation's own argument: a node of another class with
+    allowed edges, 14.3 C; hundred-and-fifty-sixth hostile review) differs from the proof's."""
+    edges: list[Any] = []
+    for nf, nr in g.next_functions:
+        # (an edge through view nodes stands for what they view: the proof's symbolic run makes
+        # view operations an eager run skips (a full slice of the batch dimension, matched as
+        # an identity), and regenerates a view's node after a write to its base by replaying
+        # the view operation where an eager run makes an AsStridedBackward0 without one; the
+        # node's own class and where the views lead are compared)
+        for _ in range(_VIEW_DEPTH):
+            if nf is None or not _view_node(nf) or len(nf.next_functions) != 1:
+                break
+            nf, nr = nf.next_functions[0]
+        if nf is None:
+            edges.append(None)
+            continue
+        e = keys.get(id(nf))
+        if e is not None and e[1] is nf:
+            edges.append(("n", e[0], nr))
+        elif type(nf).__name__ == "AccumulateGrad":
+            edges.append(("leaf", names.get(nf.variable), nr))
+        elif depth > 0:
+            edges.append(("u", _node_sig(nf, keys, names, depth - 1), nr))
+        else:
+            edges.append(("u", type(nf).__name__, nr))
+    return (type(g).__name__, type(g).__module__, tuple(edges))
+
+
+def _key_node(keys: dict[int, tuple[Any, Any]], g: Any, key: Any) -> None:
+    """Name node ``g`` by ``key`` (the first key a node gets stays: a multi-output node)."""
+    e = keys.get(id(g))
+    if e is None or e[1] is not g:
+        keys[id(g)] = (key, g)
+
+
+def _pending_of(func: Any, index: int, args: tuple, kwargs: dict, outs: Any) -> list:
+    """``[(tensor, key)]``: the tensors whose autograd node an operation (recording index
+    ``index``) made, to be compared at the next operation: its outputs that are not views
+    (``("op", index, j)``), and the root of each tensor it writes that is not one of them
+    (``("w", index, i)``: an in-place write through a view rebases its base onto CopySlices)."""
+    got = [(o, ("op", index, j)) for j, o in enumerate(outs)
+           if isinstance(o, Tensor) and not o._is_view()]
+    seen = {ident(o) for o, _ in got}
+    for i, w in enumerate(_written_tensors(func, args, kwargs)):
+        root = w._base if w._is_view() else w
+        if root is not None and ident(root) not in seen:
+            seen.add(ident(root))
+            got.append((root, ("w", index, i)))
+    return got
 
 
 def _meta(args: tuple, kwargs: dict, out: Any) -> tuple:
@@ -791,8 +804,22 @@ class ProgramRecorder(TorchDispatchMode):
         self.paused = False
         self._count = 0
         self._split = 0
+        #: what the last operation made, its node signed at the next one (_node_sig)
+        self._pending: list[tuple[Tensor, Any]] = []
+        self._node_keys: dict[int, tuple[Any, Any]] = {}
         _state_names(model, self._names)
         _input_names(xs, ys, self._names)
+
+    def _sign_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            for t, key in pending:
+                g = t.grad_fn if t.requires_grad else None
+                if g is not None:
+                    self.program.sigs[key] = _node_sig(g, self._node_keys, self._names)
+                    _key_node(self._node_keys, g, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -800,6 +827,7 @@ class ProgramRecorder(TorchDispatchMode):
         out = call_op(func, args, kwargs)
         if self.paused or _skip(func):
             return out
+        self._sign_pending()
         outs = [o for o in _outputs(out) if o is not None]
         if outs and not any(is_fake(o) for o in outs):
             # ran outside the proof's fake world (the tracer's own copy of a torch.tensor
@@ -829,6 +857,8 @@ class ProgramRecorder(TorchDispatchMode):
             if o is not None:
                 self._names.set(o, ("op", k, j))
                 self._keep.append(o)
+        if torch.is_grad_enabled():
+            self._pending = _pending_of(func, k, args, kwargs, _outputs(out))
         return out
 
     def _spec(self, a: Any, lift: str | None) -> tuple:
@@ -878,11 +908,13 @@ class ProgramRecorder(TorchDispatchMode):
 
     def loss_output(self, out: Any) -> None:
         self.program.loss_out = self._names.get(out) if isinstance(out, Tensor) else None
+        self._sign_pending()  # (the real run checks the last operation's at the loss)
 
     def finish(self) -> ProvedProgram:
         """The recording without its dead code: pure operations (:func:`_pure`) none of whose
         outputs reaches the model's output, the losses or an operation that is kept."""
         self._keep.clear()
+        self._pending, self._node_keys = [], {}
         prog = self.program
         used: set[int] = set()  # indices of the operations whose outputs are used
         _names_in(("l", tuple, tuple(("t", n) for n in (prog.model_out, prog.loss_out)
@@ -917,7 +949,7 @@ class ProgramMatch:
 
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
-                 "_leaves", "calls", "_fresh", "_history", "_saved_watch")
+                 "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_node_keys")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -937,7 +969,9 @@ class ProgramMatch:
         #: the outputs of the last matched operation (and the tensors a matched write rebased)
         #: with the thread's autograd counter when this mode saw it: their node must be older
         #: (checked at the next operation: see _check_history)
-        self._fresh: list[tuple[Any, int]] = []
+        self._fresh: list[tuple[Any, int, Any]] = []
+        #: id -> (key, node) of every node checked so (see _node_sig)
+        self._node_keys: dict[int, tuple[Any, Any]] = {}
         #: ident -> (weak ref, grad_fn) of every output checked so: its autograd history as the
         #: matched operation made it, compared at each later use
         self._history: dict[int, tuple[Any, Any]] = {}
@@ -1202,7 +1236,7 @@ class ProgramMatch:
 
     def _history_holds(self, args: tuple, kwargs: dict) -> bool:
         fresh, self._fresh = self._fresh, []
-        for ref, seqs, allowed in fresh:
+        for ref, seqs, key in fresh:
             o = ref()
             if o is None or not o.requires_grad:
                 continue
@@ -1212,12 +1246,15 @@ class ProgramMatch:
             # view's base written in place, the CopySlices node made right after it)
             if n is None or n > seqs or (n == seqs and type(g).__name__ != "CopySlices"):
                 return self._history_fail()
-            # (and linked to the operation's arguments only: a node's sequence number can be
-            # set from Python (Node._set_sequence_nr) and another thread's counter starts at 0,
-            # so a rewrite made in a joined thread passed the test above: 1.60 C, hundred-and-
-            # fifty-fifth hostile review; the rewrite's node links to the matched node itself)
-            if not _linked(g, allowed):
+            # (and the node the proof's operation made: its class and where each edge leads. A
+            # node's sequence number can be set from Python (Node._set_sequence_nr) and another
+            # thread's counter starts at 0, so a rewrite made in a joined thread passed the test
+            # above: 1.60 C, hundred-and-fifty-fifth hostile review; a node of another class
+            # linked to the matched operation's argument: 14.3 C, hundred-and-fifty-sixth)
+            want = self.program.sigs.get(key)
+            if want is None or _node_sig(g, self._node_keys, self.names) != want:
                 return self._history_fail()
+            _key_node(self._node_keys, g, key)
             self._history[ident(o)] = (ref, g)
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -1239,6 +1276,9 @@ class ProgramMatch:
         the view (dispatch off, version counter set back) rebases the base onto a CopySlices
         node no matched operation made, and the view onto a regenerated node above it: its
         gradient then takes that path, though the view alone is used afterwards."""
+        if t.grad_fn is None:
+            return True  # (a view made a leaf, e.g. under no_grad then requires_grad_: its own
+            # gradient only; an in-place detach of a view is an error in torch)
         base = t._base
         if base is None:
             return False
@@ -1359,9 +1399,8 @@ class ProgramMatch:
                     if torch.is_grad_enabled():
                         seq = _SEQUENCE_NR()
                         with torch._C.DisableTorchFunction():
-                            allowed = _edges_of(args, kwargs)
-                        self._fresh = [(weakref.ref(o), seq, allowed) for o in outs
-                                       if isinstance(o, Tensor) and not o._is_view()]
+                            self._fresh = [(weakref.ref(t), seq, key) for t, key in
+                                           _pending_of(func, seen, args, kwargs, outs)]
                         self._views_born(outs)
                     self.watch.add((o, "a tensor the call computed") for o in outs
                                    if isinstance(o, Tensor))
@@ -1394,12 +1433,12 @@ class ProgramMatch:
         if torch.is_grad_enabled():  # (its node: created just before this mode saw it; a
             # write's output may also carry a view base's CopySlices, made right after)
             seq = _SEQUENCE_NR()
-            with torch._C.DisableTorchFunction():
-                allowed = _edges_of(args, kwargs)
             # (not a view's: its node is regenerated when its base is written, legitimately;
-            # a view's node as it is now, and its base's at each later use: _view_holds)
-            self._fresh = [(weakref.ref(o), seq, allowed) for o in outs
-                           if isinstance(o, Tensor) and not o._is_view()]
+            # a view's node as it is now, and its base's at each later use: _view_holds; the
+            # root of a tensor it writes: its new node, _pending_of)
+            with torch._C.DisableTorchFunction():
+                self._fresh = [(weakref.ref(t), seq, key) for t, key in
+                               _pending_of(func, index, args, kwargs, outs)]
             self._views_born(outs)
         # every tensor the call computes is watched from its birth: a write with dispatch off
         # and the version counter set back, before a later use in the forward or after the last
@@ -1428,31 +1467,24 @@ class ProgramMatch:
                         # a matched write: later uses read the written values (its output's
                         # name), the outside tensor itself is no longer the proof's
                         del self.outside[key]
-                if torch.is_grad_enabled():
-                    # (a matched in-place write rebases the written tensors' histories: onto
-                    # its own node, made before this mode saw it, or for a view's base onto
-                    # the CopySlices node made right after: checked at the next operation,
-                    # linked to the write's arguments and the tensor's node before it)
-                    seq = _SEQUENCE_NR()
+                if self._history and torch.is_grad_enabled():
+                    # (a matched in-place write rebases the written tensors' histories: the
+                    # written roots are checked at the next operation (_pending_of), the views of
+                    # them at each use (_view_holds); another tensor on a written storage, not a
+                    # view of it, has no history the proof describes)
                     with torch._C.DisableTorchFunction():
-                        nodes, leaves = _edges_of(args, kwargs)
-                        queued = {ident(o) for o in outs if isinstance(o, Tensor)}
+                        queued = {ident(ref()) for ref, _, _ in self._fresh
+                                  if ref() is not None}
                         for key, (ref, g) in list(self._history.items()):
                             t = ref()
                             if t is None or bumps.get(_storage(t)):
                                 del self._history[key]
-                                if t is not None and not t._is_view():
-                                    queued.add(key)
-                                    self._fresh.append((ref, seq, ((*nodes, g), leaves)))
-                        # (a written view's base the match never recorded, e.g. made without
-                        # gradient and given one by this write: its node from now on)
-                        for w in _written_tensors(func, args, kwargs):
-                            root = w._base if w._is_view() else w
-                            if root is not None and ident(root) not in queued:
-                                queued.add(ident(root))
-                                prior = root.grad_fn
-                                self._fresh.append((weakref.ref(root), seq, (
-                                    nodes if prior is None else (*nodes, prior), leaves)))
+                                if t is not None and not t._is_view() and key not in queued:
+                                    self._fail(f"operation {k} ({_short(func)}) writes the "
+                                               "storage of a tensor that is neither what it "
+                                               "writes nor a view of it (Tensor.set_): its "
+                                               "autograd history cannot be checked")
+                                    return
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:
@@ -1518,7 +1550,8 @@ class ProgramMatch:
         self.done = True
         if self.mismatch is None:  # (the last operation's outputs and the losses: see above)
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
-        self._history, self._fresh = {}, []  # (autograd nodes: they hold the step's graph)
+        # (autograd nodes: they hold the step's graph)
+        self._history, self._fresh, self._node_keys = {}, [], {}
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later

@@ -278,7 +278,9 @@ def _check_wide(result: EngineResult, model: nn.Module, engine: Any) -> None:
                 f"the clipped sum of parameter {n!r} in {g.dtype}, rounded before the noise "
                 "(dpclip sums float32 and half parameters in float64 and casts the noisy "
                 "value): the model's code changed dpclip's own settings "
-                "(dpclip.engine._common._WIDE). Leave dpclip's internals alone in the forward")
+                "(dpclip.engine._common._WIDE), or the engine does not honour "
+                "dpclip.engine._common.wide_sums. Leave dpclip's internals alone in the forward; "
+                "an engine of your own must return float64 sums inside wide_sums")
 
 
 #: parameter dtypes whose sums reach the release in float64 (``_common.wide_sums``)
