@@ -318,7 +318,7 @@ class ProvedProgram:
         self.shapes: dict[int, list[tuple[Any, ...] | None]] = {}
         #: recording index -> :func:`_meta` of the operation's tensor arguments and outputs
         self.meta: dict[int, tuple] = {}
-        #: key -> the autograd node signature (_node_sig) of what each operation made
+        #: key -> the autograd node signature (_node_facts) of what each operation made
         self.sigs: dict[Any, tuple] = {}
         self.split = 0
         self.model_out: Any = None
@@ -693,65 +693,160 @@ def _view_node(g: Any) -> bool:
             and not isinstance(g, _PY_NODE))
 
 
-#: how many levels of autograd nodes no key names are described in a node's signature
-_SIG_DEPTH = 3
+def _edges_of(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """``(nodes, leaves)``: the autograd nodes an operation on these arguments links its own node
+    to (each tensor argument's node, and down its view nodes its base's) and the leaves whose
+    accumulators it may link to. Read when the operation reaches this mode: below autograd, so a
+    tensor it writes still carries its node from before the write."""
+    nodes: list[Any] = []
+    leaves: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if not isinstance(t, Tensor) or not t.requires_grad:
+                continue
+            g = t.grad_fn
+            if g is None:
+                leaves.append(t)
+                continue
+            for _ in range(_VIEW_DEPTH):
+                nodes.append(g)
+                if not _view_node(g) or not g.next_functions:
+                    break
+                nxt = g.next_functions[0][0]
+                if nxt is None:
+                    break
+                if type(nxt).__name__ == "AccumulateGrad":
+                    leaves.append(nxt.variable)
+                    break
+                g = nxt
+    return tuple(nodes), tuple(leaves)
 
 
-def _node_sig(g: Any, keys: dict[int, tuple[Any, Any]], names: Any,
-              depth: int = _SIG_DEPTH) -> tuple:
-    """What an autograd node computes, compared between the proof and the real run: its class,
-    and for each edge in order where it leads: nothing, a node recorded under a key (an output
-    of a matched operation, or a tensor a matched write rebased) with its input number, a leaf's
-    accumulator (by the leaf's name), or an unrecorded node described the same way
-    (``_SIG_DEPTH`` levels, then its class). A history rewritten unseen (``detach_`` and an
-    in-place ``addmm_`` onto the matched operation's own argument: a node of another class with
-    allowed edges, 14.3 C; hundred-and-fifty-sixth hostile review) differs from the proof's."""
-    edges: list[Any] = []
-    for nf, nr in g.next_functions:
-        # (an edge through view nodes stands for what they view: the proof's symbolic run makes
-        # view operations an eager run skips (a full slice of the batch dimension, matched as
-        # an identity), and regenerates a view's node after a write to its base by replaying
-        # the view operation where an eager run makes an AsStridedBackward0 without one; the
-        # node's own class and where the views lead are compared)
-        for _ in range(_VIEW_DEPTH):
-            if nf is None or not _view_node(nf) or len(nf.next_functions) != 1:
-                break
-            nf, nr = nf.next_functions[0]
-        if nf is None:
-            edges.append(None)
+def _linked(g: Any, allowed: tuple[tuple, tuple]) -> bool:
+    """Every edge of ``g`` (or, for a view node autograd regenerated above a written base, of
+    the first node below its view nodes whose edges are not all allowed) leads to a node or leaf
+    of ``allowed`` (:func:`_edges_of` of the operation that made it)."""
+    nodes, leaves = allowed
+    for _ in range(_VIEW_DEPTH):
+        bad = None
+        for nf, _ in g.next_functions:
+            if nf is None or any(nf is n for n in nodes):
+                continue
+            if type(nf).__name__ == "AccumulateGrad" and any(nf.variable is t for t in leaves):
+                continue
+            bad = nf
+            break
+        if bad is None:
+            return True
+        if not _view_node(g) or len(g.next_functions) != 1:
+            return False
+        g = bad
+    return False
+
+
+#: a value the proof saw symbolic (a size with the batch in it): any number matches it
+_SYM = ("sym",)
+#: node class -> the names of its saved attributes (``_saved_*``)
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _fact(v: Any, tensors: tuple, real: bool) -> Any:
+    """A saved attribute as compared between the proof and the real run: a plain value as it is,
+    a symbolic one as :data:`_SYM`, a tensor by the position of the operation's argument or
+    output it is (the real run: an alias with the same geometry; what autograd made itself, such
+    as an in-place operation's copy of its input, has no position)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _SYM
+    if isinstance(v, Tensor):
+        args, outs = tensors
+        for kind, group in (("arg", args), ("out", outs)):
+            for i, t in enumerate(group):
+                if v is t:
+                    return ("t", kind, i)
+                if real and torch._C._is_alias_of(v, t) and v.shape == t.shape and \
+                        v.stride() == t.stride() and v.storage_offset() == t.storage_offset() \
+                        and v.dtype == t.dtype:
+                    return ("t", kind, i)
+        return ("t", None)
+    if isinstance(v, (tuple, list)):
+        items = tuple(_fact(x, tensors, real) for x in v)
+        return _SYM if not real and any(x is _SYM for x in items) else items
+    return ("?", type(v).__name__)
+
+
+def _node_facts(g: Any, tensors: tuple, real: bool) -> tuple:
+    """What an operation's autograd node is, compared between the proof's node and the real
+    run's: its class and module and every saved attribute (``alpha``, dims, which argument or
+    output each saved tensor is). A history rewritten unseen into a node of another class
+    (``detach_`` then ``addmm_`` onto the matched operation's argument: 14.3 C, hundred-and-
+    fifty-sixth hostile review), of the same class with another scalar (``add_(z, alpha=K)``:
+    13.3 C) or saving another tensor (``mul_`` on a detached copy holding other values: 13.3 C,
+    hundred-and-fifty-eighth) differs from the proof's; where its edges lead is checked on the
+    real run's own tensors (:func:`_linked`)."""
+    cls = type(g)
+    names = _SAVED_ATTRS.get(cls)
+    if names is None:
+        names = _SAVED_ATTRS[cls] = tuple(sorted(
+            a for a in dir(g) if a.startswith("_saved_")))
+    facts: list[Any] = []
+    for a in names:
+        try:
+            v = getattr(g, a)
+        except Exception:  # noqa: BLE001 - a saved tensor freed or written since: no value
+            facts.append((a, ("error",)))
             continue
-        e = keys.get(id(nf))
-        if e is not None and e[1] is nf:
-            edges.append(("n", e[0], nr))
-        elif type(nf).__name__ == "AccumulateGrad":
-            edges.append(("leaf", names.get(nf.variable), nr))
-        elif depth > 0:
-            edges.append(("u", _node_sig(nf, keys, names, depth - 1), nr))
-        else:
-            edges.append(("u", type(nf).__name__, nr))
-    return (type(g).__name__, type(g).__module__, tuple(edges))
+        facts.append((a, _fact(v, tensors, real)))
+    # (which edges are cut: a rewrite onto a detached tensor drops the edge to the operation's
+    # input, a gradient cut the proof does not make)
+    cut = tuple(nf is None for nf, _ in g.next_functions)
+    return (cls.__name__, cls.__module__, cut, tuple(facts))
 
 
-def _key_node(keys: dict[int, tuple[Any, Any]], g: Any, key: Any) -> None:
-    """Name node ``g`` by ``key`` (the first key a node gets stays: a multi-output node)."""
-    e = keys.get(id(g))
-    if e is None or e[1] is not g:
-        keys[id(g)] = (key, g)
+def _facts_match(want: Any, got: Any) -> bool:
+    """``got`` (the real run's :func:`_node_facts`) is ``want`` (the proof's), a symbolic value
+    of the proof matching any number or tuple of numbers."""
+    if want is _SYM or want == _SYM:
+        return got is None or type(got) in (int, float, bool) or (
+            isinstance(got, tuple) and all(type(x) in (int, float, bool) for x in got))
+    if want is None and isinstance(got, tuple) and got[:2] == ("t", "out"):
+        return True  # (the proof's run reads a saved OUTPUT back as None)
+    if isinstance(want, tuple) and isinstance(got, tuple):
+        return len(want) == len(got) and all(_facts_match(w, x) for w, x in zip(want, got))
+    return want == got and type(want) is type(got)
+
+
+def _op_tensors(args: tuple, kwargs: dict, outs: Any) -> tuple[tuple, tuple]:
+    """The tensors of an operation's arguments (lists one level deep) and its outputs."""
+    got: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, Tensor):
+                got.append(t)
+    return tuple(got), tuple(o for o in outs if isinstance(o, Tensor))
 
 
 def _pending_of(func: Any, index: int, args: tuple, kwargs: dict, outs: Any) -> list:
-    """``[(tensor, key)]``: the tensors whose autograd node an operation (recording index
-    ``index``) made, to be compared at the next operation: its outputs that are not views
-    (``("op", index, j)``), and the root of each tensor it writes that is not one of them
-    (``("w", index, i)``: an in-place write through a view rebases its base onto CopySlices)."""
-    got = [(o, ("op", index, j)) for j, o in enumerate(outs)
+    """``[(tensor, key, allowed, tensors)]``: the tensors whose autograd node an operation
+    (recording index ``index``) made, to be checked at the next operation: its outputs that are
+    not views (``("op", index, j)``), and the root of each tensor it writes that is not one of
+    them (``("w", index, i)``: an in-place write through a view rebases its base onto
+    CopySlices); with the nodes their node may link to (:func:`_edges_of`) and the operation's
+    tensors (:func:`_node_facts`)."""
+    allowed = _edges_of(args, kwargs)
+    tensors = _op_tensors(args, kwargs, outs)
+    got = [(o, ("op", index, j), allowed, tensors) for j, o in enumerate(outs)
            if isinstance(o, Tensor) and not o._is_view()]
-    seen = {ident(o) for o, _ in got}
+    seen = {ident(o) for o, *_ in got}
     for i, w in enumerate(_written_tensors(func, args, kwargs)):
         root = w._base if w._is_view() else w
         if root is not None and ident(root) not in seen:
             seen.add(ident(root))
-            got.append((root, ("w", index, i)))
+            prior = root.grad_fn  # (its node before the write: CopySlices links to it)
+            got.append((root, ("w", index, i),
+                        allowed if prior is None else ((*allowed[0], prior), allowed[1]),
+                        tensors))
     return got
 
 
@@ -804,9 +899,8 @@ class ProgramRecorder(TorchDispatchMode):
         self.paused = False
         self._count = 0
         self._split = 0
-        #: what the last operation made, its node signed at the next one (_node_sig)
-        self._pending: list[tuple[Tensor, Any]] = []
-        self._node_keys: dict[int, tuple[Any, Any]] = {}
+        #: what the last operation made, its node signed at the next one (_node_facts)
+        self._pending: list[tuple[Any, ...]] = []
         _state_names(model, self._names)
         _input_names(xs, ys, self._names)
 
@@ -815,11 +909,10 @@ class ProgramRecorder(TorchDispatchMode):
         if not pending:
             return
         with torch._C.DisableTorchFunction(), _disable_current_modes():
-            for t, key in pending:
+            for t, key, _, tensors in pending:
                 g = t.grad_fn if t.requires_grad else None
                 if g is not None:
-                    self.program.sigs[key] = _node_sig(g, self._node_keys, self._names)
-                    _key_node(self._node_keys, g, key)
+                    self.program.sigs[key] = _node_facts(g, tensors, real=False)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -914,7 +1007,7 @@ class ProgramRecorder(TorchDispatchMode):
         """The recording without its dead code: pure operations (:func:`_pure`) none of whose
         outputs reaches the model's output, the losses or an operation that is kept."""
         self._keep.clear()
-        self._pending, self._node_keys = [], {}
+        self._pending = []
         prog = self.program
         used: set[int] = set()  # indices of the operations whose outputs are used
         _names_in(("l", tuple, tuple(("t", n) for n in (prog.model_out, prog.loss_out)
@@ -949,7 +1042,7 @@ class ProgramMatch:
 
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
-                 "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_node_keys")
+                 "_leaves", "calls", "_fresh", "_history", "_saved_watch")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -969,9 +1062,7 @@ class ProgramMatch:
         #: the outputs of the last matched operation (and the tensors a matched write rebased)
         #: with the thread's autograd counter when this mode saw it: their node must be older
         #: (checked at the next operation: see _check_history)
-        self._fresh: list[tuple[Any, int, Any]] = []
-        #: id -> (key, node) of every node checked so (see _node_sig)
-        self._node_keys: dict[int, tuple[Any, Any]] = {}
+        self._fresh: list[tuple[Any, ...]] = []
         #: ident -> (weak ref, grad_fn) of every output checked so: its autograd history as the
         #: matched operation made it, compared at each later use
         self._history: dict[int, tuple[Any, Any]] = {}
@@ -1236,7 +1327,7 @@ class ProgramMatch:
 
     def _history_holds(self, args: tuple, kwargs: dict) -> bool:
         fresh, self._fresh = self._fresh, []
-        for ref, seqs, key in fresh:
+        for ref, seqs, key, allowed, tensors in fresh:
             o = ref()
             if o is None or not o.requires_grad:
                 continue
@@ -1252,9 +1343,9 @@ class ProgramMatch:
             # above: 1.60 C, hundred-and-fifty-fifth hostile review; a node of another class
             # linked to the matched operation's argument: 14.3 C, hundred-and-fifty-sixth)
             want = self.program.sigs.get(key)
-            if want is None or _node_sig(g, self._node_keys, self.names) != want:
+            if want is None or not _linked(g, allowed) or \
+                    not _facts_match(want, _node_facts(g, tensors, real=True)):
                 return self._history_fail()
-            _key_node(self._node_keys, g, key)
             self._history[ident(o)] = (ref, g)
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -1399,7 +1490,7 @@ class ProgramMatch:
                     if torch.is_grad_enabled():
                         seq = _SEQUENCE_NR()
                         with torch._C.DisableTorchFunction():
-                            self._fresh = [(weakref.ref(t), seq, key) for t, key in
+                            self._fresh = [(weakref.ref(t), seq, *rest) for t, *rest in
                                            _pending_of(func, seen, args, kwargs, outs)]
                         self._views_born(outs)
                     self.watch.add((o, "a tensor the call computed") for o in outs
@@ -1437,7 +1528,7 @@ class ProgramMatch:
             # a view's node as it is now, and its base's at each later use: _view_holds; the
             # root of a tensor it writes: its new node, _pending_of)
             with torch._C.DisableTorchFunction():
-                self._fresh = [(weakref.ref(t), seq, key) for t, key in
+                self._fresh = [(weakref.ref(t), seq, *rest) for t, *rest in
                                _pending_of(func, index, args, kwargs, outs)]
             self._views_born(outs)
         # every tensor the call computes is watched from its birth: a write with dispatch off
@@ -1473,7 +1564,7 @@ class ProgramMatch:
                     # them at each use (_view_holds); another tensor on a written storage, not a
                     # view of it, has no history the proof describes)
                     with torch._C.DisableTorchFunction():
-                        queued = {ident(ref()) for ref, _, _ in self._fresh
+                        queued = {ident(ref()) for ref, *_ in self._fresh
                                   if ref() is not None}
                         for key, (ref, g) in list(self._history.items()):
                             t = ref()
@@ -1551,7 +1642,7 @@ class ProgramMatch:
         if self.mismatch is None:  # (the last operation's outputs and the losses: see above)
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
         # (autograd nodes: they hold the step's graph)
-        self._history, self._fresh, self._node_keys = {}, [], {}
+        self._history, self._fresh = {}, []
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later
