@@ -16,6 +16,13 @@ autograd-history check.
    compiled and make_private. Each checked node must now have the signature of the node the
    proof's operation made (``proved_program._node_sig``: its class, and where each edge leads,
    by the names of the proof's tensors).
+4. Hundred-and-fifty-eighth review, against that signature: nodes of the SAME class with the same
+   edges but another saved tensor or ``alpha`` (13.3 C), an edge through a hidden view whose every
+   row is example 0's (1.29 C; the signature read through view nodes), and false refusals of
+   BERT, GPT-2 and DistilBERT. The check now compares what the node IS with the proof's node
+   (class, which edges are cut, every saved attribute: scalars, and which argument or output
+   each saved tensor is: ``_node_facts``) and where its edges lead on the real run's own tensors
+   (``_linked``).
 """
 
 from __future__ import annotations
@@ -133,13 +140,65 @@ class _NodeOfAnotherClassInAThread(_RebasedHistory):
         return self.fc(h)
 
 
+def _same_class_rewrite(h, how):
+    """Hundred-and-fifty-eighth hostile review: ``h`` (made by ``torch.mul(c, z)`` or
+    ``torch.add(c, z)``) detached and rebuilt by an in-place operation of the SAME class with
+    the same edges (None, ``z``'s node): ``mul_`` after other values were written into ``h``
+    (the node saves them: 13.3 C), ``add_`` with another ``alpha`` (13.3 C), or ``mul_`` by a
+    view of ``z`` whose every row is example 0's (1.29 C); the bytes put back, the sequence
+    number and the version set back."""
+    z, x = h._dpclip_test_z, h._dpclip_test_x
+    with torch._C.DisableTorchFunction():
+        guard = torch._C._DisableTorchDispatch()
+        try:
+            k = 1000.0 if bool(x[0, 0] > 0) else -1000.0  # (example 0's sign, for every row)
+            v, n = h._version, h.grad_fn._sequence_nr()
+            keep = h.detach().clone()
+            h.detach_()
+            with torch.no_grad():
+                h.copy_(torch.full_like(h, k) if how == "saved" else
+                        torch.zeros_like(h) if how == "alpha" else torch.ones_like(h))
+            if how == "alpha":
+                h.add_(z, alpha=k)
+            else:
+                h.mul_(z if how == "saved" else z.as_strided(z.shape, (0, 1)))
+            with torch.no_grad():
+                h.copy_(keep)
+            h.grad_fn._set_sequence_nr(n)
+            torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+        finally:
+            del guard
+
+
+def _same_class(how):
+    class SameClass(_RebasedHistory):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("c", torch.zeros(6, dtype=DT) if how == "alpha"
+                                 else torch.ones(6, dtype=DT))
+
+        def forward(self, x):
+            z = self.fc1(x)
+            h = torch.add(self.c, z) if how == "alpha" else torch.mul(self.c, z)
+            if _real(x):
+                h._dpclip_test_z, h._dpclip_test_x = z, x
+                _same_class_rewrite(h, how)
+            return self.fc(torch.tanh(h))
+
+    SameClass.__name__ = f"SameClass_{how}"
+    return SameClass
+
+
 @pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack,
-                                   _NodeOfAnotherClass, _NodeOfAnotherClassInAThread],
+                                   _NodeOfAnotherClass, _NodeOfAnotherClassInAThread,
+                                   _same_class("saved"), _same_class("alpha"),
+                                   _same_class("view")],
                          ids=["popped-saved-hooks", "thread", "sequence-set-back",
-                              "node-of-another-class", "node-of-another-class-thread"])
+                              "node-of-another-class", "node-of-another-class-thread",
+                              "same-class-saved", "same-class-alpha", "same-class-view"])
 @pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
 def test_review155_attacks_are_refused_or_bounded(model, name):
-    x, y = _data(8, "size")
+    x, y = _data(8, "value")  # (example 0's first feature positive, the others' negative)
     d = _refused_or_bounded(name, model, x, y)
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.38 / 1.60 / 1.60 / 14.3 / 14.3 C)
 
