@@ -170,6 +170,46 @@ def _same_class_rewrite(h, how):
             del guard
 
 
+def _with_own_saved_hooks(h, how):
+    """Hundred-and-fifty-ninth hostile review: review 158's same-class rewrite with the
+    forward's own saved-tensor hooks pushed around the hidden operation: read by the check, its
+    unpack gave the operation's own arguments (facts equal to the proof's); read by the
+    backward, example 0's sign times 1000 (13.3 C)."""
+    z, x = h._dpclip_test_z, h._dpclip_test_x
+    with torch._C.DisableTorchFunction():
+        guard = torch._C._DisableTorchDispatch()
+        try:
+            k = 1000.0 if bool(x[0, 0] > 0) else -1000.0
+            c = h._dpclip_test_c
+            v, n = h._version, h.grad_fn._sequence_nr()
+            keep = h.detach().clone()
+            h.detach_()
+
+            def pack(t):
+                return t
+
+            def unpack(t):
+                if t.shape == z.shape and t.data_ptr() == z.data_ptr():
+                    return z
+                if torch._C._current_graph_task_id() != -1:  # (read by the backward)
+                    return torch.full((t.shape[0], c.shape[0]), k, dtype=c.dtype)
+                return c  # (read by the check: the matched operation's own argument)
+
+            with torch.no_grad():
+                h.copy_(c.expand_as(h))
+            AC._push_saved_tensors_default_hooks(pack, unpack)
+            try:
+                h.mul_(z)
+            finally:
+                AC._pop_saved_tensors_default_hooks()
+            with torch.no_grad():
+                h.copy_(keep)
+            h.grad_fn._set_sequence_nr(n)
+            torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+        finally:
+            del guard
+
+
 def _same_class(how):
     class SameClass(_RebasedHistory):
         def __init__(self):
@@ -181,8 +221,8 @@ def _same_class(how):
             z = self.fc1(x)
             h = torch.add(self.c, z) if how == "alpha" else torch.mul(self.c, z)
             if _real(x):
-                h._dpclip_test_z, h._dpclip_test_x = z, x
-                _same_class_rewrite(h, how)
+                h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, x, self.c
+                (_with_own_saved_hooks if how == "own-hooks" else _same_class_rewrite)(h, how)
             return self.fc(torch.tanh(h))
 
     SameClass.__name__ = f"SameClass_{how}"
@@ -192,10 +232,11 @@ def _same_class(how):
 @pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack,
                                    _NodeOfAnotherClass, _NodeOfAnotherClassInAThread,
                                    _same_class("saved"), _same_class("alpha"),
-                                   _same_class("view")],
+                                   _same_class("view"), _same_class("own-hooks")],
                          ids=["popped-saved-hooks", "thread", "sequence-set-back",
                               "node-of-another-class", "node-of-another-class-thread",
-                              "same-class-saved", "same-class-alpha", "same-class-view"])
+                              "same-class-saved", "same-class-alpha", "same-class-view",
+                              "same-class-own-saved-hooks"])
 @pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
 def test_review155_attacks_are_refused_or_bounded(model, name):
     x, y = _data(8, "value")  # (example 0's first feature positive, the others' negative)
@@ -239,9 +280,26 @@ def test_legitimate_in_place_writes_still_run_on_ghost():
             g[:, 0].add_(h[:, 0])
             return self.fc(g + h)
 
+    class InPlaceActivations(nn.Module):
+        """Review 159's false refusal: an in-place ReLU saves its result, which is also its
+        argument; and a Python number saved as a wrapped tensor (``h.mul_(2.0)``) is read back
+        without any saved-tensor hooks."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc1, self.fc2 = nn.Linear(4, 6).to(DT), nn.Linear(6, 6).to(DT)
+            self.fc = nn.Linear(6, 3).to(DT)
+
+        def forward(self, x):
+            h = nn.functional.relu(self.fc1(x), inplace=True)
+            h = nn.functional.leaky_relu(self.fc2(h), 0.1, inplace=True) * 1.0
+            h.mul_(2.0)
+            return self.fc(h)
+
     x, y = _data(8, "size")
-    model = Writes()
-    groups = ParamGroups.flat(model)
-    for name in ("ghost", "auto"):
-        res = get_engine(name).compute(model, _ce, x, y, clip_weights(C), groups)
-        assert_equal_to_the_loop(res, model, _ce, x, y, groups)
+    for model in (Writes(), InPlaceActivations()):
+        groups = ParamGroups.flat(model)
+        for name in ("ghost", "auto"):
+            res = get_engine(name).compute(model, _ce, x, y, clip_weights(C), groups)
+            assert_equal_to_the_loop(res, model, _ce, x, y, groups)

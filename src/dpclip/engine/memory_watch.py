@@ -388,6 +388,7 @@ class SavedTensorWatch:
     @staticmethod
     def unpack(packed: list) -> Tensor:
         d, version = packed
+        _UNPACKS[0] += 1  # (what the step's checks read back came through here)
         if d._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -411,6 +412,16 @@ class SavedTensorWatch:
 
 
 _ACTIVE: list[SavedTensorWatch] = []
+#: how many saved tensors a SavedTensorWatch has handed back (unpacks)
+_UNPACKS = [0]
+
+
+def unpacks() -> int:
+    """The number of saved tensors the step's watches have handed back so far: a read of a
+    saved attribute that did not move it came through other hooks."""
+    return _UNPACKS[0]
+
+
 def _top_hooks() -> Any:
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(True)

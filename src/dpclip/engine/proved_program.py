@@ -56,7 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dpclip._ident import ident
 from dpclip.engine.hook_watch import HookWatch
-from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch, saved_watch_on_top
+from dpclip.engine.memory_watch import MemoryWatch, SavedTensorWatch, saved_watch_on_top, unpacks
 from dpclip.engine.op_entry import call_op
 
 __all__ = ["CallWindow", "ProgramRecorder", "ProgramMatch", "ProvedProgram", "storage_key"]
@@ -760,16 +760,16 @@ def _fact(v: Any, tensors: tuple, real: bool) -> Any:
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _SYM
     if isinstance(v, Tensor):
-        args, outs = tensors
-        for kind, group in (("arg", args), ("out", outs)):
+        args, outs = tensors[0], tensors[1]
+        where: list[Any] = ["t", None, None]
+        for slot, group in ((1, args), (2, outs)):
             for i, t in enumerate(group):
-                if v is t:
-                    return ("t", kind, i)
-                if real and torch._C._is_alias_of(v, t) and v.shape == t.shape and \
-                        v.stride() == t.stride() and v.storage_offset() == t.storage_offset() \
-                        and v.dtype == t.dtype:
-                    return ("t", kind, i)
-        return ("t", None)
+                if v is t or (real and torch._C._is_alias_of(v, t) and v.shape == t.shape and
+                              v.stride() == t.stride() and
+                              v.storage_offset() == t.storage_offset() and v.dtype == t.dtype):
+                    where[slot] = i
+                    break
+        return tuple(where)
     if isinstance(v, (tuple, list)):
         items = tuple(_fact(x, tensors, real) for x in v)
         return _SYM if not real and any(x is _SYM for x in items) else items
@@ -792,10 +792,20 @@ def _node_facts(g: Any, tensors: tuple, real: bool) -> tuple:
             a for a in dir(g) if a.startswith("_saved_")))
     facts: list[Any] = []
     for a in names:
+        before = unpacks()
         try:
             v = getattr(g, a)
         except Exception:  # noqa: BLE001 - a saved tensor freed or written since: no value
             facts.append((a, ("error",)))
+            continue
+        if real and unpacks() - before != _count_tensors(v) and not (
+                isinstance(v, Tensor) and v.dim() == 0 and _scalar_arg(v, tensors[2])):
+            # (read back through saved-tensor hooks other than the step's watch: the forward
+            # pushed its own around a hidden operation, and its unpack gave this check the
+            # operation's own arguments and the backward other values: 13.3 C, hundred-and-
+            # fifty-ninth hostile review; a Python number the operation took is saved as a
+            # wrapped 0-dim tensor without any hooks: its value is the argument's)
+            facts.append((a, ("foreign",)))
             continue
         facts.append((a, _fact(v, tensors, real)))
     # (which edges are cut: a rewrite onto a detached tensor drops the edge to the operation's
@@ -804,27 +814,48 @@ def _node_facts(g: Any, tensors: tuple, real: bool) -> tuple:
     return (cls.__name__, cls.__module__, cut, tuple(facts))
 
 
+def _scalar_arg(v: Tensor, scalars: tuple) -> bool:
+    """``v`` (a 0-dim tensor) holds one of the Python numbers the operation took."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        x = v.item()
+    return any(type(c) is type(x) and c == x or (type(c) is int and type(x) is float and
+                                                 float(c) == x) for c in scalars)
+
+
+def _count_tensors(v: Any) -> int:
+    if isinstance(v, Tensor):
+        return 1
+    if isinstance(v, (tuple, list)):
+        return sum(_count_tensors(x) for x in v)
+    return 0
+
+
 def _facts_match(want: Any, got: Any) -> bool:
     """``got`` (the real run's :func:`_node_facts`) is ``want`` (the proof's), a symbolic value
     of the proof matching any number or tuple of numbers."""
     if want is _SYM or want == _SYM:
         return got is None or type(got) in (int, float, bool) or (
             isinstance(got, tuple) and all(type(x) in (int, float, bool) for x in got))
-    if want is None and isinstance(got, tuple) and got[:2] == ("t", "out"):
+    if want is None and isinstance(got, tuple) and len(got) == 3 and got[0] == "t" and \
+            got[2] is not None:
         return True  # (the proof's run reads a saved OUTPUT back as None)
     if isinstance(want, tuple) and isinstance(got, tuple):
         return len(want) == len(got) and all(_facts_match(w, x) for w, x in zip(want, got))
     return want == got and type(want) is type(got)
 
 
-def _op_tensors(args: tuple, kwargs: dict, outs: Any) -> tuple[tuple, tuple]:
-    """The tensors of an operation's arguments (lists one level deep) and its outputs."""
+def _op_tensors(args: tuple, kwargs: dict, outs: Any) -> tuple[tuple, tuple, tuple]:
+    """The tensors of an operation's arguments (lists one level deep), its outputs, and the
+    Python numbers among its arguments."""
     got: list[Tensor] = []
+    scalars: list[Any] = []
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if isinstance(t, Tensor):
                 got.append(t)
-    return tuple(got), tuple(o for o in outs if isinstance(o, Tensor))
+            elif type(t) in (int, float, bool):
+                scalars.append(t)
+    return tuple(got), tuple(o for o in outs if isinstance(o, Tensor)), tuple(scalars)
 
 
 def _pending_of(func: Any, index: int, args: tuple, kwargs: dict, outs: Any) -> list:
