@@ -199,3 +199,26 @@ def test_the_summed_engine_sums_in_float64_inside_any_step(tmp_path):
         dist.destroy_process_group()
     # example 0's own gradient: 0.49 Delta; before: 2.45 Delta
     assert float((full - less).norm()) / delta <= 1.0
+
+
+@pytest.mark.parametrize("name", ["vmap", "naive"])
+def test_a_complex_trainable_parameter_is_refused_by_name(name):
+    """Hundred-and-sixtieth hostile review: under vmap and naive a complex parameter's sum was
+    kept in complex64 (rounded against the running total) and only torch's ``vector_norm``
+    happened to fail (a bare RuntimeError); it is refused by name now."""
+    from dpclip.engine import ParamGroups, get_engine
+    from dpclip.engine.errors import UnsupportedModelError
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x.to(torch.complex64) * self.w).abs()
+
+    model = Complex()
+    x, y = torch.randn(4, 3), torch.zeros(4, 3)
+    with pytest.raises(UnsupportedModelError, match="'w' is torch.complex64"):
+        get_engine(name).compute(model, lambda o, t: ((o - t) ** 2).sum(1), x, y,
+                                 lambda n: torch.clamp(1.0 / n, max=1.0), ParamGroups.flat(model))

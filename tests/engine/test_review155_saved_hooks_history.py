@@ -210,6 +210,41 @@ def _with_own_saved_hooks(h, how):
             del guard
 
 
+class _InPlaceCopy(_RebasedHistory):
+    """Review 159's measure of the gap the docs named: the proof itself makes an in-place copy
+    (``h = c.expand_as(z).clone(); h.mul_(z)``: autograd saves h's values before the write, a
+    tensor that is neither argument nor output); the real run rebuilt the node after filling
+    the detached ``h`` with example 0's sign times 1000: 13.3 C. The copy a checked node saves
+    must now hold what the matched write overwrote (``ProgramMatch.before``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.ones(6, dtype=DT))
+
+    def forward(self, x):
+        z = self.fc1(x)
+        h = self.c.expand_as(z).clone()
+        h.mul_(z)
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    k = 1000.0 if bool(x[0, 0] > 0) else -1000.0
+                    v, n = h._version, h.grad_fn._sequence_nr()
+                    keep = h.detach().clone()
+                    h.detach_()
+                    with torch.no_grad():
+                        h.fill_(k)
+                    h.mul_(z)
+                    with torch.no_grad():
+                        h.copy_(keep)
+                    h.grad_fn._set_sequence_nr(n)
+                    torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+                finally:
+                    del guard
+        return self.fc(torch.tanh(h))
+
+
 def _same_class(how):
     class SameClass(_RebasedHistory):
         def __init__(self):
@@ -232,11 +267,12 @@ def _same_class(how):
 @pytest.mark.parametrize("model", [_PoppedSavedHooks, _ThreadRebase, _SequenceSetBack,
                                    _NodeOfAnotherClass, _NodeOfAnotherClassInAThread,
                                    _same_class("saved"), _same_class("alpha"),
-                                   _same_class("view"), _same_class("own-hooks")],
+                                   _same_class("view"), _same_class("own-hooks"),
+                                   _InPlaceCopy],
                          ids=["popped-saved-hooks", "thread", "sequence-set-back",
                               "node-of-another-class", "node-of-another-class-thread",
                               "same-class-saved", "same-class-alpha", "same-class-view",
-                              "same-class-own-saved-hooks"])
+                              "same-class-own-saved-hooks", "in-place-copy"])
 @pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
 def test_review155_attacks_are_refused_or_bounded(model, name):
     x, y = _data(8, "value")  # (example 0's first feature positive, the others' negative)

@@ -341,6 +341,16 @@ class ChunkReducer:
         engine: str,
         inputs: Any,
     ) -> None:
+        for n, p in params.items():
+            if p.is_complex():
+                # (their sums were kept in complex64 against the running total and their norms
+                # failed inside torch's vector_norm by accident: a named refusal instead;
+                # hundred-and-sixtieth hostile review)
+                raise UnsupportedModelError(
+                    f"{engine} engine: trainable parameter {n!r} is {p.dtype}: per-example "
+                    "clipping bounds real gradients only (a complex parameter's norm and sum "
+                    "are not covered); keep trainable parameters real (a complex layer as two "
+                    "real ones)")
         index = {n: g for g, mem in enumerate(groups.members) for n in mem}
         names = tuple(params)
         first = next(iter(params.values()), None)
