@@ -339,3 +339,52 @@ def test_legitimate_in_place_writes_still_run_on_ghost():
         for name in ("ghost", "auto"):
             res = get_engine(name).compute(model, _ce, x, y, clip_weights(C), groups)
             assert_equal_to_the_loop(res, model, _ce, x, y, groups)
+
+
+class _SkipsTheView(nn.Module):
+    """Hundred-and-sixty-first hostile review: ``h = torch.add(c, z.t())`` rebuilt as
+    ``h.detach_(); h.add_(z)`` when ``h`` is square (the engines pad a chunk to 32 rows): an
+    ``AddBackward0`` with the proof's facts whose edge leads straight to ``z``'s node, below the
+    transpose that the allowed edges walked through; every example's ``fc1`` gradient got
+    another example's feature: 3.35 C at B = 16 (4.98 C at 32), also at the session's start.
+    Edges must now be an argument's own (node and input number)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = nn.Linear(4, 32).to(DT), nn.Linear(32, 3).to(DT)
+        self.register_buffer("c", torch.zeros(32, 1, dtype=DT))
+
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.add(self.c, z.t())
+        if _real(x) and h.shape == z.shape:
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    v, n = h._version, h.grad_fn._sequence_nr()
+                    keep = h.detach().clone()
+                    h.detach_()
+                    h.add_(z)
+                    with torch.no_grad():
+                        h.copy_(keep)
+                    h.grad_fn._set_sequence_nr(n)
+                    torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+                finally:
+                    del guard
+        return self.fc(torch.tanh(h.t()))
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_an_edge_below_an_arguments_view_is_refused(name):
+    from tests.engine.helpers import loo_distance
+    from dpclip.engine.errors import UnsupportedModelError
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g, dtype=DT) * 30
+    y = torch.randint(0, 3, (16,), generator=g)
+    try:
+        d = loo_distance(lambda: get_engine(name), _SkipsTheView, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        d = 0.0
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.35 C)

@@ -694,11 +694,13 @@ def _view_node(g: Any) -> bool:
 
 
 def _edges_of(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """``(nodes, leaves)``: the autograd nodes an operation on these arguments links its own node
-    to (each tensor argument's node, and down its view nodes its base's) and the leaves whose
-    accumulators it may link to. Read when the operation reaches this mode: below autograd, so a
-    tensor it writes still carries its node from before the write."""
-    nodes: list[Any] = []
+    """``(edges, leaves)``: the gradient edges an operation on these arguments links its own
+    node to: each tensor argument's ``(grad_fn, output_nr)``, and the leaves whose accumulators
+    it may link to. Read when the operation reaches this mode: below autograd, so a tensor it
+    writes still carries its node from before the write. (Not the nodes below an argument's
+    view nodes: an edge straight to a view's base skipped the view's transpose and handed every
+    example another example's feature, 4.98 C; hundred-and-sixty-first hostile review.)"""
+    edges: list[tuple[Any, int]] = []
     leaves: list[Tensor] = []
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -707,41 +709,22 @@ def _edges_of(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
             g = t.grad_fn
             if g is None:
                 leaves.append(t)
-                continue
-            for _ in range(_VIEW_DEPTH):
-                nodes.append(g)
-                if not _view_node(g) or not g.next_functions:
-                    break
-                nxt = g.next_functions[0][0]
-                if nxt is None:
-                    break
-                if type(nxt).__name__ == "AccumulateGrad":
-                    leaves.append(nxt.variable)
-                    break
-                g = nxt
-    return tuple(nodes), tuple(leaves)
+            else:
+                edges.append((g, t.output_nr))
+    return tuple(edges), tuple(leaves)
 
 
 def _linked(g: Any, allowed: tuple[tuple, tuple]) -> bool:
-    """Every edge of ``g`` (or, for a view node autograd regenerated above a written base, of
-    the first node below its view nodes whose edges are not all allowed) leads to a node or leaf
-    of ``allowed`` (:func:`_edges_of` of the operation that made it)."""
-    nodes, leaves = allowed
-    for _ in range(_VIEW_DEPTH):
-        bad = None
-        for nf, _ in g.next_functions:
-            if nf is None or any(nf is n for n in nodes):
-                continue
-            if type(nf).__name__ == "AccumulateGrad" and any(nf.variable is t for t in leaves):
-                continue
-            bad = nf
-            break
-        if bad is None:
-            return True
-        if not _view_node(g) or len(g.next_functions) != 1:
-            return False
-        g = bad
-    return False
+    """Every edge of ``g`` leads to one of ``allowed``'s edges (node and input number) or to the
+    accumulator of one of its leaves (:func:`_edges_of` of the operation that made it)."""
+    edges, leaves = allowed
+    for nf, nr in g.next_functions:
+        if nf is None or any(nf is n and nr == r for n, r in edges):
+            continue
+        if type(nf).__name__ == "AccumulateGrad" and any(nf.variable is t for t in leaves):
+            continue
+        return False
+    return True
 
 
 #: a value the proof saw symbolic (a size with the batch in it): any number matches it
@@ -897,9 +880,8 @@ def _pending_of(func: Any, index: int, args: tuple, kwargs: dict, outs: Any) -> 
         if root is not None and ident(root) not in seen:
             seen.add(ident(root))
             prior = root.grad_fn  # (its node before the write: CopySlices links to it)
-            got.append((root, ("w", index, i),
-                        allowed if prior is None else ((*allowed[0], prior), allowed[1]),
-                        tensors))
+            got.append((root, ("w", index, i), allowed if prior is None else (
+                (*allowed[0], (prior, root.output_nr)), allowed[1]), tensors))
     return got
 
 
