@@ -388,3 +388,75 @@ def test_an_edge_below_an_arguments_view_is_refused(name):
     except UnsupportedModelError:
         d = 0.0
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 3.35 C)
+
+
+class _MixTanh(torch.autograd.Function):
+    """Review 162's Function: forward returns the matched tanh's own output object; backward
+    gives every row example 0's gradient times 1000 on top of its own."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return _FAKE["h"]
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():
+            guard = torch._C._DisableTorchDispatch()
+            try:
+                true = g * (1 - torch.tanh(z) ** 2)
+                return true + 1000.0 * true[:1].expand_as(true)
+            finally:
+                del guard
+
+
+_FAKE: dict = {}
+
+
+class TanhBackward0(torch._C._FunctionBase, torch.autograd.function.FunctionCtx):
+    """A Python Function's node class named and placed like the built-in one, with the saved
+    attribute the built-in has (hundred-and-sixty-second hostile review: 4.23 C at B = 8)."""
+
+    _forward_cls = _MixTanh
+
+    def apply(self, *grads):
+        return _MixTanh.backward(self, *grads)
+
+    def __call__(self, *grads):
+        return _MixTanh.backward(self, *grads)
+
+    @property
+    def _saved_result(self):
+        self.saved_tensors
+        return _FAKE.get("h")
+
+
+TanhBackward0.__module__ = "builtins"
+_MixTanh._backward_cls = TanhBackward0
+
+
+class _FakeBuiltinNode(_RebasedHistory):
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.tanh(z)
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    v, n = h._version, h.grad_fn._sequence_nr()
+                    h.detach_()
+                    _FAKE["h"] = h
+                    assert _MixTanh.apply(z) is h
+                    h.grad_fn._set_sequence_nr(n)
+                    torch._C._autograd._unsafe_set_version_counter((h,), (v,))
+                finally:
+                    del guard
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_python_node_passed_off_as_a_builtin_is_refused(name):
+    x, y = _data(8, "size")
+    d = _refused_or_bounded(name, _FakeBuiltinNode, x, y)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 4.23 C)

@@ -365,7 +365,10 @@ def ghost_support(model: nn.Module) -> tuple[bool, tuple[str, ...]]:
     return not scan.reasons, scan.reasons
 
 
-_CUSTOM_FUNCTION = torch.autograd.function.BackwardCFunction
+#: the autograd node of a Python ``autograd.Function`` (any class on ``_FunctionBase``: a node
+#: class set as a Function's ``_backward_cls`` deriving from it directly, named like a built-in
+#: node, passed as one; hundred-and-sixty-second hostile review, 4.23 C)
+_CUSTOM_FUNCTION = torch._C._FunctionBase
 
 
 #: the last release's fingerprints of one engine call (GhostEngine.compute compares them again)

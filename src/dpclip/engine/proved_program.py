@@ -682,7 +682,7 @@ _VIEW_NODES = frozenset(f"{n}Backward{i}" for n in (
     "Squeeze", "Unbind", "Split", "SplitWithSizes", "Diagonal", "Unfold", "Alias", "ViewAsReal",
     "ViewAsComplex", "ReshapeAlias", "Real", "Imag", "NegView", "Conj", "Narrow", "TensorSplit",
     "Indices", "Values") for i in range(4))
-_PY_NODE = torch.autograd.function.BackwardCFunction
+_PY_NODE = torch._C._FunctionBase  # (every Python Function's node, whatever its class says)
 #: the longest chain of view nodes walked from a view to its base
 _VIEW_DEPTH = 64
 
@@ -802,7 +802,10 @@ def _node_facts(g: Any, tensors: tuple, real: bool) -> tuple:
     # (which edges are cut: a rewrite onto a detached tensor drops the edge to the operation's
     # input, a gradient cut the proof does not make)
     cut = tuple(nf is None for nf, _ in g.next_functions)
-    return (cls.__name__, cls.__module__, cut, tuple(facts))
+    # (the class OBJECT, not its name: a Python Function's node class named TanhBackward0 in
+    # module "builtins", with a _saved_result property of its own, passed a name comparison:
+    # 4.23 C, hundred-and-sixty-second hostile review)
+    return (cls, cut, tuple(facts))
 
 
 def _scalar_arg(v: Tensor, scalars: tuple) -> bool:
@@ -846,6 +849,8 @@ def _facts_match(want: Any, got: Any) -> bool:
         return True  # (the proof's run reads a saved OUTPUT back as None)
     if isinstance(want, tuple) and isinstance(got, tuple):
         return len(want) == len(got) and all(_facts_match(w, x) for w, x in zip(want, got))
+    if isinstance(want, type) or isinstance(got, type):
+        return want is got  # (a node class: by identity, never by a metaclass's __eq__)
     return want == got and type(want) is type(got)
 
 
