@@ -460,3 +460,51 @@ def test_a_python_node_passed_off_as_a_builtin_is_refused(name):
     x, y = _data(8, "size")
     d = _refused_or_bounded(name, _FakeBuiltinNode, x, y)
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 4.23 C)
+
+
+class _ViewTransposedHistory(nn.Module):
+    """Hundred-and-sixty-third hostile review: after ``v = z.view(...)``'s node was checked,
+    ``v.t_()`` with the version counter set one lower (so torch does not regenerate the node)
+    and the geometry put back through ``.data``: ``v``'s history became another chain of view
+    nodes to ``z``'s checked node, which the view walk accepted; the padded chunk square, every
+    example's ``fc1`` gradient was transposed into the others': 1.52 C at B = 16 (5.1 C with
+    example 0 weighted). A recorded node, a view's included, may change only by a matched
+    write to its storage; after one, the view's node must be ONE ``AsStridedBackward0`` of its
+    own geometry on the base's node."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = nn.Linear(4, 32).to(DT), nn.Linear(32, 3).to(DT)
+
+    def forward(self, x):
+        z = self.fc1(x)
+        z.add_(0.5)
+        v = z.view(z.shape[0], 32)
+        a = v * 0.5
+        if _real(x) and v.shape[0] == v.shape[1]:
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    geo, ver = v.detach(), v._version
+                    torch._C._autograd._unsafe_set_version_counter((v,), (ver - 1,))
+                    v.t_()
+                    v.data = geo
+                finally:
+                    del guard
+        return self.fc(torch.tanh(v) + a)
+
+
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_a_views_history_swapped_for_another_view_chain_is_refused(name):
+    from tests.engine.helpers import loo_distance
+    from dpclip.engine.errors import UnsupportedModelError
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g, dtype=DT) * 3
+    y = torch.randint(0, 3, (16,), generator=g)
+    try:
+        d = loo_distance(lambda: get_engine(name), _ViewTransposedHistory, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        d = 0.0
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"  # (before: 1.52 C)
