@@ -45,9 +45,9 @@ def test_lora_frozen_base_gets_nothing(monkeypatch):
         hooked.add(owner.name)
         real_call(self, owner, a, out, tracer)
 
-    def spy_noise(values, std, generator, divide_by=1.0):
+    def spy_noise(values, std, generator, divide_by=1.0, **kw):
         noised.append(sorted(values))
-        return real_noise(values, std, generator, divide_by)
+        return real_noise(values, std, generator, divide_by, **kw)
 
     monkeypatch.setattr(ghost_mod._Call, "__init__", spy_call)
     monkeypatch.setattr(release_mod, "add_gaussian_noise_all", spy_noise)

@@ -1643,10 +1643,11 @@ class ProgramMatch:
                                 if t is not None and t._is_view():
                                     self._dropped[key] = ref
                                 if t is not None and not t._is_view() and key not in queued:
-                                    self._fail(f"operation {k} ({_short(func)}) writes the "
+                                    self._fail(f"operation {k} ({_short(func)}) wrote the "
                                                "storage of a tensor that is neither what it "
                                                "writes nor a view of it (Tensor.set_): its "
-                                               "autograd history cannot be checked")
+                                               "autograd history, rewritten there, cannot be "
+                                               "checked")
                                     return
         self.k = k + 1
 
