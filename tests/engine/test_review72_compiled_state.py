@@ -172,7 +172,8 @@ def test_a_finalizer_of_a_traced_chunk_reaches_no_graph_chunk(engine):
 
 
 def test_a_graph_is_adopted_after_its_whole_first_step():
-    """Every chunk of the first step runs traced; the graph from the next step on."""
+    """Every chunk of the first step runs traced (its checks) before the graph is adopted; the
+    step's sum is then the graph's, every chunk of it (session 24), and so from then on."""
     from tests.engine.test_compiled_engine import Block, _seq, graph_runs
     from tests.engine.helpers import clip_weights
 
@@ -180,12 +181,24 @@ def test_a_graph_is_adopted_after_its_whole_first_step():
     x, y = _seq(b=6)
     compiled_mod.reset(model)
     eng = CompiledEngine(max_physical_batch=2)
-    with graph_runs() as ran:
-        eng.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
-    assert ran[0] == 0
-    with graph_runs() as ran:
-        res = eng.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
-    assert ran[0] == 3 and res.engine_info["program"] == "compiled"
+    traced = []
+    real = GhostEngine._chunks
+
+    def chunks(self, *a, **k):  # (the step's passes: the traced one adopts, the graph's releases)
+        res = real(self, *a, **k)
+        traced.append(res.engine_info.get("program"))
+        return res
+
+    GhostEngine._chunks = chunks
+    try:
+        for step in range(2):
+            traced.clear()
+            with graph_runs() as ran:
+                res = eng.compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
+            assert ran[0] == 3 and res.engine_info["program"] == "compiled"
+            assert traced == ([None, "compiled"] if step == 0 else ["compiled"])
+    finally:
+        GhostEngine._chunks = real
 
 
 def test_a_constant_changed_after_adoption_refuses_the_graph():
@@ -229,7 +242,7 @@ def test_the_collector_is_paused_in_a_graph_step_and_restored():
             AutoEngine().compute(model, ce, x, y, clip_weights(C), ParamGroups.flat(model))
     finally:
         compiled_mod.Plan.run = real
-    assert seen == [False, False] and gc.isenabled()
+    assert seen == [False, False, False] and gc.isenabled()
 
 
 # Seventy-fourth hostile review: a finalizer attached by the forward to its INPUT, which the engine

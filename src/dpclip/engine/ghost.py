@@ -771,8 +771,22 @@ class GhostEngine:
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
         compiled = CompiledStep(self._prefer) if self._compiled else None
-        return self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
-                            chain, compiled)
+        res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
+                           chain, compiled)
+        if compiled is not None and compiled.pending and weight_fn is not _unit_weights \
+                and all(p.confirmed for p in compiled.pending):
+            # a graph's first step: its chunks ran on the traced path, whose checks refuse what
+            # the graph does not show (a backward hook, a custom Function, a value of the batch
+            # read through an escape) and whose match ties the graph to the model's own code;
+            # the graph is adopted now, and the step's sum comes from the GRAPH, never from the
+            # user's autograd graph, whose history the traced checks observe but user code with
+            # torch's dispatch off could still rewrite (docs/engines.md, "Reviews 154-155":
+            # nine reviews found one more such property to compare). The traced result is
+            # dropped unreleased; the graph runs the same batch.
+            del res
+            res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
+                               chain, CompiledStep(self._prefer))
+        return res
 
     def _chunks(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,
                 weight_fn: WeightFn, groups: ParamGroups, batch: int, scan: Any,

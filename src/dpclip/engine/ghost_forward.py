@@ -275,7 +275,8 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
     """:func:`_forward` on the compiled engine (:mod:`dpclip.engine.compiled`): no user code runs,
     so nothing of the last chunk is left to release and the backward runs on autograd's own
     engine (``user_code`` False). None on the graph's first step, which runs on the traced path
-    (the plan is appended to ``pending``; the caller confirms it once the step succeeded): what
+    (the plan is appended to ``pending``; the caller confirms it once the step succeeded, drops
+    that pass's sum and runs the step again on the graph: ``GhostEngine._guarded``): what
     the graph does not show (a tensor or module backward hook, a custom autograd Function's
     backward, a value of the batch read through an escape the export took as a constant) is
     refused there, as on the ghost engine, and the program that step ran is the graph's (the
