@@ -10,8 +10,10 @@ watch's own ``unpack`` moves every example's gradient by 13.3 C on the traced pa
 On the compiled path the first step of a graph ran traced and was released from the user's
 autograd graph, so the attack reached ``auto`` and ``compiled`` (13.3 C at the session's start).
 The first step now runs traced for its checks only: the graph is adopted and the step's sum comes
-from it, as on every later step. The traced ghost engine (``engine="ghost"``) keeps the observed
-check: the attack is recorded there as a strict xfail (docs/engines.md, "Session 24").
+from it, as on every later step. On the traced path (``engine="ghost"``, and ``auto`` on models its compiled path refuses) each
+tensor one of torch's own functions returns is now stamped with its autograd node when the
+function returns, before any user code runs, and a matched operation's output must carry that
+node: the rebuilt node is refused (docs/engines.md, "Session 24").
 """
 
 from __future__ import annotations
@@ -94,13 +96,113 @@ def test_a_forged_watch_unpack_is_bounded_on_the_graph(name):
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN (docs/engines.md, session 24): the traced ghost "
-                   "engine's history check observes the user's autograd graph; its saved-tensor "
-                   "test counts the watch's unpacks, which user code can call")
-def test_a_forged_watch_unpack_on_the_traced_ghost_engine():
+def test_a_forged_watch_unpack_is_refused_on_the_traced_ghost_engine():
+    """The traced path: each tensor one of torch's functions returns is stamped with its
+    autograd node when the function returns, before any user code runs; the node rebuilt
+    afterwards is refused however like the proof's it is (13.3 C at the session's start)."""
     x, y = _data(8, "value")
     d = _refused_or_bounded("ghost", ForgedUnpacks, x, y)
     assert d <= 1 + 1e-6, f"ghost: LOO {d:.3f} C"
+
+
+class OutsideFunctions(_RebasedHistory):
+    """The matched ``mul`` itself called with torch functions switched off (no stamp: what it
+    returns is seen by no function's return), then review 159's rewrite with the forged unpack."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.ones(6, dtype=DT))
+
+    def forward(self, x):
+        z = self.fc1(x)
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                h = torch.mul(self.c, z)
+            h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, x, self.c
+            _forged_rewrite(h)
+        else:
+            h = torch.mul(self.c, z)
+        return self.fc(torch.tanh(h))
+
+
+def _user_mul(c, z):
+    """A user function that dispatches itself through torch's function protocol: the mode calls
+    it (popped), so what runs inside is user code that no function's return covers."""
+    from torch.overrides import handle_torch_function, has_torch_function
+
+    if has_torch_function((c, z)):
+        return handle_torch_function(_user_mul, (c, z), c, z)
+    h = torch.mul(c, z)
+    if _real(z):
+        h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, _user_mul.x, c
+        _forged_rewrite(h)
+    return h
+
+
+class OwnDispatch(_RebasedHistory):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.ones(6, dtype=DT))
+
+    def forward(self, x):
+        _user_mul.x = x
+        return self.fc(torch.tanh(_user_mul(self.c, self.fc1(x))))
+
+
+class ReturnedAsGiven(ForgedUnpacks):
+    """The rewrite, then functions that return the tensor they were given (``contiguous``,
+    ``requires_grad_``, ``to`` of its own dtype) before its next use: they must not stamp the
+    rebuilt node."""
+
+    def forward(self, x):
+        z = self.fc1(x)
+        h = torch.mul(self.c, z)
+        if _real(x):
+            h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, x, self.c
+            _forged_rewrite(h)
+            h = h.contiguous().requires_grad_().to(h.dtype)
+        return self.fc(torch.tanh(h))
+
+
+@pytest.mark.parametrize("model", [OutsideFunctions, OwnDispatch, ReturnedAsGiven],
+                         ids=["torch-functions-off", "own-function-dispatch",
+                              "returned-as-given"])
+@pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
+def test_operations_outside_torch_s_functions_are_refused_or_bounded(model, name):
+    """An operation matched outside every torch function the trace sees return has no stamp:
+    refused on the traced path (``ProgramMatch.fn_enter``); on the graph, bounded."""
+    x, y = _data(8, "value")
+    d = _refused_or_bounded(name, model, x, y)
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"
+
+
+def test_torch_s_own_functions_are_told_from_user_code():
+    """What counts as one of torch's own functions (:func:`separable._library`): builtins of
+    torch, ATen operations, torch's Python functions as their files define them; not a function
+    given torch's code with other globals, a user function, a callback-taking builtin, or a
+    custom Function's apply."""
+    import types
+
+    import torch.nn.functional as F
+    from dpclip.engine.separable import _library
+
+    for f in (torch.tanh, torch.Tensor.add_, torch.Tensor.__setitem__, F.linear, F.layer_norm,
+              F.relu, torch.Tensor.split, torch.ops.aten.add.Tensor, torch._C._nn.linear):
+        assert _library(f), f
+    forged = types.FunctionType(F.relu.__code__, {"torch": torch}, "relu")
+    forged.__module__ = "torch.nn.functional"
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    for f in (forged, _user_mul, torch.Tensor.apply_, exec, Fn.apply, print):
+        assert not _library(f), f
 
 
 def test_the_first_step_runs_traced_checks_then_releases_the_graph():

@@ -1075,6 +1075,45 @@ def _names_in(spec: tuple, used: set[int]) -> None:
             _names_in(s, used)
 
 
+_OUTSIDE_FUNCTIONS = (
+    "operation {k} ({op}) was called with torch functions switched off (not from one of "
+    "torch's functions the trace sees return): its output's autograd history could be "
+    "rewritten before any check sees it; call torch's functions as usual")
+
+
+def _first_tensors(v: Any) -> list[Tensor]:
+    """The tensors of ``v``: a tensor, or a list or tuple of them (one level)."""
+    if isinstance(v, Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, Tensor)]
+    return []
+
+
+#: function -> whether it may write its first argument in place (by its name: ``add_``,
+#: ``__setitem__``, ``__iadd__``; a Python function with an ``inplace`` parameter, F.relu; a
+#: function's ``out=`` argument is taken as written too)
+_WRITES: dict[int, tuple[Any, bool]] = {}
+
+
+def _writes_first(func: Any) -> bool:
+    e = _WRITES.get(ident(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    name = getattr(func, "__name__", "") or ""
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    got = (code is not None and "inplace" in code.co_varnames[:code.co_argcount +
+                                                               code.co_kwonlyargcount]) or \
+        (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        (name.startswith("__i") and name.endswith("__") and name not in ("__init__",
+                                                                         "__index__",
+                                                                         "__int__",
+                                                                         "__invert__",
+                                                                         "__iter__"))
+    _WRITES[ident(func)] = (func, got)
+    return got
+
+
 class ProgramMatch:
     """Matches a real run's operations against a :class:`ProvedProgram` at batch size ``batch``.
     Fed by :class:`dpclip.engine.separable.SeparabilityTracer` (every non-engine operation);
@@ -1083,7 +1122,7 @@ class ProgramMatch:
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_snap",
-                 "_dropped")
+                 "_dropped", "fn_depth", "_stamps")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -1113,6 +1152,12 @@ class ProgramMatch:
         self._snap: tuple[Any, tuple] | None = None
         #: ident -> weak ref of each view whose record a matched write dropped (_view_holds)
         self._dropped: dict[int, Any] = {}
+        #: how many of torch's own functions are running (the tracer's torch-function mode:
+        #: :meth:`fn_enter`); an operation matched at depth 0 was called with torch functions off
+        self.fn_depth = 0
+        #: ident -> (weak ref, grad_fn) of each tensor one of torch's own functions returned (or
+        #: wrote in place), taken when that function returned, before any user code ran
+        self._stamps: dict[int, tuple[Any, Any]] = {}
         _input_names(xs, ys, self.names)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
@@ -1395,6 +1440,13 @@ class ProgramMatch:
             # thread's counter starts at 0, so a rewrite made in a joined thread passed the test
             # above: 1.60 C, hundred-and-fifty-fifth hostile review; a node of another class
             # linked to the matched operation's argument: 14.3 C, hundred-and-fifty-sixth)
+            # (the node the function that returned it carried then: taken before any user
+            # code ran, so a node rebuilt since, however like the proof's, is refused; session
+            # 24: review 159's rewrite with the step's watch's own unpack called by the
+            # forward's hooks passed the saved-tensor facts below, 13.3 C)
+            st = self._stamps.get(ident(o))
+            if st is not None and st[0]() is o and st[1] is not g:
+                return self._history_fail()
             want = self.program.sigs.get(key)
             if want is None or not _linked(g, allowed) or \
                     not _facts_match(want, _node_facts(g, tensors, real=True)):
@@ -1458,6 +1510,50 @@ class ProgramMatch:
                 return False
             node = node.next_functions[0][0]
         return False
+
+    def fn_enter(self, func: Any, args: tuple, kwargs: dict | None = None) -> Any:
+        """One of torch's own functions starts (the tracer's torch-function mode, which pops
+        itself while the function runs: no user code runs inside it, the collector paused):
+        the nodes of the tensors it may write in place, as they are now (:meth:`fn_exit`)."""
+        self.fn_depth += 1
+        written = _first_tensors(args[0]) if args and _writes_first(func) else []
+        if kwargs and kwargs.get("out") is not None:
+            written += _first_tensors(kwargs["out"])
+        if not written:
+            return None
+        with torch._C.DisableTorchFunction():
+            return [(t, t.grad_fn, r, r.grad_fn) for t in written
+                    for r in ((t._base if t._is_view() else t),) if r is not None]
+
+    def fn_exit(self, out: Any, before: Any) -> None:
+        """The function returned ``out``: each tensor it returned, and each it wrote in place
+        whose node the write replaced, is stamped with its node now, before any user code runs
+        (:meth:`_history_holds` compares the node a matched operation made with it). The
+        step's saved-tensor watch must still be on top: hooks pushed inside the function would
+        have packed what its operations saved."""
+        self.fn_depth -= 1
+        if self.done or self.mismatch is not None:
+            return
+        w = self._saved_watch
+        if w is not None and not saved_watch_on_top(w):
+            self._fail("the engine's saved-tensor hooks were not on top of autograd's stack when "
+                       "one of torch's functions returned (pushed or popped inside it): what its "
+                       "operations saved for the backward would not be watched")
+            return
+        stamps = self._stamps
+        with torch._C.DisableTorchFunction():
+            for t in _first_tensors(out):
+                if t.requires_grad:
+                    # (a tensor it returned as it was given, x.contiguous(), keeps its stamp:
+                    # the node it carries now could be one rebuilt since)
+                    e = stamps.get(ident(t))
+                    if e is None or e[0]() is not t:
+                        stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
+            for t, g, r, rg in before or ():
+                if t.grad_fn is not g:  # (made by the function: the write's own node)
+                    stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
+                if r is not t and r.grad_fn is not rg:
+                    stamps[ident(r)] = (weakref.ref(r), r.grad_fn)
 
     def _views_born(self, outs: Any) -> None:
         """Record the node of each view a matched operation made (before any user code runs)."""
@@ -1559,6 +1655,9 @@ class ProgramMatch:
                         with torch._C.DisableTorchFunction():
                             self._fresh = [(weakref.ref(t), seq, *rest) for t, *rest in
                                            _pending_of(func, seen, args, kwargs, outs)]
+                        if self._fresh and not self.fn_depth:
+                            self._fail(_OUTSIDE_FUNCTIONS.format(k=k, op=_short(func)))
+                            return
                         self._views_born(outs)
                     self.watch.add((o, "a tensor the call computed") for o in outs
                                    if isinstance(o, Tensor))
@@ -1600,6 +1699,9 @@ class ProgramMatch:
                 self._fresh = [(weakref.ref(t), seq, key, allowed, (*tensors, snaps))
                                for t, key, allowed, tensors in
                                _pending_of(func, index, args, kwargs, outs)]
+            if self._fresh and not self.fn_depth:
+                self._fail(_OUTSIDE_FUNCTIONS.format(k=k, op=_short(func)))
+                return
             self._views_born(outs)
         # every tensor the call computes is watched from its birth: a write with dispatch off
         # and the version counter set back, before a later use in the forward or after the last
@@ -1715,7 +1817,7 @@ class ProgramMatch:
         if self.mismatch is None:  # (the last operation's outputs and the losses: see above)
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
         # (autograd nodes: they hold the step's graph)
-        self._history, self._fresh, self._dropped = {}, [], {}
+        self._history, self._fresh, self._dropped, self._stamps = {}, [], {}, {}
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later

@@ -60,6 +60,7 @@ global copy of the dataset). Custom ``autograd.Function`` backward code is refus
 
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from typing import Any, Callable
@@ -315,6 +316,93 @@ _WRITABLE = {_T.numpy, _T.__array__, _T.data_ptr, _T.untyped_storage, _T.storage
 _HOOKS = {_T.register_hook, _T.register_post_accumulate_grad_hook}
 
 
+#: builtins of torch's tensor class that call a Python callable they are given
+_CALLBACK_METHODS = frozenset({"apply_", "map_", "map2_"})
+#: function -> whether it is one of torch's own functions that runs no user code (see _library)
+_LIBRARY: dict[int, tuple[Any, bool]] = {}
+
+
+def _library(func: Any) -> bool:
+    """Whether ``func``, reaching the tracer's torch-function mode, is one of torch's own
+    functions that runs no user code: a builtin of torch's C modules or tensor class (not one
+    that calls a callable it is given: ``apply_``), an ATen operation object, or a Python
+    function of torch's files whose code is what its file compiles to, whose globals are its
+    module's and whose closure holds only such functions or data. A user function that
+    dispatches itself through ``handle_torch_function``, a custom ``autograd.Function``'s
+    ``apply`` (its forward is user code) and anything else are not: the operations they run
+    are not inside one of torch's functions (:meth:`ProgramMatch.fn_enter`)."""
+    e = _LIBRARY.get(ident(func))
+    if e is not None and e[0] is func:
+        return e[1]
+    got = _library_now(func, ())
+    _LIBRARY[ident(func)] = (func, got)
+    return got
+
+
+def _library_now(func: Any, above: tuple) -> bool:
+    import os
+    import sys
+    import types as _types
+
+    from dpclip.engine.library_code import _BUILTIN_TYPES, _compiled_at, _file_of, _torch_file
+
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return type(func) in (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    if isinstance(func, _BUILTIN_TYPES):
+        if getattr(func, "__name__", "") in _CALLBACK_METHODS:
+            return False
+        owner = getattr(func, "__self__", None)
+        cls = getattr(func, "__objclass__", None)
+        if cls is None and owner is not None and not isinstance(owner, _types.ModuleType):
+            cls = getattr(owner, "__objclass__", None) or type(owner)  # (a getset's wrapper)
+        mod = getattr(func, "__module__", None) if type(func) is _types.BuiltinFunctionType \
+            else None
+        if mod is None and isinstance(owner, _types.ModuleType):
+            mod = owner.__name__
+        if mod is None and isinstance(cls, type):
+            mod = cls.__module__
+        return isinstance(mod, str) and (mod == "torch" or mod.startswith("torch."))
+    if isinstance(func, _types.MethodType):
+        # (bound to a class or object that is not torch's: its code can call the owner's, as a
+        # custom autograd.Function's apply calls its forward)
+        owner = func.__self__
+        cls = owner if isinstance(owner, type) else type(owner)
+        if cls is not Tensor and not (cls.__module__ or "").startswith("torch."):
+            return False
+    fn = func.__func__ if isinstance(func, _types.MethodType) else func
+    if type(fn) is not _types.FunctionType or not _torch_file(fn):
+        return False
+    code = fn.__code__
+    if _compiled_at(_file_of(fn), code.co_qualname, code.co_firstlineno) != code:
+        return False
+    # (its globals: the dict of the module loaded from the file its code is in; a decorator's
+    # inner function takes the decorated one's __module__, torch's boolean_dispatch)
+    g = fn.__globals__
+    module = sys.modules.get(g.get("__name__") or "")
+    where = getattr(module, "__file__", None)
+    if module is None or g is not vars(module) or where is None or \
+            os.path.realpath(where) != _file_of(fn):
+        return False
+    for cell in fn.__closure__ or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        if v is fn or any(v is a for a in above) or not callable(v) or isinstance(v, type):
+            continue  # (itself: a wrapper that dispatches as itself)
+        if len(above) >= 2 or not _library_now(v, (*above, fn)):
+            return False
+    return True
+
+
+def _user_callback(args: tuple, kwargs: dict | None) -> bool:
+    """A Python callable among a function's arguments (it would run inside the function)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if callable(a) and not isinstance(a, (Tensor, type)):
+            return True
+    return False
+
+
 class _EscapeMode(TorchFunctionMode):
     """The Python-level half of the tracer: ``.numpy()``, ``.tolist()``, raw storage reads of a
     tensor that depends on the batch, gradient hooks on any tensor, and reading ``grad_fn`` (the
@@ -352,10 +440,39 @@ class _EscapeMode(TorchFunctionMode):
                            "autograd node: what is computed from them cannot be checked")
             if why is not None and tr.violation is None:
                 tr.violation = why
+        m = tr.match
+        if m is None or tr.quiet or m.done or m.mismatch is not None or \
+                not _library(func) or _user_callback(args, kwargs):
+            # (outside the proved-program match, or not one of torch's own functions: the
+            # operations it runs are matched at depth 0, see ProgramMatch.fn_enter)
+            if not tr.quiet:
+                if func is _ONE_HOT:
+                    return _one_hot(tr, args, kwargs or {})
+                if func in _FUSED_RNN:
+                    return _fused_rnn(tr, func, args, kwargs or {})
+            return self._run(tr, func, args, kwargs)
+        # one of torch's own functions, inside the match: what it returns (and writes) is
+        # stamped with its autograd node when it returns, before any user code runs; the
+        # collector paused inside it, so that no finalizer runs user code there
+        before = m.fn_enter(func, args, kwargs)
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
             if func is _ONE_HOT:
-                return _one_hot(tr, args, kwargs or {})
-            if func in _FUSED_RNN:
-                return _fused_rnn(tr, func, args, kwargs or {})
+                out = _one_hot(tr, args, kwargs or {})
+            elif func in _FUSED_RNN:
+                out = _fused_rnn(tr, func, args, kwargs or {})
+            else:
+                out = self._run(tr, func, args, kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+            m.fn_exit(out if "out" in locals() else None, before)
+        return out
+
+    def _run(self, tr: "SeparabilityTracer", func: Any, args: tuple,
+             kwargs: dict | None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not tr.quiet and tr.violation is None and isinstance(out, Tensor) \
                 and not (tr._kernel_depth and isinstance(func, torch._ops.OpOverload)) \
