@@ -18,6 +18,9 @@ node: the rebuilt node is refused (docs/engines.md, "Session 24").
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import pytest
 import torch
 
@@ -164,15 +167,99 @@ class ReturnedAsGiven(ForgedUnpacks):
         return self.fc(torch.tanh(h))
 
 
-@pytest.mark.parametrize("model", [OutsideFunctions, OwnDispatch, ReturnedAsGiven],
+class _TorchFunctionArg:
+    """Hundred-and-sixty-sixth hostile review: a plain object with ``__torch_function__`` given to
+    ``torch.add``; torch calls it (user code) inside that function, where the tracer's mode is
+    popped: it ran the matched ``mul`` and rebuilt its node, which no stamp covered (13.3 C under
+    ghost, auto's traced path and make_private)."""
+
+    body = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.body()
+        return args[0]
+
+
+class _Index:
+    """The same through ``__index__`` of a size that ``Tensor.split`` (torch's Python) passes on
+    to ``split_with_sizes``: 13.3 C."""
+
+    body = None
+
+    def __index__(self):
+        if _Index.body is not None:
+            b, _Index.body = _Index.body, None
+            b()
+        return 3
+
+
+class InsideATorchFunction(ForgedUnpacks):
+    how = "torch-function"
+
+    def forward(self, x):
+        z = self.fc1(x)
+        box = {}
+
+        def body():
+            h = torch.mul(self.c, z)
+            if _real(x):
+                h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, x, self.c
+                _forged_rewrite(h)
+            box["h"] = h
+
+        if self.how == "torch-function":
+            _TorchFunctionArg.body = body
+            torch.add(self.c, _TorchFunctionArg())
+        elif self.how == "index":
+            _Index.body = body
+            torch.ones(6, dtype=DT).split([_Index(), 3])
+        else:  # a profile function set before the step (test below) ran inside torch's
+            # Python functions (13.3 C): here inside the inner __rsub__ of the wrapper the mode
+            # runs
+            _PROFILED["body"] = body
+            _ = 1 - self.c
+        # (the profile function is switched off inside torch's functions: body never ran)
+        h = box["h"] if "h" in box else torch.mul(self.c, z)
+        return self.fc(torch.tanh(h))
+
+
+_PROFILED: dict = {}
+
+
+def _profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "__rsub__" and "body" in _PROFILED:
+        _PROFILED.pop("body")()
+
+
+def _inside(how):
+    cls = type(f"Inside_{how}", (InsideATorchFunction,), {"how": how})
+    return cls
+
+
+@pytest.mark.parametrize("model", [OutsideFunctions, OwnDispatch, ReturnedAsGiven,
+                                   _inside("torch-function"), _inside("index"),
+                                   _inside("profile")],
                          ids=["torch-functions-off", "own-function-dispatch",
-                              "returned-as-given"])
+                              "returned-as-given", "argument-torch-function",
+                              "argument-index", "profile-function"])
 @pytest.mark.parametrize("name", ["ghost", "auto", "compiled"])
 def test_operations_outside_torch_s_functions_are_refused_or_bounded(model, name):
     """An operation matched outside every torch function the trace sees return has no stamp:
     refused on the traced path (``ProgramMatch.fn_enter``); on the graph, bounded."""
     x, y = _data(8, "value")
-    d = _refused_or_bounded(name, model, x, y)
+    profiled = model.__name__ == "Inside_profile"
+    if profiled:  # (set by the caller's loop, before the step: not refused as one set inside)
+        sys.setprofile(_profile)
+    try:
+        d = _refused_or_bounded(name, model, x, y)
+        # (a trace or profile function is switched off inside torch's own functions, and put
+        # back after them: it never saw the frame of torch's __rsub__ on a traced step)
+        assert not profiled or name == "compiled" or "body" in _PROFILED
+        assert sys.getprofile() is (_profile if profiled else None)
+    finally:
+        sys.setprofile(None)
+        _PROFILED.clear()
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"
 
 
@@ -250,3 +337,82 @@ class TensorHooked(Block):
         if h.requires_grad:
             h.register_hook(lambda grad: grad * 10)
         return self.head(h.mean(1))
+
+
+# ------------------------------------------------- review 165: between the two passes
+
+
+class _Writer:
+    def __init__(self, b, value):
+        self.b, self.value = b, value
+
+    def __del__(self):
+        with torch._C.DisableTorchFunction():
+            guard = torch._C._DisableTorchDispatch()
+            try:
+                self.b.data.fill_(self.value)
+            finally:
+                del guard
+
+
+class CacheWritesBetweenPasses(torch.nn.Module):
+    """Hundred-and-sixty-fifth hostile review: a memoised method's value, dropped when the
+    engine clears the model's method caches at the end of the traced chunk (after that pass's
+    last check), wrote example 0's sign times 1000 into a buffer that the graph pass then read;
+    the weight function (run in the graph pass's reduction, after the graph read it) put the
+    buffer back: 8.0 C under auto and compiled, through make_private too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = torch.nn.Linear(4, 6).to(DT), torch.nn.Linear(6, 3).to(DT)
+        self.register_buffer("b", torch.zeros(6, dtype=DT))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - the attack's vehicle
+    def _mark(self, value):
+        return _Writer(self.b, value)
+
+    def forward(self, x):
+        if _real(x):
+            with torch._C.DisableTorchFunction():
+                guard = torch._C._DisableTorchDispatch()
+                try:
+                    live = bool(x.abs().sum() > 0)  # (not auto's public probe of zeros)
+                    s = 1.0 if bool(x[0, 0] > 0) else -1.0
+                finally:
+                    del guard
+            if live:
+                self._mark(1000.0 * s)
+        return self.fc(torch.tanh(self.fc1(x)) + self.b)
+
+
+@pytest.mark.parametrize("name", ["auto", "compiled"])
+def test_state_written_between_the_two_passes_is_refused(name):
+    """The graph pass of a graph's first step must find the parameters, buffers and batch the
+    step began with (``ghost._StepState``): refused (8.0 C before)."""
+    from dpclip.engine import get_engine
+    from dpclip.engine.errors import UnsupportedModelError
+    from tests.engine.test_review137_neg_bit_dtype import C, _ce
+
+    def weights(model):
+        clip = clip_weights(C)
+
+        def fn(norms):
+            model.b.data.zero_()  # (the restore, after the graph read the buffer)
+            return clip(norms)
+        return fn
+
+    x, y = _data(8, "value")
+    sums = []
+    try:
+        for keep in (slice(None), slice(1, None)):
+            model = CacheWritesBetweenPasses()
+            compiled_mod.reset(model)
+            res = get_engine(name).compute(model, _ce, x[keep], y[keep], weights(model),
+                                           ParamGroups.flat(model))
+            sums.append(torch.cat([g.reshape(-1) for g in res.grads.values()]))
+    except UnsupportedModelError as exc:
+        assert "changed while the graph's first step" in str(exc)
+        return
+    d = float((sums[0] - sums[1]).norm()) / C
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"

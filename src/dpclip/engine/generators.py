@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["OwnGenerators", "current_seed_source", "defaults_unchanged", "seed_source"]
+__all__ = ["OwnGenerators", "current_seed_source", "default_generators", "defaults_unchanged",
+           "seed_source"]
 
 #: where the chunks' seeds come from while a private run steps (None: the default generator)
 _SOURCE: contextvars.ContextVar[Callable[[], int] | None] = contextvars.ContextVar(
@@ -83,6 +84,11 @@ _MASK = (1 << 62) - 1
 def _derived(seed: int, k: int) -> int:
     """The ``k``-th seed derived from ``seed`` (Knuth's MMIX LCG constants; public counter)."""
     return (seed * 6364136223846793005 + (2 * k + 1) * 1442695040888963407) & _MASK
+
+
+def default_generators() -> list[torch.Generator]:
+    """torch's default generators: the CPU's, and CUDA's where initialised."""
+    return _defaults()
 
 
 def _defaults() -> list[torch.Generator]:

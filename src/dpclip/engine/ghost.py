@@ -220,7 +220,7 @@ from dpclip.engine.ghost_rules import (
 from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine import torch_names, views
-from dpclip.engine.generators import OwnGenerators
+from dpclip.engine.generators import OwnGenerators, default_generators
 from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
@@ -629,6 +629,50 @@ def _public_probe(tree: Any) -> Any:
                                            device=t.device), tree)
 
 
+class _StepState:
+    """Copies of a step's state when a graph's first step begins: every parameter and buffer
+    of the model (by name, duplicates included) and every tensor of the batch, with their
+    layouts; :meth:`changed` names the first that no longer holds them (bits compared: -0.0 is
+    not 0.0, NaN payloads count)."""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self, model: nn.Module, inputs: Any, targets: Any) -> None:
+        self._kept = [(what, t, _copy(t)) for what, t in _state_tensors(model, inputs, targets)]
+
+    def changed(self, model: nn.Module, inputs: Any, targets: Any) -> str | None:
+        now = _state_tensors(model, inputs, targets)
+        if len(now) != len(self._kept):
+            return "the model's parameters or buffers (their number)"
+        with _cm.no_grad():
+            for (what, t, kept), (what2, t2) in zip(self._kept, now):
+                if what2 != what or t2 is not t or t.shape != kept.shape or \
+                        t.dtype != kept.dtype or t.stride() != kept.stride() or \
+                        not _same_bits(t, kept):
+                    return what
+        return None
+
+
+def _state_tensors(model: nn.Module, inputs: Any, targets: Any) -> list[tuple[str, Tensor]]:
+    got = [(f"parameter {n!r}", p) for n, p in model.named_parameters(remove_duplicate=False)]
+    got += [(f"buffer {n!r}", b) for n, b in model.named_buffers(remove_duplicate=False)
+            if isinstance(b, Tensor)]
+    got += [("a tensor of the batch", t) for t in batch_leaves(inputs) + batch_leaves(
+        targets, "targets") if isinstance(t, Tensor)]
+    return got
+
+
+def _copy(t: Tensor) -> Tensor:
+    with _cm.no_grad():
+        return t.detach().clone(memory_format=torch.preserve_format)
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    from dpclip.engine.proved_program import _equal
+
+    return bool(_equal(a.detach(), b))
+
+
 def _unit_weights(norms: Tensor) -> Tensor:
     """The probe's weight function (the strategy's is not called on the probe)."""
     return torch.ones_like(norms)
@@ -770,7 +814,13 @@ class GhostEngine:
                     reducer.add_chunk({}, _check_losses(loss_fn(call_model(model, xs), ys), rows))
             grads, norms, weights, loss_sum = reducer.result()
             return EngineResult(grads, norms, weights, loss_sum, self._info(None))
-        compiled = CompiledStep(self._prefer) if self._compiled else None
+        compiled = CompiledStep(self._prefer, lambda: _StepState(model, inputs, targets)) \
+            if self._compiled else None
+        # (the caller's default generators before the step's chunks draw their seeds: a graph's
+        # first step runs its chunks twice, and the graph pass draws the seeds the traced pass
+        # drew, as a single pass would; nothing of the traced pass is released)
+        rng = [(g, g.get_state()) for g in default_generators()] if compiled is not None \
+            else None
         res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
                            chain, compiled)
         if compiled is not None and compiled.pending and weight_fn is not _unit_weights \
@@ -782,8 +832,23 @@ class GhostEngine:
             # user's autograd graph, whose history the traced checks observe but user code with
             # torch's dispatch off could still rewrite (docs/engines.md, "Reviews 154-155":
             # nine reviews found one more such property to compare). The traced result is
-            # dropped unreleased; the graph runs the same batch.
+            # dropped unreleased; the graph runs the same batch, on the state the step began
+            # with: a parameter, buffer or batch tensor written by the traced pass's user code
+            # where its own checks did not look (a finalizer in its backward, a cache's value
+            # dropped when its chunk ended) would be read by the graph (hundred-and-sixty-fifth
+            # hostile review: 8.0 to 13.7 C under auto and compiled)
             del res
+            if compiled.state is not None:
+                changed = compiled.state.changed(model, inputs, targets)
+                compiled.state = None
+                if changed is not None:
+                    raise UnsupportedModelError(
+                        f"{self.name} engine: {changed} changed while the graph's first step "
+                        "ran the model's code for its checks (by code the model ran there: a "
+                        "finalizer, a cache, a hook), before the graph runs the step; keep the "
+                        "model's state and the batch unchanged in the forward and loss")
+            for g, state in rng or ():
+                g.set_state(state)
             res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
                                chain, CompiledStep(self._prefer))
         return res

@@ -168,9 +168,14 @@ class CompiledStep:
     graph that cannot be proved or run leaves the chunk to the traced path (``auto``) instead of
     refusing the model (``compiled``)."""
 
-    __slots__ = ("pending", "ran", "traced", "prefer", "frozen", "_gc")
+    __slots__ = ("pending", "ran", "traced", "prefer", "frozen", "_gc", "take", "state")
 
-    def __init__(self, prefer: bool) -> None:
+    def __init__(self, prefer: bool, take: Any = None) -> None:
+        #: what takes a copy of the step's state (the model's parameters and buffers, the
+        #: batch) when a graph's first step begins, before any of its user code runs; the graph
+        #: pass that follows must find that state (GhostEngine._guarded)
+        self.take = take
+        self.state: Any = None
         #: whether Python's cyclic collector was on when the first graph chunk paused it
         self._gc: bool | None = None
         self.pending: list[Any] = []
@@ -299,6 +304,8 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
         plan = plan_of(program, model, scan, xs, ys)
         if not plan.confirmed:
             if plan not in compiled.pending:
+                if compiled.state is None and compiled.take is not None:
+                    compiled.state = compiled.take()  # (before this chunk's user code runs)
                 compiled.pending.append(plan)
             return None
         if carry and compiled.traced:

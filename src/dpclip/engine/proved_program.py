@@ -1076,9 +1076,11 @@ def _names_in(spec: tuple, used: set[int]) -> None:
 
 
 _OUTSIDE_FUNCTIONS = (
-    "operation {k} ({op}) was called with torch functions switched off (not from one of "
-    "torch's functions the trace sees return): its output's autograd history could be "
-    "rewritten before any check sees it; call torch's functions as usual")
+    "operation {k} ({op}) was called outside torch's own functions (with torch functions "
+    "switched off, or by user code that a torch function ran: an argument's "
+    "__torch_function__, __index__ or __len__, a callback, a trace or profile function): its "
+    "output's autograd history could be rewritten before any check sees it; call torch's "
+    "functions as usual, on tensors and Python numbers")
 
 
 def _first_tensors(v: Any) -> list[Tensor]:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys as _sys
 import weakref
 from typing import Any, Callable
 
@@ -83,6 +84,7 @@ from dpclip.engine.conv_backends import (
 from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 from dpclip.engine.op_entry import PY_DISPATCHER, call_op, python_dispatcher_on, verified
 from dpclip.engine import _cm
+from dpclip.engine import frames_guard
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
@@ -395,12 +397,61 @@ def _library_now(func: Any, above: tuple) -> bool:
     return True
 
 
+#: the exact types of arguments whose use inside torch's functions runs no Python code: plain
+#: tensors, Python's own scalars and containers (walked), torch's C-level value types, NumPy's
+#: scalars. Anything else (a subclass of int with ``__index__``, an object with
+#: ``__torch_function__``, ``__len__``, ``__iter__``, ``__float__``, a callable) can run user code
+#: inside the function (hundred-and-sixty-sixth hostile review: an object's
+#: ``__torch_function__`` given to torch.add rebuilt a matched operation's node there, 13.3 C)
+_PLAIN_ARGS = frozenset({Tensor, torch.nn.Parameter, int, float, bool, complex, str, bytes,
+                         type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout,
+                         torch.memory_format, torch.Generator, torch.qscheme})
+_CONTAINERS = frozenset({list, tuple, torch.Size, dict, slice})
+try:
+    import numpy as _np
+
+    _PLAIN_ARGS = _PLAIN_ARGS | frozenset(t for t in set(_np.sctypeDict.values())
+                                          if issubclass(t, _np.generic))
+except ImportError:  # pragma: no cover - numpy is a dependency of torch's tests, not of torch
+    pass
+
+
 def _user_callback(args: tuple, kwargs: dict | None) -> bool:
-    """A Python callable among a function's arguments (it would run inside the function)."""
-    for a in (*args, *(kwargs or {}).values()):
-        if callable(a) and not isinstance(a, (Tensor, type)):
+    """Whether running a function on these arguments could run user code inside it: an
+    argument (or an element of a list, tuple, dict or slice among them) of a type not in
+    :data:`_PLAIN_ARGS`; or a ``sys.monitoring`` tool, which runs on Python calls inside torch's
+    Python functions and sees their frames (trace and profile functions are switched off inside
+    them instead: ``_EscapeMode.__torch_function__``)."""
+    stack = [*args, *(kwargs or {}).values()]
+    while stack:
+        a = stack.pop()
+        t = type(a)
+        if t in _PLAIN_ARGS:
+            continue
+        if t not in _CONTAINERS:
             return True
-    return False
+        if t is dict:
+            stack.extend(a.values())
+            stack.extend(a.keys())
+        elif t is slice:
+            stack.extend((a.start, a.stop, a.step))
+        else:
+            stack.extend(a)
+    return _monitoring_tools()
+
+
+def _monitoring_tools() -> bool:
+    """A ``sys.monitoring`` tool is registered (Python 3.12+): its callbacks would run inside
+    torch's Python functions, and it cannot be switched off and put back here."""
+    if not _MONITORING:
+        return False
+    import sys
+
+    mon = sys.monitoring
+    return any(mon.get_tool(i) is not None for i in range(6))
+
+
+_MONITORING = hasattr(__import__("sys"), "monitoring")
 
 
 class _EscapeMode(TorchFunctionMode):
@@ -442,7 +493,8 @@ class _EscapeMode(TorchFunctionMode):
                 tr.violation = why
         m = tr.match
         if m is None or tr.quiet or m.done or m.mismatch is not None or \
-                not _library(func) or _user_callback(args, kwargs):
+                not _library(func) or any(t is not Tensor and t is not torch.nn.Parameter
+                                          for t in types) or _user_callback(args, kwargs):
             # (outside the proved-program match, or not one of torch's own functions: the
             # operations it runs are matched at depth 0, see ProgramMatch.fn_enter)
             if not tr.quiet:
@@ -458,6 +510,13 @@ class _EscapeMode(TorchFunctionMode):
         collecting = gc.isenabled()
         if collecting:
             gc.disable()
+        # (a trace or profile function set from Python, or cProfile's profiler, whose timer can
+        # be a Python function, would run on every call inside torch's Python functions and see
+        # their frames: switched off inside, put back after; a callback an extension set from C,
+        # torch.profiler's, runs that extension's code and stays on; frames_guard)
+        callbacks = None
+        if _sys.gettrace() is not None or _sys.getprofile() is not None:
+            callbacks = frames_guard.callbacks_off()
         try:
             if func is _ONE_HOT:
                 out = _one_hot(tr, args, kwargs or {})
@@ -466,6 +525,14 @@ class _EscapeMode(TorchFunctionMode):
             else:
                 out = self._run(tr, func, args, kwargs)
         finally:
+            if callbacks is not None:
+                found, left = callbacks
+                if _sys.gettrace() is not left[0] or _sys.getprofile() is not left[1]:
+                    tr.violation = tr.violation or (
+                        "an interpreter callback (sys.settrace / sys.setprofile) was set "
+                        "inside one of torch's functions")
+                if found[0] is not left[0] or found[1] is not left[1]:
+                    frames_guard.put_back_callbacks(*found)
             if collecting:
                 gc.enable()
             m.fn_exit(out if "out" in locals() else None, before)
