@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from dpclip.engine import AutoEngine, ParamGroups
+from dpclip.engine import AutoEngine, ParamGroups, get_engine
 from dpclip.engine import compiled as compiled_mod
 from tests.engine.helpers import clip_weights
 from tests.engine.test_compiled_engine import Block, _equal_to_the_loop, _seq, graph_runs
@@ -415,4 +415,80 @@ def test_state_written_between_the_two_passes_is_refused(name):
         assert "changed while the graph's first step" in str(exc)
         return
     d = float((sums[0] - sums[1]).norm()) / C
+    assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"
+
+
+# ------------------------------------------------- review 167: user code inside F.softmax
+
+
+class InsideSoftmax(ForgedUnpacks):
+    """Hundred-and-sixty-seventh hostile review: user code ran inside ``F.softmax`` (torch's
+    Python) with plain tensor arguments, through the tensor's own attribute ``softmax`` (which
+    hides the Tensor method F.softmax calls) or a replaced ``warnings.showwarning`` (F.softmax
+    without ``dim`` warns): there it ran the matched ``mul`` and rebuilt its node, kept it and
+    used it after F.softmax returned: 13.3 C under ghost (13.6 C with an in-place write through
+    a view, which sends ``auto`` to the traced path)."""
+
+    how = "attribute"
+
+    def forward(self, x):
+        import warnings
+
+        import torch.nn.functional as F
+
+        z = self.fc1(x)
+        box = {}
+
+        def body(*args, **kwargs):
+            h = torch.mul(self.c, z)
+            if _real(x):
+                h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c = z, x, self.c
+                _forged_rewrite(h)
+            box["h"] = h
+            return torch.ones(6, dtype=DT)
+
+        t = torch.ones(6, dtype=DT)
+        if self.how == "attribute":
+            t.softmax = body
+            F.softmax(t, 0)
+        else:
+            real = warnings.showwarning
+            warnings.showwarning = body
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = body
+                    F.softmax(t)
+            finally:
+                warnings.showwarning = real
+        h = box["h"] if "h" in box else torch.mul(self.c, z)
+        return self.fc(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["attribute", "showwarning"])
+@pytest.mark.parametrize("layer", ["channels", "made-in"])
+@pytest.mark.parametrize("name", ["ghost", "auto-traced"])
+def test_user_code_inside_a_torch_function_is_refused_or_bounded(name, layer, how, monkeypatch):
+    """Two layers (each failed before): a function whose arguments hide Tensor attributes, or
+    that would warn through replaced display functions, is not torch's own (its operations are
+    outside torch's functions: refused); and, those checks switched off here (``made-in``), a
+    tensor made inside a call of torch's functions that returned without returning it is refused
+    when used after (``ProgramMatch._made_in``)."""
+    from dpclip.engine import separable
+
+    if layer == "made-in":
+        monkeypatch.setattr(separable, "_TENSOR_NAMES", frozenset())
+        monkeypatch.setattr(separable, "_warnings_own", lambda: True)
+    model = type(f"InsideSoftmax_{how}", (InsideSoftmax,), {"how": how})
+    x, y = _data(8, "value")
+    eng = "ghost" if name == "ghost" else AutoEngine(compiled=False)
+    from dpclip.engine.errors import UnsupportedModelError
+    from tests.engine.helpers import loo_distance
+    from tests.engine.test_review137_neg_bit_dtype import C, _ce
+
+    try:
+        d = loo_distance((lambda: get_engine(eng)) if isinstance(eng, str) else (lambda: eng),
+                         model, x, y, C, loss=_ce)
+    except UnsupportedModelError:
+        d = 0.0
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"

@@ -1124,7 +1124,7 @@ class ProgramMatch:
     __slots__ = ("armed", "_pending", "hooks", "program", "entries", "k", "names", "mismatch", "done", "_model", "extra",
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_snap",
-                 "_dropped", "fn_depth", "_stamps")
+                 "_dropped", "fn_depth", "_stamps", "_calls", "_call_seq", "_made_in")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -1160,6 +1160,13 @@ class ProgramMatch:
         #: ident -> (weak ref, grad_fn) of each tensor one of torch's own functions returned (or
         #: wrote in place), taken when that function returned, before any user code ran
         self._stamps: dict[int, tuple[Any, Any]] = {}
+        #: the numbers of the calls of torch's functions running now, innermost last (each call
+        #: gets the next number of ``_call_seq``): an operation's output is made in the
+        #: innermost one
+        self._calls: list[int] = []
+        self._call_seq = 0
+        #: ident -> (weak ref, the call it was made in) of each checked output (_history_holds)
+        self._made_in: dict[int, tuple[Any, Any]] = {}
         _input_names(xs, ys, self.names)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
@@ -1427,7 +1434,7 @@ class ProgramMatch:
 
     def _history_holds(self, args: tuple, kwargs: dict) -> bool:
         fresh, self._fresh = self._fresh, []
-        for ref, seqs, key, allowed, tensors in fresh:
+        for ref, seqs, key, allowed, tensors, call in fresh:
             o = ref()
             if o is None or not o.requires_grad:
                 continue
@@ -1447,17 +1454,36 @@ class ProgramMatch:
             # 24: review 159's rewrite with the step's watch's own unpack called by the
             # forward's hooks passed the saved-tensor facts below, 13.3 C)
             st = self._stamps.get(ident(o))
-            if st is not None and st[0]() is o and st[1] is not g:
+            if st is not None and st[0]() is o:
+                if st[1] is not g:
+                    return self._history_fail()
+            elif call not in self._calls:
+                # (made inside a call of torch's functions that has returned without returning
+                # or writing it: only user code that ran inside that call can have kept it, and
+                # its node then could have been rebuilt there; hundred-and-sixty-seventh hostile
+                # review: a tensor's own attribute hiding a Tensor method that F.softmax calls,
+                # 13.6 C)
                 return self._history_fail()
             want = self.program.sigs.get(key)
             if want is None or not _linked(g, allowed) or \
                     not _facts_match(want, _node_facts(g, tensors, real=True)):
                 return self._history_fail()
             self._history[ident(o)] = (ref, g)
+            self._made_in[ident(o)] = (ref, call)
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, Tensor):
                     e = self._history.get(ident(t))
+                    m = self._made_in.get(ident(t))
+                    if m is not None and m[0]() is t and m[1] not in self._calls:
+                        st = self._stamps.get(ident(t))
+                        if st is None or st[0]() is not t:
+                            # (made inside a call of torch's functions that has returned
+                            # without returning it: only user code that ran inside that call
+                            # can have kept it, and rebuilt its node there; hundred-and-sixty-
+                            # seventh hostile review: F.softmax ran a tensor's own attribute,
+                            # 13.6 C)
+                            return self._history_fail()
                     if e is not None and e[0]() is t:
                         # (a recorded node, a view's included, changes only by a matched write
                         # to its storage, which drops the record: a view's node swapped for
@@ -1518,6 +1544,8 @@ class ProgramMatch:
         itself while the function runs: no user code runs inside it, the collector paused):
         the nodes of the tensors it may write in place, as they are now (:meth:`fn_exit`)."""
         self.fn_depth += 1
+        self._call_seq += 1
+        self._calls.append(self._call_seq)
         written = _first_tensors(args[0]) if args and _writes_first(func) else []
         if kwargs and kwargs.get("out") is not None:
             written += _first_tensors(kwargs["out"])
@@ -1534,6 +1562,8 @@ class ProgramMatch:
         step's saved-tensor watch must still be on top: hooks pushed inside the function would
         have packed what its operations saved."""
         self.fn_depth -= 1
+        if self._calls:
+            self._calls.pop()
         if self.done or self.mismatch is not None:
             return
         w = self._saved_watch
@@ -1655,7 +1685,8 @@ class ProgramMatch:
                     if torch.is_grad_enabled():
                         seq = _SEQUENCE_NR()
                         with torch._C.DisableTorchFunction():
-                            self._fresh = [(weakref.ref(t), seq, *rest) for t, *rest in
+                            call = self._calls[-1] if self._calls else None
+                            self._fresh = [(weakref.ref(t), seq, *rest, call) for t, *rest in
                                            _pending_of(func, seen, args, kwargs, outs)]
                         if self._fresh and not self.fn_depth:
                             self._fail(_OUTSIDE_FUNCTIONS.format(k=k, op=_short(func)))
@@ -1698,7 +1729,8 @@ class ProgramMatch:
             snap, self._snap = self._snap, None
             snaps = snap[1] if snap is not None and snap[0] is func else ()
             with torch._C.DisableTorchFunction():
-                self._fresh = [(weakref.ref(t), seq, key, allowed, (*tensors, snaps))
+                call = self._calls[-1] if self._calls else None
+                self._fresh = [(weakref.ref(t), seq, key, allowed, (*tensors, snaps), call)
                                for t, key, allowed, tensors in
                                _pending_of(func, index, args, kwargs, outs)]
             if self._fresh and not self.fn_depth:
@@ -1820,6 +1852,7 @@ class ProgramMatch:
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
         # (autograd nodes: they hold the step's graph)
         self._history, self._fresh, self._dropped, self._stamps = {}, [], {}, {}
+        self._made_in = {}
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later

@@ -427,6 +427,10 @@ def _user_callback(args: tuple, kwargs: dict | None) -> bool:
         a = stack.pop()
         t = type(a)
         if t in _PLAIN_ARGS:
+            if (t is Tensor or t is torch.nn.Parameter) and a.__dict__ and \
+                    not _TENSOR_NAMES.isdisjoint(a.__dict__):
+                return True  # (its own attribute hides a Tensor method torch's code calls:
+                # t.softmax = f, then F.softmax(t) ran f; hundred-and-sixty-seventh review)
             continue
         if t not in _CONTAINERS:
             return True
@@ -437,7 +441,28 @@ def _user_callback(args: tuple, kwargs: dict | None) -> bool:
             stack.extend((a.start, a.stop, a.step))
         else:
             stack.extend(a)
-    return _monitoring_tools()
+    return _monitoring_tools() or not _warnings_own()
+
+
+#: every name of torch's tensor class (an instance attribute of that name hides it)
+_TENSOR_NAMES = frozenset(dir(Tensor))
+#: the warnings module's functions that run when torch's code warns, as Python defines them
+_WARN_FNS = ("showwarning", "_showwarnmsg", "formatwarning", "_formatwarnmsg")
+_WARN_ORIG = {n: getattr(__import__("warnings"), n, None) for n in _WARN_FNS}
+
+
+def _warnings_own() -> bool:
+    """Whether a warning raised inside torch's Python code would run only Python's own code:
+    the warnings module's display functions are its own (a replaced ``warnings.showwarning``
+    ran inside ``F.softmax``'s implicit-dimension warning: hundred-and-sixty-seventh hostile
+    review, 13.6 C), and every filter's category is a class of the plain ``type`` metaclass (a
+    metaclass's ``__subclasscheck__`` would run when the filters are matched)."""
+    import warnings
+
+    for n in _WARN_FNS:
+        if getattr(warnings, n, None) is not _WARN_ORIG[n]:
+            return False
+    return all(type(f[2]) is type for f in warnings.filters if len(f) > 2)
 
 
 def _monitoring_tools() -> bool:
