@@ -1454,16 +1454,11 @@ class ProgramMatch:
             # 24: review 159's rewrite with the step's watch's own unpack called by the
             # forward's hooks passed the saved-tensor facts below, 13.3 C)
             st = self._stamps.get(ident(o))
-            if st is not None and st[0]() is o:
-                if st[1] is not g:
-                    return self._history_fail()
-            elif call not in self._calls:
-                # (made inside a call of torch's functions that has returned without returning
-                # or writing it: only user code that ran inside that call can have kept it, and
-                # its node then could have been rebuilt there; hundred-and-sixty-seventh hostile
-                # review: a tensor's own attribute hiding a Tensor method that F.softmax calls,
-                # 13.6 C)
+            if st is not None and st[0]() is o and st[1] is not g:
                 return self._history_fail()
+            # (an output with no stamp, made inside a call of torch's functions, may be one it
+            # does not return, native_group_norm's mean: refused where it is USED after that
+            # call returned, below)
             want = self.program.sigs.get(key)
             if want is None or not _linked(g, allowed) or \
                     not _facts_match(want, _node_facts(g, tensors, real=True)):
