@@ -492,3 +492,51 @@ def test_user_code_inside_a_torch_function_is_refused_or_bounded(name, layer, ho
     except UnsupportedModelError:
         d = 0.0
     assert d <= 1 + 1e-6, f"{name}: LOO {d:.3f} C"
+
+
+# ------------------------------------------------- review 168: the graph pass runs the graph
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc = torch.nn.Linear(4, 6).to(DT), torch.nn.Linear(6, 3).to(DT)
+        self.scale = 1.0  # (a plain attribute: part of the proof's key)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc1(x)) * self.scale)
+
+
+@pytest.mark.parametrize("name", ["auto", "compiled"])
+def test_the_graph_pass_runs_only_the_adopted_graph(name, monkeypatch):
+    """Hundred-and-sixty-eighth hostile review: a collector finalizer between the two passes of
+    a graph's first step changed a plain attribute (the proof's key, which ``_StepState`` does not
+    compare); the second pass proved another program, ran it TRACED and released that sum (a
+    constant baked from example 0: 6.97 C under auto and compiled, make_private too). The graph
+    pass now runs only the plans the traced pass adopted; anything else refuses the step. Here
+    the attribute is changed between the passes directly."""
+    from dpclip.engine import GhostEngine
+    from dpclip.engine.errors import UnsupportedModelError
+    from tests.engine.test_review137_neg_bit_dtype import C, _ce
+
+    model = _Scaled()
+    compiled_mod.reset(model)
+    real = GhostEngine._chunks
+    calls = []
+
+    def chunks(self, *a, **k):
+        res = real(self, *a, **k)
+        calls.append(res.engine_info.get("program"))
+        if len(calls) == 2:  # (after the public probe and the first private step's traced pass)
+            model.scale = 2.0
+        return res
+
+    monkeypatch.setattr(GhostEngine, "_chunks", chunks)
+    x, y = _data(8, "value")
+    eng = get_engine(name)
+    if name == "compiled":
+        calls.append(None)  # (no public probe)
+    with pytest.raises(UnsupportedModelError, match="could not run the graph its traced pass|"
+                       "not the graph the traced pass adopted"):
+        eng.compute(model, _ce, x, y, clip_weights(C), ParamGroups.flat(model))

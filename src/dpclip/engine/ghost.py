@@ -850,7 +850,7 @@ class GhostEngine:
             for g, state in rng or ():
                 g.set_state(state)
             res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
-                               chain, CompiledStep(self._prefer))
+                               chain, CompiledStep(self._prefer, only=tuple(compiled.pending)))
         return res
 
     def _chunks(self, model: nn.Module, loss_fn: LossFn, inputs: Any, targets: Any,

@@ -168,9 +168,12 @@ class CompiledStep:
     graph that cannot be proved or run leaves the chunk to the traced path (``auto``) instead of
     refusing the model (``compiled``)."""
 
-    __slots__ = ("pending", "ran", "traced", "prefer", "frozen", "_gc", "take", "state")
+    __slots__ = ("pending", "ran", "traced", "prefer", "frozen", "_gc", "take", "state", "only")
 
-    def __init__(self, prefer: bool, take: Any = None) -> None:
+    def __init__(self, prefer: bool, take: Any = None, only: Any = None) -> None:
+        #: the graph pass of a graph's first step: the plans its traced pass adopted, the only
+        #: programs it may run (anything else, a traced chunk included, refuses the step)
+        self.only = only
         #: what takes a copy of the step's state (the model's parameters and buffers, the
         #: batch) when a graph's first step begins, before any of its user code runs; the graph
         #: pass that follows must find that state (GhostEngine._guarded)
@@ -248,6 +251,15 @@ def _forward(model: nn.Module, scan: _Scan, loss_fn: LossFn, xs: Any,
         got = _compiled_forward(model, scan, xs, ys, batch, why, program, carry, compiled)
         if got is not None:
             return got
+        if compiled.only is not None:
+            # (the graph pass of a graph's first step: never a traced chunk, whose sum would be
+            # released; hundred-and-sixty-eighth hostile review: a collector finalizer between
+            # the passes changed a plain attribute, the proof's key, and the second pass proved,
+            # traced and released another program, 6.97 C under auto and compiled)
+            raise _RuntimeUnsupported(
+                "the graph pass of a graph's first step could not run the graph its traced pass "
+                "adopted (the model's Python state, the proof's key, changed between the passes, "
+                "or the graph was refused): keep the model's attributes unchanged in the step")
         compiled.traced = True
         # (the graph's first step: traced below, as on the ghost engine)
     if gens is not None and program is not None:
@@ -302,6 +314,8 @@ def _compiled_forward(model: nn.Module, scan: _Scan, xs: Any, ys: Any, batch: in
             # analysis runs the graph's operations, which autocast would rewrite)
             raise CompiledUnsupported("autocast is on: the graph's operations would be rewritten")
         plan = plan_of(program, model, scan, xs, ys)
+        if compiled.only is not None and not any(plan is p for p in compiled.only):
+            raise CompiledUnsupported("not the graph the traced pass adopted")
         if not plan.confirmed:
             if plan not in compiled.pending:
                 if compiled.state is None and compiled.take is not None:
