@@ -52,11 +52,11 @@ import operator
 import re
 import types
 import warnings
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
@@ -834,7 +834,12 @@ def _autocast_key() -> tuple:
     return tuple(got)
 
 
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, _Proofs]" = weakref.WeakKeyDictionary()
+#: the proofs of each model, by identity (a model whose ``__hash__`` changes on every call found
+#: no proof, and a graph's first step proved another program in its graph pass:
+#: test_auto_probe.test_the_verdict_is_kept_by_identity_not_by_hash)
+_CACHE: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
 def _identity(fn: Any) -> Any:
     """``fn`` by identity; a bound method by its function's and its object's (``obj.loss`` is a
     new method object at each access: by its canonical form, the object's state carried from the
