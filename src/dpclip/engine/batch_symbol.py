@@ -1002,6 +1002,27 @@ def caches_of_the_proof_cleared(model: Any) -> Iterator[None]:
                 c.cache_clear()
 
 
+#: the rows of the proof's public stand-in of the batch (a prime: no size of a model is likely
+#: to equal it, which export's duck sizing would tie to the batch symbol)
+_PROOF_ROWS = 61
+
+
+def _stand_in(tree: Any) -> Any:
+    """``tree`` with each tensor replaced by zeros of its dtype, device and trailing shape with
+    :data:`_PROOF_ROWS` rows, its dimensions laid out in the same stride order (public: neither
+    the step's values nor its size)."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            return t
+        shape = (_PROOF_ROWS, *t.shape[1:])
+        order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+        with _cm.no_grad():
+            z = torch.zeros([shape[d] for d in order], dtype=t.dtype, device=t.device)
+            back = [order.index(d) for d in range(t.dim())]
+            return z.permute(back)
+    return pytree.tree_map(one, tree)
+
+
 def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tensor], xs: Any,
                   ys: Any, expand: tuple[tuple[nn.Module, bool], ...] = ()
                   ) -> tuple[str | None, ProvedProgram | None]:
@@ -1011,6 +1032,13 @@ def _export_check(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., 
     dynamic = pytree.tree_map(lambda t: {0: batch_dim} if isinstance(t, Tensor) else None,
                               (xs, ys))
     traced = _LossOfModel(model, loss_fn, expand)
+    # the export runs on a PUBLIC stand-in of the batch, never on the step's tensors: torch's fake
+    # mode keeps the tensors it was given (its meta converter's describer) and the symbolic size
+    # its hint, both readable by the forward's Python while it is traced, which baked the
+    # examples' values (a literal made from them: 2.93-15.2 C) or the padded batch size (25.1 C)
+    # into the proved program (hundred-and-sixty-ninth hostile review, also at the session's
+    # start): zeros of the batch's structure, dtypes and layouts, with _PROOF_ROWS rows
+    xs, ys = _stand_in(xs), _stand_in(ys)
     try:
         with warnings.catch_warnings(), _eager_kernels(), proof_export():
             warnings.simplefilter("ignore")
