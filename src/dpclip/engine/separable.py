@@ -354,9 +354,13 @@ def _library_now(func: Any, above: tuple) -> bool:
         if getattr(func, "__name__", "") in _CALLBACK_METHODS:
             return False
         owner = getattr(func, "__self__", None)
-        cls = getattr(func, "__objclass__", None)
-        if cls is None and owner is not None and not isinstance(owner, _types.ModuleType):
-            cls = getattr(owner, "__objclass__", None) or type(owner)  # (a getset's wrapper)
+        if type(func) is _types.MethodWrapperType:  # (a property's getter, Tensor.T.__get__:
+            # the class of the getset or slot it wraps, else its object's class)
+            cls = getattr(owner, "__objclass__", None) or type(owner)
+        else:
+            cls = getattr(func, "__objclass__", None)
+            if cls is None and owner is not None and not isinstance(owner, _types.ModuleType):
+                cls = type(owner)
         mod = getattr(func, "__module__", None) if type(func) is _types.BuiltinFunctionType \
             else None
         if mod is None and isinstance(owner, _types.ModuleType):
