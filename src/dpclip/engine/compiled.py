@@ -84,9 +84,19 @@ from dpclip.engine.proved_program import _LAST, _equal, foreign_aten_kernels
 from dpclip.engine.separable import SeparabilityTracer, _meta
 from dpclip.engine import _cm
 
-__all__ = ["CompiledUnsupported", "Plan", "plan_of", "reset"]
+__all__ = ["CompiledUnsupported", "Plan", "blocked", "plan_of", "reset"]
 
 _aten = torch.ops.aten
+
+
+def blocked() -> str | None:
+    """Why no graph step can run now (user code that would run on the graph's operations: a
+    torch function or dispatch mode, saved-tensor hooks, an interpreter callback, a Python kernel
+    over an ATen operation; autocast), or None."""
+    return (ambient_user_code() or python_callbacks()
+            or ("Python kernels are registered over ATen operations"
+                if foreign_aten_kernels() else None)
+            or ("autocast is on" if _autocast_on() else None))
 
 
 class CompiledUnsupported(Exception):
@@ -659,10 +669,7 @@ class Plan:
     def run(self, model: nn.Module, scan: Any, xs: Any, ys: Any,
             batch: int) -> tuple[list[_Call], Tensor]:
         """One step's forward: ``(calls, per-example losses)``, no user code run."""
-        why = (ambient_user_code() or python_callbacks()
-               or ("Python kernels are registered over ATen operations"
-                   if foreign_aten_kernels() else None)
-               or ("autocast is on" if _autocast_on() else None))
+        why = blocked()
         if why is not None:
             raise CompiledUnsupported(f"{why}: user code would run on the graph's operations")
         by_name = {o.name: o for o in scan.owners}

@@ -221,6 +221,7 @@ from dpclip.engine.hook_free import hook_free_grad
 from dpclip.engine.library_code import library_changed
 from dpclip.engine import torch_names, views
 from dpclip.engine.generators import OwnGenerators, default_generators
+from dpclip.engine.compiled import blocked as graph_blocked
 from dpclip.engine.isolation import Isolated, check_structure, engine_only
 from dpclip.engine.state_guard import state_guard
 from dpclip.engine.ghost_forward import (
@@ -824,7 +825,10 @@ class GhostEngine:
         res = self._chunks(model, loss_fn, inputs, targets, weight_fn, groups, batch, scan,
                            chain, compiled)
         if compiled is not None and compiled.pending and weight_fn is not _unit_weights \
-                and all(p.confirmed for p in compiled.pending):
+                and all(p.confirmed for p in compiled.pending) \
+                and not (self._prefer and graph_blocked() is not None):
+            # (auto, with user code around the step that no graph step runs under, a profiler:
+            # the traced pass's sum is released, as on every step until that code is gone)
             # a graph's first step: its chunks ran on the traced path, whose checks refuse what
             # the graph does not show (a backward hook, a custom Function, a value of the batch
             # read through an escape) and whose match ties the graph to the model's own code;
