@@ -9,9 +9,10 @@ per-example loop (relative to the sum's largest entry).
     python benchmarks/hf_zoo_coverage.py --engine compiled   # the explicit compiled engine
 
 With ``--engine compiled`` (rows in ``hf_zoo_coverage_compiled_cpu.json``) each model takes two
-steps: the first runs the traced path (the graph's adoption), the second the compiled graph; the
-row says whether the graph ran (``compiled``) or why the engine refused, and the second step's
-deviation from the loop.
+steps: the first runs the traced path for its checks (the graph's adoption) and then the compiled
+graph (since session 24 its sum is the graph's), the second the compiled graph only; the row says
+whether the graph ran (``compiled``) or why the engine refused, and the second step's deviation
+from the loop (rows taken before session 24: the first step's sum was the traced pass's).
 
 Inputs as a training loop gives them: ``input_ids`` with a padded 2-D ``attention_mask`` (text),
 ``decoder_input_ids`` (encoder-decoders), ``pixel_values`` (vision); batch 3, clip 0.3, the model in
