@@ -1009,8 +1009,8 @@ _PROOF_ROWS = 61
 
 def _stand_in(tree: Any) -> Any:
     """``tree`` with each tensor replaced by zeros of its dtype, device and trailing shape with
-    :data:`_PROOF_ROWS` rows, its dimensions laid out in the same stride order (public: neither
-    the step's values nor its size)."""
+    :data:`_PROOF_ROWS` rows, its dimensions laid out in the same stride order, requiring grad
+    where it does (public: neither the step's values nor its size)."""
     def one(t: Any) -> Any:
         if not isinstance(t, Tensor) or t.dim() == 0:
             return t
@@ -1019,7 +1019,9 @@ def _stand_in(tree: Any) -> Any:
         with _cm.no_grad():
             z = torch.zeros([shape[d] for d in order], dtype=t.dtype, device=t.device)
             back = [order.index(d) for d in range(t.dim())]
-            return z.permute(back)
+            z = z.permute(back)
+        # (a batch that requires grad is proved as one: the real run's match compares it)
+        return z.detach().requires_grad_(True) if t.requires_grad else z
     return pytree.tree_map(one, tree)
 
 
