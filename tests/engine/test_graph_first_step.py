@@ -30,6 +30,7 @@ from tests.engine.helpers import clip_weights
 from tests.engine.test_compiled_engine import Block, _equal_to_the_loop, _seq, graph_runs
 from tests.engine.test_review137_neg_bit_dtype import (DT, _data, _real, _RebasedHistory,
                                                        _refused_or_bounded)
+from tests.engine.test_review155_saved_hooks_history import _with_own_saved_hooks
 from tests.engine.test_separability_attacks import ce
 
 AC = torch._C._autograd
@@ -40,40 +41,7 @@ def _forged_rewrite(h):
     hooks; read by the check, the unpack hands back the matched operation's own arguments
     THROUGH THE STEP'S WATCH'S ``unpack`` (so they count as handed back by the watch); read by the
     backward, example 0's sign times 1000."""
-    z, x, c = h._dpclip_test_z, h._dpclip_test_x, h._dpclip_test_c
-    top = AC._top_saved_tensors_default_hooks(True)
-    watch_unpack = top[1] if isinstance(top, tuple) else None
-    with torch._C.DisableTorchFunction():
-        guard = torch._C._DisableTorchDispatch()
-        try:
-            k = 1000.0 if bool(x[0, 0] > 0) else -1000.0
-            v, n = h._version, h.grad_fn._sequence_nr()
-            keep = h.detach().clone()
-            h.detach_()
-
-            def pack(t):
-                return t
-
-            def unpack(t):
-                if t.shape == z.shape and t.data_ptr() == z.data_ptr():
-                    return watch_unpack([z, z._version]) if watch_unpack else z
-                if torch._C._current_graph_task_id() != -1:  # (read by the backward)
-                    return torch.full((t.shape[0], c.shape[0]), k, dtype=c.dtype)
-                return watch_unpack([c, c._version]) if watch_unpack else c
-
-            with torch.no_grad():
-                h.copy_(c.expand_as(h))
-            AC._push_saved_tensors_default_hooks(pack, unpack)
-            try:
-                h.mul_(z)
-            finally:
-                AC._pop_saved_tensors_default_hooks()
-            with torch.no_grad():
-                h.copy_(keep)
-            h.grad_fn._set_sequence_nr(n)
-            AC._unsafe_set_version_counter((h,), (v,))
-        finally:
-            del guard
+    _with_own_saved_hooks(h, "own-hooks", forge=True)
 
 
 class ForgedUnpacks(_RebasedHistory):

@@ -170,12 +170,16 @@ def _same_class_rewrite(h, how):
             del guard
 
 
-def _with_own_saved_hooks(h, how):
+def _with_own_saved_hooks(h, how, forge=False):
     """Hundred-and-fifty-ninth hostile review: review 158's same-class rewrite with the
     forward's own saved-tensor hooks pushed around the hidden operation: read by the check, its
     unpack gave the operation's own arguments (facts equal to the proof's); read by the
     backward, example 0's sign times 1000 (13.3 C)."""
     z, x = h._dpclip_test_z, h._dpclip_test_x
+    # (forge: what the check reads is handed back THROUGH the step's watch's own unpack, so it
+    # counts as handed back by the watch; session 24, tests/engine/test_graph_first_step.py)
+    top = AC._top_saved_tensors_default_hooks(True) if forge else None
+    watch = top[1] if isinstance(top, tuple) else (lambda p: p[0])
     with torch._C.DisableTorchFunction():
         guard = torch._C._DisableTorchDispatch()
         try:
@@ -190,10 +194,10 @@ def _with_own_saved_hooks(h, how):
 
             def unpack(t):
                 if t.shape == z.shape and t.data_ptr() == z.data_ptr():
-                    return z
+                    return watch([z, z._version])
                 if torch._C._current_graph_task_id() != -1:  # (read by the backward)
                     return torch.full((t.shape[0], c.shape[0]), k, dtype=c.dtype)
-                return c  # (read by the check: the matched operation's own argument)
+                return watch([c, c._version])  # (read by the check: the operation's argument)
 
             with torch.no_grad():
                 h.copy_(c.expand_as(h))
