@@ -920,7 +920,10 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
         # refused by the match, never re-proved with the cached value (filled by a private step's
         # real run, it can hold that step's batch size: re-proving read it as a constant, 2.64 C
         # across steps, sixty-third hostile review)
-        with defaults_unchanged(), caches_of_the_proof_cleared(model):
+        # (and dpclip's registry of past and current batches is empty while the forward runs
+        # there: read, it gave the proof the step's own batch, hundred-and-seventieth review)
+        from dpclip.engine.separable import past_batches_hidden
+        with defaults_unchanged(), caches_of_the_proof_cleared(model), past_batches_hidden():
             got = _export_check(model, loss_fn, xs, ys, expand)
         if len(per_model.alike) >= 64:
             per_model.alike.clear()

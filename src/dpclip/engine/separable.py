@@ -64,7 +64,7 @@ import gc
 import math
 import sys as _sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -288,6 +288,26 @@ def mark_past_batch(tensors: Any) -> None:
     for t in tensors:
         if isinstance(t, Tensor):
             _STALE[t] = True
+
+@_cm.contextmanager
+def past_batches_hidden() -> Iterator[None]:
+    """Around the batch-size proof's run of the user's forward (``torch.export``, on a public
+    stand-in, with no tracer watching what it reads): the registry of past and current batches
+    (:data:`_STALE`) is empty, its entries kept in this frame and put back after. A forward that
+    walked the registry read the step's own batch there (a value taken with torch's dispatch
+    switched off) and made it a literal of the proved program, which the real run then matched:
+    3.5-6.0 C under compiled, ghost, auto and make_private (hundred-and-seventieth hostile
+    review)."""
+    kept = dict(_STALE.d)
+    _STALE.d.clear()
+    try:
+        yield
+    finally:
+        made = _STALE.d.copy()  # (registered during the proof: kept too)
+        _STALE.d.clear()
+        _STALE.d.update(kept)
+        _STALE.d.update(made)
+
 
 #: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
 _METADATA = {"device", "layout", "dtype", "sym_size", "sym_numel", "sym_stride",
@@ -521,38 +541,40 @@ class _EscapeMode(TorchFunctionMode):
             if why is not None and tr.violation is None:
                 tr.violation = why
         m = tr.match
-        if m is None or tr.quiet or m.done or m.mismatch is not None or \
-                not _library(func) or any(t is not Tensor and t is not torch.nn.Parameter
-                                          for t in types) or _user_callback(args, kwargs):
-            # (outside the proved-program match, or not one of torch's own functions: the
-            # operations it runs are matched at depth 0, see ProgramMatch.fn_enter)
-            if not tr.quiet:
-                if func is _ONE_HOT:
-                    return _one_hot(tr, args, kwargs or {})
-                if func in _FUSED_RNN:
-                    return _fused_rnn(tr, func, args, kwargs or {})
-            return self._run(tr, func, args, kwargs)
+        if m is None or tr.quiet or m.done or m.mismatch is not None:
+            return self._outside(tr, func, args, kwargs)
         # one of torch's own functions, inside the match: what it returns (and writes) is
-        # stamped with its autograd node when it returns, before any user code runs; the
-        # collector paused inside it, so that no finalizer runs user code there
-        before = m.fn_enter(func, args, kwargs)
+        # stamped with its autograd node when it returns, before any user code runs. From
+        # before the checks of the function and its arguments to after the stamp, the collector
+        # is paused (no finalizer of a cycle runs there) and a trace or profile function set
+        # from Python, or cProfile's profiler, whose timer can be a Python function, is switched
+        # off (it would run on every call inside torch's Python functions and see their frames;
+        # put back after the stamp: the profile function set before the step that ran on the
+        # gc.enable() between the function's return and its stamp rewrote the node the write
+        # made and had the forged node stamped: 13.25 C under ghost, auto and make_private,
+        # hundred-and-seventy-first hostile review); a callback an extension set from C,
+        # torch.profiler's, runs that extension's code and stays on (frames_guard)
         collecting = gc.isenabled()
         if collecting:
             gc.disable()
-        # (a trace or profile function set from Python, or cProfile's profiler, whose timer can
-        # be a Python function, would run on every call inside torch's Python functions and see
-        # their frames: switched off inside, put back after; a callback an extension set from C,
-        # torch.profiler's, runs that extension's code and stays on; frames_guard)
         callbacks = None
         if _sys.gettrace() is not None or _sys.getprofile() is not None:
             callbacks = frames_guard.callbacks_off()
+        own = False
         try:
-            if func is _ONE_HOT:
-                out = _one_hot(tr, args, kwargs or {})
-            elif func in _FUSED_RNN:
-                out = _fused_rnn(tr, func, args, kwargs or {})
-            else:
-                out = self._run(tr, func, args, kwargs)
+            own = _library(func) and all(t is Tensor or t is torch.nn.Parameter
+                                         for t in types) and not _user_callback(args, kwargs)
+            if own:
+                before = m.fn_enter(func, args, kwargs)
+                try:
+                    if func is _ONE_HOT:
+                        out = _one_hot(tr, args, kwargs or {})
+                    elif func in _FUSED_RNN:
+                        out = _fused_rnn(tr, func, args, kwargs or {})
+                    else:
+                        out = self._run(tr, func, args, kwargs)
+                finally:
+                    m.fn_exit(out if "out" in locals() else None, before)
         finally:
             if callbacks is not None:
                 found, left = callbacks
@@ -564,8 +586,21 @@ class _EscapeMode(TorchFunctionMode):
                     frames_guard.put_back_callbacks(*found)
             if collecting:
                 gc.enable()
-            m.fn_exit(out if "out" in locals() else None, before)
+        if not own:
+            # (not one of torch's own functions: the operations it runs are matched at depth 0,
+            # see ProgramMatch.fn_enter)
+            return self._outside(tr, func, args, kwargs)
         return out
+
+    def _outside(self, tr: "SeparabilityTracer", func: Any, args: tuple,
+                 kwargs: dict | None) -> Any:
+        """A function run outside the proved-program match, or not one of torch's own."""
+        if not tr.quiet:
+            if func is _ONE_HOT:
+                return _one_hot(tr, args, kwargs or {})
+            if func in _FUSED_RNN:
+                return _fused_rnn(tr, func, args, kwargs or {})
+        return self._run(tr, func, args, kwargs)
 
     def _run(self, tr: "SeparabilityTracer", func: Any, args: tuple,
              kwargs: dict | None) -> Any:
