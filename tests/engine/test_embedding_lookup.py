@@ -165,3 +165,17 @@ def test_a_negative_padding_index_keeps_the_replay():
     res = GhostEngine().compute(model, ce, x, y, clip_weights(0.3), groups)
     assert "embedding_lookup" not in res.engine_info, res.engine_info
     assert_matches_the_loop(res, naive_per_example_grads(model, ce, x, y), groups, B)
+
+
+@pytest.mark.parametrize("count", [5, 1, 10.0])
+def test_an_embedding_whose_num_embeddings_is_not_its_table_is_refused(count):
+    """The rule keys each (example, token) as ``example * num_embeddings + token``: a count
+    smaller than the table's rows made two examples' keys meet (a RuntimeError inside the
+    reduction before); a float count is not the table's either. Refused, the layer named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    model[0].num_embeddings = count
+    x, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    with pytest.raises(UnsupportedModelError, match="'0' .*num_embeddings"):
+        GhostEngine().compute(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y,
+                              clip_weights(1.0), ParamGroups.flat(model))

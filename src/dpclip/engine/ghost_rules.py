@@ -1248,6 +1248,13 @@ class _EmbeddingRule(_Rule):
         if mod.max_norm is not None:
             return ("max_norm is set (the forward renormalises the weight in place); use "
                     "max_norm=None")
+        w = mod._parameters.get("weight")
+        n = mod.__dict__.get("num_embeddings")
+        if type(n) is not int or w is None or w.ndim != 2 or w.shape[0] != n:
+            # (the rule keys each (example, token) as example * num_embeddings + token: a
+            # smaller count than the table's rows made keys of two examples meet, a crash)
+            return (f"num_embeddings ({n!r}) is not the number of rows of the weight "
+                    f"({tuple(w.shape) if w is not None else None}); keep them equal")
         if mod.scale_grad_by_freq:
             return "scale_grad_by_freq=True (batch-frequency scaling); use scale_grad_by_freq=False"
         return None
