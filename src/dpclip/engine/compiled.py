@@ -77,7 +77,7 @@ from dpclip._ident import ident
 from dpclip.engine.batch import batch_leaves
 from dpclip.engine.errors import UnsupportedModelError
 from dpclip.engine.generators import defaults_unchanged
-from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _Call, _MODULE, _Owner, _Rule,
+from dpclip.engine.ghost_rules import (REWRITTEN, _CONV1D, _RULES, _Call, _MODULE, _Owner, _Rule,
                                       _row_group, layer_config, own_param)
 from dpclip.engine.plain_module import ambient_user_code, python_callbacks
 from dpclip.engine.proved_program import _LAST, _equal, foreign_aten_kernels
@@ -209,6 +209,34 @@ def _broadcast_uses(o: Any, nodes: dict[str, torch.fx.Node]) -> list | None:
     return got
 
 
+#: what the Embedding rule reads of its layer (and the attribute hooks that would answer reads)
+_EMBEDDING_READS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                    "scale_grad_by_freq", "sparse", "weight", "__getattr__", "__getattribute__",
+                    "__setattr__", "__class__", "__dict__")
+
+
+def _embedding_subclass(o: Any) -> str | None:
+    """Why a per-layer module cannot take the Embedding rule for its table (None: it can): a
+    subclass of ``nn.Embedding`` with a forward of its own (BART's and Gemma's scaled word
+    embeddings, OPT's learned positions), trainable weight only, whose classes below
+    ``nn.Embedding`` define none of what the rule reads (a property there would run the class's
+    code in the reduction), and which the rule supports (no ``max_norm``, no frequency
+    scaling, ``num_embeddings`` the table's rows). Its calls are then found in the graph as for
+    ``nn.Embedding`` itself: every use of the weight must be a canonical lookup
+    (:func:`_canonical`), whatever the forward computes around it (the scale, the ids)."""
+    mod = o.module
+    cls = type(mod)
+    if not isinstance(mod, nn.Embedding) or cls is nn.Embedding or o.roles != ("weight",):
+        return "not an nn.Embedding subclass with a trainable weight alone"
+    mro = cls.__mro__
+    for c in mro[:mro.index(nn.Embedding)]:
+        own = vars(c)
+        hit = [k for k in _EMBEDDING_READS if k in own]
+        if hit:
+            return f"its class {c.__name__} defines {hit[0]}"
+    return _RULES[nn.Embedding].unsupported(mod)
+
+
 def _fqn(owner: str, attr: str) -> str:
     """The model's name for attribute ``attr`` of the layer the scan names ``owner`` (the model
     itself is ``<root>``)."""
@@ -232,12 +260,13 @@ def _mod_args(node: torch.fx.Node, mod: nn.Module, gm: torch.fx.GraphModule) -> 
 
 
 def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node],
-               gm: torch.fx.GraphModule, conv1d: bool = False) -> tuple[str | None, Any]:
+               gm: torch.fx.GraphModule, conv1d: bool = False,
+               as_cls: type | None = None) -> tuple[str | None, Any]:
     """``(why not, the input argument)``: whether ``node`` is exactly ``mod``'s own forward
     (its class's canonical operation with its own parameters and configuration). ``conv1d``: a
     ``transformers`` Conv1D, ``addmm(bias, x.view(-1, nx), weight)``: its input is the 2-D view
     (each example's ``T`` rows: the layout ``(0, T)``)."""
-    cls = type(mod)
+    cls = type(mod) if as_cls is None else as_cls  # (an nn.Embedding subclass: as nn.Embedding)
     want = _aten.addmm.default if conv1d else _CANON.get(cls)
     if want is None or node.target is not want:
         return (f"it is not computed by {getattr(want, '__name__', want)} "
@@ -520,7 +549,7 @@ class _Spec:
     among the graph's extra outputs, and the analysis's layouts."""
 
     __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
-                 "module", "roles", "config", "slots", "a_node", "call", "scale")
+                 "module", "roles", "config", "slots", "a_node", "call", "scale", "lookup")
 
     def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
         self.name = name
@@ -537,6 +566,9 @@ class _Spec:
         #: ``(role, product)``: a per-layer module's broadcast use of one parameter
         #: (:class:`_BroadcastRule`), else None
         self.scale: tuple[str, bool] | None = None
+        #: a lookup of an nn.Embedding subclass's table (:func:`_embedding_subclass`): the call
+        #: takes the Embedding rule
+        self.lookup = False
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -679,7 +711,9 @@ class Plan:
                 "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
         for s in self.specs:
             o = by_name.get(s.name)
-            if o is None or o.module is not s.module or (o.rule is _MODULE) != bool(s.scale) or \
+            if o is None or o.module is not s.module or \
+                    (o.rule is _MODULE) != bool(s.scale or s.lookup) or \
+                    (s.lookup and _embedding_subclass(o) is not None) or \
                     _static_config(s.module) != s.config:
                 raise CompiledUnsupported(
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
@@ -717,6 +751,8 @@ class Plan:
                 role, product = s.scale
                 o = _Owner(o.name, o.module, _SCALE if product else _SHIFT, (role,),
                            (o.pnames[o.roles.index(role)],))
+            elif s.lookup:  # (an nn.Embedding subclass's lookup: the Embedding rule)
+                o = _Owner(o.name, o.module, _RULES[nn.Embedding], o.roles, o.pnames)
             c = _Call(o, a, out, None)
             c.layouts = s.layouts
             c.group = s.group
@@ -1030,6 +1066,23 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                            expansions, extra)
                     specs[-1].scale = (role, product)
                 holders_of[o.name] = (o, nodes, False)
+                continue
+            node = nodes.get("weight")
+            if node is not None and _embedding_subclass(o) is None and node.users:
+                # (an nn.Embedding subclass: its table's canonical lookups take the Embedding
+                # rule, the forward around them is graph code like any other; any other use of
+                # the table must be another ruled layer's call, a tied output projection, or the
+                # check of stray uses below refuses it)
+                ph = {"weight": node}
+                for call in list(node.users):
+                    if call.name in ruled:
+                        continue
+                    why, a = _canonical(call, o.module, ph, gm, as_cls=nn.Embedding)
+                    if why is None:
+                        _claim(o, ("weight",), ph, slot, call, a, specs, ruled, expansions,
+                               extra)
+                        specs[-1].lookup = True
+                holders_of[o.name] = (o, ph, False)
                 continue
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
