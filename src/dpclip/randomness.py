@@ -228,6 +228,21 @@ def _device_of(device: "torch.device | str | None") -> torch.device:
     return dev
 
 
+class _StepSeeds:
+    """A step's chunk seeds (:meth:`PrivateRandomness.step_seeds`): ``blake2b(key, step, k)``."""
+
+    __slots__ = ("_key", "_step", "_k")
+
+    def __init__(self, key: bytes, step: int) -> None:
+        self._key, self._step, self._k = key, step, 0
+
+    def __call__(self) -> int:
+        k, self._k = self._k, self._k + 1
+        where = struct.pack("<qQ", self._step, k)
+        digest = hashlib.blake2b(self._key + where, digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
 class PrivateRandomness:
     """The sampling and noise generators of one private run (see the module docstring).
 
@@ -289,6 +304,14 @@ class PrivateRandomness:
         digest = hashlib.blake2b(self._model_key + self._model_salt + where,
                                  digest_size=8).digest()
         return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+    def step_seeds(self, step: int) -> "_StepSeeds":
+        """PRIVATE: :meth:`chunk_seed` for ``step`` as an object that holds the model key alone,
+        not this object: what ``seed_source`` hands the step's chunks sits in a context variable
+        any code can read, and through a bound method of this object the forward reached the
+        noise generator and read its state before the step's draw (hundred-and-seventy-third
+        hostile review). The seeds are :meth:`chunk_seed`'s, counted from 0 for the step."""
+        return _StepSeeds(self._model_key + self._model_salt, int(step))
 
     @property
     def device(self) -> torch.device:

@@ -718,6 +718,7 @@ class PrivateTraining:
                 "secret subsampling. Move data to a device with make_private(device=...)"
             )
         self.loop_guard.check_batch()
+        self.loop_guard.let_go_of_batch()  # (nothing of dpclip's holds the batch in the step)
         self._pending = None
         before = self.steps
         try:
@@ -758,11 +759,14 @@ class PrivateTraining:
         # the gradient slots as the step starts (the forward and loss may not fill them:
         # _check_grad_slots)
         slots = [(p, p.grad) for p in self.model.parameters()]
+        # (the step's chunk seeds: an object holding the model key alone, never the randomness
+        # object whose noise generator a forward could read, hundred-and-seventy-third review)
+        seeds = self.rng.step_seeds(step)
         with signals_deferred():
             try:
                 # the model's own randomness (dropout) from the run's private key, never from
                 # the public default generator (dpclip.engine.generators.seed_source)
-                with seed_source(functools.partial(self.rng.chunk_seed, step)):
+                with seed_source(seeds):
                     out = dp_step(
                         self._step_model(), inputs, targets, loss_fn=self._step_loss,
                         strategy=self.strategy, state=self.state, engine=self._step_engine,
@@ -806,7 +810,7 @@ class PrivateTraining:
                 p.grad = out.grads[name]
             self.loop_guard.on_release({name: (p, out.grads[name]) for name, p in params.items()})
             # (the isolation's own generators seeded from the run's private key, as the step's)
-            with seed_source(functools.partial(self.rng.chunk_seed, step)):
+            with seed_source(seeds):
                 _let_go(old, self.model, [out.grads[n] for n in params], self.optimizer)
         if out.engine_info is not None:
             # public record, from every step: the engine is decided by the requested name or, for

@@ -475,17 +475,17 @@ class _SeedsOf:
     generator is) and a counter. Nothing is drawn from the generator: the noise stays the stream
     the caller gave (``make_private`` passes its own key instead: PrivateRandomness.chunk_seed)."""
 
-    __slots__ = ("_generator", "_key", "_k")
+    __slots__ = ("_key", "_k")
 
     def __init__(self, generator: torch.Generator) -> None:
-        self._generator = generator
-        self._key: bytes | None = None  # (taken at the first chunk of user code: a closed
-        self._k = 0                     # program asks for none)
+        # (the key taken now, the generator not kept: this object sits in a context variable any
+        # code can read, and through it the forward read the noise generator's state before the
+        # step's draw, hundred-and-seventy-third hostile review)
+        state = generator.get_state()
+        self._key = hashlib.blake2b(state.numpy().tobytes(), digest_size=32).digest()
+        self._k = 0
 
     def __call__(self) -> int:
-        if self._key is None:
-            state = self._generator.get_state()
-            self._key = hashlib.blake2b(state.numpy().tobytes(), digest_size=32).digest()
         k, self._k = self._k, self._k + 1
         digest = hashlib.blake2b(self._key + k.to_bytes(8, "little"), digest_size=8).digest()
         return int.from_bytes(digest, "little") & ((1 << 62) - 1)
