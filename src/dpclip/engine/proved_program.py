@@ -1168,6 +1168,11 @@ class ProgramMatch:
         #: ident -> (weak ref, the call it was made in) of each checked output (_history_holds)
         self._made_in: dict[int, tuple[Any, Any]] = {}
         _input_names(xs, ys, self.names)
+        # (an input that requires grad, the engine's copy of one: its node as the call starts,
+        # compared at each use as a matched output's; _history_holds)
+        for t in pytree.tree_leaves((xs, ys)):
+            if isinstance(t, Tensor) and t.requires_grad:
+                self._history[ident(t)] = (weakref.ref(t), t.grad_fn)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
         self._state_done = True
@@ -1385,6 +1390,8 @@ class ProgramMatch:
             return
         self.k = self.program.split
         self.names.set(model_out, self.program.model_out)
+        if model_out.requires_grad:  # (its node as the chain left it: compared at each use)
+            self._history[ident(model_out)] = (weakref.ref(model_out), model_out.grad_fn)
         # a chain of known modules ran no user code: the watch starts here; after code that was
         # watched, nothing may have changed in between (no copy taken anew)
         if self.watch is None:
@@ -1400,6 +1407,8 @@ class ProgramMatch:
         name = self._name(old)
         if name is not None:
             self.names.set(new, name)
+        if new.requires_grad and not new._is_view():  # (the engine's: its node as made)
+            self._history[ident(new)] = (weakref.ref(new), new.grad_fn)
 
     def _fail(self, why: str) -> None:
         if self.mismatch is None:
@@ -1488,8 +1497,22 @@ class ProgramMatch:
                         if t.grad_fn is not e[1]:
                             return self._history_fail()
                         continue
-                    if t._is_view() and t.requires_grad and not self._view_holds(t):
-                        return self._history_fail()
+                    if t._is_view():
+                        if t.requires_grad and not self._view_holds(t):
+                            return self._history_fail()
+                    elif t.requires_grad:
+                        # (no record: a leaf, or the tensor one of torch's functions stamped
+                        # when it returned it; a tensor made a leaf by requires_grad_ after an
+                        # operation whose output did not require grad, then given a node with
+                        # dispatch off (detach_, a write, the version set back), reached the
+                        # operation with a node nothing compared: 13.6 C under ghost, auto's
+                        # traced pass and make_private, hundred-and-seventy-second review)
+                        st = self._stamps.get(ident(t))
+                        if st is not None and st[0]() is t:
+                            if st[1] is not t.grad_fn:
+                                return self._history_fail()
+                        elif t.grad_fn is not None:
+                            return self._history_fail()
         return True
 
     def _view_holds(self, t: Tensor) -> bool:
@@ -1568,6 +1591,10 @@ class ProgramMatch:
                        "operations saved for the backward would not be watched")
             return
         stamps = self._stamps
+        # (the entries replaced here are dropped after the last stamp: a dead tensor's entry
+        # holds the last reference to its node, whose metadata can hold an object with a
+        # finalizer, run between two outputs' stamps otherwise; hundred-and-seventy-second review)
+        replaced: list[Any] = []
         with torch._C.DisableTorchFunction():
             for t in _first_tensors(out):
                 if t.requires_grad:
@@ -1575,12 +1602,17 @@ class ProgramMatch:
                     # the node it carries now could be one rebuilt since)
                     e = stamps.get(ident(t))
                     if e is None or e[0]() is not t:
+                        replaced.append(e)
                         stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
             for t, g, r, rg in before or ():
                 if t.grad_fn is not g:  # (made by the function: the write's own node)
+                    replaced.append(stamps.get(ident(t)))
                     stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
                 if r is not t and r.grad_fn is not rg:
+                    replaced.append(stamps.get(ident(r)))
                     stamps[ident(r)] = (weakref.ref(r), r.grad_fn)
+            e = None
+        del replaced
 
     def _views_born(self, outs: Any) -> None:
         """Record the node of each view a matched operation made (before any user code runs)."""
