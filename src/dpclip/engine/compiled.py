@@ -209,31 +209,21 @@ def _broadcast_uses(o: Any, nodes: dict[str, torch.fx.Node]) -> list | None:
     return got
 
 
-#: what the Embedding rule reads of its layer (and the attribute hooks that would answer reads)
-_EMBEDDING_READS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-                    "scale_grad_by_freq", "sparse", "weight", "__getattr__", "__getattribute__",
-                    "__setattr__", "__class__", "__dict__")
-
-
 def _embedding_subclass(o: Any) -> str | None:
     """Why a per-layer module cannot take the Embedding rule for its table (None: it can): a
     subclass of ``nn.Embedding`` with a forward of its own (BART's and Gemma's scaled word
     embeddings, OPT's learned positions), trainable weight only, whose classes below
     ``nn.Embedding`` define none of what the rule reads (a property there would run the class's
     code in the reduction), and which the rule supports (no ``max_norm``, no frequency
-    scaling, ``num_embeddings`` the table's rows). Its calls are then found in the graph as for
+    scaling, ``num_embeddings`` the table's rows: :meth:`_EmbeddingRule.unsupported`). Its calls are then found in the graph as for
     ``nn.Embedding`` itself: every use of the weight must be a canonical lookup
     (:func:`_canonical`), whatever the forward computes around it (the scale, the ids)."""
     mod = o.module
     cls = type(mod)
     if not isinstance(mod, nn.Embedding) or cls is nn.Embedding or o.roles != ("weight",):
         return "not an nn.Embedding subclass with a trainable weight alone"
-    mro = cls.__mro__
-    for c in mro[:mro.index(nn.Embedding)]:
-        own = vars(c)
-        hit = [k for k in _EMBEDDING_READS if k in own]
-        if hit:
-            return f"its class {c.__name__} defines {hit[0]}"
+    # (any class of its MRO but nn.Embedding's, nn.Module's and object's: a mixin after
+    # nn.Module too, hundred-and-seventy-fourth review; ghost_rules.embedding_class_defines)
     return _RULES[nn.Embedding].unsupported(mod)
 
 

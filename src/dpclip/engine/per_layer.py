@@ -1098,7 +1098,13 @@ def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
     buffer); ``ids`` one of the call's own tensor arguments (its version and fingerprint are
     checked with the arguments'); no cast. Anything else: None (the replay). That the parameter
     reaches the loss through the call's output only is :func:`check_module_windows`' check."""
-    if not isinstance(mod, nn.Embedding) or param is not mod.weight or mod.max_norm is not None \
+    from dpclip.engine.ghost_rules import embedding_class_defines  # (ghost_rules imports this)
+
+    if not isinstance(mod, nn.Embedding) or embedding_class_defines(mod) is not None:
+        # (a class of its MRO with a property over what the Embedding rule reads: the replay;
+        # hundred-and-seventy-fourth hostile review)
+        return None
+    if param is not mod.weight or mod.max_norm is not None \
             or mod.sparse or mod.scale_grad_by_freq or out.dtype != param.dtype:
         return None
     node = out.grad_fn
