@@ -289,6 +289,19 @@ def mark_past_batch(tensors: Any) -> None:
         if isinstance(t, Tensor):
             _STALE[t] = True
 
+_DISPATCH_LEN = torch._C._len_torch_dispatch_stack
+_DISPATCH_AT = torch._C._get_dispatch_stack_at
+_INFRA_MODE = torch._C._get_dispatch_mode
+_INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+
+
+def _tracer_alone(tr: Any) -> bool:
+    """Whether the tracer is the only dispatch mode: the only one on the stack, and none of
+    torch's infrastructure modes (fake, proxy, functional) set."""
+    return _DISPATCH_LEN() == 1 and _DISPATCH_AT(0) is tr and \
+        all(_INFRA_MODE(k) is None for k in _INFRA_KEYS)
+
+
 @_cm.contextmanager
 def past_batches_hidden() -> Iterator[None]:
     """Around the batch-size proof's run of the user's forward (``torch.export``, on a public
@@ -564,6 +577,17 @@ class _EscapeMode(TorchFunctionMode):
         try:
             own = _library(func) and all(t is Tensor or t is torch.nn.Parameter
                                          for t in types) and not _user_callback(args, kwargs)
+            if own and tr.violation is None and not _tracer_alone(tr):
+                # (a dispatch mode the forward entered above the tracer runs between autograd,
+                # which has packed the operation's saved tensors, and the tracer's step: it
+                # popped a forged saved-tensor hook pair there, so every check saw the step's
+                # watch on top and read the true values while the backward read +-1000 by
+                # example 0's sign: 13.25 C at B = 8, 56.6 C at 32 under ghost, auto's traced
+                # pass and make_private, hundred-and-seventy-sixth hostile review)
+                tr.violation = (
+                    "a dispatch mode (TorchDispatchMode, or one of torch's own: fake, proxy, "
+                    "functional) is active above or beside the engine's tracer inside the "
+                    "forward: its code runs between autograd and the checks of every operation")
             if own:
                 before = m.fn_enter(func, args, kwargs)
                 try:
