@@ -1,17 +1,17 @@
 """Hundred-and-seventieth hostile review: the batch-size proof runs the user's forward under
 ``torch.export`` on a public stand-in, but the step had already registered its own batch in
-dpclip's registry of past batches (``separable._STALE``, weak references, so that a later trace
+dpclip's registry of past batches (``past_batches._STALE``, weak references, so that a later trace
 takes them for mixed data). A forward walked the registry during the proof, read example 0's sign
 with torch's dispatch switched off, and made it a literal of the proved program; the real run used
 the same literal (kept in a global), matched, and the release turned with example 0: 3.76-6.02 C
 under compiled, ghost, auto (a step that proves afresh) and make_private. Now the registry is
-empty while the proof's forward runs (``separable.past_batches_hidden``)."""
+empty while the proof's forward runs (``past_batches.past_batches_hidden``)."""
 
 import pytest
 import torch
 from torch import nn
 
-import dpclip.engine.separable as separable
+import dpclip.engine.past_batches as separable  # (the registry's module)
 from dpclip.engine import get_engine
 from tests.engine.helpers import loo_distance
 

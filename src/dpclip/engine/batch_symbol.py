@@ -64,6 +64,7 @@ from dpclip._ident import ident
 from dpclip.engine.batch import call_model
 from dpclip.engine.generators import defaults_unchanged
 from dpclip.engine.op_entry import proof_export
+from dpclip.engine.past_batches import past_batches_hidden
 from dpclip.engine.proved_program import ProgramRecorder, ProvedProgram
 from dpclip.engine.recurrent import proof_kernels
 from dpclip.engine.views import view_inner
@@ -922,7 +923,6 @@ def proof_of(model: nn.Module | Callable[..., Any], loss_fn: Callable[..., Tenso
         # across steps, sixty-third hostile review)
         # (and dpclip's registry of past and current batches is empty while the forward runs
         # there: read, it gave the proof the step's own batch, hundred-and-seventieth review)
-        from dpclip.engine.separable import past_batches_hidden
         with defaults_unchanged(), caches_of_the_proof_cleared(model), past_batches_hidden():
             got = _export_check(model, loss_fn, xs, ys, expand)
         if len(per_model.alike) >= 64:

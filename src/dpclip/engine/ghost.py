@@ -174,7 +174,7 @@ from dpclip.engine.errors import PrivateBufferError, UnsupportedModelError, quot
 from dpclip.engine.op_entry import no_compiled_autograd
 from dpclip.engine.vmap import VmapEngine
 from dpclip.engine.saved_check import all_still, all_true, fingerprints, still
-from dpclip.engine.separable import mark_past_batch
+from dpclip.engine.past_batches import mark_past_batch
 from dpclip.engine.plain_module import ambient_user_code
 from dpclip.engine.per_layer import (
     EmbeddingLookup,

@@ -22,6 +22,7 @@ from dpclip._ident import ident
 from dpclip.engine._common import HALF, _Rounding
 from dpclip.engine.per_layer import (
     PerLayerUnsupported,
+    embedding_class_defines,
     arg_batch_dims,
     capture_args,
     embedding_lookup,
@@ -1237,30 +1238,6 @@ class _Sub:
 
     def __init__(self, c: _Call, rows: Tensor) -> None:
         self.a, self.b, self.mod, self.group = c.a[rows], c.b[rows], c.mod, c.group
-
-
-#: what the Embedding rule reads of its layer, and the attribute hooks that would answer reads
-EMBEDDING_READS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-                   "scale_grad_by_freq", "sparse", "weight", "__getattr__", "__getattribute__",
-                   "__setattr__", "__class__", "__dict__")
-
-
-def embedding_class_defines(mod: nn.Module) -> str | None:
-    """Which class of ``mod``'s, other than ``nn.Embedding``, ``nn.Module`` and ``object``,
-    defines something the Embedding rule reads (:data:`EMBEDDING_READS`), or None. Anywhere in the
-    MRO: a mixin AFTER ``nn.Module`` defined a ``num_embeddings`` property whose setter kept the
-    true value in the instance's dictionary (what the checks read) and whose getter answered the
-    reduction's two reads differently (V - 1, then V), so one example's rows were keyed into the
-    next example's norm and released with the first's weight: 42 C under compiled, auto, ghost
-    and make_private (hundred-and-seventy-fourth hostile review)."""
-    for c in type(mod).__mro__:
-        if c is nn.Embedding or c is nn.Module or c is object:
-            continue
-        own = vars(c)
-        hit = [k for k in EMBEDDING_READS if k in own]
-        if hit:
-            return f"its class {c.__name__} defines {hit[0]}"
-    return None
 
 
 class _EmbeddingRule(_Rule):

@@ -1089,6 +1089,30 @@ class EmbeddingLookup:
             == self.versions
 
 
+#: what the Embedding rule reads of its layer, and the attribute hooks that would answer reads
+EMBEDDING_READS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                   "scale_grad_by_freq", "sparse", "weight", "__getattr__", "__getattribute__",
+                   "__setattr__", "__class__", "__dict__")
+
+
+def embedding_class_defines(mod: nn.Module) -> str | None:
+    """Which class of ``mod``'s, other than ``nn.Embedding``, ``nn.Module`` and ``object``,
+    defines something the Embedding rule reads (:data:`EMBEDDING_READS`), or None. Anywhere in the
+    MRO: a mixin AFTER ``nn.Module`` defined a ``num_embeddings`` property whose setter kept the
+    true value in the instance's dictionary (what the checks read) and whose getter answered the
+    reduction's two reads differently (V - 1, then V), so one example's rows were keyed into the
+    next example's norm and released with the first's weight: 42 C under compiled, auto, ghost
+    and make_private (hundred-and-seventy-fourth hostile review)."""
+    for c in type(mod).__mro__:
+        if c is nn.Embedding or c is nn.Module or c is object:
+            continue
+        own = vars(c)
+        hit = [k for k in EMBEDDING_READS if k in own]
+        if hit:
+            return f"its class {c.__name__} defines {hit[0]}"
+    return None
+
+
 def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
                      arguments: Sequence[Tensor]) -> EmbeddingLookup | None:
     """Recognise ``out = F.embedding(ids, mod.weight) [* s]`` from the call's autograd graph: the
@@ -1098,8 +1122,6 @@ def embedding_lookup(out: Tensor, mod: nn.Module, param: Tensor,
     buffer); ``ids`` one of the call's own tensor arguments (its version and fingerprint are
     checked with the arguments'); no cast. Anything else: None (the replay). That the parameter
     reaches the loss through the call's output only is :func:`check_module_windows`' check."""
-    from dpclip.engine.ghost_rules import embedding_class_defines  # (ghost_rules imports this)
-
     if not isinstance(mod, nn.Embedding) or embedding_class_defines(mod) is not None:
         # (a class of its MRO with a property over what the Embedding rule reads: the replay;
         # hundred-and-seventy-fourth hostile review)

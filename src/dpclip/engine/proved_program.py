@@ -1170,9 +1170,10 @@ class ProgramMatch:
         _input_names(xs, ys, self.names)
         # (an input that requires grad, the engine's copy of one: its node as the call starts,
         # compared at each use as a matched output's; _history_holds)
-        for t in pytree.tree_leaves((xs, ys)):
-            if isinstance(t, Tensor) and t.requires_grad:
-                self._history[ident(t)] = (weakref.ref(t), t.grad_fn)
+        with torch._C.DisableTorchFunction():
+            for t in pytree.tree_leaves((xs, ys)):
+                if isinstance(t, Tensor) and t.requires_grad:
+                    self._history[ident(t)] = (weakref.ref(t), t.grad_fn)
         # named before any user code runs: a write that no operation shows, made before the
         # first use, must not be named with the written version (see _Versioned)
         self._state_done = True
@@ -1390,8 +1391,9 @@ class ProgramMatch:
             return
         self.k = self.program.split
         self.names.set(model_out, self.program.model_out)
-        if model_out.requires_grad:  # (its node as the chain left it: compared at each use)
-            self._history[ident(model_out)] = (weakref.ref(model_out), model_out.grad_fn)
+        with torch._C.DisableTorchFunction():  # (the engine's reads: no escape to the tracer)
+            if model_out.requires_grad:  # (its node as the chain left it: compared at each use)
+                self._history[ident(model_out)] = (weakref.ref(model_out), model_out.grad_fn)
         # a chain of known modules ran no user code: the watch starts here; after code that was
         # watched, nothing may have changed in between (no copy taken anew)
         if self.watch is None:
@@ -1407,8 +1409,9 @@ class ProgramMatch:
         name = self._name(old)
         if name is not None:
             self.names.set(new, name)
-        if new.requires_grad and not new._is_view():  # (the engine's: its node as made)
-            self._history[ident(new)] = (weakref.ref(new), new.grad_fn)
+        with torch._C.DisableTorchFunction():  # (the engine's reads: no escape to the tracer)
+            if new.requires_grad and not new._is_view():  # (the engine's: its node as made)
+                self._history[ident(new)] = (weakref.ref(new), new.grad_fn)
 
     def _fail(self, why: str) -> None:
         if self.mismatch is None:

@@ -63,8 +63,7 @@ from __future__ import annotations
 import gc
 import math
 import sys as _sys
-import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -85,6 +84,7 @@ from dpclip.engine.memory_watch import foreign_saved_tensor_hooks
 from dpclip.engine.op_entry import PY_DISPATCHER, call_op, python_dispatcher_on, verified
 from dpclip.engine import _cm
 from dpclip.engine import frames_guard
+from dpclip.engine.past_batches import _STALE, _IdMap
 
 __all__ = ["MIXED", "SeparabilityTracer", "prove_separable"]
 
@@ -219,75 +219,7 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -
     return dflt if has else default
 
 
-class _IdMap:
-    """A map keyed by tensor identity that does not keep its keys alive (the tracer's layouts must
-    not hold a forward's activations): entries are ``ident(t) -> (weakref to t, value)``, and a
-    lookup counts only when the weak reference still points to ``t`` itself, so that an id reused
-    by a new tensor after the old one died never inherits the old entry. The same contract as
-    :class:`torch.utils.weak.WeakIdKeyDictionary`, without building a key object per lookup (the
-    tracer does several lookups per traced operation)."""
-
-    __slots__ = ("d",)
-
-    def __init__(self) -> None:
-        self.d: dict[int, tuple[Any, Any]] = {}
-
-    def get(self, t: Any, default: Any = None) -> Any:
-        e = self.d.get(ident(t))
-        return e[1] if e is not None and e[0]() is t else default
-
-    def __contains__(self, t: Any) -> bool:
-        e = self.d.get(ident(t))
-        return e is not None and e[0]() is t
-
-    def __getitem__(self, t: Any) -> Any:
-        e = self.d.get(ident(t))
-        if e is None or e[0]() is not t:
-            raise KeyError(t)
-        return e[1]
-
-    def __setitem__(self, t: Any, value: Any) -> None:
-        self.d[ident(t)] = (weakref.ref(t), value)
-
-    def __delitem__(self, t: Any) -> None:
-        if self.pop(t, _MISSING) is _MISSING:
-            raise KeyError(t)
-
-    def pop(self, t: Any, default: Any = None) -> Any:
-        e = self.d.get(ident(t))
-        if e is None or e[0]() is not t:
-            return default
-        del self.d[ident(t)]
-        return e[1]
-
-    def __len__(self) -> int:
-        return len(self.d)
-
-    def items(self) -> list[tuple[Any, Any]]:
-        """The live entries (dead ones are dropped)."""
-        got = []
-        for k, (ref, v) in list(self.d.items()):
-            t = ref()
-            if t is None:
-                del self.d[k]
-            else:
-                got.append((t, v))
-        return got
-
-
 _MISSING = object()
-
-#: tensors that depended on the batch in an earlier traced call and are still alive (weakly held)
-_STALE = _IdMap()
-
-
-def mark_past_batch(tensors: Any) -> None:
-    """Remember ``tensors`` (weakly) as data of a past batch, MIXED in every later trace, as the
-    tracer does with what a traced call's batch touched: the caller's own tensors when the engine
-    ran copies of them (a chunk padded to the row block, ``dpclip.engine.batch.pad_rows``)."""
-    for t in tensors:
-        if isinstance(t, Tensor):
-            _STALE[t] = True
 
 _DISPATCH_LEN = torch._C._len_torch_dispatch_stack
 _DISPATCH_AT = torch._C._get_dispatch_stack_at
@@ -300,26 +232,6 @@ def _tracer_alone(tr: Any) -> bool:
     torch's infrastructure modes (fake, proxy, functional) set."""
     return _DISPATCH_LEN() == 1 and _DISPATCH_AT(0) is tr and \
         all(_INFRA_MODE(k) is None for k in _INFRA_KEYS)
-
-
-@_cm.contextmanager
-def past_batches_hidden() -> Iterator[None]:
-    """Around the batch-size proof's run of the user's forward (``torch.export``, on a public
-    stand-in, with no tracer watching what it reads): the registry of past and current batches
-    (:data:`_STALE`) is empty, its entries kept in this frame and put back after. A forward that
-    walked the registry read the step's own batch there (a value taken with torch's dispatch
-    switched off) and made it a literal of the proved program, which the real run then matched:
-    3.5-6.0 C under compiled, ghost, auto and make_private (hundred-and-seventieth hostile
-    review)."""
-    kept = dict(_STALE.d)
-    _STALE.d.clear()
-    try:
-        yield
-    finally:
-        made = _STALE.d.copy()  # (registered during the proof: kept too)
-        _STALE.d.clear()
-        _STALE.d.update(kept)
-        _STALE.d.update(made)
 
 
 #: ops that return a tensor's metadata (device, dtype, sizes) to Python, never its values
