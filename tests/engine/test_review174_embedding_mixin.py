@@ -6,7 +6,7 @@ example's rows were keyed into the next example's norm and released with the fir
 42 C under compiled, auto, ghost and make_private. The checks scanned only the classes below
 ``nn.Embedding``. Now any class of the MRO but ``nn.Embedding``, ``nn.Module`` and ``object`` that
 defines what the Embedding rule reads sends the layer off the rule
-(``ghost_rules.embedding_class_defines``): refused by compiled and ghost's rule, replayed per
+(``per_layer.embedding_class_defines``): refused by compiled and ghost's rule, replayed per
 layer under auto."""
 
 import pytest

@@ -223,7 +223,7 @@ def _embedding_subclass(o: Any) -> str | None:
     if not isinstance(mod, nn.Embedding) or cls is nn.Embedding or o.roles != ("weight",):
         return "not an nn.Embedding subclass with a trainable weight alone"
     # (any class of its MRO but nn.Embedding's, nn.Module's and object's: a mixin after
-    # nn.Module too, hundred-and-seventy-fourth review; ghost_rules.embedding_class_defines)
+    # nn.Module too, hundred-and-seventy-fourth review; per_layer.embedding_class_defines)
     return _RULES[nn.Embedding].unsupported(mod)
 
 
