@@ -1106,7 +1106,7 @@ def _writes_first(func: Any) -> bool:
     code = getattr(getattr(func, "__func__", func), "__code__", None)
     got = (code is not None and "inplace" in code.co_varnames[:code.co_argcount +
                                                                code.co_kwonlyargcount]) or \
-        (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        (name.endswith("_") and not name.endswith("__")) or name in ("__setitem__", "__set__") or \
         (name.startswith("__i") and name.endswith("__") and name not in ("__init__",
                                                                          "__index__",
                                                                          "__int__",
@@ -1508,17 +1508,14 @@ class ProgramMatch:
                         if t.requires_grad and not self._view_holds(t):
                             return self._history_fail()
                     elif t.requires_grad:
-                        # (no record: a leaf, or the tensor one of torch's functions stamped
-                        # when it returned it; a tensor made a leaf by requires_grad_ after an
+                        # (no record: the node one of torch's functions stamped when it returned
+                        # it, where it did; a tensor made a leaf by requires_grad_ after an
                         # operation whose output did not require grad, then given a node with
                         # dispatch off (detach_, a write, the version set back), reached the
                         # operation with a node nothing compared: 13.6 C under ghost, auto's
                         # traced pass and make_private, hundred-and-seventy-second review)
                         st = self._stamps.get(ident(t))
-                        if st is not None and st[0]() is t:
-                            if st[1] is not t.grad_fn:
-                                return self._history_fail()
-                        elif t.grad_fn is not None:
+                        if st is not None and st[0]() is t and st[1] is not t.grad_fn:
                             return self._history_fail()
         return True
 
@@ -1590,9 +1587,9 @@ class ProgramMatch:
             # the tracer's step, and pushed a self-popping saved-tensor pair there: 13.9 C at
             # B = 8, 28.7 C at 16 under ghost, auto's traced pass and make_private; hundred-and-
             # seventy-eighth hostile review)
-            self._fail("a Python kernel over an operation was registered or removed "
-                       "(torch.library) inside the forward: it would run inside torch's "
-                       "functions, below the checks; register kernels before the step")
+            self._fail("Python kernels over ATen operations were registered or removed "
+                       "(torch.library) inside the forward: such a kernel would run inside "
+                       "torch's functions, below the checks")
         written = _first_tensors(args[0]) if args and _writes_first(func) else []
         if kwargs and kwargs.get("out") is not None:
             written += _first_tensors(kwargs["out"])
@@ -1634,8 +1631,12 @@ class ProgramMatch:
                         replaced.append(e)
                         stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
             for t, g, r, rg in before or ():
-                if t.grad_fn is not g:  # (made by the function: the write's own node)
-                    replaced.append(stamps.get(ident(t)))
+                e = stamps.get(ident(t))
+                # (made by the function: the write's own node; or a tensor it made require grad,
+                # `t.requires_grad = True` included, stamped with its node (none) now: a leaf
+                # given a node unseen later is refused, hundred-and-seventy-second review)
+                if t.grad_fn is not g or (t.requires_grad and (e is None or e[0]() is not t)):
+                    replaced.append(e)
                     stamps[ident(t)] = (weakref.ref(t), t.grad_fn)
                 if r is not t and r.grad_fn is not rg:
                     replaced.append(stamps.get(ident(r)))
