@@ -39,15 +39,19 @@ def _forge(h, z, x):
 
 
 class _Model(nn.Module):
-    def __init__(self, forge=True):
+    def __init__(self, forge=True, setter=False):
         super().__init__()
         torch.manual_seed(0)
         self.fc1, self.fc = nn.Linear(4, 6).to(DT), nn.Linear(6, 3).to(DT)
-        self.forge = forge
+        self.forge, self.setter = forge, setter
 
     def forward(self, x):
         z = self.fc1(x)
-        h = torch.ones_like(z).requires_grad_()
+        h = torch.ones_like(z)
+        if self.setter:  # (the attribute's setter: one of torch's functions that returns None)
+            h.requires_grad = True
+        else:
+            h.requires_grad_()
         if self.forge and _real(x):
             _forge(h, z, x)
         return self.fc(torch.tanh(z * h))
@@ -61,14 +65,15 @@ def _quiet(frame, event, arg):
     return None
 
 
+@pytest.mark.parametrize("setter", [False, True], ids=["requires_grad_", "setter"])
 @pytest.mark.parametrize("engine", sorted(_ENGINES))
-def test_a_leaf_given_a_node_unseen_is_refused_or_bounded(engine):
+def test_a_leaf_given_a_node_unseen_is_refused_or_bounded(engine, setter):
     x, y = _data(8, "value")
     was = sys.getprofile()
     if engine == "auto-profiled":  # (a profile function sends auto to its traced pass)
         sys.setprofile(_quiet)
     try:
-        d = loo_distance(_ENGINES[engine], _Model, x, y, C, loss=_ce)
+        d = loo_distance(_ENGINES[engine], lambda: _Model(setter=setter), x, y, C, loss=_ce)
     except UnsupportedModelError as e:
         assert "history was rewritten" in str(e), e
         return
