@@ -330,3 +330,39 @@ def benchmark_module(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+#: the engines a traced-path attack is run under: ghost, auto with its compiled path off, and
+#: auto with a profile function set (which sends it to its traced pass)
+TRACED_ENGINES = ("auto-profiled", "auto-traced", "ghost")
+
+
+def _quiet_profile(frame, event, arg):  # (a profile function that does nothing)
+    return None
+
+
+def assert_refused_or_bounded(engine: str, make: Callable[[], nn.Module], x: Tensor, y: Tensor,
+                              c: float, loss: Callable[[Tensor, Tensor], Tensor],
+                              refusal: tuple[str, ...]) -> None:
+    """Under ``engine`` (``"ghost"``, ``"auto"``, ``"auto-traced"``: ``AutoEngine(compiled=False)``,
+    or ``"auto-profiled"``: auto with a profile function set), the model from ``make`` is either
+    refused with a message containing one of ``refusal``, or its release moves by at most ``c``
+    when one example leaves."""
+    import sys
+
+    from dpclip.engine import AutoEngine, get_engine
+    from dpclip.engine.errors import UnsupportedModelError
+
+    factory = (lambda: AutoEngine(compiled=False)) if engine == "auto-traced" else \
+        (lambda: get_engine("auto" if engine == "auto-profiled" else engine))
+    was = sys.getprofile()
+    if engine == "auto-profiled":
+        sys.setprofile(_quiet_profile)
+    try:
+        d = loo_distance(factory, make, x, y, c, loss=loss)
+    except UnsupportedModelError as e:
+        assert any(r in str(e) for r in refusal), e
+        return
+    finally:
+        sys.setprofile(was)
+    assert d <= 1 + 1e-6, (engine, d)

@@ -8,15 +8,12 @@ constant does not), so the forged node was never compared: 13.6 C under ghost, a
 that requires grad, is not a view and has no record must carry the node its stamp took (or none,
 a leaf); the inputs' and a known chain's output's nodes are recorded where the match starts."""
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-from dpclip.engine import AutoEngine, get_engine
-from dpclip.engine.errors import UnsupportedModelError
-from tests.engine.helpers import loo_distance
+from dpclip.engine import get_engine
+from tests.engine.helpers import TRACED_ENGINES, assert_refused_or_bounded, loo_distance
 from tests.engine.test_review137_neg_bit_dtype import C, DT, _ce, _data, _real
 
 
@@ -57,32 +54,15 @@ class _Model(nn.Module):
         return self.fc(torch.tanh(z * h))
 
 
-_ENGINES = {"ghost": lambda: get_engine("ghost"), "auto-traced": lambda: AutoEngine(compiled=False),
-            "auto-profiled": lambda: get_engine("auto")}
-
-
-def _quiet(frame, event, arg):
-    return None
-
-
 @pytest.mark.parametrize("setter", [False, True], ids=["requires_grad_", "setter"])
-@pytest.mark.parametrize("engine", sorted(_ENGINES))
+@pytest.mark.parametrize("engine", TRACED_ENGINES)
 def test_a_leaf_given_a_node_unseen_is_refused_or_bounded(engine, setter):
     x, y = _data(8, "value")
-    was = sys.getprofile()
-    if engine == "auto-profiled":  # (a profile function sends auto to its traced pass)
-        sys.setprofile(_quiet)
-    try:
-        d = loo_distance(_ENGINES[engine], lambda: _Model(setter=setter), x, y, C, loss=_ce)
-    except UnsupportedModelError as e:
-        assert "history was rewritten" in str(e), e
-        return
-    finally:
-        sys.setprofile(was)
-    assert d <= 1 + 1e-6, (engine, d)
+    assert_refused_or_bounded(engine, lambda: _Model(setter=setter), x, y, C, _ce,
+                              ("history was rewritten",))
 
 
 def test_the_leaf_made_in_the_forward_is_accepted_without_the_forge():
     x, y = _data(8, "value")
-    d = loo_distance(_ENGINES["ghost"], lambda: _Model(forge=False), x, y, C, loss=_ce)
+    d = loo_distance(lambda: get_engine("ghost"), lambda: _Model(forge=False), x, y, C, loss=_ce)
     assert d == pytest.approx(1.0)

@@ -7,16 +7,13 @@ at B = 8 (56.6 C at 32) under ghost, auto's traced pass and make_private, with t
 called as ``z * c`` or ``torch.ops.aten.mul.Tensor(z, c)``. Now the watch must be on top when each
 of torch's functions is called (``ProgramMatch.fn_enter``), before any of its operations packs."""
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-from dpclip.engine import AutoEngine, get_engine
-from dpclip.engine.errors import UnsupportedModelError
+from dpclip.engine import get_engine
 from dpclip.engine.memory_watch import SavedTensorWatch
-from tests.engine.helpers import loo_distance
+from tests.engine.helpers import TRACED_ENGINES, assert_refused_or_bounded, loo_distance
 from tests.engine.test_review137_neg_bit_dtype import C, DT, _ce, _data, _first_bit, _real
 
 _AC = torch._C._autograd
@@ -52,32 +49,15 @@ class _Model(nn.Module):
         return self.fc(torch.tanh(self._mul(z)))
 
 
-def _quiet(frame, event, arg):
-    return None
-
-
-_ENGINES = {"ghost": lambda: get_engine("ghost"), "auto-traced": lambda: AutoEngine(compiled=False),
-            "auto-profiled": lambda: get_engine("auto"), "auto": lambda: get_engine("auto")}
-
-
 @pytest.mark.parametrize("op", [False, True], ids=["operator", "aten"])
-@pytest.mark.parametrize("engine", sorted(_ENGINES))
+@pytest.mark.parametrize("engine", TRACED_ENGINES + ("auto",))
 def test_a_pack_hook_that_pops_itself_is_refused_or_bounded(engine, op):
     x, y = _data(8, "value")
-    was = sys.getprofile()
-    if engine == "auto-profiled":  # (a profile function sends auto to its traced pass)
-        sys.setprofile(_quiet)
-    try:
-        d = loo_distance(_ENGINES[engine], lambda: _Model(op=op), x, y, C, loss=_ce)
-    except UnsupportedModelError as e:
-        assert "saved-tensor hooks" in str(e), e
-        return
-    finally:
-        sys.setprofile(was)
-    assert d <= 1 + 1e-6, (engine, d)
+    assert_refused_or_bounded(engine, lambda: _Model(op=op), x, y, C, _ce,
+                              ("saved-tensor hooks",))
 
 
 def test_the_model_is_accepted_without_the_hooks():
     x, y = _data(8, "value")
-    assert loo_distance(_ENGINES["ghost"], lambda: _Model(forge=False), x, y, C,
+    assert loo_distance(lambda: get_engine("ghost"), lambda: _Model(forge=False), x, y, C,
                         loss=_ce) == pytest.approx(1.0)
