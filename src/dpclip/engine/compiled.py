@@ -27,8 +27,12 @@ operation, most of the step of a Hugging Face model. Here the program is fixed i
      two calls; the reduction's rule for several uses of a parameter): the ghost rule of the layer
      then reads exactly the per-example gradient of that operation. A module on ghost's per-layer
      path whose parameters meet the examples only by broadcasting (``p * x``, ``x + p``,
-     ``p.expand(B, ...)``: Llama's RMSNorm, ViT's class token and position table) is read by
-     :class:`_BroadcastRule`, one call per use. A layer called
+     ``p.expand(B, ...)``: Llama's RMSNorm, ViT's class token and position table), directly or
+     after a chain that moves their entries without mixing them (Gemma's ``x * (1 +
+     w.float())``, DeBERTa's split attention biases), is read by :class:`_BroadcastRule`, one
+     call per use; an ``nn.Embedding`` or ``nn.LayerNorm`` subclass with a forward of its own
+     (BART's scaled embeddings, ConvNeXt's channels-first LayerNorm) by its base class's rule at
+     each canonical call. A layer called
      without the batch (a ``(1, T)`` position index) is read at the expansion the proof traced
      (:mod:`dpclip.engine.batchless`);
    * separability: the graph runs once on PUBLIC zeros at two batch sizes (primes that divide no
@@ -57,7 +61,9 @@ trace of the user's code decides WHICH program is trained, not whether it is pri
 Python state changes what it computes without changing the proof's key (module types, plain
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
-per-layer path beyond broadcast uses (scaled embeddings), sequence-first layers,
+per-layer path beyond broadcast uses (of a parameter or of a chain from it, :func:`_chain_step`)
+and the canonical calls of ``nn.Embedding`` and ``nn.LayerNorm`` subclasses (a linear layer
+with a forward of its own, Falcon's ``x @ W.T``), sequence-first layers,
 in-place writes an alias would see (:func:`_out_of_place` runs the others out of place),
 grad-mode regions.
 """
@@ -138,19 +144,42 @@ _SAME_VALUES = frozenset({_aten.detach, _aten.alias, _aten.clone, _aten.contiguo
 
 class _BroadcastRule(_Rule):
     """A parameter of a module on ghost's per-layer path that meets example rows only through
-    broadcasting: ``p * x`` (``product``: Llama's RMSNorm weight), ``x + p`` or ``p.expand(B,
-    ...)`` (ViT's position embeddings and class token), ``p`` broadcast over the rows' leading
-    dimensions (and any dimension where it has size 1). The per-example gradient is ``b * x``
-    (``b``) summed over those dimensions, formed and kept as for a LayerNorm's weight (the vector
-    whose norm is taken is the vector summed). One call per use, for the one parameter it uses."""
+    broadcasting: ``q * x`` (``product``: Llama's RMSNorm weight), ``x + q`` or ``q.expand(B,
+    ...)`` (ViT's position embeddings and class token), ``q`` broadcast over the rows' leading
+    dimensions (and any dimension where it has size 1), where ``q`` is the parameter itself or
+    the end of a chain of operations that move its entries without mixing them (:data:`_CHAIN`:
+    a cast, a shift by a number, a view, unsqueeze, permute or transpose: Gemma's RMSNorm ``x * (1
+    + w.float())``, DeBERTa's ``q_bias[None, None, :]`` split into heads). The per-example
+    gradient of ``q`` is ``b * x`` (``b``) summed over the broadcast dimensions; the chain's
+    Jacobian maps it back to the parameter (each step's inverse: a cast back, the identity for
+    a shift, the inverse view or permutation). Formed and kept as for a LayerNorm's weight (the
+    vector whose norm is taken is the vector summed). One call per use, for the one parameter it
+    uses."""
 
     roles = ("weight",)
 
-    def __init__(self, product: bool) -> None:
+    def __init__(self, product: bool, chain: tuple = (), shape: tuple = ()) -> None:
         self.product = product
+        #: ``((op, args, in_shape, in_dtype), ...)`` from the parameter to ``q`` (:func:`_chain`)
+        self.chain = chain
+        #: the shape of ``q`` (the parameter's when there is no chain)
+        self.shape = shape
+
+    def prepare(self, c: _Call) -> None:
+        """As every rule (:func:`_fold_rows`); a chain that computes in a narrower dtype than
+        the parameter's (Gemma's ``w.float()`` of a float64 weight) has ``a`` and ``b`` widened
+        to the parameter's dtype (exact): the vector is then formed, and its norm bounded, in
+        that dtype, and the chunk's rounding terms are not the narrower dtype's."""
+        super().prepare(c)
+        want = own_param(c.mod, c.owner.roles[0]).dtype
+        for name in ("a", "b"):
+            t = getattr(c, name)
+            if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != want and \
+                    torch.finfo(t.dtype).eps > torch.finfo(want).eps:
+                setattr(c, name, t.to(want))
 
     def per_example(self, c: _Call, role: str) -> Tensor:
-        shape = tuple(own_param(c.mod, role).shape)
+        shape = self.shape if self.chain else tuple(own_param(c.mod, role).shape)
         t = c.b * c.a if self.product else c.b
         rest = tuple(t.shape[1:])
         tail = shape[1:] if len(shape) == len(rest) + 1 else shape  # (a leading 1: the batch's)
@@ -159,11 +188,47 @@ class _BroadcastRule(_Rule):
         dims = [d + 1 for d, n in enumerate(tail) if n == 1 and t.shape[d + 1] != 1]
         if dims:
             t = t.sum(dims, keepdim=True)
-        return t.reshape(t.shape[0], *shape)
+        t = t.reshape(t.shape[0], *shape)
+        for op, args, in_shape, in_dtype in reversed(self.chain):  # (q's gradient, pulled back)
+            t = _pull_back(t, op, args, in_shape, in_dtype)
+        return t
+
+
+def _pull_back(t: Tensor, op: Any, args: tuple, in_shape: tuple, in_dtype: torch.dtype) -> Tensor:
+    """Per-example gradients ``t`` (batch first) of one chain step's output, as gradients of its
+    input: the transpose of the step's Jacobian (a permutation of the entries, or the identity,
+    with a cast back to the input's dtype)."""
+    if op in (_aten.to.dtype, _aten._to_copy.default):  # (never narrowed: a bfloat16 weight's
+        # vectors stay in the chain's float32, as a half weight's kept gradients do)
+        return t.to(in_dtype) if torch.finfo(in_dtype).eps < torch.finfo(t.dtype).eps else t
+    if op in (_aten.add.Tensor, _aten.sub.Tensor):
+        return t
+    if op is _aten.permute.default:
+        dims = [d % len(in_shape) for d in args[0]]
+        inv = sorted(range(len(dims)), key=dims.__getitem__)
+        return t.permute(0, *[i + 1 for i in inv])
+    if op is _aten.transpose.int:
+        n = max(len(in_shape), 1)
+        return t.transpose(args[0] % n + 1, args[1] % n + 1)
+    if op is _aten.t.default:
+        return t.transpose(1, 2) if len(in_shape) == 2 else t
+    # unsqueeze, view, reshape, _unsafe_view: the same entries in the input's shape
+    return t.reshape(t.shape[0], *in_shape)
 
 
 _SCALE = _BroadcastRule(product=True)
 _SHIFT = _BroadcastRule(product=False)
+#: operations a parameter may pass through before its broadcast use (:func:`_chain_step`): each
+#: moves the entries of one tensor without mixing them, or shifts them by a number
+_CHAIN = frozenset({_aten.to.dtype, _aten._to_copy.default, _aten.add.Tensor, _aten.sub.Tensor,
+                    _aten.unsqueeze.default, _aten.view.default, _aten.reshape.default,
+                    _aten._unsafe_view.default, _aten.permute.default, _aten.transpose.int,
+                    _aten.t.default})
+#: operations that only assert on a tensor's metadata (no output): not uses
+_ASSERTS = frozenset({_aten._assert_tensor_metadata.default}
+                    if hasattr(_aten, "_assert_tensor_metadata") else ())
+#: the longest chain :func:`_chain_step` follows from a parameter to its broadcast use
+_CHAIN_MAX = 16
 
 
 def _fits(p: Tensor, rows: Tensor) -> bool:
@@ -178,35 +243,102 @@ def _fits(p: Tensor, rows: Tensor) -> bool:
     return all(a == 1 or a == b for a, b in zip(_sizes(p.shape), r))
 
 
+def _static(v: Any) -> bool:
+    """A tensor value whose sizes are all plain ints (no batch symbol)."""
+    return isinstance(v, Tensor) and all(type(d) is int for d in v.shape)
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _chain_step(u: torch.fx.Node, q: torch.fx.Node) -> tuple | None:
+    """``(op, args, in_shape, in_dtype)`` when ``u`` is one step of a parameter's chain applied to
+    ``q`` (:data:`_CHAIN`: its entries moved without mixing, or shifted by a number), else None.
+    The step's output has plain sizes (no batch) and a floating dtype."""
+    qv, uv = q.meta.get("val"), u.meta.get("val")
+    if u.target not in _CHAIN or not _static(qv) or not _static(uv) or \
+            not qv.dtype.is_floating_point or not uv.dtype.is_floating_point or \
+            not u.args or u.args[0] is not q:
+        return None
+    op, args, kw = u.target, tuple(u.args[1:]), dict(u.kwargs)
+    if any(isinstance(a, torch.fx.Node) for a in args):
+        return None
+    if op is _aten.to.dtype:
+        ok = not kw and len(args) == 1
+    elif op is _aten._to_copy.default:
+        ok = not args and set(kw) <= {"dtype"}
+    elif op in (_aten.add.Tensor, _aten.sub.Tensor):
+        ok = not kw and len(args) == 1 and _number(args[0])
+    elif op is _aten.t.default:
+        ok = not kw and not args
+    elif op in (_aten.unsqueeze.default, ):
+        ok = not kw and len(args) == 1 and type(args[0]) is int
+    elif op is _aten.transpose.int:
+        ok = not kw and len(args) == 2 and all(type(a) is int for a in args)
+    else:  # view, reshape, _unsafe_view, permute: one list of plain ints
+        ok = not kw and len(args) == 1 and isinstance(args[0], (list, tuple)) and \
+            all(type(a) is int for a in args[0])
+    if not ok or (op not in (_aten.to.dtype, _aten._to_copy.default) and uv.dtype != qv.dtype) \
+            or uv.numel() != qv.numel():
+        return None
+    return op, args, tuple(qv.shape), qv.dtype
+
+
 def _broadcast_uses(o: Any, nodes: dict[str, torch.fx.Node]) -> list | None:
     """The uses of a per-layer module's trainable parameters (``role -> placeholder``) when every
-    one is a broadcast use (:class:`_BroadcastRule`): ``[(role, use, x, product)]``; else None."""
+    one is a broadcast use (:class:`_BroadcastRule`) of the parameter or of a chain from it
+    (:func:`_chain_step`): ``[(role, use, x, rule)]``; else None."""
     got = []
     for role, node in nodes.items():
-        p = node.meta.get("val")
-        if not isinstance(p, Tensor) or not node.users:
+        if not isinstance(node.meta.get("val"), Tensor):
             return None
-        for u in node.users:
-            out = u.meta.get("val")
-            if not isinstance(out, Tensor) or out.dtype != p.dtype or u.kwargs:
+        todo = [(node, ())]
+        while todo:
+            q, chain = todo.pop()
+            qv = q.meta.get("val")
+            users = [u for u in q.users if u.target not in _ASSERTS]
+            if not users:  # (an unused parameter or a chain that ends nowhere)
                 return None
-            if u.target is _aten.expand.default:
-                # p (1, ...) expanded to the batch: its rows are the batch's copies of p
-                if p.shape[0] != 1 or out.ndim != p.ndim or \
-                        not isinstance(out.shape[0], torch.SymInt) or \
-                        _sizes(out.shape[1:]) != _sizes(p.shape[1:]):
+            for u in users:
+                step = _chain_step(u, q)
+                if step is not None:
+                    if len(chain) >= _CHAIN_MAX:
+                        return None
+                    todo.append((u, chain + (step,)))
+                    continue
+                use = _use(u, q, qv)
+                if use is None:
                     return None
-                got.append((role, u, u, False))
-                continue
-            if u.target not in (_aten.mul.Tensor, _aten.add.Tensor) or len(u.args) != 2:
-                return None
-            x = u.args[1] if u.args[0] is node else u.args[0]
-            xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-            if x is node or not isinstance(xv, Tensor) or xv.dtype != out.dtype or \
-                    _sizes(xv.shape) != _sizes(out.shape) or not _fits(p, xv):
-                return None
-            got.append((role, u, x, u.target is _aten.mul.Tensor))
+                x, product = use
+                rule = _BroadcastRule(product, chain, tuple(qv.shape)) if chain else \
+                    (_SCALE if product else _SHIFT)
+                got.append((role, u, x, rule))
     return got
+
+
+def _use(u: torch.fx.Node, q: torch.fx.Node, p: Tensor) -> tuple | None:
+    """``(x, product)`` when ``u`` is a broadcast use of ``q`` (value ``p``): ``p * x``, ``x + p``
+    with ``p`` fitting against example rows ``x`` (:func:`_fits`), or ``p`` (leading size 1)
+    expanded to the batch (``x`` is then ``u``); else None."""
+    out = u.meta.get("val")
+    if not isinstance(out, Tensor) or out.dtype != p.dtype or u.kwargs:
+        return None
+    if u.target is _aten.expand.default:
+        # p (1, ...) expanded to the batch: its rows are the batch's copies of p
+        if p.shape[0] != 1 or out.ndim != p.ndim or \
+                not isinstance(out.shape[0], torch.SymInt) or \
+                _sizes(out.shape[1:]) != _sizes(p.shape[1:]):
+            return None
+        return u, False
+    if u.target not in (_aten.mul.Tensor, _aten.add.Tensor) or len(u.args) != 2:
+        return None
+    x = u.args[1] if u.args[0] is q else u.args[0]
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if x is q or not isinstance(xv, Tensor) or xv.dtype != out.dtype or \
+            _sizes(xv.shape) != _sizes(out.shape) or not _fits(p, xv):
+        return None
+    return x, u.target is _aten.mul.Tensor
 
 
 def _embedding_subclass(o: Any) -> str | None:
@@ -225,6 +357,47 @@ def _embedding_subclass(o: Any) -> str | None:
     # (any class of its MRO but nn.Embedding's, nn.Module's and object's: a mixin after
     # nn.Module too, hundred-and-seventy-fourth review; per_layer.embedding_class_defines)
     return _RULES[nn.Embedding].unsupported(mod)
+
+
+#: what the LayerNorm rule and its checks read of a layer: a class below ``nn.LayerNorm`` that
+#: defines one of them (a property answering two reads differently) keeps the layer off the rule
+LAYERNORM_READS = ("normalized_shape", "eps", "elementwise_affine", "weight", "bias",
+                   "__getattr__", "__getattribute__", "__setattr__", "__class__", "__dict__")
+
+
+def _layernorm_subclass(o: Any) -> str | None:
+    """Why a per-layer module cannot take the LayerNorm rule (None: it can): a subclass of
+    ``nn.LayerNorm`` with a forward of its own (ConvNeXt's channels-first LayerNorm, a permute
+    around ``super().forward``), an affine weight (and bias) trainable, whose classes other
+    than ``nn.LayerNorm``, ``nn.Module`` and ``object`` (anywhere in the MRO, a mixin after
+    ``nn.Module`` too: the hundred-and-seventy-fourth review's attack on the Embedding rule)
+    define nothing the rule reads (:data:`LAYERNORM_READS`). Every use of its parameters must
+    then be a canonical ``aten.layer_norm`` with its own weight, bias, shape and eps
+    (:func:`_canonical`); what the forward does around it is graph code like any other."""
+    mod = o.module
+    if not isinstance(mod, nn.LayerNorm) or type(mod) is nn.LayerNorm or \
+            not mod.elementwise_affine or o.roles not in (("weight",), ("weight", "bias")):
+        return "not an nn.LayerNorm subclass with a trainable affine weight"
+    if mod.bias is not None and "bias" not in o.roles:
+        return "its bias is frozen while its weight trains"
+    for c in type(mod).__mro__:
+        if c is nn.LayerNorm or c is nn.Module or c is object:
+            continue
+        hit = [k for k in LAYERNORM_READS if k in vars(c)]
+        if hit:
+            return f"its class {c.__name__} defines {hit[0]}"
+    return None
+
+
+#: ``nn.Embedding`` and ``nn.LayerNorm`` subclasses with a forward of their own whose canonical
+#: calls take the base class's rule: the base and why a layer cannot (None: it can)
+_SUBCLASSED = ((nn.Embedding, _embedding_subclass), (nn.LayerNorm, _layernorm_subclass))
+
+
+def _subclass_of(o: Any) -> type | None:
+    """The base class whose rule a per-layer module's canonical calls take, or None."""
+    return next((base for base, why in _SUBCLASSED
+                 if isinstance(o.module, base) and why(o) is None), None)
 
 
 def _fqn(owner: str, attr: str) -> str:
@@ -553,12 +726,13 @@ class _Spec:
         self.slots: dict[str, int] = {}  # role -> position of its placeholder
         self.a_node: Any = None  # the graph node of the call's input (the rule's ``a``)
         self.call = ""  # the name of the call's node
-        #: ``(role, product)``: a per-layer module's broadcast use of one parameter
+        #: ``(role, rule)``: a per-layer module's broadcast use of one parameter
         #: (:class:`_BroadcastRule`), else None
-        self.scale: tuple[str, bool] | None = None
-        #: a lookup of an nn.Embedding subclass's table (:func:`_embedding_subclass`): the call
-        #: takes the Embedding rule
-        self.lookup = False
+        self.scale: tuple[str, _BroadcastRule] | None = None
+        #: the base class (nn.Embedding, nn.LayerNorm) whose rule a subclass's canonical call
+        #: takes (:func:`_subclass_of`), else None; e.g. a lookup of an nn.Embedding subclass's
+        #: table (:func:`_embedding_subclass`) takes the Embedding rule
+        self.lookup: type | None = None
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -703,7 +877,7 @@ class Plan:
             o = by_name.get(s.name)
             if o is None or o.module is not s.module or \
                     (o.rule is _MODULE) != bool(s.scale or s.lookup) or \
-                    (s.lookup and _embedding_subclass(o) is not None) or \
+                    (s.lookup and _subclass_of(o) is not s.lookup) or \
                     _static_config(s.module) != s.config:
                 raise CompiledUnsupported(
                     f"layer {s.name!r} was replaced or reconfigured since its graph was proved; "
@@ -738,11 +912,11 @@ class Plan:
             if s.expanded:
                 a = a.expand(batch, *a.shape[1:])
             if s.scale:  # (a per-layer module's parameter in a broadcast use: its own call)
-                role, product = s.scale
-                o = _Owner(o.name, o.module, _SCALE if product else _SHIFT, (role,),
+                role, rule = s.scale
+                o = _Owner(o.name, o.module, rule, (role,),
                            (o.pnames[o.roles.index(role)],))
-            elif s.lookup:  # (an nn.Embedding subclass's lookup: the Embedding rule)
-                o = _Owner(o.name, o.module, _RULES[nn.Embedding], o.roles, o.pnames)
+            elif s.lookup:  # (an nn.Embedding or nn.LayerNorm subclass's call: its base's rule)
+                o = _Owner(o.name, o.module, _RULES[s.lookup], o.roles, o.pnames)
             c = _Call(o, a, out, None)
             c.layouts = s.layouts
             c.group = s.group
@@ -1046,32 +1220,36 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     ruled: dict[str, _Spec] = {}  # call node name -> spec
     holders_of: dict[str, tuple] = {}  # owner name -> (owner, its placeholders, Conv1D?)
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
+    covered: set[str] = set()  # the users of broadcast-used parameters (_broadcast_uses)
     for o in scan.owners:
         if o.rule is _MODULE or o.rule.kind == "module":
             nodes = {r: by_ident.get(ident(o.module._parameters.get(r))) for r in o.roles}
             uses = _broadcast_uses(o, nodes) if all(nodes.values()) else None
             if uses is not None:  # (broadcast uses of its parameters: _BroadcastRule)
-                for role, call, a, product in uses:
+                for role, call, a, rule in uses:
                     _claim(o, (role,), {role: nodes[role]}, slot, call, a, specs, ruled,
                            expansions, extra)
-                    specs[-1].scale = (role, product)
+                    specs[-1].scale = (role, rule)
+                    # (every user of the parameter is a use, a chain step or an assertion:
+                    # _broadcast_uses checked them all)
+                    covered.update(u.name for u in nodes[role].users)
                 holders_of[o.name] = (o, nodes, False)
                 continue
+            base = _subclass_of(o)
             node = nodes.get("weight")
-            if node is not None and _embedding_subclass(o) is None and node.users:
-                # (an nn.Embedding subclass: its table's canonical lookups take the Embedding
-                # rule, the forward around them is graph code like any other; any other use of
-                # the table must be another ruled layer's call, a tied output projection, or the
-                # check of stray uses below refuses it)
-                ph = {"weight": node}
+            if base is not None and node is not None and node.users and all(nodes.values()):
+                # (an nn.Embedding or nn.LayerNorm subclass: its canonical calls take the base
+                # class's rule, the forward around them is graph code like any other; any other
+                # use of its parameters must be another ruled layer's call, a tied output
+                # projection, or the check of stray uses below refuses it)
+                ph = dict(nodes)
                 for call in list(node.users):
                     if call.name in ruled:
                         continue
-                    why, a = _canonical(call, o.module, ph, gm, as_cls=nn.Embedding)
+                    why, a = _canonical(call, o.module, ph, gm, as_cls=base)
                     if why is None:
-                        _claim(o, ("weight",), ph, slot, call, a, specs, ruled, expansions,
-                               extra)
-                        specs[-1].lookup = True
+                        _claim(o, o.roles, ph, slot, call, a, specs, ruled, expansions, extra)
+                        specs[-1].lookup = base
                 holders_of[o.name] = (o, ph, False)
                 continue
             raise CompiledUnsupported(
@@ -1107,7 +1285,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     for target, node in by_param.items():
         if ident(named[target]) not in scan.by_param:  # (frozen: a constant of the graph)
             continue
-        stray = [u for u in node.users if u.name not in ruled]
+        stray = [u for u in node.users if u.name not in ruled and u.name not in covered]
         if stray:
             whys = [_canonical(stray[0], o.module, ph, gm, c1)[0]
                     for o, ph, c1 in holders_of.values() if node in ph.values()]

@@ -1,0 +1,226 @@
+"""Session 26's compiled rules: a per-layer module's parameter broadcast after a chain of
+operations that move its entries without mixing them (Gemma's RMSNorm ``x * (1 + w.float())``,
+DeBERTa's ``q_bias[None, None, :]`` split into heads, a transposed table), and ``nn.LayerNorm``
+subclasses with a forward of their own (ConvNeXt's channels-first LayerNorm). Against the float64
+per-example loop, with the adversarial twins beside them: a chain that mixes a parameter's entries
+(a cumulative sum, a multiplication by a number), a class property the LayerNorm rule would read,
+the weight used outside the norm, a norm of another example's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dpclip.engine import ParamGroups, get_engine, naive_per_example_grads
+from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.helpers import (DT, assert_equal_to_the_loop, clip_weights, loo_distance,
+                                  oracle_norms, oracle_sum)
+
+
+def _ce(o, y):
+    return F.cross_entropy(o, y, reduction="none")
+
+
+class GemmaNorm(nn.Module):
+    """Gemma's RMSNorm: computed in float32, the weight used as ``1 + w``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d) * 0.3)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class HeadsBias(nn.Module):
+    """DeBERTa's attention biases: ``q_bias[None, None, :]`` split into heads, added to the
+    projected queries (B, H, T, d)."""
+
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(d, d, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(d) * 0.3)
+
+    def split(self, x):
+        return x.view(x.shape[0], x.shape[1], self.heads, -1).permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        q = self.split(self.proj(x)) + self.split(self.q_bias[None, None, :])
+        return q.permute(0, 2, 1, 3).reshape(x.shape)
+
+
+class Transposed(nn.Module):
+    """A square table added transposed (and shifted) to each example's (T, T) rows."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(t, t) * 0.3)
+
+    def forward(self, x):
+        return x + (self.table.t() - 0.5).unsqueeze(0) + self.table.transpose(0, 1)
+
+
+class Cumulative(GemmaNorm):
+    """Twin: ``1 + cumsum(w)`` mixes the weight's entries (no rule: the per-layer path)."""
+
+    def forward(self, x):
+        return x * (1.0 + self.weight.cumsum(0))
+
+
+class Doubled(GemmaNorm):
+    """Twin: ``2 w`` scales the gradient (not a chain step: the per-layer path)."""
+
+    def forward(self, x):
+        return x * (self.weight * 2.0)
+
+
+class Text(nn.Module):
+    def __init__(self, block: type, d=8, t=5):
+        super().__init__()
+        torch.manual_seed(0)  # (the same weights for every model built: the LOO compares two)
+        self.inp = nn.Linear(3, d).to(DT)
+        self.block = (block(t) if block is Transposed else block(d)).to(DT)
+        self.out = nn.Linear(d, 3).to(DT)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if isinstance(self.block, Transposed):
+            h = self.block(h[..., :h.shape[1]]).repeat(1, 1, 2)[..., :h.shape[-1]]
+        else:
+            h = self.block(h)
+        return self.out(torch.tanh(h)).mean(1)
+
+
+class ChannelsFirst(nn.LayerNorm):
+    """ConvNeXt's LayerNorm on (B, C, H, W): a permute around ``super().forward``."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class EpsProperty(ChannelsFirst):
+    """Twin: a class property over what the LayerNorm rule reads."""
+
+    @property
+    def eps(self):  # noqa: D401
+        return 1e-5
+
+    @eps.setter
+    def eps(self, v):
+        pass
+
+
+class WeightElsewhere(ChannelsFirst):
+    """Twin: the weight read outside the norm too (every example sees its sum)."""
+
+    def forward(self, x):
+        return super().forward(x) + self.weight.sum()
+
+
+class OtherRows(ChannelsFirst):
+    """Twin: the norm of another example's rows (mixing)."""
+
+    def forward(self, x):
+        return super().forward(x.flip(0))
+
+
+class Image(nn.Module):
+    def __init__(self, norm: type):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1).to(DT)
+        self.norm = norm(4).to(DT)
+        with torch.no_grad():  # (not the identity: the weight's and bias's gradients differ)
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+        self.out = nn.Linear(4, 3).to(DT)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def _text(b=7, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+
+
+def _image(b=7, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 2, 5, 5, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
+
+
+_CASES = {
+    "gemma-norm": (lambda: Text(GemmaNorm), _text),
+    "heads-bias": (lambda: Text(HeadsBias), _text),
+    "transposed": (lambda: Text(Transposed), _text),
+    "channels-first-layernorm": (lambda: Image(ChannelsFirst), _image),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+@pytest.mark.parametrize("engine", ["compiled", "auto"])
+def test_a_chain_or_a_layernorm_subclass_runs_on_the_graph_exactly(case, engine):
+    make, batch = _CASES[case]
+    model = make()
+    x, y = batch()
+    groups = ParamGroups.flat(model)
+    eng = get_engine(engine)
+    for _ in range(2):  # (the first step adopts the graph, the second runs it alone)
+        res = eng.compute(model, _ce, x, y, clip_weights(0.05), groups)
+    assert res.engine_info.get("program") == "compiled", res.engine_info
+    if case != "gemma-norm":
+        assert_equal_to_the_loop(res, model, _ce, x, y, groups)
+        return
+    # (Gemma's norm computes in float32: the loop's gradients are float32 computations too,
+    # summed in another order)
+    per_ex = naive_per_example_grads(model, _ce, x, y)
+    torch.testing.assert_close(res.norms, oracle_norms(per_ex, groups, x.shape[0]), rtol=1e-6,
+                               atol=0)
+    ref = oracle_sum(per_ex, res.weights, groups, x.shape[0])
+    for n in ref:
+        torch.testing.assert_close(res.grads[n], ref[n], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_a_chain_or_a_layernorm_subclass_is_bounded(case):
+    make, batch = _CASES[case]
+    x, y = batch(b=10, seed=5)
+    assert loo_distance(lambda: get_engine("compiled"), make, x, y, 0.01, loss=_ce) <= 1 + 1e-6
+
+
+def test_a_float32_chain_of_a_float64_weight_keeps_float64_rounding_terms():
+    """Gemma's ``w.float()``: the rule's ``a`` and ``b`` are widened to the weight's float64, so
+    the chunk's rounding terms are float64's (float32's over-clipped every example by ~3e-4)."""
+    model = Text(GemmaNorm)
+    x, y = _text()
+    groups = ParamGroups.flat(model)
+    eng = get_engine("compiled")
+    for _ in range(2):
+        res = eng.compute(model, _ce, x, y, clip_weights(1e6), groups)
+    traced = get_engine("ghost").compute(model, _ce, x, y, clip_weights(1e6), groups)
+    torch.testing.assert_close(res.norms, traced.norms, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("make, batch, why", [
+    (lambda: Text(Cumulative), _text, "needs the per-layer path"),
+    (lambda: Text(Doubled), _text, "needs the per-layer path"),
+    (lambda: Image(EpsProperty), _image, "needs the per-layer path"),
+    (lambda: Image(WeightElsewhere), _image, "used outside its layer's call"),
+    (lambda: Image(OtherRows), _image, "mixes the examples|not proved|separable"),
+])
+def test_the_adversarial_twins_are_refused_by_compiled_and_bounded_under_auto(make, batch, why):
+    x, y = batch()
+    model = make()
+    with pytest.raises(UnsupportedModelError, match=why):
+        get_engine("compiled").compute(model, _ce, x, y, clip_weights(0.05),
+                                       ParamGroups.flat(model))
+    try:
+        d = loo_distance(lambda: get_engine("auto"), make, x, y, 0.01, loss=_ce)
+    except UnsupportedModelError:
+        return
+    assert d <= 1 + 1e-9
