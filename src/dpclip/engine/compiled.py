@@ -389,9 +389,80 @@ def _layernorm_subclass(o: Any) -> str | None:
     return None
 
 
-#: ``nn.Embedding`` and ``nn.LayerNorm`` subclasses with a forward of their own whose canonical
+#: what the Linear rule and its checks read of a layer (as :data:`LAYERNORM_READS`)
+LINEAR_READS = ("in_features", "out_features", "weight", "bias", "__getattr__",
+                "__getattribute__", "__setattr__", "__class__", "__dict__")
+
+
+def _linear_subclass(o: Any) -> str | None:
+    """Why a per-layer module cannot take the Linear rule (None: it can): a subclass of
+    ``nn.Linear`` with a forward of its own (Falcon's ``FalconLinear``: ``x @ self.weight.T`` then
+    ``+ self.bias``), its weight trainable (and its bias, if it has one), whose classes other than
+    ``nn.Linear``, ``nn.Module`` and ``object`` define nothing the rule reads
+    (:data:`LINEAR_READS`). Its calls: a canonical ``aten.linear``, or :func:`_matmul_call`."""
+    mod = o.module
+    if not isinstance(mod, nn.Linear) or type(mod) is nn.Linear or \
+            o.roles not in (("weight",), ("weight", "bias")):
+        return "not an nn.Linear subclass with a trainable weight"
+    if mod.bias is not None and "bias" not in o.roles:
+        return "its bias is frozen while its weight trains"
+    for c in type(mod).__mro__:
+        if c is nn.Linear or c is nn.Module or c is object:
+            continue
+        hit = [k for k in LINEAR_READS if k in vars(c)]
+        if hit:
+            return f"its class {c.__name__} defines {hit[0]}"
+    return None
+
+
+#: a 2-D weight transposed: ``W.T``, ``W.t()``, ``W.transpose(0, 1)``, ``W.permute(1, 0)``
+_TRANSPOSES = frozenset({_aten.numpy_T.default, _aten.t.default, _aten.transpose.int,
+                         _aten.permute.default})
+
+
+def _matmul_call(t: torch.fx.Node, mod: nn.Module,
+                 ph: dict[str, torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(call, input)`` when ``t``, a user of an ``nn.Linear`` subclass's weight, is the weight
+    transposed and used once, as ``aten.matmul(x, t)`` with ``x`` of two or more dimensions whose
+    last is ``in_features`` (``x @ W.T``: ``linear(x, W)`` exactly); with a trainable bias, the
+    product's only use must be ``aten.add.Tensor(product, bias)`` (the call is then that add:
+    its output gradient is the product's). Else None."""
+    w = ph["weight"]
+    if t.target not in _TRANSPOSES or not t.args or t.args[0] is not w or t.kwargs:
+        return None
+    rest = tuple(t.args[1:])
+    if t.target is _aten.transpose.int and sorted(d % 2 for d in rest) != [0, 1] or \
+            t.target is _aten.permute.default and [d % 2 for d in rest[0]] != [1, 0] or \
+            t.target in (_aten.numpy_T.default, _aten.t.default) and rest:
+        return None
+    wv = w.meta.get("val")
+    if not isinstance(wv, Tensor) or wv.ndim != 2 or len(t.users) != 1:
+        return None
+    mm = next(iter(t.users))
+    if mm.target is not _aten.matmul.default or mm.kwargs or len(mm.args) != 2 or \
+            mm.args[1] is not t or not isinstance(mm.args[0], torch.fx.Node):
+        return None
+    x = mm.args[0]
+    xv, mv = x.meta.get("val"), mm.meta.get("val")
+    if not isinstance(xv, Tensor) or xv.ndim < 2 or xv.shape[-1] != wv.shape[1] or \
+            not isinstance(mv, Tensor) or mv.ndim != xv.ndim or xv.dtype != wv.dtype:
+        return None
+    if "bias" not in ph:
+        return mm, x
+    users = list(mm.users)
+    if len(users) != 1:
+        return None
+    add = users[0]
+    if add.target is not _aten.add.Tensor or add.kwargs or len(add.args) != 2 or \
+            add.args[0] is not mm or add.args[1] is not ph["bias"]:
+        return None
+    return add, x
+
+
+#: ``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Linear`` subclasses with a forward of their own whose canonical
 #: calls take the base class's rule: the base and why a layer cannot (None: it can)
-_SUBCLASSED = ((nn.Embedding, _embedding_subclass), (nn.LayerNorm, _layernorm_subclass))
+_SUBCLASSED = ((nn.Embedding, _embedding_subclass), (nn.LayerNorm, _layernorm_subclass),
+               (nn.Linear, _linear_subclass))
 
 
 def _subclass_of(o: Any) -> type | None:
@@ -437,6 +508,15 @@ def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node]
     kw = _mod_args(node, mod, gm)
     if kw is None:
         return "its arguments could not be read", None
+    bad = next((n for n in _CONFIG_READS.get(cls, ()) if n not in vars(mod) or
+                not _strictly_plain(vars(mod)[n])), None)
+    if bad is not None:
+        # (a tuple subclass whose iteration answers (C,) and whose contents, which torch's
+        # argument parser reads in the rule, are (32, C): the LayerNorm rule normalised over
+        # the chunk's 32 rows, 11.8 C under compiled, auto and make_private; hundred-and-
+        # eightieth hostile review)
+        return (f"its {bad} is not an instance attribute of plain type (int, float, bool, str, "
+                "None, or an exact tuple or list of them)"), None
 
     def param(role: str, got: Any) -> str | None:
         p = mod._parameters.get(role)
@@ -511,6 +591,34 @@ def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node]
     if not isinstance(a, torch.fx.Node):
         return "its input is not a tensor of the graph", None
     return None, a
+
+
+#: the configuration each rule reads of its layer (besides its parameters and buffers): each must
+#: be an instance attribute of a plain type (:func:`_strictly_plain`), compared with the graph's
+#: call by :func:`_canonical` and with the analysis's value at every step (``_static_config``)
+_CONFIG_READS: dict[type, tuple[str, ...]] = {
+    nn.Linear: ("in_features", "out_features"),
+    nn.Embedding: ("num_embeddings", "embedding_dim", "padding_idx", "max_norm",
+                   "scale_grad_by_freq", "sparse"),
+    nn.LayerNorm: ("normalized_shape", "eps", "elementwise_affine"),
+    nn.Conv1d: ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+                "groups", "padding_mode"),
+    nn.GroupNorm: ("num_groups", "num_channels", "eps", "affine"),
+}
+_CONFIG_READS[nn.Conv2d] = _CONFIG_READS[nn.Conv1d]
+if hasattr(nn, "RMSNorm"):
+    _CONFIG_READS[nn.RMSNorm] = ("normalized_shape", "eps", "elementwise_affine")
+for _bn in _BATCHNORMS:
+    _CONFIG_READS[_bn] = ("num_features", "eps", "track_running_stats")
+
+
+def _strictly_plain(v: Any) -> bool:
+    """``v`` an int, float, bool, str or None, or an exact tuple or list of such values (no
+    subclass: its ``__iter__``, ``__len__`` or ``__eq__`` could answer other than its contents,
+    which torch's argument parser reads)."""
+    if type(v) in (tuple, list):
+        return all(_strictly_plain(x) for x in v)
+    return type(v) in (int, float, bool, str, type(None))
 
 
 def _literal(model: nn.Module, target: Any) -> bool:
@@ -1218,7 +1326,8 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
     specs: list[_Spec] = []
     extra: list[torch.fx.Node] = []
     ruled: dict[str, _Spec] = {}  # call node name -> spec
-    holders_of: dict[str, tuple] = {}  # owner name -> (owner, its placeholders, Conv1D?)
+    # owner name -> (owner, its placeholders, Conv1D?, the base class a subclass is read as)
+    holders_of: dict[str, tuple] = {}
     expansions: dict[str, _Spec] = {}  # name of an expansion node -> spec
     covered: set[str] = set()  # the users of broadcast-used parameters (_broadcast_uses)
     for o in scan.owners:
@@ -1233,7 +1342,7 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                     # (every user of the parameter is a use, a chain step or an assertion:
                     # _broadcast_uses checked them all)
                     covered.update(u.name for u in nodes[role].users)
-                holders_of[o.name] = (o, nodes, False)
+                holders_of[o.name] = (o, nodes, False, None)
                 continue
             base = _subclass_of(o)
             node = nodes.get("weight")
@@ -1247,10 +1356,15 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                     if call.name in ruled:
                         continue
                     why, a = _canonical(call, o.module, ph, gm, as_cls=base)
+                    if why is not None and base is nn.Linear:  # (x @ W.T [+ b])
+                        got = _matmul_call(call, o.module, ph)
+                        if got is not None:
+                            covered.add(call.name)  # (the transpose: read by the call only)
+                            (call, a), why = got, None
                     if why is None:
                         _claim(o, o.roles, ph, slot, call, a, specs, ruled, expansions, extra)
                         specs[-1].lookup = base
-                holders_of[o.name] = (o, ph, False)
+                holders_of[o.name] = (o, ph, False, base)
                 continue
             raise CompiledUnsupported(
                 f"layer {o.name!r} ({type(o.module).__name__}) needs the per-layer path, which "
@@ -1281,14 +1395,14 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
                  for why, a in [_canonical(u, o.module, ph, gm, conv1d)] if why is None]
         for call, a in found:
             _claim(o, roles, ph, slot, call, a, specs, ruled, expansions, extra)
-        holders_of[o.name] = (o, ph, conv1d)
+        holders_of[o.name] = (o, ph, conv1d, None)
     for target, node in by_param.items():
         if ident(named[target]) not in scan.by_param:  # (frozen: a constant of the graph)
             continue
         stray = [u for u in node.users if u.name not in ruled and u.name not in covered]
         if stray:
-            whys = [_canonical(stray[0], o.module, ph, gm, c1)[0]
-                    for o, ph, c1 in holders_of.values() if node in ph.values()]
+            whys = [_canonical(stray[0], o.module, ph, gm, c1, as_cls=base)[0]
+                    for o, ph, c1, base in holders_of.values() if node in ph.values()]
             raise CompiledUnsupported(
                 f"parameter {target!r} is used outside its layer's call (by "
                 f"{getattr(stray[0].target, '__name__', stray[0].target)}"

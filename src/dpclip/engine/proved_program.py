@@ -70,6 +70,7 @@ _METADATA = frozenset({"sym_size", "sym_numel", "sym_stride", "sym_storage_offse
 #: ``torch.tensor(...)`` in a forward: a fresh tensor lifted into the computation (its copying
 #: variant under the proof's fake mode); named by its value
 _LIFT_FRESH, _LIFT_FRESH_COPY = _aten.lift_fresh.default, _aten.lift_fresh_copy.default
+_UNSAFE_VIEW = _aten._unsafe_view.default
 #: operations that return their input's values unchanged (another autograd identity): the fake
 #: mode of the proof adds some that an eager run does not (before ``bernoulli``); transparent on
 #: both sides, their output named as their input. The separability and gradients of the real run
@@ -1125,7 +1126,7 @@ class ProgramMatch:
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_snap",
                  "_dropped", "fn_depth", "_stamps", "_calls", "_call_seq", "_made_in",
-                 "_kernels")
+                 "_kernels", "_uses", "_unsafe_of", "_rewritten")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -1168,6 +1169,15 @@ class ProgramMatch:
         self._call_seq = 0
         #: ident -> (weak ref, the call it was made in) of each checked output (_history_holds)
         self._made_in: dict[int, tuple[Any, Any]] = {}
+        #: ident -> how many operations took the tensor as an argument (_history_holds)
+        self._uses: dict[int, int] = {}
+        #: ident of an ``_unsafe_view``'s output -> (weak ref to it, weak ref to its input): the
+        #: output shares the input's storage without being a view (matmul's decomposition:
+        #: ``mm(x.view(-1, n), w)._unsafe_view(B, T, m)``), see :meth:`_step`
+        self._unsafe_of: dict[int, tuple[Any, Any]] = {}
+        #: ident -> weak ref of a tensor whose storage a matched write through its
+        #: ``_unsafe_view`` rewrote: any later use fails (_history_holds)
+        self._rewritten: dict[int, Any] = {}
         #: torch.library's ledger of Python kernels and its version as the call starts (fn_enter)
         led = _ledger()
         self._kernels: tuple[Any, int] = (led, led.version)
@@ -1484,6 +1494,11 @@ class ProgramMatch:
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, Tensor):
+                    r = self._rewritten.get(ident(t))
+                    if r is not None and r() is t:
+                        # (its bytes rewritten through its _unsafe_view, its node not: _step)
+                        return self._history_fail()
+                    self._uses[ident(t)] = self._uses.get(ident(t), 0) + 1
                     e = self._history.get(ident(t))
                     m = self._made_in.get(ident(t))
                     if m is not None and m[0]() is t and m[1] not in self._calls:
@@ -1518,6 +1533,23 @@ class ProgramMatch:
                         if st is not None and st[0]() is t and st[1] is not t.grad_fn:
                             return self._history_fail()
         return True
+
+    def _through_unsafe_view(self, t: Tensor, args: tuple, kwargs: dict) -> bool:
+        """Whether a write of this operation reached ``t``'s storage only through an
+        ``_unsafe_view`` of ``t`` (one of the operation's tensor arguments is that view's output)
+        and ``t`` had no use but that view: nothing saved ``t`` for the backward (autograd's
+        version counter is not shared with an ``_unsafe_view``: a node that had saved ``t`` would
+        read the written values unseen), and every later use of ``t`` fails (its node, kept,
+        no longer describes its bytes). Falcon's ``mlp_output += attention_output``, with
+        ``mlp_output = x @ W.T`` decomposed by torch into ``mm`` and ``_unsafe_view``."""
+        if self._uses.get(ident(t), 0) > 1:
+            return False
+        for a in (*args, *kwargs.values()):
+            for w in (a if isinstance(a, (list, tuple)) else (a,)):
+                u = self._unsafe_of.get(ident(w)) if isinstance(w, Tensor) else None
+                if u is not None and u[0]() is w and u[1]() is t:
+                    return True
+        return False
 
     def _view_holds(self, t: Tensor) -> bool:
         """A view's history, when it is not the node recorded at its birth: view nodes only (its
@@ -1670,6 +1702,9 @@ class ProgramMatch:
             return
         if not self._check_history(args, kwargs):
             return
+        if func is _UNSAFE_VIEW and isinstance(out, Tensor) and args and \
+                isinstance(args[0], Tensor):
+            self._unsafe_of[ident(out)] = (weakref.ref(out), weakref.ref(args[0]))
         if _identity(func, args, kwargs, out):
             name = self._name(args[0])
             if name is not None:
@@ -1835,13 +1870,16 @@ class ProgramMatch:
                                 del self._history[key]
                                 if t is not None and t._is_view():
                                     self._dropped[key] = ref
-                                if t is not None and not t._is_view() and key not in queued:
+                                if t is not None and not t._is_view() and key not in queued \
+                                        and not self._through_unsafe_view(t, args, kwargs):
                                     self._fail(f"operation {k} ({_short(func)}) wrote the "
                                                "storage of a tensor that is neither what it "
                                                "writes nor a view of it (Tensor.set_): its "
                                                "autograd history, rewritten there, cannot be "
                                                "checked")
                                     return
+                                if t is not None and not t._is_view() and key not in queued:
+                                    self._rewritten[key] = ref
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:
@@ -1909,7 +1947,7 @@ class ProgramMatch:
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
         # (autograd nodes: they hold the step's graph)
         self._history, self._fresh, self._dropped, self._stamps = {}, [], {}, {}
-        self._made_in = {}
+        self._made_in, self._uses, self._unsafe_of, self._rewritten = {}, {}, {}, {}
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later
