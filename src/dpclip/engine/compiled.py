@@ -62,8 +62,8 @@ Python state changes what it computes without changing the proof's key (module t
 attributes, training flags, input signature) keeps training the captured program: call
 :func:`reset` after changing such state. Not supported yet (refused, with the layer named): the
 per-layer path beyond broadcast uses (of a parameter or of a chain from it, :func:`_chain_step`)
-and the canonical calls of ``nn.Embedding`` and ``nn.LayerNorm`` subclasses (a linear layer
-with a forward of its own, Falcon's ``x @ W.T``), sequence-first layers,
+and the canonical calls of ``nn.Embedding``, ``nn.LayerNorm`` and ``nn.Linear`` subclasses
+(:func:`_subclass_of`; Falcon's ``x @ W.T``: :func:`_matmul_call`), sequence-first layers,
 in-place writes an alias would see (:func:`_out_of_place` runs the others out of place),
 grad-mode regions.
 """
@@ -447,8 +447,16 @@ def _matmul_call(t: torch.fx.Node, mod: nn.Module,
     if not isinstance(xv, Tensor) or xv.ndim < 2 or xv.shape[-1] != wv.shape[1] or \
             not isinstance(mv, Tensor) or mv.ndim != xv.ndim or xv.dtype != wv.dtype:
         return None
+    if any(n not in vars(mod) or not _strictly_plain(vars(mod)[n])
+           for n in _CONFIG_READS[nn.Linear]):
+        return None
     if "bias" not in ph:
         return mm, x
+    bv = ph["bias"].meta.get("val")
+    if not isinstance(bv, Tensor) or tuple(bv.shape) != (wv.shape[0],):
+        # (a bias of another shape, (out, 1) or (T, out), broadcasts otherwise than the Linear
+        # rule's sum over positions reads it; hundred-and-eighty-first hostile review)
+        return None
     users = list(mm.users)
     if len(users) != 1:
         return None
