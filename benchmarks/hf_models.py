@@ -4,7 +4,9 @@ Four models built from ``transformers`` config classes (random initialisation, n
 BERT sequence classification, GPT-2 language model (``wte`` tied to ``lm_head``), a Llama causal LM
 and ViT image classification; with ``--models t5,bart`` also T5 and BART for conditional generation
 (``input_ids``, ``attention_mask``, ``decoder_input_ids``; the mean token cross-entropy per
-example), and ``--methods ...,dpclip-vmap`` the whole-model vmap engine beside them. Every (model, method) pair gets its own copy of the model and
+example), with ``--models gemma,falcon,deberta,convnext`` the zoo classes the compiled path took
+in session 26 (Gemma's ``1 + w`` norm, Falcon's ``x @ W.T``, DeBERTa's split attention biases,
+ConvNeXt's channels-first LayerNorm), and ``--methods ...,dpclip-vmap`` the whole-model vmap engine beside them. Every (model, method) pair gets its own copy of the model and
 optimiser (SGD, lr 1e-4); dpclip runs ``dp_step`` (``FixedClip(1)``, noise multiplier 1, flat
 clipping; the step of ``make_private``/``dpclip bench`` without the sampler) on a fixed batch of
 ``B`` examples, Opacus 1.6 its ``GradSampleModule`` (hooks) or
@@ -55,12 +57,15 @@ METHODS = ("nonprivate", "dpclip-auto", "dpclip-ghost", "dpclip-compiled", "opac
 def sizes(size: str) -> dict[str, Any]:
     if size == "small":
         return dict(hidden=64, inter=128, layers=2, heads=2, seq=32, image=32, patch=8,
-                    batch={"bert": 16, "gpt2": 16, "llama": 16, "vit": 16, "t5": 16, "bart": 16},
-                    vocab={"bert": 1000, "gpt2": 1000, "llama": 1000, "t5": 1000, "bart": 1000})
+                    batch={"bert": 16, "gpt2": 16, "llama": 16, "vit": 16, "t5": 16, "bart": 16,
+                           "gemma": 16, "falcon": 16, "deberta": 16, "convnext": 16},
+                    vocab={"bert": 1000, "gpt2": 1000, "llama": 1000, "t5": 1000, "bart": 1000,
+                           "gemma": 1000, "falcon": 1000, "deberta": 1000})
     return dict(hidden=768, inter=3072, layers=12, heads=12, seq=128, image=224, patch=16,
-                batch={"bert": 32, "gpt2": 16, "llama": 16, "vit": 32, "t5": 16, "bart": 16},
+                batch={"bert": 32, "gpt2": 16, "llama": 16, "vit": 32, "t5": 16, "bart": 16,
+                       "gemma": 16, "falcon": 16, "deberta": 32, "convnext": 32},
                 vocab={"bert": 30522, "gpt2": 50257, "llama": 32000, "t5": 32128,
-                       "bart": 50265})
+                       "bart": 50265, "gemma": 32000, "falcon": 65024, "deberta": 50265})
 
 
 class Pixels(nn.Module):
@@ -114,6 +119,13 @@ def build(name: str, s: dict[str, Any], attn: str):
             image_size=s["image"], patch_size=s["patch"], num_labels=10, **common))
         x = torch.randn(b, 3, s["image"], s["image"], generator=g)
         return Pixels(model), x, torch.randint(0, 10, (b,), generator=g), cls_loss
+    if name == "convnext":  # (4 stages, widths hidden/8 .. hidden/2 ... hidden)
+        h = s["hidden"]
+        model = T.ConvNextForImageClassification(T.ConvNextConfig(
+            image_size=s["image"], num_labels=10, depths=[1, 1, s["layers"], 1],
+            hidden_sizes=[h // 8 or 1, h // 4 or 1, h // 2 or 1, h]))
+        x = torch.randn(b, 3, s["image"], s["image"], generator=g)
+        return Pixels(model), x, torch.randint(0, 10, (b,), generator=g), cls_loss
     vocab, seq = s["vocab"][name], s["seq"]
     ids = torch.randint(0, vocab, (b, seq), generator=g)
     if name in ("t5", "bart"):  # as a training loop calls them: ids, mask, decoder ids
@@ -152,6 +164,23 @@ def build(name: str, s: dict[str, Any], attn: str):
             vocab_size=vocab, max_position_embeddings=max(2048, seq),
             num_key_value_heads=s["heads"], **common))
         return model, x, ids, lm_loss
+    if name == "gemma":  # (RMSNorm x * (1 + w.float()), scaled embedding tied to the head)
+        model = T.GemmaForCausalLM(T.GemmaConfig(
+            vocab_size=vocab, max_position_embeddings=max(2048, seq),
+            num_key_value_heads=s["heads"], head_dim=s["hidden"] // s["heads"], **common))
+        return model, x, ids, lm_loss
+    if name == "falcon":  # (FalconLinear: x @ W.T; the parallel block's in-place residual)
+        model = T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=vocab, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"], ffn_hidden_size=s["inter"],
+            attn_implementation=attn))
+        return model, x, ids, lm_loss
+    if name == "deberta":  # (attention biases q_bias / v_bias split into heads)
+        model = T.DebertaForSequenceClassification(T.DebertaConfig(
+            vocab_size=vocab, max_position_embeddings=max(512, seq), num_labels=2,
+            **{k: v for k, v in common.items() if k != "attn_implementation"}))
+        x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        return model, x, torch.randint(0, 2, (b,), generator=g), cls_loss
     raise KeyError(name)
 
 
@@ -349,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", choices=["small", "base"], default=None,
                     help="default: small on the CPU, base on CUDA")
     ap.add_argument("--models", default="bert,gpt2,llama,vit",
-                    help="comma-separated: bert, gpt2, llama, vit, t5, bart")
+                    help="comma-separated: bert, gpt2, llama, vit, t5, bart, gemma, falcon, "
+                         "deberta, convnext")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated; also dpclip-vmap (whole-model vmap: what auto ran "
                          "before a model's layers had ghost rules)")

@@ -1141,7 +1141,7 @@ class ProgramMatch:
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_snap",
                  "_dropped", "fn_depth", "_stamps", "_calls", "_call_seq", "_made_in",
-                 "_kernels", "_uses", "_unsafe_of", "_rewritten")
+                 "_kernels", "_uses", "_unsafe_of", "_rewritten", "_born_in")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -1193,6 +1193,9 @@ class ProgramMatch:
         #: ident -> weak ref of a tensor whose storage a matched write through its
         #: ``_unsafe_view`` rewrote: any later use fails (_history_holds)
         self._rewritten: dict[int, Any] = {}
+        #: ident -> (weak ref, the innermost call of torch's functions it was made in) of every
+        #: operation's output made inside one (the input of an ``_unsafe_view``: :meth:`_step`)
+        self._born_in: dict[int, tuple[Any, Any]] = {}
         #: torch.library's ledger of Python kernels and its version as the call starts (fn_enter)
         led = _ledger()
         self._kernels: tuple[Any, int] = (led, led.version)
@@ -1723,9 +1726,27 @@ class ProgramMatch:
             return
         if not self._check_history(args, kwargs):
             return
-        if func is _UNSAFE_VIEW and isinstance(out, Tensor) and args and \
-                isinstance(args[0], Tensor):
-            self._unsafe_of[ident(out)] = (weakref.ref(out), weakref.ref(args[0]))
+        if func is _UNSAFE_VIEW:
+            # (its output shares its input's memory without its version counter: a write
+            # through one changes what autograd saved of the other unseen; torch's own
+            # functions call it on a temporary they made and never return, matmul's product.
+            # An _unsafe_view of a tensor user code can reach, saved by a product, rewritten
+            # with example 0's rows by a write through the other: 4.21 C at B = 16 under ghost
+            # and auto's traced pass, hundred-and-eighty-second hostile review)
+            src = args[0] if args else None
+            born = self._born_in.get(ident(src)) if isinstance(src, Tensor) else None
+            if not self._calls or born is None or born[0]() is not src or \
+                    born[1] != self._calls[-1] or not isinstance(out, Tensor):
+                self._fail(f"operation {self.k} (_unsafe_view) takes a tensor that the function "
+                           "calling it did not make: its output would share that tensor's "
+                           "memory without its version counter (a write through one would "
+                           "change what autograd saved of the other, unseen)")
+                return
+            self._unsafe_of[ident(out)] = (weakref.ref(out), weakref.ref(src))
+        if self._calls:
+            for o in _outputs(out):
+                if isinstance(o, Tensor):
+                    self._born_in[ident(o)] = (weakref.ref(o), self._calls[-1])
         if _identity(func, args, kwargs, out):
             name = self._name(args[0])
             if name is not None:
@@ -1969,6 +1990,7 @@ class ProgramMatch:
         # (autograd nodes: they hold the step's graph)
         self._history, self._fresh, self._dropped, self._stamps = {}, [], {}, {}
         self._made_in, self._uses, self._unsafe_of, self._rewritten = {}, {}, {}, {}
+        self._born_in = {}
         # the batch is not read again: released with the step, not with the match (which the
         # tracer's escape mode and the call's hooks keep in a reference cycle until the collector
         # runs; seventy-fourth hostile review: a finalizer on a chunk's slice then ran in a later
