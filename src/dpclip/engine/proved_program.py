@@ -541,6 +541,33 @@ def storage_key(t: Tensor) -> int:
     return _storage(t)
 
 
+def _unversioned_alias(func: Any, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
+    """The input tensor whose memory an output of ``func`` shares although the operation's schema
+    declares no alias (``_unsafe_view``, ``unsafe_split``, ``unsafe_chunk``: the output gets a
+    version counter of its own), or None. ``detach`` and ``lift_fresh`` share their input's
+    counter."""
+    if func is _DETACH or func is _LIFT_FRESH or func is _LIFT_FRESH_COPY or \
+            any(r is not None for r in _ret_alias(func)):
+        # (an output its schema says aliases an input: a view, which autograd makes share
+        # the input's version counter above this mode, or the written tensor itself)
+        return None
+    outs = [o for o in _outputs(out) if isinstance(o, Tensor) and not o._is_view()]
+    if not outs:
+        return None
+    ins = [t for a in (*args, *kwargs.values())
+           for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, Tensor)]
+    for o in outs:
+        if any(o is t for t in ins) or not o.numel():
+            continue
+        so = _storage(o)
+        if so in (-1, 0):
+            continue
+        for t in ins:
+            if t.numel() and _storage(t) == so:
+                return t
+    return None
+
+
 def _storage(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -1726,23 +1753,26 @@ class ProgramMatch:
             return
         if not self._check_history(args, kwargs):
             return
-        if func is _UNSAFE_VIEW:
-            # (its output shares its input's memory without its version counter: a write
-            # through one changes what autograd saved of the other unseen; torch's own
-            # functions call it on a temporary they made and never return, matmul's product.
-            # An _unsafe_view of a tensor user code can reach, saved by a product, rewritten
-            # with example 0's rows by a write through the other: 4.21 C at B = 16 under ghost
-            # and auto's traced pass, hundred-and-eighty-second hostile review)
-            src = args[0] if args else None
-            born = self._born_in.get(ident(src)) if isinstance(src, Tensor) else None
+        src = _unversioned_alias(func, args, kwargs, out)
+        if src is not None:
+            # (an output that shares an input's memory without being a view or the input
+            # itself: _unsafe_view, unsafe_split, unsafe_chunk give it a version counter of its
+            # own, so a write through one changes what autograd saved of the other unseen;
+            # torch's own functions make one only of a temporary they made and never return,
+            # matmul's product. An _unsafe_view of a tensor user code can reach, saved by a
+            # product, rewritten with example 0's rows by a write through the other: 4.21 C at
+            # B = 16 under ghost and auto's traced pass, hundred-and-eighty-second hostile
+            # review; the same with unsafe_split, hundred-and-eighty-third)
+            born = self._born_in.get(ident(src))
             if not self._calls or born is None or born[0]() is not src or \
-                    born[1] != self._calls[-1] or not isinstance(out, Tensor):
-                self._fail(f"operation {self.k} (_unsafe_view) takes a tensor that the function "
-                           "calling it did not make: its output would share that tensor's "
-                           "memory without its version counter (a write through one would "
-                           "change what autograd saved of the other, unseen)")
+                    born[1] != self._calls[-1]:
+                self._fail(f"operation {self.k} ({_short(func)}) shares the memory of a tensor "
+                           "that the function calling it did not make, without its version "
+                           "counter (a write through one would change what autograd saved of "
+                           "the other, unseen)")
                 return
-            self._unsafe_of[ident(out)] = (weakref.ref(out), weakref.ref(src))
+            if func is _UNSAFE_VIEW and isinstance(out, Tensor):
+                self._unsafe_of[ident(out)] = (weakref.ref(out), weakref.ref(src))
         if self._calls:
             for o in _outputs(out):
                 if isinstance(o, Tensor):
