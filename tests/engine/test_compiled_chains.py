@@ -160,6 +160,28 @@ class LyingNormalizedShape(ChannelsFirst):
         return h.permute(0, 3, 1, 2)
 
 
+class HonestView(dict):
+    """An instance dictionary whose item reads answer the plain ``(C,)`` for a ``LyingShape``
+    (what a check reading ``vars(mod)[name]`` sees), while attribute lookup reads the storage."""
+
+    def __getitem__(self, k):
+        v = dict.__getitem__(self, k)
+        return (v.c,) if type(v) is LyingShape else v
+
+    def get(self, k, d=None):
+        return self[k] if k in self else d
+
+
+class LyingBehindADictSubclass(LyingNormalizedShape):
+    """Twin (hundred-and-eighty-fourth hostile review): review 180's shape behind a ``dict``
+    subclass ``__dict__``: 3.9 C under compiled, auto and make_private before the fix."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        d = HonestView(self.__dict__)
+        object.__setattr__(self, "__dict__", d)
+
+
 class Image(nn.Module):
     def __init__(self, norm: type):
         super().__init__()
@@ -245,6 +267,7 @@ def test_a_float32_chain_of_a_float64_weight_keeps_float64_rounding_terms():
     (lambda: Image(OtherRows), _image, "mixes the examples|not proved|separable"),
     (lambda: Image(LyingNormalizedShape), _image, "normalized_shape is not an instance attribute "
      "of plain type"),
+    (lambda: Image(LyingBehindADictSubclass), _image, "needs the per-layer path"),
 ])
 def test_the_adversarial_twins_are_refused_by_compiled_and_bounded_under_auto(make, batch, why):
     x, y = batch()

@@ -380,6 +380,8 @@ def _layernorm_subclass(o: Any) -> str | None:
         return "not an nn.LayerNorm subclass with a trainable affine weight"
     if mod.bias is not None and "bias" not in o.roles:
         return "its bias is frozen while its weight trains"
+    if type(vars(mod)) is not dict:
+        return "its instance dictionary (__dict__) is not a plain dict"
     for c in type(mod).__mro__:
         if c is nn.LayerNorm or c is nn.Module or c is object:
             continue
@@ -406,6 +408,8 @@ def _linear_subclass(o: Any) -> str | None:
         return "not an nn.Linear subclass with a trainable weight"
     if mod.bias is not None and "bias" not in o.roles:
         return "its bias is frozen while its weight trains"
+    if type(vars(mod)) is not dict:
+        return "its instance dictionary (__dict__) is not a plain dict"
     for c in type(mod).__mro__:
         if c is nn.Linear or c is nn.Module or c is object:
             continue
@@ -447,8 +451,8 @@ def _matmul_call(t: torch.fx.Node, mod: nn.Module,
     if not isinstance(xv, Tensor) or xv.ndim < 2 or xv.shape[-1] != wv.shape[1] or \
             not isinstance(mv, Tensor) or mv.ndim != xv.ndim or xv.dtype != wv.dtype:
         return None
-    if any(n not in vars(mod) or not _strictly_plain(vars(mod)[n])
-           for n in _CONFIG_READS[nn.Linear]):
+    if type(vars(mod)) is not dict or any(n not in vars(mod) or not _strictly_plain(vars(mod)[n])
+                                          for n in _CONFIG_READS[nn.Linear]):
         return None
     if "bias" not in ph:
         return mm, x
@@ -516,6 +520,11 @@ def _canonical(node: torch.fx.Node, mod: nn.Module, ph: dict[str, torch.fx.Node]
     kw = _mod_args(node, mod, gm)
     if kw is None:
         return "its arguments could not be read", None
+    if type(vars(mod)) is not dict:
+        # (a dict subclass answered the check's reads with plain values while attribute
+        # lookup, reading its storage, gave the rule review 180's lying shape: 3.9 C under
+        # compiled, auto and make_private; hundred-and-eighty-fourth hostile review)
+        return "its instance dictionary (__dict__) is not a plain dict", None
     bad = next((n for n in _CONFIG_READS.get(cls, ()) if n not in vars(mod) or
                 not _strictly_plain(vars(mod)[n])), None)
     if bad is not None:
@@ -991,7 +1000,7 @@ class Plan:
                 "requires_grad toggled, a layer added); call dpclip.engine.compiled.reset(model)")
         for s in self.specs:
             o = by_name.get(s.name)
-            if o is None or o.module is not s.module or \
+            if o is None or o.module is not s.module or type(vars(s.module)) is not dict or \
                     (o.rule is _MODULE) != bool(s.scale or s.lookup) or \
                     (s.lookup and _subclass_of(o) is not s.lookup) or \
                     _static_config(s.module) != s.config:
