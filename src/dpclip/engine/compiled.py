@@ -378,14 +378,24 @@ def _layernorm_subclass(o: Any) -> str | None:
     if not isinstance(mod, nn.LayerNorm) or type(mod) is nn.LayerNorm or \
             not mod.elementwise_affine or o.roles not in (("weight",), ("weight", "bias")):
         return "not an nn.LayerNorm subclass with a trainable affine weight"
-    if mod.bias is not None and "bias" not in o.roles:
+    return _plain_subclass(o, nn.LayerNorm, LAYERNORM_READS)
+
+
+def _plain_subclass(o: Any, base: type, reads: tuple[str, ...]) -> str | None:
+    """Why a subclass of ``base`` cannot be read by ``base``'s rule, whatever its forward (None:
+    it can): a bias that exists is trainable with the weight; its instance dictionary is a plain
+    ``dict`` (a subclass could answer a check's item reads otherwise than attribute lookup,
+    hundred-and-eighty-fourth hostile review); no class of its MRO but ``base``, ``nn.Module``
+    and ``object`` defines one of ``reads`` (a property answering two reads differently)."""
+    mod = o.module
+    if getattr(mod, "bias", None) is not None and "bias" not in o.roles:
         return "its bias is frozen while its weight trains"
     if type(vars(mod)) is not dict:
         return "its instance dictionary (__dict__) is not a plain dict"
     for c in type(mod).__mro__:
-        if c is nn.LayerNorm or c is nn.Module or c is object:
+        if c is base or c is nn.Module or c is object:
             continue
-        hit = [k for k in LAYERNORM_READS if k in vars(c)]
+        hit = [k for k in reads if k in vars(c)]
         if hit:
             return f"its class {c.__name__} defines {hit[0]}"
     return None
@@ -406,17 +416,7 @@ def _linear_subclass(o: Any) -> str | None:
     if not isinstance(mod, nn.Linear) or type(mod) is nn.Linear or \
             o.roles not in (("weight",), ("weight", "bias")):
         return "not an nn.Linear subclass with a trainable weight"
-    if mod.bias is not None and "bias" not in o.roles:
-        return "its bias is frozen while its weight trains"
-    if type(vars(mod)) is not dict:
-        return "its instance dictionary (__dict__) is not a plain dict"
-    for c in type(mod).__mro__:
-        if c is nn.Linear or c is nn.Module or c is object:
-            continue
-        hit = [k for k in LINEAR_READS if k in vars(c)]
-        if hit:
-            return f"its class {c.__name__} defines {hit[0]}"
-    return None
+    return _plain_subclass(o, nn.Linear, LINEAR_READS)
 
 
 #: a 2-D weight transposed: ``W.T``, ``W.t()``, ``W.transpose(0, 1)``, ``W.permute(1, 0)``
