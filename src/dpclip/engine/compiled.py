@@ -158,8 +158,12 @@ class _BroadcastRule(_Rule):
 
     roles = ("weight",)
 
-    def __init__(self, product: bool, chain: tuple = (), shape: tuple = ()) -> None:
+    def __init__(self, product: bool, chain: tuple = (), shape: tuple | None = None,
+                 negate: bool = False) -> None:
         self.product = product
+        #: a ``where`` use with ``q`` as the value where the condition is false: the product is
+        #: with the negated condition (:func:`_where_use`)
+        self.negate = negate
         #: ``((op, args, in_shape, in_dtype), ...)`` from the parameter to ``q`` (:func:`_chain`)
         self.chain = chain
         #: the shape of ``q`` (the parameter's when there is no chain)
@@ -179,8 +183,9 @@ class _BroadcastRule(_Rule):
                 setattr(c, name, t.to(want))
 
     def per_example(self, c: _Call, role: str) -> Tensor:
-        shape = self.shape if self.chain else tuple(own_param(c.mod, role).shape)
-        t = c.b * c.a if self.product else c.b
+        shape = self.shape if self.shape is not None else tuple(own_param(c.mod, role).shape)
+        a = c.a.logical_not() if self.negate else c.a
+        t = c.b * a if self.product else c.b
         rest = tuple(t.shape[1:])
         tail = shape[1:] if len(shape) == len(rest) + 1 else shape  # (a leading 1: the batch's)
         if len(rest) > len(tail):
@@ -214,6 +219,37 @@ def _pull_back(t: Tensor, op: Any, args: tuple, in_shape: tuple, in_dtype: torch
         return t.transpose(1, 2) if len(in_shape) == 2 else t
     # unsqueeze, view, reshape, _unsafe_view: the same entries in the input's shape
     return t.reshape(t.shape[0], *in_shape)
+
+
+class _LookupThrough(_Rule):
+    """An ``nn.Embedding`` looked up at constant ids with no batch dimension (T5's and MPNet's
+    relative position buckets, ``(T, T)``), whose output meets the example rows only through
+    broadcast uses of it or of a chain from it (:func:`_uses_from`: T5 permutes it to ``(1, H,
+    T, T)`` and masks it with ``where``, MPNet expands it to the batch). One call per use: the
+    use's :class:`_BroadcastRule` gives example ``i``'s gradient of the lookup's output (the
+    use's gradient row ``i``, pulled back through the chain), scattered into the table's rows at
+    the ids (``c.args``; the padding row's gradient is zero, as in ``aten.embedding``). Formed
+    and kept (``(B, V, H)``): the vector whose norm is taken is the vector summed."""
+
+    roles = ("weight",)
+
+    def __init__(self, use: _BroadcastRule) -> None:
+        self.use = use
+
+    def prepare(self, c: _Call) -> None:
+        self.use.prepare(c)
+
+    def per_example(self, c: _Call, role: str) -> Tensor:
+        t = self.use.per_example(c, role)  # (B, *the lookup's output shape)
+        ids = c.args
+        w = own_param(c.mod, role)
+        rows = t.reshape(t.shape[0], -1, w.shape[1])
+        g = rows.new_zeros((t.shape[0], w.shape[0], w.shape[1]))
+        g.index_add_(1, ids.reshape(-1), rows)
+        pad = c.mod.padding_idx
+        if pad is not None:
+            g[:, pad] = 0
+        return g
 
 
 _SCALE = _BroadcastRule(product=True)
@@ -291,30 +327,81 @@ def _broadcast_uses(o: Any, nodes: dict[str, torch.fx.Node]) -> list | None:
     (:func:`_chain_step`): ``[(role, use, x, rule)]``; else None."""
     got = []
     for role, node in nodes.items():
-        if not isinstance(node.meta.get("val"), Tensor):
+        uses = _uses_from(node)
+        if uses is None:
             return None
-        todo = [(node, ())]
-        while todo:
-            q, chain = todo.pop()
-            qv = q.meta.get("val")
-            users = [u for u in q.users if u.target not in _ASSERTS]
-            if not users:  # (an unused parameter or a chain that ends nowhere)
-                return None
-            for u in users:
-                step = _chain_step(u, q)
-                if step is not None:
-                    if len(chain) >= _CHAIN_MAX:
-                        return None
-                    todo.append((u, chain + (step,)))
-                    continue
-                use = _use(u, q, qv)
+        got += [(role, u, x, rule) for u, x, rule in uses]
+    return got
+
+
+def _uses_from(node: torch.fx.Node) -> list | None:
+    """``[(use, x, rule)]`` when every use of ``node``'s value (a parameter, or the batch-less
+    output of a lookup: :class:`_LookupThrough`) is a broadcast use of it or of a chain from it
+    (:func:`_chain_step`, :func:`_use`, :func:`_where_use`), else None."""
+    if not isinstance(node.meta.get("val"), Tensor):
+        return None
+    got = []
+    todo = [(node, ())]
+    while todo:
+        q, chain = todo.pop()
+        qv = q.meta.get("val")
+        users = [u for u in q.users if u.target not in _ASSERTS]
+        if not users:  # (an unused parameter or a chain that ends nowhere)
+            return None
+        for u in users:
+            step = _chain_step(u, q)
+            if step is not None:
+                if len(chain) >= _CHAIN_MAX:
+                    return None
+                todo.append((u, chain + (step,)))
+                continue
+            negate = False
+            use = _use(u, q, qv)
+            if use is None:
+                use = _where_use(u, q, qv)
                 if use is None:
                     return None
+                x, negate = use
+                product = True
+            else:
                 x, product = use
-                rule = _BroadcastRule(product, chain, tuple(qv.shape)) if chain else \
-                    (_SCALE if product else _SHIFT)
-                got.append((role, u, x, rule))
+            rule = _BroadcastRule(product, chain, tuple(qv.shape), negate) \
+                if chain or negate else (_SCALE if product else _SHIFT)
+            got.append((u, x, rule))
     return got
+
+
+#: ``where`` with two tensors or a number in either value position
+_WHERE = frozenset({_aten.where.self, _aten.where.ScalarOther, _aten.where.ScalarSelf})
+
+
+def _where_use(u: torch.fx.Node, q: torch.fx.Node, p: Tensor) -> tuple | None:
+    """``(cond, negate)`` when ``u`` is ``where(cond, q, other)`` (``negate`` False) or
+    ``where(cond, other, q)`` (True) whose result holds example rows (the batch symbol leading),
+    ``p`` (the value of ``q``) fitting against them (:func:`_fits`), ``cond`` a boolean tensor
+    broadcasting to the result with its leading size the batch's or 1, ``other`` a number or
+    another tensor of the result's dtype (not ``q``): the gradient of ``q`` is the result's
+    gradient where ``cond`` (where not ``cond``) holds, summed over the broadcast dimensions
+    (T5's relative position bias masked by the padding mask); else None."""
+    out = u.meta.get("val")
+    if u.target not in _WHERE or u.kwargs or len(u.args) != 3 or \
+            not isinstance(out, Tensor) or out.dtype != p.dtype or not out.ndim or \
+            not isinstance(out.shape[0], torch.SymInt):
+        return None
+    cond, first, second = u.args
+    if (first is q) == (second is q) or cond is q or not isinstance(cond, torch.fx.Node):
+        return None
+    other = second if first is q else first
+    ov = other.meta.get("val") if isinstance(other, torch.fx.Node) else other
+    if not (_number(ov) or (isinstance(ov, Tensor) and ov.dtype == out.dtype)):
+        return None
+    cv = cond.meta.get("val")
+    if not isinstance(cv, Tensor) or cv.dtype != torch.bool or cv.ndim != out.ndim or \
+            not (cv.shape[0] == 1 or _sizes(cv.shape)[:1] == _sizes(out.shape)[:1]) or \
+            not all(a == 1 or a == b for a, b in zip(_sizes(cv.shape), _sizes(out.shape))) or \
+            not _fits(p, out):
+        return None
+    return cond, first is not q
 
 
 def _use(u: torch.fx.Node, q: torch.fx.Node, p: Tensor) -> tuple | None:
@@ -760,6 +847,24 @@ def _claim(o: Any, roles: tuple, ph: dict, slot: dict, call: torch.fx.Node, a: t
     spec.a_at, spec.out_at = len(extra) - 1, len(extra)
 
 
+def _lookup_uses(mod: nn.Module, call: torch.fx.Node, ids: Any) -> list | None:
+    """The broadcast uses (:func:`_uses_from`) of an ``nn.Embedding`` lookup whose ids and output
+    have no batch dimension (plain sizes, the ids at least 1-D) and which the proof did not
+    expand (a ``(1, T)`` lookup added to the rows: :func:`_claim`): :class:`_LookupThrough`;
+    else None."""
+    val = call.meta.get("val")
+    iv = ids.meta.get("val") if isinstance(ids, torch.fx.Node) else None
+    if type(mod) is not nn.Embedding or not _static(val) or not _static(iv) or not iv.ndim or \
+            iv.dtype not in (torch.int64, torch.int32):
+        return None
+    users = list(call.users)
+    if val.ndim and val.shape[0] == 1 and len(users) == 1 and \
+            users[0].target is _aten.add.Tensor and users[0].args[0] is call and \
+            _rows_of(users[0], val):
+        return None
+    return _uses_from(call)
+
+
 def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
     """Whether ``node``'s value is ``one`` (leading dimension 1) with the batch symbol as its
     leading dimension instead, every other dimension the same."""
@@ -837,7 +942,8 @@ class _Spec:
     among the graph's extra outputs, and the analysis's layouts."""
 
     __slots__ = ("name", "a_at", "out_at", "source_at", "layouts", "group", "expanded",
-                 "module", "roles", "config", "slots", "a_node", "call", "scale", "lookup")
+                 "module", "roles", "config", "slots", "a_node", "call", "scale", "lookup",
+                 "through", "ids_node", "ids_at")
 
     def __init__(self, name: str, module: nn.Module, roles: tuple[str, ...]) -> None:
         self.name = name
@@ -858,6 +964,11 @@ class _Spec:
         #: takes (:func:`_subclass_of`), else None; e.g. a lookup of an nn.Embedding subclass's
         #: table (:func:`_embedding_subclass`) takes the Embedding rule
         self.lookup: type | None = None
+        #: a use of a batch-less lookup's output (:class:`_LookupThrough`), its ids' node and
+        #: their position among the graph's extra outputs; else None
+        self.through: _LookupThrough | None = None
+        self.ids_node: Any = None
+        self.ids_at = -1
 
 
 def _ties(inputs: list[tuple[str, Any]], flat: list[Any]) -> tuple:
@@ -1042,7 +1153,11 @@ class Plan:
                            (o.pnames[o.roles.index(role)],))
             elif s.lookup:  # (an nn.Embedding or nn.LayerNorm subclass's call: its base's rule)
                 o = _Owner(o.name, o.module, _RULES[s.lookup], o.roles, o.pnames)
+            elif s.through:  # (a use of a batch-less lookup's output: _LookupThrough)
+                o = _Owner(o.name, o.module, s.through, o.roles, o.pnames)
             c = _Call(o, a, out, None)
+            if s.through:
+                c.args = outs[s.ids_at]
             c.layouts = s.layouts
             c.group = s.group
             if s.expanded:
@@ -1411,6 +1526,16 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
         found = [(u, a) for u in ph[roles[0]].users if u.name not in ruled
                  for why, a in [_canonical(u, o.module, ph, gm, conv1d)] if why is None]
         for call, a in found:
+            uses = _lookup_uses(o.module, call, a)
+            if uses is not None:  # (a batch-less lookup used through broadcasts: _LookupThrough)
+                for use, x, rule in uses:
+                    _claim(o, roles, ph, slot, use, x, specs, ruled, expansions, extra)
+                    spec = specs[-1]
+                    spec.through, spec.ids_node = _LookupThrough(rule), a
+                    extra.append(a)
+                    spec.ids_at = len(extra)
+                covered.add(call.name)
+                continue
             _claim(o, roles, ph, slot, call, a, specs, ruled, expansions, extra)
         holders_of[o.name] = (o, ph, conv1d, None)
     for target, node in by_param.items():
@@ -1506,12 +1631,24 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                     if n.name in iota:
                         iota_ids[ident(v)] = iota[n.name]
                 spec = ruled.get(n.name)
+                if spec is not None and spec.through is not None and \
+                        tracer.layout(self.env[spec.ids_node]) is not None:
+                    raise CompiledUnsupported(
+                        f"the ids of layer {spec.name!r}'s batch-less lookup depend on the batch")
                 if spec is not None and not spec.expanded:
                     a = v if spec.a_node is n else self.env[spec.a_node]
                     lay_a = tracer.layout(a)
                     lay_out = REWRITTEN if tracer.rewritten_to_mix(v) else tracer.layout(v)
                     k = _row_group(lay_a)
                     found[spec.call] = _judge(spec, a, lay_a, lay_out, k, batch, tracer)
+                    if (spec.scale or spec.through) and lay_out is not None and \
+                            lay_out != (0, k):
+                        # (a broadcast use's result is marked as rows of examples below: it
+                        # must be so already, not only its judged operand: where(cond, q,
+                        # other) with another operand that mixes the examples)
+                        raise CompiledUnsupported(
+                            f"the result of a broadcast use of layer {spec.name!r} mixes the "
+                            f"examples (layout {lay_out!r})")
                     tracer.mark(v, (0, k) if k > 1 and v.ndim and a.ndim and
                                 v.shape[0] == a.shape[0] else (0, 1))
                 spec = expansions.get(n.name)

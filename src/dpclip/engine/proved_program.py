@@ -1121,18 +1121,24 @@ def _first_tensors(v: Any) -> list[Tensor]:
 
 
 #: function -> whether it may write its first argument in place (by its name: ``add_``,
-#: ``__setitem__``, ``__iadd__``; a Python function with an ``inplace`` parameter, F.relu; a
-#: function's ``out=`` argument is taken as written too)
-_WRITES: dict[int, tuple[Any, bool]] = {}
+#: ``__setitem__``, ``__iadd__``; a Python function with an ``inplace`` parameter, F.relu; an
+#: ATen operation (``torch.ops.aten.add_.Tensor``) by its schema; a function's ``out=`` argument
+#: is taken as written too). Not :data:`_WRITES` (the schemas' written arguments): one name for
+#: both made either cache answer the other's question (a bool where the specs were read, a
+#: crash, or no snapshot of the written node; hundred-and-eighty-sixth hostile review)
+_WRITES_FIRST: dict[int, tuple[Any, bool]] = {}
 
 
 def _writes_first(func: Any) -> bool:
-    e = _WRITES.get(ident(func))
+    e = _WRITES_FIRST.get(ident(func))
     if e is not None and e[0] is func:
         return e[1]
     name = getattr(func, "__name__", "") or ""
     code = getattr(getattr(func, "__func__", func), "__code__", None)
-    got = (code is not None and "inplace" in code.co_varnames[:code.co_argcount +
+    schema = getattr(func, "_schema", None) if isinstance(func, torch._ops.OpOverload) else None
+    got = (schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments[:1])) or \
+        (code is not None and "inplace" in code.co_varnames[:code.co_argcount +
                                                                code.co_kwonlyargcount]) or \
         (name.endswith("_") and not name.endswith("__")) or name in ("__setitem__", "__set__") or \
         (name.startswith("__i") and name.endswith("__") and name not in ("__init__",
@@ -1140,7 +1146,7 @@ def _writes_first(func: Any) -> bool:
                                                                          "__int__",
                                                                          "__invert__",
                                                                          "__iter__"))
-    _WRITES[ident(func)] = (func, got)
+    _WRITES_FIRST[ident(func)] = (func, got)
     return got
 
 
@@ -1952,6 +1958,32 @@ class ProgramMatch:
                                     return
                                 if t is not None and not t._is_view() and key not in queued:
                                     self._rewritten[key] = ref
+                elif self._history:
+                    # (with gradients off no history is rebased, but the bytes of a tensor with
+                    # one are rewritten all the same: by the tensor itself or a view of it, its
+                    # version counter moves and the saved-tensor watch sees it; by another
+                    # tensor on its storage (Tensor.set_ under no_grad: a version counter of its
+                    # own), nothing moved, and the backward read the rewritten bytes: 4.21 C
+                    # under ghost, auto and make_private, present at 087e01d; hundred-and-
+                    # eighty-sixth hostile review)
+                    with torch._C.DisableTorchFunction():
+                        roots = set()
+                        for spec in _write_specs(func):
+                            for w in _first_tensors(_arg(spec, args, kwargs)):
+                                roots.add(ident(w))
+                                if w._base is not None:
+                                    roots.add(ident(w._base))
+                        for key, (ref, g) in list(self._history.items()):
+                            t = ref()
+                            if t is not None and bumps.get(_storage(t)) and \
+                                    not t._is_view() and ident(t) not in roots:
+                                self._fail(f"operation {k} ({_short(func)}) wrote, with "
+                                           "gradients off, the storage of a tensor with an "
+                                           "autograd history that is neither what it writes "
+                                           "nor the base of a view it writes (Tensor.set_): "
+                                           "the backward would read the rewritten bytes "
+                                           "unseen")
+                                return
         self.k = k + 1
 
     def _recomputed(self, func: Any, args: tuple, kwargs: dict) -> int | None:

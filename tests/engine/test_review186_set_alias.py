@@ -1,0 +1,71 @@
+"""Hostile review 186: ``aten.set_`` under ``no_grad`` gives a fresh tensor the memory of ``h`` (which
+a product saved for the backward) with a version counter of its own; a write through it, still
+under ``no_grad``, rewrote ``h``'s bytes while ``h``'s counter stood still, and the backward read
+them: every example's gradient read example 0's rows, 4.21 C under ghost, auto and make_private
+(present at 087e01d). The check of a write to the storage of a tensor with an autograd history
+that is neither what the call writes nor the base of a view it writes ran with gradients on only.
+Also: the schema cache of the written arguments and the name-based cache of "writes its first
+argument" shared one dict, so a direct ``torch.ops.aten.set_.source_Tensor`` crashed the check
+(``TypeError``) unless a first call had filled the other cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import ParamGroups, get_engine
+from dpclip.engine.errors import UnsupportedModelError
+from tests.engine.helpers import (TRACED_ENGINES, assert_refused_or_bounded, clip_weights,
+                                  loo_distance)
+from tests.engine.test_compiled_chains import Text, _ce, _text
+
+aten = torch.ops.aten
+
+
+class SetAlias(nn.Module):
+    def __init__(self, d, how="forge"):
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(d, d, bias=False)
+        self.l2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.l1(x) + 0.0
+        out = self.l2(x) * h + h  # (mul saves h for the backward)
+        if self.how == "forge-warmed":  # (fills the schema cache first: the review's script)
+            aten.set_.source_Tensor(torch.empty(0, dtype=x.dtype), torch.zeros(2, dtype=x.dtype))
+        if self.how in ("forge", "forge-warmed"):
+            a = torch.empty(0, dtype=x.dtype)
+            with torch.no_grad():
+                aten.set_.source_Tensor(a, h.detach())  # (h's memory, its own version counter)
+                a.add_(1000 * a[:1])  # (h's bytes rewritten, h's counter unmoved)
+        elif self.how == "aliased-read":  # (control) the alias only read: nothing rewritten
+            with torch.no_grad():
+                s = torch.zeros_like(h)
+                s.add_(h.detach() * 0)
+        return out
+
+
+@pytest.mark.parametrize("how", ["forge", "forge-warmed"])
+@pytest.mark.parametrize("engine", TRACED_ENGINES)
+def test_a_write_through_a_set_alias_under_no_grad_is_refused_or_bounded(how, engine):
+    x, y = _text(b=16)
+    assert_refused_or_bounded(engine, lambda: Text(lambda d: SetAlias(d, how)), x, y, 0.01, _ce,
+                              refusal=("wrote, with gradients off", "neither what it writes",
+                                       "outside torch's own functions"))
+
+
+def test_the_forge_is_refused_by_ghost_with_the_new_message():
+    x, y = _text(b=16)
+    model = Text(lambda d: SetAlias(d, "forge"))
+    with pytest.raises(UnsupportedModelError, match="wrote, with gradients off"):
+        get_engine("ghost").compute(model, _ce, x, y, clip_weights(0.01),
+                                    ParamGroups.flat(model))
+
+
+@pytest.mark.parametrize("how", ["plain", "aliased-read"])
+def test_no_grad_writes_of_the_forwards_own_tensors_still_run(how):
+    x, y = _text(b=16)
+    assert loo_distance(lambda: get_engine("ghost"), lambda: Text(lambda d: SetAlias(d, how)),
+                        x, y, 0.01, loss=_ce) <= 1 + 1e-6
