@@ -75,6 +75,10 @@ class RelativeBias(nn.Module):
             s = s + torch.where(mixed, bias, -30.0)
         elif self.how == "other-across-batch":  # (twin) the masked positions get the batch's mean
             s = s + torch.where(keep, bias, s.mean(0, keepdim=True).detach() * 0 + s.mean(0))
+        elif self.how == "other-by-position":  # (twin) a constant that depends on the row
+            pos = (torch.arange(x.shape[0]) % 2).to(s.dtype)[:, None, None, None] * 5.0
+            first = (torch.arange(T) > 0)[None, None, None, :]
+            s = s + torch.where(first, bias, pos.expand(x.shape[0], H, T, T))
         elif self.how == "flipped":  # (twin) example i gets example B-1-i's masked bias
             s = s + torch.where(keep, bias, -30.0).flip(0)
         elif self.how == "used-elsewhere":  # (twin) the lookup's output also summed
@@ -119,6 +123,7 @@ def test_a_batchless_lookup_used_through_broadcasts_is_bounded(how):
     ("mask-across-batch", "mixes the examples"),
     ("flipped", "not proved|separable|mixes"),
     ("other-across-batch", "mixes"),
+    ("other-by-position", "not make the same for every example"),
     ("ids-from-batch", "depend on the batch"),
     ("used-elsewhere", "mixes|separable|not proved"),
 ])

@@ -6,7 +6,10 @@ them: every example's gradient read example 0's rows, 4.21 C under ghost, auto a
 that is neither what the call writes nor the base of a view it writes ran with gradients on only.
 Also: the schema cache of the written arguments and the name-based cache of "writes its first
 argument" shared one dict, so a direct ``torch.ops.aten.set_.source_Tensor`` crashed the check
-(``TypeError``) unless a first call had filled the other cache."""
+(``TypeError``) unless a first call had filled the other cache. Hostile review 188: the same alias
+over a tensor autograd saved that has no history of its own (``z = h * 1.0`` under ``no_grad``,
+saved by ``mul``): 3.20 C under ghost, auto and make_private (present before review 186's fix);
+a write of a storage where a saved tensor lives must now move that tensor's version counter."""
 
 from __future__ import annotations
 
@@ -47,25 +50,59 @@ class SetAlias(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("how", ["forge", "forge-warmed"])
+class SavedNoHistory(nn.Module):
+    """Review 188: the tensor ``mul`` saves has no history of its own (made under ``no_grad``),
+    so no check of histories sees a write to it; the write must move its version counter."""
+
+    def __init__(self, d, how="forge"):
+        super().__init__()
+        self.how = how
+        self.l2 = nn.Linear(d, d)
+
+    def forward(self, h):
+        with torch.no_grad():
+            z = h * 1.0
+        out = self.l2(h) * z  # (mul saves z: h requires grad)
+        if self.how in ("forge", "grad-write"):
+            a = torch.empty(0, dtype=z.dtype)
+            with torch.no_grad():
+                aten.set_.source_Tensor(a, z)
+                if self.how == "forge":
+                    a.add_(1000 * a[:1])
+            if self.how == "grad-write":  # (the alias has no history: written with grad on)
+                a.add_(1000 * a[:1])
+        return out
+
+
+_FORGES = {"forge": lambda d: SetAlias(d, "forge"),
+           "forge-warmed": lambda d: SetAlias(d, "forge-warmed"),
+           "saved-no-history": lambda d: SavedNoHistory(d, "forge"),
+           "saved-no-history-grad-write": lambda d: SavedNoHistory(d, "grad-write")}
+
+
+@pytest.mark.parametrize("how", sorted(_FORGES))
 @pytest.mark.parametrize("engine", TRACED_ENGINES)
 def test_a_write_through_a_set_alias_under_no_grad_is_refused_or_bounded(how, engine):
     x, y = _text(b=16)
-    assert_refused_or_bounded(engine, lambda: Text(lambda d: SetAlias(d, how)), x, y, 0.01, _ce,
+    assert_refused_or_bounded(engine, lambda: Text(_FORGES[how]), x, y, 0.01, _ce,
                               refusal=("wrote, with gradients off", "neither what it writes",
-                                       "outside torch's own functions"))
+                                       "outside torch's own functions",
+                                       "without moving its version counter"))
 
 
-def test_the_forge_is_refused_by_ghost_with_the_new_message():
+def test_the_forge_is_refused_by_ghost_with_a_new_message():
     x, y = _text(b=16)
     model = Text(lambda d: SetAlias(d, "forge"))
-    with pytest.raises(UnsupportedModelError, match="wrote, with gradients off"):
+    with pytest.raises(UnsupportedModelError,
+                       match="wrote, with gradients off|without moving its version counter"):
         get_engine("ghost").compute(model, _ce, x, y, clip_weights(0.01),
                                     ParamGroups.flat(model))
 
 
-@pytest.mark.parametrize("how", ["plain", "aliased-read"])
-def test_no_grad_writes_of_the_forwards_own_tensors_still_run(how):
+@pytest.mark.parametrize("make", [lambda d: SetAlias(d, "plain"),
+                                  lambda d: SetAlias(d, "aliased-read"),
+                                  lambda d: SavedNoHistory(d, "plain")])
+def test_no_grad_writes_of_the_forwards_own_tensors_still_run(make):
     x, y = _text(b=16)
-    assert loo_distance(lambda: get_engine("ghost"), lambda: Text(lambda d: SetAlias(d, how)),
-                        x, y, 0.01, loss=_ce) <= 1 + 1e-6
+    assert loo_distance(lambda: get_engine("ghost"), lambda: Text(make), x, y, 0.01,
+                        loss=_ce) <= 1 + 1e-6

@@ -1649,6 +1649,18 @@ def _separable(gm: torch.fx.GraphModule, inputs: list, holders: list, model: nn.
                         raise CompiledUnsupported(
                             f"the result of a broadcast use of layer {spec.name!r} mixes the "
                             f"examples (layout {lay_out!r})")
+                    if (spec.scale or spec.through) and lay_out is None and \
+                            isinstance(v, Tensor) and v.ndim and v.shape[0] >= batch and \
+                            v.shape[0] % batch == 0 and v.stride(0) != 0 and \
+                            ident(v) not in tracer.structural[0]:  # type: ignore[index]
+                        # (a constant result with a row per example is marked as the examples'
+                        # rows below: it must be the same for every example, as a constant
+                        # input must (_judge); where(constant cond, q, a constant that depends
+                        # on the position in the batch), hostile review 187's hardening)
+                        raise CompiledUnsupported(
+                            f"the result of a broadcast use of layer {spec.name!r} is a "
+                            "constant with one row per example that the graph does not make "
+                            "the same for every example")
                     tracer.mark(v, (0, k) if k > 1 and v.ndim and a.ndim and
                                 v.shape[0] == a.shape[0] else (0, 1))
                 spec = expansions.get(n.name)

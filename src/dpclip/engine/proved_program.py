@@ -1174,7 +1174,7 @@ class ProgramMatch:
                  "first_extra", "window", "_state_done", "outside", "_rng", "watch", "_lifted",
                  "_leaves", "calls", "_fresh", "_history", "_saved_watch", "_snap",
                  "_dropped", "fn_depth", "_stamps", "_calls", "_call_seq", "_made_in",
-                 "_kernels", "_uses", "_unsafe_of", "_rewritten", "_born_in")
+                 "_kernels", "_uses", "_unsafe_of", "_rewritten", "_born_in", "_saved_at")
 
     def __init__(self, program: ProvedProgram, batch: int, model: Any, xs: Any, ys: Any) -> None:
         self.program = program
@@ -1200,6 +1200,9 @@ class ProgramMatch:
         self._history: dict[int, tuple[Any, Any]] = {}
         #: the step's saved-tensor watch while the forward and loss run (see watching)
         self._saved_watch: SavedTensorWatch | None = None
+        #: storage data pointer -> [(alias, version)] of each tensor autograd saved there (see
+        #: saved): an accepted write of that storage must move the saved tensor's version counter
+        self._saved_at: dict[int, list[tuple[Tensor, int]]] = {}
         #: (operation, copies of what it writes, taken before it ran): see before
         self._snap: tuple[Any, tuple] | None = None
         #: ident -> weak ref of each view whose record a matched write dropped (_view_holds)
@@ -1346,6 +1349,7 @@ class ProgramMatch:
         set back changed only the backward, third hostile review, LOO 1.003 C)."""
         if self.done or self.mismatch is not None:
             return
+        self._saved_at.setdefault(_storage(t), []).append((t, t._version))
         if self.watch is None:
             self._pending.append(t)
         else:
@@ -1925,6 +1929,22 @@ class ProgramMatch:
             bumps = _written(func, args, kwargs)
             for w in self.calls:  # (what the call wrote: CallWindow.written)
                 w.written.update(bumps)
+            if bumps and self._saved_at:
+                # (a storage written while a tensor autograd saved lives in it: the write must
+                # move that tensor's version counter, which the backward's unpack compares; a
+                # write through an alias with a counter of its own (aten.set_ under no_grad of a
+                # saved tensor without history: 3.20 C under ghost, auto and make_private,
+                # hundred-and-eighty-eighth hostile review) rewrote what the backward reads,
+                # unseen, and the memory watch took the new bytes as the program's)
+                for key in bumps:
+                    for d, version in self._saved_at.get(key, ()):
+                        if d._version == version:
+                            self._fail(f"operation {k} ({_short(func)}) wrote the memory of a "
+                                       "tensor autograd saved for the backward without moving "
+                                       "its version counter (through an alias with a counter of "
+                                       "its own: Tensor.set_, an untyped storage): the backward "
+                                       "would read the rewritten bytes unseen")
+                            return
             if bumps:  # the counters of the written storages move once per written argument
                 self.names.written(bumps)
                 self.watch.refresh(bumps)  # an accepted write: the new bytes are the program's
@@ -2047,6 +2067,7 @@ class ProgramMatch:
         if self.done:
             return
         self.done = True
+        self._saved_at.clear()  # (no write of the forward is left to check; autograd holds them)
         if self.mismatch is None:  # (the last operation's outputs and the losses: see above)
             self._check_history((losses,) if isinstance(losses, Tensor) else (), {})
         # (autograd nodes: they hold the step's graph)
