@@ -68,6 +68,10 @@ class RelativeBias(nn.Module):
             s = s + torch.where(keep, bias, s.detach() * 0 - 30.0)
         elif self.how == "where-negated":
             s = s + torch.where(~keep, -30.0, bias)
+        elif self.how == "twice":  # (two layers' scores, each with the bias: two uses)
+            s = (s + bias) + ((q * 0.5) @ k.transpose(-1, -2) + bias)
+        elif self.how == "twice-where":
+            s = (s + bias) + torch.where(keep, bias, -30.0)
         elif self.how == "expand":
             s = s + bias.expand(x.shape[0], -1, -1, -1).contiguous()
         elif self.how == "mask-across-batch":  # (twin) whether a key is kept: the batch's mean
@@ -94,7 +98,7 @@ def _batch(b=7, seed=3):
     return torch.randn(b, T, D, generator=g, dtype=DT), torch.randint(0, 3, (b,), generator=g)
 
 
-_HONEST = ["add", "where", "where-tensor", "where-negated", "expand"]
+_HONEST = ["add", "where", "where-tensor", "where-negated", "expand", "twice", "twice-where"]
 
 
 @pytest.mark.parametrize("how", _HONEST)
@@ -112,7 +116,7 @@ def test_a_batchless_lookup_used_through_broadcasts_runs_on_the_graph_exactly(ho
         assert res.grads["rel.weight"][padding_idx].abs().max() == 0
 
 
-@pytest.mark.parametrize("how", ["where", "expand"])
+@pytest.mark.parametrize("how", ["where", "expand", "twice"])
 def test_a_batchless_lookup_used_through_broadcasts_is_bounded(how):
     x, y = _batch(b=10, seed=5)
     assert loo_distance(lambda: get_engine("compiled"), lambda: RelativeBias(how), x, y, 0.01,

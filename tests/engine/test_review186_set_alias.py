@@ -8,8 +8,11 @@ Also: the schema cache of the written arguments and the name-based cache of "wri
 argument" shared one dict, so a direct ``torch.ops.aten.set_.source_Tensor`` crashed the check
 (``TypeError``) unless a first call had filled the other cache. Hostile review 188: the same alias
 over a tensor autograd saved that has no history of its own (``z = h * 1.0`` under ``no_grad``,
-saved by ``mul``): 3.20 C under ghost, auto and make_private (present before review 186's fix);
-a write of a storage where a saved tensor lives must now move that tensor's version counter."""
+saved by ``mul``): 3.20 C under ghost, auto and make_private (present before review 186's fix).
+Hostile review 189: a check that the write moved the saved tensor's version counter was passed by
+moving the counter around the write (``_unsafe_set_version_counter``), 3.24 C; no accepted write
+may now reach the memory of a tensor autograd saved before the loss returns (autograd refuses such
+a backward itself when the write goes through the tensor or a view of it)."""
 
 from __future__ import annotations
 
@@ -74,7 +77,43 @@ class SavedNoHistory(nn.Module):
         return out
 
 
-_FORGES = {"forge": lambda d: SetAlias(d, "forge"),
+def _set_version(t, v):
+    torch._C._autograd._unsafe_set_version_counter((t,), (v,))
+
+
+class CounterMovedAroundTheWrite(nn.Module):
+    """Review 189: a batch-less constant ``w`` (no history) given a ``set_`` alias before ``mul``
+    saves it; in the real run (the proof runs on fake tensors) ``w``'s version counter is moved
+    forward around the write through the alias and set back after, so a check of the saved
+    tensor's version sees it moved and the backward's unpack finds the version it packed."""
+
+    def __init__(self, d, how="forge"):
+        super().__init__()
+        self.how = how
+        self.l2 = nn.Linear(d, d)
+
+    def forward(self, h):
+        real = not isinstance(h, torch._subclasses.FakeTensor)
+        with torch.no_grad():
+            w = torch.ones(h.shape[-1], dtype=h.dtype) * 1.0
+            a = torch.empty(0, dtype=h.dtype)
+            aten.set_.source_Tensor(a, w)
+        if real:
+            _set_version(w, w._version + 1)
+        out = self.l2(h) * w  # (mul saves w)
+        v = w._version
+        with torch.no_grad():
+            r = 1000 * h[0, 0]
+            if real:
+                _set_version(w, v + 1)
+            a.add_(r)
+            if real:
+                _set_version(w, v)
+        return out
+
+
+_FORGES = {"counter-moved-around-the-write": lambda d: CounterMovedAroundTheWrite(d),
+           "forge": lambda d: SetAlias(d, "forge"),
            "forge-warmed": lambda d: SetAlias(d, "forge-warmed"),
            "saved-no-history": lambda d: SavedNoHistory(d, "forge"),
            "saved-no-history-grad-write": lambda d: SavedNoHistory(d, "grad-write")}
@@ -87,14 +126,16 @@ def test_a_write_through_a_set_alias_under_no_grad_is_refused_or_bounded(how, en
     assert_refused_or_bounded(engine, lambda: Text(_FORGES[how]), x, y, 0.01, _ce,
                               refusal=("wrote, with gradients off", "neither what it writes",
                                        "outside torch's own functions",
-                                       "without moving its version counter"))
+                                       "without moving its version counter",
+                                       "wrote the memory of a tensor autograd saved"))
 
 
 def test_the_forge_is_refused_by_ghost_with_a_new_message():
     x, y = _text(b=16)
     model = Text(lambda d: SetAlias(d, "forge"))
     with pytest.raises(UnsupportedModelError,
-                       match="wrote, with gradients off|without moving its version counter"):
+                       match="wrote, with gradients off|wrote the memory of a tensor autograd "
+                             "saved"):
         get_engine("ghost").compute(model, _ce, x, y, clip_weights(0.01),
                                     ParamGroups.flat(model))
 

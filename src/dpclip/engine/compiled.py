@@ -233,8 +233,12 @@ class _LookupThrough(_Rule):
 
     roles = ("weight",)
 
-    def __init__(self, use: _BroadcastRule) -> None:
+    def __init__(self, use: _BroadcastRule, graph_use: bool = True) -> None:
         self.use = use
+        #: whether this call stands for the lookup's one use of the table in the autograd graph
+        #: (the first use of the lookup's output; its other uses' calls are the same graph use:
+        #: ghost's count of each parameter's graph uses against its calls counts one)
+        self.graph_use = graph_use
 
     def prepare(self, c: _Call) -> None:
         self.use.prepare(c)
@@ -1528,10 +1532,10 @@ def _analyse(exported: tuple, model: nn.Module, scan: Any, xs: Any, ys: Any) -> 
         for call, a in found:
             uses = _lookup_uses(o.module, call, a)
             if uses is not None:  # (a batch-less lookup used through broadcasts: _LookupThrough)
-                for use, x, rule in uses:
+                for i, (use, x, rule) in enumerate(uses):
                     _claim(o, roles, ph, slot, use, x, specs, ruled, expansions, extra)
                     spec = specs[-1]
-                    spec.through, spec.ids_node = _LookupThrough(rule), a
+                    spec.through, spec.ids_node = _LookupThrough(rule, i == 0), a
                     extra.append(a)
                     spec.ids_at = len(extra)
                 covered.add(call.name)

@@ -1218,19 +1218,25 @@ class GhostEngine:
             # per-layer path: by the nodes inside its calls, dpclip.engine.per_layer)
             modular = [c for c in live if c.outs is not None]
             count: dict[str, int] = {}
+            seen: dict[str, int] = {}  # (the same, counting the autograd graph's uses)
             for c in live:
                 if c.outs is None:
+                    # (the compiled graph's uses of one batch-less lookup are one use of the
+                    # table in the autograd graph: compiled._LookupThrough.graph_use)
+                    once = getattr(c.rule, "graph_use", True)
                     for pn in c.owner.pnames:
                         count[pn] = count.get(pn, 0) + 1
+                        if once:
+                            seen[pn] = seen.get(pn, 0) + 1
             if modular:
                 mod_names = {pn for c in modular for pn in c.owner.pnames}
                 check_module_windows(modular, {pn: uses.get(pn, 0) for pn in mod_names},
                                      {pn: n for pn, n in count.items() if pn in mod_names},
                                      scan.by_param, indeg, targets)
                 uses = {pn: n for pn, n in uses.items() if pn not in mod_names}
-                count_ruled = {pn: n for pn, n in count.items() if pn not in mod_names}
+                count_ruled = {pn: n for pn, n in seen.items() if pn not in mod_names}
             else:
-                count_ruled = count
+                count_ruled = seen
             if uses != count_ruled:
                 bad = sorted(pn for pn in params if uses.get(pn, 0) != count_ruled.get(pn, 0))
                 raise _RuntimeUnsupported(

@@ -1200,9 +1200,10 @@ class ProgramMatch:
         self._history: dict[int, tuple[Any, Any]] = {}
         #: the step's saved-tensor watch while the forward and loss run (see watching)
         self._saved_watch: SavedTensorWatch | None = None
-        #: storage data pointer -> [(alias, version)] of each tensor autograd saved there (see
-        #: saved): an accepted write of that storage must move the saved tensor's version counter
-        self._saved_at: dict[int, list[tuple[Tensor, int]]] = {}
+        #: storage data pointer -> the tensors autograd saved there (see saved; held, so that
+        #: the storage cannot be freed and its address reused): no accepted write may reach
+        #: that storage before the loss returns
+        self._saved_at: dict[int, list[Tensor]] = {}
         #: (operation, copies of what it writes, taken before it ran): see before
         self._snap: tuple[Any, tuple] | None = None
         #: ident -> weak ref of each view whose record a matched write dropped (_view_holds)
@@ -1349,7 +1350,7 @@ class ProgramMatch:
         set back changed only the backward, third hostile review, LOO 1.003 C)."""
         if self.done or self.mismatch is not None:
             return
-        self._saved_at.setdefault(_storage(t), []).append((t, t._version))
+        self._saved_at.setdefault(_storage(t), []).append(t)
         if self.watch is None:
             self._pending.append(t)
         else:
@@ -1930,21 +1931,23 @@ class ProgramMatch:
             for w in self.calls:  # (what the call wrote: CallWindow.written)
                 w.written.update(bumps)
             if bumps and self._saved_at:
-                # (a storage written while a tensor autograd saved lives in it: the write must
-                # move that tensor's version counter, which the backward's unpack compares; a
-                # write through an alias with a counter of its own (aten.set_ under no_grad of a
-                # saved tensor without history: 3.20 C under ghost, auto and make_private,
-                # hundred-and-eighty-eighth hostile review) rewrote what the backward reads,
-                # unseen, and the memory watch took the new bytes as the program's)
+                # (a storage written while a tensor autograd saved lives in it: the backward
+                # reads what the write left there. Through the tensor or a view of it, autograd
+                # refuses that backward anyway (the shared version counter moved); through an
+                # alias with a counter of its own (aten.set_ under no_grad of a saved tensor
+                # without history: 3.20 C under ghost, auto and make_private, hundred-and-
+                # eighty-eighth hostile review) nothing moved, and the memory watch took the new
+                # bytes as the program's. Refused whatever the counters say: a counter moved
+                # around the write with torch._C._autograd._unsafe_set_version_counter passed a
+                # check of the saved tensor's version, 3.24 C, hundred-and-eighty-ninth review)
                 for key in bumps:
-                    for d, version in self._saved_at.get(key, ()):
-                        if d._version == version:
-                            self._fail(f"operation {k} ({_short(func)}) wrote the memory of a "
-                                       "tensor autograd saved for the backward without moving "
-                                       "its version counter (through an alias with a counter of "
-                                       "its own: Tensor.set_, an untyped storage): the backward "
-                                       "would read the rewritten bytes unseen")
-                            return
+                    if self._saved_at.get(key):
+                        self._fail(f"operation {k} ({_short(func)}) wrote the memory of a "
+                                   "tensor autograd saved for the backward (through the tensor, "
+                                   "a view of it, or an alias with a version counter of its "
+                                   "own: Tensor.set_, an untyped storage): the backward would "
+                                   "read the rewritten bytes")
+                        return
             if bumps:  # the counters of the written storages move once per written argument
                 self.names.written(bumps)
                 self.watch.refresh(bumps)  # an accepted write: the new bytes are the program's
