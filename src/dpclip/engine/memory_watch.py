@@ -187,8 +187,17 @@ class MemoryWatch:
                 # (new, or the output of an operation the trace saw: its geometry now is the
                 # program's, also after an in-place view operation)
                 homes[ident(t)] = (t, key, _geometry(t))
-            if key in slots:
-                continue
+            slot = slots.get(key)
+            if slot is not None:
+                if n <= slot.n:
+                    continue
+                # (a larger storage at a watched address: another storage object over the same
+                # memory, a NumPy array's views made tensors; the copy taken for the first one
+                # covered its bytes only, and a write past them, unseen, reached a buffer autograd
+                # saved: 16.5 C under ghost, hundred-and-ninety-first hostile review. What was
+                # watched is compared now, then the whole larger range is the reference)
+                self._compare(slot)
+                del slots[key]
             dev = st.device
             if dev.type == "cpu" and _MEMCMP is not None:
                 at = self._reserve(dev, n)
