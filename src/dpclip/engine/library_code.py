@@ -486,7 +486,7 @@ def _operator_methods(ins: dis.Instruction) -> tuple[str, ...]:
 #: every row ran untraced in a known chain, and unseen between a ruled layer's computation and
 #: its record on the traced path: LOO 2.55-2.81 C under ghost and auto)
 _CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "forward", "__getattribute__",
-              "__getattr__")
+              "__getattr__", "_compiled_call_impl")
 
 #: per module class, its lookups (found the first time the class is asked about)
 _BY_CLASS: dict[type, _Lookups] = {}
@@ -513,6 +513,15 @@ def _lookups_of(cls: type) -> _Lookups:
             # how a call reaches forward: nn.Module.__call__ / _call_impl, unless the class (or a
             # patch on it: nn.Tanh.__call__ = ...) defines its own
             where = f"{cls.__module__}.{cls.__qualname__}"
+            if _static(cls, "_compiled_call_impl") is not None:
+                # (nn.Module._wrapped_call_impl calls self._compiled_call_impl when it is not
+                # None, before _call_impl and forward: a class attribute nn.Linear.
+                # _compiled_call_impl = f ran f untraced inside a known chain and around every
+                # ruled layer's call, 11.4 C under ghost, auto and compiled; hundred-and-ninety-
+                # fourth hostile review. torch.compile sets it on an instance, never a class)
+                got.bad = (f"{where}._compiled_call_impl is set on the class (torch.compile's "
+                           "entry, which nn.Module.__call__ runs instead of forward): the "
+                           f"layer's call would run code no check sees{_FIX}")
             for name in _CALL_PATH:
                 obj = _static(cls, name)
                 got.add(cls, name, obj, False, where,

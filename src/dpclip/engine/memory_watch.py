@@ -149,7 +149,7 @@ class MemoryWatch:
         #: restrided in place with no operation (``as_strided_`` with dispatch off and its version
         #: set back, ``torch._C._swap_tensor_impl``) reads other elements of the same bytes, other
         #: examples' (ninth hostile review: LOO 3.70 C)
-        self._homes: dict[int, tuple[Tensor, int, tuple]] = {}
+        self._homes: dict[int, tuple[Tensor, int, tuple, str]] = {}
         #: accelerator checks queued: (flag tensor, what)
         self._flags: list[tuple[Tensor, str]] = []
         self._buffers: list[Tensor] = []  # the copies (kept alive with their slots)
@@ -180,13 +180,17 @@ class MemoryWatch:
                 n = st.nbytes()
             except Exception:  # noqa: BLE001 - no storage (fake, functional, sparse, meta)
                 continue
-            if key == 0 or n == 0:
-                continue
             home = homes.get(ident(t))
             if home is None or home[0] is t and home[1] == key:
                 # (new, or the output of an operation the trace saw: its geometry now is the
-                # program's, also after an in-place view operation)
-                homes[ident(t)] = (t, key, _geometry(t))
+                # program's, also after an in-place view operation; a tensor on a storage of
+                # no bytes too: resized with dispatch off, filled from the batch, used and set
+                # back to an empty storage before the loss returned, it read memory nobody
+                # copied, 12.0 C under ghost and auto's traced pass, hundred-and-ninety-third
+                # hostile review)
+                homes[ident(t)] = (t, key, _geometry(t), what)
+            if key == 0 or n == 0:
+                continue
             slot = slots.get(key)
             if slot is not None:
                 if n <= slot.n:
@@ -258,7 +262,7 @@ class MemoryWatch:
         home = self._homes.get(ident(t))
         if home is not None and home[0] is t and (home[1] != key or home[2] != _geometry(t)):
             if self.changed is None:
-                self.changed = self._slots[home[1]].what
+                self.changed = home[3]
             return
         slot = self._slots.get(key)
         if slot is None:
@@ -298,9 +302,9 @@ class MemoryWatch:
         still live in the storage it was added with: :attr:`changed`; on an accelerator the result
         is read in :meth:`finish`."""
         with torch._C.DisableTorchFunction():
-            for t, key, geometry in self._homes.values():
+            for t, key, geometry, what in self._homes.values():
                 if self.changed is None and (_storage_key(t) != key or _geometry(t) != geometry):
-                    self.changed = self._slots[key].what
+                    self.changed = what
         if self._flags or any(s.view is not None for s in self._slots.values()):
             with torch._C.DisableTorchFunction(), _disable_current_modes():
                 for slot in self._slots.values():
