@@ -4,7 +4,10 @@ the same, and the new code ran untraced in a known chain: 11.4 C and 5.8 C under
 compiled, whether swapped after dpclip's first look or before it with the code's file name,
 qualified name and first line copied from torch's (judged torch's own by its file name). Every
 function the scan follows now has its code, defaults, closure and globals compared at each step,
-and a torch function's code must be what its source file compiles to."""
+and a torch function's code must be what its source file compiles to. Hostile review 199: a
+function the scan recorded without following it (``nn.Module.__getattr__``, reached for every
+``self.weight``) had its code swapped the same way: 11.4 C; every Python function recorded is now
+compared so, followed or not."""
 
 from __future__ import annotations
 
@@ -29,13 +32,43 @@ def _evil_relu(input, inplace=False):
     return out + 10 * out.mean(0, keepdim=True)
 
 
+class _Shifted(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*[a.as_subclass(torch.Tensor) if isinstance(a, _Shifted) else a
+                         for a in args], **kwargs)
+        if func is nn.functional.linear:
+            out = out + 10 * out.mean(0, keepdim=True)
+        return out
+
+
+def _evil_getattr(self, name):
+    # (runs with torch's module globals: this test module is reached through sys.modules)
+    here = __import__("sys").modules["tests.engine.test_review197_code_swap"]
+    d = self.__dict__
+    if name in d["_parameters"]:
+        got = d["_parameters"][name]
+        if name == "weight" and type(self) is here.nn.Linear:
+            return got.as_subclass(here._Shifted)
+        return got
+    if "_buffers" in d and name in d["_buffers"]:
+        return d["_buffers"][name]
+    if "_modules" in d and name in d["_modules"]:
+        return d["_modules"][name]
+    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
 def _make_relu():
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, K))
 
 
 _CASES = {"linear-forward": (lambda: nn.Linear.forward, _evil_linear, _make),
-          "relu": (lambda: F.relu, _evil_relu, _make_relu)}
+          "relu": (lambda: F.relu, _evil_relu, _make_relu),
+          # (hostile review 199: recorded, never followed: its code was not compared)
+          "module-getattr": (lambda: nn.Module.__getattr__, _evil_getattr, _make)}
 
 
 def _loo(engine, make, loss):

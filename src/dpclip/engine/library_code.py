@@ -309,6 +309,28 @@ class _Lookups:
         if self.bad is None and not trusted and not _own(name, obj):
             self.bad = (f"{where}: {name!r} is {_describe(obj)}, not torch's own (a library "
                         f"replaced it{_FIX})")
+        for fn in _functions_of(obj):
+            self._parts(fn, where)
+
+    def _parts(self, fn: types.FunctionType, where: str) -> None:
+        """What ``fn`` runs besides its name, compared at every check; a function of torch's
+        files must run the code its source file compiles to. For every Python function recorded,
+        followed or not (the function object stays torch's while what it runs is replaced:
+        nn.Linear.forward.__code__ or F.relu.__code__ swapped for code adding the batch mean ran
+        untraced in a known chain, 11.4 C and 5.8 C under ghost, auto and compiled, hundred-and-
+        ninety-seventh hostile review; nn.Module.__getattr__'s code, recorded but never
+        followed, 11.4 C, hundred-and-ninety-ninth; a code object swapped in before dpclip
+        first looked had its file name, qualified name and first line copied from torch's)."""
+        if (ident(fn), "__code__") in self.seen:
+            return
+        for part in _FUNCTION_PARTS:
+            self.add(fn, part, getattr(fn, part, _MISSING), False, where)
+        code = fn.__code__
+        if self.bad is None and _torch_file(fn) and _compiled_at(
+                os.path.realpath(code.co_filename), code.co_qualname,
+                code.co_firstlineno) != code:
+            self.bad = (f"{where}: {fn.__qualname__}'s code is not what torch's source file "
+                        f"compiles to (a library replaced it{_FIX})")
 
     def follow(self, fn: types.FunctionType, cls: type | None, depth: int) -> None:
         if fn.__code__ in self.done:
@@ -316,21 +338,7 @@ class _Lookups:
         self.done.add(fn.__code__)
         glb = fn.__globals__
         where = f"{fn.__module__}.{fn.__qualname__}"
-        # (the function object stays torch's while what it runs is replaced: nn.Linear.forward.
-        # __code__ or F.relu.__code__ swapped for code adding the batch mean ran untraced in a
-        # known chain, 11.4 C and 5.8 C under ghost, auto and compiled, hundred-and-ninety-
-        # seventh hostile review; its defaults, closure and globals likewise)
-        for part in _FUNCTION_PARTS:
-            self.add(fn, part, getattr(fn, part, _MISSING), False, where)
-        code = fn.__code__
-        if self.bad is None and _torch_file(fn) and _compiled_at(
-                os.path.realpath(code.co_filename), code.co_qualname,
-                code.co_firstlineno) != code:
-            # (a code object swapped in before dpclip first looked, its file name, qualified
-            # name and first line copied from torch's: judged torch's own by its file name,
-            # same review; torch's file compiles to other code)
-            self.bad = (f"{where}: its code is not what torch's source file compiles to (a "
-                        f"library replaced it{_FIX})")
+        self._parts(fn, where)
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
         callees: list[tuple[Any, type | None]] = []
         for code in _code_objects(fn.__code__):
@@ -515,6 +523,34 @@ _CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "forward", "__geta
 
 #: what a Python function runs besides its name: compared by identity at every check
 _FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__", "__closure__", "__globals__")
+
+
+def _functions_of(obj: Any) -> list[types.FunctionType]:
+    """The Python functions a recorded object runs when it is called or looked up through: a
+    function or method, a static or class method's function, a property's accessors, and for
+    an object of a class of torch's own (a descriptor like torch.backends' ContextProp, a module
+    of a class of its own like torch._VF's VFModule) that class's ``__get__``, ``__set__``,
+    ``__getattr__`` and ``__getattribute__`` when they are Python functions (hundred-and-
+    ninety-ninth hostile review: code reached through them was never compared)."""
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    if isinstance(obj, property):
+        return [f for f in (obj.fget, obj.fset, obj.fdel) if isinstance(f, types.FunctionType)]
+    if obj is _MISSING or isinstance(obj, type):
+        return []
+    cls = type(obj)
+    if not (cls.__module__ or "").startswith("torch"):
+        return []
+    out = []
+    for name in ("__get__", "__set__", "__getattr__", "__getattribute__"):
+        f = _static(cls, name)
+        if isinstance(f, types.FunctionType):
+            out.append(f)
+    return out
 
 #: per module class, its lookups (found the first time the class is asked about)
 _BY_CLASS: dict[type, _Lookups] = {}
