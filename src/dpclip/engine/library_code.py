@@ -294,11 +294,16 @@ class _Lookups:
         self.seen: set[tuple[int, str]] = set()
         self.done: set[types.CodeType] = set()
         self.bad: str | None = None
+        #: ident -> (module, its class) of every module met (a container or a value)
+        self.modules: dict[int, tuple[types.ModuleType, type]] = {}
 
     def add(self, container: Any, name: str, obj: Any, is_dict: bool, where: str,
             trusted: bool = False) -> None:
         """Record a lookup; ``trusted``: the object need not be torch's own (a known tree's
         forward, dpclip's model code: still compared by identity on every check)."""
+        for m in (container, obj):
+            if isinstance(m, types.ModuleType):
+                self._module(m, where)
         key = (ident(container), name)
         if key in self.seen or key in _WATCHED:
             return
@@ -310,6 +315,27 @@ class _Lookups:
             self.bad = (f"{where}: {name!r} is {_describe(obj)}, not torch's own (a library "
                         f"replaced it{_FIX})")
         for fn in _functions_of(obj):
+            self._parts(fn, where)
+
+    def _module(self, m: types.ModuleType, where: str) -> None:
+        """Record the class of module ``m``: Python's module type, or a class of torch's own
+        (torch._VF's VFModule: its methods are compared as a descriptor's, _functions_of). A
+        module's ``__class__`` can be assigned a ModuleType subclass whose ``__getattribute__``
+        answers each lookup as it likes: torch.nn.functional made one that handed the forward's
+        lookups of ``linear`` a function adding the batch mean and dpclip's own reads the real
+        one, 11.4 C in a known chain under ghost, auto and compiled (two-hundred-and-first
+        hostile review)."""
+        k = ident(m)
+        if k in self.modules:
+            return
+        cls = type(m)
+        self.modules[k] = (m, cls)
+        if self.bad is None and cls is not types.ModuleType and \
+                not str(getattr(cls, "__module__", "") or "").startswith("torch"):
+            self.bad = (f"{where}: the module {getattr(m, '__name__', '?')!r} is of class "
+                        f"{cls.__qualname__}, not Python's module type (its attribute lookups "
+                        f"are code of its own{_FIX})")
+        for fn in _functions_of(m):
             self._parts(fn, where)
 
     def _parts(self, fn: types.FunctionType, where: str) -> None:
@@ -435,6 +461,10 @@ class _Lookups:
     def changed(self) -> str | None:
         if self.bad is not None:
             return self.bad
+        for m, cls in self.modules.values():  # (first: the lookups below go through them)
+            if type(m) is not cls:
+                return (f"the class of module {getattr(m, '__name__', '?')!r} was replaced after "
+                        f"dpclip first looked{_FIX}")
         for container, name, obj, is_dict in self.items:
             now = container.get(name, _MISSING) if is_dict else _static(container, name) \
                 if isinstance(container, type) else getattr(container, name, _MISSING)
