@@ -292,7 +292,10 @@ class _Lookups:
     def __init__(self) -> None:
         self.items: list[tuple[Any, str, Any, bool]] = []  # (container, name, object, is_dict)
         self.seen: set[tuple[int, str]] = set()
-        self.done: set[types.CodeType] = set()
+        #: code -> the shallowest depth it was followed at (followed again when met shallower:
+        #: _call_impl met first at depth 3 through _wrapped_call_impl had its callees never
+        #: followed when asked for at depth 2, two-hundred-and-third hostile review's side note)
+        self.done: dict[types.CodeType, int] = {}
         self.bad: str | None = None
         #: ident -> (module, its class) of every module met (a container or a value)
         self.modules: dict[int, tuple[types.ModuleType, type]] = {}
@@ -337,6 +340,17 @@ class _Lookups:
                         f"are code of its own{_FIX})")
         for fn in _functions_of(m):
             self._parts(fn, where)
+        if cls is not types.ModuleType:
+            # (a module of torch's own class answers lookups with code that reads its instance
+            # dictionary: torch._VF's VFModule.__getattr__ returns getattr(self.vf, name), and
+            # an object put in ``vf`` answered nn.Dropout's lookup of ``dropout`` with a function
+            # adding the batch mean and dpclip's with the real one: 8.1 C in a known chain under
+            # ghost, auto and compiled, two-hundred-and-third hostile review. Every entry of its
+            # dictionary is a lookup, compared by identity, and must be torch's own)
+            d = vars(m)
+            for k in list(d):
+                if isinstance(k, str) and not (k.startswith("__") and k.endswith("__")):
+                    self.add(d, k, d[k], True, where)
 
     def _parts(self, fn: types.FunctionType, where: str) -> None:
         """What ``fn`` runs besides its name, compared at every check; a function of torch's
@@ -359,9 +373,10 @@ class _Lookups:
                         f"compiles to (a library replaced it{_FIX})")
 
     def follow(self, fn: types.FunctionType, cls: type | None, depth: int) -> None:
-        if fn.__code__ in self.done:
+        was = self.done.get(fn.__code__)
+        if was is not None and was <= depth:
             return
-        self.done.add(fn.__code__)
+        self.done[fn.__code__] = depth
         glb = fn.__globals__
         where = f"{fn.__module__}.{fn.__qualname__}"
         self._parts(fn, where)
