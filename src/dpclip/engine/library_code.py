@@ -203,6 +203,8 @@ def _own(name: str, obj: Any) -> bool:
         return True
     if isinstance(obj, (types.FunctionType, types.MethodType)):
         fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+        if not _named_as(name, fn):
+            return False
         # (a function wrapped by a standard decorator, contextlib.contextmanager: the wrapped one)
         while not _torch_file(fn) and _stdlib_file(fn) and \
                 isinstance(getattr(fn, "__wrapped__", None), types.FunctionType):
@@ -252,6 +254,27 @@ def _root_ok(module_name: str) -> bool:
     """A module of torch's or of Python's standard library (by name)."""
     root = module_name.split(".")[0]
     return root == "torch" or root in sys.stdlib_module_names
+
+
+#: torch's Python functions bound under a name other than their own (found by an honest scan of
+#: every ruled and known layer class): (name, module, qualified name)
+_ALIASES = frozenset({("forward", "torch.nn.modules.module", "_forward_unimplemented")})
+
+
+def _named_as(name: str, fn: types.FunctionType) -> bool:
+    """Whether torch's Python function ``fn`` may be found under ``name``: its own name (as a plain
+    name), a dunder or a closure cell's contents, or one of torch's own aliases. Another of torch's
+    functions put there before dpclip first looked passed as torch's own by its file alone:
+    ``torch.tanh = F.log_softmax`` made nn.Tanh normalise over the batch (the implicit dimension
+    of a 3-D input is 0), 3.72 C in a known chain under ghost, auto and compiled (two-hundred-and-
+    fifth hostile review)."""
+    if name == "cell_contents" or (name.startswith("__") and name.endswith("__")):
+        return True
+    while isinstance(getattr(fn, "__wrapped__", None), types.FunctionType) and \
+            _plain_name(fn.__name__) != _plain_name(name):
+        fn = fn.__wrapped__
+    return _plain_name(getattr(fn, "__name__", "")) == _plain_name(name) or \
+        (name, fn.__module__, fn.__qualname__) in _ALIASES
 
 
 def _plain_name(name: str) -> str:
