@@ -93,3 +93,38 @@ def test_tensor_split_validation():
     assert len(split) == 3 and split.input_shape == (2,)
     x, y = split[1]
     assert x.tolist() == [2.0, 3.0] and y.item() == 1
+
+
+def test_the_trainers_public_split_decides_each_example_on_its_own():
+    """Two-hundred-and-sixth hostile review: the stratified split moved 14 OTHER examples between
+    the public and private parts when one example left (N = 200); the trainer's split decides
+    each example by a keyed hash of its own bytes."""
+    from dpclip.data import independent_public_split
+
+    g = torch.Generator().manual_seed(0)
+    split = TensorSplit(torch.randn(200, 3, generator=g), torch.randint(0, 3, (200,), generator=g))
+    public, private = independent_public_split(split, 0.1, seed=0)
+    assert 5 < len(public) < 40 and len(public) + len(private) == 200
+    key = {tuple(x.tolist()) for x in public.inputs}
+    for drop in range(0, 200, 7):  # (every 7th example removed in turn)
+        keep = torch.tensor([i for i in range(200) if i != drop])
+        pub2, _ = independent_public_split(split.subset(keep), 0.1, seed=0)
+        key2 = {tuple(x.tolist()) for x in pub2.inputs}
+        dropped = tuple(split.inputs[drop].tolist())
+        assert key2 == key - {dropped}
+    again, _ = independent_public_split(split, 0.1, seed=0)
+    other, _ = independent_public_split(split, 0.1, seed=1)
+    assert torch.equal(again.inputs, public.inputs) and not torch.equal(other.inputs[:5],
+                                                                          public.inputs[:5])
+
+
+def test_the_stratified_split_moves_other_examples():
+    """The property the trainer's split exists for: the stratified one lacks it."""
+    g = torch.Generator().manual_seed(0)
+    split = TensorSplit(torch.randn(200, 3, generator=g), torch.randint(0, 3, (200,), generator=g))
+    public, _ = public_private_split(split, 0.1, seed=0)
+    key = {tuple(x.tolist()) for x in public.inputs}
+    keep = torch.arange(199)
+    pub2, _ = public_private_split(split.subset(keep), 0.1, seed=0)
+    moved = len({tuple(x.tolist()) for x in pub2.inputs} ^ (key - {tuple(split.inputs[199].tolist())}))
+    assert moved > 0

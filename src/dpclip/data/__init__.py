@@ -7,7 +7,9 @@ proxy for fashion-mnist but never for mnist, see :func:`check_proxy_pair`), ``di
 ``breast-cancer`` (bundled with scikit-learn), ``cifar10`` and ``cifar100`` (python-version files
 or archives found on disk), the UCI tabular sets of Lip-DP-SGD, and ``synthetic`` (seeded Gaussian
 mixture).
-:func:`public_private_split` carves a public part out of a split. :func:`parse_augment` /
+:func:`independent_public_split` carves a public part out of a training split, each example on
+its own (the trainer's public split); :func:`public_private_split` a stratified one.
+:func:`parse_augment` /
 :class:`Augmentation`: per-example image augmentation after private sampling (``augment=``).
 """
 
@@ -34,7 +36,8 @@ from dpclip.data.registry import (
     public_proxy,
     register_dataset,
 )
-from dpclip.data.splits import public_private_split, stratified_split_indices
+from dpclip.data.splits import (independent_public_split, public_private_split,
+                                stratified_split_indices)
 
 __all__ = [
     "DATASETS",
@@ -56,6 +59,7 @@ __all__ = [
     "load_dataset",
     "parse_augment",
     "provenance",
+    "independent_public_split",
     "public_private_split",
     "public_proxy",
     "read_idx",

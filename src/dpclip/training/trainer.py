@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from dpclip.accounting import Ledger
 from dpclip.clipping import make_strategy
 from dpclip.clipping.capabilities import capabilities_of
-from dpclip.data import DatasetBundle, load_dataset, public_private_split
+from dpclip.data import DatasetBundle, independent_public_split, load_dataset
 from dpclip.data.features import check_features_augment, parse_features
 from dpclip.interrupts import TrainingInterrupted, defer_sigint, interrupt_requested
 from dpclip.engine.known_losses import cross_entropy_per_example  # noqa: F401 (re-exported)
@@ -263,7 +263,10 @@ def _build_run(config: TrainConfig, data: DatasetBundle | None) -> _Run:
                          "a public split of the training data (the strategy's public_fraction) "
                          "is not built with it: drop the augmentation or the public split")
     if public_fraction > 0:  # carved out once, never trained on privately, never accounted
-        public_split, train_split = public_private_split(bundle.train, public_fraction, config.seed)
+        # (each example public or private on its own: a stratified split let one private
+        # example move others between the parts, two-hundred-and-sixth hostile review)
+        public_split, train_split = independent_public_split(bundle.train, public_fraction,
+                                                             config.seed)
     n_train, n = len(train_split), len(bundle.train)
     what = f" ({n_train} private training examples" + (
         ")" if n_train == n else f" ({n} minus the public split))")
