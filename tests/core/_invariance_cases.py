@@ -29,6 +29,13 @@ Re-recorded on 2026-12-06 (issue 31, hundred-and-twentieth hostile review): the 
 rounding factor of the norms is now taken for the chunk's public size (4096 examples) instead
 of its padded realised rows, so every ghost-run case's weights moved in the last digits (the
 norms by about 2.4e-4 relative); the ledgers are unchanged. Cases re-recorded: fixed-ic-poisson, per-layer-alc-public, quantile-ic-epsilon (data/refactor_invariance_config.json).
+
+Re-recorded on 2026-12-07 (session 27, two-hundred-and-sixth hostile review): the trainer's public
+split now decides each example on its own (``dpclip.data.independent_public_split``, a keyed hash
+of its bytes) instead of a stratified draw in which one example moved others between the parts;
+the public and private parts, so the private set's size, its sampling rate and ledger, and the
+weights of the runs with a public split changed. Cases re-recorded: bc-bn-public,
+per-layer-alc-public (data/refactor_invariance_config.json).
 """
 
 from __future__ import annotations

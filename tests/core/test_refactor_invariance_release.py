@@ -22,6 +22,9 @@ Re-recorded on 2026-12-06 (issue 31, hundred-and-twentieth hostile review): the 
 rounding factor of the norms is now taken for the chunk's public size (4096 examples) instead
 of its padded realised rows, so every ghost-run case's weights moved in the last digits (the
 norms by about 2.4e-4 relative); the ledgers are unchanged. Cases re-recorded: fixed-poisson, fixed-size, per-layer-noise, transfer, vdv.
+Re-recorded on 2026-12-07 (session 27, two-hundred-and-sixth hostile review): the trainer's public
+split decides each example on its own now (tests/core/_invariance_cases.py); case re-recorded:
+alc-bc-units.
 """
 
 from __future__ import annotations
