@@ -38,6 +38,18 @@ def _release(engine, model, x, y, loss):
     return torch.cat([v.double().reshape(-1) for v in out.grads.values()]) * B
 
 
+def release_loo(engine, make, x, y, loss, step=_release):
+    """The largest change of the release when one example leaves the batch (None: refused). The
+    library-code reviews' tests (194-205) share it; ``step`` may wrap ``_release``."""
+    try:
+        full = step(engine, make(), x, y, loss)
+    except UnsupportedModelError:
+        return None
+    return max(float((full - step(engine, make(), torch.cat([x[:j], x[j + 1:]]),
+                                  torch.cat([y[:j], y[j + 1:]]), loss)).norm())
+               for j in range(x.shape[0]))
+
+
 def _make():
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, K))
@@ -55,13 +67,7 @@ def test_a_class_level_compiled_call_impl_is_refused_or_bounded(cls, loss, engin
     x, y = torch.randn(B, D, generator=g), torch.randint(0, K, (B,), generator=g)
     cls._compiled_call_impl = _evil
     try:
-        try:
-            full = _release(engine, _make(), x, y, loss)
-        except UnsupportedModelError:
-            return
-        worst = max(float((full - _release(engine, _make(), torch.cat([x[:j], x[j + 1:]]),
-                                           torch.cat([y[:j], y[j + 1:]]), loss)).norm())
-                    for j in range(B))
+        worst = release_loo(engine, _make, x, y, loss)
     finally:
         del cls._compiled_call_impl
-    assert worst <= 1.0 + 1e-6, worst
+    assert worst is None or worst <= 1.0 + 1e-6, worst
