@@ -19,7 +19,7 @@ from dpclip.audit.blackbox import blackbox_audit
 from dpclip.audit.step_audit import audit_step
 from dpclip.bench import run_bench
 from dpclip.clipping import list_strategies, make_strategy
-from dpclip.data import DATASETS, list_datasets, load_dataset
+from dpclip.data import DATASETS, independent_public_split, list_datasets, load_dataset
 from dpclip.errors import DpclipWarning, unknown_name
 from dpclip.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
 from dpclip.federated.command import add_arguments as _fl_arguments, run_command
@@ -450,8 +450,9 @@ def _whitebox_calibrated_z(args: argparse.Namespace, unit: Any,
                           **_options(DATASETS, args.dataset, args.dataset_option,
                                      "--dataset-option"))
     n = int(bundle.train.inputs.shape[0])
-    if unit.public_fraction:  # the public split is carved out before the private run
-        n -= round(unit.public_fraction * n)
+    if unit.public_fraction:  # the public split is carved out before the private run, each
+        # example on its own (the trainer's split: its private part's size)
+        n = len(independent_public_split(bundle.train, unit.public_fraction, args.seed)[1])
     if unit.unit == "gbc":
         s_size = int(unit.miniset_size or 1)
         sampler: Any = MiniSetSampler(n, s_size, int(args.batch_size) // s_size,
