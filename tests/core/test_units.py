@@ -354,11 +354,13 @@ def test_alc_bc_run_resumes_with_identical_ledger(tmp_path):
     cfg = TrainConfig(**BASE, strategy="alc", strategy_params={"unit": "bc", "clip_norm": 0.5},
                       reproducible_noise=True)  # the uninterrupted run replays the same noise
     full = train(cfg, progress=False)
-    assert full.summary["public_examples"] == 32 and full.summary["private_examples"] == 288
+    # (each example public or private on its own since review 206: about a tenth public)
+    pub, priv = full.summary["public_examples"], full.summary["private_examples"]
+    assert pub + priv == 320 and 16 <= pub <= 48
     assert full.summary["clip_groups"] == 8 and full.summary["bn_stats"] == "public"
-    # event: fixed-size over the 288 private examples, multiplier sigma / sqrt(8)
+    # event: fixed-size over the private examples, multiplier sigma / sqrt(8)
     ev = full.ledger.to_dict()
-    assert "288" in str(ev) and str(0.8 / math.sqrt(8))[:10] in str(ev)
+    assert str(priv) in str(ev) and str(0.8 / math.sqrt(8))[:10] in str(ev)
     part = train(cfg, progress=False, checkpoint_dir=tmp_path, stop_after_steps=13)
     assert part.summary.get("interrupted")
     resumed = train(cfg, progress=False, checkpoint_dir=tmp_path)
