@@ -546,6 +546,9 @@ def test_per_layer_state_changed_by_the_forward_is_refused(how):
     # items 1-2); otherwise the per-layer path's own state check refuses it
     if "writes batch data into a tensor" in str(info.value):
         return
+    # (or the write to memory autograd saved, refused where it happens since hostile review 189)
+    if "wrote the memory of a tensor autograd saved" in str(info.value):
+        return
     assert str(info.value).startswith(
         "ghost engine: module '0' (Rescale, per-layer path) changed its own state during the "
         "forward (a parameter, buffer or tensor attribute updated or replaced): its per-example "
@@ -589,6 +592,9 @@ def test_per_layer_saved_operand_changed_in_place_is_refused():
     x.requires_grad_(True)
     with pytest.raises(UnsupportedModelError) as info:
         GhostEngine().compute(model, ce, x, y, clip_weights(0.3), ParamGroups.flat(model))
+    # (refused where the write happens since hostile review 189: it wrote memory autograd saved)
+    if "wrote the memory of a tensor autograd saved" in str(info.value):
+        return
     assert str(info.value).startswith(
         "ghost engine: the saved operand of module 'scale' (_Scale, per-layer path) was modified "
         "in place after the call; use out-of-place operations. The ghost engine has rules for "
