@@ -139,3 +139,33 @@ def test_the_batchless_lookup_twins_are_refused_by_compiled_and_bounded_under_au
                                        ParamGroups.flat(model))
     assert_refused_or_bounded("auto", lambda: RelativeBias(how), x, y, 0.01, _ce,
                               refusal=("",))
+
+
+class Positions(nn.Module):
+    """GPT-2-like, with the positions' Embedding on a 1-D ``arange(T)``: its ``(T, d)`` output
+    added to the token embeddings, no chain between (the lookup's rule reads the use in the
+    output's shape, not the table's: failed to reshape before, CI rehearsal of session 27)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(7, D).to(DT)
+        self.pos = nn.Embedding(9, D).to(DT)  # (more rows than positions)
+        self.fc = nn.Linear(D, 3).to(DT)
+
+    def forward(self, ids):
+        return self.fc(torch.tanh(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))).mean(1)
+
+
+@pytest.mark.parametrize("batch", [4, 5, 6])
+def test_an_embedding_on_a_1d_arange_runs_on_the_graph_exactly(batch):
+    model = Positions()
+    g = torch.Generator().manual_seed(batch)
+    x, y = torch.randint(0, 7, (batch, 5), generator=g), torch.randint(0, 3, (batch,), generator=g)
+    groups = ParamGroups.flat(model)
+    eng = get_engine("compiled")
+    for _ in range(2):
+        res = eng.compute(model, _ce, x, y, clip_weights(0.05), groups)
+    assert res.engine_info.get("program") == "compiled", res.engine_info
+    assert_equal_to_the_loop(res, model, _ce, x, y, groups, engine=None)
+

@@ -866,7 +866,15 @@ def _lookup_uses(mod: nn.Module, call: torch.fx.Node, ids: Any) -> list | None:
             users[0].target is _aten.add.Tensor and users[0].args[0] is call and \
             _rows_of(users[0], val):
         return None
-    return _uses_from(call)
+    uses = _uses_from(call)
+    if uses is None:
+        return None
+    # (a use of the lookup's output itself reads it in the output's shape, never the table's:
+    # the shared _SCALE / _SHIFT rules take the parameter's shape, an Embedding on arange(T)
+    # added to the token embeddings failed to reshape, CI rehearsal of this session)
+    out = tuple(val.shape)
+    return [(u, x, _BroadcastRule(r.product, r.chain, out, r.negate) if r.shape is None else r)
+            for u, x, r in uses]
 
 
 def _rows_of(node: torch.fx.Node, one: Tensor) -> bool:
