@@ -64,7 +64,11 @@ def test_a_finalizer_run_between_chunks_never_exceeds_c(engine):
     try:
         got = loo_distance(engine, _CarriesBetweenChunks, x, y, C)
     except UnsupportedModelError as exc:
-        assert "written" in str(exc), exc
+        # refused as a write to watched memory when the finalizer runs between chunks; when the
+        # collector runs it elsewhere (its tensor left in a cycle by an earlier release of the
+        # same test), inside the batch-size proof, the proof recorded its operations and the
+        # step is refused as not running the proved program (CI of 37181ff, auto-4)
+        assert "written" in str(exc) or "does not run the program" in str(exc), exc
         return
     assert got <= 1 + 1e-9, got
 
